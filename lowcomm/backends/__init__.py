@@ -1,0 +1,1 @@
+"""Other communication backends lowcomm can drive (Horovod)."""

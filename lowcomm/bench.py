@@ -1,0 +1,178 @@
+"""Benchmarks that measure lowcomm beside vendor MPI, Horovod and torch.distributed (gloo) in
+one run, on the same buffers, and print the figures side by side.
+
+Timing: every iteration starts after a barrier; its time is the slowest rank's; a row reports
+the median over iterations (robust on a shared, oversubscribed machine). Bandwidths follow
+nccl-tests: ``algbw = bytes / time``, ``busbw = algbw · 2(K-1)/K`` for all-reduce.
+"""
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+
+import torch
+
+from .collectives import ALGORITHMS, allreduce_
+from .comm import Comm, mpi
+from .ledger import Ledger, busbw_factor
+
+SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+BASELINES = ("horovod", "gloo")
+
+
+def parse_size(text: str) -> int:
+    """``"4K"`` -> 4096, ``"16M"`` -> 16777216 (binary units)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1] if t and t[-1] in SIZE_UNITS else ""
+    number = t[:-1] if unit else t
+    try:
+        value = int(float(number) * SIZE_UNITS[unit])
+    except ValueError:
+        raise ValueError(f"cannot read size {text!r}; use e.g. 4K, 1M, 16M") from None
+    if value < 0:
+        raise ValueError(f"size {text!r} is negative")
+    return value
+
+
+def init_gloo(comm: Comm):
+    """A torch.distributed gloo process group over the same ranks (rendezvous on rank 0)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        addr = port = None
+        if comm.rank == 0:
+            addr = socket.gethostbyname(socket.gethostname())
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        addr, port = comm.bcast_object((addr, port))
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
+                                world_size=comm.size)
+    return dist
+
+
+def _reducer(name: str, comm: Comm):
+    """A callable that sums a float32 CPU tensor in place over all ranks."""
+    if name in ALGORITHMS:
+        return lambda t: allreduce_(t, comm, name)
+    if name == "horovod":
+        from .backends.horovod import init
+        hvd = init(comm)
+        return lambda t: hvd.allreduce_(t, op=hvd.Sum, name="bench")
+    if name == "gloo":
+        dist = init_gloo(comm)
+        return lambda t: dist.all_reduce(t)
+    raise ValueError(f"unknown algorithm {name!r}; known: {', '.join([*ALGORITHMS, *BASELINES])}")
+
+
+def _slowest(ctl: Comm, seconds: float) -> float:
+    """The largest of the ranks' times (control plane, not charged to any method)."""
+    return ctl.mpi.allreduce(seconds, op=mpi().MAX)
+
+
+def bench_allreduce(comm: Comm, sizes: list[int], algorithms: list[str], iters: int = 20,
+                    warmup: int = 3) -> list[dict]:
+    """Time each algorithm on each float32 size; count wrong elements against the exact sum."""
+    ctl = Comm(comm.mpi.Dup(), Ledger(), "control")
+    bench = Comm(comm.mpi.Dup(), Ledger(), comm.level, validate=False)
+    K = comm.size
+    reducers = {a: _reducer(a, bench) for a in algorithms}
+    rows = []
+    for size in sizes:
+        n = size // 4
+        base = (torch.arange(n, dtype=torch.float32) % 7) + comm.rank      # exact in float32
+        expected = (torch.arange(n, dtype=torch.float32) % 7) * K + K * (K - 1) / 2
+        buf = torch.empty(n, dtype=torch.float32)
+        for alg in algorithms:
+            times = []
+            for i in range(warmup + iters):
+                buf.copy_(base)
+                ctl.barrier()
+                t0 = time.perf_counter()
+                reducers[alg](buf)
+                dt = _slowest(ctl, time.perf_counter() - t0)
+                if i >= warmup:
+                    times.append(dt)
+            wrong = int((buf != expected).sum())
+            t = statistics.median(times)
+            algbw = size / t / 1e9 if t > 0 else 0.0
+            rows.append({"size": size, "count": n, "dtype": "float32", "algorithm": alg, "ranks": K,
+                         "time_us": t * 1e6, "algbw_GBps": algbw,
+                         "busbw_GBps": algbw * busbw_factor("allreduce", K), "wrong": wrong})
+    return rows
+
+
+def format_allreduce(rows: list[dict]) -> str:
+    """An nccl-tests style table with each row's busbw as a ratio of vendor MPI's."""
+    ref = {r["size"]: r["busbw_GBps"] for r in rows if r["algorithm"] == "mpi"}
+    lines = [f"{'size':>10} {'algorithm':>13} {'time(us)':>11} {'algbw(GB/s)':>12} "
+             f"{'busbw(GB/s)':>12} {'vs mpi':>7} {'#wrong':>7}"]
+    for r in rows:
+        ratio = f"{r['busbw_GBps'] / ref[r['size']]:.2f}" if ref.get(r["size"]) else "-"
+        lines.append(f"{r['size']:>10} {r['algorithm']:>13} {r['time_us']:>11.1f} "
+                     f"{r['algbw_GBps']:>12.3f} {r['busbw_GBps']:>12.3f} {ratio:>7} {r['wrong']:>7}")
+    return "\n".join(lines)
+
+
+STEP_STRATEGIES = ("syncdp", *[f"syncdp-{a}" for a in ALGORITHMS if a != "mpi"], "horovod", "ddp-gloo")
+
+
+def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: int = 5) -> list[dict]:
+    """Median training-step time of ``cfg``'s model under each data-parallel implementation."""
+    from .data import Corpus
+    from .models import build_model
+    from .strategies import SyncDP
+    from .train import build_optimizer
+
+    ctl = Comm(comm.mpi.Dup(), Ledger(), "control")
+    corpus = Corpus.load(cfg.data.path, cfg.data.max_bytes, cfg.data.eval_fraction)
+    rows = []
+    for name in strategies:
+        if name not in STEP_STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STEP_STRATEGIES)}")
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg)
+        opt = build_optimizer(cfg, model.parameters())
+        run = Comm(comm.mpi.Dup(), Ledger(), comm.level, validate=False)
+        if name == "ddp-gloo":
+            init_gloo(comm)
+            from torch.nn.parallel import DistributedDataParallel
+            model = DistributedDataParallel(model, bucket_cap_mb=cfg.strategy.bucket_mb)
+            wrapped = opt
+            forward = lambda x, y: torch.nn.functional.cross_entropy(  # noqa: E731
+                model(x).flatten(0, 1), y.flatten())
+        else:
+            algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") else cfg.strategy.algorithm
+            wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=cfg.strategy.bucket_mb,
+                             overlap=cfg.strategy.overlap,
+                             backend="horovod" if name == "horovod" else "mpi")
+            forward = model.loss
+        times = []
+        for step in range(warmup + steps):
+            x, y = corpus.batch(step, comm.rank, comm.size, cfg.batch_size, cfg.data.seq_len, cfg.seed)
+            ctl.barrier()
+            t0 = time.perf_counter()
+            wrapped.zero_grad()
+            forward(x, y).backward()
+            wrapped.step()
+            dt = _slowest(ctl, time.perf_counter() - t0)
+            if step >= warmup:
+                times.append(dt)
+        if hasattr(wrapped, "close"):
+            wrapped.close()
+        params = sum(p.numel() for p in (model.module if name == "ddp-gloo" else model).parameters())
+        rows.append({"strategy": name, "ranks": comm.size, "params": params,
+                     "grad_MB": params * 4 / 1e6, "step_ms": statistics.median(times) * 1e3,
+                     "step_ms_mean": statistics.fmean(times) * 1e3})
+    return rows
+
+
+def format_step(rows: list[dict]) -> str:
+    ref = {r["strategy"]: r["step_ms"] for r in rows}
+    base = ref.get("syncdp")
+    lines = [f"{'strategy':>22} {'params':>10} {'step(ms) median':>16} {'mean':>8} {'vs syncdp':>10}"]
+    for r in rows:
+        ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
+        lines.append(f"{r['strategy']:>22} {r['params']:>10} {r['step_ms']:>16.1f} "
+                     f"{r['step_ms_mean']:>8.1f} {ratio:>10}")
+    return "\n".join(lines)

@@ -1,0 +1,187 @@
+"""``lowcomm`` command line (one rank per process under mpirun).
+
+An uncaught exception on any rank aborts the whole MPI job (``MPI_Abort``) after printing the
+rank and the error, so a failure on one rank never leaves the others waiting in a collective.
+Configuration is read and validated before MPI starts, so a bad key fails every rank at once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+from .config import load_config
+from .errors import ConfigError
+
+log = logging.getLogger("lowcomm")
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher tells it, before MPI is initialised (0 if none)."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def _config(config, overrides):
+    try:
+        return load_config(config, overrides)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _world():
+    import torch
+
+    from .comm import init
+    torch.set_num_threads(int(os.environ.get("LOWCOMM_NUM_THREADS", torch.get_num_threads())))
+    return init()
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
+def cli(verbose: bool) -> None:
+    """lowcomm: low-communication distributed training over MPI."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format=f"[rank {launcher_rank()}] %(levelname)s %(name)s: %(message)s")
+
+
+_config_options = [
+    click.option("--config", "config", type=click.Path(dir_okay=False), help="TOML file."),
+    click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                 help="Override a config key, e.g. --set strategy.algorithm=ring (repeatable)."),
+]
+
+
+def config_options(f):
+    for opt in reversed(_config_options):
+        f = opt(f)
+    return f
+
+
+@cli.command()
+@config_options
+@click.option("--out", type=click.Path(file_okay=False), default="runs/latest", show_default=True,
+              help="Folder for metrics.jsonl and summary.json.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def train(config, overrides, out, quiet):
+    """Train the configured model with the configured strategy on every rank."""
+    cfg = _config(config, overrides)
+    comm = _world()
+    from .train import train as run
+    summary = run(cfg, out, comm, progress=not quiet)
+    if comm.rank == 0:
+        keys = ("method", "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total", "wall_s")
+        click.echo(json.dumps({k: summary[k] for k in keys}, indent=2))
+        click.echo(f"wrote {Path(out) / 'summary.json'}")
+
+
+@cli.group()
+def bench():
+    """Benchmarks beside vendor MPI, Horovod and torch gloo, in one run."""
+
+
+def _write_json(path, rows):
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(rows, indent=2) + "\n")
+        click.echo(f"wrote {path}")
+
+
+@bench.command("allreduce")
+@click.option("--sizes", default="4K,1M,16M", show_default=True, help="Bytes per buffer (K, M, G).")
+@click.option("--algorithms", default="mpi,ring,rabenseifner,tree,horovod,gloo", show_default=True)
+@click.option("--iters", default=20, show_default=True)
+@click.option("--warmup", default=3, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+def bench_allreduce(sizes, algorithms, iters, warmup, json_path):
+    """All-reduce time, algbw and busbw per size and algorithm (nccl-tests style)."""
+    from .bench import bench_allreduce as run, format_allreduce, parse_size
+    try:
+        size_list = [parse_size(s) for s in sizes.split(",")]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--sizes") from None
+    comm = _world()
+    rows = run(comm, size_list, algorithms.split(","), iters, warmup)
+    if comm.rank == 0:
+        click.echo(f"all-reduce, float32, {comm.size} ranks, median of {iters} iterations")
+        click.echo(format_allreduce(rows))
+        _write_json(json_path, rows)
+
+
+@bench.command("step")
+@config_options
+@click.option("--strategies", default="syncdp,horovod,ddp-gloo", show_default=True)
+@click.option("--steps", default=20, show_default=True)
+@click.option("--warmup", default=5, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+def bench_step(config, overrides, strategies, steps, warmup, json_path):
+    """Median training-step time under lowcomm SyncDP, Horovod and torch DDP (gloo)."""
+    cfg = _config(config, overrides)
+    from .bench import bench_step as run, format_step
+    comm = _world()
+    rows = run(comm, cfg, strategies.split(","), steps, warmup)
+    if comm.rank == 0:
+        click.echo(f"training step of {cfg.model.name} (batch {cfg.batch_size}x{cfg.data.seq_len} "
+                   f"per rank), {comm.size} ranks, median of {steps} steps")
+        click.echo(format_step(rows))
+        _write_json(json_path, rows)
+
+
+@cli.command()
+def info():
+    """Versions, MPI library and thread level, Horovod build."""
+    import torch
+    comm = _world()
+    from mpi4py import MPI
+    lines = [f"lowcomm ranks: {comm.size}", f"torch {torch.__version__}",
+             f"MPI: {MPI.Get_library_version().splitlines()[0]}",
+             f"thread level: {MPI.Query_thread()} (multiple = {MPI.THREAD_MULTIPLE})"]
+    try:
+        import horovod.torch as hvd
+        lines.append(f"horovod {hvd.__version__}: mpi={hvd.mpi_built()} gloo={hvd.gloo_built()}")
+    except ImportError:
+        lines.append("horovod: not installed")
+    if comm.rank == 0:
+        click.echo("\n".join(lines))
+
+
+def _abort(code: int) -> None:
+    """End every rank if MPI is running with more than one rank; otherwise just exit."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(code)
+    sys.exit(code)
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Exit as e:
+        if e.exit_code:
+            _abort(e.exit_code)
+    except (click.ClickException, click.Abort) as e:
+        if launcher_rank() == 0:
+            if isinstance(e, click.ClickException):
+                e.show()
+            else:
+                click.echo("Aborted!", err=True)
+        _abort(getattr(e, "exit_code", 1))
+    except BaseException as e:  # noqa: BLE001 - any failure must end all ranks
+        if isinstance(e, SystemExit) and not e.code:
+            return
+        sys.stderr.write(f"[rank {launcher_rank()}] lowcomm failed: {type(e).__name__}: {e}\n")
+        traceback.print_exc()
+        _abort(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,346 @@
+"""Comm: a thin wrapper over an mpi4py intracommunicator that moves torch tensors.
+
+Every call uses mpi4py's buffer (upper-case) interface on the tensor's own memory, so nothing is
+pickled on a hot path, and records bytes and seconds in a :class:`~lowcomm.ledger.Ledger` under
+the communicator's ``level`` ("world", "node", "dc", ...).
+
+Device handling lives here and nowhere else: a CUDA tensor is staged through a reusable pinned
+host buffer (after a stream sync) and copied back after the op. Everything above Comm works on
+whatever device the tensor lives on.
+
+mpi4py is imported lazily, so importing lowcomm makes no MPI call.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from contextlib import contextmanager
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .errors import CommError
+from .ledger import Ledger, wire_bytes
+
+_DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4,
+                torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
+                torch.bool: 10}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+_META_LEN = 12          # dtype, numel, ndim, 6 dims, hash of further dims, op hash, root
+_HALF_OPS: dict = {}    # torch dtype -> MPI.Op summing 16-bit floats, created on first use
+
+
+def mpi():
+    """The ``mpi4py.MPI`` module, imported (and MPI initialised) on first use."""
+    from mpi4py import MPI
+    return MPI
+
+
+def _half_sum_op(dtype: torch.dtype):
+    """An MPI user op summing float16 / bfloat16 (MPI has no 16-bit float type to reduce)."""
+    if dtype not in _HALF_OPS:
+        def fn(inbuf, inoutbuf, datatype, _dtype=dtype):
+            if len(inoutbuf) == 0:
+                return
+            acc = torch.frombuffer(inoutbuf, dtype=_dtype)
+            acc.add_(torch.frombuffer(inbuf, dtype=_dtype))
+        _HALF_OPS[dtype] = mpi().Op.Create(fn, commute=True)
+    return _HALF_OPS[dtype]
+
+
+def _typed(t: torch.Tensor):
+    """``(buffer, MPI datatype, MPI sum op)`` for a contiguous CPU tensor, for vendor reductions."""
+    MPI = mpi()
+    flat = t.reshape(-1)
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return [flat.view(torch.int16).numpy(), MPI.INT16_T], _half_sum_op(t.dtype)
+    kinds = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int64: MPI.INT64_T,
+             torch.int32: MPI.INT32_T, torch.int16: MPI.INT16_T, torch.int8: MPI.INT8_T,
+             torch.uint8: MPI.UINT8_T}
+    if t.dtype not in kinds:
+        raise TypeError(f"cannot reduce tensors of dtype {t.dtype}")
+    return [flat.numpy(), kinds[t.dtype]], MPI.SUM
+
+
+def _raw(t: torch.Tensor):
+    """The tensor's bytes as an MPI.BYTE buffer (point-to-point and gathers need no type)."""
+    return [t.reshape(-1).view(torch.uint8).numpy(), mpi().BYTE]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
+class Request:
+    """A non-blocking op in flight. :meth:`wait` completes it and charges the ledger."""
+
+    def __init__(self, comm: "Comm", req, op: str, sent: int, recv: int,
+                 finish: Callable[[], None] | None = None, keep=None):
+        self._comm, self._req, self.op = comm, req, op
+        self._sent, self._recv, self._finish = sent, recv, finish
+        self._keep = keep          # buffers MPI reads or writes until completion
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        t0 = time.perf_counter()
+        self._comm._guard(self.op, self._sent, self._req.Wait)
+        self._complete(time.perf_counter() - t0)
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        t0 = time.perf_counter()
+        flag = self._comm._guard(self.op, self._sent, self._req.Test)
+        if flag:
+            self._complete(time.perf_counter() - t0)
+        return bool(flag)
+
+    def _complete(self, seconds: float) -> None:
+        self._done = True
+        if self._finish is not None:
+            self._finish()
+        self._keep = None
+        self._comm.ledger.record(self.op, self._comm.level, self._sent, self._recv, seconds)
+
+
+class Comm:
+    """A communicator: ``rank``, ``size``, ``level`` and tensor collectives recorded in ``ledger``.
+
+    Args:
+        mpi_comm: an ``mpi4py.MPI.Intracomm``.
+        ledger: where traffic is recorded; communicators made by :meth:`split` share it.
+        level: the name this communicator's traffic is filed under.
+        validate: check that every rank passes the same shape and dtype before a collective
+            (one 96-byte all-gather per call; turn off on hot paths whose shapes are fixed).
+
+    Example::
+
+        comm = lowcomm.init()
+        t = torch.ones(4) * comm.rank
+        comm.allreduce_(t)            # vendor MPI_Allreduce, in place
+    """
+
+    def __init__(self, mpi_comm, ledger: Ledger | None = None, level: str = "world",
+                 validate: bool = True):
+        self.mpi = mpi_comm
+        self.rank: int = mpi_comm.Get_rank()
+        self.size: int = mpi_comm.Get_size()
+        self.level = level
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.validate = validate
+        self._pinned: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"Comm(level={self.level!r}, rank={self.rank}, size={self.size})"
+
+    # errors -----------------------------------------------------------------------------------
+    def _guard(self, op: str, nbytes: int | None, fn, *args):
+        try:
+            return fn(*args)
+        except mpi().Exception as e:  # MPI errors come back as exceptions with ERRORS_RETURN
+            raise CommError(op, self.rank, e.Get_error_string(), nbytes) from e
+
+    def check(self, op: str, t: torch.Tensor, root: int = -1) -> None:
+        """Raise :class:`CommError` on every rank unless all ranks pass the same dtype and shape
+        to the same ``op``. Costs one small all-gather; skipped when ``validate`` is off."""
+        if not self.validate or self.size == 1:
+            return
+        meta = np.full(_META_LEN, -1, dtype=np.int64)
+        shape = list(t.shape)
+        meta[0], meta[1], meta[2] = _DTYPE_CODES.get(t.dtype, 0), t.numel(), len(shape)
+        meta[3:3 + min(6, len(shape))] = shape[:6]
+        meta[9] = zlib.crc32(repr(shape[6:]).encode())
+        meta[10] = zlib.crc32(op.encode())
+        meta[11] = root
+        table = np.empty((self.size, _META_LEN), dtype=np.int64)
+        t0 = time.perf_counter()
+        self._guard("check:" + op, meta.nbytes, self.mpi.Allgather, meta, table)
+        sent, recv = wire_bytes("allgather", meta.nbytes, self.size)
+        self.ledger.record("check", self.level, sent, recv, time.perf_counter() - t0)
+        if (table == table[0]).all():
+            return
+        parts = []
+        for r, row in enumerate(table):
+            ops = "same op" if row[10] == meta[10] else "another op"
+            dims = [int(d) for d in row[3:3 + min(6, int(row[2]))]]
+            dt = str(_CODE_DTYPES.get(int(row[0]), "?")).replace("torch.", "")
+            parts.append(f"rank {r}: {dt}{dims} ({ops}{', root %d' % row[11] if row[11] >= 0 else ''})")
+        raise CommError(op, self.rank, "ranks passed different tensors: " + "; ".join(parts),
+                        _nbytes(t))
+
+    # staging ----------------------------------------------------------------------------------
+    @contextmanager
+    def staged(self, t: torch.Tensor, read: bool = True, write: bool = True):
+        """Yield a contiguous 1-D CPU tensor holding ``t``'s values; copy it back on exit.
+
+        A contiguous CPU tensor is used in place. A CUDA tensor goes through a pinned host
+        buffer reused across calls, after synchronising the current stream.
+        """
+        t = t.detach()
+        if t.device.type == "cpu" and t.is_contiguous():
+            yield t.reshape(-1)
+            return
+        if t.device.type == "cpu":
+            host = t.reshape(-1).clone() if read else torch.empty(t.numel(), dtype=t.dtype)
+        else:
+            key = (t.dtype, t.numel())
+            host = self._pinned.get(key)
+            if host is None:
+                host = self._pinned[key] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+            if read:
+                host.copy_(t.reshape(-1), non_blocking=True)
+                torch.cuda.current_stream(t.device).synchronize()
+        yield host
+        if write:
+            t.copy_(host.view(t.shape))
+
+    # collectives (vendor) ---------------------------------------------------------------------
+    def allreduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Vendor ``MPI_Allreduce`` in place; ``op`` is "sum" or "avg". Returns ``t``."""
+        avg = _reduce_op(op)
+        self.check("allreduce.mpi", t)
+        n = _nbytes(t)
+        with self.staged(t) as h:
+            buf, mop = _typed(h)
+            t0 = time.perf_counter()
+            self._guard("allreduce.mpi", n, self.mpi.Allreduce, mpi().IN_PLACE, buf, mop)
+            if avg:
+                h.div_(self.size)
+            self.ledger.record("allreduce.mpi", self.level, *wire_bytes("allreduce", n, self.size),
+                               seconds=time.perf_counter() - t0)
+        return t
+
+    def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Request:
+        """Non-blocking vendor all-reduce of a contiguous CPU tensor (``MPI_Iallreduce``)."""
+        avg = _reduce_op(op)
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise CommError("iallreduce", self.rank, f"needs a contiguous CPU tensor, got "
+                            f"{describe(t)} on {t.device}", _nbytes(t))
+        self.check("iallreduce.mpi", t)
+        buf, mop = _typed(t)
+        n = _nbytes(t)
+        req = self._guard("iallreduce.mpi", n, self.mpi.Iallreduce, mpi().IN_PLACE, buf, mop)
+        finish = (lambda: t.div_(self.size)) if avg else None
+        return Request(self, req, "allreduce.mpi", *wire_bytes("allreduce", n, self.size),
+                       finish=finish, keep=buf)
+
+    def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """Broadcast ``t`` from ``root`` in place."""
+        self.check("bcast", t, root)
+        n = _nbytes(t)
+        with self.staged(t, read=self.rank == root, write=self.rank != root) as h:
+            t0 = time.perf_counter()
+            self._guard("bcast", n, self.mpi.Bcast, _raw(h), root)
+            sent, recv = wire_bytes("bcast", n, self.size)
+            self.ledger.record("bcast", self.level, sent if self.rank == root else 0,
+                               0 if self.rank == root else recv, time.perf_counter() - t0)
+        return t
+
+    def allgather(self, t: torch.Tensor) -> torch.Tensor:
+        """Gather ``t`` from every rank: returns a tensor of shape ``(size, *t.shape)``."""
+        self.check("allgather", t)
+        n = _nbytes(t)
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        with self.staged(t, write=False) as h, self.staged(out, read=False) as o:
+            t0 = time.perf_counter()
+            self._guard("allgather", n, self.mpi.Allgather, _raw(h), _raw(o))
+            self.ledger.record("allgather", self.level, *wire_bytes("allgather", n, self.size),
+                               seconds=time.perf_counter() - t0)
+        return out
+
+    def allgather_object(self, obj):
+        """Pickle-based all-gather of small Python objects (control plane only)."""
+        return self.mpi.allgather(obj)
+
+    def bcast_object(self, obj, root: int = 0):
+        """Pickle-based broadcast of a small Python object (control plane only)."""
+        return self.mpi.bcast(obj, root=root)
+
+    def barrier(self) -> None:
+        self._guard("barrier", 0, self.mpi.Barrier)
+
+    # point-to-point (contiguous CPU tensors: collectives stage once, then talk) -----------------
+    def _host_only(self, op: str, *ts: torch.Tensor) -> None:
+        for t in ts:
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise CommError(op, self.rank, f"point-to-point needs contiguous CPU tensors, got "
+                                f"{describe(t)} on {t.device}; stage with Comm.staged()", _nbytes(t))
+
+    def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None:
+        self._host_only("send", t)
+        n = _nbytes(t)
+        t0 = time.perf_counter()
+        self._guard("send", n, self.mpi.Send, _raw(t), dest, tag)
+        self.ledger.record("send", self.level, n, 0, time.perf_counter() - t0)
+
+    def recv_(self, t: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
+        self._host_only("recv", t)
+        n = _nbytes(t)
+        t0 = time.perf_counter()
+        self._guard("recv", n, self.mpi.Recv, _raw(t), source, tag)
+        self.ledger.record("recv", self.level, 0, n, time.perf_counter() - t0)
+        return t
+
+    def sendrecv_(self, send: torch.Tensor, dest: int, recv: torch.Tensor, source: int,
+                  tag: int = 0) -> torch.Tensor:
+        """Send ``send`` to ``dest`` while receiving into ``recv`` from ``source``."""
+        self._host_only("sendrecv", send, recv)
+        ns, nr = _nbytes(send), _nbytes(recv)
+        t0 = time.perf_counter()
+        self._guard("sendrecv", ns, self.mpi.Sendrecv, _raw(send), dest, tag, _raw(recv), source, tag)
+        self.ledger.record("sendrecv", self.level, ns, nr, time.perf_counter() - t0)
+        return recv
+
+    def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request:
+        self._host_only("isend", t)
+        buf = _raw(t)
+        req = self._guard("isend", _nbytes(t), self.mpi.Isend, buf, dest, tag)
+        return Request(self, req, "send", _nbytes(t), 0, keep=(t, buf))
+
+    def irecv_(self, t: torch.Tensor, source: int, tag: int = 0) -> Request:
+        self._host_only("irecv", t)
+        buf = _raw(t)
+        req = self._guard("irecv", _nbytes(t), self.mpi.Irecv, buf, source, tag)
+        return Request(self, req, "recv", 0, _nbytes(t), keep=(t, buf))
+
+    # communicators ----------------------------------------------------------------------------
+    def split(self, color: int, key: int | None = None, level: str | None = None) -> "Comm | None":
+        """``MPI_Comm_split``: ranks with the same ``color`` form a new Comm (``None`` for a
+        negative color). The new Comm shares this one's ledger, filed under ``level``."""
+        MPI = mpi()
+        sub = self.mpi.Split(MPI.UNDEFINED if color < 0 else color, self.rank if key is None else key)
+        if sub == MPI.COMM_NULL:
+            return None
+        return Comm(sub, self.ledger, level or self.level, self.validate)
+
+    def dup(self) -> "Comm":
+        """A duplicate communicator (separate message space, same ledger and level)."""
+        return Comm(self.mpi.Dup(), self.ledger, self.level, self.validate)
+
+
+def _reduce_op(op: str) -> bool:
+    """Return True for an average, False for a sum; anything else is an error."""
+    if op == "sum":
+        return False
+    if op in ("avg", "average", "mean"):
+        return True
+    raise ValueError(f"unknown reduction op {op!r}; use 'sum' or 'avg'")
+
+
+_WORLD: Comm | None = None
+
+
+def init(validate: bool = True) -> Comm:
+    """Initialise MPI (if needed) and return the world :class:`Comm` (one per process)."""
+    global _WORLD
+    if _WORLD is None:
+        MPI = mpi()
+        _WORLD = Comm(MPI.COMM_WORLD, Ledger(), "world", validate)
+    return _WORLD

@@ -1,0 +1,23 @@
+"""Exceptions raised by lowcomm. Every one derives from :class:`LowcommError`."""
+from __future__ import annotations
+
+
+class LowcommError(Exception):
+    """Base class of every error lowcomm raises on purpose."""
+
+
+class ConfigError(LowcommError, ValueError):
+    """A configuration key, value or type is wrong; the message names the key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config key '{key}': {message}")
+
+
+class CommError(LowcommError, RuntimeError):
+    """A communication op cannot proceed; the message names the rank, the op and the bytes."""
+
+    def __init__(self, op: str, rank: int, message: str, nbytes: int | None = None):
+        self.op, self.rank, self.nbytes = op, rank, nbytes
+        size = f", {nbytes} bytes" if nbytes is not None else ""
+        super().__init__(f"rank {rank}, op {op}{size}: {message}")

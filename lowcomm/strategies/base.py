@@ -1,0 +1,44 @@
+"""The shape every strategy shares: an optimizer wrapper that keeps the user's loop as it is."""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm, init
+
+
+class Strategy:
+    """Wraps ``optimizer``; ``zero_grad()``, ``backward()``, ``step()`` keep their meaning.
+
+    Subclasses add communication around :meth:`step`. State that must survive a restart goes
+    in :meth:`state_dict` (never a Comm).
+    """
+
+    name = "strategy"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.model, self.optimizer = model, optimizer
+        self.comm = comm or init()
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def close(self) -> None:
+        """Release threads and hooks; the strategy must not be used afterwards."""
