@@ -1,0 +1,52 @@
+"""Helpers to run multi-rank checks under real mpirun, each with a time bound.
+
+A worker script (tests/workers/*.py) runs on every rank, asserts on every rank and ends by
+writing its count of checks made to ``$LOWCOMM_TEST_REPORTS/rank<r>`` (files, because the
+ranks' stdout lines interleave). A failing assert raises, and ``python -m mpi4py``
+turns that into MPI_Abort, so the job ends at once with a non-zero status.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL = ROOT / "launchers" / "local.sh"
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+class Ran(subprocess.CompletedProcess):
+    @property
+    def output(self) -> str:
+        return f"--- exit {self.returncode}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+def run_ranks(np: int, *cmd: str, timeout: float = 180, env: dict | None = None,
+              launcher: Path = LOCAL) -> Ran:
+    """Run ``cmd`` on ``np`` ranks; kill the whole job (and fail) after ``timeout`` seconds."""
+    full_env = {**os.environ, **(env or {})}
+    p = subprocess.Popen([str(launcher), "-n", str(np), *map(str, cmd)], cwd=ROOT, env=full_env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"{cmd} on {np} ranks did not finish in {timeout} s\n{out}\n{err}")
+    return Ran(p.args, p.returncode, out, err)
+
+
+def run_worker(np: int, name: str, *args: str, timeout: float = 180) -> dict[int, int]:
+    """Run tests/workers/<name> on ``np`` ranks; require every rank to report OK."""
+    with tempfile.TemporaryDirectory() as reports:
+        r = run_ranks(np, sys.executable, WORKERS / name, *args, timeout=timeout,
+                      env={"LOWCOMM_TEST_REPORTS": reports})
+        assert r.returncode == 0, r.output
+        oks = {int(f.name[4:]): int(f.read_text()) for f in Path(reports).glob("rank*")}
+    assert sorted(oks) == list(range(np)), r.output
+    return oks

@@ -1,0 +1,65 @@
+"""The command line as users run it: launchers/local.sh -n K lowcomm ..."""
+import json
+
+import pytest
+
+from conftest import ROOT, run_ranks
+
+SUMMARY_KEYS = {"method", "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total",
+                "bytes_by_level", "wall_s"}
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "mpi"])
+def test_train_writes_metrics_and_summary(tmp_path, algorithm):
+    K, steps = 4, 12
+    r = run_ranks(K, "lowcomm", "train", "--quiet", "--set", f"steps={steps}", "--set", "log_every=4",
+                  "--set", f"strategy.algorithm={algorithm}", "--set", "model.d_model=32",
+                  "--set", "eval_batches=4", "--out", tmp_path, timeout=240)
+    assert r.returncode == 0, r.output
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(s)
+    assert (s["ranks"], s["steps"], s["method"]) == (K, steps, f"syncdp({algorithm})")
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [4, 8, 12]
+    assert all(m["loss"] > 0 and m["wall_s"] > 0 for m in lines)
+    assert lines[0]["bytes"] < lines[1]["bytes"] < lines[2]["bytes"]
+    # every step all-reduces all gradients: 2(K-1)/K · 4 · params bytes per rank and step
+    grads = s["steps"] * K * (2 * (K - 1) * 4 * s["params"] // K)
+    ar = [row for row in s["ledger_rank0"] if row["op"] == f"allreduce.{algorithm}"][0]
+    assert ar["calls"] >= steps
+    # bytes_total: the gradient all-reduces plus the one-off broadcast and layout check
+    assert grads <= s["bytes_total"] <= grads * 1.2, (grads, s["bytes_total"])
+    assert s["bytes_by_level"] == {"world": s["bytes_total"]}
+    assert lines[-1]["loss"] < lines[0]["loss"]
+
+
+def test_bench_allreduce_every_algorithm_correct(tmp_path):
+    out = tmp_path / "ar.json"
+    r = run_ranks(4, "lowcomm", "bench", "allreduce", "--sizes", "4K,1M", "--iters", "3",
+                  "--warmup", "1", "--json", out, timeout=240)
+    assert r.returncode == 0, r.output
+    rows = json.loads(out.read_text())
+    assert {(x["size"], x["algorithm"]) for x in rows} == {
+        (s, a) for s in (4096, 1 << 20) for a in ("mpi", "ring", "rabenseifner", "tree", "horovod", "gloo")}
+    assert all(x["wrong"] == 0 and x["time_us"] > 0 and x["busbw_GBps"] > 0 for x in rows)
+    assert "busbw(GB/s)" in r.stdout and "vs mpi" in r.stdout
+
+
+def test_bench_step_runs_all_three(tmp_path):
+    out = tmp_path / "step.json"
+    r = run_ranks(2, "lowcomm", "bench", "step", "--steps", "3", "--warmup", "1",
+                  "--set", "model.d_model=32", "--json", out, timeout=240)
+    assert r.returncode == 0, r.output
+    rows = json.loads(out.read_text())
+    assert [x["strategy"] for x in rows] == ["syncdp", "horovod", "ddp-gloo"]
+    assert all(x["step_ms"] > 0 for x in rows) and len({x["params"] for x in rows}) == 1
+
+
+def test_horovodrun_launcher_runs_lowcomm(tmp_path):
+    r = run_ranks(2, "lowcomm", "train", "--quiet", "--set", "steps=3", "--set", "model.d_model=32",
+                  "--set", "strategy.backend='horovod'", "--set", "eval_batches=2", "--out", tmp_path,
+                  launcher=ROOT / "launchers" / "horovodrun.sh", timeout=240)
+    assert r.returncode == 0, r.output
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["method"] == "syncdp(horovod)" and s["ranks"] == 2
+

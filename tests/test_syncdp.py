@@ -1,0 +1,17 @@
+import pytest
+
+from conftest import run_worker
+
+N_PARAMS = 8   # parameter tensors of the worker's Net (unused layer included)
+BASE = (4 * 2 + 2) * N_PARAMS + 2
+HOROVOD = 2 * N_PARAMS + 1
+
+
+@pytest.mark.parametrize("np", [1, 2, 3, 4])
+def test_syncdp_equals_single_process_large_batch(np):
+    assert set(run_worker(np, "syncdp.py").values()) == {BASE}
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_horovod_backend_gives_the_same_parameters(np):
+    assert set(run_worker(np, "syncdp.py", "--horovod").values()) == {BASE + HOROVOD}

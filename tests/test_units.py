@@ -1,0 +1,140 @@
+"""Single-process unit tests: config, ledger arithmetic, data, chunking, sizes, model."""
+import threading
+
+import pytest
+import torch
+
+from lowcomm.bench import parse_size
+from lowcomm.collectives import chunk_bounds
+from lowcomm.config import Config, ConfigError, load_config, parse_override
+from lowcomm.data import Corpus
+from lowcomm.ledger import Ledger, busbw_factor, wire_bytes
+from lowcomm.models import TinyGPT
+
+
+# config -----------------------------------------------------------------------------------------
+def test_defaults_validate_and_overrides_are_typed():
+    cfg = load_config(None, ["steps=7", "lr=1e-2", "strategy.overlap=false", "strategy.algorithm=ring",
+                             "strategy.bucket_mb=2"])
+    assert (cfg.steps, cfg.lr, cfg.strategy.overlap, cfg.strategy.algorithm) == (7, 0.01, False, "ring")
+    assert cfg.strategy.bucket_mb == 2.0 and isinstance(cfg.strategy.bucket_mb, float)
+    assert Config().method == "syncdp(mpi)"
+
+
+@pytest.mark.parametrize("override,key", [
+    ("stepz=3", "stepz"), ("strategy.nme=x", "strategy.nme"), ("steps=1.5", "steps"),
+    ("strategy.overlap=3", "strategy.overlap"), ("lr=-1", "lr"), ("steps=0", "steps"),
+    ("model.n_heads=3", "model.n_heads"), ("optimizer.name=lion", "optimizer.name"),
+    ("steps.x=1", "steps.x"), ("data.path=/no/such/dir", "data.path"), ("topology=dc:2", "topology"),
+    ("strategy.backend=nccl", "strategy.backend"), ("noequals", "noequals"),
+])
+def test_bad_config_names_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert e.value.key == key and f"'{key}'" in str(e.value)
+
+
+def test_toml_file_nested_tables(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('steps = 5\n[strategy]\nalgorithm = "tree"\n[model]\nd_model = 64\n')
+    cfg = load_config(f, ["model.d_model=32"])
+    assert (cfg.steps, cfg.strategy.algorithm, cfg.model.d_model) == (5, "tree", 32)
+    f.write_text("[model]\nwidth = 3\n")
+    with pytest.raises(ConfigError, match="'model.width': unknown key"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_parse_override_reads_toml_literals():
+    assert parse_override("a=3") == ("a", 3)
+    assert parse_override("a = true") == ("a", True)
+    assert parse_override("a=ring") == ("a", "ring")
+    assert parse_override("a='x=y'") == ("a", "x=y")
+
+
+# ledger -----------------------------------------------------------------------------------------
+def test_wire_bytes_and_busbw_factors_follow_nccl_tests():
+    assert wire_bytes("allreduce", 1000, 4) == (1500, 1500)
+    assert wire_bytes("allgather", 10, 4) == (30, 30)
+    assert wire_bytes("allreduce", 1000, 1) == (0, 0)
+    assert busbw_factor("allreduce.ring", 4) == 1.5
+    assert busbw_factor("allgather", 4) == 0.75
+    assert busbw_factor("bcast", 8) == 1.0
+
+
+def test_ledger_scope_charges_nested_traffic_to_one_op_per_thread():
+    led = Ledger()
+
+    def work(i):
+        with led.scope("allreduce.ring", "node"):
+            for _ in range(10):
+                led.record("sendrecv", "node", sent=i, recv=2 * i)
+    threads = [threading.Thread(target=work, args=(i,)) for i in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    row = led.get("allreduce.ring", "node")
+    assert (row.calls, row.bytes_sent, row.bytes_recv) == (3, 60, 120)
+    assert led.get("sendrecv", "node").calls == 0
+    led.record("bcast", "dc", sent=5)
+    assert led.by_level() == {"node": 60, "dc": 5}
+    copy = Ledger()
+    copy.load_state_dict(led.state_dict())
+    assert copy.rows() == led.rows()
+
+
+# data and helpers -------------------------------------------------------------------------------
+def test_chunk_bounds_cover_exactly():
+    for n in (0, 1, 5, 1000):
+        for k in (1, 3, 4, 7):
+            b = chunk_bounds(n, k)
+            sizes = [b[i + 1] - b[i] for i in range(k)]
+            assert b[0] == 0 and b[-1] == n and max(sizes) - min(sizes) <= 1
+
+
+def test_parse_size():
+    assert [parse_size(s) for s in ("4K", "1M", "16M", "100", "1.5K", "2MiB")] == \
+        [4096, 1 << 20, 16 << 20, 100, 1536, 2 << 20]
+    with pytest.raises(ValueError, match="cannot read size"):
+        parse_size("lots")
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return Corpus.load(max_bytes=600_000)
+
+
+def test_stdlib_corpus_is_real_split_and_deterministic(corpus):
+    assert corpus.files > 10 and len(corpus.train) > 100_000 and len(corpus.eval) > 1000
+    assert b"def " in bytes(corpus.train[:200_000].tolist())
+    again = Corpus.load(max_bytes=600_000)
+    assert torch.equal(again.train, corpus.train) and torch.equal(again.eval, corpus.eval)
+
+
+def test_batches_are_a_function_of_step_and_rank(corpus):
+    x, y = corpus.batch(3, 1, 4, 8, 32, seed=5)
+    x2, y2 = corpus.batch(3, 1, 4, 8, 32, seed=5)
+    assert x.shape == (8, 32) and torch.equal(x, x2) and torch.equal(y, y2)
+    assert torch.equal(x[:, 1:], y[:, :-1])                     # next-byte targets
+    assert not torch.equal(x, corpus.batch(4, 1, 4, 8, 32, seed=5)[0])
+    assert not torch.equal(x, corpus.batch(3, 2, 4, 8, 32, seed=5)[0])
+
+
+def test_text_file_as_data(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes(bytes(range(256)) * 100)
+    c = Corpus.load(str(f), eval_fraction=0.1)
+    assert len(c.train) + len(c.eval) == 25_600
+
+
+def test_tinygpt_is_causal():
+    torch.manual_seed(0)
+    m = TinyGPT(seq_len=16, d_model=32, n_layers=1, n_heads=4)
+    x = torch.randint(0, 256, (2, 16))
+    out = m(x)
+    assert out.shape == (2, 16, 256)
+    x2 = x.clone()
+    x2[:, 10:] = 0
+    assert torch.allclose(m(x2)[:, :10], out[:, :10], atol=1e-6)   # the future does not leak
