@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -51,18 +52,30 @@ def init_gloo(comm: Comm):
     return dist
 
 
-def _reducer(name: str, comm: Comm):
-    """A callable that sums a float32 CPU tensor in place over all ranks."""
+@contextmanager
+def reducer(name: str, comm: Comm):
+    """Yield a callable summing a float32 CPU tensor in place over all ranks with ``name``.
+
+    Horovod and gloo run background threads that poll; on a shared, oversubscribed machine
+    they would slow every other row, so each is started for its own rows and shut down after.
+    """
     if name in ALGORITHMS:
-        return lambda t: allreduce_(t, comm, name)
-    if name == "horovod":
+        yield lambda t: allreduce_(t, comm, name)
+    elif name == "horovod":
         from .backends.horovod import init
         hvd = init(comm)
-        return lambda t: hvd.allreduce_(t, op=hvd.Sum, name="bench")
-    if name == "gloo":
+        try:
+            yield lambda t: hvd.allreduce_(t, op=hvd.Sum, name="bench")
+        finally:
+            hvd.shutdown()
+    elif name == "gloo":
         dist = init_gloo(comm)
-        return lambda t: dist.all_reduce(t)
-    raise ValueError(f"unknown algorithm {name!r}; known: {', '.join([*ALGORITHMS, *BASELINES])}")
+        try:
+            yield lambda t: dist.all_reduce(t)
+        finally:
+            dist.destroy_process_group()
+    else:
+        raise ValueError(f"unknown algorithm {name!r}; known: {', '.join([*ALGORITHMS, *BASELINES])}")
 
 
 def _slowest(ctl: Comm, seconds: float) -> float:
@@ -76,30 +89,33 @@ def bench_allreduce(comm: Comm, sizes: list[int], algorithms: list[str], iters: 
     ctl = Comm(comm.mpi.Dup(), Ledger(), "control")
     bench = Comm(comm.mpi.Dup(), Ledger(), comm.level, validate=False)
     K = comm.size
-    reducers = {a: _reducer(a, bench) for a in algorithms}
+    for alg in algorithms:   # fail on a bad name before measuring anything
+        if alg not in ALGORITHMS and alg not in BASELINES:
+            raise ValueError(f"unknown algorithm {alg!r}; known: {', '.join([*ALGORITHMS, *BASELINES])}")
     rows = []
-    for size in sizes:
-        n = size // 4
-        base = (torch.arange(n, dtype=torch.float32) % 7) + comm.rank      # exact in float32
-        expected = (torch.arange(n, dtype=torch.float32) % 7) * K + K * (K - 1) / 2
-        buf = torch.empty(n, dtype=torch.float32)
-        for alg in algorithms:
-            times = []
-            for i in range(warmup + iters):
-                buf.copy_(base)
-                ctl.barrier()
-                t0 = time.perf_counter()
-                reducers[alg](buf)
-                dt = _slowest(ctl, time.perf_counter() - t0)
-                if i >= warmup:
-                    times.append(dt)
-            wrong = int((buf != expected).sum())
-            t = statistics.median(times)
-            algbw = size / t / 1e9 if t > 0 else 0.0
-            rows.append({"size": size, "count": n, "dtype": "float32", "algorithm": alg, "ranks": K,
-                         "time_us": t * 1e6, "algbw_GBps": algbw,
-                         "busbw_GBps": algbw * busbw_factor("allreduce", K), "wrong": wrong})
-    return rows
+    for alg in algorithms:
+        with reducer(alg, bench) as reduce_:
+            for size in sizes:
+                n = size // 4
+                base = (torch.arange(n, dtype=torch.float32) % 7) + comm.rank      # exact in float32
+                expected = (torch.arange(n, dtype=torch.float32) % 7) * K + K * (K - 1) / 2
+                buf = torch.empty(n, dtype=torch.float32)
+                times = []
+                for i in range(warmup + iters):
+                    buf.copy_(base)
+                    ctl.barrier()
+                    t0 = time.perf_counter()
+                    reduce_(buf)
+                    dt = _slowest(ctl, time.perf_counter() - t0)
+                    if i >= warmup:
+                        times.append(dt)
+                wrong = int((buf != expected).sum())
+                t = statistics.median(times)
+                algbw = size / t / 1e9 if t > 0 else 0.0
+                rows.append({"size": size, "count": n, "dtype": "float32", "algorithm": alg,
+                             "ranks": K, "time_us": t * 1e6, "algbw_GBps": algbw,
+                             "busbw_GBps": algbw * busbw_factor("allreduce", K), "wrong": wrong})
+    return sorted(rows, key=lambda row: (row["size"], algorithms.index(row["algorithm"])))
 
 
 def format_allreduce(rows: list[dict]) -> str:
@@ -160,6 +176,12 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
                 times.append(dt)
         if hasattr(wrapped, "close"):
             wrapped.close()
+        if name == "horovod":        # stop its polling thread before the next row
+            from .backends.horovod import hvd_module
+            hvd_module().shutdown()
+        elif name == "ddp-gloo":
+            import torch.distributed as dist
+            dist.destroy_process_group()
         params = sum(p.numel() for p in (model.module if name == "ddp-gloo" else model).parameters())
         rows.append({"strategy": name, "ranks": comm.size, "params": params,
                      "grad_MB": params * 4 / 1e6, "step_ms": statistics.median(times) * 1e3,
