@@ -155,8 +155,8 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
             from torch.nn.parallel import DistributedDataParallel
             model = DistributedDataParallel(model, bucket_cap_mb=cfg.strategy.bucket_mb)
             wrapped = opt
-            forward = lambda x, y: torch.nn.functional.cross_entropy(  # noqa: E731
-                model(x).flatten(0, 1), y.flatten())
+            forward = lambda x, y, m=model: torch.nn.functional.cross_entropy(  # noqa: E731
+                m(x).flatten(0, 1), y.flatten())
         else:
             algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") else cfg.strategy.algorithm
             wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=cfg.strategy.bucket_mb,

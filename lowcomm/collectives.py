@@ -195,7 +195,7 @@ def broadcast_(comm: Comm, tensors: list[torch.Tensor], root: int = 0) -> None:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype, group in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+    for _, group in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
         flat = torch.cat([t.detach().reshape(-1) for t in group]) if group else torch.empty(0)
         comm.bcast_(flat, root)
         offset = 0

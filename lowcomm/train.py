@@ -76,7 +76,7 @@ def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=cfg.steps, desc=cfg.method, unit="step", dynamic_ncols=True)
+        bar = tqdm(total=cfg.steps, desc=cfg.method, unit="step", dynamic_ncols=True, mininterval=1.0)
     metrics = open(out / "metrics.jsonl", "w") if out and rank == 0 else None
     window, recent = [], float("nan")
     ctl.barrier()
