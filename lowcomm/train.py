@@ -7,7 +7,6 @@ gather them run on a separate control communicator whose traffic is not charged 
 from __future__ import annotations
 
 import json
-import logging
 import time
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from .ledger import Ledger
 from .models import build_model
 from .strategies import STRATEGIES
 
-log = logging.getLogger("lowcomm.train")
 
 
 def build_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
