@@ -86,8 +86,9 @@ def _slowest(ctl: Comm, seconds: float) -> float:
 def bench_allreduce(comm: Comm, sizes: list[int], algorithms: list[str], iters: int = 20,
                     warmup: int = 3) -> list[dict]:
     """Time each algorithm on each float32 size; count wrong elements against the exact sum."""
-    ctl = Comm(comm.mpi.Dup(), Ledger(), "control")
-    bench = Comm(comm.mpi.Dup(), Ledger(), comm.level, validate=False)
+    ctl = comm.dup(Ledger(), "control")
+    bench = comm.dup(Ledger())
+    bench.validate = False
     K = comm.size
     for alg in algorithms:   # fail on a bad name before measuring anything
         if alg not in ALGORITHMS and alg not in BASELINES:
@@ -140,7 +141,7 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
     from .strategies import SyncDP
     from .train import build_optimizer
 
-    ctl = Comm(comm.mpi.Dup(), Ledger(), "control")
+    ctl = comm.dup(Ledger(), "control")
     corpus = Corpus.load(cfg.data.path, cfg.data.max_bytes, cfg.data.eval_fraction)
     rows = []
     for name in strategies:
@@ -149,7 +150,8 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
         torch.manual_seed(cfg.seed)
         model = build_model(cfg)
         opt = build_optimizer(cfg, model.parameters())
-        run = Comm(comm.mpi.Dup(), Ledger(), comm.level, validate=False)
+        run = comm.dup(Ledger())
+        run.validate = False
         if name == "ddp-gloo":
             init_gloo(comm)
             from torch.nn.parallel import DistributedDataParallel

@@ -22,6 +22,7 @@ import torch
 
 from .errors import CommError
 from .ledger import Ledger, wire_bytes
+from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4,
                 torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
@@ -80,8 +81,8 @@ class Request:
     """A non-blocking op in flight. :meth:`wait` completes it and charges the ledger."""
 
     def __init__(self, comm: "Comm", req, op: str, sent: int, recv: int,
-                 finish: Callable[[], None] | None = None, keep=None):
-        self._comm, self._req, self.op = comm, req, op
+                 finish: Callable[[], None] | None = None, keep=None, peer: int | None = None):
+        self._comm, self._req, self.op, self._peer = comm, req, op, peer
         self._sent, self._recv, self._finish = sent, recv, finish
         self._keep = keep          # buffers MPI reads or writes until completion
         self._done = False
@@ -90,14 +91,14 @@ class Request:
         if self._done:
             return
         t0 = time.perf_counter()
-        self._comm._guard(self.op, self._sent, self._req.Wait)
+        self._comm._guard(self.op, self._sent, self._req.Wait, peer=self._peer)
         self._complete(time.perf_counter() - t0)
 
     def test(self) -> bool:
         if self._done:
             return True
         t0 = time.perf_counter()
-        flag = self._comm._guard(self.op, self._sent, self._req.Test)
+        flag = self._comm._guard(self.op, self._sent, self._req.Test, peer=self._peer)
         if flag:
             self._complete(time.perf_counter() - t0)
         return bool(flag)
@@ -119,6 +120,8 @@ class Comm:
         level: the name this communicator's traffic is filed under.
         validate: check that every rank passes the same shape and dtype before a collective
             (one 96-byte all-gather per call; turn off on hot paths whose shapes are fixed).
+        watchdog: ends the job when one call waits longer than its timeout (shared by the
+            communicators made from this one; default: ``$LOWCOMM_TIMEOUT_S`` or 60 s).
 
     Example::
 
@@ -128,22 +131,27 @@ class Comm:
     """
 
     def __init__(self, mpi_comm, ledger: Ledger | None = None, level: str = "world",
-                 validate: bool = True):
+                 validate: bool = True, watchdog: Watchdog | None = None):
         self.mpi = mpi_comm
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
         self.level = level
         self.ledger = ledger if ledger is not None else Ledger()
         self.validate = validate
+        self.watchdog = watchdog or Watchdog(DEFAULT_TIMEOUT_S, mpi().COMM_WORLD.Get_rank())
         self._pinned: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return f"Comm(level={self.level!r}, rank={self.rank}, size={self.size})"
 
     # errors -----------------------------------------------------------------------------------
-    def _guard(self, op: str, nbytes: int | None, fn, *args):
+    def _guard(self, op: str, nbytes: int | None, fn, *args, peer: int | None = None):
+        """Run one MPI call under the watchdog; MPI errors become CommError."""
+        who = f"rank {peer} of level {self.level}" if peer is not None else \
+            f"all {self.size} ranks of level {self.level}"
         try:
-            return fn(*args)
+            with self.watchdog.watch(f"{op} ({nbytes or 0} bytes)", who):
+                return fn(*args)
         except mpi().Exception as e:  # MPI errors come back as exceptions with ERRORS_RETURN
             raise CommError(op, self.rank, e.Get_error_string(), nbytes) from e
 
@@ -257,11 +265,11 @@ class Comm:
 
     def allgather_object(self, obj):
         """Pickle-based all-gather of small Python objects (control plane only)."""
-        return self.mpi.allgather(obj)
+        return self._guard("allgather_object", None, self.mpi.allgather, obj)
 
     def bcast_object(self, obj, root: int = 0):
         """Pickle-based broadcast of a small Python object (control plane only)."""
-        return self.mpi.bcast(obj, root=root)
+        return self._guard("bcast_object", None, self.mpi.bcast, obj, root)
 
     def barrier(self) -> None:
         self._guard("barrier", 0, self.mpi.Barrier)
@@ -277,14 +285,14 @@ class Comm:
         self._host_only("send", t)
         n = _nbytes(t)
         t0 = time.perf_counter()
-        self._guard("send", n, self.mpi.Send, _raw(t), dest, tag)
+        self._guard("send", n, self.mpi.Send, _raw(t), dest, tag, peer=dest)
         self.ledger.record("send", self.level, n, 0, time.perf_counter() - t0)
 
     def recv_(self, t: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
         self._host_only("recv", t)
         n = _nbytes(t)
         t0 = time.perf_counter()
-        self._guard("recv", n, self.mpi.Recv, _raw(t), source, tag)
+        self._guard("recv", n, self.mpi.Recv, _raw(t), source, tag, peer=source)
         self.ledger.record("recv", self.level, 0, n, time.perf_counter() - t0)
         return t
 
@@ -294,7 +302,8 @@ class Comm:
         self._host_only("sendrecv", send, recv)
         ns, nr = _nbytes(send), _nbytes(recv)
         t0 = time.perf_counter()
-        self._guard("sendrecv", ns, self.mpi.Sendrecv, _raw(send), dest, tag, _raw(recv), source, tag)
+        self._guard("sendrecv", ns, self.mpi.Sendrecv, _raw(send), dest, tag, _raw(recv), source, tag,
+                    peer=source)
         self.ledger.record("sendrecv", self.level, ns, nr, time.perf_counter() - t0)
         return recv
 
@@ -302,13 +311,13 @@ class Comm:
         self._host_only("isend", t)
         buf = _raw(t)
         req = self._guard("isend", _nbytes(t), self.mpi.Isend, buf, dest, tag)
-        return Request(self, req, "send", _nbytes(t), 0, keep=(t, buf))
+        return Request(self, req, "send", _nbytes(t), 0, keep=(t, buf), peer=dest)
 
     def irecv_(self, t: torch.Tensor, source: int, tag: int = 0) -> Request:
         self._host_only("irecv", t)
         buf = _raw(t)
         req = self._guard("irecv", _nbytes(t), self.mpi.Irecv, buf, source, tag)
-        return Request(self, req, "recv", 0, _nbytes(t), keep=(t, buf))
+        return Request(self, req, "recv", 0, _nbytes(t), keep=(t, buf), peer=source)
 
     # communicators ----------------------------------------------------------------------------
     def split(self, color: int, key: int | None = None, level: str | None = None) -> "Comm | None":
@@ -318,11 +327,14 @@ class Comm:
         sub = self.mpi.Split(MPI.UNDEFINED if color < 0 else color, self.rank if key is None else key)
         if sub == MPI.COMM_NULL:
             return None
-        return Comm(sub, self.ledger, level or self.level, self.validate)
+        return Comm(sub, self.ledger, level or self.level, self.validate, self.watchdog)
 
-    def dup(self) -> "Comm":
-        """A duplicate communicator (separate message space, same ledger and level)."""
-        return Comm(self.mpi.Dup(), self.ledger, self.level, self.validate)
+    def dup(self, ledger: Ledger | None = None, level: str | None = None) -> "Comm":
+        """A duplicate communicator: a separate message space, the same watchdog, and this
+        one's ledger and level unless others are given (e.g. a control channel whose traffic
+        is not charged to the method)."""
+        return Comm(self.mpi.Dup(), ledger or self.ledger, level or self.level, self.validate,
+                    self.watchdog)
 
 
 def _reduce_op(op: str) -> bool:
@@ -337,10 +349,16 @@ def _reduce_op(op: str) -> bool:
 _WORLD: Comm | None = None
 
 
-def init(validate: bool = True) -> Comm:
-    """Initialise MPI (if needed) and return the world :class:`Comm` (one per process)."""
+def init(validate: bool = True, timeout_s: float | None = None) -> Comm:
+    """Initialise MPI (if needed) and return the world :class:`Comm` (one per process).
+
+    ``timeout_s``: the watchdog's limit for one blocking call (0 = off; default
+    ``$LOWCOMM_TIMEOUT_S`` or 60 s)."""
     global _WORLD
     if _WORLD is None:
         MPI = mpi()
-        _WORLD = Comm(MPI.COMM_WORLD, Ledger(), "world", validate)
+        dog = Watchdog(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, MPI.COMM_WORLD.Get_rank())
+        _WORLD = Comm(MPI.COMM_WORLD, Ledger(), "world", validate, dog)
+    elif timeout_s is not None:
+        _WORLD.watchdog.timeout_s = timeout_s
     return _WORLD

@@ -66,6 +66,7 @@ class OptimizerConfig:
 @dataclass
 class CommConfig:
     validate: bool = True          # per-call shape/dtype agreement check (one small all-gather)
+    timeout_s: float = 60.0        # watchdog: one call waiting longer ends the job (0 = off)
 
 
 @dataclass
@@ -165,6 +166,8 @@ def validate(cfg: Config) -> Config:
             obj = getattr(obj, part)
         if obj < 1:
             raise ConfigError(key, f"must be >= 1, got {obj}")
+    if cfg.comm.timeout_s < 0:
+        raise ConfigError("comm.timeout_s", f"must be >= 0 (0 = no watchdog), got {cfg.comm.timeout_s}")
     if cfg.eval_batches < 0:
         raise ConfigError("eval_batches", f"must be >= 0, got {cfg.eval_batches}")
     if not cfg.lr > 0:

@@ -59,8 +59,9 @@ def evaluate(model, corpus: Corpus, cfg: Config, ctl: Comm) -> float:
 def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
           progress: bool = True) -> dict:
     """Train ``cfg``'s model with ``cfg``'s strategy; return (and write) the run summary."""
-    comm = comm or init(validate=cfg.comm.validate)
-    ctl = Comm(comm.mpi.Dup(), Ledger(), "control")
+    comm = comm or init()
+    comm.validate, comm.watchdog.timeout_s = cfg.comm.validate, cfg.comm.timeout_s
+    ctl = comm.dup(Ledger(), "control")
     rank, K = comm.rank, comm.size
     out = Path(out) if out else None
     if out and rank == 0:

@@ -2,6 +2,8 @@
 import sys
 import time
 
+import pytest
+
 from conftest import WORKERS, run_ranks
 
 
@@ -12,6 +14,20 @@ def test_exception_on_one_rank_ends_the_whole_job_within_seconds():
     assert r.returncode != 0, r.output
     assert "injected failure on the last rank" in r.stderr, r.output
     assert elapsed < 30, f"took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("how,waits_for", [("ring", "waiting for rank"),
+                                           ("mpi", "waiting for all 3 ranks of level world")])
+def test_stopped_rank_ends_the_job_after_the_timeout_naming_it(how, waits_for):
+    timeout = 3
+    t0 = time.monotonic()
+    r = run_ranks(3, sys.executable, WORKERS / "hang_one_rank.py", how, timeout, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0, r.output
+    assert "lowcomm watchdog: rank " in r.stderr and "(timeout 3 s)" in r.stderr, r.output
+    assert waits_for in r.stderr, r.output
+    assert "allreduce" in r.stderr or "sendrecv" in r.stderr, r.output
+    assert elapsed < timeout + 10 + 10, f"took {elapsed:.1f} s"   # + startup of 3 ranks
 
 
 def test_exception_in_cli_aborts_all_ranks(tmp_path):

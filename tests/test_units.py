@@ -27,6 +27,7 @@ def test_defaults_validate_and_overrides_are_typed():
     ("model.n_heads=3", "model.n_heads"), ("optimizer.name=lion", "optimizer.name"),
     ("steps.x=1", "steps.x"), ("data.path=/no/such/dir", "data.path"), ("topology=dc:2", "topology"),
     ("strategy.backend=nccl", "strategy.backend"), ("noequals", "noequals"),
+    ("comm.timeout_s=-1", "comm.timeout_s"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError) as e:
@@ -138,3 +139,22 @@ def test_tinygpt_is_causal():
     x2 = x.clone()
     x2[:, 10:] = 0
     assert torch.allclose(m(x2)[:, :10], out[:, :10], atol=1e-6)   # the future does not leak
+
+
+# watchdog ---------------------------------------------------------------------------------------
+def test_watchdog_fires_only_on_a_call_past_its_timeout(capsys):
+    import time
+
+    from lowcomm.watchdog import Watchdog
+    fired = threading.Event()
+    dog = Watchdog(0.3, rank=5, abort=fired.set)
+    with dog.watch("allreduce.ring (64 bytes)", "rank 4 of level world"):
+        time.sleep(0.05)
+    time.sleep(0.4)
+    assert not fired.is_set()
+    with dog.watch("allreduce.ring (64 bytes)", "rank 4 of level world"):
+        assert fired.wait(3)
+    err = capsys.readouterr().err
+    assert "rank 5 waited" in err and "allreduce.ring" in err and "rank 4 of level world" in err
+    with pytest.raises(ValueError):
+        Watchdog(-1, 0)
