@@ -52,30 +52,44 @@ def init_gloo(comm: Comm):
     return dist
 
 
-@contextmanager
-def reducer(name: str, comm: Comm):
-    """Yield a callable summing a float32 CPU tensor in place over all ranks with ``name``.
+def _check_known(name: str, known, what: str = "algorithm") -> None:
+    if name not in known:
+        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(known)}")
 
-    Horovod and gloo run background threads that poll; on a shared, oversubscribed machine
-    they would slow every other row, so each is started for its own rows and shut down after.
-    """
-    if name in ALGORITHMS:
-        yield lambda t: allreduce_(t, comm, name)
-    elif name == "horovod":
+
+@contextmanager
+def baseline(name: str, comm: Comm):
+    """Start Horovod (``horovod``) or a gloo process group (``gloo``, ``ddp-gloo``) for one
+    benchmark window, yield its module, and shut it down after: their polling threads would
+    otherwise slow every later row on a shared, oversubscribed machine. Others yield None."""
+    if name == "horovod":
         from .backends.horovod import init
         hvd = init(comm)
         try:
-            yield lambda t: hvd.allreduce_(t, op=hvd.Sum, name="bench")
+            yield hvd
         finally:
             hvd.shutdown()
-    elif name == "gloo":
+    elif name in ("gloo", "ddp-gloo"):
         dist = init_gloo(comm)
         try:
-            yield lambda t: dist.all_reduce(t)
+            yield dist
         finally:
             dist.destroy_process_group()
     else:
-        raise ValueError(f"unknown algorithm {name!r}; known: {', '.join([*ALGORITHMS, *BASELINES])}")
+        yield None
+
+
+@contextmanager
+def reducer(name: str, comm: Comm):
+    """Yield a callable summing a float32 CPU tensor in place over all ranks with ``name``."""
+    _check_known(name, [*ALGORITHMS, *BASELINES])
+    with baseline(name, comm) as lib:
+        if name == "horovod":
+            yield lambda t: lib.allreduce_(t, op=lib.Sum, name="bench")
+        elif name == "gloo":
+            yield lambda t: lib.all_reduce(t)
+        else:
+            yield lambda t: allreduce_(t, comm, name)
 
 
 def _slowest(ctl: Comm, seconds: float) -> float:
@@ -91,8 +105,7 @@ def bench_allreduce(comm: Comm, sizes: list[int], algorithms: list[str], iters: 
     bench.validate = False
     K = comm.size
     for alg in algorithms:   # fail on a bad name before measuring anything
-        if alg not in ALGORITHMS and alg not in BASELINES:
-            raise ValueError(f"unknown algorithm {alg!r}; known: {', '.join([*ALGORITHMS, *BASELINES])}")
+        _check_known(alg, [*ALGORITHMS, *BASELINES])
     rows = []
     for alg in algorithms:
         with reducer(alg, bench) as reduce_:
@@ -143,48 +156,42 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
 
     ctl = comm.dup(Ledger(), "control")
     corpus = Corpus.load(cfg.data.path, cfg.data.max_bytes, cfg.data.eval_fraction)
+    for name in strategies:   # fail on a bad name before measuring anything
+        _check_known(name, STEP_STRATEGIES, "strategy")
     rows = []
     for name in strategies:
-        if name not in STEP_STRATEGIES:
-            raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STEP_STRATEGIES)}")
         torch.manual_seed(cfg.seed)
         model = build_model(cfg)
+        params = sum(p.numel() for p in model.parameters())
         opt = build_optimizer(cfg, model.parameters())
         run = comm.dup(Ledger())
         run.validate = False
-        if name == "ddp-gloo":
-            init_gloo(comm)
-            from torch.nn.parallel import DistributedDataParallel
-            model = DistributedDataParallel(model, bucket_cap_mb=cfg.strategy.bucket_mb)
-            wrapped = opt
-            forward = lambda x, y, m=model: torch.nn.functional.cross_entropy(  # noqa: E731
-                m(x).flatten(0, 1), y.flatten())
-        else:
-            algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") else cfg.strategy.algorithm
-            wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=cfg.strategy.bucket_mb,
-                             overlap=cfg.strategy.overlap,
-                             backend="horovod" if name == "horovod" else "mpi")
-            forward = model.loss
-        times = []
-        for step in range(warmup + steps):
-            x, y = corpus.batch(step, comm.rank, comm.size, cfg.batch_size, cfg.data.seq_len, cfg.seed)
-            ctl.barrier()
-            t0 = time.perf_counter()
-            wrapped.zero_grad()
-            forward(x, y).backward()
-            wrapped.step()
-            dt = _slowest(ctl, time.perf_counter() - t0)
-            if step >= warmup:
-                times.append(dt)
-        if hasattr(wrapped, "close"):
-            wrapped.close()
-        if name == "horovod":        # stop its polling thread before the next row
-            from .backends.horovod import hvd_module
-            hvd_module().shutdown()
-        elif name == "ddp-gloo":
-            import torch.distributed as dist
-            dist.destroy_process_group()
-        params = sum(p.numel() for p in (model.module if name == "ddp-gloo" else model).parameters())
+        with baseline(name, comm):
+            if name == "ddp-gloo":
+                from torch.nn.parallel import DistributedDataParallel
+                ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.strategy.bucket_mb)
+                wrapped = opt
+                forward = lambda x, y, m=ddp: torch.nn.functional.cross_entropy(  # noqa: E731
+                    m(x).flatten(0, 1), y.flatten())
+            else:
+                algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") else cfg.strategy.algorithm
+                wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=cfg.strategy.bucket_mb,
+                                 overlap=cfg.strategy.overlap,
+                                 backend="horovod" if name == "horovod" else "mpi")
+                forward = model.loss
+            times = []
+            for step in range(warmup + steps):
+                x, y = corpus.batch(step, comm.rank, comm.size, cfg.batch_size, cfg.data.seq_len, cfg.seed)
+                ctl.barrier()
+                t0 = time.perf_counter()
+                wrapped.zero_grad()
+                forward(x, y).backward()
+                wrapped.step()
+                dt = _slowest(ctl, time.perf_counter() - t0)
+                if step >= warmup:
+                    times.append(dt)
+            if isinstance(wrapped, SyncDP):
+                wrapped.close()
         rows.append({"strategy": name, "ranks": comm.size, "params": params,
                      "grad_MB": params * 4 / 1e6, "step_ms": statistics.median(times) * 1e3,
                      "step_ms_mean": statistics.fmean(times) * 1e3})

@@ -147,10 +147,12 @@ class Comm:
     # errors -----------------------------------------------------------------------------------
     def _guard(self, op: str, nbytes: int | None, fn, *args, peer: int | None = None):
         """Run one MPI call under the watchdog; MPI errors become CommError."""
-        who = f"rank {peer} of level {self.level}" if peer is not None else \
-            f"all {self.size} ranks of level {self.level}"
+        def describe():
+            who = f"rank {peer} of level {self.level}" if peer is not None else \
+                f"all {self.size} ranks of level {self.level}"
+            return f"{op} ({nbytes or 0} bytes)", who
         try:
-            with self.watchdog.watch(f"{op} ({nbytes or 0} bytes)", who):
+            with self.watchdog.watch(describe):
                 return fn(*args)
         except mpi().Exception as e:  # MPI errors come back as exceptions with ERRORS_RETURN
             raise CommError(op, self.rank, e.Get_error_string(), nbytes) from e

@@ -1,7 +1,8 @@
 """Watchdog: a blocking communication call that waits longer than ``timeout_s`` ends the job.
 
 Every MPI call lowcomm makes goes through :meth:`Comm._guard`, which registers the call here
-(op, communicator level, the ranks it waits for) for the calling thread. One daemon thread per
+for the calling thread with a *callable* describing it (op, bytes, whom it waits for): the text
+is built only when a call is late, so the hot path pays for two dict operations, not formatting. One daemon thread per
 process looks at the registered calls about four times per timeout; when one has waited too
 long it prints which rank waits, in which op, for whom, and calls ``MPI_Abort`` so that every
 rank ends (a rank stopped with SIGSTOP or stuck in a loop never answers; without this the
@@ -24,19 +25,20 @@ class Watchdog:
             raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
         self.timeout_s, self.rank = timeout_s, rank
         self._abort = abort or _mpi_abort
-        self._calls: dict[int, tuple[str, str, float]] = {}
+        self._calls: dict[int, tuple[object, float]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     @contextmanager
-    def watch(self, op: str, waits_for: str):
+    def watch(self, describe):
+        """Watch the block; ``describe()`` returns ``(op, waits_for)`` text if it is late."""
         if not self.timeout_s:
             yield
             return
         self._start()
         key = threading.get_ident()
         with self._lock:
-            self._calls[key] = (op, waits_for, time.monotonic())
+            self._calls[key] = (describe, time.monotonic())
         try:
             yield
         finally:
@@ -54,10 +56,11 @@ class Watchdog:
             time.sleep(period)
             now = time.monotonic()
             with self._lock:
-                late = [(op, who, now - t0) for op, who, t0 in self._calls.values()
+                late = [(describe, now - t0) for describe, t0 in self._calls.values()
                         if now - t0 > self.timeout_s]
             if late:
-                op, who, waited = late[0]
+                describe, waited = late[0]
+                op, who = describe()
                 sys.stderr.write(f"lowcomm watchdog: rank {self.rank} waited {waited:.1f} s "
                                  f"(timeout {self.timeout_s:g} s) in op {op}, waiting for {who}; "
                                  f"ending the job\n")
