@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from .config import load_config
-from .errors import ConfigError
+from .errors import ConfigError, LowcommError
 
 log = logging.getLogger("lowcomm")
 
@@ -29,9 +29,9 @@ def launcher_rank() -> int:
     return 0
 
 
-def _config(config, overrides):
+def _config(config, overrides, base=None):
     try:
-        return load_config(config, overrides)
+        return load_config(config, overrides, base)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
 
@@ -67,17 +67,34 @@ def config_options(f):
 
 @cli.command()
 @config_options
-@click.option("--out", type=click.Path(file_okay=False), default="runs/latest", show_default=True,
-              help="Folder for metrics.jsonl and summary.json.")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Folder for config.json, metrics.jsonl, summary.json and checkpoints/ "
+                   "[default: runs/latest, or the --resume folder].")
+@click.option("--checkpoint-every", type=int, default=None, metavar="N",
+              help="Write a checkpoint every N steps (same as --set checkpoint.every=N).")
+@click.option("--resume", type=click.Path(file_okay=False, exists=True), default=None, metavar="DIR",
+              help="Continue the run in DIR (its config.json, then --config/--set) from its "
+                   "newest intact checkpoint.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def train(config, overrides, out, quiet):
+def train(config, overrides, out, checkpoint_every, resume, quiet):
     """Train the configured model with the configured strategy on every rank."""
-    cfg = _config(config, overrides)
+    base = None
+    if resume:
+        saved = Path(resume) / "config.json"
+        if not saved.is_file():
+            raise click.BadParameter(f"{saved} not found: is {resume} the --out folder of a run?",
+                                     param_hint="--resume")
+        base = json.loads(saved.read_text())
+    if checkpoint_every is not None:
+        overrides = (*overrides, f"checkpoint.every={checkpoint_every}")
+    cfg = _config(config, overrides, base)
+    out = out or resume or "runs/latest"
     comm = _world()
     from .train import train as run
-    summary = run(cfg, out, comm, progress=not quiet)
+    summary = run(cfg, out, comm, progress=not quiet, resume=resume)
     if comm.rank == 0:
-        keys = ("method", "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total", "wall_s")
+        keys = ("method", "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total",
+                "wall_s", "skipped_steps", "params_sha256")
         click.echo(json.dumps({k: summary[k] for k in keys}, indent=2))
         click.echo(f"wrote {Path(out) / 'summary.json'}")
 
@@ -168,6 +185,12 @@ def main() -> None:
     except click.exceptions.Exit as e:
         if e.exit_code:
             _abort(e.exit_code)
+    except LowcommError as e:
+        if getattr(e, "exit_code", None):   # every rank stopped together (a signal): no abort
+            if launcher_rank() == 0:
+                sys.stderr.write(f"lowcomm: {e}\n")
+            sys.exit(e.exit_code)
+        _fail(e)
     except (click.ClickException, click.Abort) as e:
         if launcher_rank() == 0:
             if isinstance(e, click.ClickException):
@@ -178,9 +201,14 @@ def main() -> None:
     except BaseException as e:  # noqa: BLE001 - any failure must end all ranks
         if isinstance(e, SystemExit) and not e.code:
             return
-        sys.stderr.write(f"[rank {launcher_rank()}] lowcomm failed: {type(e).__name__}: {e}\n")
+        _fail(e)
+
+
+def _fail(e: BaseException) -> None:
+    sys.stderr.write(f"[rank {launcher_rank()}] lowcomm failed: {type(e).__name__}: {e}\n")
+    if not isinstance(e, LowcommError):   # our errors say what is wrong; others need the trace
         traceback.print_exc()
-        _abort(1)
+    _abort(1)
 
 
 if __name__ == "__main__":

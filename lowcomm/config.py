@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 from .errors import ConfigError
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
-COMPRESSORS = ("none",)
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
 
 
 @dataclass
@@ -47,11 +48,26 @@ class StrategyConfig:
     backward_passes_per_step: int = 1
     overlap: bool = True
     backend: str = "mpi"
+    # Local SGD / DiLoCo / streaming DiLoCo (issue: outer loops)
+    period: int = 1                # H: inner steps between synchronisations
+    warmup_steps: int = 0          # dense SyncDP steps first (post-local SGD)
+    outer_optimizer: str = "nesterov"   # "nesterov" | "sgd" (DiLoCo's outer step)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    fragments: int = 1             # streaming DiLoCo: P parameter fragments
+    delay: int = 0                 # streaming DiLoCo: τ steps between start and apply
+    alpha: float = 0.0             # streaming DiLoCo: mixing of local into synced parameters
+    compressor: str = "none"       # compressor of the pseudo-gradient (outer loops)
 
 
 @dataclass
 class CompressorConfig:
     name: str = "none"
+    error_feedback: bool | None = None   # None: the method's own default (on for top-k)
+    ratio: float = 0.01            # top-k / random-k: share of elements kept
+    levels: int = 16               # QSGD quantisation levels s
+    approx_rank: int = 2           # PowerSGD rank r
+    start_iter: int = 10           # PowerSGD: dense all-reduce before this step
 
 
 @dataclass
@@ -61,12 +77,20 @@ class OptimizerConfig:
     momentum: float = 0.0          # sgd only
     beta1: float = 0.9
     beta2: float = 0.95
+    freeze_step: int = 100         # onebit-adam: dense Adam warm-up steps
 
 
 @dataclass
 class CommConfig:
     validate: bool = True          # per-call shape/dtype agreement check (one small all-gather)
     timeout_s: float = 60.0        # watchdog: one call waiting longer ends the job (0 = off)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0                 # write a checkpoint every N steps (0 = never)
+    keep: int = 2                  # keep the newest N checkpoints
+    dir: str = ""                  # "" = <out>/checkpoints
 
 
 @dataclass
@@ -78,12 +102,14 @@ class Config:
     log_every: int = 10
     eval_batches: int = 16
     topology: str = ""
+    on_nonfinite: str = "abort"    # NaN/Inf loss or gradient: "abort" or "skip" the step
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     compressor: CompressorConfig = field(default_factory=CompressorConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -91,9 +117,10 @@ class Config:
     @property
     def method(self) -> str:
         s = self.strategy
-        if s.backend == "horovod":
-            return "syncdp(horovod)"
-        return f"{s.name}({s.algorithm})"
+        name = "syncdp(horovod)" if s.backend == "horovod" else f"{s.name}({s.algorithm})"
+        if self.compressor.name != "none":
+            name += f"+{self.compressor.name}"
+        return name
 
 
 def _set(obj, dotted: str, value, prefix: str = "") -> None:
@@ -114,11 +141,17 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
             _set(current, k, v, key + ".")
         return
     if rest:
-        raise ConfigError(key + "." + rest, f"'{key}' is a {hints[head].__name__}, not a table")
+        raise ConfigError(key + "." + rest, f"'{key}' is a value, not a table")
     setattr(obj, head, _coerce(key, hints[head], value))
 
 
-def _coerce(key: str, kind: type, value):
+def _coerce(key: str, kind, value):
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):   # ``T | None``
+        options = [k for k in typing.get_args(kind) if k is not type(None)]
+        if len(options) == 1:
+            if value is None or (isinstance(value, str) and value.lower() in ("none", "auto")):
+                return None
+            return _coerce(key, options[0], value)
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -131,7 +164,7 @@ def _coerce(key: str, kind: type, value):
     elif kind is str:
         if isinstance(value, str):
             return value
-    raise ConfigError(key, f"expects {kind.__name__}, got {type(value).__name__} {value!r}")
+    raise ConfigError(key, f"expects {getattr(kind, '__name__', kind)}, got {type(value).__name__} {value!r}")
 
 
 def parse_override(text: str) -> tuple[str, object]:
@@ -150,6 +183,7 @@ def parse_override(text: str) -> tuple[str, object]:
 def validate(cfg: Config) -> Config:
     """Check values that types alone cannot; raise ConfigError naming the key."""
     from .collectives import ALGORITHMS
+    from .compress import COMPRESSORS
     from .models import MODELS
     from .strategies import STRATEGIES
     from .strategies.syncdp import BACKENDS
@@ -160,12 +194,30 @@ def validate(cfg: Config) -> Config:
 
     for key in ("steps", "batch_size", "log_every", "data.seq_len", "data.max_bytes",
                 "model.d_model", "model.n_layers", "model.n_heads",
-                "strategy.backward_passes_per_step"):
+                "strategy.backward_passes_per_step", "strategy.period", "strategy.fragments",
+                "checkpoint.keep", "compressor.levels", "compressor.approx_rank"):
         obj = cfg
         for part in key.split("."):
             obj = getattr(obj, part)
         if obj < 1:
             raise ConfigError(key, f"must be >= 1, got {obj}")
+    for key in ("strategy.warmup_steps", "strategy.delay", "checkpoint.every",
+                "compressor.start_iter", "optimizer.freeze_step"):
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) < 0:
+            raise ConfigError(key, f"must be >= 0, got {getattr(getattr(cfg, section), name)}")
+    s = cfg.strategy
+    if s.name == "streaming-diloco" and s.delay >= s.period:
+        raise ConfigError("strategy.delay", f"must be < strategy.period={s.period} (a fragment's "
+                          f"reduction has to land before its next synchronisation), got {s.delay}")
+    if not 0 <= s.alpha <= 1:
+        raise ConfigError("strategy.alpha", f"must be in [0, 1], got {s.alpha}")
+    if not s.outer_lr > 0:
+        raise ConfigError("strategy.outer_lr", f"must be > 0, got {s.outer_lr}")
+    if not 0 <= s.outer_momentum < 1:
+        raise ConfigError("strategy.outer_momentum", f"must be in [0, 1), got {s.outer_momentum}")
+    if not 0 < cfg.compressor.ratio <= 1:
+        raise ConfigError("compressor.ratio", f"must be in (0, 1], got {cfg.compressor.ratio}")
     if cfg.comm.timeout_s < 0:
         raise ConfigError("comm.timeout_s", f"must be >= 0 (0 = no watchdog), got {cfg.comm.timeout_s}")
     if cfg.eval_batches < 0:
@@ -181,7 +233,10 @@ def validate(cfg: Config) -> Config:
     one_of("strategy.name", cfg.strategy.name, list(STRATEGIES))
     one_of("strategy.algorithm", cfg.strategy.algorithm, list(ALGORITHMS))
     one_of("strategy.backend", cfg.strategy.backend, BACKENDS)
-    one_of("compressor.name", cfg.compressor.name, COMPRESSORS)
+    one_of("compressor.name", cfg.compressor.name, list(COMPRESSORS))
+    one_of("strategy.compressor", cfg.strategy.compressor, list(COMPRESSORS))
+    one_of("strategy.outer_optimizer", cfg.strategy.outer_optimizer, OUTER_OPTIMIZERS)
+    one_of("on_nonfinite", cfg.on_nonfinite, ("abort", "skip"))
     one_of("optimizer.name", cfg.optimizer.name, OPTIMIZERS)
     one_of("model.name", cfg.model.name, list(MODELS))
     if cfg.topology:
@@ -192,9 +247,13 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, updated by the TOML file at ``path`` and then by ``key=value`` overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict | None = None) -> Config:
+    """Defaults (or ``base``, a saved ``Config.to_dict()``), updated by the TOML file at ``path``
+    and then by ``key=value`` overrides."""
     cfg = Config()
+    for k, v in (base or {}).items():
+        _set(cfg, k, v)
     if path:
         try:
             with open(path, "rb") as f:

@@ -21,3 +21,13 @@ class CommError(LowcommError, RuntimeError):
         self.op, self.rank, self.nbytes = op, rank, nbytes
         size = f", {nbytes} bytes" if nbytes is not None else ""
         super().__init__(f"rank {rank}, op {op}{size}: {message}")
+
+
+class NonFiniteError(LowcommError, FloatingPointError):
+    """A loss or gradient holds NaN or Inf; the message names the rank, the tensor and the step."""
+
+    def __init__(self, rank: int, what: str, step: int | None = None):
+        self.rank, self.what, self.step = rank, what, step
+        at = f" at step {step}" if step is not None else ""
+        super().__init__(f"rank {rank}{at}: non-finite values (NaN/Inf) in {what}; "
+                         f"not sent (set on_nonfinite = \"skip\" to skip such steps on all ranks)")

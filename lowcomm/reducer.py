@@ -20,7 +20,8 @@ import torch
 
 from .collectives import allreduce_, get_algorithm
 from .comm import Comm
-from .errors import CommError
+from .compress.base import Compressor, Segment
+from .errors import CommError, NonFiniteError
 
 
 @dataclass
@@ -36,6 +37,11 @@ class Bucket:
     def view(self, i: int) -> torch.Tensor:
         return self.flat[self.offsets[i]:self.offsets[i + 1]].view(self.shapes[i])
 
+    @property
+    def segments(self) -> list[Segment]:
+        return [Segment(n, s, self.offsets[i], self.offsets[i + 1])
+                for i, (n, s) in enumerate(zip(self.names, self.shapes))]
+
 
 class Reducer:
     """Average (or sum) named tensors over ``comm``, bucket by bucket.
@@ -48,6 +54,10 @@ class Reducer:
         bucket_bytes: target bucket size; a tensor larger than this gets a bucket of its own.
         op: "avg" or "sum".
         overlap: reduce buckets on a background thread as they fill (else in :meth:`flush`).
+        compressor: reduce each bucket with this compressor (its payload on the wire) instead
+            of a dense all-reduce; ``op`` must then be "avg".
+        nonfinite: a bucket holding NaN/Inf is never sent: "raise" a NonFiniteError naming the
+            parameters, or "zero" them (the caller, checking its own gradients, skips the step).
 
     Example::
 
@@ -57,11 +67,17 @@ class Reducer:
     """
 
     def __init__(self, comm: Comm, named: list[tuple[str, torch.Tensor]], algorithm: str = "mpi",
-                 bucket_bytes: int = 4 << 20, op: str = "avg", overlap: bool = True):
+                 bucket_bytes: int = 4 << 20, op: str = "avg", overlap: bool = True,
+                 compressor: Compressor | None = None, nonfinite: str = "raise"):
         get_algorithm(algorithm)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if nonfinite not in ("raise", "zero"):
+            raise ValueError(f"nonfinite must be 'raise' or 'zero', got {nonfinite!r}")
+        if compressor is not None and op != "avg":
+            raise ValueError(f"a compressor averages; op must be 'avg', got {op!r}")
         self.comm, self.algorithm, self.op, self.overlap = comm, algorithm, op, overlap
+        self.compressor, self.nonfinite = compressor, nonfinite
         self.buckets: list[Bucket] = []
         self._where: dict[str, tuple[int, int]] = {}
         for name, t in named:
@@ -124,8 +140,22 @@ class Reducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and not self.buckets[self._next].pending:
             b = self.buckets[self._next]
-            b.future = self._pool.submit(allreduce_, b.flat, self._thread_comm, self.algorithm, self.op)
+            b.future = self._pool.submit(self._reduce, b)
             self._next += 1
+
+    def _reduce(self, b: Bucket) -> None:
+        """Check, then reduce one bucket in place (dense all-reduce or the compressor)."""
+        if not bool(torch.isfinite(b.flat).all()):
+            bad = [n for i, n in enumerate(b.names) if not bool(torch.isfinite(b.view(i)).all())]
+            if self.nonfinite == "raise":
+                raise NonFiniteError(self.comm.rank, "the gradient of " + ", ".join(repr(n) for n in bad))
+            for i, n in enumerate(b.names):
+                if n in bad:
+                    b.view(i).zero_()
+        if self.compressor is None:
+            allreduce_(b.flat, self._thread_comm, self.algorithm, self.op)
+        else:
+            b.flat.copy_(self.compressor.reduce(b.flat, f"bucket{b.index}", self._thread_comm, b.segments))
 
     def is_pending(self, name: str) -> bool:
         bi, i = self._where[name]
@@ -141,7 +171,7 @@ class Reducer:
             if b.future is not None:
                 b.future.result()
             else:
-                allreduce_(b.flat, self._thread_comm, self.algorithm, self.op)
+                self._reduce(b)
         out = [(name, b.view(i)) for b in self.buckets for i, name in enumerate(b.names)]
         self.reset()
         return out

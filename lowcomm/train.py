@@ -1,45 +1,99 @@
 """The training loop every method shares: plain PyTorch, with a strategy wrapping the optimizer.
 
-Writes ``metrics.jsonl`` (one line per logged step) and ``summary.json`` into the output
-folder from rank 0. Losses and byte counts in them are over all ranks; the reductions that
-gather them run on a separate control communicator whose traffic is not charged to the method.
+Writes ``config.json`` (the resolved config), ``metrics.jsonl`` (one line per logged step) and
+``summary.json`` into the output folder from rank 0, and checkpoints into
+``<out>/checkpoints`` (see :mod:`lowcomm.checkpoint`). Losses and byte counts are over all ranks;
+the reductions that gather them run on a separate control communicator whose traffic is not
+charged to the method.
+
+Reliability, per step boundary:
+
+* ``checkpoint.every = N``: every N-th step all ranks write a checkpoint holding model,
+  optimizer and strategy state (compressor residuals, outer optimizer, …), every RNG state,
+  the ledger and the loop's own counters; the data order is a pure function of the step, so a
+  resumed run replays exactly the batches it would have seen (``params_sha256`` in the summary
+  is identical to an uninterrupted run's).
+* SIGINT / SIGTERM: every rank finishes the step it is in, a final checkpoint is written, and
+  the job exits with status 128 + signal. Ranks agree on the stop through a non-blocking
+  all-reduce started one step earlier, so a signal that reaches only some ranks stops all of
+  them at the same step, and a run without signals pays no waiting for it.
+* ``on_nonfinite``: a NaN/Inf loss or gradient either ends the job naming the rank, step and
+  parameter (``"abort"``, the default; nothing non-finite is ever sent) or is skipped by all
+  ranks together (``"skip"``: one 4-byte all-reduce per step to agree; counted in the summary).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import random
+import signal
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from .checkpoint import Checkpointer, CheckpointError
 from .comm import Comm, init
 from .config import Config
 from .data import Corpus
+from .errors import LowcommError, NonFiniteError
 from .ledger import Ledger
 from .models import build_model
 from .strategies import STRATEGIES
 
+log = logging.getLogger("lowcomm.train")
+
+
+class Interrupted(LowcommError):
+    """The run was stopped by a signal after writing a final checkpoint."""
+
+    def __init__(self, signum: int, step: int, where: Path | None):
+        self.signum, self.step, self.exit_code = signum, step, 128 + signum
+        saved = f"checkpoint written to {where}" if where else "no checkpoint folder configured"
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; {saved}")
 
 
 def build_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
     o = cfg.optimizer
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name]
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "onebit-adam": torch.optim.Adam}[o.name]
     return cls(params, lr=cfg.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
 
 
 def build_strategy(cfg: Config, model, optimizer, comm: Comm):
-    s = cfg.strategy
-    return STRATEGIES[s.name](model, optimizer, comm, algorithm=s.algorithm, bucket_mb=s.bucket_mb,
-                              backward_passes_per_step=s.backward_passes_per_step,
-                              overlap=s.overlap, backend=s.backend)
+    if cfg.optimizer.name == "onebit-adam":   # 1-bit Adam owns both the update and the exchange
+        from .strategies.onebit_adam import OneBitAdam
+        return OneBitAdam.from_config(cfg, model, optimizer, comm)
+    return STRATEGIES[cfg.strategy.name].from_config(cfg, model, optimizer, comm)
+
+
+def params_sha256(model: torch.nn.Module) -> str:
+    """sha256 of the parameters' bytes in ``named_parameters`` order (to compare runs)."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _sum(ctl: Comm, values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     ctl.allreduce_(t)
     return t.tolist()
+
+
+def nonfinite(loss: torch.Tensor, model: torch.nn.Module) -> str | None:
+    """What holds NaN/Inf on this rank (``"the loss"``, ``"the gradient of 'w'"``) or None."""
+    if not bool(torch.isfinite(loss.detach()).all()):
+        return "the loss"
+    for name, p in model.named_parameters():
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return f"the gradient of {name!r}"
+    return None
 
 
 @torch.no_grad()
@@ -56,51 +110,155 @@ def evaluate(model, corpus: Corpus, cfg: Config, ctl: Comm) -> float:
     return total / max(count, 1)
 
 
+class StopFlag:
+    """SIGINT/SIGTERM set a flag (main thread only); the loop acts on it at a step boundary."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = 0
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum:             # a second signal: stop now, without the checkpoint
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        self.signum = signum
+        log.warning("%s: stopping after this step and writing a checkpoint (send it again to "
+                    "stop at once)", signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def _metrics_upto(src: Path, dst: Path, step: int) -> None:
+    """Carry the metric lines up to ``step`` from ``src`` into ``dst`` (dropping any the stopped
+    run wrote after its checkpoint)."""
+    lines = src.read_text().splitlines() if src.exists() else []
+    keep = [line for line in lines if json.loads(line)["step"] <= step]
+    dst.write_text("".join(line + "\n" for line in keep))
+
+
 def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
-          progress: bool = True) -> dict:
-    """Train ``cfg``'s model with ``cfg``'s strategy; return (and write) the run summary."""
+          progress: bool = True, resume: str | Path | None = None) -> dict:
+    """Train ``cfg``'s model with ``cfg``'s strategy; return (and write) the run summary.
+
+    ``resume``: the output folder of an earlier run of this config; continue from the newest
+    intact checkpoint in its checkpoint folder (an error if there is none)."""
     comm = comm or init()
     comm.validate, comm.watchdog.timeout_s = cfg.comm.validate, cfg.comm.timeout_s
     ctl = comm.dup(Ledger(), "control")
+    ctl.validate = False            # fixed shapes; keeps its non-blocking calls non-blocking
     rank, K = comm.rank, comm.size
     out = Path(out) if out else None
     if out and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    ck_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else (out / "checkpoints" if out else None)
+    ckpt = Checkpointer(ck_dir, ctl, cfg.checkpoint.keep) if ck_dir else None
+
     torch.manual_seed(cfg.seed)
     corpus = Corpus.load(cfg.data.path, cfg.data.max_bytes, cfg.data.eval_fraction)
     model = build_model(cfg)
     strategy = build_strategy(cfg, model, build_optimizer(cfg, model.parameters()), comm)
     n_params = sum(p.numel() for p in model.parameters())
 
+    first, skipped, wall_before, window, recent = 1, 0, 0.0, [], float("nan")
+    if resume:
+        resume = Path(resume)
+        from_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else resume / "checkpoints"
+        state = Checkpointer(from_dir, ctl).load_latest(cfg.to_dict())
+        if state is None:
+            raise CheckpointError(f"no intact checkpoint in {from_dir} to resume from")
+        model.load_state_dict(state["model"])
+        strategy.load_state_dict(state["strategy"])
+        comm.ledger.load_state_dict(state["ledger"])
+        _set_rng_state(state["rng"])
+        loop = state["loop"]
+        skipped, wall_before, window, recent = loop["skipped"], loop["wall_s"], loop["window"], loop["recent"]
+        first = state["step"] + 1
+        if out and rank == 0:
+            _metrics_upto(resume / "metrics.jsonl", out / "metrics.jsonl", state["step"])
+            log.info("resumed from %s at step %d", from_dir, state["step"])
+
+    def save(step: int) -> Path:
+        state = {"model": model.state_dict(), "strategy": strategy.state_dict(),
+                 "ledger": comm.ledger.state_dict(), "rng": _rng_state(),
+                 "loop": {"skipped": skipped, "wall_s": wall_before + time.perf_counter() - t0,
+                          "window": list(window), "recent": recent}}
+        return ckpt.save(step, state, cfg.to_dict())
+
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=cfg.steps, desc=cfg.method, unit="step", dynamic_ncols=True, mininterval=1.0)
-    metrics = open(out / "metrics.jsonl", "w") if out and rank == 0 else None
-    window, recent = [], float("nan")
+        bar = tqdm(total=cfg.steps, initial=first - 1, desc=cfg.method, unit="step",
+                   dynamic_ncols=True, mininterval=1.0)
+    metrics = open(out / "metrics.jsonl", "a" if resume else "w") if out and rank == 0 else None
     ctl.barrier()
     t0 = time.perf_counter()
+    stop_vote = None                 # non-blocking all-reduce of the ranks' stop flags
     try:
-        for step in range(1, cfg.steps + 1):
-            x, y = corpus.batch(step, rank, K, cfg.batch_size, cfg.data.seq_len, cfg.seed)
-            strategy.zero_grad()
-            loss = model.loss(x, y)
-            loss.backward()
-            strategy.step()
-            window.append(loss.item())
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                loss_sum, n, sent = _sum(ctl, [sum(window), len(window), comm.ledger.totals()["bytes_sent"]])
-                recent = loss_sum / n
-                window = []
-                if metrics:
-                    metrics.write(json.dumps({"step": step, "loss": recent, "bytes": int(sent),
-                                              "wall_s": time.perf_counter() - t0}) + "\n")
-                    metrics.flush()
+        with StopFlag() as stop:
+            for step in range(first, cfg.steps + 1):
+                x, y = corpus.batch(step, rank, K, cfg.batch_size, cfg.data.seq_len, cfg.seed)
+                strategy.zero_grad()
+                loss = model.loss(x, y)
+                loss.backward()
+                bad = nonfinite(loss, model)
+                if cfg.on_nonfinite == "skip":
+                    if _sum(ctl, [1.0 if bad else 0.0])[0] > 0:
+                        if bad:
+                            log.warning("rank %d step %d: %s is not finite; all ranks skip the step",
+                                        rank, step, bad)
+                        strategy.skip()
+                        skipped += 1
+                        bad = "skipped"
+                elif bad:
+                    raise NonFiniteError(rank, bad, step)
+                if bad != "skipped":
+                    strategy.step()
+                    window.append(loss.item())
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    loss_sum, n, sent = _sum(ctl, [sum(window), len(window), comm.ledger.totals()["bytes_sent"]])
+                    recent = loss_sum / n if n else float("nan")
+                    window = []
+                    if metrics:
+                        metrics.write(json.dumps({"step": step, "loss": recent, "bytes": int(sent),
+                                                  "wall_s": wall_before + time.perf_counter() - t0}) + "\n")
+                        metrics.flush()
+                    if bar:
+                        bar.set_postfix(loss=f"{recent:.3f}", MB=f"{sent / 1e6:.1f}")
                 if bar:
-                    bar.set_postfix(loss=f"{recent:.3f}", MB=f"{sent / 1e6:.1f}")
-            if bar:
-                bar.update(1)
-        wall = time.perf_counter() - t0
+                    bar.update(1)
+                if ckpt and cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.steps:
+                    save(step)
+                if stop_vote is not None:      # started one step ago: usually done by now
+                    flags, request = stop_vote
+                    request.wait()
+                    if flags.item() > 0:
+                        signum = stop.signum or signal.SIGTERM   # ranks the signal missed
+                        raise Interrupted(signum, step, save(step) if ckpt else None)
+                flags = torch.tensor([1 if stop.signum else 0], dtype=torch.int32)
+                stop_vote = (flags, ctl.iallreduce_(flags) if K > 1 else _Done())
+            if stop_vote is not None:
+                stop_vote[1].wait()
+        wall = wall_before + time.perf_counter() - t0
     finally:
         if bar:
             bar.close()
@@ -117,9 +275,18 @@ def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
         "bytes_per_step_per_rank": sum(per_level) / K / cfg.steps,
         "wall_s": max(ctl.allgather_object(wall)),
         "samples": cfg.steps * cfg.batch_size * K,
+        "skipped_steps": skipped,
+        "params_sha256": params_sha256(model),
         "ledger_rank0": comm.ledger.rows(),
         "config": cfg.to_dict(),
     }
     if out and rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+class _Done:
+    """A completed request (one rank: nothing to agree with)."""
+
+    def wait(self) -> None:
+        pass

@@ -56,12 +56,15 @@ class HorovodOptimizer:
                                "the wrapped optimizer (Horovod works on its own copy of it)")
         optimizer.register_step_pre_hook(wrong_object)
 
-    def step(self, closure=None):
+    def synchronize(self) -> None:
         t0 = time.perf_counter()
         self.optimizer.synchronize()
         self.comm.ledger.record("allreduce.horovod", self.comm.level,
                                 *wire_bytes("allreduce", self._grad_bytes, self.comm.size),
                                 seconds=time.perf_counter() - t0)
+
+    def step(self, closure=None):
+        self.synchronize()
         with self.optimizer.skip_synchronize():
             return self.optimizer.step(closure)
 

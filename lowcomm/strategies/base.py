@@ -15,6 +15,12 @@ class Strategy:
 
     name = "strategy"
 
+    @classmethod
+    def from_config(cls, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    comm: Comm) -> "Strategy":
+        """Build from a :class:`~lowcomm.config.Config` (``cfg.strategy`` and friends)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from a config")
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None):
         if not isinstance(model, torch.nn.Module):
@@ -33,6 +39,11 @@ class Strategy:
 
     def step(self, closure=None):
         return self.optimizer.step(closure)
+
+    def skip(self) -> None:
+        """Abandon this step on every rank (all ranks call it together): finish whatever
+        communication is in flight, discard the gradients, leave parameters as they are."""
+        self.zero_grad()
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}

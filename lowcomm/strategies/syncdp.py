@@ -34,6 +34,10 @@ class SyncDP(Strategy):
         overlap: reduce buckets during backward (True) or all at once in ``step()``.
         backend: "mpi" (lowcomm's reducer) or "horovod" (``hvd.DistributedOptimizer`` on the
             same communicator).
+        compressor: a :class:`~lowcomm.compress.Compressor` applied to every bucket (None:
+            dense all-reduce with ``algorithm``).
+        nonfinite: "raise" (a NaN/Inf gradient is an error, never sent) or "zero" (the caller
+            skips such steps with :meth:`skip`).
 
     Example::
 
@@ -45,7 +49,8 @@ class SyncDP(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, algorithm: str = "mpi", bucket_mb: float = 4.0,
-                 backward_passes_per_step: int = 1, overlap: bool = True, backend: str = "mpi"):
+                 backward_passes_per_step: int = 1, overlap: bool = True, backend: str = "mpi",
+                 compressor=None, nonfinite: str = "raise"):
         super().__init__(model, optimizer, comm)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
@@ -53,21 +58,33 @@ class SyncDP(Strategy):
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
-        self.backend, self.algorithm = backend, algorithm
+        self.backend, self.algorithm, self.compressor = backend, algorithm, compressor
         self.passes = int(backward_passes_per_step)
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if backend == "horovod":
+            if compressor is not None:
+                raise ValueError(f"compressor {compressor.name!r} runs on the mpi backend only")
             from ..backends.horovod import HorovodOptimizer
             self._hvd = HorovodOptimizer(model, optimizer, self.comm, self.passes)
             return
         self._hvd = None
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self.reducer = Reducer(self.comm, self._named[::-1], algorithm, int(bucket_mb * (1 << 20)),
-                               op="avg", overlap=overlap)
+                               op="avg", overlap=overlap, compressor=compressor,
+                               nonfinite=nonfinite)
         self._count = {n: 0 for n, _ in self._named}
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._named] \
             if overlap else []
         self._step_hook = optimizer.register_step_pre_hook(lambda *_: self.synchronize())
+
+    @classmethod
+    def from_config(cls, cfg, model, optimizer, comm):
+        from ..compress import build_compressor
+        s = cfg.strategy
+        return cls(model, optimizer, comm, algorithm=s.algorithm, bucket_mb=s.bucket_mb,
+                   backward_passes_per_step=s.backward_passes_per_step, overlap=s.overlap,
+                   backend=s.backend, compressor=build_compressor(cfg.compressor),
+                   nonfinite="zero" if cfg.on_nonfinite == "skip" else "raise")
 
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
@@ -100,6 +117,29 @@ class SyncDP(Strategy):
         if self._hvd is not None:
             return self._hvd.step(closure)
         return self.optimizer.step(closure)  # the pre-hook synchronises first
+
+    def skip(self) -> None:
+        if self._hvd is not None:
+            self._hvd.synchronize()
+        else:
+            self.synchronize()   # every rank takes part in the same reductions, then drops them
+        self.zero_grad()
+
+    def state_dict(self) -> dict:
+        if self._hvd is not None:   # Horovod steps its own copy of the optimizer
+            return {"optimizer": self._hvd.optimizer.state_dict()}
+        state = super().state_dict()
+        if self.compressor is not None:
+            state["compressor"] = self.compressor.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._hvd is not None:
+            self._hvd.optimizer.load_state_dict(state["optimizer"])
+            return
+        super().load_state_dict(state)
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state["compressor"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._hvd is not None:

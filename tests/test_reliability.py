@@ -1,0 +1,134 @@
+"""Fault injection under real mpirun: killed ranks, signals, corrupt checkpoints, NaN.
+
+Every strategy in ``STRATEGIES`` and every compressor in ``COMPRESSORS`` joins the
+kill-and-resume test by being registered: a resumed run must end with the same
+``params_sha256`` (and the same logged losses and byte counts) as an uninterrupted one.
+"""
+import json
+import random
+import sys
+import time
+
+import pytest
+
+from conftest import WORKERS, run_ranks
+from lowcomm.compress import COMPRESSORS
+from lowcomm.config import OPTIMIZERS
+from lowcomm.strategies import STRATEGIES
+
+NP, STEPS, EVERY = 2, 12, 3
+SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",
+         "data.seq_len=32", "data.max_bytes=300000", "eval_batches=2", f"steps={STEPS}",
+         f"log_every={EVERY}", f"checkpoint.every={EVERY}", "comm.timeout_s=20"]
+OUTER = ["strategy.period=4", "strategy.fragments=2", "strategy.delay=1"]
+
+
+def methods() -> dict[str, list[str]]:
+    m = {"syncdp": [], "syncdp-ring-sgd": ["strategy.algorithm=ring", "strategy.overlap=false",
+                                           "optimizer.name=sgd", "optimizer.momentum=0.9"],
+         "horovod": ["strategy.backend=horovod"]}
+    m.update({name: [f"strategy.name={name}", *OUTER] for name in STRATEGIES if name != "syncdp"})
+    m.update({f"compressor-{name}": [f"compressor.name={name}", "compressor.start_iter=2"]
+              for name in COMPRESSORS if name != "none"})
+    if "onebit-adam" in OPTIMIZERS:
+        m["onebit-adam"] = ["optimizer.name=onebit-adam", "optimizer.freeze_step=4"]
+    return m
+
+
+def train(out, *overrides, fault=None, resume=None, np=NP, timeout=120):
+    args = ["--quiet", "--out", out] + [a for o in (*SMALL, *overrides) for a in ("--set", o)]
+    if resume:
+        args += ["--resume", resume]
+    cmd = (sys.executable, WORKERS / "faulty_train.py") if fault else ("lowcomm",)
+    env = {"LOWCOMM_FAULT": fault} if fault else None
+    return run_ranks(np, *cmd, "train", *args, env=env, timeout=timeout)
+
+
+def logged(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("method", list(methods()))
+def test_sigkill_then_resume_is_bit_identical(tmp_path, method):
+    extra = methods()[method]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    r = train(ref, *extra)
+    assert r.returncode == 0, r.output
+    step = random.SystemRandom().randint(EVERY + 1, STEPS)
+    t0 = time.monotonic()
+    r = train(run, *extra, fault=f"kill:1:{step}")
+    assert r.returncode != 0, f"killed at step {step}\n{r.output}"
+    assert time.monotonic() - t0 < 60, "a killed rank must end the job, not hang it"
+    assert not (run / "summary.json").exists()
+    assert not list((run / "checkpoints").glob(".*.tmp")), "no half-written checkpoint is left"
+    r = train(run, *extra, resume=run)
+    assert r.returncode == 0, f"killed at step {step}\n{r.output}"
+    assert f"at step {(step - 1) // EVERY * EVERY}" in r.stderr, r.output
+    a, b = summary(ref), summary(run)
+    assert a["params_sha256"] == b["params_sha256"], f"{method} killed at step {step}"
+    assert logged(ref) == [{**x, "wall_s": y["wall_s"]} for x, y in zip(logged(run), logged(ref))]
+    assert (a["bytes_total"], a["eval_loss"]) == (b["bytes_total"], b["eval_loss"])
+
+
+def test_sigterm_on_one_rank_checkpoints_all_and_exits_nonzero(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert train(ref, "checkpoint.every=0").returncode == 0
+    r = train(run, "checkpoint.every=0", fault="term:1:5")
+    assert r.returncode != 0, r.output
+    assert "stopped by SIGTERM after step 6" in r.stderr, r.output   # agreed one step later
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000006"]
+    assert not (run / "summary.json").exists()
+    r = train(run, "checkpoint.every=0", resume=run)
+    assert r.returncode == 0, r.output
+    assert summary(ref)["params_sha256"] == summary(run)["params_sha256"]
+
+
+def test_truncated_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert train(ref).returncode == 0
+    assert train(run, fault=f"kill:0:{STEPS - 1}").returncode != 0
+    newest = sorted((run / "checkpoints").glob("step-*"))[-1]
+    part = newest / "rank-00001.pt"
+    part.write_bytes(part.read_bytes()[:1000])
+    r = train(run, resume=run)
+    assert r.returncode == 0, r.output
+    assert f"{part} is corrupt or truncated" in r.stderr, r.output
+    assert f"resumed from {run / 'checkpoints'} at step {STEPS - 2 * EVERY}" in r.stderr, r.output
+    assert summary(ref)["params_sha256"] == summary(run)["params_sha256"]
+
+
+def test_resume_that_cannot_continue_fails_before_training(tmp_path):
+    run = tmp_path / "run"
+    assert train(run, fault=f"kill:1:{STEPS}").returncode != 0
+    r = train(run, "model.d_model=64", resume=run)
+    assert r.returncode != 0 and "config differs in: model.d_model: checkpoint 32, now 64" in r.stderr, r.output
+    r = train(run, resume=run, np=3)
+    assert r.returncode != 0 and "written by 2 ranks; this run has 3" in r.stderr, r.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((run / "config.json").read_text())
+    r = train(empty, resume=empty)
+    assert r.returncode != 0 and "no intact checkpoint" in r.stderr, r.output
+
+
+@pytest.mark.parametrize("kind,what", [("nan-loss", "the loss"),
+                                       ("nan-grad", "the gradient of 'tok.weight'")])
+def test_nonfinite_aborts_naming_rank_step_and_tensor(tmp_path, kind, what):
+    r = train(tmp_path, fault=f"{kind}:1:5")
+    assert r.returncode != 0, r.output
+    assert f"rank 1 at step 5: non-finite values (NaN/Inf) in {what}" in r.stderr, r.output
+    assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.parametrize("kind", ["nan-loss", "nan-grad"])
+def test_nonfinite_skip_skips_the_step_on_every_rank(tmp_path, kind):
+    r = train(tmp_path, "on_nonfinite=skip", fault=f"{kind}:1:5")
+    assert r.returncode == 0, r.output
+    s = summary(tmp_path)
+    assert s["skipped_steps"] == 1, s["skipped_steps"]
+    assert s["final_loss"] == s["final_loss"] and s["eval_loss"] == s["eval_loss"]   # not NaN
+    assert "rank 1 step 5: " in r.stderr and "all ranks skip the step" in r.stderr, r.output

@@ -1,0 +1,47 @@
+"""``lowcomm train`` with one injected fault: ``LOWCOMM_FAULT=kind:rank:step``.
+
+kinds: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself), ``term`` (SIGTERM itself, only that
+rank), ``nan-loss`` (the loss is NaN), ``nan-grad`` (one parameter's gradient is Inf while the
+loss stays finite). The fault happens in the forward pass of ``step`` on ``rank``; everything
+else is the real CLI, so what the test sees is what a user would see.
+"""
+import os
+import signal
+
+import torch
+
+import lowcomm.train
+from lowcomm.cli import launcher_rank, main
+
+kind, fault_rank, fault_step = os.environ["LOWCOMM_FAULT"].split(":")
+fault_rank, fault_step = int(fault_rank), int(fault_step)
+real_build_model = lowcomm.train.build_model
+
+
+def build_model(cfg):
+    model = real_build_model(cfg)
+    if launcher_rank() != fault_rank:
+        return model
+    real_loss, calls = model.loss, [0]
+
+    def loss(x, y):
+        out = real_loss(x, y)
+        if model.training:
+            calls[0] += 1
+            if calls[0] == fault_step:
+                if kind in ("kill", "stop", "term"):
+                    os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP,
+                                          "term": signal.SIGTERM}[kind])
+                elif kind == "nan-loss":
+                    out = out * float("nan")
+                elif kind == "nan-grad":
+                    p = next(model.parameters())
+                    p.register_hook(lambda g: torch.full_like(g, float("inf")) if calls[0] == fault_step else g)
+        return out
+
+    model.loss = loss
+    return model
+
+
+lowcomm.train.build_model = build_model
+main()
