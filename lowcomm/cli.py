@@ -152,6 +152,45 @@ def bench_step(config, overrides, strategies, steps, warmup, json_path):
 
 
 @cli.command()
+@config_options
+@click.option("--np", "np_", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Ranks per run.")
+@click.option("--methods", default="main", show_default=True,
+              help="Comma list of methods, 'main' or 'all' (see lowcomm.compare.METHODS).")
+@click.option("--steps", type=click.IntRange(min=1), default=300, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), default="runs/compare", show_default=True)
+@click.option("--wan", default="model", show_default=True, metavar="model|DELAY_MS,RATE_MBIT",
+              help="'model': run on this machine and model the wall-clock on --link; "
+                   "DELAY_MS,RATE_MBIT: also the link of the model.")
+@click.option("--link", default="25,100", show_default=True, metavar="DELAY_MS,RATE_MBIT",
+              help="Link of the modelled wall-clock (α–β model) when --wan model.")
+@click.option("--launcher", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Launcher script taking '-n N COMMAND...' (default: mpirun with local flags).")
+@click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per method.")
+def compare(config, overrides, np_, methods, steps, out, wan, link, launcher, timeout):
+    """Train the same model under each method (one mpirun each); write results.json, plots and
+    a ranked table."""
+    from .compare import Link, compare as run, resolve_methods, table
+    try:
+        names = resolve_methods(methods)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--methods") from None
+    try:
+        the_link = Link.parse(link if wan == "model" else wan)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--wan/--link") from None
+    cfg = _config(config, (*overrides, f"steps={steps}"))   # a bad key fails here, not in every run
+    if not cfg.eval_every:   # about ten points per eval-loss curve
+        overrides = (*overrides, f"eval_every={max(1, round(steps / 10 / cfg.log_every)) * cfg.log_every}")
+    results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout)
+    click.echo(f"\n{np_} ranks, {steps} steps per method; modelled link: {the_link}\n")
+    click.echo(table(results, the_link))
+    click.echo(f"\nwrote {Path(out) / 'results.json'}, table.md and eval_loss_vs_*.png")
+    if any(r["status"] != "ok" for r in results):
+        raise SystemExit(1)
+
+
+@cli.command()
 def info():
     """Versions, MPI library and thread level, Horovod build."""
     import torch

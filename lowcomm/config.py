@@ -101,6 +101,7 @@ class Config:
     lr: float = 3e-3
     log_every: int = 10
     eval_batches: int = 16
+    eval_every: int = 0            # also evaluate every N steps (a multiple of log_every; 0 = end only)
     topology: str = ""
     on_nonfinite: str = "abort"    # NaN/Inf loss or gradient: "abort" or "skip" the step
     data: DataConfig = field(default_factory=DataConfig)
@@ -220,6 +221,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("compressor.ratio", f"must be in (0, 1], got {cfg.compressor.ratio}")
     if cfg.comm.timeout_s < 0:
         raise ConfigError("comm.timeout_s", f"must be >= 0 (0 = no watchdog), got {cfg.comm.timeout_s}")
+    if cfg.eval_every < 0 or (cfg.eval_every and cfg.eval_every % cfg.log_every):
+        raise ConfigError("eval_every", f"must be 0 or a multiple of log_every={cfg.log_every}, "
+                          f"got {cfg.eval_every}")
     if cfg.eval_batches < 0:
         raise ConfigError("eval_batches", f"must be >= 0, got {cfg.eval_batches}")
     if not cfg.lr > 0:

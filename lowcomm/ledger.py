@@ -51,6 +51,33 @@ def wire_bytes(op: str, nbytes: int, size: int) -> tuple[int, int]:
     raise ValueError(f"no analytic volume for op {op!r}")
 
 
+def latency_rounds(op: str, size: int) -> int:
+    """Message rounds one call of ``op`` takes on ``size`` ranks (the α term's multiplier in the
+    α–β model of Hockney 1994 / Thakur, Rabenseifner & Gropp 2005): a ring all-reduce has
+    2(K−1) steps, tree-shaped ones 2⌈log2 K⌉, gathers K−1, point-to-point one."""
+    if size <= 1:
+        return 0
+    family, _, algorithm = op.partition(".")
+    log2 = max(1, (size - 1).bit_length())
+    if family in ("send", "recv", "sendrecv"):
+        return 1
+    if family == "allreduce":
+        return 2 * (size - 1) if algorithm == "ring" else 2 * log2
+    if family in ("allgather", "alltoall", "reduce_scatter"):
+        return size - 1
+    if family in ("bcast", "barrier"):
+        return log2
+    return 1
+
+
+def alpha_beta_seconds(rows: list[dict], size: int, alpha_s: float, bytes_per_s: float,
+                       levels: tuple[str, ...] | None = None) -> float:
+    """Modelled time of the traffic in ledger ``rows`` over one link: Σ rounds·α + bytes_sent/β
+    (one rank's view; rows of other ``levels`` are taken as free)."""
+    return sum(latency_rounds(r["op"], size) * r["calls"] * alpha_s + r["bytes_sent"] / bytes_per_s
+               for r in rows if levels is None or r["level"] in levels)
+
+
 @dataclass
 class OpStats:
     calls: int = 0
@@ -123,6 +150,10 @@ class Ledger:
         for r in self.rows():
             out.add(r["calls"], r["bytes_sent"], r["bytes_recv"], r["seconds"])
         return asdict(out)
+
+    def rounds(self, size: int) -> int:
+        """Total message rounds (the α–β model's latency count) of everything recorded."""
+        return sum(latency_rounds(r["op"], size) * r["calls"] for r in self.rows())
 
     def by_level(self) -> dict[str, int]:
         """Bytes sent per level by this rank."""

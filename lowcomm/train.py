@@ -235,12 +235,18 @@ def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
                     strategy.step()
                     window.append(loss.item())
                 if step % cfg.log_every == 0 or step == cfg.steps:
-                    loss_sum, n, sent = _sum(ctl, [sum(window), len(window), comm.ledger.totals()["bytes_sent"]])
+                    tot = comm.ledger.totals()
+                    loss_sum, n, sent, comm_s, rounds = _sum(ctl, [
+                        sum(window), len(window), tot["bytes_sent"], tot["seconds"], comm.ledger.rounds(K)])
                     recent = loss_sum / n if n else float("nan")
                     window = []
+                    line = {"step": step, "loss": recent, "bytes": int(sent),
+                            "wall_s": wall_before + time.perf_counter() - t0,
+                            "comm_s": comm_s / K, "rounds": rounds / K}
+                    if cfg.eval_batches and cfg.eval_every and step % cfg.eval_every == 0:
+                        line["eval_loss"] = evaluate(model, corpus, cfg, ctl)
                     if metrics:
-                        metrics.write(json.dumps({"step": step, "loss": recent, "bytes": int(sent),
-                                                  "wall_s": wall_before + time.perf_counter() - t0}) + "\n")
+                        metrics.write(json.dumps(line) + "\n")
                         metrics.flush()
                     if bar:
                         bar.set_postfix(loss=f"{recent:.3f}", MB=f"{sent / 1e6:.1f}")

@@ -1,0 +1,267 @@
+"""``lowcomm compare``: every method on one model and one data order, one command.
+
+Each method is its own ``mpirun`` of ``lowcomm train`` with the same config, seed, data order
+and sample count, differing only in the method's overrides (:data:`METHODS`). The driver runs
+outside MPI, shows one progress bar over all steps, and writes into ``--out``:
+
+* ``<method>/``: each run's config.json, metrics.jsonl, summary.json, stdout/stderr logs;
+* ``results.json``: one object per method (failed ones with their error);
+* ``eval_loss_vs_bytes.png``, ``eval_loss_vs_wall.png``, ``eval_loss_vs_modelled_wall.png``,
+  ``eval_loss_vs_steps.png``.
+
+Modelled wall-clock answers "what would this cost on link L?": the run's computation (measured
+wall-clock minus the communication time it measured) plus the α–β time of its traffic on L
+(:func:`lowcomm.ledger.alpha_beta_seconds`: message rounds·α + bytes/β, no overlap assumed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .ledger import alpha_beta_seconds
+
+# Method name -> the config overrides that select it (on top of the shared config).
+METHODS: dict[str, list[str]] = {
+    "ddp": [],
+    "horovod": ["strategy.backend=horovod"],
+    **{name: [f"compressor.name={name}"] for name in
+       ("fp16", "bf16", "int8", "qsgd", "topk", "randomk", "sign", "sign-mv", "ef-sign", "powersgd")},
+    "onebit-adam": ["optimizer.name=onebit-adam"],
+    "localsgd": ["strategy.name=localsgd", "strategy.period=10"],
+    "diloco": ["strategy.name=diloco", "strategy.period=50"],
+    "streaming-diloco": ["strategy.name=streaming-diloco", "strategy.period=50",
+                         "strategy.fragments=4", "strategy.delay=5"],
+}
+MAIN_METHODS = ("ddp", "fp16", "int8", "topk", "ef-sign", "powersgd", "localsgd", "diloco")
+
+
+def available(name: str) -> bool:
+    """True when every piece the method names is registered in this installation."""
+    from .compress import COMPRESSORS
+    from .config import OPTIMIZERS
+    from .strategies import STRATEGIES
+    for o in METHODS[name]:
+        key, _, value = o.partition("=")
+        if (key == "compressor.name" and value not in COMPRESSORS) or \
+           (key == "strategy.name" and value not in STRATEGIES) or \
+           (key == "optimizer.name" and value not in OPTIMIZERS):
+            return False
+    return True
+
+
+def resolve_methods(text: str) -> list[str]:
+    """``"all"``, ``"main"`` or a comma list -> method names; unknown names are a ValueError
+    listing the known ones."""
+    if text == "all":
+        return [m for m in METHODS if available(m)]
+    if text == "main":
+        return [m for m in MAIN_METHODS if available(m)]
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names:
+        raise ValueError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; known: "
+                         f"{', '.join(METHODS)} (or 'all', 'main')")
+    missing = [m for m in names if not available(m)]
+    if missing:
+        raise ValueError(f"method(s) {', '.join(missing)} are not available in this installation")
+    return names
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link for the α–β model: one-way latency and bandwidth."""
+    delay_ms: float
+    rate_mbit: float
+
+    @classmethod
+    def parse(cls, text: str) -> "Link":
+        try:
+            d, r = (float(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"a link is DELAY_MS,RATE_MBIT (e.g. 25,100), got {text!r}") from None
+        if d < 0 or r <= 0:
+            raise ValueError(f"link delay must be >= 0 and rate > 0, got {text!r}")
+        return cls(d, r)
+
+    def seconds(self, rows: list[dict], size: int) -> float:
+        return alpha_beta_seconds(rows, size, self.delay_ms / 1e3, self.rate_mbit * 1e6 / 8)
+
+    def __str__(self) -> str:
+        return f"{self.delay_ms:g} ms, {self.rate_mbit:g} Mbit/s"
+
+
+def modelled_wall(summary: dict, link: Link) -> float:
+    """Computation measured in the run plus its (rank 0) traffic's α–β time on ``link``."""
+    rows = summary["ledger_rank0"]
+    measured_comm = sum(r["seconds"] for r in rows)
+    return max(summary["wall_s"] - measured_comm, 0.0) + link.seconds(rows, summary["ranks"])
+
+
+def _line_modelled(line: dict, link: Link) -> float:
+    per_rank_bytes = line["bytes"]   # summed over ranks; rounds are per rank
+    ranks = line.get("ranks", 1)
+    return max(line["wall_s"] - line["comm_s"], 0.0) + line["rounds"] * link.delay_ms / 1e3 \
+        + per_rank_bytes / ranks / (link.rate_mbit * 1e6 / 8)
+
+
+def mpirun_command(np: int, launcher: str | None) -> list[str]:
+    """The launch prefix: ``launcher -n np`` when given, else mpirun with this machine's flags."""
+    if launcher:
+        return [launcher, "-n", str(np)]
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise RuntimeError("mpirun not found on PATH; run 'make setup' (Open MPI) first")
+    cmd = [mpirun, "-n", str(np), "--oversubscribe", "--bind-to", "none",
+           "-x", "OMP_NUM_THREADS=1", "-x", "LOWCOMM_NUM_THREADS=1", "-x", "PATH"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd
+
+
+def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
+               overrides: list[str], launcher: str | None, timeout_s: float, on_step=None) -> dict:
+    """One method's run; returns its summary (plus ``status``) or a failure record."""
+    run_dir = out / method
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    sets = [*overrides, *METHODS[method], f"steps={steps}"]
+    cmd = [*mpirun_command(np, launcher), sys.executable, "-m", "lowcomm.cli", "train", "--quiet",
+           "--out", str(run_dir), *(["--config", config] if config else []),
+           *[a for s in sets for a in ("--set", s)]]
+    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    record = {"method": method, "overrides": METHODS[method]}
+    t0 = time.monotonic()
+    with open(run_dir / "stdout.log", "w") as so, open(run_dir / "stderr.log", "w") as se:
+        p = subprocess.Popen(cmd, stdout=so, stderr=se, start_new_session=True)
+        last = 0
+        while p.poll() is None:
+            time.sleep(0.5)
+            last = _progress(run_dir / "metrics.jsonl", last, on_step)
+            if time.monotonic() - t0 > timeout_s:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                return {**record, "status": "failed", "error": f"timed out after {timeout_s:g} s"}
+        _progress(run_dir / "metrics.jsonl", last, on_step)
+    summary_path = run_dir / "summary.json"
+    if p.returncode != 0 or not summary_path.exists():
+        err = (run_dir / "stderr.log").read_text().strip().splitlines()
+        why = [line for line in err if "lowcomm failed" in line or "Error" in line] or err[-5:]
+        return {**record, "status": "failed", "error": f"exit {p.returncode}: " + " | ".join(why[:3])}
+    s = json.loads(summary_path.read_text())
+    return {**record, "status": "ok", **{k: s[k] for k in (
+        "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total", "bytes_by_level",
+        "wall_s", "skipped_steps", "params_sha256")}, "summary": str(summary_path)}
+
+
+def _progress(metrics: Path, last: int, on_step) -> int:
+    if on_step is None or not metrics.exists():
+        return last
+    lines = metrics.read_text().splitlines()
+    if lines:
+        try:
+            step = json.loads(lines[-1])["step"]
+        except ValueError:   # a line being written
+            return last
+        if step > last:
+            on_step(step - last)
+            return step
+    return last
+
+
+def curves(out: Path, result: dict) -> list[dict]:
+    lines = [json.loads(x) for x in (out / result["method"] / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        line["ranks"] = result["ranks"]
+    return lines
+
+
+def plot(out: Path, results: list[dict], link: Link) -> list[Path]:
+    """Eval loss against bytes, measured and modelled wall-clock, and steps: one PNG each."""
+    import logging
+
+    import matplotlib
+    matplotlib.use("Agg")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r["status"] == "ok"]
+    axes = [("bytes", "bytes sent, all ranks", "eval_loss_vs_bytes.png", lambda ln: ln["bytes"], True),
+            ("wall", "wall-clock s (measured)", "eval_loss_vs_wall.png", lambda ln: ln["wall_s"], False),
+            ("modelled", f"wall-clock s (modelled, {link})", "eval_loss_vs_modelled_wall.png",
+             lambda ln: _line_modelled(ln, link), False),
+            ("steps", "step", "eval_loss_vs_steps.png", lambda ln: ln["step"], False)]
+    written = []
+    for _, xlabel, fname, x_of, logx in axes:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in ok:
+            pts = [(x_of(ln), ln["eval_loss"]) for ln in curves(out, r) if "eval_loss" in ln]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3, label=r["method"])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("eval loss")
+        if logx:
+            ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(f"{ok[0]['ranks'] if ok else '?'} ranks, {ok[0]['steps'] if ok else '?'} steps")
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        written.append(out / fname)
+    return written
+
+
+def table(results: list[dict], link: Link) -> str:
+    """Markdown table, best eval loss first; failed methods last with their error."""
+    ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["eval_loss"])
+    base = next((r for r in ok if r["method"] == "ddp"), None)
+    head = ("| # | method | eval loss | train loss | MB sent | ddp bytes ÷ bytes | wall s | "
+            f"modelled s ({link}) |\n|---|---|---|---|---|---|---|---|")
+    rows = []
+    for i, r in enumerate(ok, 1):
+        ratio = f"{base['bytes_total'] / r['bytes_total']:.1f}×" if base and r["bytes_total"] else "–"
+        rows.append(f"| {i} | {r['method']} | {r['eval_loss']:.4f} | {r['final_loss']:.4f} | "
+                    f"{r['bytes_total'] / 1e6:.1f} | {ratio} | {r['wall_s']:.1f} | {r['modelled_wall_s']:.1f} |")
+    rows += [f"| – | {r['method']} | failed: {r['error']} | | | | | |"
+             for r in results if r["status"] != "ok"]
+    return "\n".join([head, *rows])
+
+
+def compare(methods: list[str], np: int, steps: int, out: str | Path, config: str | None = None,
+            overrides: tuple[str, ...] = (), link: Link = Link(25, 100), launcher: str | None = None,
+            timeout_s: float = 3600, progress: bool = True) -> list[dict]:
+    """Run every method, write results.json, plots and table.md; return the results."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    bar = tqdm(total=steps * len(methods), unit="step", disable=not progress, dynamic_ncols=True)
+    try:
+        for method in methods:
+            bar.set_description(method)
+            done_before = bar.n
+            r = run_method(method, np, steps, out, config, list(overrides), launcher, timeout_s,
+                           on_step=bar.update)
+            bar.update(done_before + steps - bar.n)
+            if r["status"] == "ok":
+                s = json.loads(Path(r.pop("summary")).read_text())
+                r["modelled_wall_s"] = modelled_wall(s, link)
+                r["link"] = {"delay_ms": link.delay_ms, "rate_mbit": link.rate_mbit}
+            else:
+                bar.write(f"{method} failed: {r['error']}")
+            results.append(r)
+            (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")   # as we go
+    finally:
+        bar.close()
+    plot(out, results, link)
+    (out / "table.md").write_text(table(results, link) + "\n")
+    return results

@@ -1,0 +1,66 @@
+"""``lowcomm compare``: the same workload under several methods, results, plots and table."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from lowcomm.compare import METHODS, Link, modelled_wall, resolve_methods
+
+SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",
+         "data.seq_len=32", "data.max_bytes=300000", "eval_batches=2", "log_every=5"]
+
+
+def compare(tmp_path, *args, timeout=300):
+    sets = [a for s in SMALL for a in ("--set", s)]
+    return subprocess.run([sys.executable, "-m", "lowcomm.cli", "compare", "--np", "2", "--steps", "20", "--out", str(tmp_path),
+                           *sets, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_unknown_method_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown method.*warp.*known: ddp, horovod"):
+        resolve_methods("ddp,warp")
+    assert resolve_methods("ddp,horovod") == ["ddp", "horovod"]
+    assert "ddp" in resolve_methods("all") and set(resolve_methods("all")) <= set(METHODS)
+
+
+def test_modelled_wall_is_compute_plus_alpha_beta():
+    rows = [{"level": "world", "op": "allreduce.ring", "calls": 10, "bytes_sent": 1_000_000,
+             "bytes_recv": 1_000_000, "seconds": 0.5}]
+    s = {"ledger_rank0": rows, "wall_s": 2.0, "ranks": 4}
+    # compute 1.5 s + 10 calls x 2(K-1)=6 rounds x 10 ms + 1 MB at 8 Mbit/s = 1 s
+    assert modelled_wall(s, Link(10, 8)) == pytest.approx(1.5 + 0.6 + 1.0)
+    with pytest.raises(ValueError, match="DELAY_MS,RATE_MBIT"):
+        Link.parse("fast")
+
+
+def test_compare_keeps_going_when_one_method_fails(tmp_path):
+    r = compare(tmp_path, "--methods", "ddp,horovod,fp16" if "fp16" in resolve_methods("all") else "ddp,horovod",
+                "--launcher", ROOT / "tests" / "launchers" / "fail_horovod.sh")
+    assert r.returncode == 1, r.stdout + r.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    by = {x["method"]: x for x in results}
+    assert by["horovod"]["status"] == "failed" and "exit 7" in by["horovod"]["error"]
+    ok = [x for x in results if x["status"] == "ok"]
+    assert ok and all(x["steps"] == 20 and x["ranks"] == 2 for x in ok)
+    for x in ok:
+        assert {"method", "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total",
+                "bytes_by_level", "wall_s", "modelled_wall_s"} <= set(x)
+        assert x["bytes_total"] > 0 and x["eval_loss"] > 0
+    for png in ("bytes", "wall", "modelled_wall", "steps"):
+        assert (tmp_path / f"eval_loss_vs_{png}.png").stat().st_size > 10_000
+    assert "| 1 | " in r.stdout and "horovod | failed: exit 7" in r.stdout, r.stdout
+
+
+def test_compare_runs_every_method_on_the_same_data(tmp_path):
+    r = compare(tmp_path, "--methods", "ddp,horovod")
+    assert r.returncode == 0, r.stdout + r.stderr
+    a, b = json.loads((tmp_path / "results.json").read_text())
+    # Horovod and lowcomm's SyncDP average the same gradients of the same batches
+    assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-4)
+    curves = [[json.loads(x) for x in (tmp_path / m / "metrics.jsonl").read_text().splitlines()]
+              for m in ("ddp", "horovod")]
+    assert [x["step"] for x in curves[0]] == [x["step"] for x in curves[1]] == [5, 10, 15, 20]
+    assert all("eval_loss" in x for x in curves[0][1::2])      # eval_every = 10 by default
