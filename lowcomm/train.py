@@ -243,6 +243,7 @@ def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
                     line = {"step": step, "loss": recent, "bytes": int(sent),
                             "wall_s": wall_before + time.perf_counter() - t0,
                             "comm_s": comm_s / K, "rounds": rounds / K}
+                    line.update(strategy.log_fields(ctl))
                     if cfg.eval_batches and cfg.eval_every and step % cfg.eval_every == 0:
                         line["eval_loss"] = evaluate(model, corpus, cfg, ctl)
                     if metrics:
@@ -282,6 +283,7 @@ def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
         "wall_s": max(ctl.allgather_object(wall)),
         "samples": cfg.steps * cfg.batch_size * K,
         "skipped_steps": skipped,
+        **strategy.summary(ctl),
         "params_sha256": params_sha256(model),
         "ledger_rank0": comm.ledger.rows(),
         "config": cfg.to_dict(),

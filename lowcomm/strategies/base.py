@@ -51,5 +51,14 @@ class Strategy:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
 
+    def log_fields(self, ctl: Comm) -> dict:
+        """Extra fields for this log line of metrics.jsonl (called on every rank together;
+        reduce over ``ctl``, the uncharged control communicator). E.g. consensus distance."""
+        return {}
+
+    def summary(self, ctl: Comm) -> dict:
+        """Extra fields for summary.json (called on every rank together, after training)."""
+        return {}
+
     def close(self) -> None:
         """Release threads and hooks; the strategy must not be used afterwards."""
