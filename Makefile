@@ -11,8 +11,14 @@ DEMO_OUT ?= runs/demo
 setup:
 	@bash scripts/bootstrap.sh
 
+DEMO_METHODS ?= main
+DEMO_STEPS ?= 300
+
+# The main job: every main method on the default workload (Python stdlib corpus), one mpirun
+# each, then results.json, table.md and eval-loss plots in $(DEMO_OUT).
 demo: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH launchers/local.sh -n $(NP) lowcomm train --out $(DEMO_OUT)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH lowcomm compare --np $(NP) --methods $(DEMO_METHODS) \
+		--steps $(DEMO_STEPS) --out $(DEMO_OUT)
 
 test: setup
 	$(PY) -m pytest -q tests
