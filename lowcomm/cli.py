@@ -153,33 +153,41 @@ def bench_step(config, overrides, strategies, steps, warmup, json_path):
 
 @cli.command()
 @config_options
-@click.option("--np", "np_", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Ranks per run.")
-@click.option("--methods", default="main", show_default=True,
-              help="Comma list of methods, 'main' or 'all' (see lowcomm.compare.METHODS).")
-@click.option("--steps", type=click.IntRange(min=1), default=300, show_default=True)
+@click.option("--np", "np_", type=click.IntRange(min=1), default=None,
+              help="Ranks per run [default: compare.np of the config, 4].")
+@click.option("--methods", default=None,
+              help="Comma list of methods, 'main' or 'all' (see lowcomm.compare.METHODS) "
+                   "[default: compare.methods of the config, 'main'].")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Steps per method [default: the config's steps, 300].")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/compare", show_default=True)
 @click.option("--wan", default="model", show_default=True, metavar="model|DELAY_MS,RATE_MBIT",
               help="'model': run on this machine and model the wall-clock on --link; "
-                   "DELAY_MS,RATE_MBIT: also the link of the model.")
-@click.option("--link", default="25,100", show_default=True, metavar="DELAY_MS,RATE_MBIT",
-              help="Link of the modelled wall-clock (α–β model) when --wan model.")
+                   "DELAY_MS,RATE_MBIT: the link of the model.")
+@click.option("--link", default=None, metavar="DELAY_MS,RATE_MBIT",
+              help="Link of the modelled wall-clock (α–β model) [default: compare.link, 25,100].")
 @click.option("--launcher", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Launcher script taking '-n N COMMAND...' (default: mpirun with local flags).")
 @click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per method.")
 def compare(config, overrides, np_, methods, steps, out, wan, link, launcher, timeout):
     """Train the same model under each method (one mpirun each); write results.json, plots and
-    a ranked table."""
+    a ranked table. An experiment TOML (--config) may hold a [compare] table: question, expect,
+    methods, np, link."""
     from .compare import Link, compare as run, resolve_methods, table
+    if steps is not None:
+        overrides = (*overrides, f"steps={steps}")
+    cfg = _config(config, overrides)   # a bad key fails here, not in every run
+    steps, np_ = cfg.steps, np_ or cfg.compare.np
     try:
-        names = resolve_methods(methods)
+        names = resolve_methods(methods or cfg.compare.methods)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--methods") from None
     try:
-        the_link = Link.parse(link if wan == "model" else wan)
+        the_link = Link.parse(wan if wan != "model" else link or cfg.compare.link)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--wan/--link") from None
-    cfg = _config(config, (*overrides, f"steps={steps}"))   # a bad key fails here, not in every run
+    if cfg.compare.question:
+        click.echo(f"question: {cfg.compare.question}\nexpected: {cfg.compare.expect}")
     if not cfg.eval_every:   # about ten points per eval-loss curve
         overrides = (*overrides, f"eval_every={max(1, round(steps / 10 / cfg.log_every)) * cfg.log_every}")
     results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout)

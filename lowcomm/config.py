@@ -94,6 +94,16 @@ class CheckpointConfig:
 
 
 @dataclass
+class CompareConfig:
+    """What ``lowcomm compare --config FILE`` runs (``lowcomm train`` ignores this table)."""
+    question: str = ""             # what the experiment asks
+    expect: str = ""               # the outcome we expect, in words
+    methods: str = "main"          # comma list, "main" or "all"
+    np: int = 4
+    link: str = "25,100"           # DELAY_MS,RATE_MBIT of the modelled wall-clock
+
+
+@dataclass
 class Config:
     steps: int = 300
     seed: int = 0
@@ -111,6 +121,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
