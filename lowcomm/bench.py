@@ -7,6 +7,7 @@ nccl-tests: ``algbw = bytes / time``, ``busbw = algbw · 2(K-1)/K`` for all-redu
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 import statistics
 import time
@@ -206,4 +207,72 @@ def format_step(rows: list[dict]) -> str:
         ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
         lines.append(f"{r['strategy']:>22} {r['params']:>10} {r['step_ms']:>16.1f} "
                      f"{r['step_ms_mean']:>8.1f} {ratio:>10}")
+    return "\n".join(lines)
+
+
+def bench_compress(methods: list[str], numel: int = 2048 * 2048, iters: int = 10, warmup: int = 2,
+                   cfg=None) -> list[dict]:
+    """Single-process compress / decompress throughput of each method on one float32 gradient
+    of ``numel`` elements (a square-ish matrix), beside a memcpy of the same bytes timed in the
+    same run. GB/s = gradient bytes / median seconds; ``vs memcpy`` = that / memcpy GB/s.
+    Method ``pack`` times the bit packing and unpacking alone (sign methods and 1-bit Adam)."""
+    from .compress import COMPRESSORS, build_compressor
+    from .compress.base import Segment
+    from .compress.bits import pack_signs, unpack_signs
+    from .config import CompressorConfig
+
+    for m in methods:
+        _check_known(m, [*COMPRESSORS, "pack"], "method")
+    rows_n = max(1, int(numel ** 0.5))
+    while numel % rows_n:
+        rows_n -= 1
+    shape = (rows_n, numel // rows_n)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=gen)
+    segs = [Segment("grad", torch.Size(shape), 0, numel)]
+    nbytes = numel * 4
+
+    def median(fn) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    dst = torch.empty_like(x)
+    memcpy = nbytes / median(lambda: dst.copy_(x)) / 1e9
+    rows = [{"method": "memcpy", "compress_GBps": memcpy, "decompress_GBps": memcpy,
+             "payload_bytes": nbytes}]
+    base = cfg or CompressorConfig()
+    for m in methods:
+        if m == "pack":
+            t = median(lambda: pack_signs(x))
+            p = pack_signs(x)
+            u = median(lambda: unpack_signs(p, numel, torch.float32, 0.5))
+            rows.append({"method": "pack/unpack", "compress_GBps": nbytes / t / 1e9,
+                         "decompress_GBps": nbytes / u / 1e9, "payload_bytes": p.numel()})
+            continue
+        c = build_compressor(dataclasses.replace(base, name=m, start_iter=0)) or COMPRESSORS["none"](base)
+        t = median(lambda: c.compress(x, "bench", segs))
+        payload, ctx = c.compress(x, "bench", segs)
+        u = median(lambda: c.decompress(payload, ctx))
+        rows.append({"method": m, "compress_GBps": nbytes / t / 1e9, "decompress_GBps": nbytes / u / 1e9,
+                     "payload_bytes": sum(p.numel() * p.element_size() for p in payload)})
+    for row in rows:
+        row["compress_vs_memcpy"] = row["compress_GBps"] / memcpy
+        row["decompress_vs_memcpy"] = row["decompress_GBps"] / memcpy
+        row["ratio"] = nbytes / row["payload_bytes"]
+    return rows
+
+
+def format_compress(rows: list[dict]) -> str:
+    lines = [f"{'method':>12} {'payload(B)':>11} {'ratio':>7} {'compress GB/s':>14} {'vs memcpy':>10} "
+             f"{'decompress GB/s':>16} {'vs memcpy':>10}"]
+    for r in rows:
+        lines.append(f"{r['method']:>12} {r['payload_bytes']:>11} {r['ratio']:>7.1f} "
+                     f"{r['compress_GBps']:>14.2f} {r['compress_vs_memcpy']:>10.2f} "
+                     f"{r['decompress_GBps']:>16.2f} {r['decompress_vs_memcpy']:>10.2f}")
     return "\n".join(lines)

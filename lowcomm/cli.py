@@ -17,6 +17,7 @@ import click
 
 from .config import load_config
 from .errors import ConfigError, LowcommError
+from .wan_cli import topo as topo_command, wan as wan_command
 
 log = logging.getLogger("lowcomm")
 
@@ -151,6 +152,38 @@ def bench_step(config, overrides, strategies, steps, warmup, json_path):
         _write_json(json_path, rows)
 
 
+@bench.command("compress")
+@config_options
+@click.option("--size", default="16M", show_default=True, help="Gradient bytes (float32; K, M, G).")
+@click.option("--methods", default="pack,fp16,bf16,int8,qsgd,topk,randomk,sign,sign-mv,ef-sign,powersgd",
+              show_default=True, help="Compressor names; 'pack' times the bit packing alone.")
+@click.option("--iters", default=10, show_default=True)
+@click.option("--warmup", default=2, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+def bench_compress(config, overrides, size, methods, iters, warmup, json_path):
+    """Compress / decompress GB/s of each compressor beside a memcpy of the same bytes (one
+    process; the [compressor] keys of --config/--set give ratio, levels, approx_rank, ...)."""
+    import torch
+
+    from .bench import bench_compress as run, format_compress, parse_size
+    cfg = _config(config, overrides)
+    try:
+        numel = parse_size(size) // 4
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--size") from None
+    if numel < 1:
+        raise click.BadParameter(f"{size!r} holds no float32 element", param_hint="--size")
+    torch.set_num_threads(int(os.environ.get("LOWCOMM_NUM_THREADS", torch.get_num_threads())))
+    try:
+        rows = run(methods.split(","), numel, iters, warmup, cfg.compressor)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--methods") from None
+    click.echo(f"compress/decompress of a {numel * 4 / 2**20:.1f} MiB float32 gradient, "
+               f"{torch.get_num_threads()} thread(s), median of {iters}; GB/s of gradient bytes")
+    click.echo(format_compress(rows))
+    _write_json(json_path, rows)
+
+
 @cli.command()
 @config_options
 @click.option("--np", "np_", type=click.IntRange(min=1), default=None,
@@ -163,13 +196,16 @@ def bench_step(config, overrides, strategies, steps, warmup, json_path):
 @click.option("--out", type=click.Path(file_okay=False), default="runs/compare", show_default=True)
 @click.option("--wan", default="model", show_default=True, metavar="model|DELAY_MS,RATE_MBIT",
               help="'model': run on this machine and model the wall-clock on --link; "
-                   "DELAY_MS,RATE_MBIT: the link of the model.")
+                   "DELAY_MS,RATE_MBIT: run every method over an emulated WAN of --dcs "
+                   "datacenters with that link (root; launchers/wan.sh), measured wall-clock.")
+@click.option("--dcs", type=click.IntRange(min=2), default=2, show_default=True,
+              help="Datacenters of the emulated WAN (--wan DELAY_MS,RATE_MBIT).")
 @click.option("--link", default=None, metavar="DELAY_MS,RATE_MBIT",
               help="Link of the modelled wall-clock (α–β model) [default: compare.link, 25,100].")
 @click.option("--launcher", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Launcher script taking '-n N COMMAND...' (default: mpirun with local flags).")
 @click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per method.")
-def compare(config, overrides, np_, methods, steps, out, wan, link, launcher, timeout):
+def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launcher, timeout):
     """Train the same model under each method (one mpirun each); write results.json, plots and
     a ranked table. An experiment TOML (--config) may hold a [compare] table: question, expect,
     methods, np, link."""
@@ -186,12 +222,25 @@ def compare(config, overrides, np_, methods, steps, out, wan, link, launcher, ti
         the_link = Link.parse(wan if wan != "model" else link or cfg.compare.link)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--wan/--link") from None
+    emulated = wan != "model"
+    if emulated and launcher:
+        raise click.BadParameter("--wan DELAY_MS,RATE_MBIT launches through launchers/wan.sh; "
+                                 "drop --launcher (or use --wan model)", param_hint="--launcher")
     if cfg.compare.question:
         click.echo(f"question: {cfg.compare.question}\nexpected: {cfg.compare.expect}")
     if not cfg.eval_every:   # about ten points per eval-loss curve
         overrides = (*overrides, f"eval_every={max(1, round(steps / 10 / cfg.log_every)) * cfg.log_every}")
-    results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout)
-    click.echo(f"\n{np_} ranks, {steps} steps per method; modelled link: {the_link}\n")
+    if emulated:
+        from .compare import over_emulated_wan
+        with over_emulated_wan(np_, dcs, the_link) as wan_launcher:
+            results = run(names, np_, steps, out, config, overrides, the_link, wan_launcher,
+                          timeout, dcs=dcs)
+        where = f"over an emulated WAN of {dcs} datacenters, {the_link} (measured)"
+    else:
+        results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout,
+                      dcs=dcs)
+        where = f"on this machine; modelled link: {the_link}"
+    click.echo(f"\n{np_} ranks, {steps} steps per method, {where}\n")
     click.echo(table(results, the_link))
     click.echo(f"\nwrote {Path(out) / 'results.json'}, table.md and eval_loss_vs_*.png")
     if any(r["status"] != "ok" for r in results):
@@ -214,6 +263,10 @@ def info():
         lines.append("horovod: not installed")
     if comm.rank == 0:
         click.echo("\n".join(lines))
+
+
+cli.add_command(wan_command)
+cli.add_command(topo_command)
 
 
 def _abort(code: int) -> None:

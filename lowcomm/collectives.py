@@ -13,6 +13,8 @@ rabenseifner    2log₂K·α + 2(K-1)/K·nβ       2(K-1)/K·n (+n for the pairs
                                              K is not a power of two)
 tree            2⌈log₂K⌉(α + nβ)             n to the parent + n per child
 mpi             vendor choice                charged 2(K-1)/K·n
+hierarchical    per level, see below         2(g-1)/g·n inside a group of g, 2(G-1)/G·n/g
+                                             across G groups
 ==============  ==========================  =============================================
 
 Use :func:`allreduce_` for tensors of any shape, dtype and device.
@@ -153,8 +155,44 @@ def mpi(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
     return comm.allreduce_(buf)
 
 
+def hierarchical(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
+    """Hierarchical all-reduce over the levels of ``comm``'s topology (Horovod's hierarchical
+    allreduce, Sergeev & Del Balso 2018, arXiv:1802.05799; BlueConnect, Cho et al. 2019), with
+    ring reduce-scatter / all-gather phases (Thakur, Rabenseifner & Gropp 2005).
+
+    The topology is ``comm.topology`` (see :meth:`lowcomm.topology.Topology.attach`), the run's
+    attached one when ``comm`` is a duplicate of its world, else read from the environment
+    (``$LOWCOMM_TOPOLOGY``, Slurm, hostfile or MPI's shared-memory split) on first use.
+
+    1. Cut the buffer into S shards, S = the largest innermost group (e.g. ranks of a node). In
+       a group of s ranks, local rank l owns shards j ≡ l (mod s): unequal groups are allowed.
+    2. Ring reduce-scatter inside the group: each rank holds its shards summed over the group.
+    3. For each owned shard pattern, all-reduce the shards among their owners (one rank per
+       group) by applying steps 1–4 again one level up; at the outermost level, a ring.
+    4. Ring all-gather inside the group.
+
+    Each phase is filed in the ledger at its own level (``reduce_scatter.ring`` and
+    ``allgather.ring`` under the inner level, ``allreduce.ring`` under the outermost), so
+    ``Ledger.by_level()`` shows the bytes that crossed each kind of link. With equal groups of
+    g ranks, an n-byte all-reduce sends 2(g-1)/g·n inside and 2(G-1)/G·n/g across G groups.
+
+    Example::
+
+        comm = lowcomm.init()
+        Topology.parse("dc:2,rank:2").attach(comm)
+        lowcomm.allreduce_(t, comm, "hierarchical")
+    """
+    from .topology import topology_of
+    if buf.numel() == 0:
+        return buf
+    return topology_of(comm).plan(comm).run(buf)
+
+
+hierarchical.files_own_levels = True   # allreduce_ must not fold its phases into one row
+
+
 ALGORITHMS: dict[str, Algorithm] = {"mpi": mpi, "ring": ring, "rabenseifner": rabenseifner,
-                                    "tree": tree}
+                                    "tree": tree, "hierarchical": hierarchical}
 
 
 def get_algorithm(name: str) -> Algorithm:
@@ -183,8 +221,11 @@ def allreduce_(tensor: torch.Tensor, comm: Comm | None = None, algorithm: str = 
         return comm.allreduce_(tensor, op)  # checks, stages and records itself
     comm.check(f"allreduce.{algorithm}", tensor)
     with comm.staged(tensor) as buf:
-        with comm.ledger.scope(f"allreduce.{algorithm}", comm.level):
+        if getattr(fn, "files_own_levels", False):   # hierarchical: one row per level
             fn(comm, buf)
+        else:
+            with comm.ledger.scope(f"allreduce.{algorithm}", comm.level):
+                fn(comm, buf)
         if avg:
             buf.div_(comm.size)
     return tensor

@@ -265,6 +265,23 @@ class Comm:
                                seconds=time.perf_counter() - t0)
         return out
 
+    def alltoall(self, t: torch.Tensor) -> torch.Tensor:
+        """Vendor ``MPI_Alltoall``: ``t`` has shape ``(size, *block)``; block ``j`` goes to rank
+        ``j``. Returns a tensor of the same shape whose block ``j`` came from rank ``j``. The
+        ledger is charged ``(size-1)·block bytes`` each way (this rank's own block stays)."""
+        if t.dim() < 1 or t.shape[0] != self.size:
+            raise CommError("alltoall", self.rank, f"needs a tensor of shape (size={self.size}, ...), "
+                            f"got {describe(t)}", _nbytes(t))
+        self.check("alltoall", t)
+        block = _nbytes(t) // self.size
+        out = torch.empty_like(t, memory_format=torch.contiguous_format)
+        with self.staged(t, write=False) as h, self.staged(out, read=False) as o:
+            t0 = time.perf_counter()
+            self._guard("alltoall", block, self.mpi.Alltoall, _raw(h), _raw(o))
+            self.ledger.record("alltoall", self.level, *wire_bytes("alltoall", block, self.size),
+                               seconds=time.perf_counter() - t0)
+        return out
+
     def allgather_object(self, obj):
         """Pickle-based all-gather of small Python objects (control plane only)."""
         return self._guard("allgather_object", None, self.mpi.allgather, obj)

@@ -15,6 +15,7 @@ wall-clock minus the communication time it measured) plus the α–β time of it
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -38,6 +39,11 @@ METHODS: dict[str, list[str]] = {
     "diloco": ["strategy.name=diloco", "strategy.period=50"],
     "streaming-diloco": ["strategy.name=streaming-diloco", "strategy.period=50",
                          "strategy.fragments=4", "strategy.delay=5"],
+    "gossip": ["strategy.name=gossip", "strategy.graph=one-peer-exponential"],
+    "async-ps": ["strategy.name=async-ps"],
+    # topology-aware (run on a dc:D,rank:… topology: see default_topology)
+    "ddp-hier": ["strategy.algorithm=hierarchical"],
+    "dc-diloco": ["policy.dc=diloco:period=50,compressor=int8"],
 }
 MAIN_METHODS = ("ddp", "fp16", "int8", "topk", "ef-sign", "powersgd", "localsgd", "diloco")
 
@@ -111,10 +117,37 @@ def _line_modelled(line: dict, link: Link) -> float:
         + per_rank_bytes / ranks / (link.rate_mbit * 1e6 / 8)
 
 
-def mpirun_command(np: int, launcher: str | None) -> list[str]:
-    """The launch prefix: ``launcher -n np`` when given, else mpirun with this machine's flags."""
+@contextlib.contextmanager
+def over_emulated_wan(np: int, dcs: int, link: Link):
+    """Bring up an emulated WAN of ``dcs`` datacenters joined by ``link`` (lowcomm/wan.py, root),
+    yield the launch prefix that runs ``np`` ranks over it (launchers/wan.sh), take it down."""
+    from .wan import WanSpec, down, require_root, state, up
+    require_root("lowcomm compare --wan DELAY_MS,RATE_MBIT")
+    if state():
+        raise RuntimeError("an emulated WAN is already up; 'lowcomm wan down' first (compare "
+                           "brings up its own with the link it reports)")
+    up(WanSpec(dcs, link.delay_ms, link.rate_mbit))
+    try:
+        yield [str(Path(__file__).resolve().parents[1] / "launchers" / "wan.sh"), "--dcs", str(dcs)]
+    finally:
+        down(quiet=True)
+
+
+def default_topology(np: int, dcs: int = 2) -> str:
+    """``dc:D,rank:…`` with the ranks in D blocks as launchers/wan.sh places them."""
+    counts = [np // dcs + (i < np % dcs) for i in range(dcs)]
+    return f"dc:{dcs},rank:" + ("+".join(map(str, counts)) if len(set(counts)) > 1 else str(counts[0]))
+
+
+def needs_topology(method: str) -> bool:
+    return any(o.startswith("policy.") or o.endswith("=hierarchical") for o in METHODS[method])
+
+
+def mpirun_command(np: int, launcher: str | list[str] | None) -> list[str]:
+    """The launch prefix: ``launcher -n np`` when given (a path, or a list: the command and
+    its own options), else mpirun with this machine's flags."""
     if launcher:
-        return [launcher, "-n", str(np)]
+        return [*([launcher] if isinstance(launcher, str) else launcher), "-n", str(np)]
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise RuntimeError("mpirun not found on PATH; run 'make setup' (Open MPI) first")
@@ -126,7 +159,8 @@ def mpirun_command(np: int, launcher: str | None) -> list[str]:
 
 
 def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
-               overrides: list[str], launcher: str | None, timeout_s: float, on_step=None) -> dict:
+               overrides: list[str], launcher: str | list[str] | None, timeout_s: float,
+               on_step=None, dcs: int = 2) -> dict:
     """One method's run; returns its summary (plus ``status``) or a failure record."""
     run_dir = out / method
     if run_dir.exists():
@@ -136,11 +170,15 @@ def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
     cmd = [*mpirun_command(np, launcher), sys.executable, "-m", "lowcomm.cli", "train", "--quiet",
            "--out", str(run_dir), *(["--config", config] if config else []),
            *[a for s in sets for a in ("--set", s)]]
-    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    env, prefix = dict(os.environ), ""
+    if needs_topology(method):
+        env.setdefault("LOWCOMM_TOPOLOGY", default_topology(np, dcs))   # wan.sh sets the same
+        prefix = f"LOWCOMM_TOPOLOGY={env['LOWCOMM_TOPOLOGY']} "
+    (run_dir / "command.txt").write_text(prefix + " ".join(cmd) + "\n")
     record = {"method": method, "overrides": METHODS[method]}
     t0 = time.monotonic()
     with open(run_dir / "stdout.log", "w") as so, open(run_dir / "stderr.log", "w") as se:
-        p = subprocess.Popen(cmd, stdout=so, stderr=se, start_new_session=True)
+        p = subprocess.Popen(cmd, stdout=so, stderr=se, start_new_session=True, env=env)
         last = 0
         while p.poll() is None:
             time.sleep(0.5)
@@ -237,7 +275,7 @@ def table(results: list[dict], link: Link) -> str:
 
 def compare(methods: list[str], np: int, steps: int, out: str | Path, config: str | None = None,
             overrides: tuple[str, ...] = (), link: Link = Link(25, 100), launcher: str | None = None,
-            timeout_s: float = 3600, progress: bool = True) -> list[dict]:
+            timeout_s: float = 3600, progress: bool = True, dcs: int = 2) -> list[dict]:
     """Run every method, write results.json, plots and table.md; return the results."""
     from tqdm import tqdm
 
@@ -250,7 +288,7 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
             bar.set_description(method)
             done_before = bar.n
             r = run_method(method, np, steps, out, config, list(overrides), launcher, timeout_s,
-                           on_step=bar.update)
+                           on_step=bar.update, dcs=dcs)
             bar.update(done_before + steps - bar.n)
             if r["status"] == "ok":
                 s = json.loads(Path(r.pop("summary")).read_text())

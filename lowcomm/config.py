@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd", "onebit-adam")
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 
 
@@ -58,6 +58,18 @@ class StrategyConfig:
     delay: int = 0                 # streaming DiLoCo: τ steps between start and apply
     alpha: float = 0.0             # streaming DiLoCo: mixing of local into synced parameters
     compressor: str = "none"       # compressor of the pseudo-gradient (outer loops)
+    # gossip (decentralized; issue 9)
+    graph: str = "ring"            # ring | torus | exponential | one-peer-exponential | complete
+    gossip_mode: str = "dpsgd"     # "dpsgd" (Lian 2017) | "push-sum" (SGP) | "async"
+    gossip_order: str = "cta"      # "cta": mix then step, exchange overlapped | "atc": step then mix
+    consensus_step: float = 1.0    # CHOCO's γ (with strategy.compressor)
+    # asynchronous parameter server (issue 7; lowcomm/strategies/async_ps.py)
+    servers: int = 1               # S: ranks 0..S-1 serve parameter shards, the rest train
+    max_staleness: int = -1        # τ: -1 fully asynchronous, 0 synchronous, > 0 SSP
+    staleness_lr: bool = False     # lr / staleness (Zhang et al. 2016)
+    dc_lambda: float = 0.0         # DC-ASGD's λ (Zheng et al. 2017); 0 = off
+    worker_timeout_s: float = 30.0  # a worker silent this long (owed nothing) is lost
+    server_timeout_s: float = 10.0  # a server silent this long (owing a reply) ends the job
 
 
 @dataclass
@@ -68,6 +80,9 @@ class CompressorConfig:
     levels: int = 16               # QSGD quantisation levels s
     approx_rank: int = 2           # PowerSGD rank r
     start_iter: int = 10           # PowerSGD: dense all-reduce before this step
+    min_compression_rate: float = 1.0   # PowerSGD: compress a matrix iff n·m > rate·r(n+m)
+    bucket_size: int = 512         # QSGD: elements sharing one norm (the paper's bucket size d)
+    seed: int = 0                  # qsgd / randomk / powersgd generators (saved in checkpoints)
 
 
 @dataclass
@@ -113,6 +128,7 @@ class Config:
     eval_batches: int = 16
     eval_every: int = 0            # also evaluate every N steps (a multiple of log_every; 0 = end only)
     topology: str = ""
+    policy: dict[str, str] = field(default_factory=dict)   # level -> "NAME[:key=value,...]"
     on_nonfinite: str = "abort"    # NaN/Inf loss or gradient: "abort" or "skip" the step
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -128,10 +144,14 @@ class Config:
 
     @property
     def method(self) -> str:
+        if self.policy:
+            return "policy(" + ";".join(f"{k}={v}" for k, v in self.policy.items()) + ")"
         s = self.strategy
         name = "syncdp(horovod)" if s.backend == "horovod" else f"{s.name}({s.algorithm})"
         if self.compressor.name != "none":
             name += f"+{self.compressor.name}"
+        if s.compressor != "none":
+            name += f"[{s.compressor}]"
         return name
 
 
@@ -143,6 +163,13 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
         known = ", ".join(prefix + f.name for f in dataclasses.fields(obj))
         raise ConfigError(key, f"unknown key; known here: {known}")
     current = getattr(obj, head)
+    if typing.get_origin(hints[head]) is dict:           # policy: level -> spec
+        items = {rest: value} if rest else value
+        if not isinstance(items, dict):
+            raise ConfigError(key, f"is a table (level = spec), got {value!r}")
+        for k, v in items.items():
+            current[k] = _policy_spec(f"{key}.{k}", v)
+        return
     if dataclasses.is_dataclass(current):
         if rest:
             _set(current, rest, value, key + ".")
@@ -177,6 +204,54 @@ def _coerce(key: str, kind, value):
         if isinstance(value, str):
             return value
     raise ConfigError(key, f"expects {getattr(kind, '__name__', kind)}, got {type(value).__name__} {value!r}")
+
+
+# keys a per-level policy spec may set (lowcomm/strategies/policy.py)
+POLICY_KEYS = {
+    "syncdp": ("algorithm", "bucket_mb", "overlap", "compressor"),
+    "localsgd": ("period", "algorithm"),
+    "diloco": ("period", "outer_optimizer", "outer_lr", "outer_momentum", "compressor", "algorithm"),
+    "streaming-diloco": ("period", "outer_optimizer", "outer_lr", "outer_momentum", "compressor",
+                         "algorithm", "fragments", "delay", "alpha"),
+}
+
+
+def _policy_spec(key: str, value) -> str:
+    """A policy entry as its spec string: ``"diloco:period=50"`` or a TOML table
+    ``{name = "diloco", period = 50}``."""
+    if isinstance(value, dict):
+        value = dict(value)
+        name = value.pop("name", None)
+        if not isinstance(name, str):
+            raise ConfigError(key + ".name", "a policy table needs name = \"syncdp\" | \"localsgd\" | ...")
+        opts = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in value.items())
+        value = name + (":" + opts if opts else "")
+    if not isinstance(value, str):
+        raise ConfigError(key, f"expects a spec string like \"diloco:period=50,compressor=int8\", "
+                          f"got {type(value).__name__} {value!r}")
+    parse_policy(key.removeprefix("policy."), value)
+    return value
+
+
+def parse_policy(level: str, spec: str) -> tuple[str, dict]:
+    """``"diloco:period=50,compressor=int8"`` -> ``("diloco", {"period": 50, "compressor": "int8"})``;
+    values read as TOML literals where they are one, else as strings."""
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    if name not in POLICY_KEYS:
+        raise ConfigError(f"policy.{level}", f"unknown policy {name!r} in {spec!r}; known: "
+                          f"{', '.join(POLICY_KEYS)}")
+    opts: dict = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        k, eq, raw = item.partition("=")
+        k = k.strip()
+        if not eq:
+            raise ConfigError(f"policy.{level}", f"option {item!r} in {spec!r} must look like key=value")
+        if k not in POLICY_KEYS[name]:
+            raise ConfigError(f"policy.{level}.{k}", f"not an option of {name}; known: "
+                              f"{', '.join(POLICY_KEYS[name])}")
+        opts[k] = parse_override(f"v={raw}")[1]
+    return name, opts
 
 
 def parse_override(text: str) -> tuple[str, object]:
@@ -228,8 +303,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("strategy.outer_lr", f"must be > 0, got {s.outer_lr}")
     if not 0 <= s.outer_momentum < 1:
         raise ConfigError("strategy.outer_momentum", f"must be in [0, 1), got {s.outer_momentum}")
-    if not 0 < cfg.compressor.ratio <= 1:
-        raise ConfigError("compressor.ratio", f"must be in (0, 1], got {cfg.compressor.ratio}")
+    _validate_compressor(cfg.compressor)
     if cfg.comm.timeout_s < 0:
         raise ConfigError("comm.timeout_s", f"must be >= 0 (0 = no watchdog), got {cfg.comm.timeout_s}")
     if cfg.eval_every < 0 or (cfg.eval_every and cfg.eval_every % cfg.log_every):
@@ -252,14 +326,119 @@ def validate(cfg: Config) -> Config:
     one_of("strategy.compressor", cfg.strategy.compressor, list(COMPRESSORS))
     one_of("strategy.outer_optimizer", cfg.strategy.outer_optimizer, OUTER_OPTIMIZERS)
     one_of("on_nonfinite", cfg.on_nonfinite, ("abort", "skip"))
+    if s.backend != "mpi" and s.name != "syncdp":
+        raise ConfigError("strategy.backend", f"{s.name} sends lowcomm's own messages; only "
+                          f"syncdp runs on the {s.backend!r} backend (use backend = \"mpi\")")
+    _validate_gossip(cfg, one_of)
+    _validate_async_ps(cfg)
+    _validate_outer(cfg)
     one_of("optimizer.name", cfg.optimizer.name, OPTIMIZERS)
     one_of("model.name", cfg.model.name, list(MODELS))
-    if cfg.topology:
-        raise ConfigError("topology", f"{cfg.topology!r}: only the flat world ('') is supported "
-                          "until topology-aware levels land")
+    if cfg.topology:   # level spec, e.g. "dc:2,rank:2" (lowcomm/topology.py); ConfigError names it
+        from .topology import Topology
+        levels = Topology.parse(cfg.topology).names
+    if cfg.policy:     # each level's strategy checked as a config of its own
+        from .strategies.policy import level_config, levels_plan
+        if cfg.strategy.name != "syncdp":
+            raise ConfigError("policy", f"give either strategy.name ({cfg.strategy.name!r}) or "
+                              "policy.<level>, not both")
+        if cfg.topology:       # else the levels come from the environment when the job starts
+            levels_plan(cfg, levels)
+        for level, spec in cfg.policy.items():
+            level_config(cfg, level, *parse_policy(level, spec))
     if cfg.data.path and not Path(cfg.data.path).exists():
         raise ConfigError("data.path", f"{cfg.data.path!r} does not exist")
     return cfg
+
+
+def _validate_compressor(c: CompressorConfig) -> None:
+    """The [compressor] keys (whether approx_rank fits the model's matrices: at the first step)."""
+    if not 0 < c.ratio <= 1:
+        raise ConfigError("compressor.ratio", f"must be in (0, 1], got {c.ratio}")
+    if not 1 <= c.levels <= 127:
+        raise ConfigError("compressor.levels", f"must be in [1, 127] (levels are sent as int8), "
+                          f"got {c.levels}")
+    if c.bucket_size < 1:
+        raise ConfigError("compressor.bucket_size", f"must be >= 1, got {c.bucket_size}")
+    if not c.min_compression_rate >= 0:
+        raise ConfigError("compressor.min_compression_rate", f"must be >= 0, got {c.min_compression_rate}")
+    from .compress import check
+    check(c)
+
+
+def _validate_gossip(cfg: Config, one_of) -> None:
+    """Gossip keys (whether a graph fits the rank count is checked when the job starts)."""
+    from .strategies.gossip import MODES, ORDERS
+    from .strategies.graphs import GRAPHS
+    s = cfg.strategy
+    one_of("strategy.graph", s.graph, GRAPHS)
+    one_of("strategy.gossip_mode", s.gossip_mode, MODES)
+    one_of("strategy.gossip_order", s.gossip_order, ORDERS)
+    if not 0 < s.consensus_step <= 1:
+        raise ConfigError("strategy.consensus_step", f"must be in (0, 1], got {s.consensus_step}")
+    if s.name != "gossip":
+        return
+    if cfg.compressor.name != "none":
+        raise ConfigError("compressor.name", "gossip exchanges parameters, not gradients; name the "
+                          "parameter compressor in strategy.compressor")
+    if s.compressor != "none" and (s.gossip_mode != "dpsgd" or s.graph == "one-peer-exponential"):
+        raise ConfigError("strategy.compressor", "compressed (CHOCO) gossip needs gossip_mode = "
+                          "\"dpsgd\" on a static graph")
+    if s.compressor == "none" and s.consensus_step != 1:
+        raise ConfigError("strategy.consensus_step", "is CHOCO's γ: it needs strategy.compressor")
+
+
+def _validate_outer(cfg: Config) -> None:
+    """Local SGD / DiLoCo / streaming DiLoCo keys (fragments vs. the model: at construction)."""
+    s = cfg.strategy
+    if s.name not in ("localsgd", "diloco", "streaming-diloco"):
+        return
+    if cfg.compressor.name != "none" and s.warmup_steps == 0:
+        raise ConfigError("compressor.name", f"compresses gradients, which {s.name} exchanges only "
+                          "during strategy.warmup_steps (0 here); the pseudo-gradient's compressor "
+                          "is strategy.compressor")
+    if s.name == "localsgd" and s.compressor != "none":
+        raise ConfigError("strategy.compressor", "localsgd averages parameters; to compress, use "
+                          "strategy.name=\"diloco\" with outer_optimizer=\"sgd\", outer_lr=1, "
+                          "outer_momentum=0 (the same update on a compressed pseudo-gradient)")
+    if s.name != "localsgd" and s.outer_optimizer == "nesterov" and s.outer_momentum == 0:
+        raise ConfigError("strategy.outer_momentum", "Nesterov needs a momentum > 0; for none use "
+                          "strategy.outer_optimizer=\"sgd\"")
+
+
+def _validate_async_ps(cfg: Config) -> None:
+    """Asynchronous parameter-server keys (whether ``servers`` fits the rank count is checked
+    when the job starts)."""
+    s = cfg.strategy
+    if s.servers < 1:
+        raise ConfigError("strategy.servers", f"must be >= 1, got {s.servers}")
+    if s.max_staleness < -1:
+        raise ConfigError("strategy.max_staleness", f"must be >= -1 (-1 = fully asynchronous), "
+                          f"got {s.max_staleness}")
+    if s.dc_lambda < 0:
+        raise ConfigError("strategy.dc_lambda", f"must be >= 0 (0 = off), got {s.dc_lambda}")
+    for key in ("worker_timeout_s", "server_timeout_s"):
+        if not getattr(s, key) > 0:
+            raise ConfigError(f"strategy.{key}", f"must be > 0, got {getattr(s, key)}")
+    if s.name != "async-ps":
+        return
+    if s.compressor != "none":
+        raise ConfigError("strategy.compressor", "async-ps pushes gradients: name their "
+                          "compressor in compressor.name")
+    if s.backward_passes_per_step != 1:
+        raise ConfigError("strategy.backward_passes_per_step", "async-ps pushes after every "
+                          "backward pass; gradient accumulation is not supported")
+    if cfg.optimizer.name == "onebit-adam":
+        raise ConfigError("optimizer.name", "onebit-adam owns its exchange; async-ps servers step "
+                          "sgd, adam or adamw")
+    if cfg.checkpoint.every and s.max_staleness != 0:
+        raise ConfigError("checkpoint.every", "async-ps checkpoints only with "
+                          "strategy.max_staleness = 0 (synchronous): asynchronous servers and "
+                          "workers never pass a common step whose state could be saved")
+    if cfg.eval_every and s.servers != 1:
+        raise ConfigError("eval_every", "async-ps evaluates during the run only with "
+                          "strategy.servers = 1 (rank 0 then holds the whole model); use 0 to "
+                          "evaluate at the end")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),

@@ -10,7 +10,7 @@ class ConfigError(LowcommError, ValueError):
     """A configuration key, value or type is wrong; the message names the key."""
 
     def __init__(self, key: str, message: str):
-        self.key = key
+        self.key, self.reason = key, message
         super().__init__(f"config key '{key}': {message}")
 
 

@@ -12,6 +12,7 @@ for real; this is the design Horovod's background thread and PyTorch DDP's reduc
 """
 from __future__ import annotations
 
+import functools
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import torch
 
 from .collectives import allreduce_, get_algorithm
 from .comm import Comm
-from .compress.base import Compressor, Segment
+from .compress.base import Compressor, Segment, nonfinite_segments
 from .errors import CommError, NonFiniteError
 
 
@@ -37,8 +38,9 @@ class Bucket:
     def view(self, i: int) -> torch.Tensor:
         return self.flat[self.offsets[i]:self.offsets[i + 1]].view(self.shapes[i])
 
-    @property
+    @functools.cached_property
     def segments(self) -> list[Segment]:
+        """Its tensors as named segments of ``flat`` (built once)."""
         return [Segment(n, s, self.offsets[i], self.offsets[i + 1])
                 for i, (n, s) in enumerate(zip(self.names, self.shapes))]
 
@@ -145,13 +147,11 @@ class Reducer:
 
     def _reduce(self, b: Bucket) -> None:
         """Check, then reduce one bucket in place (dense all-reduce or the compressor)."""
-        if not bool(torch.isfinite(b.flat).all()):
-            bad = [n for i, n in enumerate(b.names) if not bool(torch.isfinite(b.view(i)).all())]
-            if self.nonfinite == "raise":
-                raise NonFiniteError(self.comm.rank, "the gradient of " + ", ".join(repr(n) for n in bad))
-            for i, n in enumerate(b.names):
-                if n in bad:
-                    b.view(i).zero_()
+        bad = nonfinite_segments(b.flat, b.segments)
+        if bad and self.nonfinite == "raise":
+            raise NonFiniteError(self.comm.rank, "the gradient of " + ", ".join(repr(s.name) for s in bad))
+        for s in bad:
+            b.flat[s.start:s.stop].zero_()
         if self.compressor is None:
             allreduce_(b.flat, self._thread_comm, self.algorithm, self.op)
         else:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import signal
 import threading
@@ -68,6 +69,9 @@ def build_strategy(cfg: Config, model, optimizer, comm: Comm):
     if cfg.optimizer.name == "onebit-adam":   # 1-bit Adam owns both the update and the exchange
         from .strategies.onebit_adam import OneBitAdam
         return OneBitAdam.from_config(cfg, model, optimizer, comm)
+    if cfg.policy:                          # a strategy per topology level
+        from .strategies.policy import build_policy
+        return build_policy(cfg, model, optimizer, comm)
     return STRATEGIES[cfg.strategy.name].from_config(cfg, model, optimizer, comm)
 
 
@@ -155,23 +159,63 @@ def _metrics_upto(src: Path, dst: Path, step: int) -> None:
     dst.write_text("".join(line + "\n" for line in keep))
 
 
+def open_run(cfg: Config, comm: Comm, out: str | Path | None):
+    """Apply ``cfg.comm`` to ``comm``; return the uncharged control communicator, the output
+    folder (rank 0 writes the resolved config there) and the checkpointer (None without a
+    folder)."""
+    comm.validate, comm.watchdog.timeout_s = cfg.comm.validate, cfg.comm.timeout_s
+    ctl = comm.dup(Ledger(), "control")
+    ctl.validate = False            # fixed shapes; keeps its non-blocking calls non-blocking
+    out = Path(out) if out else None
+    if out and comm.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    ck_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else (out / "checkpoints" if out else None)
+    return ctl, out, Checkpointer(ck_dir, ctl, cfg.checkpoint.keep) if ck_dir else None
+
+
+def snapshot(model, strategy, comm: Comm, loop: dict) -> dict:
+    """Everything one rank needs to continue exactly: model, strategy (optimizer, residuals,
+    outer state, versions), ledger counters, RNG states and the loop's own counters."""
+    return {"model": model.state_dict(), "strategy": strategy.state_dict(),
+            "ledger": comm.ledger.state_dict(), "rng": _rng_state(), "loop": loop}
+
+
+def restore(resume: str | Path, cfg: Config, comm: Comm, ctl: Comm, model, strategy,
+            out: Path | None) -> tuple[int, dict]:
+    """Load the newest intact checkpoint of run `resume` (or of ``checkpoint.dir``) into
+    `model`, `strategy`, the ledger and the RNGs; copy the run's metrics up to that step into
+    `out`. Returns (step, loop state). Raises CheckpointError when none is intact."""
+    resume = Path(resume)
+    from_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else resume / "checkpoints"
+    state = Checkpointer(from_dir, ctl).load_latest(cfg.to_dict())
+    if state is None:
+        raise CheckpointError(f"no intact checkpoint in {from_dir} to resume from")
+    model.load_state_dict(state["model"])
+    strategy.load_state_dict(state["strategy"])
+    comm.ledger.load_state_dict(state["ledger"])
+    _set_rng_state(state["rng"])
+    if out and comm.rank == 0:
+        _metrics_upto(resume / "metrics.jsonl", out / "metrics.jsonl", state["step"])
+        log.info("resumed from %s at step %d", from_dir, state["step"])
+    return state["step"], state["loop"]
+
+
 def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
           progress: bool = True, resume: str | Path | None = None) -> dict:
     """Train ``cfg``'s model with ``cfg``'s strategy; return (and write) the run summary.
 
     ``resume``: the output folder of an earlier run of this config; continue from the newest
     intact checkpoint in its checkpoint folder (an error if there is none)."""
+    if cfg.strategy.name == "async-ps":   # issue 7: servers serve, workers never wait for a collective
+        from .strategies.ps_train import train_async_ps
+        return train_async_ps(cfg, out, comm, progress, resume)
     comm = comm or init()
-    comm.validate, comm.watchdog.timeout_s = cfg.comm.validate, cfg.comm.timeout_s
-    ctl = comm.dup(Ledger(), "control")
-    ctl.validate = False            # fixed shapes; keeps its non-blocking calls non-blocking
+    if cfg.topology or os.environ.get("LOWCOMM_TOPOLOGY"):   # levels for hierarchical/policy
+        from .topology import Topology
+        Topology.from_env(comm, cfg.topology).attach(comm)
+    ctl, out, ckpt = open_run(cfg, comm, out)
     rank, K = comm.rank, comm.size
-    out = Path(out) if out else None
-    if out and rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    ck_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else (out / "checkpoints" if out else None)
-    ckpt = Checkpointer(ck_dir, ctl, cfg.checkpoint.keep) if ck_dir else None
 
     torch.manual_seed(cfg.seed)
     corpus = Corpus.load(cfg.data.path, cfg.data.max_bytes, cfg.data.eval_fraction)
@@ -181,28 +225,14 @@ def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
 
     first, skipped, wall_before, window, recent = 1, 0, 0.0, [], float("nan")
     if resume:
-        resume = Path(resume)
-        from_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else resume / "checkpoints"
-        state = Checkpointer(from_dir, ctl).load_latest(cfg.to_dict())
-        if state is None:
-            raise CheckpointError(f"no intact checkpoint in {from_dir} to resume from")
-        model.load_state_dict(state["model"])
-        strategy.load_state_dict(state["strategy"])
-        comm.ledger.load_state_dict(state["ledger"])
-        _set_rng_state(state["rng"])
-        loop = state["loop"]
+        step, loop = restore(resume, cfg, comm, ctl, model, strategy, out)
         skipped, wall_before, window, recent = loop["skipped"], loop["wall_s"], loop["window"], loop["recent"]
-        first = state["step"] + 1
-        if out and rank == 0:
-            _metrics_upto(resume / "metrics.jsonl", out / "metrics.jsonl", state["step"])
-            log.info("resumed from %s at step %d", from_dir, state["step"])
+        first = step + 1
 
     def save(step: int) -> Path:
-        state = {"model": model.state_dict(), "strategy": strategy.state_dict(),
-                 "ledger": comm.ledger.state_dict(), "rng": _rng_state(),
-                 "loop": {"skipped": skipped, "wall_s": wall_before + time.perf_counter() - t0,
-                          "window": list(window), "recent": recent}}
-        return ckpt.save(step, state, cfg.to_dict())
+        loop = {"skipped": skipped, "wall_s": wall_before + time.perf_counter() - t0,
+                "window": list(window), "recent": recent}
+        return ckpt.save(step, snapshot(model, strategy, comm, loop), cfg.to_dict())
 
     bar = None
     if progress and rank == 0:
@@ -272,6 +302,8 @@ def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
         if metrics:
             metrics.close()
         strategy.close()
+    extra = strategy.summary(ctl)
+    strategy.finish()
     eval_loss = evaluate(model, corpus, cfg, ctl) if cfg.eval_batches else float("nan")
     levels = sorted(set().union(*ctl.allgather_object(list(comm.ledger.by_level()))))
     per_level = _sum(ctl, [comm.ledger.by_level().get(lv, 0) for lv in levels])
@@ -283,7 +315,7 @@ def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
         "wall_s": max(ctl.allgather_object(wall)),
         "samples": cfg.steps * cfg.batch_size * K,
         "skipped_steps": skipped,
-        **strategy.summary(ctl),
+        **extra,
         "params_sha256": params_sha256(model),
         "ledger_rank0": comm.ledger.rows(),
         "config": cfg.to_dict(),

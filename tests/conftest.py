@@ -26,10 +26,11 @@ class Ran(subprocess.CompletedProcess):
 
 
 def run_ranks(np: int, *cmd: str, timeout: float = 180, env: dict | None = None,
-              launcher: Path = LOCAL) -> Ran:
+              launcher: Path = LOCAL, launcher_args: list[str] = ()) -> Ran:
     """Run ``cmd`` on ``np`` ranks; kill the whole job (and fail) after ``timeout`` seconds."""
     full_env = {**os.environ, **(env or {})}
-    p = subprocess.Popen([str(launcher), "-n", str(np), *map(str, cmd)], cwd=ROOT, env=full_env,
+    p = subprocess.Popen([str(launcher), "-n", str(np), *launcher_args, *map(str, cmd)], cwd=ROOT,
+                         env=full_env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:
@@ -41,11 +42,13 @@ def run_ranks(np: int, *cmd: str, timeout: float = 180, env: dict | None = None,
     return Ran(p.args, p.returncode, out, err)
 
 
-def run_worker(np: int, name: str, *args: str, timeout: float = 180) -> dict[int, int]:
+def run_worker(np: int, name: str, *args: str, timeout: float = 180, launcher: Path = LOCAL,
+               launcher_args: list[str] = ()) -> dict[int, int]:
     """Run tests/workers/<name> on ``np`` ranks; require every rank to report OK."""
     with tempfile.TemporaryDirectory() as reports:
         r = run_ranks(np, sys.executable, WORKERS / name, *args, timeout=timeout,
-                      env={"LOWCOMM_TEST_REPORTS": reports})
+                      env={"LOWCOMM_TEST_REPORTS": reports}, launcher=launcher,
+                      launcher_args=launcher_args)
         assert r.returncode == 0, r.output
         oks = {int(f.name[4:]): int(f.read_text()) for f in Path(reports).glob("rank*")}
     assert sorted(oks) == list(range(np)), r.output

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from conftest import ROOT
-from lowcomm.compare import METHODS, Link, modelled_wall, resolve_methods
+from lowcomm.compare import (METHODS, Link, default_topology, modelled_wall, needs_topology,
+                             resolve_methods)
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",
          "data.seq_len=32", "data.max_bytes=300000", "eval_batches=2", "log_every=5"]
@@ -24,6 +25,14 @@ def test_unknown_method_lists_the_known_ones():
         resolve_methods("ddp,warp")
     assert resolve_methods("ddp,horovod") == ["ddp", "horovod"]
     assert "ddp" in resolve_methods("all") and set(resolve_methods("all")) <= set(METHODS)
+
+
+def test_topology_aware_methods_get_the_launcher_s_datacenter_blocks():
+    assert default_topology(4) == "dc:2,rank:2"
+    assert default_topology(3) == "dc:2,rank:2+1"
+    assert default_topology(6, 3) == "dc:3,rank:2"
+    assert needs_topology("dc-diloco") and needs_topology("ddp-hier")
+    assert not needs_topology("ddp") and not needs_topology("diloco")
 
 
 def test_modelled_wall_is_compute_plus_alpha_beta():

@@ -1,9 +1,10 @@
 import pytest
 
+import lowcomm
 from conftest import run_worker
 
 N_PARAMS = 8   # parameter tensors of the worker's Net (unused layer included)
-BASE = (4 * 2 + 2) * N_PARAMS + 2
+BASE = (len(lowcomm.ALGORITHMS) * 2 + 2) * N_PARAMS + 2   # every algorithm, overlap on and off
 HOROVOD = 2 * N_PARAMS + 1
 
 

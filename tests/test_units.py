@@ -25,7 +25,7 @@ def test_defaults_validate_and_overrides_are_typed():
     ("stepz=3", "stepz"), ("strategy.nme=x", "strategy.nme"), ("steps=1.5", "steps"),
     ("strategy.overlap=3", "strategy.overlap"), ("lr=-1", "lr"), ("steps=0", "steps"),
     ("model.n_heads=3", "model.n_heads"), ("optimizer.name=lion", "optimizer.name"),
-    ("steps.x=1", "steps.x"), ("data.path=/no/such/dir", "data.path"), ("topology=dc:2", "topology"),
+    ("steps.x=1", "steps.x"), ("data.path=/no/such/dir", "data.path"), ("topology=dc:0", "topology"),
     ("strategy.backend=nccl", "strategy.backend"), ("noequals", "noequals"),
     ("comm.timeout_s=-1", "comm.timeout_s"),
 ])

@@ -36,20 +36,64 @@ def init(comm: Comm):
     return hvd
 
 
+def check_compressor(compressor) -> None:
+    """Raise unless Horovod's ``compression=`` interface can run ``compressor`` (None: dense)."""
+    if compressor is not None and not getattr(compressor, "horovod", False):
+        why = "its payloads cannot be summed by an all-reduce" if not compressor.summable else \
+            "it keeps state or needs a dtype Horovod 0.28.1 cannot reduce (no bfloat16)"
+        raise LowcommError(f"compressor {compressor.name!r} cannot run on the horovod backend: {why}; "
+                           f"use strategy.backend = \"mpi\" (or compressor.name = \"fp16\")")
+
+
+class HorovodCompression:
+    """A lowcomm compressor behind Horovod's ``compress(tensor) -> (tensor, ctx)`` /
+    ``decompress(tensor, ctx)`` interface (one payload tensor, shaped like the gradient)."""
+
+    def __init__(self, compressor):
+        check_compressor(compressor)
+        self.compressor = compressor
+
+    def compress(self, tensor: torch.Tensor):
+        payload, ctx = self.compressor.compress(tensor.reshape(-1), "horovod")
+        if len(payload) != 1:
+            raise LowcommError(f"compressor {self.compressor.name!r} sends {len(payload)} tensors; "
+                               f"Horovod all-reduces one per gradient")
+        return payload[0].view(tensor.shape), (ctx, tensor.shape)
+
+    def decompress(self, tensor: torch.Tensor, ctx):
+        inner, shape = ctx
+        return self.compressor.decompress([tensor.reshape(-1)], inner).view(shape)
+
+
 class HorovodOptimizer:
-    """``hvd.DistributedOptimizer`` (average over ranks) with lowcomm's ledger accounting."""
+    """``hvd.DistributedOptimizer`` (average over ranks) with lowcomm's ledger accounting.
+
+    With a (summable, stateless) ``compressor`` the gradients travel in its payload format
+    through Horovod's ``compression=`` hook; they are divided by K before the sum
+    (``gradient_predivide_factor = K``) so a 16-bit sum cannot overflow, as lowcomm's own
+    :class:`~lowcomm.compress.cast.Cast` does. The ledger is charged the payload's bytes."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
-                 backward_passes_per_step: int = 1):
+                 backward_passes_per_step: int = 1, compressor=None):
+        check_compressor(compressor)
         hvd = init(comm)
         self.comm = comm
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        extra = {}
+        if compressor is not None:
+            extra = {"compression": HorovodCompression(compressor),
+                     "gradient_predivide_factor": float(comm.size)}
         self.optimizer = hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), op=hvd.Average,
-            backward_passes_per_step=backward_passes_per_step)
-        self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
-                               if p.requires_grad)
+            backward_passes_per_step=backward_passes_per_step, **extra)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if compressor is None:
+            self._grad_bytes = sum(p.numel() * p.element_size() for p in params)
+        else:   # the payload of each gradient, as Horovod will all-reduce it
+            self._grad_bytes = sum(t.numel() * t.element_size() for p in params
+                                   for t in compressor.compress(torch.zeros(p.numel(), dtype=p.dtype),
+                                                                "horovod")[0])
 
         def wrong_object(*_):
             raise LowcommError("with backend='horovod', call step() on the SyncDP object, not on "

@@ -1,19 +1,102 @@
 """Gradient compressors: what goes on the wire instead of a dense fp32 bucket.
 
-``COMPRESSORS`` maps the config name to a factory taking the ``[compressor]`` config table.
+``COMPRESSORS`` maps the config name to a factory taking the ``[compressor]`` config table
+(:class:`~lowcomm.config.CompressorConfig`) and returning the bare compression operator Q.
+:func:`build_compressor` returns the *gradient* compressor: Q wrapped in :class:`ErrorFeedback`
+where ``error_feedback`` (or the method's default: on for topk, randomk, ef-sign) asks for it.
+SyncDP and the outer loops use :func:`build_compressor`; CHOCO gossip takes the bare Q, since
+its x̂ already is an error memory (feeding the error back twice diverges).
+
+============  =========================================  ====================================
+name          method                                     bytes per rank, bucket of n elements
+============  =========================================  ====================================
+none          dense all-reduce                           all-reduce of 4n
+fp16, bf16    16-bit cast, summed                        all-reduce of 2n
+int8          per-bucket scaled int8                     all-gather of n + 4
+qsgd          QSGD, ``levels`` s, norm per bucket_size   all-gather of n + 4⌈n/bucket_size⌉
+topk          top-k values + int32 indices (EF)          all-gather of k(4 + 4), k=⌊ratio·n⌋
+randomk       shared random indices, values only (EF)    all-reduce of 4k
+sign          (‖x‖₁/n)·sign(x), bit-packed               all-gather of ⌈n/8⌉ + 4
+sign-mv       majority vote of packed signs              all-gather of ⌈n/8⌉
+ef-sign       sign with error feedback                   all-gather of ⌈n/8⌉ + 4
+powersgd      rank-r power iteration, warm start, EF     all-reduces of 4(Σrn + dense), 4Σrm
+============  =========================================  ====================================
 """
 from __future__ import annotations
 
-from .base import Compressor, Segment
+import torch
 
-COMPRESSORS = {"none": lambda cfg: Compressor()}
+from ..errors import ConfigError
+from .base import Compressor, Segment
+from .cast import Cast
+from .error_feedback import ErrorFeedback
+from .powersgd import PowerSGD
+from .quantize import QSGD, Int8
+from .sign import ScaledSign, SignMajorityVote
+from .sparsify import RandomK, TopK
+
+#: methods whose error feedback is on unless ``error_feedback = false``
+EF_DEFAULT = {"topk", "randomk", "ef-sign"}
+#: methods that keep their own error memory (the wrapper is not applied to them)
+EF_BUILT_IN = {"powersgd"}
+
+
+def uses_error_feedback(cfg) -> bool:
+    """Whether ``cfg`` (a CompressorConfig) asks for the ErrorFeedback wrapper."""
+    if cfg.name in EF_BUILT_IN:
+        return False
+    return cfg.error_feedback if cfg.error_feedback is not None else cfg.name in EF_DEFAULT
+
+
+def check(cfg) -> None:
+    """Raise ConfigError (a ValueError) naming the key for a name or a combination of keys no
+    method accepts; :func:`lowcomm.config.validate` and :func:`build_compressor` both use it."""
+    if cfg.name not in COMPRESSORS:
+        raise ConfigError("compressor.name", f"unknown compressor {cfg.name!r}; known: {', '.join(COMPRESSORS)}")
+    if cfg.name == "none" and cfg.error_feedback:
+        raise ConfigError("compressor.error_feedback", "needs a lossy compressor (compressor.name "
+                          "is 'none')")
+    if cfg.name == "ef-sign" and cfg.error_feedback is False:
+        raise ConfigError("compressor.error_feedback", "ef-sign is sign with error feedback; "
+                          "error_feedback = false would make it 'sign'")
+
+
+def _method(make):
+    """A registry factory: check the config, build the bare operator."""
+    def factory(cfg) -> Compressor:
+        check(cfg)
+        return make(cfg)
+    return factory
+
+
+COMPRESSORS = {
+    "none": lambda cfg: Compressor(),
+    "fp16": _method(lambda cfg: Cast(torch.float16)),
+    "bf16": _method(lambda cfg: Cast(torch.bfloat16)),
+    "int8": _method(lambda cfg: Int8()),
+    "qsgd": _method(lambda cfg: QSGD(cfg.levels, cfg.bucket_size, cfg.seed)),
+    "topk": _method(lambda cfg: TopK(cfg.ratio)),
+    "randomk": _method(lambda cfg: RandomK(cfg.ratio, cfg.seed)),
+    "sign": _method(lambda cfg: ScaledSign("sign")),
+    "sign-mv": _method(lambda cfg: SignMajorityVote()),
+    "ef-sign": _method(lambda cfg: ScaledSign("ef-sign")),
+    "powersgd": _method(lambda cfg: PowerSGD(cfg.approx_rank, cfg.start_iter,
+                                             cfg.error_feedback is not False,
+                                             cfg.min_compression_rate, cfg.seed)),
+}
 
 
 def build_compressor(cfg) -> Compressor | None:
-    """The compressor named by a :class:`~lowcomm.config.CompressorConfig` (None for "none")."""
+    """The gradient compressor named by a :class:`~lowcomm.config.CompressorConfig` (None for
+    "none"), wrapped in :class:`ErrorFeedback` where ``error_feedback`` or the method's default
+    asks (SyncDP and the outer loops use this)."""
+    check(cfg)
     if cfg.name == "none":
         return None
-    return COMPRESSORS[cfg.name](cfg)
+    comp = COMPRESSORS[cfg.name](cfg)
+    return ErrorFeedback(comp) if uses_error_feedback(cfg) else comp
 
 
-__all__ = ["COMPRESSORS", "Compressor", "Segment", "build_compressor"]
+__all__ = ["COMPRESSORS", "Cast", "Compressor", "ErrorFeedback", "Int8", "PowerSGD", "QSGD",
+           "RandomK", "ScaledSign", "Segment", "SignMajorityVote", "TopK", "build_compressor", "check",
+           "uses_error_feedback"]

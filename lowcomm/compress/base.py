@@ -5,24 +5,34 @@ thing that goes on the wire) and back. The :class:`~lowcomm.reducer.Reducer` han
 buckets together with the :class:`Segment` s (parameter name, shape, slice) they hold, so methods
 that work per matrix (PowerSGD) or keep state per parameter (error feedback) can.
 
-``reduce()`` is the whole collective: the default runs
+``reduce(flat, key, comm, segments)`` is the whole collective and the Reducer's entry point. It
+is ``compress`` followed by ``exchange``:
 
 * summable payloads (``summable = True``, e.g. fp16): all-reduce (sum) each payload tensor, then
   ``decompress`` and divide by K;
-* otherwise: all-gather every rank's payload, ``decompress`` each, and average.
+* otherwise: all-gather every rank's payload (all payload tensors of a rank travel as one byte
+  message, so a method costs one collective per bucket), ``decompress`` each, and average.
 
-Methods whose exchange is neither (majority vote, PowerSGD's two all-reduces, compressed
-all-reduce with a server-side re-compression) override ``reduce``. State (error-feedback
-residuals, PowerSGD's Q, random generators) lives in the object, is keyed by parameter name or
-bucket key, and is saved by ``state_dict()``; a compressor never holds a Comm.
+Methods whose exchange is neither (majority vote) override ``exchange``; PowerSGD, whose two
+all-reduces interleave with its computation, overrides ``reduce``. The split lets the
+:class:`~lowcomm.compress.error_feedback.ErrorFeedback` wrapper sit between the two halves.
+
+``compress`` refuses NaN/Inf (a :class:`~lowcomm.errors.NonFiniteError` naming the parameters
+and the rank): nothing non-finite is ever encoded, whoever calls it.
+
+State (error-feedback residuals, PowerSGD's Q, random generators) lives in the object, is keyed
+by parameter name or bucket key, and is saved by ``state_dict()``; a compressor never holds a
+Comm.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from ..comm import Comm
+from ..errors import NonFiniteError
 
 
 @dataclass(frozen=True)
@@ -34,37 +44,146 @@ class Segment:
     stop: int
 
 
+def whole(key: str, x: torch.Tensor) -> list[Segment]:
+    """The segment list of a flat tensor that carries no parameter names: one segment, ``key``."""
+    return [Segment(key, torch.Size([x.numel()]), 0, x.numel())]
+
+
+def world_rank() -> int:
+    """This process's MPI world rank if MPI is running, else 0 (for error messages only)."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        return MPI.COMM_WORLD.Get_rank()
+    return 0
+
+
+def nonfinite_segments(x: torch.Tensor, segments: list[Segment]) -> list[Segment]:
+    """The segments of flat ``x`` holding NaN/Inf. One sum decides the common case (NaN/Inf
+    propagate into it); only then are segments inspected (a finite sum can overflow: then none)."""
+    if x.numel() == 0 or bool(torch.isfinite(x.sum())):
+        return []
+    return [s for s in segments if not bool(torch.isfinite(x[s.start:s.stop]).all())]
+
+
+def check_finite(x: torch.Tensor, key: str, segments: list[Segment] | None, rank: int | None,
+                 who: str) -> None:
+    """Raise :class:`NonFiniteError` naming the parameters of ``x`` that hold NaN/Inf."""
+    bad = [s.name for s in nonfinite_segments(x, segments or whole(key, x))]
+    if bad:
+        raise NonFiniteError(world_rank() if rank is None else rank,
+                             ", ".join(repr(n) for n in bad) + f" (input of compressor {who!r}, {key})")
+
+
+def allgather_payload(comm: Comm, payload: list[torch.Tensor]) -> list[torch.Tensor]:
+    """All-gather a rank's payload tensors as one byte message; returns one ``(K, *shape)``
+    tensor per payload tensor (the bytes on the wire are exactly the payload's)."""
+    if len(payload) == 1:
+        return [comm.allgather(payload[0].contiguous())]
+    raw = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in payload])
+    g = comm.allgather(raw)
+    out, off = [], 0
+    for t in payload:
+        nb = t.numel() * t.element_size()
+        out.append(g[:, off:off + nb].clone(memory_format=torch.contiguous_format).view(t.dtype).view(comm.size, *t.shape))
+        off += nb
+    return out
+
+
 class Compressor:
-    """Identity ("none"): the dense average. Subclasses override compress/decompress (and
-    ``summable``), or ``reduce`` itself."""
+    """Identity ("none"): the dense average. Subclasses implement ``_compress``/``decompress``
+    (and set ``summable``), or override ``exchange`` or ``reduce`` itself.
+
+    Attributes:
+        name: the config name.
+        summable: payloads of different ranks can be summed on the wire (all-reduce).
+        horovod: Horovod's static ``compression=`` interface can run this method (stateless,
+            summable, a dtype Horovod 0.28.1 reduces).
+        rank: this rank in the communicator last used by :meth:`reduce` (None before; error
+            messages fall back to the MPI world rank).
+    """
 
     name = "none"
     summable = True
+    horovod = True
 
-    def compress(self, x: torch.Tensor, key: str, segments: list[Segment]):
+    def __init__(self) -> None:
+        self.rank: int | None = None
+
+    # the two halves ---------------------------------------------------------------------------
+    def compress(self, x: torch.Tensor, key: str, segments: list[Segment] | None = None):
         """``x`` (flat) -> ``(payload, ctx)``; ``payload`` is a list of tensors sent as they are,
-        ``ctx`` what the decoder needs that need not travel (shapes, dtype)."""
+        ``ctx`` what the decoder needs that need not travel (sizes, dtype). Raises
+        :class:`NonFiniteError` on NaN/Inf in ``x``."""
+        x = x.detach().reshape(-1)
+        check_finite(x, key, segments, self.rank, self.name)
+        return self._compress(x, key, segments or whole(key, x))
+
+    def _compress(self, x: torch.Tensor, key: str, segments: list[Segment]):
         return [x], None
 
     def decompress(self, payload: list[torch.Tensor], ctx) -> torch.Tensor:
         return payload[0]
 
-    def reduce(self, flat: torch.Tensor, key: str, comm: Comm, segments: list[Segment]) -> torch.Tensor:
-        """Return the average over ``comm`` of every rank's ``flat`` (same shape and dtype)."""
-        payload, ctx = self.compress(flat, key, segments)
+    def exchange(self, payload: list[torch.Tensor], ctx, comm: Comm, like: torch.Tensor) -> torch.Tensor:
+        """Combine every rank's payload into the average (shaped and typed like ``like``)."""
         K = comm.size
         if self.summable:
             for t in payload:
                 comm.allreduce_(t)
-            return self.decompress(payload, ctx).to(flat.dtype).div_(K)
-        gathered = [comm.allgather(t) for t in payload]
-        out = torch.zeros_like(flat)
-        for k in range(K):
-            out.add_(self.decompress([g[k] for g in gathered], ctx).to(flat.dtype))
+            return self.decompress(payload, ctx).to(like.dtype).div_(K)
+        gathered = allgather_payload(comm, payload)
+        return self.decompress_mean(gathered, ctx, K).to(like.dtype)
+
+    def decompress_mean(self, gathered: list[torch.Tensor], ctx, K: int) -> torch.Tensor:
+        """The mean of K ranks' decoded payloads (``gathered[i][k]``: tensor i of rank k).
+        Subclasses replace this loop over ranks with one vectorised decode."""
+        out = self.decompress([g[0] for g in gathered], ctx).clone()
+        for k in range(1, K):
+            out.add_(self.decompress([g[k] for g in gathered], ctx))
         return out.div_(K)
 
+    def reduce(self, flat: torch.Tensor, key: str, comm: Comm, segments: list[Segment]) -> torch.Tensor:
+        """Return the average over ``comm`` of every rank's ``flat`` (same shape and dtype)."""
+        self.rank = comm.rank
+        payload, ctx = self.compress(flat, key, segments)
+        return self.exchange(payload, ctx, comm, flat)
+
+    # state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+class Seeded:
+    """A mixin for methods that draw random numbers: one ``torch.Generator`` (created on the
+    first tensor's device), seeded from ``seed`` — plus the rank when ``per_rank`` — whose state
+    is part of ``state_dict()``, so a resumed run draws exactly the numbers it would have."""
+
+    per_rank = True
+
+    def _init_rng(self, seed: int) -> None:
+        self.seed = int(seed)
+        self._gen: torch.Generator | None = None
+        self._gen_state: torch.Tensor | None = None   # loaded before the device is known
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        if self._gen is None or self._gen.device != torch.device(device):
+            g = torch.Generator(device=device)
+            if self._gen_state is not None:
+                g.set_state(self._gen_state)
+            else:
+                rank = (self.rank if self.rank is not None else world_rank()) if self.per_rank else 0
+                g.manual_seed(self.seed * 1_000_003 + rank)
+            self._gen, self._gen_state = g, None
+        return self._gen
+
+    def rng_state(self) -> dict:
+        if self._gen is not None:
+            return {"generator": self._gen.get_state()}
+        return {"generator": self._gen_state}
+
+    def load_rng_state(self, state: dict) -> None:
+        self._gen = None
+        self._gen_state = state.get("generator")

@@ -6,6 +6,18 @@ import torch
 from ..comm import Comm, init
 
 
+def balance(sizes: list[int], bins: int) -> list[int]:
+    """Greedy size balancing (LPT, Graham 1969): largest item first onto the least-loaded bin
+    (ties: the lowest bin). Returns the bin of each item."""
+    load = [0] * bins
+    out = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        b = min(range(bins), key=lambda b: (load[b], b))
+        out[i] = b
+        load[b] += sizes[i]
+    return out
+
+
 class Strategy:
     """Wraps ``optimizer``; ``zero_grad()``, ``backward()``, ``step()`` keep their meaning.
 
@@ -59,6 +71,11 @@ class Strategy:
     def summary(self, ctl: Comm) -> dict:
         """Extra fields for summary.json (called on every rank together, after training)."""
         return {}
+
+    def finish(self) -> None:
+        """After :meth:`close` and :meth:`summary`: leave on every rank the model the run
+        delivers (e.g. the average of the ranks' local models). Called on all ranks together;
+        traffic is charged to the method."""
 
     def close(self) -> None:
         """Release threads and hooks; the strategy must not be used afterwards."""

@@ -62,10 +62,8 @@ class SyncDP(Strategy):
         self.passes = int(backward_passes_per_step)
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if backend == "horovod":
-            if compressor is not None:
-                raise ValueError(f"compressor {compressor.name!r} runs on the mpi backend only")
-            from ..backends.horovod import HorovodOptimizer
-            self._hvd = HorovodOptimizer(model, optimizer, self.comm, self.passes)
+            from ..backends.horovod import HorovodOptimizer   # refuses non-summable compressors
+            self._hvd = HorovodOptimizer(model, optimizer, self.comm, self.passes, compressor)
             return
         self._hvd = None
         broadcast_(self.comm, list(model.state_dict().values()), root=0)

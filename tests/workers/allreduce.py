@@ -67,7 +67,7 @@ def expected_bytes(alg: str, n: int, es: int) -> int:
     raise AssertionError(alg)
 
 
-for alg in lowcomm.ALGORITHMS:
+for alg in [a for a in lowcomm.ALGORITHMS if a != "hierarchical"]:  # per-level rows: test_topology
     for n in SIZES:
         for dt in DTYPES:
             g = torch.Generator().manual_seed(1000 * r + n)

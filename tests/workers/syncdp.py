@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import lowcomm
-from common import Checks
+from common import Checks, seeded_mlp, random_batch
 
 comm = lowcomm.init()
 K, r = comm.size, comm.rank
@@ -16,26 +16,12 @@ B, STEPS = 6, 4
 with_horovod = "--horovod" in sys.argv
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(10, 64)
-        self.b = torch.nn.Linear(64, 64)
-        self.c = torch.nn.Linear(64, 3)
-        self.unused = torch.nn.Linear(3, 3)   # gets no gradient: reduced as zeros
-
-    def forward(self, x):
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
-
-
 def make():
-    torch.manual_seed(0)
-    return Net()
+    return seeded_mlp(10, 64, 64, 3, unused=True)
 
 
 def batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(K * B, 10, generator=g), torch.randint(0, 3, (K * B,), generator=g)
+    return random_batch(step, K * B)
 
 
 def reference():

@@ -1,0 +1,56 @@
+"""fp16 / bf16: send the gradient in a 16-bit float format, all-reduced (summable)."""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from ..errors import LowcommError
+from .base import Compressor, Segment
+
+
+class Cast(Compressor):
+    """Cast to a 16-bit float for the wire (mixed-precision communication, e.g. Micikevicius et
+    al. 2018, arXiv 1710.03740 for fp16; bf16: Kalamkar et al. 2019, arXiv 1905.12322).
+
+    Update, per bucket x on each of K ranks:
+      1. ``h = fp16(x)`` (round to nearest even); an |x| beyond the format's range is an error,
+         never sent as Inf;
+      2. ``h ← h / K`` in the 16-bit format (so the sum cannot overflow), all-reduce (sum);
+      3. the average is ``float(h)``.
+    Bytes: an all-reduce of 2 bytes per element.
+
+    Args:
+        dtype: ``torch.float16`` or ``torch.bfloat16``.
+
+    Example::
+
+        avg = Cast(torch.float16).reduce(flat, "bucket0", comm, segments)
+    """
+
+    summable = True
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"Cast needs torch.float16 or torch.bfloat16, got {dtype}")
+        self.dtype = dtype
+        self.name = "fp16" if dtype == torch.float16 else "bf16"
+        self.horovod = dtype == torch.float16     # Horovod 0.28.1 cannot reduce bfloat16
+
+    def _compress(self, x: torch.Tensor, key: str, segments: list[Segment]):
+        h = x.to(self.dtype)
+        if not bool(torch.isfinite(h.sum())):
+            big = [s.name for s in segments if not bool(torch.isfinite(h[s.start:s.stop]).all())]
+            if big:
+                top = torch.finfo(self.dtype).max
+                raise LowcommError(f"rank {self.rank}: {', '.join(map(repr, big))} hold values beyond "
+                                   f"{self.name}'s range (|x| > {top:g}); not sent ({key})")
+        return [h], x.dtype
+
+    def decompress(self, payload: list[torch.Tensor], ctx) -> torch.Tensor:
+        return payload[0].to(ctx)
+
+    def exchange(self, payload, ctx, comm: Comm, like: torch.Tensor) -> torch.Tensor:
+        h = payload[0].div(comm.size)     # not in place: a 16-bit input is its own payload
+        comm.allreduce_(h)
+        return h.to(like.dtype)

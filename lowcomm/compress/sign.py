@@ -1,0 +1,83 @@
+"""1-bit methods: scaled signSGD, signSGD with majority vote, error-feedback signSGD.
+
+Signs travel bit-packed (8 per byte, :mod:`lowcomm.compress.bits`); a sign bit set means
+negative, so ``+0.0`` is sent as +1.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor
+from .bits import pack_signs, unpack_signs
+
+
+class ScaledSign(Compressor):
+    """Scaled signSGD (Bernstein, Wang, Azizzadenesheli & Anandkumar 2018, arXiv 1802.04434):
+    one bit per element plus one scale per bucket, the ℓ1 scale of Karimireddy et al. 2019
+    (arXiv 1901.09847), ``C(x) = (‖x‖₁ / n) · sign(x)``.
+
+    Update, per bucket x (n elements) on each of K ranks:
+      1. ``s = ‖x‖₁ / n`` (float32), ``b = packbits(x < 0)`` (⌈n/8⌉ bytes);
+      2. all-gather ``(s, b)`` as one message;
+      3. the average is ``(1/K) Σ_k s_k · sign_k``.
+    Without error feedback this is ``sign``; wrapped in
+    :class:`~lowcomm.compress.error_feedback.ErrorFeedback` it is ``ef-sign`` (Karimireddy et
+    al.'s EF-SignSGD). Bytes per rank and bucket: an all-gather of ``⌈n/8⌉ + 4`` bytes.
+    """
+
+    name, summable, horovod = "sign", False, False
+
+    def __init__(self, name: str = "sign"):
+        super().__init__()
+        self.name = name
+
+    def _compress(self, x, key, segments):
+        scale = x.abs().sum().div(x.numel()).float().reshape(1)
+        return [scale, pack_signs(x)], (x.numel(), x.dtype)
+
+    def decompress(self, payload, ctx):
+        scale, packed = payload
+        n, dtype = ctx
+        return unpack_signs(packed, n, dtype, scale)
+
+    def decompress_mean(self, gathered, ctx, K):
+        scales, packed = gathered                       # (K, 1), (K, ⌈n/8⌉)
+        n, dtype = ctx
+        signs = unpack_signs(packed, n, dtype)           # (K, n)
+        return (scales.view(1, K).to(dtype) @ signs).view(-1).div_(K)
+
+
+class SignMajorityVote(Compressor):
+    """signSGD with majority vote (Bernstein, Zhao, Azizzadenesheli & Anandkumar 2019,
+    arXiv 1810.05291): every rank sends only its signs; every rank takes the elementwise vote.
+
+    Update, per bucket x (n elements) on each of K ≥ 2 ranks:
+      1. ``b_k = packbits(x_k < 0)`` (⌈n/8⌉ bytes, no scale);
+      2. all-gather the packed signs (every rank acts as the server: no second round);
+      3. the result is ``sign(Σ_k sign(x_k))`` ∈ {-1, 0, +1}. **Tie rule** (even K only): a
+         coordinate with as many +1 as -1 votes gets 0, i.e. it does not move this step.
+    The result has unit magnitude: the learning rate of the wrapped optimizer sets the step
+    (Signum: give that optimizer momentum, or apply the vote to momenta yourself).
+    Bytes per rank and bucket: an all-gather of ``⌈n/8⌉`` bytes.
+    """
+
+    name, summable, horovod = "sign-mv", False, False
+
+    def _compress(self, x, key, segments):
+        return [pack_signs(x)], (x.numel(), x.dtype)
+
+    def decompress(self, payload, ctx):
+        n, dtype = ctx
+        return unpack_signs(payload[0], n, dtype)
+
+    def decompress_mean(self, gathered, ctx, K):
+        # only used if someone averages decoded votes; the vote itself is in exchange()
+        n, dtype = ctx
+        return unpack_signs(gathered[0], n, dtype).mean(0)
+
+    def exchange(self, payload, ctx, comm, like):
+        from .base import allgather_payload
+        n, dtype = ctx
+        packed = allgather_payload(comm, payload)[0]                 # (K, ⌈n/8⌉)
+        votes = unpack_signs(packed, n, torch.int8).sum(0, dtype=torch.int32)
+        return torch.sign(votes).to(like.dtype)

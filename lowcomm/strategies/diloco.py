@@ -1,0 +1,176 @@
+"""DiLoCo and streaming DiLoCo: an inner optimizer for H local steps, then an outer optimizer
+step on the averaged pseudo-gradient."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..comm import Comm
+from ..compress.base import Compressor
+from ..config import OUTER_OPTIMIZERS
+from ..errors import ConfigError
+from .outer import Fragment, Nesting, OuterLoop, from_config_kwargs, warn_unused
+
+
+def _check_outer(outer_optimizer: str, outer_lr: float, outer_momentum: float) -> None:
+    if outer_optimizer not in OUTER_OPTIMIZERS:
+        raise ConfigError("strategy.outer_optimizer", f"unknown value {outer_optimizer!r}; "
+                          f"known: {', '.join(OUTER_OPTIMIZERS)}")
+    if not outer_lr > 0:
+        raise ConfigError("strategy.outer_lr", f"must be > 0, got {outer_lr}")
+    if not 0 <= outer_momentum < 1:
+        raise ConfigError("strategy.outer_momentum", f"must be in [0, 1), got {outer_momentum}")
+    if outer_optimizer == "nesterov" and outer_momentum == 0:
+        raise ConfigError("strategy.outer_momentum", "Nesterov needs a momentum > 0; for none "
+                          "use outer_optimizer=\"sgd\"")
+
+
+class DiLoCo(OuterLoop):
+    """DiLoCo: distributed low-communication training (Douillard et al. 2023, arXiv 2311.08105).
+
+    Update, with K ranks, H = ``period``, θ the outer parameters (a float32 copy on the CPU,
+    shared by all ranks) and θ_k rank k's model:
+      1. θ ← rank 0's parameters, broadcast; every θ_k ← θ (after W = ``warmup_steps`` dense
+         SyncDP steps, if any);
+      2. each rank takes H inner steps of the wrapped optimizer (AdamW in the paper) on its own
+         data: θ_k ← InnerOpt(θ_k, g_k); the inner optimizer's state is kept across rounds;
+      3. pseudo-gradient Δ_k = θ − θ_k, averaged over the ranks: Δ = (1/K) Σ_k Δ_k (dense
+         all-reduce, or ``compressor.reduce`` — its error-feedback memory carries over rounds);
+      4. outer step θ ← OuterOpt(θ, Δ): SGD with Nesterov momentum (``outer_lr`` 0.7,
+         ``outer_momentum`` 0.9 in the paper) or SGD with heavy-ball momentum;
+      5. θ_k ← θ on every rank; go to 2.
+    With ``outer_optimizer="sgd"``, ``outer_lr=1``, ``outer_momentum=0`` step 4 gives
+    θ = (1/K) Σ_k θ_k, i.e. :class:`~lowcomm.strategies.localsgd.LocalSGD`. The outer state
+    (θ, momentum) lives on the CPU whatever the model's device.
+
+    Args:
+        model, optimizer: the user's torch objects (``optimizer`` is the inner optimizer).
+        comm: communicator (default: world).
+        period: H ≥ 1 inner steps per outer step.
+        outer_optimizer: "nesterov" or "sgd".
+        outer_lr, outer_momentum: the outer SGD's learning rate and momentum.
+        warmup_steps: W ≥ 0 dense SyncDP steps before the first round.
+        algorithm: all-reduce algorithm of the pseudo-gradient (and the warm-up).
+        compressor: a :class:`~lowcomm.compress.Compressor` for the pseudo-gradient
+            (None: dense fp32 average).
+        warmup_options: extra keyword arguments of the warm-up's SyncDP.
+
+    Example::
+
+        inner = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1)
+        opt = DiLoCo(model, inner, period=500)      # Nesterov outer, lr 0.7, momentum 0.9
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    """
+
+    name = "diloco"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None, *, period: int, outer_optimizer: str = "nesterov",
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, warmup_steps: int = 0,
+                 algorithm: str = "mpi", compressor: Compressor | None = None,
+                 warmup_options: dict | None = None, nest: Nesting | None = None):
+        _check_outer(outer_optimizer, outer_lr, outer_momentum)   # before any communication
+        super().__init__(model, optimizer, comm, period=period, warmup_steps=warmup_steps,
+                         algorithm=algorithm, compressor=compressor, warmup_options=warmup_options,
+                         nest=nest)
+        self._init_outer(outer_optimizer, outer_lr, outer_momentum)
+
+    def _init_outer(self, outer_optimizer: str, outer_lr: float, outer_momentum: float) -> None:
+        self.outer_params = [torch.nn.Parameter(f.pack(), requires_grad=False)
+                             for f in self.fragments]
+        self.outer_optimizer = torch.optim.SGD(self.outer_params, lr=outer_lr,
+                                               momentum=outer_momentum,
+                                               nesterov=outer_optimizer == "nesterov")
+
+    @classmethod
+    def _config_kwargs(cls, cfg, comm) -> dict:
+        from ..compress import build_compressor
+        s = cfg.strategy
+        kw = from_config_kwargs(cfg)
+        kw.update(outer_optimizer=s.outer_optimizer, outer_lr=s.outer_lr,
+                  outer_momentum=s.outer_momentum,
+                  compressor=build_compressor(dataclasses.replace(cfg.compressor, name=s.compressor)))
+        return kw
+
+    @classmethod
+    def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None):
+        warn_unused(cfg, comm, ("fragments", "delay", "alpha"))
+        return cls(model, optimizer, comm, nest=nest, **cls._config_kwargs(cfg, comm))
+
+    def _warmup_done(self) -> None:
+        for f, outer in zip(self.fragments, self.outer_params):
+            outer.data.copy_(f.pack())
+
+    def _outgoing(self, f: Fragment) -> torch.Tensor:
+        return self.outer_params[f.index].detach() - f.pack()
+
+    def _apply(self, f: Fragment, avg: torch.Tensor) -> None:
+        outer = self.outer_params[f.index]
+        outer.grad = avg.to(outer.dtype)
+        self.outer_optimizer.step()             # only parameters with a gradient move
+        outer.grad = None
+        f.unpack_(outer.detach(), self.alpha)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["outer_params"] = [p.detach().clone() for p in self.outer_params]
+        state["outer_optimizer"] = self.outer_optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        with torch.no_grad():
+            for p, saved in zip(self.outer_params, state["outer_params"], strict=True):
+                p.copy_(saved)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+
+
+class StreamingDiLoCo(DiLoCo):
+    """Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): DiLoCo whose parameters are
+    synchronised P fragments at a time, at staggered steps, with the communication overlapped
+    with τ inner steps, so the peak bandwidth is about 1/P of DiLoCo's.
+
+    Update, with H = ``period``, P = ``fragments``, τ = ``delay``, α = ``alpha``; parameter
+    tensors are split into P fragments of near-equal size, fragment p with outer copy θ_p:
+      1. as DiLoCo step 1; every rank takes inner steps all the time;
+      2. at local step s with s mod H = ⌊(p+1)H/P⌋ mod H, fragment p's pseudo-gradient
+         Δ_p = (1/K) Σ_k (θ_p − θ_{k,p}(s)) starts its (possibly compressed) all-reduce in the
+         background;
+      3. after step s + τ (τ < H), the outer step θ_p ← OuterOpt(θ_p, Δ_p) and the merge
+         θ_{k,p} ← α θ_{k,p}(s + τ) + (1 − α) θ_p on every rank.
+    With P = 1, τ = 0 and α = 0 this is :class:`DiLoCo`. Each fragment is its own outer
+    parameter, so momentum is kept per fragment.
+
+    Args:
+        fragments: P, at most the number of parameter tensors (a tensor is never split).
+        delay: τ in [0, period), inner steps between sending a fragment and applying it.
+        alpha: α in [0, 1], the share of the local parameters kept when merging.
+        (others as :class:`DiLoCo`.)
+
+    Example::
+
+        opt = StreamingDiLoCo(model, torch.optim.AdamW(model.parameters(), lr=4e-4),
+                              period=100, fragments=4, delay=5, alpha=0.5)
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    """
+
+    name = "streaming-diloco"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None, *, period: int, fragments: int = 1, delay: int = 0,
+                 alpha: float = 0.0, outer_optimizer: str = "nesterov", outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, warmup_steps: int = 0, algorithm: str = "mpi",
+                 compressor: Compressor | None = None, warmup_options: dict | None = None,
+                 nest: Nesting | None = None):
+        _check_outer(outer_optimizer, outer_lr, outer_momentum)
+        OuterLoop.__init__(self, model, optimizer, comm, period=period, warmup_steps=warmup_steps,
+                           algorithm=algorithm, compressor=compressor, fragments=fragments,
+                           delay=delay, alpha=alpha, warmup_options=warmup_options, nest=nest)
+        self._init_outer(outer_optimizer, outer_lr, outer_momentum)
+
+    @classmethod
+    def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None):
+        s = cfg.strategy
+        return cls(model, optimizer, comm, fragments=s.fragments, delay=s.delay, alpha=s.alpha,
+                   nest=nest, **cls._config_kwargs(cfg, comm))

@@ -1,0 +1,507 @@
+"""Decentralized gossip SGD: every step each rank averages parameters with a few graph neighbours."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..collectives import broadcast_
+from ..comm import Comm
+from ..errors import ConfigError
+from .base import Strategy
+from .graphs import GRAPHS, Graph, build_graph
+from .outer import Fragment
+
+MODES = ("dpsgd", "push-sum", "async")
+ORDERS = ("cta", "atc")
+TAG = 90_000                 # on the strategy's own duplicated communicator
+
+
+class _Layout:
+    """Where each trainable parameter sits in one flat byte message: an optional float64 push-sum
+    weight first, then one typed block per dtype (widest first, so every block is aligned)."""
+
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]], weight: bool):
+        by_dtype: dict[torch.dtype, list] = {}
+        for name, p in named:
+            by_dtype.setdefault(p.dtype, []).append((name, p))
+        order = sorted(by_dtype, key=lambda d: (-torch.empty(0, dtype=d).element_size(), str(d)))
+        self.weight = weight
+        offset = 8 if weight else 0
+        self.groups: list[tuple[Fragment, int]] = []     # (one dtype's block, its byte offset)
+        for i, dtype in enumerate(order):
+            members, n = [], 0
+            for name, p in by_dtype[dtype]:
+                members.append((name, p, n, n + p.numel()))
+                n += p.numel()
+            self.groups.append((Fragment(i, members, dtype, 0), offset))
+            offset += n * torch.empty(0, dtype=dtype).element_size()
+        self.nbytes = offset
+        self.param_bytes = offset - (8 if weight else 0)
+
+    def new(self) -> torch.Tensor:
+        return torch.empty(self.nbytes, dtype=torch.uint8)
+
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for f, off in self.groups:
+            size = torch.empty(0, dtype=f.dtype).element_size()
+            out.append(buf[off:off + f.numel * size].view(f.dtype))
+        return out
+
+    def flats(self) -> list[torch.Tensor]:
+        """Fresh CPU copies of the parameters, one flat tensor per dtype block."""
+        return [f.pack() for f, _ in self.groups]
+
+    @property
+    def segments(self) -> list[list]:
+        """Each block's parameters as compressor segments."""
+        return [f.segments for f, _ in self.groups]
+
+    def pack(self, buf: torch.Tensor) -> torch.Tensor:
+        for view, (f, _) in zip(self.views(buf), self.groups):
+            for _, p, a, b in f.members:
+                view[a:b].copy_(p.detach().reshape(-1))
+        return buf
+
+    def unpack(self, flats: list[torch.Tensor]) -> None:
+        for flat, (f, _) in zip(flats, self.groups):
+            f.unpack_(flat)
+
+    def get_weight(self, buf: torch.Tensor) -> float:
+        return float(buf[:8].view(torch.float64)[0])
+
+    def set_weight(self, buf: torch.Tensor, w: float) -> None:
+        buf[:8].view(torch.float64)[0] = w
+
+
+class Gossip(Strategy):
+    """Gossip SGD over a peer graph: D-PSGD (Lian et al. 2017, arXiv 1705.09056), Stochastic
+    Gradient Push (push-sum; Assran et al. 2019, arXiv 1811.10792), an asynchronous variant in the
+    spirit of AD-PSGD (Lian et al. 2018, arXiv 1710.06952), and CHOCO compressed gossip
+    (Koloskova et al. 2019, arXiv 1902.00340). No global collective: each rank talks only to its
+    graph neighbours (:mod:`~lowcomm.strategies.graphs`) with non-blocking point-to-point messages,
+    so its traffic per step is ``degree × model bytes`` whatever the number of ranks.
+
+    Update on rank i in round t, with W the graph's doubly stochastic mixing matrix, ``N_in(i)``
+    its in-peers and ``u(g)`` the wrapped optimizer's update for gradient g:
+
+    ``mode="dpsgd"``, ``order="cta"`` (combine-then-adapt, Lian et al. 2017, the default):
+      1. at ``zero_grad()``, post ``isend(x_i)`` to the out-peers and ``irecv`` from the in-peers,
+         so the exchange runs while forward and backward compute ``g_i = ∇F_i(x_i)``;
+      2. at ``step()``, wait and mix: ``x_i ← Σ_{j ∈ {i} ∪ N_in(i)} W_ij x_j``;
+      3. ``x_i ← x_i − u(g_i)`` (the gradient of the pre-mix ``x_i``, as in the paper).
+    ``order="atc"`` (adapt-then-combine): 1. ``x_i ← x_i − u(g_i)``; 2. exchange and mix; the
+    exchange cannot overlap this step's compute. On the complete graph with (momentum) SGD this is
+    exactly SyncDP.
+
+    ``mode="push-sum"`` (SGP; any strongly connected digraph, weights need no doubly stochastic W):
+    each rank keeps a numerator ``x_i`` and a weight ``w_i`` (start 1), the model holds
+    ``z_i = x_i / w_i``:
+      1. (atc) ``z_i ← z_i − u(∇F_i(z_i))``, ``x_i = w_i z_i``;
+      2. send ``(x_i, w_i)/(d_out+1)`` to each out-peer, keep one share;
+      3. ``x_i ← Σ received shares``, ``w_i ← Σ received weights``, ``z_i = x_i / w_i``.
+    (``order="cta"`` sends at ``zero_grad()`` and steps after mixing, as for D-PSGD.) On regular
+    graphs every ``w_i`` stays 1 and this is D-PSGD; messages carry 8 extra bytes for ``w``.
+
+    ``mode="async"`` (never waits for a neighbour): rank i, each step,
+      1. takes whatever ``(x_j, w_j)`` messages have arrived since the last step and adds them:
+         ``x_i ← w_i z_i + Σ x_j``, ``w_i ← w_i + Σ w_j`` (the model it computed its gradient on
+         is therefore stale by up to the messages absorbed, as in AD-PSGD);
+      2. ``z_i ← z_i − u(g_i)``;
+      3. if its previous message to this round's peer has been delivered, sends it half of its
+         mass ``(w_i z_i/2, w_i/2)`` and keeps the other half (one peer per step, cycling
+         through the graph's out-peers).
+    Unlike AD-PSGD's atomic pairwise average (which needs a responder thread on the passive
+    side), the push-sum weights keep the network average exact however messages are delayed.
+    The trajectory depends on timing, so a resumed async run is not bit-identical to an
+    uninterrupted one; a checkpoint drains the messages in flight into the saved state.
+
+    Compressed gossip (``compressor`` given; CHOCO-SGD, Koloskova et al. 2019; D-PSGD mode on a
+    static graph): every rank keeps a public copy ``x̂_i`` that its neighbours track and
+    ``s_i = Σ_j W_ij x̂_j``;
+      1. ``q_i = Q(x_i − x̂_i)``, sent to the neighbours (the compressor's payload);
+      2. ``x̂_i ← x̂_i + q_i``, ``s_i ← s_i + Σ_{j ∈ {i} ∪ N_in(i)} W_ij q_j``;
+      3. ``x_i ← x_i + γ (s_i − x̂_i)`` with ``γ = consensus_step``.
+    With the identity compressor and γ = 1 this is plain D-PSGD.
+
+    Only parameters with ``requires_grad`` are gossiped (buffers stay local); initial parameters
+    and buffers are broadcast from rank 0. Gossip traffic is charged in the ledger as one op
+    ``gossip.<mode>`` (``gossip.choco``) call per round.
+
+    Args:
+        model, optimizer: the user's torch objects.
+        comm: communicator (default: world); gossip runs on a duplicate of it (same ledger).
+        graph: a name from ``GRAPHS`` or a :class:`~lowcomm.strategies.graphs.Graph`.
+        mode: "dpsgd", "push-sum" or "async".
+        order: "cta" (exchange overlapped with forward/backward) or "atc" (after the local step).
+        compressor: a :class:`~lowcomm.compress.Compressor` for CHOCO gossip (None: dense).
+        consensus_step: CHOCO's γ in (0, 1]; only with a compressor.
+
+    Example::
+
+        opt = Gossip(model, torch.optim.SGD(model.parameters(), lr=0.1), graph="one-peer-exponential")
+        for x, y in batches:
+            opt.zero_grad()                       # posts this round's exchange
+            loss_fn(model(x), y).backward()       # ... which runs meanwhile
+            opt.step()                            # mix with the neighbours, then the SGD step
+    """
+
+    name = "gossip"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None, graph: str | Graph = "ring", mode: str = "dpsgd",
+                 order: str = "cta", compressor=None, consensus_step: float = 1.0):
+        super().__init__(model, optimizer, comm)
+        if mode not in MODES:
+            raise ValueError(f"unknown gossip mode {mode!r}; known: {', '.join(MODES)}")
+        if order not in ORDERS:
+            raise ValueError(f"unknown gossip order {order!r}; known: {', '.join(ORDERS)}")
+        self.graph = build_graph(graph, self.comm.size) if isinstance(graph, str) else graph
+        if not isinstance(self.graph, Graph):
+            raise TypeError(f"graph must be a name ({', '.join(GRAPHS)}) or a Graph, got "
+                            f"{type(graph).__name__}")
+        if self.graph.size != self.comm.size:
+            raise ValueError(f"graph {self.graph.name!r} is on {self.graph.size} ranks but the "
+                             f"communicator has {self.comm.size}")
+        self.graph.check()
+        if mode == "dpsgd" and not self.graph.regular:
+            raise ValueError(f"graph {self.graph.name!r} is not regular, so no uniform doubly "
+                             "stochastic mixing exists for D-PSGD; use mode='push-sum'")
+        if compressor is not None and (mode != "dpsgd" or self.graph.period != 1):
+            raise ValueError("compressed (CHOCO) gossip needs mode='dpsgd' on a static graph (every "
+                             "rank tracks its fixed neighbours' public copies); got mode="
+                             f"{mode!r} on {self.graph.name!r}")
+        if not 0 < consensus_step <= 1:
+            raise ValueError(f"consensus_step must be in (0, 1], got {consensus_step}")
+        if compressor is None and consensus_step != 1:
+            raise ValueError("consensus_step is CHOCO's γ and needs a compressor")
+        self.mode, self.order, self.compressor = mode, order, compressor
+        self.consensus_step = float(consensus_step)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        broadcast_(self.comm, list(model.state_dict().values()), root=0)
+        self._g = self.comm.dup()           # own message space: tags cannot meet other traffic
+        self.rank = self._g.rank
+        self.op = "gossip.choco" if compressor is not None else f"gossip.{mode}"
+        self._layout = _Layout(named, weight=mode != "dpsgd")
+        self.t = 0                          # gossip rounds done (the graph's phase)
+        self.steps = 0                      # optimizer steps done
+        self.w = 1.0                        # push-sum weight (dpsgd: always 1)
+        self.history: list[list[float]] = []     # [steps, consensus distance] per log line
+        self._pending: dict | None = None   # a synchronous round in flight
+        if compressor is not None:
+            self._segments = self._layout.segments
+            self._xhat = [torch.zeros_like(f) for f in self._layout.flats()]
+            self._s = [torch.zeros_like(f) for f in self._xhat]
+        self._inbox: list[torch.Tensor] = []     # async: arrived, not yet absorbed
+        self._rx: dict[int, tuple] = {}          # async: source -> (buffer, posted irecv)
+        self._tx: dict[int, tuple] = {}          # async: dest -> (buffer, isend in flight)
+        self.skipped_sends = 0
+        self._started = False                    # async: this rank has taken part in a round
+
+    @classmethod
+    def from_config(cls, cfg, model, optimizer, comm):
+        from ..compress import COMPRESSORS
+        s = cfg.strategy
+        if cfg.compressor.name != "none":
+            raise ConfigError("compressor.name", "gossip exchanges parameters, not gradients; name "
+                              "the parameter compressor in strategy.compressor")
+        compressor = None
+        if s.compressor != "none":
+            compressor = COMPRESSORS[s.compressor](dataclasses.replace(cfg.compressor, name=s.compressor))
+        try:
+            graph = build_graph(s.graph, comm.size)
+        except ValueError as e:
+            raise ConfigError("strategy.graph", str(e)) from None
+        try:
+            return cls(model, optimizer, comm, graph=graph, mode=s.gossip_mode,
+                       order=s.gossip_order, compressor=compressor,
+                       consensus_step=s.consensus_step)
+        except ValueError as e:
+            raise ConfigError("strategy.gossip_mode", str(e)) from None
+
+    # synchronous rounds -----------------------------------------------------------------------
+    def degree(self, t: int | None = None) -> int:
+        """Out-degree of this rank in round ``t`` (default: the next round)."""
+        return len(self.graph.out_peers(self.rank, self.t if t is None else t))
+
+    def _post(self) -> None:
+        outs = self.graph.out_peers(self.rank, self.t)
+        ins = self.graph.in_peers(self.rank, self.t)
+        if self.compressor is not None:
+            self._post_choco(outs, ins)
+            return
+        send = self._layout.pack(self._layout.new())
+        if self.mode == "push-sum":
+            share = self.w / (len(outs) + 1)
+            for v in self._layout.views(send):
+                v.mul_(share)
+            self._layout.set_weight(send, share)
+        recvs = {j: self._layout.new() for j in ins}
+        reqs = [self._g.irecv_(b, j, TAG) for j, b in recvs.items()]
+        reqs += [self._g.isend(send, j, TAG) for j in outs]
+        self._pending = {"send": send, "recvs": recvs, "reqs": reqs}
+
+    def _post_choco(self, outs, ins) -> None:
+        payloads, ctxs, own = [], [], []
+        for k, (x, xhat) in enumerate(zip(self._layout.flats(), self._xhat)):
+            payload, ctx = self.compressor.compress(x - xhat, f"gossip.{k}", self._segments[k])
+            payload = [t.detach().cpu().contiguous() for t in payload]
+            payloads.append(payload)
+            ctxs.append(ctx)
+            own.append(self.compressor.decompress(payload, ctx).to(x.dtype).clone())
+        flat = [t for p in payloads for t in p]
+        recvs = {j: [[torch.empty_like(t) for t in p] for p in payloads] for j in ins}
+        reqs = []
+        for j, bufs in recvs.items():
+            reqs += [self._g.irecv_(b, j, TAG + n) for n, b in enumerate(b for p in bufs for b in p)]
+        for j in outs:
+            reqs += [self._g.isend(t, j, TAG + n) for n, t in enumerate(flat)]
+        self._pending = {"payloads": payloads, "ctxs": ctxs, "own": own, "recvs": recvs, "reqs": reqs}
+
+    def _wait(self) -> None:
+        with self._g.ledger.scope(self.op, self._g.level):
+            for r in self._pending["reqs"]:
+                r.wait()
+        self._pending["reqs"] = []
+
+    def _finish(self) -> None:
+        """Wait for the round in flight and write the mixed parameters into the model."""
+        self._wait()
+        p, self._pending = self._pending, None
+        L = self._layout
+        if self.compressor is not None:
+            a = 1.0 / (len(p["recvs"]) + 1)
+            x = L.flats()
+            for k, ctx in enumerate(p["ctxs"]):
+                self._xhat[k].add_(p["own"][k])
+                self._s[k].add_(p["own"][k], alpha=a)
+                for bufs in p["recvs"].values():
+                    self._s[k].add_(self.compressor.decompress(bufs[k], ctx).to(x[k].dtype), alpha=a)
+                x[k].add_(self._s[k] - self._xhat[k], alpha=self.consensus_step)
+            L.unpack(x)
+        elif self.mode == "dpsgd":
+            a = 1.0 / (len(p["recvs"]) + 1)
+            mixed = [v * a for v in L.views(p["send"])]
+            for buf in p["recvs"].values():
+                for m, v in zip(mixed, L.views(buf)):
+                    m.add_(v, alpha=a)
+            L.unpack(mixed)
+        else:                                  # push-sum
+            x = [v.clone() for v in L.views(p["send"])]
+            w = L.get_weight(p["send"])
+            for buf in p["recvs"].values():
+                for m, v in zip(x, L.views(buf)):
+                    m.add_(v)
+                w += L.get_weight(buf)
+            self.w = w
+            L.unpack([m.div_(w) for m in x])
+        self.t += 1
+
+    # the optimizer interface ------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self.order == "cta" and self.mode != "async" and self._pending is None:
+            self._post()
+
+    def step(self, closure=None):
+        if self.mode == "async":
+            loss = self._step_async(closure)
+        elif self.order == "cta":
+            if self._pending is None:          # the loop did not call zero_grad() first
+                self._post()
+            self._finish()
+            loss = self.optimizer.step(closure)
+        else:
+            loss = self.optimizer.step(closure)
+            self._post()
+            self._finish()
+        self.steps += 1
+        return loss
+
+    def skip(self) -> None:
+        # every rank drops the round together: no one mixes, so push-sum mass and CHOCO's
+        # public copies stay consistent (a compressor's own error memory has seen the round)
+        if self._pending is not None:
+            self._wait()
+            self._pending = None
+            self.t += 1
+        self.optimizer.zero_grad()
+
+    # asynchronous ------------------------------------------------------------------------------
+    def _post_rx(self, src: int, buf: torch.Tensor | None = None) -> None:
+        buf = self._layout.new() if buf is None else buf
+        self._rx[src] = (buf, self._g.irecv_(buf, src, TAG))
+
+    def _ensure_rx(self) -> None:
+        for src in self.graph.all_in_peers(self.rank):
+            if src not in self._rx:
+                self._post_rx(src)
+
+    def _poll(self) -> None:
+        for src in list(self._rx):
+            buf, req = self._rx[src]
+            while req.test():
+                self._inbox.append(buf)
+                self._post_rx(src)
+                buf, req = self._rx[src]
+
+    def _absorb(self) -> None:
+        if not self._inbox:
+            return
+        L = self._layout
+        x = [f.mul_(self.w) for f in L.flats()]
+        w = self.w
+        for buf in self._inbox:
+            for m, v in zip(x, L.views(buf)):
+                m.add_(v)
+            w += L.get_weight(buf)
+        self._inbox = []
+        self.w = w
+        L.unpack([m.div_(w) for m in x])
+
+    def _send_async(self) -> None:
+        outs = self.graph.out_peers(self.rank, self.t)
+        if not outs:
+            return
+        dst = outs[(self.t // self.graph.period) % len(outs)]
+        buf, req = self._tx.get(dst, (None, None))
+        if req is not None and not req.test():
+            self.skipped_sends += 1            # the last message has not left: keep the mass
+            return
+        buf = self._layout.pack(buf if buf is not None else self._layout.new())
+        half = self.w / 2
+        for v in self._layout.views(buf):
+            v.mul_(half)
+        self._layout.set_weight(buf, half)
+        self.w = half                          # z = x/w is unchanged by giving half away
+        self._tx[dst] = (buf, self._g.isend(buf, dst, TAG))
+
+    def _step_async(self, closure):
+        self._started = True
+        with self._g.ledger.scope(self.op, self._g.level):
+            self._ensure_rx()
+            self._poll()
+            self._absorb()
+            loss = self.optimizer.step(closure)
+            self._send_async()
+        self.t += 1
+        return loss
+
+    def _drain(self, final: bool) -> None:
+        """Bring every async message in flight into ``_inbox``: each rank sends an end marker
+        (weight −1) to every possible out-peer and reads each in-peer up to its marker."""
+        L = self._layout
+        with self._g.ledger.scope(self.op, self._g.level):
+            self._ensure_rx()
+            markers = []
+            for dst in self.graph.all_out_peers(self.rank):
+                _, req = self._tx.pop(dst, (None, None))
+                if req is not None:
+                    req.wait()
+                marker = L.new()
+                marker.zero_()
+                L.set_weight(marker, -1.0)
+                markers.append(self._g.isend(marker, dst, TAG))
+            for src in sorted(self._rx):
+                buf, req = self._rx.pop(src)
+                req.wait()
+                while L.get_weight(buf) >= 0:
+                    self._inbox.append(buf)
+                    buf = L.new()
+                    self._g.irecv_(buf, src, TAG).wait()
+                if not final:
+                    self._post_rx(src, buf)
+            for r in markers:
+                r.wait()
+
+    # state, metrics, teardown ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["gossip"] = {"t": self.t, "steps": self.steps, "w": self.w,
+                           "history": [list(h) for h in self.history],
+                           "skipped_sends": self.skipped_sends}
+        if self.mode == "async":
+            self._drain(final=False)
+            self._started = True
+            state["inbox"] = [b.clone() for b in self._inbox]
+        if self._pending is not None:         # completed and kept, so nothing is resent on resume
+            self._wait()
+            state["pending"] = {k: v for k, v in self._pending.items() if k != "reqs"}
+        if self.compressor is not None:
+            state["choco"] = {"xhat": self._xhat, "s": self._s,
+                              "compressor": self.compressor.state_dict()}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._pending is not None or self._rx:
+            raise RuntimeError("load_state_dict() on a gossip strategy with messages in flight")
+        super().load_state_dict(state)
+        g = state["gossip"]
+        self.t, self.steps, self.w = g["t"], g["steps"], g["w"]
+        self.history = [list(h) for h in g["history"]]
+        self.skipped_sends = g["skipped_sends"]
+        self._inbox = list(state.get("inbox", []))
+        if "pending" in state:
+            self._pending = {**state["pending"], "reqs": []}
+        if self.compressor is not None:
+            c = state["choco"]
+            self._xhat, self._s = [t.clone() for t in c["xhat"]], [t.clone() for t in c["s"]]
+            self.compressor.load_state_dict(c["compressor"])
+
+    def consensus_distance(self, ctl: Comm) -> float:
+        """Mean over ranks of ``‖θ_i − θ̄‖`` (all trainable parameters, float64), over ``ctl``."""
+        flat = torch.cat([f.double() for f in self._layout.flats()]) if self._layout.groups \
+            else torch.zeros(0, dtype=torch.float64)
+        if ctl.size == 1:
+            return 0.0
+        mean = ctl.allreduce_(flat.clone()).div_(ctl.size)
+        d = torch.tensor([float(torch.linalg.vector_norm(flat - mean))], dtype=torch.float64)
+        return float(ctl.allreduce_(d)) / ctl.size
+
+    def log_fields(self, ctl: Comm) -> dict:
+        d = self.consensus_distance(ctl)
+        self.history.append([self.steps, d])
+        return {"consensus_distance": d}
+
+    def gossip_bytes(self) -> int:
+        """Bytes this rank has sent in gossip rounds (from the ledger)."""
+        return sum(r["bytes_sent"] for r in self._g.ledger.rows()
+                   if r["op"] == self.op and r["level"] == self._g.level)
+
+    def summary(self, ctl: Comm) -> dict:
+        sent = torch.tensor([float(self.gossip_bytes())], dtype=torch.float64)
+        total = float(ctl.allreduce_(sent)) if ctl.size > 1 else float(sent)
+        period = self.graph.period
+        degree = sum(len(self.graph.out_peers(self.rank, t)) for t in range(period)) / period
+        out = {"graph": self.graph.name, "gossip_mode": self.mode, "gossip_order": self.order,
+               "degree": degree, "gossip_bytes_per_rank_per_step": total / ctl.size / max(self.steps, 1),
+               "consensus_distance": self.consensus_distance(ctl),
+               "consensus_distance_by_step": [list(h) for h in self.history]}
+        if self.mode != "dpsgd":
+            w = torch.tensor([self.w], dtype=torch.float64)
+            out["push_sum_weights"] = [float(x) for x in ctl.allgather(w).reshape(-1)]
+        if self.mode == "async":
+            out["async_skipped_sends"] = self.skipped_sends
+        return out
+
+    def finish(self) -> None:
+        """Deliver the average of the ranks' models, x̄ = (1/K) Σ_i x_i (the model D-PSGD's
+        analysis is about, and the one Lian et al. 2017 evaluate): one dense all-reduce of the
+        model, charged to the run (K·model bytes once, against degree·model bytes per step)."""
+        from ..collectives import allreduce_
+        flats = self._layout.flats()
+        w = torch.tensor([self.w if self.mode != "dpsgd" else 1.0], dtype=torch.float64)
+        for f in flats:   # push-sum: x̄ = Σ w_i z_i / Σ w_i (w_i = 1 for D-PSGD)
+            allreduce_(f.mul_(float(w)), self.comm, "mpi", op="sum")
+        allreduce_(w, self.comm, "mpi", op="sum")
+        self._layout.unpack([f.div_(float(w)) for f in flats])
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._wait()
+            self._pending = None
+        if self.mode == "async" and self._started:
+            self._drain(final=True)
+            self._absorb()
+

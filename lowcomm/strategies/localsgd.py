@@ -1,0 +1,63 @@
+"""Local SGD: H local steps on every rank, then the ranks average their parameters."""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from ..errors import ConfigError
+from .outer import Fragment, Nesting, OuterLoop, from_config_kwargs, warn_unused
+
+
+class LocalSGD(OuterLoop):
+    """Local SGD with periodic parameter averaging (Stich 2019, arXiv 1805.09767), optionally
+    after dense warm-up steps: post-local SGD (Lin, Stich, Patel & Jaggi 2020, arXiv 1808.07217).
+
+    Update on rank k, after each inner step t (W = ``warmup_steps``, H = ``period``):
+      1. ranks start from rank 0's parameters and buffers (broadcast at construction);
+      2. t ≤ W: synchronous data parallelism (gradients averaged every step, as SyncDP);
+      3. t > W: θ_k ← θ_k − u_k(g_k), the wrapped optimizer's step on the local gradient only;
+      4. when (t − W) is a multiple of H: θ_k ← (1/K) Σ_j θ_j (all-reduce of the parameters).
+    The optimizer's own state (momentum, Adam moments) stays local and is never averaged.
+    Buffers (e.g. BatchNorm statistics) stay local after the initial broadcast. With plain SGD
+    and H = 1 this is exactly SyncDP; it equals DiLoCo with an outer SGD of lr 1 and no momentum.
+
+    Args:
+        model, optimizer: the user's torch objects (the optimizer makes the local steps).
+        comm: communicator (default: world).
+        period: H ≥ 1, local steps between averagings.
+        warmup_steps: W ≥ 0 dense SyncDP steps first.
+        algorithm: all-reduce algorithm of the averaging and the warm-up.
+        warmup_options: extra keyword arguments of the warm-up's SyncDP (``bucket_mb``,
+            ``overlap``, ``compressor`` for the warm-up's gradients, ...).
+
+    Example::
+
+        opt = LocalSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), period=8,
+                       warmup_steps=100)
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    """
+
+    name = "localsgd"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None, *, period: int, warmup_steps: int = 0,
+                 algorithm: str = "mpi", warmup_options: dict | None = None,
+                 nest: Nesting | None = None):
+        super().__init__(model, optimizer, comm, period=period, warmup_steps=warmup_steps,
+                         algorithm=algorithm, warmup_options=warmup_options, nest=nest)
+
+    @classmethod
+    def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None):
+        if cfg.strategy.compressor != "none":
+            raise ConfigError("strategy.compressor", "localsgd averages parameters, which have no "
+                              "error to feed back; to compress, use strategy.name=\"diloco\" with "
+                              "outer_optimizer=\"sgd\", outer_lr=1, outer_momentum=0 (the same "
+                              "update on the compressed pseudo-gradient)")
+        warn_unused(cfg, comm, ("fragments", "delay", "alpha"))
+        return cls(model, optimizer, comm, nest=nest, **from_config_kwargs(cfg))
+
+    def _outgoing(self, f: Fragment) -> torch.Tensor:
+        return f.pack()
+
+    def _apply(self, f: Fragment, avg: torch.Tensor) -> None:
+        f.unpack_(avg)

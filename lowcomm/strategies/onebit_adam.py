@@ -1,0 +1,225 @@
+"""1-bit Adam: Adam whose momentum is exchanged with 1 bit per element after a dense warm-up."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from ..collectives import broadcast_
+from ..comm import Comm
+from ..compress.base import Segment, nonfinite_segments
+from ..compress.bits import pack_signs, unpack_signs
+from ..errors import ConfigError, NonFiniteError
+from .base import Strategy
+
+
+class OneBitAdam(Strategy):
+    """1-bit Adam (Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang & He 2021,
+    arXiv 2102.02888, Algorithm 1) on a plain ``torch.optim.Adam``.
+
+    Warm-up, steps t = 1 … ``freeze_step``: the gradients are averaged with one dense
+    all-reduce and the wrapped ``torch.optim.Adam`` steps, so the run equals torch Adam on the
+    averaged gradient exactly. Compression stage, t > ``freeze_step``, on each of K ranks:
+      1. the variance is frozen: ``v = v_{freeze_step}``;
+      2. local momentum ``m_k = β1 m_{t-1} + (1-β1) g_k`` (``g_k`` + weight decay · x, as Adam's
+         L2 term), from the last agreed momentum ``m_{t-1}``;
+      3. worker side, with error ``δ_k``: ``u = m_k + δ_k``, ``C(u) = (‖u‖₂/√d) sign(u)``,
+         ``δ_k ← u − C(u)``; the packed signs are split in K chunks, and chunk j with the scale
+         goes to rank j (one all-to-all);
+      4. server side, rank j for its chunk, with error ``δ̄_j``: ``w = (1/K) Σ_k C(u_k)_j + δ̄_j``,
+         ``C(w)`` with the chunk's own scale, ``δ̄_j ← w − C(w)``; the packed chunk and its scale
+         go to every rank (one all-gather);
+      5. every rank decodes the same ``m_t``, stores it as Adam's ``exp_avg`` and steps
+         ``x ← x − lr/(1-β1^t) · m_t / (√v/√(1-β2^{T_w}) + ε)``: torch Adam's bias corrections
+         are kept, with v's frozen at the warm-up's end, so the update is continuous at the
+         switch (Tang et al. drop them; the difference vanishes for a long warm-up). The scale
+         ``‖·‖₂/√d`` is DeepSpeed's reference implementation's.
+    Bytes per rank and compressed step: the all-to-all and the all-gather each send
+    ``(K-1)·(D/(8K) + 4)``, D = d rounded up to a multiple of 8K (d: parameter count); during
+    warm-up a dense all-reduce of 4d.
+
+    Args:
+        model, optimizer: the user's model and a ``torch.optim.Adam`` over its parameters
+            (no amsgrad, no maximize).
+        comm: communicator (default: world).
+        freeze_step: warm-up steps with dense Adam, ≥ 1.
+
+    Example::
+
+        opt = OneBitAdam(model, torch.optim.Adam(model.parameters(), lr=1e-3), freeze_step=100)
+        opt.zero_grad(); loss.backward(); opt.step()
+    """
+
+    name = "onebit-adam"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None, freeze_step: int = 100):
+        super().__init__(model, optimizer, comm)
+        if type(optimizer) is not torch.optim.Adam:
+            raise TypeError(f"1-bit Adam wraps torch.optim.Adam, got {type(optimizer).__name__}")
+        for i, g in enumerate(optimizer.param_groups):
+            for opt in ("amsgrad", "maximize"):
+                if g.get(opt):
+                    raise ValueError(f"1-bit Adam does not support {opt}=True (param group {i})")
+        if int(freeze_step) != freeze_step or freeze_step < 1:
+            raise ValueError(f"freeze_step must be an integer >= 1 (the variance is frozen after a "
+                             f"dense warm-up), got {freeze_step}")
+        self.freeze_step = int(freeze_step)
+        names = {p: n for n, p in model.named_parameters()}
+        self._params = [(names.get(p, f"param{i}"), p, g) for g in optimizer.param_groups
+                        for i, p in enumerate(g["params"]) if p.requires_grad]
+        dtypes = {p.dtype for _, p, _ in self._params}
+        if len(dtypes) != 1:
+            raise ValueError(f"1-bit Adam needs parameters of one dtype, got {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop()
+        self.d = sum(p.numel() for _, p, _ in self._params)
+        ends = list(itertools.accumulate(p.numel() for _, p, _ in self._params))
+        self._segments = [Segment(n, p.shape, e - p.numel(), e)       # where each gradient sits
+                          for (n, p, _), e in zip(self._params, ends)]
+        K = self.comm.size
+        self.D = -(-self.d // (8 * K)) * 8 * K          # chunks of whole bytes, one per rank
+        self.chunk = self.D // K
+        device = self._params[0][1].device
+        self.worker_error = torch.zeros(self.D, dtype=self.dtype, device=device)
+        self.server_error = torch.zeros(self.chunk, dtype=self.dtype, device=device)
+        self.t = 0
+        broadcast_(self.comm, list(model.state_dict().values()), root=0)
+        self._comm = self.comm.dup()          # fixed shapes: no per-call agreement check
+        self._comm.validate = False
+        self._inside = False
+        self._hook = optimizer.register_step_pre_hook(self._guard)
+
+    @classmethod
+    def from_config(cls, cfg, model, optimizer, comm):
+        s = cfg.strategy
+        if s.name != "syncdp":
+            raise ConfigError("strategy.name", f"optimizer.name=onebit-adam is its own data-parallel "
+                              f"strategy; leave strategy.name = \"syncdp\", got {s.name!r}")
+        if s.backend != "mpi":
+            raise ConfigError("strategy.backend", "onebit-adam runs on the mpi backend only")
+        if cfg.compressor.name != "none":
+            raise ConfigError("compressor.name", "onebit-adam compresses its momentum itself; "
+                              f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
+        if cfg.optimizer.freeze_step < 1:
+            raise ConfigError("optimizer.freeze_step", f"must be >= 1 for onebit-adam (dense Adam "
+                              f"warm-up before the variance is frozen), got {cfg.optimizer.freeze_step}")
+        return cls(model, optimizer, comm, freeze_step=cfg.optimizer.freeze_step)
+
+    def _guard(self, *_):
+        if not self._inside:
+            raise RuntimeError("call step() on the OneBitAdam object, not on the wrapped Adam")
+
+    # the step ---------------------------------------------------------------------------------
+    def _grads(self) -> torch.Tensor:
+        flat = torch.cat([p.grad.detach().reshape(-1) if p.grad is not None else
+                          torch.zeros(p.numel(), dtype=self.dtype, device=p.device)
+                          for _, p, _ in self._params])
+        bad = nonfinite_segments(flat, self._segments)
+        if bad:
+            raise NonFiniteError(self.comm.rank, "the gradient of " + ", ".join(repr(s.name) for s in bad),
+                                 self.t + 1)
+        return flat
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        flat = self._grads()
+        if self.t < self.freeze_step:
+            self._comm.allreduce_(flat, "avg")
+            off = 0
+            for _, p, _ in self._params:
+                g = flat[off:off + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+                off += p.numel()
+            self._inside = True
+            try:
+                self.optimizer.step()
+            finally:
+                self._inside = False
+        else:
+            self._compressed_step(flat)
+        self.t += 1
+        return loss
+
+    @torch.no_grad()
+    def _compressed_step(self, grads: torch.Tensor) -> None:
+        u = torch.zeros(self.D, dtype=self.dtype, device=grads.device)
+        off = 0
+        for _, p, g in self._params:
+            n = p.numel()
+            st = self.optimizer.state[p]
+            grad = grads[off:off + n].view_as(p)
+            if g["weight_decay"]:
+                grad = grad.add(p, alpha=g["weight_decay"])
+            beta1 = g["betas"][0]
+            torch.add(st["exp_avg"].mul(beta1), grad, alpha=1 - beta1, out=u[off:off + n].view_as(p))
+            off += n
+        m = self.compressed_allreduce(u)
+        off = 0
+        for _, p, g in self._params:
+            n = p.numel()
+            st = self.optimizer.state[p]
+            beta1, beta2 = g["betas"]
+            st["exp_avg"].copy_(m[off:off + n].view_as(p))
+            st["step"] += 1
+            step = float(st["step"])
+            c1 = 1 - beta1 ** step
+            c2 = 1 - beta2 ** self.freeze_step
+            denom = (st["exp_avg_sq"].sqrt() / math.sqrt(c2)).add_(g["eps"])
+            p.addcdiv_(st["exp_avg"], denom, value=-g["lr"] / c1)
+            off += n
+
+    def compressed_allreduce(self, u: torch.Tensor) -> torch.Tensor:
+        """The error-compensated 1-bit average of ``u`` (D elements) over all ranks: steps 3–5
+        above. Every rank returns the same tensor. Updates both error buffers."""
+        K, r, c, d = self._comm.size, self._comm.rank, self.chunk, self.d
+        cb = c // 8
+        v = u.add_(self.worker_error)
+        ws = (torch.linalg.vector_norm(v) / math.sqrt(d)).float().reshape(1)
+        packed = pack_signs(v)
+        self.worker_error.copy_(v).sub_(unpack_signs(packed, self.D, self.dtype, ws))
+        self.worker_error[d:] = 0
+        msg = torch.empty(K, 4 + cb, dtype=torch.uint8, device=u.device)
+        msg[:, :4] = ws.view(torch.uint8)
+        msg[:, 4:] = packed.view(K, cb)
+        got = self._comm.alltoall(msg)                                  # row k: rank k's chunk r
+        scales = got[:, :4].contiguous().view(torch.float32).to(self.dtype)        # (K, 1)
+        avg = (scales.view(1, K) @ unpack_signs(got[:, 4:], c, self.dtype)).view(-1).div_(K)
+        w = avg.add_(self.server_error)
+        real = max(0, min(c, d - r * c))                 # this chunk's elements that are not padding
+        ss = (torch.linalg.vector_norm(w[:real]) / math.sqrt(real) if real else w.new_zeros(())
+              ).float().reshape(1)
+        spacked = pack_signs(w)
+        self.server_error.copy_(w).sub_(unpack_signs(spacked, c, self.dtype, ss))
+        self.server_error[real:] = 0
+        out = torch.empty(4 + cb, dtype=torch.uint8, device=u.device)
+        out[:4] = ss.view(torch.uint8)
+        out[4:] = spacked
+        every = self._comm.allgather(out)                               # (K, 4 + cb)
+        s_all = every[:, :4].contiguous().view(torch.float32).view(-1)
+        return unpack_signs(every[:, 4:], c, self.dtype, s_all if K > 1 else s_all[0]).reshape(-1)
+
+    # state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "t": self.t,
+                "worker_error": self.worker_error.clone(), "server_error": self.server_error.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.t = int(state["t"])
+        if state["worker_error"].shape != self.worker_error.shape or \
+                state["server_error"].shape != self.server_error.shape:
+            raise ValueError(f"1-bit Adam state is for another model or rank count (error buffers "
+                             f"{tuple(state['worker_error'].shape)}/{tuple(state['server_error'].shape)}, "
+                             f"here {tuple(self.worker_error.shape)}/{tuple(self.server_error.shape)})")
+        self.worker_error.copy_(state["worker_error"])
+        self.server_error.copy_(state["server_error"])
+
+    def summary(self, ctl: Comm) -> dict:
+        return {"freeze_step": self.freeze_step, "compressed_steps": max(0, self.t - self.freeze_step)}
+
+    def close(self) -> None:
+        self._hook.remove()

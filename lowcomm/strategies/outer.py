@@ -1,0 +1,392 @@
+"""The skeleton Local SGD, DiLoCo and streaming DiLoCo share: local steps, then (every ``period``
+steps, per fragment, possibly in the background) an average over the ranks that is applied to the
+parameters. Subclasses say only what is sent (:meth:`OuterLoop._outgoing`) and how the average
+is applied (:meth:`OuterLoop._apply`).
+"""
+from __future__ import annotations
+
+import logging
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..collectives import allreduce_, broadcast_, get_algorithm
+from ..comm import Comm
+from ..compress.base import Compressor, Segment
+from ..errors import CommError, ConfigError
+from ..ledger import Ledger
+from .base import Strategy, balance
+
+log = logging.getLogger("lowcomm.strategies.outer")
+
+
+@dataclass
+class Fragment:
+    """A set of parameter tensors synchronised together, packed into one flat CPU tensor.
+
+    ``members`` are ``(name, parameter, start, stop)`` in model order; ``offset`` is the step
+    (modulo the period) at which the fragment is synchronised."""
+    index: int
+    members: list[tuple[str, torch.nn.Parameter, int, int]]
+    dtype: torch.dtype
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.members[-1][3]
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [Segment(n, p.shape, a, b) for n, p, a, b in self.members]
+
+    @torch.no_grad()
+    def pack(self) -> torch.Tensor:
+        """A fresh flat CPU copy of the fragment's parameters (in ``dtype``)."""
+        return torch.cat([p.detach().reshape(-1).to("cpu", self.dtype) for _, p, _, _ in self.members])
+
+    @torch.no_grad()
+    def unpack_(self, flat: torch.Tensor, alpha: float = 0.0) -> None:
+        """Parameters ← ``flat`` (``alpha == 0``) or ``alpha·parameters + (1 − alpha)·flat``."""
+        for _, p, a, b in self.members:
+            src = flat[a:b].view(p.shape)
+            if alpha == 0:
+                p.copy_(src)
+            else:
+                p.mul_(alpha).add_(src.to(p.device, p.dtype), alpha=1.0 - alpha)
+
+
+def partition(named: list[tuple[str, torch.nn.Parameter]], fragments: int, period: int) -> list[Fragment]:
+    """Split parameter tensors into ``fragments`` sets of near-equal size.
+
+    Largest tensor first into the fragment holding the fewest elements so far (ties: the lower
+    index), so each fragment's message is close to 1/P of the model; inside a fragment tensors
+    keep model order. Fragment p is synchronised at local steps s with
+    ``s % period == ((p + 1) * period // P) % period``: the P fragments are spread evenly over
+    the period and the last one (all of them when P = 1) at its end, as in DiLoCo."""
+    if int(fragments) != fragments or fragments < 1:
+        raise ConfigError("strategy.fragments", f"must be an integer >= 1, got {fragments}")
+    if fragments > len(named):
+        raise ConfigError("strategy.fragments", f"{fragments} fragments but the model has only "
+                          f"{len(named)} trainable parameter tensors (a fragment holds whole "
+                          f"tensors); use at most {len(named)}")
+    owner = balance([p.numel() for _, p in named], fragments)
+    out = []
+    for f in range(fragments):
+        members, n, dtype = [], 0, torch.float32
+        for i, (name, p) in enumerate(named):
+            if owner[i] == f:
+                members.append((name, p, n, n + p.numel()))
+                n += p.numel()
+                dtype = torch.promote_types(dtype, p.dtype)
+        out.append(Fragment(f, members, dtype, ((f + 1) * period // fragments) % period))
+    return out
+
+
+def _done(value) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+@dataclass
+class Nesting:
+    """Where an outer loop sits in a per-level policy (:mod:`lowcomm.strategies.policy`).
+
+    The loop synchronises *units* (e.g. datacenters) whose ranks keep step with each other by
+    ``inner``, the strategy one level down (e.g. SyncDP inside each datacenter), which takes
+    the inner steps. A synchronisation averages inside the unit first when its ranks may differ
+    (``average_inside``), then across units among ``leaders`` (the first rank of every unit,
+    the only ranks that send across), then the unit's leader broadcasts the average inside."""
+    inner: Strategy | None      # takes the inner steps (None: the plain optimizer)
+    inside: Comm | None         # the ranks of my unit (None: a unit is one rank)
+    leaders: Comm | None        # the first rank of each unit (on those ranks only)
+    average_inside: bool = False
+
+
+@dataclass
+class _InFlight:
+    fragment: int
+    start: int             # local step at which it was sent
+    apply_at: int          # local step after which the average is applied
+    future: Future         # -> (averaged flat tensor, ledger rows of its traffic)
+
+
+class OuterLoop(Strategy):
+    """Local steps of the wrapped optimizer; every ``period`` steps each fragment's outgoing
+    tensor is averaged over the ranks and applied. Not used directly: see
+    :class:`~lowcomm.strategies.localsgd.LocalSGD`, :class:`~lowcomm.strategies.diloco.DiLoCo`
+    and :class:`~lowcomm.strategies.diloco.StreamingDiLoCo`.
+
+    Schedule, with W = ``warmup_steps``, H = ``period``, τ = ``delay``, after each inner step
+    t (counted from 1, skipped steps not counted) and s = t − W:
+      1. t ≤ W: the step was a dense :class:`~lowcomm.strategies.syncdp.SyncDP` step
+         (post-local SGD's warm-up); after step W the SyncDP hooks are removed;
+      2. every fragment in flight whose ``apply_at == s`` is waited for and applied;
+      3. every fragment with ``s % H == offset`` is sent: its outgoing tensor is taken now and
+         averaged (dense all-reduce with ``algorithm``, or ``compressor.reduce``). With τ = 0
+         this happens at once and the result is applied before ``step()`` returns; with τ > 0 it
+         runs on a background thread (on a duplicate communicator) while the next τ inner steps
+         go on, and is applied after step s + τ.
+    Every rank issues the same reductions in the same order, so no per-call agreement is needed.
+
+    The reductions run on a duplicate communicator with a ledger of its own; a reduction's
+    rows are charged to the strategy's ledger when its average is applied, so the byte counts
+    logged at a step do not depend on the thread's timing (and a resumed run logs the same).
+    :meth:`summary` reports the bytes of each synchronisation (all ranks together) as
+    ``sync_bytes_peak`` / ``sync_bytes_mean``.
+    """
+
+    name = "outer"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None, *, period: int, warmup_steps: int = 0,
+                 algorithm: str = "mpi", compressor: Compressor | None = None, fragments: int = 1,
+                 delay: int = 0, alpha: float = 0.0, warmup_options: dict | None = None,
+                 nest: Nesting | None = None):
+        super().__init__(model, optimizer, comm)
+        if nest is not None and warmup_steps:
+            raise ConfigError("strategy.warmup_steps", "a warm-up of dense steps is not "
+                              "supported inside a per-level policy (the level below already "
+                              "synchronises every step or on its own period); use 0")
+        if int(period) != period or period < 1:
+            raise ConfigError("strategy.period", f"must be an integer >= 1, got {period}")
+        if int(warmup_steps) != warmup_steps or warmup_steps < 0:
+            raise ConfigError("strategy.warmup_steps", f"must be an integer >= 0, got {warmup_steps}")
+        if int(delay) != delay or not 0 <= delay < period:
+            raise ConfigError("strategy.delay", f"must be an integer in [0, period={period}) (a "
+                              f"fragment's reduction has to land before its next "
+                              f"synchronisation), got {delay}")
+        if not 0 <= alpha <= 1:
+            raise ConfigError("strategy.alpha", f"must be in [0, 1], got {alpha}")
+        get_algorithm(algorithm)
+        if compressor is not None and not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a lowcomm Compressor, got {type(compressor).__name__}")
+        self.period, self.warmup_steps, self.delay = int(period), int(warmup_steps), int(delay)
+        self.alpha, self.algorithm, self.compressor = float(alpha), algorithm, compressor
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        self.fragments = partition(named, fragments, self.period)
+        self.t = 0                                   # inner steps taken
+        self.syncs: list[list[int]] = []             # [local step, fragment, bytes sent here]
+        self._in_flight: list[_InFlight] = []
+        self._dense = None
+        if self.warmup_steps > 0:                    # SyncDP broadcasts rank 0's state itself
+            from .syncdp import SyncDP
+            self._dense = SyncDP(model, optimizer, self.comm, algorithm=algorithm,
+                                 **(warmup_options or {}))
+        else:
+            broadcast_(self.comm, list(model.state_dict().values()), root=0)
+        self._red = self.comm.dup(Ledger())          # own message space and ledger
+        self._check_layout()
+        self._red.validate = False                   # the layout was agreed just above
+        self.nest, self._inside, self._leaders = nest, None, None
+        if nest is not None:                         # same ledger: a sync's rows, all levels
+            self._inside = nest.inside.dup(self._red.ledger) if nest.inside else None
+            self._leaders = nest.leaders.dup(self._red.ledger) if nest.leaders else None
+            for c in (self._inside, self._leaders):
+                if c is not None:
+                    c.validate = False
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-outer") if self.delay else None
+
+    def _check_layout(self) -> None:
+        sig = repr([(f.offset, str(f.dtype), [(n, tuple(p.shape)) for n, p, _, _ in f.members])
+                    for f in self.fragments])
+        crc = torch.tensor([zlib.crc32(sig.encode()), len(self.fragments)], dtype=torch.int64)
+        seen = self._red.allgather(crc)
+        bad = [r for r in range(self._red.size) if not torch.equal(seen[r], seen[0])]
+        if bad:
+            raise CommError("outer.layout", self.comm.rank, f"ranks {bad} hold differently named "
+                            f"or shaped parameters than rank 0")
+
+    # what subclasses define ---------------------------------------------------------------------
+    def _outgoing(self, f: Fragment) -> torch.Tensor:
+        """The flat CPU tensor this rank contributes for fragment ``f`` (a fresh tensor)."""
+        raise NotImplementedError
+
+    def _apply(self, f: Fragment, avg: torch.Tensor) -> None:
+        """Apply the rank average ``avg`` of the outgoing tensors of fragment ``f``."""
+        raise NotImplementedError
+
+    def _warmup_done(self) -> None:
+        """Called once after the last dense step (parameters are equal on all ranks)."""
+
+    # the skeleton ------------------------------------------------------------------------------
+    @property
+    def in_warmup(self) -> bool:
+        return self.t < self.warmup_steps
+
+    @property
+    def _inner(self) -> Strategy | None:
+        """The level below in a per-level policy (None outside one)."""
+        return self.nest.inner if self.nest is not None else None
+
+    @property
+    def _driver(self) -> Strategy | None:
+        """The strategy that takes the inner steps: the warm-up's SyncDP, the level below, or
+        None (the plain optimizer)."""
+        return self._dense if self._dense is not None else self._inner
+
+    def step(self, closure=None):
+        driver = self._driver
+        loss = driver.step(closure) if driver is not None else self.optimizer.step(closure)
+        self.t += 1
+        s = self.t - self.warmup_steps
+        if s == 0:
+            self._end_warmup()
+        elif s > 0:
+            for item in [i for i in self._in_flight if i.apply_at == s]:
+                self._in_flight.remove(item)
+                self._land(item)
+            for f in self.fragments:
+                if s % self.period == f.offset:
+                    self._start(f, s)
+        return loss
+
+    def _end_warmup(self) -> None:
+        if self._dense is not None:
+            self._dense.close()
+            self._dense = None
+        self._warmup_done()
+
+    def _start(self, f: Fragment, s: int) -> None:
+        out = self._outgoing(f)
+        if self._pool is None:
+            self._land(_InFlight(f.index, s, s, _done(self._reduce(f, out))))
+        else:
+            self._in_flight.append(_InFlight(f.index, s, s + self.delay,
+                                             self._pool.submit(self._reduce, f, out)))
+
+    def _reduce(self, f: Fragment, flat: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+        """Average ``flat`` over the ranks; runs on the reduction thread when delay > 0 (the
+        only writer of the reduction ledger, one reduction at a time)."""
+        self._red.ledger.reset()
+        inside = self._inside
+        if inside is not None and self.nest.average_inside:
+            flat = allreduce_(flat, inside, self.algorithm, op="avg")
+        if inside is None or inside.rank == 0:
+            across = self._red if inside is None else self._leaders
+            if self.compressor is None:
+                avg = allreduce_(flat, across, self.algorithm, op="avg")
+            else:
+                avg = self.compressor.reduce(flat, f"fragment{f.index}", across, f.segments)
+        if inside is not None:                       # the unit's leader hands the average on
+            avg = avg.to(flat.dtype).contiguous() if inside.rank == 0 else flat
+            inside.bcast_(avg, root=0)
+        return avg, self._red.ledger.rows()
+
+    def _charge(self, item: _InFlight, rows: list[dict]) -> None:
+        for row in rows:
+            self.comm.ledger.record(row["op"], row["level"], row["bytes_sent"], row["bytes_recv"],
+                                    row["seconds"], calls=row["calls"])
+        self.syncs.append([item.start, item.fragment, sum(row["bytes_sent"] for row in rows)])
+
+    def _land(self, item: _InFlight) -> None:
+        avg, rows = item.future.result()
+        self._charge(item, rows)
+        self._apply(self.fragments[item.fragment], avg)
+
+    def _drain(self) -> None:
+        """Wait for every reduction in flight (their results stay queued for their step)."""
+        for item in self._in_flight:
+            item.future = _done(item.future.result())
+
+    # the optimizer interface ------------------------------------------------------------------
+    def skip(self) -> None:
+        driver = self._driver
+        if driver is not None:
+            driver.skip()
+        else:
+            self.zero_grad()
+
+    def state_dict(self) -> dict:
+        """Inner optimizer, step counter, reductions in flight (completed first: their averages
+        are saved and applied at their step after a resume), compressors, and what subclasses
+        add (outer parameters and optimizer)."""
+        self._drain()
+        state = {"optimizer": self.optimizer.state_dict(), "t": self.t,
+                 "syncs": [list(x) for x in self.syncs],
+                 "in_flight": [(i.fragment, i.start, i.apply_at, i.future.result()[0].clone(),
+                                i.future.result()[1]) for i in self._in_flight]}
+        if self.compressor is not None:
+            state["compressor"] = self.compressor.state_dict()
+        if self._dense is not None and self._dense.compressor is not None:
+            state["warmup_compressor"] = self._dense.compressor.state_dict()
+        if self._inner is not None:
+            state["inner"] = self._inner.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._in_flight:
+            raise RuntimeError("load_state_dict() while reductions are in flight")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.t = int(state["t"])
+        self.syncs = [list(x) for x in state["syncs"]]
+        self._in_flight = [_InFlight(f, s, at, _done((avg.clone(), list(rows))))
+                           for f, s, at, avg, rows in state["in_flight"]]
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state["compressor"])
+        if self._dense is not None:
+            if self.t >= self.warmup_steps:      # resumed after the warm-up
+                self._dense.close()
+                self._dense = None
+            elif self._dense.compressor is not None:
+                self._dense.compressor.load_state_dict(state["warmup_compressor"])
+        if self._inner is not None:
+            self._inner.load_state_dict(state["inner"])
+
+    def summary(self, ctl: Comm) -> dict:
+        mine = torch.tensor([float(b) for _, _, b in self.syncs], dtype=torch.float64)
+        counts = ctl.allgather_object(len(mine))
+        if len(set(counts)) != 1:
+            raise CommError("outer.summary", ctl.rank, f"ranks made different numbers of "
+                            f"synchronisations: {counts}")
+        if ctl.size > 1 and len(mine):
+            ctl.allreduce_(mine)
+        out = {"period": self.period, "warmup_steps": self.warmup_steps,
+               "fragments": len(self.fragments), "delay": self.delay, "syncs": len(mine),
+               "sync_bytes_peak": int(mine.max()) if len(mine) else 0,
+               "sync_bytes_mean": float(mine.mean()) if len(mine) else 0.0,
+               "fragment_numel": [f.numel for f in self.fragments]}
+        if self._inner is not None:
+            out["inner"] = {"strategy": self._inner.name, **self._inner.summary(ctl)}
+        return out
+
+    def close(self) -> None:
+        """Finish reductions still in flight (their traffic is charged, their updates, due after
+        the last step, are not applied), stop the thread, remove the warm-up hooks."""
+        self._drain()
+        for item in self._in_flight:
+            self._charge(item, item.future.result()[1])
+        self._in_flight = []
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._dense is not None:
+            self._dense.close()
+            self._dense = None
+        if self._inner is not None:
+            self._inner.close()
+
+
+def from_config_kwargs(cfg) -> dict:
+    """Arguments every outer loop takes from a :class:`~lowcomm.config.Config`."""
+    from ..compress import build_compressor
+    s = cfg.strategy
+    warmup = dict(bucket_mb=s.bucket_mb, backward_passes_per_step=s.backward_passes_per_step,
+                  overlap=s.overlap, compressor=build_compressor(cfg.compressor),
+                  nonfinite="zero" if cfg.on_nonfinite == "skip" else "raise")
+    return dict(period=s.period, warmup_steps=s.warmup_steps, algorithm=s.algorithm,
+                warmup_options=warmup)
+
+
+def warn_unused(cfg, comm: Comm, keys: tuple[str, ...]) -> None:
+    """Log (rank 0) the streaming keys a non-streaming outer loop does not use."""
+    from ..config import StrategyConfig
+    s, default = cfg.strategy, StrategyConfig()
+    unused = [k for k in keys if getattr(s, k) != getattr(default, k)]
+    if unused and comm.rank == 0:
+        log.warning("strategy.%s: used by streaming-diloco only; %s ignores %s", unused[0],
+                    s.name, ", ".join(f"strategy.{k}" for k in unused))

@@ -1,0 +1,340 @@
+"""The training loop of ``strategy.name = "async-ps"``: servers serve, workers train, nobody waits
+for a collective.
+
+:func:`lowcomm.train.train` hands async-ps runs to :func:`train_async_ps`, because its loop's
+per-step reductions over all ranks are exactly what an asynchronous parameter server must not do
+(servers do not train; workers never wait for each other). Outputs are the same files:
+
+* ``steps`` is the run's budget in step-equivalents: the servers take ``steps × W`` gradients
+  in all (what SyncDP's ``steps`` on W ranks computes), then answer STOP; fast workers do more
+  steps than slow ones, and the survivors of a lost worker do its share.
+* ``metrics.jsonl`` (rank 0 = server 0): one line per ``log_every × W`` gradients applied
+  (``step`` counts step-equivalents of all W workers: gradients / W), with the mean training loss
+  of those gradients, the samples, the bytes all ranks have sent so far, the mean staleness and
+  the largest clock lag since the previous line, ``comm_s`` (rank 0's) and ``rounds`` (messages
+  per rank) for ``lowcomm compare`` (and ``eval_loss`` every ``eval_every`` steps
+  with one server, which then holds the whole model).
+* ``summary.json``: train.py's keys plus ``servers``, ``workers``, ``staleness`` and
+  ``clock_lag`` (distributions), ``workers_lost``, ``workers_finished``, ``status`` and
+  ``samples_per_s``. Bytes of a lost worker are what the servers received from it.
+* checkpoints (``max_staleness = 0`` only, where every rank passes step N together): every rank
+  saves at step N — servers their shard, optimizer, versions and clocks; workers their clock and
+  compressor state — and ``--resume`` continues bit-identically.
+
+At the end the other servers send rank 0 their shard and counters, the finished workers their
+ledgers, all point-to-point: a lost worker cannot hold the end of the run up.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..comm import Comm, init, mpi
+from ..errors import LowcommError, NonFiniteError
+from ..ledger import Ledger
+from .async_ps import PUSH, AsyncPS, ServerLost, WorkersLost, recovery_enabled
+
+log = logging.getLogger("lowcomm.train")
+TAG_STATS = 77
+
+
+def _hist(h: dict) -> dict:
+    """``{σ: count}`` → ``{"hist": {"σ": count}, "mean", "max", "count"}`` (JSON keys are text)."""
+    n = sum(h.values())
+    return {"hist": {str(k): h[k] for k in sorted(h)}, "count": n,
+            "mean": sum(k * v for k, v in h.items()) / n if n else float("nan"),
+            "max": max(h) if h else None}
+
+
+def _merge(hists: list[dict]) -> dict:
+    out: dict[int, int] = {}
+    for h in hists:
+        for k, v in h.items():
+            out[int(k)] = out.get(int(k), 0) + v
+    return out
+
+
+def _recv_from(ctl: Comm, src: int, timeout_s: float, what: str):
+    """Receive a pickled end-of-run report from ``src`` on the control channel, or raise naming
+    ``src``."""
+    t0 = time.monotonic()
+    while not ctl.mpi.Iprobe(src, TAG_STATS):
+        if time.monotonic() - t0 > timeout_s:
+            raise ServerLost(f"rank {ctl.rank}: rank {src} ({what}) sent no end-of-run report "
+                             f"for {timeout_s:g} s; it is gone, ending the job")
+        time.sleep(0.001)
+    return ctl.mpi.recv(source=src, tag=TAG_STATS)
+
+
+def _report_to_rank0(ctl: Comm, report: dict, timeout_s: float) -> None:
+    """Send ``report`` to rank 0 synchronously (so that this process may end at once after)."""
+    req = ctl.mpi.issend(report, dest=0, tag=TAG_STATS)
+    t0 = time.monotonic()
+    while not req.Test():
+        if time.monotonic() - t0 > timeout_s:
+            raise ServerLost(f"rank {ctl.rank}: parameter server 0 (rank 0) took no end-of-run "
+                             f"report for {timeout_s:g} s; it is gone, ending the job")
+        time.sleep(0.001)
+
+
+def _skip_mpi_finalize(code: int) -> None:
+    """Under mpirun ``--enable-recovery``, end this process at exit with status ``code`` and
+    without ``MPI_Finalize``: after a rank died, Open MPI 4.1's finalize can wait forever for it
+    (its closing fence includes the dead process; seen here in about 1 run in 3). Every message
+    this rank sent has been received by then (synchronous sends), and every file is written."""
+    if not recovery_enabled():       # nothing can have died without ending the job
+        return
+
+    def bye():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    atexit.register(bye)
+
+
+def train_async_ps(cfg, out: str | Path | None = None, comm: Comm | None = None,
+                   progress: bool = True, resume: str | Path | None = None) -> dict:
+    """Train ``cfg`` with the asynchronous parameter server; rank 0 returns (and writes) the
+    summary, other ranks their own counters. Raises :class:`WorkersLost` (exit status 4) on rank
+    0, after writing the summary, when workers were lost."""
+    from .. import train as T       # late: lowcomm.train imports the strategies
+    comm = comm or init()
+    ctl, out, ckpt = T.open_run(cfg, comm, out)
+    rank, K, s = comm.rank, comm.size, cfg.strategy
+
+    torch.manual_seed(cfg.seed)
+    corpus = T.Corpus.load(cfg.data.path, cfg.data.max_bytes, cfg.data.eval_fraction)
+    model = T.build_model(cfg)
+    ps = AsyncPS.from_config(cfg, model, T.build_optimizer(cfg, model.parameters()), comm)
+    n_params = sum(p.numel() for p in model.parameters())
+    S, W, B = ps.servers, ps.workers, cfg.batch_size
+    if rank == 0 and recovery_enabled() is False:
+        log.warning("async-ps: Open MPI's mpirun ends the whole job when any rank dies; launch "
+                    "with --enable-recovery (e.g. LOWCOMM_MPIRUN_ARGS=--enable-recovery "
+                    "launchers/local.sh ...) for the servers to outlive a lost worker")
+
+    # rank 0's log of the run (restored on resume)
+    lg = {"gradients": 0, "samples": 0, "skipped": 0, "window": [], "sigma": [], "lag": 0,
+          "traffic": [0.0] * W, "recent": float("nan"), "step": 0}
+    wloop = {"skipped": 0, "wall_s": 0.0}
+    first = 1
+    if resume:
+        step, loop = T.restore(resume, cfg, comm, ctl, model, ps, out)
+        (lg if ps.is_server else wloop).update(loop)
+        first = step + 1
+    every = cfg.checkpoint.every if ckpt else 0
+
+    def save(step: int, loop: dict):
+        ckpt.save(step, T.snapshot(model, ps, comm, loop), cfg.to_dict())
+
+    ctl.barrier()
+    t0 = time.perf_counter()
+    wall_before = lg.get("wall_s", 0.0) if ps.is_server else wloop["wall_s"]
+    if ps.is_server:
+        metrics = open(out / "metrics.jsonl", "a" if resume else "w") if out and rank == 0 else None
+        bar = None
+        if progress and rank == 0:
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.steps, initial=first - 1, desc=cfg.method, unit="step",
+                       dynamic_ncols=True, mininterval=1.0)
+        self_comm = Comm(mpi().COMM_SELF, Ledger(), "control", False, comm.watchdog)
+        rounds = [first - 1]
+
+        def line(step: int) -> None:
+            w = lg["window"]
+            lg["recent"] = sum(w) / len(w) if w else float("nan")
+            row = {"step": step, "samples": lg["samples"], "loss": lg["recent"],
+                   "bytes": int(sum(lg["traffic"])), "wall_s": wall_before + time.perf_counter() - t0,
+                   "staleness_mean": sum(lg["sigma"]) / len(lg["sigma"]) if lg["sigma"] else 0.0,
+                   "clock_lag_max": lg["lag"],
+                   # for lowcomm compare's α–β model: rank 0's communication seconds, and the
+                   # message rounds per rank (a push and a pull per gradient and server)
+                   "comm_s": comm.ledger.totals()["seconds"], "rounds": 2 * lg["gradients"] * S / K}
+            if cfg.eval_batches and cfg.eval_every and step % cfg.eval_every == 0 and S == 1:
+                row["eval_loss"] = T.evaluate(model, corpus, cfg, self_comm)
+            lg["window"], lg["sigma"], lg["lag"], lg["step"] = [], [], 0, step
+            if metrics:
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+            if bar:
+                bar.set_postfix(loss=f"{lg['recent']:.3f}", MB=f"{row['bytes'] / 1e6:.1f}")
+
+        def on_update(entries) -> None:
+            if rank == 0:
+                srv = ps.server
+                for w, h, sigma in entries:
+                    lg["gradients"] += 1
+                    if sigma is not None:
+                        lg["sigma"].append(sigma)
+                    if h[0] == PUSH:
+                        lg["samples"] += B
+                        lg["window"].append(float(h[2]))
+                    else:
+                        lg["skipped"] += 1
+                    lg["traffic"][w] = float(h[3] + h[4])
+                lg["lag"] = max(lg["lag"], srv.lag_since)
+                srv.lag_since = 0
+                step = lg["gradients"] // W
+                if step > lg["step"] and (step % cfg.log_every == 0):
+                    line(step)
+                if bar:
+                    bar.n = min(step, cfg.steps)
+                    bar.refresh()
+            if ps.max_staleness == 0:
+                if every and ps.server.lost:
+                    raise LowcommError(f"worker(s) {sorted(ps.server.lost)} lost: a checkpointed "
+                                       "synchronous run needs every worker at every checkpoint; "
+                                       "resume from the last checkpoint with --resume")
+                rounds[0] += 1
+                if every and rounds[0] % every == 0 and rounds[0] < cfg.steps:
+                    save(rounds[0], {**lg, "wall_s": wall_before + time.perf_counter() - t0}
+                         if rank == 0 else {})
+
+        early: dict[int, dict] = {}   # end-of-run reports that arrive while rank 0 still serves
+        status = mpi().Status()
+
+        def on_idle() -> None:
+            while ctl.mpi.Iprobe(mpi().ANY_SOURCE, TAG_STATS, status):
+                src = status.Get_source()
+                early[src] = ctl.mpi.recv(source=src, tag=TAG_STATS)
+
+        try:
+            ps.serve(on_update, on_idle if rank == 0 else None)
+        finally:
+            if bar:
+                bar.close()
+        wall = wall_before + time.perf_counter() - t0
+        if rank == 0 and lg["window"]:
+            line(max(lg["step"] + 1, math.ceil(lg["gradients"] / W)))
+        if metrics:
+            metrics.close()
+        srv = ps.server
+        if rank != 0:
+            _report_to_rank0(ctl, {"stats": srv.stats(), "ledger": comm.ledger.rows(), "wall_s": wall,
+                                   "values": srv.flat}, s.server_timeout_s + s.worker_timeout_s + 30)
+            ps.close()
+            _skip_mpi_finalize(0)
+            return {"method": cfg.method, "rank": rank, "role": "server", **srv.stats()}
+        # rank 0: assemble the model and the summary
+        reports = [{"stats": srv.stats(), "ledger": comm.ledger.rows(), "wall_s": wall}]
+        limit = s.server_timeout_s + s.worker_timeout_s + 30
+        for r in range(1, S):
+            rep = early.pop(r) if r in early else _recv_from(ctl, r, limit, f"parameter server {r}")
+            with torch.no_grad():
+                for seg in ps.shards[r].segments:
+                    ps._params[seg.name].copy_(rep["values"][seg.start:seg.stop].view(seg.shape))
+            reports.append(rep)
+        lost: dict[int, dict] = {}
+        for rep in reports:
+            for w, info in rep["stats"]["lost"].items():
+                lost.setdefault(int(w), info)
+        finished = sorted(w for w in srv.done if w not in lost)
+        for w in finished:
+            reports.append(early.pop(S + w) if S + w in early else
+                           _recv_from(ctl, S + w, limit, f"worker {w}"))
+        ps.close()
+        _skip_mpi_finalize(WorkersLost.exit_code if lost else 0)
+        return _summary(cfg, T, model, corpus, comm, ps, reports, lost, finished, n_params, lg,
+                        max(r["wall_s"] for r in reports), out)
+
+    # worker ---------------------------------------------------------------------------------
+    w = ps.index
+    skipped = wloop["skipped"]
+    try:
+        for step in itertools.count(first):   # until a server says the run's budget is spent
+            x, y = corpus.batch(step, w, W, B, cfg.data.seq_len, cfg.seed)
+            ps.zero_grad()
+            loss = model.loss(x, y)
+            value = loss.item()
+            ps.note_loss(value)
+            if not math.isfinite(value):
+                if cfg.on_nonfinite != "skip":
+                    raise NonFiniteError(rank, "the loss", step)
+                log.warning("rank %d step %d: the loss is not finite; this worker skips the step",
+                            rank, step)
+                ps.skip()
+                skipped += 1
+                if ps.stopped:
+                    break
+                continue
+            loss.backward()           # full shards are pushed from inside the backward pass
+            bad = T.nonfinite(loss, model)
+            if bad and cfg.on_nonfinite == "skip":
+                log.warning("rank %d step %d: %s is not finite; this worker skips the step",
+                            rank, step, bad)
+                ps.skip()
+                skipped += 1
+            elif bad:
+                raise NonFiniteError(rank, bad, step)
+            else:
+                ps.step()
+            if ps.stopped:
+                break
+            if every and step % every == 0:
+                save(step, {"skipped": skipped, "wall_s": wall_before + time.perf_counter() - t0})
+        ps.done()
+    finally:
+        ps.close()
+    wall = wall_before + time.perf_counter() - t0
+    mine = {"worker": w, "ledger": comm.ledger.rows(), "wall_s": wall, "skipped": skipped,
+            "clock_lag": dict(ps.lag_hist), "wait_s": ps.wait_s, "clock": ps.clock}
+    _report_to_rank0(ctl, mine, s.server_timeout_s + 30)   # rank 0 takes it while serving
+    _skip_mpi_finalize(0)
+    return {"method": cfg.method, "rank": rank, "role": "worker", **{k: v for k, v in mine.items()
+                                                                     if k != "ledger"}}
+
+
+def _summary(cfg, T, model, corpus, comm, ps, reports, lost, finished, n_params, lg, wall, out):
+    S, W = ps.servers, ps.workers
+    self_comm = Comm(mpi().COMM_SELF, Ledger(), "control", False, comm.watchdog)
+    eval_loss = T.evaluate(model, corpus, cfg, self_comm) if cfg.eval_batches else float("nan")
+    by_level: dict[str, int] = {}
+    for rep in reports:
+        for row in rep["ledger"]:
+            by_level[row["level"]] = by_level.get(row["level"], 0) + row["bytes_sent"]
+    servers = [r["stats"] for r in reports[:S]]
+    lost_bytes = sum(st["recv_from"][w] for st in servers for w in lost)
+    if lost_bytes:
+        by_level[comm.level] = by_level.get(comm.level, 0) + lost_bytes
+    total = sum(by_level.values())
+    applied = servers[0]["applied"]
+    samples = sum(applied) * cfg.batch_size
+    summary = {
+        "method": cfg.method, "ranks": comm.size, "steps": cfg.steps, "params": n_params,
+        "final_loss": lg["recent"], "eval_loss": eval_loss,
+        "bytes_total": int(total), "bytes_by_level": {k: int(v) for k, v in sorted(by_level.items())},
+        "bytes_per_step_per_rank": total / comm.size / cfg.steps,
+        "wall_s": wall, "samples": samples, "samples_per_s": samples / wall if wall > 0 else float("nan"),
+        "skipped_steps": sum(servers[0]["skipped"]),
+        "servers": S, "workers": W, "max_staleness": ps.max_staleness,
+        "staleness_lr": ps.staleness_lr, "dc_lambda": ps.dc_lambda,
+        "shard_numel": [sh.numel for sh in ps.shards],
+        "gradients_per_worker": applied,
+        "staleness": _hist(_merge([st["staleness"] for st in servers])),
+        "clock_lag": _hist(_merge([st["clock_lag"] for st in servers])),
+        "workers_finished": len(finished),
+        "workers_lost": [lost[w] for w in sorted(lost)],
+        "status": "ok" if not lost else f"{len(lost)} of {W} workers lost",
+        "mpirun_recovery": recovery_enabled(),
+        "params_sha256": T.params_sha256(model),
+        "ledger_rank0": comm.ledger.rows(),
+        "config": cfg.to_dict(),
+    }
+    if out:
+        (Path(out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if lost:
+        names = ", ".join(f"worker {i['worker']} (rank {i['rank']}, after {i['clock']} gradients)"
+                          for i in summary["workers_lost"])
+        raise WorkersLost(f"async-ps finished with {len(finished)} of {W} workers; lost: {names}; "
+                          f"summary written" + (f" to {Path(out) / 'summary.json'}" if out else ""))
+    return summary

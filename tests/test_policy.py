@@ -1,0 +1,40 @@
+"""Per-level policies under real mpirun (tests/workers/policy.py) and their config errors."""
+import pytest
+
+from conftest import run_worker
+from lowcomm.config import load_config
+from lowcomm.errors import ConfigError
+
+
+@pytest.mark.parametrize("np, spec", [(4, "dc:2,rank:2"), (3, "dc:2,rank:2+1"), (4, "node:2,rank:2")])
+def test_policies_equal_their_single_process_references(np, spec):
+    oks = run_worker(np, "policy.py", spec, timeout=150)
+    assert len(set(oks.values())) == 1 and min(oks.values()) >= 14, oks
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["topology=dc:2,rank:2", "policy.dc=diloco:perod=5"], "policy.dc.perod"),
+    (["topology=dc:2,rank:2", "policy.dc=gossip"], "policy.dc"),
+    (["topology=dc:2,rank:2", "policy.dc=diloco:period"], "policy.dc"),
+    (["topology=dc:2,rank:2", "policy.dc=diloco:compressor=zip"], "policy.dc.compressor"),
+    (["topology=dc:2,rank:2", "policy.dc=streaming-diloco:period=4,delay=4"], "policy.dc.delay"),
+    (["topology=dc:2,rank:2", "policy.rank=localsgd:period=2"], "policy.dc"),
+    (["topology=dc:2,rank:2", "policy.rack=syncdp"], "policy.rack"),
+    (["topology=dc:2,rank:2", "strategy.name=diloco", "policy.dc=diloco"], "policy"),
+    (["topology=dc:2,rank:2", "policy.dc=3"], "policy.dc"),
+    (["topology=dc:2,rank:2", "compressor.name=fp16", "policy.rank=localsgd:period=2",
+      "policy.dc=localsgd:period=4"], "compressor.name"),      # no syncdp level to use it
+])
+def test_bad_policy_names_the_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert e.value.key == key, str(e.value)
+
+
+def test_policy_from_toml_table(tmp_path):
+    f = tmp_path / "p.toml"
+    f.write_text('topology = "dc:2,rank:2"\n[policy]\nrank = "syncdp"\n'
+                 'dc = {name = "diloco", period = 50, compressor = "int8"}\n')
+    cfg = load_config(f)
+    assert cfg.policy == {"rank": "syncdp", "dc": "diloco:period=50,compressor=int8"}
+    assert cfg.method == "policy(rank=syncdp;dc=diloco:period=50,compressor=int8)"

@@ -1,0 +1,63 @@
+"""Topology specs, the α–β model, config validation, and the hierarchical all-reduce against
+MPI_Allreduce under mpirun at 1–4 ranks over several topologies (tests/workers/topology.py)."""
+import pytest
+
+from conftest import run_worker
+from lowcomm.config import load_config
+from lowcomm.errors import ConfigError
+from lowcomm.topology import LinkModel, Topology
+from lowcomm.wan import model_seconds
+
+CHECKS = {1: 160, 2: 319, 3: 333, 4: 595}
+
+
+@pytest.mark.parametrize("np", [1, 2, 3, 4])
+def test_hierarchical_matches_mpi_allreduce(np):
+    assert set(run_worker(np, "topology.py", timeout=150).values()) == {CHECKS[np]}
+
+
+def test_parse_levels_and_unequal_groups():
+    t = Topology.parse("dc:2,node:2+1,rank:2")
+    assert t.names == ("dc", "node", "rank") and t.size == 6
+    assert t.units("dc") == [[0, 1, 2, 3], [4, 5]] and t.units("node") == [[0, 1], [2, 3], [4, 5]]
+    assert t.spec() == "dc:2,node:2+1,rank:2"
+    assert t.level_of(0, 1) == "rank" and t.level_of(1, 2) == "node" and t.level_of(3, 4) == "dc"
+    u = Topology.parse("node:2,rank:3+1")
+    assert u.units("node") == [[0, 1, 2], [3]] and u.group_size("rank") == 3
+
+
+@pytest.mark.parametrize("bad", ["dc", "dc:0,rank:2", "dc:2,rank:x", "dc:2,rank:1+1+1",
+                                 "dc:2,dc:2", "dc:2@fast,rank:2", "9x:2"])
+def test_bad_specs_name_the_key(bad):
+    with pytest.raises(ConfigError, match="topology"):
+        Topology.parse(bad)
+    with pytest.raises(ConfigError, match="'topology'"):
+        load_config(None, [f"topology={bad}"])
+
+
+def test_config_accepts_levels():
+    cfg = load_config(None, ["topology=dc:2,rank:2", "strategy.algorithm=hierarchical"])
+    assert cfg.topology == "dc:2,rank:2" and cfg.strategy.algorithm == "hierarchical"
+
+
+def test_alpha_beta_model():
+    t = Topology.parse("dc:2@25ms/100mbit,rank:2")
+    link = t.link("dc")
+    assert link.alpha_s == pytest.approx(0.025) and link.bytes_per_s == pytest.approx(12.5e6)
+    assert link.source == "config" and t.link("rank").source == "assumed"
+    # ring all-reduce of n on 2 ranks: 2 rounds, n bytes sent
+    n = 16 << 20
+    assert t.predict("allreduce.ring", n, "dc") == pytest.approx(2 * 0.025 + n / 12.5e6)
+    assert t.predict("send", n, "dc") == pytest.approx(0.025 + n / 12.5e6)
+    assert LinkModel.parse("2us/5gb").bytes_per_s == 5 * 2**30
+    rows = [{"level": "dc", "op": "allreduce.ring", "calls": 3, "bytes_sent": 3 * n, "bytes_recv": 0,
+             "seconds": 0.0},
+            {"level": "rank", "op": "reduce_scatter.ring", "calls": 3, "bytes_sent": n, "bytes_recv": 0,
+             "seconds": 0.0},
+            {"level": "world", "op": "check", "calls": 9, "bytes_sent": 10, "bytes_recv": 0, "seconds": 0.0}]
+    per = t.model_seconds(rows)
+    assert per["dc"] == pytest.approx(3 * 2 * 0.025 + 3 * n / 12.5e6)
+    assert per["rank"] == pytest.approx(3 * 2e-6 + n / 5e9)
+    assert per["total"] == pytest.approx(per["dc"] + per["rank"])
+    m = model_seconds(rows, delay_ms=25, rate_mbit=100)
+    assert m["seconds"] == pytest.approx(per["dc"]) and m["calls"] == 3 and m["bytes_sent"] == 3 * n

@@ -1,0 +1,58 @@
+"""``lowcomm ...`` (the real CLI) with test-only faults for async-ps, set by environment:
+
+* ``LOWCOMM_SLOW=rank:ms``: that rank sleeps ``ms`` milliseconds in every training forward pass
+  (a deterministic straggler; it slows any method the same way, SyncDP included);
+* ``LOWCOMM_KILL=rank:step``: that rank (a worker) SIGKILLs itself in the forward pass of its
+  ``step``-th training step;
+* ``LOWCOMM_KILL_SERVER=rank:updates``: that rank (a parameter server) SIGKILLs itself when it
+  is about to apply its ``updates``-th update.
+"""
+import os
+import signal
+import time
+
+import lowcomm.train
+from lowcomm.cli import launcher_rank, main
+
+rank = launcher_rank()
+real_build_model = lowcomm.train.build_model
+
+slow = os.environ.get("LOWCOMM_SLOW", "-1:0").split(":")
+kill = os.environ.get("LOWCOMM_KILL", "-1:0").split(":")
+slow_ms = float(slow[1]) if int(slow[0]) == rank else 0.0
+kill_step = int(kill[1]) if int(kill[0]) == rank else 0
+
+
+def build_model(cfg):
+    model = real_build_model(cfg)
+    real_loss, calls = model.loss, [0]
+
+    def loss(x, y):
+        if model.training:
+            calls[0] += 1
+            if calls[0] == kill_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if slow_ms:
+                time.sleep(slow_ms / 1000)
+        return real_loss(x, y)
+
+    model.loss = loss
+    return model
+
+
+lowcomm.train.build_model = build_model
+
+if os.environ.get("LOWCOMM_KILL_SERVER"):
+    kill_rank, updates = map(int, os.environ["LOWCOMM_KILL_SERVER"].split(":"))
+    if kill_rank == rank:
+        from lowcomm.strategies.ps_server import ParameterServer
+        real_step = ParameterServer._step
+
+        def _step(self, grad, lr_scale):
+            if self.version + 1 == updates:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_step(self, grad, lr_scale)
+
+        ParameterServer._step = _step
+
+main()

@@ -1,0 +1,8 @@
+"""Rank 3 (datacenter 1) fails mid-run: launchers/wan.sh must still remove the WAN it made."""
+import lowcomm
+
+comm = lowcomm.init()
+comm.barrier()
+if comm.rank == 3:
+    raise RuntimeError("rank 3 fails on purpose")
+comm.barrier()
