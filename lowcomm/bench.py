@@ -8,16 +8,19 @@ nccl-tests: ``algbw = bytes / time``, ``busbw = algbw · 2(K-1)/K`` for all-redu
 from __future__ import annotations
 
 import dataclasses
+import gc
 import socket
 import statistics
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 
 from .collectives import ALGORITHMS, allreduce_
 from .comm import Comm, mpi
 from .ledger import Ledger, busbw_factor
+from .watchdog import DEFAULT_TIMEOUT_S
 
 SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 BASELINES = ("horovod", "gloo")
@@ -49,7 +52,7 @@ def init_gloo(comm: Comm):
                 port = s.getsockname()[1]
         addr, port = comm.bcast_object((addr, port))
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
-                                world_size=comm.size)
+                                world_size=comm.size, timeout=timedelta(seconds=comm.watchdog.timeout_s or DEFAULT_TIMEOUT_S))
     return dist
 
 
@@ -193,6 +196,12 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
                     times.append(dt)
             if isinstance(wrapped, SyncDP):
                 wrapped.close()
+            # Free DDP while its process group is alive: if DDP's reducer held the last reference,
+            # its destructor would join gloo's worker threads while holding the GIL, and a worker
+            # freeing a finished work item needs the GIL, a deadlock (pytorch/pytorch#56297).
+            del forward, wrapped
+            ddp = None
+            gc.collect()
         rows.append({"strategy": name, "ranks": comm.size, "params": params,
                      "grad_MB": params * 4 / 1e6, "step_ms": statistics.median(times) * 1e3,
                      "step_ms_mean": statistics.fmean(times) * 1e3})
