@@ -22,6 +22,7 @@ from .errors import ConfigError
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "onebit-adam")
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -93,6 +94,9 @@ class OptimizerConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     freeze_step: int = 100         # onebit-adam: dense Adam warm-up steps
+    schedule: str = "constant"     # lr over the run: "constant" | "cosine" (to min_lr_ratio * lr)
+    warmup_steps: int = 0          # linear lr warm-up from lr/warmup_steps to lr
+    min_lr_ratio: float = 0.1      # cosine: the lr at the last step, as a fraction of lr
 
 
 @dataclass
@@ -289,7 +293,7 @@ def validate(cfg: Config) -> Config:
         if obj < 1:
             raise ConfigError(key, f"must be >= 1, got {obj}")
     for key in ("strategy.warmup_steps", "strategy.delay", "checkpoint.every",
-                "compressor.start_iter", "optimizer.freeze_step"):
+                "compressor.start_iter", "optimizer.freeze_step", "optimizer.warmup_steps"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(key, f"must be >= 0, got {getattr(getattr(cfg, section), name)}")
@@ -313,6 +317,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("eval_batches", f"must be >= 0, got {cfg.eval_batches}")
     if not cfg.lr > 0:
         raise ConfigError("lr", f"must be > 0, got {cfg.lr}")
+    if cfg.optimizer.warmup_steps >= cfg.steps:
+        raise ConfigError("optimizer.warmup_steps", f"must be < steps={cfg.steps}, "
+                          f"got {cfg.optimizer.warmup_steps}")
+    if not 0 <= cfg.optimizer.min_lr_ratio <= 1:
+        raise ConfigError("optimizer.min_lr_ratio", f"must be in [0, 1], got {cfg.optimizer.min_lr_ratio}")
     if not 0 < cfg.data.eval_fraction < 1:
         raise ConfigError("data.eval_fraction", f"must be in (0, 1), got {cfg.data.eval_fraction}")
     if not cfg.strategy.bucket_mb > 0:
@@ -333,6 +342,7 @@ def validate(cfg: Config) -> Config:
     _validate_async_ps(cfg)
     _validate_outer(cfg)
     one_of("optimizer.name", cfg.optimizer.name, OPTIMIZERS)
+    one_of("optimizer.schedule", cfg.optimizer.schedule, LR_SCHEDULES)
     one_of("model.name", cfg.model.name, list(MODELS))
     if cfg.topology:   # level spec, e.g. "dc:2,rank:2" (lowcomm/topology.py); ConfigError names it
         from .topology import Topology
@@ -431,6 +441,10 @@ def _validate_async_ps(cfg: Config) -> None:
     if cfg.optimizer.name == "onebit-adam":
         raise ConfigError("optimizer.name", "onebit-adam owns its exchange; async-ps servers step "
                           "sgd, adam or adamw")
+    if cfg.optimizer.schedule != "constant" or cfg.optimizer.warmup_steps:
+        raise ConfigError("optimizer.schedule", "async-ps servers step at a constant lr (their "
+                          "updates are not numbered by one global step); use schedule = "
+                          "\"constant\" and warmup_steps = 0")
     if cfg.checkpoint.every and s.max_staleness != 0:
         raise ConfigError("checkpoint.every", "async-ps checkpoints only with "
                           "strategy.max_staleness = 0 (synchronous): asynchronous servers and "

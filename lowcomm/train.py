@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -63,6 +64,28 @@ def build_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=cfg.lr, momentum=o.momentum, weight_decay=o.weight_decay)
     cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "onebit-adam": torch.optim.Adam}[o.name]
     return cls(params, lr=cfg.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """The (inner) optimizer's lr at ``step`` (1-based): a linear warm-up over
+    ``optimizer.warmup_steps`` steps (Goyal et al. 2017, arXiv 1706.02677), then ``lr`` constant
+    or, for ``schedule = "cosine"``, SGDR's cosine without restarts (Loshchilov & Hutter 2017,
+    arXiv 1608.03983) from ``lr`` down to ``min_lr_ratio · lr`` at the last step:
+    ``lr_t = lr · (r + (1 − r) · ½(1 + cos(π · (t − W) / (T − W))))``.
+    A function of the step alone, so a resumed run sets the same lr without saved state."""
+    o = cfg.optimizer
+    if step <= o.warmup_steps:
+        return cfg.lr * step / o.warmup_steps
+    if o.schedule == "constant":
+        return cfg.lr
+    progress = (step - o.warmup_steps) / max(1, cfg.steps - o.warmup_steps)
+    r = o.min_lr_ratio
+    return cfg.lr * (r + (1 - r) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def build_strategy(cfg: Config, model, optimizer, comm: Comm):
@@ -220,7 +243,8 @@ def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
     torch.manual_seed(cfg.seed)
     corpus = Corpus.load(cfg.data.path, cfg.data.max_bytes, cfg.data.eval_fraction)
     model = build_model(cfg)
-    strategy = build_strategy(cfg, model, build_optimizer(cfg, model.parameters()), comm)
+    optimizer = build_optimizer(cfg, model.parameters())
+    strategy = build_strategy(cfg, model, optimizer, comm)
     n_params = sum(p.numel() for p in model.parameters())
 
     first, skipped, wall_before, window, recent = 1, 0, 0.0, [], float("nan")
@@ -262,6 +286,7 @@ def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
                 elif bad:
                     raise NonFiniteError(rank, bad, step)
                 if bad != "skipped":
+                    set_lr(optimizer, lr_at(cfg, step))
                     strategy.step()
                     window.append(loss.item())
                 if step % cfg.log_every == 0 or step == cfg.steps:
@@ -272,7 +297,8 @@ def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
                     window = []
                     line = {"step": step, "loss": recent, "bytes": int(sent),
                             "wall_s": wall_before + time.perf_counter() - t0,
-                            "comm_s": comm_s / K, "rounds": rounds / K}
+                            "comm_s": comm_s / K, "rounds": rounds / K,
+                            "lr": optimizer.param_groups[0]["lr"]}
                     line.update(strategy.log_fields(ctl))
                     if cfg.eval_batches and cfg.eval_every and step % cfg.eval_every == 0:
                         line["eval_loss"] = evaluate(model, corpus, cfg, ctl)

@@ -1,4 +1,5 @@
 """Single-process unit tests: config, ledger arithmetic, data, chunking, sizes, model."""
+import math
 import threading
 
 import pytest
@@ -10,6 +11,7 @@ from lowcomm.config import Config, ConfigError, load_config, parse_override
 from lowcomm.data import Corpus
 from lowcomm.ledger import Ledger, busbw_factor, wire_bytes
 from lowcomm.models import TinyGPT
+from lowcomm.train import lr_at
 
 
 # config -----------------------------------------------------------------------------------------
@@ -27,12 +29,32 @@ def test_defaults_validate_and_overrides_are_typed():
     ("model.n_heads=3", "model.n_heads"), ("optimizer.name=lion", "optimizer.name"),
     ("steps.x=1", "steps.x"), ("data.path=/no/such/dir", "data.path"), ("topology=dc:0", "topology"),
     ("strategy.backend=nccl", "strategy.backend"), ("noequals", "noequals"),
-    ("comm.timeout_s=-1", "comm.timeout_s"),
+    ("comm.timeout_s=-1", "comm.timeout_s"), ("optimizer.schedule=step", "optimizer.schedule"),
+    ("optimizer.warmup_steps=300", "optimizer.warmup_steps"),
+    ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert e.value.key == key and f"'{key}'" in str(e.value)
+
+
+def test_lr_schedule_warmup_then_cosine_to_the_floor():
+    cfg = load_config(None, ["steps=10", "lr=1.0", "optimizer.schedule=cosine",
+                             "optimizer.warmup_steps=2", "optimizer.min_lr_ratio=0.1"])
+    lrs = [lr_at(cfg, t) for t in range(1, 11)]
+    assert lrs[:2] == [0.5, 1.0]                                   # linear warm-up
+    # cosine over the 8 steps after it: t = 2 + 8·u  ->  0.1 + 0.9 · (1 + cos(pi·u)) / 2
+    assert lrs[5] == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi * 4 / 8)) / 2)   # = 0.55
+    assert lrs[-1] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(lrs[1:], lrs[2:]))            # decreasing after warm-up
+    assert {lr_at(load_config(None, ["steps=5"]), t) for t in range(1, 6)} == {3e-3}
+
+
+def test_async_ps_rejects_an_lr_schedule():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["strategy.name=async-ps", "optimizer.schedule=cosine"])
+    assert e.value.key == "optimizer.schedule"
 
 
 def test_toml_file_nested_tables(tmp_path):
