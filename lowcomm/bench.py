@@ -78,6 +78,11 @@ def baseline(name: str, comm: Comm):
         try:
             yield dist
         finally:
+            # Free what still holds the group (a DDP reducer in a reference cycle) first: the
+            # last reference dropped after destroy_process_group() would run the group's
+            # destructor with the GIL held, joining gloo workers that need the GIL to free a
+            # finished work item — a deadlock (pytorch/pytorch#56297).
+            gc.collect()
             dist.destroy_process_group()
     else:
         yield None
@@ -174,38 +179,37 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
             if name == "ddp-gloo":
                 from torch.nn.parallel import DistributedDataParallel
                 ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.strategy.bucket_mb)
-                wrapped = opt
-                forward = lambda x, y, m=ddp: torch.nn.functional.cross_entropy(  # noqa: E731
-                    m(x).flatten(0, 1), y.flatten())
+                times = _time_steps(ctl, corpus, cfg, opt, warmup, steps,
+                                    lambda x, y: torch.nn.functional.cross_entropy(
+                                        ddp(x).flatten(0, 1), y.flatten()))
+                del ddp     # before baseline() destroys its process group (see there)
             else:
                 algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") else cfg.strategy.algorithm
                 wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=cfg.strategy.bucket_mb,
                                  overlap=cfg.strategy.overlap,
                                  backend="horovod" if name == "horovod" else "mpi")
-                forward = model.loss
-            times = []
-            for step in range(warmup + steps):
-                x, y = corpus.batch(step, comm.rank, comm.size, cfg.batch_size, cfg.data.seq_len, cfg.seed)
-                ctl.barrier()
-                t0 = time.perf_counter()
-                wrapped.zero_grad()
-                forward(x, y).backward()
-                wrapped.step()
-                dt = _slowest(ctl, time.perf_counter() - t0)
-                if step >= warmup:
-                    times.append(dt)
-            if isinstance(wrapped, SyncDP):
+                times = _time_steps(ctl, corpus, cfg, wrapped, warmup, steps, model.loss)
                 wrapped.close()
-            # Free DDP while its process group is alive: if DDP's reducer held the last reference,
-            # its destructor would join gloo's worker threads while holding the GIL, and a worker
-            # freeing a finished work item needs the GIL, a deadlock (pytorch/pytorch#56297).
-            del forward, wrapped
-            ddp = None
-            gc.collect()
         rows.append({"strategy": name, "ranks": comm.size, "params": params,
                      "grad_MB": params * 4 / 1e6, "step_ms": statistics.median(times) * 1e3,
                      "step_ms_mean": statistics.fmean(times) * 1e3})
     return rows
+
+
+def _time_steps(ctl: Comm, corpus, cfg, opt, warmup: int, steps: int, loss) -> list[float]:
+    """The slowest rank's time of each of ``steps`` training steps after ``warmup`` ones."""
+    times = []
+    for step in range(warmup + steps):
+        x, y = corpus.batch(step, ctl.rank, ctl.size, cfg.batch_size, cfg.data.seq_len, cfg.seed)
+        ctl.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss(x, y).backward()
+        opt.step()
+        dt = _slowest(ctl, time.perf_counter() - t0)
+        if step >= warmup:
+            times.append(dt)
+    return times
 
 
 def format_step(rows: list[dict]) -> str:

@@ -37,11 +37,15 @@ def _config(config, overrides, base=None):
         raise click.UsageError(str(e)) from None
 
 
-def _world():
+def _set_threads() -> None:
+    """torch's intra-op threads: ``$LOWCOMM_NUM_THREADS`` (the launchers set 1 per rank)."""
     import torch
-
-    from .comm import init
     torch.set_num_threads(int(os.environ.get("LOWCOMM_NUM_THREADS", torch.get_num_threads())))
+
+
+def _world():
+    from .comm import init
+    _set_threads()
     return init()
 
 
@@ -173,7 +177,7 @@ def bench_compress(config, overrides, size, methods, iters, warmup, json_path):
         raise click.BadParameter(str(e), param_hint="--size") from None
     if numel < 1:
         raise click.BadParameter(f"{size!r} holds no float32 element", param_hint="--size")
-    torch.set_num_threads(int(os.environ.get("LOWCOMM_NUM_THREADS", torch.get_num_threads())))
+    _set_threads()
     try:
         rows = run(methods.split(","), numel, iters, warmup, cfg.compressor)
     except ValueError as e:

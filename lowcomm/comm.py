@@ -258,12 +258,7 @@ class Comm:
         self.check("allgather", t)
         n = _nbytes(t)
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
-        with self.staged(t, write=False) as h, self.staged(out, read=False) as o:
-            t0 = time.perf_counter()
-            self._guard("allgather", n, self.mpi.Allgather, _raw(h), _raw(o))
-            self.ledger.record("allgather", self.level, *wire_bytes("allgather", n, self.size),
-                               seconds=time.perf_counter() - t0)
-        return out
+        return self._exchange("allgather", n, self.mpi.Allgather, t, out)
 
     def alltoall(self, t: torch.Tensor) -> torch.Tensor:
         """Vendor ``MPI_Alltoall``: ``t`` has shape ``(size, *block)``; block ``j`` goes to rank
@@ -275,12 +270,24 @@ class Comm:
         self.check("alltoall", t)
         block = _nbytes(t) // self.size
         out = torch.empty_like(t, memory_format=torch.contiguous_format)
+        return self._exchange("alltoall", block, self.mpi.Alltoall, t, out)
+
+    def _exchange(self, op: str, n: int, call, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Vendor ``call(send, recv)`` from ``t`` into ``out`` (both staged), under the watchdog,
+        charging the ledger ``op``'s wire bytes for ``n`` bytes per rank."""
         with self.staged(t, write=False) as h, self.staged(out, read=False) as o:
             t0 = time.perf_counter()
-            self._guard("alltoall", block, self.mpi.Alltoall, _raw(h), _raw(o))
-            self.ledger.record("alltoall", self.level, *wire_bytes("alltoall", block, self.size),
+            self._guard(op, n, call, _raw(h), _raw(o))
+            self.ledger.record(op, self.level, *wire_bytes(op, n, self.size),
                                seconds=time.perf_counter() - t0)
         return out
+
+    def disagreeing(self, signature: str, count: int) -> list[int]:
+        """The ranks whose ``(signature, count)`` differ from rank 0's (a crc32 of ``signature``,
+        one all-gather): e.g. a bucket or fragment layout that every rank must share."""
+        crc = torch.tensor([zlib.crc32(signature.encode()), count], dtype=torch.int64)
+        seen = self.allgather(crc)
+        return [r for r in range(self.size) if not torch.equal(seen[r], seen[0])]
 
     def allgather_object(self, obj):
         """Pickle-based all-gather of small Python objects (control plane only)."""

@@ -335,6 +335,7 @@ def validate(cfg: Config) -> Config:
     one_of("strategy.compressor", cfg.strategy.compressor, list(COMPRESSORS))
     one_of("strategy.outer_optimizer", cfg.strategy.outer_optimizer, OUTER_OPTIMIZERS)
     one_of("on_nonfinite", cfg.on_nonfinite, ("abort", "skip"))
+    one_of("optimizer.schedule", cfg.optimizer.schedule, LR_SCHEDULES)
     if s.backend != "mpi" and s.name != "syncdp":
         raise ConfigError("strategy.backend", f"{s.name} sends lowcomm's own messages; only "
                           f"syncdp runs on the {s.backend!r} backend (use backend = \"mpi\")")
@@ -342,7 +343,6 @@ def validate(cfg: Config) -> Config:
     _validate_async_ps(cfg)
     _validate_outer(cfg)
     one_of("optimizer.name", cfg.optimizer.name, OPTIMIZERS)
-    one_of("optimizer.schedule", cfg.optimizer.schedule, LR_SCHEDULES)
     one_of("model.name", cfg.model.name, list(MODELS))
     if cfg.topology:   # level spec, e.g. "dc:2,rank:2" (lowcomm/topology.py); ConfigError names it
         from .topology import Topology
@@ -441,10 +441,12 @@ def _validate_async_ps(cfg: Config) -> None:
     if cfg.optimizer.name == "onebit-adam":
         raise ConfigError("optimizer.name", "onebit-adam owns its exchange; async-ps servers step "
                           "sgd, adam or adamw")
-    if cfg.optimizer.schedule != "constant" or cfg.optimizer.warmup_steps:
-        raise ConfigError("optimizer.schedule", "async-ps servers step at a constant lr (their "
-                          "updates are not numbered by one global step); use schedule = "
-                          "\"constant\" and warmup_steps = 0")
+    for key, value, constant in (("schedule", cfg.optimizer.schedule, "constant"),
+                                 ("warmup_steps", cfg.optimizer.warmup_steps, 0)):
+        if value != constant:
+            raise ConfigError(f"optimizer.{key}", "async-ps servers step at a constant lr (their "
+                              "updates are not numbered by one global step); use "
+                              "optimizer.schedule = \"constant\" and optimizer.warmup_steps = 0")
     if cfg.checkpoint.every and s.max_staleness != 0:
         raise ConfigError("checkpoint.every", "async-ps checkpoints only with "
                           "strategy.max_staleness = 0 (synchronous): asynchronous servers and "

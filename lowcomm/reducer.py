@@ -13,7 +13,6 @@ for real; this is the design Horovod's background thread and PyTorch DDP's reduc
 from __future__ import annotations
 
 import functools
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -106,10 +105,8 @@ class Reducer:
     def _check_layout(self) -> None:
         """All ranks must bucket the same tensors the same way, or collectives would mismatch."""
         sig = repr([(b.names, [tuple(s) for s in b.shapes], str(b.flat.dtype)) for b in self.buckets])
-        crc = torch.tensor([zlib.crc32(sig.encode()), len(self.buckets)], dtype=torch.int64)
-        seen = self.comm.allgather(crc)
-        if not bool((seen == seen[0]).all()):
-            bad = [r for r in range(self.comm.size) if not torch.equal(seen[r], seen[0])]
+        bad = self.comm.disagreeing(sig, len(self.buckets))
+        if bad:
             raise CommError("reducer.layout", self.comm.rank,
                             f"ranks {bad} hold differently named or shaped tensors than rank 0 "
                             f"(this rank: {sum(len(b.names) for b in self.buckets)} tensors in "

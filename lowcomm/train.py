@@ -78,7 +78,7 @@ def lr_at(cfg: Config, step: int) -> float:
         return cfg.lr * step / o.warmup_steps
     if o.schedule == "constant":
         return cfg.lr
-    progress = (step - o.warmup_steps) / max(1, cfg.steps - o.warmup_steps)
+    progress = (step - o.warmup_steps) / (cfg.steps - o.warmup_steps)   # warmup < steps
     r = o.min_lr_ratio
     return cfg.lr * (r + (1 - r) * 0.5 * (1 + math.cos(math.pi * progress)))
 

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import LowcommError
-from .ledger import latency_rounds
+from .ledger import alpha_beta_seconds
 
 STATE_DIR = Path(os.environ.get("LOWCOMM_WAN_STATE", "/run/lowcomm-wan"))
 NS_PREFIX = "lowcomm-dc"
@@ -352,8 +352,7 @@ def model_seconds(rows: list[dict], delay_ms: float, rate_mbit: float, level: st
     sel = [r for r in rows if r["level"] == level and r["op"] != "check"]
     calls = sum(r["calls"] for r in sel)
     sent = sum(r["bytes_sent"] for r in sel)
-    secs = sum(latency_rounds(r["op"], group_size) * r["calls"] * alpha + r["bytes_sent"] / beta
-               for r in sel)
+    secs = alpha_beta_seconds(sel, group_size, alpha, beta)
     return {"seconds": secs, "calls": calls, "bytes_sent": sent, "level": level,
             "link": f"{delay_ms:g} ms / {rate_mbit:g} Mbit/s (modelled)"}
 

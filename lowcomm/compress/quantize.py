@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, Seeded, Segment
+from .base import Compressor, Seeded
 
 
 class Int8(Compressor):

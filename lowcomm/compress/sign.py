@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor
+from .base import Compressor, allgather_payload
 from .bits import pack_signs, unpack_signs
 
 
@@ -70,13 +70,7 @@ class SignMajorityVote(Compressor):
         n, dtype = ctx
         return unpack_signs(payload[0], n, dtype)
 
-    def decompress_mean(self, gathered, ctx, K):
-        # only used if someone averages decoded votes; the vote itself is in exchange()
-        n, dtype = ctx
-        return unpack_signs(gathered[0], n, dtype).mean(0)
-
     def exchange(self, payload, ctx, comm, like):
-        from .base import allgather_payload
         n, dtype = ctx
         packed = allgather_payload(comm, payload)[0]                 # (K, ⌈n/8⌉)
         votes = unpack_signs(packed, n, torch.int8).sum(0, dtype=torch.int32)

@@ -397,8 +397,9 @@ class AsyncPS(Strategy):
         self._pushed = [False] * self.servers
         self._pending = [len(sh.segments) for sh in self.shards]
 
-    def _load(self, s: int) -> None:
-        vals = self._replies[s].values
+    def _load(self, s: int, vals: torch.Tensor | None = None) -> None:
+        """Copy shard ``s``'s values (default: its last reply) into the model's parameters."""
+        vals = self._replies[s].values if vals is None else vals
         with torch.no_grad():
             for seg in self.shards[s].segments:
                 self._params[seg.name].copy_(vals[seg.start:seg.stop].view(seg.shape))

@@ -84,7 +84,7 @@ class DiLoCo(OuterLoop):
                                                nesterov=outer_optimizer == "nesterov")
 
     @classmethod
-    def _config_kwargs(cls, cfg, comm) -> dict:
+    def _config_kwargs(cls, cfg) -> dict:
         from ..compress import build_compressor
         s = cfg.strategy
         kw = from_config_kwargs(cfg)
@@ -96,7 +96,7 @@ class DiLoCo(OuterLoop):
     @classmethod
     def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None):
         warn_unused(cfg, comm, ("fragments", "delay", "alpha"))
-        return cls(model, optimizer, comm, nest=nest, **cls._config_kwargs(cfg, comm))
+        return cls(model, optimizer, comm, nest=nest, **cls._config_kwargs(cfg))
 
     def _warmup_done(self) -> None:
         for f, outer in zip(self.fragments, self.outer_params):
@@ -173,4 +173,4 @@ class StreamingDiLoCo(DiLoCo):
     def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None):
         s = cfg.strategy
         return cls(model, optimizer, comm, fragments=s.fragments, delay=s.delay, alpha=s.alpha,
-                   nest=nest, **cls._config_kwargs(cfg, comm))
+                   nest=nest, **cls._config_kwargs(cfg))

@@ -25,8 +25,7 @@ class _Layout:
         by_dtype: dict[torch.dtype, list] = {}
         for name, p in named:
             by_dtype.setdefault(p.dtype, []).append((name, p))
-        order = sorted(by_dtype, key=lambda d: (-torch.empty(0, dtype=d).element_size(), str(d)))
-        self.weight = weight
+        order = sorted(by_dtype, key=lambda d: (-d.itemsize, str(d)))
         offset = 8 if weight else 0
         self.groups: list[tuple[Fragment, int]] = []     # (one dtype's block, its byte offset)
         for i, dtype in enumerate(order):
@@ -35,19 +34,14 @@ class _Layout:
                 members.append((name, p, n, n + p.numel()))
                 n += p.numel()
             self.groups.append((Fragment(i, members, dtype, 0), offset))
-            offset += n * torch.empty(0, dtype=dtype).element_size()
+            offset += n * dtype.itemsize
         self.nbytes = offset
-        self.param_bytes = offset - (8 if weight else 0)
 
     def new(self) -> torch.Tensor:
         return torch.empty(self.nbytes, dtype=torch.uint8)
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        out = []
-        for f, off in self.groups:
-            size = torch.empty(0, dtype=f.dtype).element_size()
-            out.append(buf[off:off + f.numel * size].view(f.dtype))
-        return out
+        return [buf[off:off + f.numel * f.dtype.itemsize].view(f.dtype) for f, off in self.groups]
 
     def flats(self) -> list[torch.Tensor]:
         """Fresh CPU copies of the parameters, one flat tensor per dtype block."""
@@ -466,14 +460,13 @@ class Gossip(Strategy):
 
     def gossip_bytes(self) -> int:
         """Bytes this rank has sent in gossip rounds (from the ledger)."""
-        return sum(r["bytes_sent"] for r in self._g.ledger.rows()
-                   if r["op"] == self.op and r["level"] == self._g.level)
+        return self._g.ledger.get(self.op, self._g.level).bytes_sent
 
     def summary(self, ctl: Comm) -> dict:
         sent = torch.tensor([float(self.gossip_bytes())], dtype=torch.float64)
         total = float(ctl.allreduce_(sent)) if ctl.size > 1 else float(sent)
         period = self.graph.period
-        degree = sum(len(self.graph.out_peers(self.rank, t)) for t in range(period)) / period
+        degree = sum(self.degree(t) for t in range(period)) / period
         out = {"graph": self.graph.name, "gossip_mode": self.mode, "gossip_order": self.order,
                "degree": degree, "gossip_bytes_per_rank_per_step": total / ctl.size / max(self.steps, 1),
                "consensus_distance": self.consensus_distance(ctl),

@@ -89,21 +89,20 @@ class Graph:
         if not self.regular:
             raise ValueError(f"graph {self.name!r} is not regular: uniform weights would not be "
                              "doubly stochastic (use push-sum)")
-        W = np.zeros((self.size, self.size))
-        for i in range(self.size):
-            peers = self.in_peers(i, t)
-            for j in [i, *peers]:
-                W[i, j] += 1.0 / (len(peers) + 1)
-        return W
+        return self._uniform_rows(self.in_peers, t)
 
     def push_sum_matrix(self, t: int = 0) -> np.ndarray:
         """Push-sum's column-stochastic ``P`` of round ``t``: ``P_ij = 1/(d_out(j)+1)``."""
-        P = np.zeros((self.size, self.size))
-        for j in range(self.size):
-            peers = self.out_peers(j, t)
-            for i in [j, *peers]:
-                P[i, j] += 1.0 / (len(peers) + 1)
-        return P
+        return self._uniform_rows(self.out_peers, t).T
+
+    def _uniform_rows(self, peers_of, t: int) -> np.ndarray:
+        """``M[a, b] = 1/(|peers_of(a)|+1)`` for ``b`` in ``{a} ∪ peers_of(a, t)``, else 0."""
+        M = np.zeros((self.size, self.size))
+        for a in range(self.size):
+            peers = peers_of(a, t)
+            for b in [a, *peers]:
+                M[a, b] += 1.0 / (len(peers) + 1)
+        return M
 
     def check(self) -> "Graph":
         """Raise ValueError unless in- and out-peers agree (j ∈ out(i) ⇔ i ∈ in(j)), no rank is

@@ -6,7 +6,6 @@ is applied (:meth:`OuterLoop._apply`).
 from __future__ import annotations
 
 import logging
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -194,9 +193,7 @@ class OuterLoop(Strategy):
     def _check_layout(self) -> None:
         sig = repr([(f.offset, str(f.dtype), [(n, tuple(p.shape)) for n, p, _, _ in f.members])
                     for f in self.fragments])
-        crc = torch.tensor([zlib.crc32(sig.encode()), len(self.fragments)], dtype=torch.int64)
-        seen = self._red.allgather(crc)
-        bad = [r for r in range(self._red.size) if not torch.equal(seen[r], seen[0])]
+        bad = self._red.disagreeing(sig, len(self.fragments))
         if bad:
             raise CommError("outer.layout", self.comm.rank, f"ranks {bad} hold differently named "
                             f"or shaped parameters than rank 0")
@@ -214,10 +211,6 @@ class OuterLoop(Strategy):
         """Called once after the last dense step (parameters are equal on all ranks)."""
 
     # the skeleton ------------------------------------------------------------------------------
-    @property
-    def in_warmup(self) -> bool:
-        return self.t < self.warmup_steps
-
     @property
     def _inner(self) -> Strategy | None:
         """The level below in a per-level policy (None outside one)."""
@@ -373,11 +366,10 @@ class OuterLoop(Strategy):
 
 def from_config_kwargs(cfg) -> dict:
     """Arguments every outer loop takes from a :class:`~lowcomm.config.Config`."""
-    from ..compress import build_compressor
+    from .syncdp import SyncDP
     s = cfg.strategy
-    warmup = dict(bucket_mb=s.bucket_mb, backward_passes_per_step=s.backward_passes_per_step,
-                  overlap=s.overlap, compressor=build_compressor(cfg.compressor),
-                  nonfinite="zero" if cfg.on_nonfinite == "skip" else "raise")
+    warmup = SyncDP.config_kwargs(cfg)
+    del warmup["algorithm"], warmup["backend"]      # the outer loop's own; backend is "mpi"
     return dict(period=s.period, warmup_steps=s.warmup_steps, algorithm=s.algorithm,
                 warmup_options=warmup)
 

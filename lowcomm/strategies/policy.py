@@ -80,9 +80,9 @@ def levels_plan(cfg: Config, names: tuple[str, ...]) -> tuple[list[tuple[str, st
                               f"{below[1]} (every period): a level cannot synchronise more often "
                               f"than the levels inside it")
     if first == len(plan) and cfg.compressor.name != "none":
-        raise ConfigError("compressor.name", f"compresses gradients, which only syncdp levels "
-                          f"exchange, and this policy has none; compress an outer loop's "
-                          f"pseudo-gradient with policy.<level>=\"diloco:compressor=...\"")
+        raise ConfigError("compressor.name", "compresses gradients, which only syncdp levels "
+                          "exchange, and this policy has none; compress an outer loop's "
+                          "pseudo-gradient with policy.<level>=\"diloco:compressor=...\"")
     steps = {tuple(sorted(o.items())) for _, _, o in plan[first:]}
     if len(steps) > 1:
         raise ConfigError(f"policy.{plan[first][0]}", "the per-step (syncdp) levels "

@@ -37,11 +37,7 @@ class ParameterServer:
         # the shard's parameters become views of one flat vector: a reply is one copy, and
         # DC-ASGD's w − w_bak is one subtraction
         self.flat = torch.empty(self.shard.numel, dtype=self.shard.dtype)
-        with torch.no_grad():
-            for seg in self.shard.segments:
-                p = ps._params[seg.name]
-                self.flat[seg.start:seg.stop].copy_(p.detach().reshape(-1))
-                p.data = self.flat[seg.start:seg.stop].view(seg.shape)
+        self._bind_flat()
         self._grad = torch.zeros_like(self.flat)
         self.version = 0
         self.clock = [0] * self.W
@@ -297,13 +293,17 @@ class ParameterServer:
                 "applied": list(self.applied), "skipped": list(self.skipped),
                 "recv_from": list(self.recv_from)}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore (after the model's state: the shard's values are the model's parameters)."""
+    def _bind_flat(self) -> None:
+        """Copy the shard's parameters into ``flat`` and make them views of it."""
         with torch.no_grad():
             for seg in self.shard.segments:
                 p = self.ps._params[seg.name]
                 self.flat[seg.start:seg.stop].copy_(p.detach().reshape(-1))
                 p.data = self.flat[seg.start:seg.stop].view(seg.shape)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore (after the model's state: the shard's values are the model's parameters)."""
+        self._bind_flat()
         self.ps.optimizer.load_state_dict(state["optimizer"])
         self.version, self.clock, self.taken = state["version"], list(state["clock"]), state["taken"]
         self.read_version = list(state["read_version"])

@@ -230,9 +230,7 @@ def train_async_ps(cfg, out: str | Path | None = None, comm: Comm | None = None,
         limit = s.server_timeout_s + s.worker_timeout_s + 30
         for r in range(1, S):
             rep = early.pop(r) if r in early else _recv_from(ctl, r, limit, f"parameter server {r}")
-            with torch.no_grad():
-                for seg in ps.shards[r].segments:
-                    ps._params[seg.name].copy_(rep["values"][seg.start:seg.stop].view(seg.shape))
+            ps._load(r, rep["values"])
             reports.append(rep)
         lost: dict[int, dict] = {}
         for rep in reports:

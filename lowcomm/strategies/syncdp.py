@@ -75,14 +75,20 @@ class SyncDP(Strategy):
             if overlap else []
         self._step_hook = optimizer.register_step_pre_hook(lambda *_: self.synchronize())
 
-    @classmethod
-    def from_config(cls, cfg, model, optimizer, comm):
+    @staticmethod
+    def config_kwargs(cfg) -> dict:
+        """The constructor's keyword arguments from a :class:`~lowcomm.config.Config` (also
+        the outer loops' dense warm-up, less ``algorithm`` and ``backend``)."""
         from ..compress import build_compressor
         s = cfg.strategy
-        return cls(model, optimizer, comm, algorithm=s.algorithm, bucket_mb=s.bucket_mb,
-                   backward_passes_per_step=s.backward_passes_per_step, overlap=s.overlap,
-                   backend=s.backend, compressor=build_compressor(cfg.compressor),
-                   nonfinite="zero" if cfg.on_nonfinite == "skip" else "raise")
+        return dict(algorithm=s.algorithm, bucket_mb=s.bucket_mb,
+                    backward_passes_per_step=s.backward_passes_per_step, overlap=s.overlap,
+                    backend=s.backend, compressor=build_compressor(cfg.compressor),
+                    nonfinite="zero" if cfg.on_nonfinite == "skip" else "raise")
+
+    @classmethod
+    def from_config(cls, cfg, model, optimizer, comm):
+        return cls(model, optimizer, comm, **cls.config_kwargs(cfg))
 
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
