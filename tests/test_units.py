@@ -11,7 +11,7 @@ from lowcomm.config import Config, ConfigError, load_config, parse_override
 from lowcomm.data import Corpus
 from lowcomm.ledger import Ledger, busbw_factor, wire_bytes
 from lowcomm.models import TinyGPT
-from lowcomm.train import lr_at
+from lowcomm.runtime import lr_at
 
 
 # config -----------------------------------------------------------------------------------------

@@ -1,0 +1,190 @@
+"""What the training loop keeps and restores around the steps, shared by :mod:`lowcomm.loop`
+and the parameter server's part of it (:mod:`lowcomm.strategies.ps_train`): the optimizer and
+its lr schedule, the held-out evaluation, the NaN check, the SIGINT/SIGTERM flag, the output
+folder, checkpoint snapshots and their restore, and the parameters' hash."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import random
+import signal
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import Checkpointer, CheckpointError
+from .comm import Comm
+from .errors import LowcommError
+from .ledger import Ledger
+
+log = logging.getLogger("lowcomm.train")
+
+
+class Interrupted(LowcommError):
+    """The run was stopped by a signal after writing a final checkpoint."""
+
+    def __init__(self, signum: int, step: int, where: Path | None):
+        self.signum, self.step, self.exit_code = signum, step, 128 + signum
+        saved = f"checkpoint written to {where}" if where else "no checkpoint folder configured"
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; {saved}")
+
+
+def build_optimizer(cfg, params) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "onebit-adam": torch.optim.Adam}[o.name]
+    return cls(params, lr=cfg.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+
+
+def lr_at(cfg, step: int) -> float:
+    """The (inner) optimizer's lr at ``step`` (1-based): a linear warm-up over
+    ``optimizer.warmup_steps`` steps (Goyal et al. 2017, arXiv 1706.02677), then ``lr`` constant
+    or, for ``schedule = "cosine"``, SGDR's cosine without restarts (Loshchilov & Hutter 2017,
+    arXiv 1608.03983) from ``lr`` down to ``min_lr_ratio · lr`` at the last step:
+    ``lr_t = lr · (r + (1 − r) · ½(1 + cos(π · (t − W) / (T − W))))``.
+    A function of the step alone, so a resumed run sets the same lr without saved state."""
+    o = cfg.optimizer
+    if step <= o.warmup_steps:
+        return cfg.lr * step / o.warmup_steps
+    if o.schedule == "constant":
+        return cfg.lr
+    progress = (step - o.warmup_steps) / (cfg.steps - o.warmup_steps)   # warmup < steps
+    r = o.min_lr_ratio
+    return cfg.lr * (r + (1 - r) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def params_sha256(model: torch.nn.Module) -> str:
+    """sha256 of the parameters' bytes in ``named_parameters`` order (to compare runs)."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _sum(ctl: Comm, values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    ctl.allreduce_(t)
+    return t.tolist()
+
+
+def nonfinite(loss: torch.Tensor, model: torch.nn.Module) -> str | None:
+    """What holds NaN/Inf on this rank (``"the loss"``, ``"the gradient of 'w'"``) or None."""
+    if not bool(torch.isfinite(loss.detach()).all()):
+        return "the loss"
+    for name, p in model.named_parameters():
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return f"the gradient of {name!r}"
+    return None
+
+
+@torch.no_grad()
+def evaluate(model, task: Task, batches: list, ctl: Comm) -> float:
+    """Mean loss of ``task`` on the held-out ``batches``, split across the ranks of ``ctl``
+    (NaN when there are none)."""
+    model.eval()
+    total = count = 0.0
+    for i, b in enumerate(batches):
+        if i % ctl.size == ctl.rank:
+            total += task.loss(model, b).item()
+            count += 1
+    model.train()
+    total, count = _sum(ctl, [total, count])
+    return total / count if count else float("nan")
+
+
+class StopFlag:
+    """SIGINT/SIGTERM set a flag (main thread only); the loop acts on it at a step boundary."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = 0
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum:             # a second signal: stop now, without the checkpoint
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        self.signum = signum
+        log.warning("%s: stopping after this step and writing a checkpoint (send it again to "
+                    "stop at once)", signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def _metrics_upto(src: Path, dst: Path, step: int) -> None:
+    """Carry the metric lines up to ``step`` from ``src`` into ``dst`` (dropping any the stopped
+    run wrote after its checkpoint)."""
+    lines = src.read_text().splitlines() if src.exists() else []
+    keep = [line for line in lines if json.loads(line)["step"] <= step]
+    dst.write_text("".join(line + "\n" for line in keep))
+
+
+def open_run(cfg, comm: Comm, out: str | Path | None):
+    """Apply ``cfg.comm`` to ``comm``; return the uncharged control communicator, the output
+    folder (rank 0 writes the resolved config there) and the checkpointer (None without a
+    folder)."""
+    comm.validate, comm.watchdog.timeout_s = cfg.comm.validate, cfg.comm.timeout_s
+    ctl = comm.dup(Ledger(), "control")
+    ctl.validate = False            # fixed shapes; keeps its non-blocking calls non-blocking
+    out = Path(out) if out else None
+    if out and comm.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    ck_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else (out / "checkpoints" if out else None)
+    return ctl, out, Checkpointer(ck_dir, ctl, cfg.checkpoint.keep) if ck_dir else None
+
+
+def snapshot(model, strategy, comm: Comm, loop: dict) -> dict:
+    """Everything one rank needs to continue exactly: model, strategy (optimizer, residuals,
+    outer state, versions), ledger counters, RNG states and the loop's own counters."""
+    return {"model": model.state_dict(), "strategy": strategy.state_dict(),
+            "ledger": comm.ledger.state_dict(), "rng": _rng_state(), "loop": loop}
+
+
+def restore(resume: str | Path, cfg, comm: Comm, ctl: Comm, model, strategy,
+            out: Path | None) -> tuple[int, dict]:
+    """Load the newest intact checkpoint of run `resume` (or of ``checkpoint.dir``) into
+    `model`, `strategy`, the ledger and the RNGs; copy the run's metrics up to that step into
+    `out`. Returns (step, loop state). Raises CheckpointError when none is intact."""
+    resume = Path(resume)
+    from_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else resume / "checkpoints"
+    state = Checkpointer(from_dir, ctl).load_latest(cfg.to_dict())
+    if state is None:
+        raise CheckpointError(f"no intact checkpoint in {from_dir} to resume from")
+    model.load_state_dict(state["model"])
+    strategy.load_state_dict(state["strategy"])
+    comm.ledger.load_state_dict(state["ledger"])
+    _set_rng_state(state["rng"])
+    if out and comm.rank == 0:
+        _metrics_upto(resume / "metrics.jsonl", out / "metrics.jsonl", state["step"])
+        log.info("resumed from %s at step %d", from_dir, state["step"])
+    return state["step"], state["loop"]
