@@ -265,6 +265,9 @@ def validate(cfg: Config) -> Config:
     if not cfg.task.name:
         raise ConfigError("task", "names no task (a file path.py or a module, e.g. "
                           f"{DEFAULT_TASK!r})")
+    if cfg.topology:   # level spec, e.g. "dc:2,rank:2" (lowcomm/topology.py); ConfigError names it
+        from .topology import Topology
+        Topology.parse(cfg.topology)
     if cfg.data.path and not Path(cfg.data.path).exists():
         raise ConfigError("data.path", f"{cfg.data.path!r} does not exist")
     return cfg

@@ -89,10 +89,7 @@ class Corpus:
         if root.is_file():
             if not stat.S_ISREG(root.stat().st_mode):
                 raise ValueError(f"{where} is not a regular file")
-            blob = _read_text(root, max_bytes, skipped)
-            if blob is None:
-                raise ValueError(f"{where} is not a text file (it holds a NUL byte)")
-            raw = np.frombuffer(blob, dtype=np.uint8)
+            raw = np.frombuffer(root.read_bytes()[:max_bytes], dtype=np.uint8)   # any bytes: asked for
             cut = int(len(raw) * (1 - eval_fraction))
             return cls(torch.from_numpy(raw[:cut].copy()), torch.from_numpy(raw[cut:].copy()), str(root), 1)
         train, held, total, files = [], [], 0, 0

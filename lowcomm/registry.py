@@ -117,6 +117,10 @@ def policy_levels(cfg, names) -> list[Level]:
     plan = []
     for lvl in names:
         m, opts = parse_spec(cfg.policy.get(lvl, "syncdp"), f"policy.{lvl}")
+        if not m.level:
+            levels = ", ".join(n for n, o in STRATEGIES.items() if o.level)
+            raise ConfigError(f"policy.{lvl}", f"{m.name} cannot be a level of a per-level policy; "
+                              f"levels take: {levels}")
         base = {k: v for k, v in cfg.strategy.items() if k in m.settings.fields()}
         s = settings(m, {**base, **opts}, f"policy.{lvl}.")
         if m.check is not None:
@@ -148,6 +152,9 @@ def check(cfg) -> None:
     m, s = strategy_settings(cfg)
     if m.check is not None:
         m.check(s, cfg, "strategy.")
+    own = m.settings.fields()        # keep what was given, as the settings typed it
+    cfg.strategy = {"name": m.name, **{k: getattr(s, k) if k in own else v
+                                       for k, v in cfg.strategy.items() if k != "name"}}
 
 
 def load_config(path=None, overrides=(), base: dict | None = None):

@@ -15,6 +15,15 @@ import torch
 
 from ..comm import Comm, init
 from ..compress.settings import CompressorSettings
+from ..errors import ConfigError
+
+
+def check_compressor_name(s, prefix: str, allow_empty: bool = False) -> None:
+    """``s.compressor`` names a registered compressor (``""`` too where ``allow_empty``)."""
+    from ..compress import COMPRESSORS
+    if not (allow_empty and s.compressor == "") and s.compressor not in COMPRESSORS:
+        raise ConfigError(prefix + "compressor", f"unknown compressor {s.compressor!r}; known: "
+                          f"{', '.join(COMPRESSORS)}")
 
 
 @dataclass
@@ -47,13 +56,15 @@ class Method:
 
     ``build(settings, model, optimizer, comm, ctx) -> Strategy``; ``check(settings, cfg,
     prefix)`` (optional) rejects combinations with the run's other keys before MPI starts,
-    naming the key; ``outer`` is True for outer loops (they may wrap a lower policy level)."""
+    naming the key; ``outer`` is True for outer loops (they may wrap a lower policy level);
+    ``level``: the method may be a level of a per-level policy."""
     name: str
     settings: type
     build: Callable
     summary: str
     check: Callable | None = None
     outer: bool = False
+    level: bool = False     # may be a level of a per-level policy (per-step or outer loop)
 
 
 def balance(sizes: list[int], bins: int) -> list[int]:

@@ -201,7 +201,8 @@ class StreamingDiLoCo(DiLoCo):
 
 
 METHOD = Method("diloco", DiLoCoSettings, build, "DiLoCo: H inner steps, then an outer "
-                "Nesterov step on the averaged pseudo-gradient", check=check_run, outer=True)
+                "Nesterov step on the averaged pseudo-gradient", check=check_run, outer=True,
+                level=True)
 STREAMING_METHOD = Method("streaming-diloco", StreamingDiLoCoSettings, build, "streaming DiLoCo: "
                           "DiLoCo over P staggered fragments, overlapped with τ inner steps",
-                          check=check_run, outer=True)
+                          check=check_run, outer=True, level=True)

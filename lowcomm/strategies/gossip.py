@@ -9,7 +9,7 @@ from ..collectives import broadcast_
 from ..comm import Comm
 from ..errors import ConfigError
 from ..settings import Settings
-from .base import Context, Method, Strategy
+from .base import Context, Method, Strategy, check_compressor_name
 from .graphs import GRAPHS, Graph, build_graph
 from .outer import Fragment
 
@@ -495,6 +495,7 @@ class GossipSettings(Settings):
         self.one_of(prefix, "gossip_mode", MODES)
         self.one_of(prefix, "gossip_order", ORDERS)
         self.within(prefix, "consensus_step", 0, 1, low_open=True)
+        check_compressor_name(self, prefix)
         if self.compressor != "none" and (self.gossip_mode != "dpsgd" or self.graph == "one-peer-exponential"):
             raise ConfigError(prefix + "compressor", "compressed (CHOCO) gossip needs gossip_mode = "
                               "\"dpsgd\" on a static graph")

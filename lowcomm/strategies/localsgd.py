@@ -77,4 +77,4 @@ class LocalSGD(OuterLoop):
 
 
 METHOD = Method("localsgd", LocalSGDSettings, build, "Local SGD: H local steps, then average "
-                "the parameters", check=check_run, outer=True)
+                "the parameters", check=check_run, outer=True, level=True)

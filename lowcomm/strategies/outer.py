@@ -16,7 +16,7 @@ from ..comm import Comm
 from ..compress.base import Compressor, Segment
 from ..errors import CommError, ConfigError
 from ..ledger import Ledger
-from .base import Context, Strategy, balance
+from .base import Context, Strategy, balance, check_compressor_name
 from .syncdp import SyncDPSettings
 
 log = logging.getLogger("lowcomm.strategies.outer")
@@ -395,6 +395,7 @@ class OuterSettings(SyncDPSettings):
         super().validate(prefix)
         self.at_least(prefix, "period", 1)
         self.at_least(prefix, "warmup_steps", 0)
+        check_compressor_name(self, prefix)
         if self.backend != "mpi":
             raise ConfigError(prefix + "backend", "outer loops send lowcomm's own messages; use "
                               "backend = \"mpi\"")

@@ -10,7 +10,7 @@ from ..comm import Comm
 from ..errors import ConfigError, LowcommError
 from ..reducer import Reducer
 from ..settings import Settings
-from .base import Context, Method, Strategy
+from .base import Context, Method, Strategy, check_compressor_name
 
 BACKENDS = ("mpi", "horovod")
 
@@ -30,6 +30,7 @@ class SyncDPSettings(Settings):
         self.one_of(prefix, "backend", BACKENDS)
         self.within(prefix, "bucket_mb", 0, float("inf"), low_open=True)
         self.at_least(prefix, "backward_passes_per_step", 1)
+        check_compressor_name(self, prefix, allow_empty=True)
         if self.backend == "horovod" and self.algorithm != "mpi":
             raise ConfigError(prefix + "algorithm", "Horovod chooses its own all-reduce; leave "
                               f"algorithm = \"mpi\" with backend = \"horovod\", got {self.algorithm!r}")
@@ -53,7 +54,7 @@ def build(s: SyncDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Stra
 
 
 METHOD = Method("syncdp", SyncDPSettings, build,
-                "synchronous data parallelism: gradients averaged every step")
+                "synchronous data parallelism: gradients averaged every step", level=True)
 
 
 class SyncDP(Strategy):
