@@ -4,6 +4,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -133,9 +134,11 @@ def elsewhere(tmp_path) -> str:
 def test_compare_runs_every_method_on_a_users_transformers_task(tmp_path):
     task = elsewhere(tmp_path)
     sets = [a for o in (f"task={task}", *TINY_HF) for a in ("--set", o)]
-    r = run_ranks(1, "lowcomm", "compare", "--np", "2", "--methods", "ddp,diloco,ef-sign,gossip,async-ps",
-                  "--steps", "6", "--out", tmp_path / "cmp", *sets, timeout=600)
-    assert r.returncode == 0, r.output
+    r = subprocess.run([sys.executable, "-m", "lowcomm.cli", "compare", "--np", "2", "--methods",
+                        "ddp,diloco,ef-sign,gossip,async-ps", "--steps", "6", "--out",
+                        str(tmp_path / "cmp"), *sets], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
     results = {x["method"]: x for x in json.loads((tmp_path / "cmp" / "results.json").read_text())}
     assert set(results) == {"ddp", "diloco", "ef-sign", "gossip", "async-ps"}, results
     for name, x in results.items():
