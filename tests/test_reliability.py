@@ -1,17 +1,20 @@
 """Fault injection under real mpirun: killed ranks, signals, corrupt checkpoints, NaN.
 
-Every strategy in ``STRATEGIES`` and every stateful compressor in ``COMPRESSORS`` joins the
-kill-and-resume test by being registered: a resumed run must end with the same
-``params_sha256`` (and the same logged losses and byte counts) as an uninterrupted one.
+Every strategy in ``STRATEGIES`` joins the kill-and-resume test by being registered, and so does
+one compressor of each kind of state (error-feedback residuals, a seeded generator, PowerSGD's
+warm start; the others keep the same kinds): a resumed run must end with the same
+``params_sha256`` (and the same logged losses and byte counts) as an uninterrupted one. The
+uninterrupted reference runs share one mpirun (tests/workers/train_many.py).
 """
 import json
 import random
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import WORKERS, run_ranks
+from conftest import WORKERS, run_ranks, run_worker
 from lowcomm.compress import COMPRESSORS, Compressor, build_compressor
 from lowcomm.config import CompressorConfig
 from lowcomm.config import OPTIMIZERS
@@ -24,20 +27,30 @@ SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=
 OUTER = ["strategy.period=4", "strategy.fragments=2", "strategy.delay=1"]
 
 
-def stateful(name: str) -> bool:
-    """A compressor with state to resume (error-feedback residuals, generators, warm starts);
-    stateless ones (casts, int8, sign) resume like SyncDP itself."""
+def state_kind(name: str) -> str | None:
+    """The kind of state a compressor resumes (None for stateless ones: casts, int8, sign,
+    which resume like SyncDP itself)."""
     c = build_compressor(CompressorConfig(name=name))
-    return type(c).state_dict is not Compressor.state_dict
+    if type(c).state_dict is Compressor.state_dict:
+        return None
+    return type(c).__name__ if type(c).__name__ == "PowerSGD" else \
+        "ErrorFeedback" if hasattr(c, "inner") else "seeded"
 
 
 def methods() -> dict[str, list[str]]:
-    m = {"syncdp": [], "syncdp-ring-sgd": ["strategy.algorithm=ring", "strategy.overlap=false",
-                                           "optimizer.name=sgd", "optimizer.momentum=0.9"],
+    m = {"syncdp-sgd": ["strategy.algorithm=ring", "strategy.overlap=false",
+                        "optimizer.name=sgd", "optimizer.momentum=0.9"],
          "horovod": ["strategy.backend=horovod"]}
-    m.update({name: [f"strategy.name={name}", *OUTER] for name in STRATEGIES if name != "syncdp"})
-    m.update({f"compressor-{name}": [f"compressor.name={name}", "compressor.start_iter=2"]
-              for name in COMPRESSORS if name != "none" and stateful(name)})
+    for name, method in STRATEGIES.items():   # each with the outer-loop keys it takes
+        if name != "syncdp":
+            m[name] = [f"strategy.name={name}", *[o for o in OUTER
+                                                  if o[9:o.index("=")] in method.settings.fields()]]
+    kinds = {}
+    for name in COMPRESSORS:          # one compressor per kind of state, in registry order
+        kind = state_kind(name) if name != "none" else None
+        if kind and kind not in kinds:
+            kinds[kind] = name
+            m[f"compressor-{name}"] = [f"compressor.name={name}", "compressor.start_iter=2"]
     if "onebit-adam" in OPTIMIZERS:
         m["onebit-adam"] = ["optimizer.name=onebit-adam", "optimizer.freeze_step=4"]
     if "async-ps" in STRATEGIES:   # checkpoints need its synchronous mode (1 server, 1 worker here)
@@ -70,12 +83,21 @@ def summary(out):
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> Path:
+    """Every method's uninterrupted run, all in one mpirun: ``<dir>/<method>``."""
+    root = tmp_path_factory.mktemp("references")
+    jobs = [{"out": str(root / name), "overrides": [*SMALL, *extra]}
+            for name, extra in methods().items()]
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    run_worker(NP, "train_many.py", str(root / "jobs.json"), timeout=600)
+    return root
+
+
 @pytest.mark.parametrize("method", list(methods()))
-def test_sigkill_then_resume_is_bit_identical(tmp_path, method):
+def test_sigkill_then_resume_is_bit_identical(tmp_path, method, references):
     extra = methods()[method]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    r = train(ref, *extra)
-    assert r.returncode == 0, r.output
+    ref, run = references / method, tmp_path / "run"
     step = random.SystemRandom().randint(EVERY + 1, STEPS)
     t0 = time.monotonic()
     r = train(run, *extra, fault=f"kill:1:{step}")
