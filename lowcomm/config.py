@@ -84,6 +84,7 @@ class CompressorConfig:
     min_compression_rate: float = 1.0   # PowerSGD: compress a matrix iff n·m > rate·r(n+m)
     bucket_size: int = 512         # QSGD: elements sharing one norm (the paper's bucket size d)
     seed: int = 0                  # qsgd / randomk / powersgd generators (saved in checkpoints)
+    collective: str = "auto"       # all-gathered methods: "auto" (α–β) | "allgather" | "two-phase"
 
 
 @dataclass
