@@ -64,3 +64,16 @@ def test_the_alpha_beta_rule():
     wan = (25e-3, 100e6 / 8)
     t = predicted_seconds(c, 1 << 16, torch.float32, 8, wan)     # 64 kB ≪ α·β = 312 kB
     assert t["allgather"] < t["two-phase"]
+
+
+def test_link_of_reads_the_topology_level():
+    from types import SimpleNamespace
+
+    from lowcomm.compress.twophase import link_of
+    from lowcomm.topology import Topology
+    topo = Topology.parse("dc:2@25ms/100mbit,rank:2")
+    wan = (25e-3, 100e6 / 8)
+    assert link_of(SimpleNamespace(topology=topo, level="dc")) == pytest.approx(wan)
+    assert link_of(SimpleNamespace(topology=topo, level="world")) == pytest.approx(wan)   # crosses dc
+    rank = topo.link("rank")
+    assert link_of(SimpleNamespace(topology=topo, level="rank")) == (rank.alpha_s, rank.bytes_per_s)
