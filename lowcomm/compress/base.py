@@ -22,8 +22,9 @@ not grow with K (:func:`~lowcomm.compress.twophase.two_phase_reduce`: compressed
 chunks, the owner reduces and re-compresses its chunk, all-gather); ``collective`` ("auto",
 "allgather", "two-phase") picks, "auto" by the α–β model. Its hooks: ``payload_nbytes`` /
 ``server_nbytes`` (bytes, for the model), ``compress_chunks`` (step 1), ``server_reduce`` (the
-owner's reduce and re-compression, with server error feedback kept in ``server_error`` for
-biased methods), ``server_template`` and ``server_decompress`` (decoding the owners' chunks).
+owner's reduce and re-compression, with server error feedback kept in ``server_error`` where
+the method has worker error feedback), ``server_template`` and ``server_decompress`` (decoding
+the owners' chunks).
 
 ``compress`` refuses NaN/Inf (a :class:`~lowcomm.errors.NonFiniteError` naming the parameters
 and the rank): nothing non-finite is ever encoded, whoever calls it.
@@ -109,7 +110,8 @@ class Compressor:
         rank: this rank in the communicator last used by :meth:`reduce` (None before; error
             messages fall back to the MPI world rank).
         two_phase: a non-summable method that can run the two-phase collective.
-        unbiased: ``E[D(C(x))] = x`` (QSGD): the two-phase owner keeps no server error.
+        unbiased: ``E[D(C(x))] = x`` (QSGD): the two-phase owner keeps no server error even
+            under error feedback (re-quantising with fresh randomness stays unbiased).
         collective: "auto" | "allgather" | "two-phase" (``compressor.collective``).
     """
 
@@ -190,16 +192,20 @@ class Compressor:
             out.append(self._compress(x[lo:hi], ck, whole(ck, x[lo:hi])) if hi > lo else ([], None))
         return out
 
-    def server_reduce(self, stacks: list[torch.Tensor], ctx, K: int, key: str):
+    def server_reduce(self, stacks: list[torch.Tensor], ctx, K: int, key: str,
+                      feedback: bool = False):
         """Step 3: the owner's chunk. ``stacks[i][k]`` is payload tensor i of rank k; returns the
-        re-compressed average ``(payload, ctx)``, with server error feedback unless ``unbiased``."""
+        re-compressed average ``(payload, ctx)``. With ``feedback`` (the
+        :class:`~lowcomm.compress.error_feedback.ErrorFeedback` wrapper asks for it, so a method
+        has error feedback at both ends or at neither) the owner's re-compression error is kept
+        per ``key`` in ``server_error`` and added back next time."""
         avg = self.decompress_mean(stacks, ctx, K)
-        if not self.unbiased:
+        if feedback:
             e = self.server_error.get(key)
             if e is not None and e.shape == avg.shape and e.dtype == avg.dtype:
                 avg = avg + e
         payload, ctx2 = self._compress(avg, key, whole(key, avg))
-        if not self.unbiased:
+        if feedback:
             self.server_error[key] = avg - self.decompress(payload, ctx2).to(avg.dtype)
         return payload, ctx2
 

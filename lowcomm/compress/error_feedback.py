@@ -18,8 +18,9 @@ class ErrorFeedback(Compressor):
     Residuals are kept per parameter name (``Segment.name``) and saved in ``state_dict()``.
     In the two-phase collective (:mod:`lowcomm.compress.twophase`) step 2 compresses p chunk by
     chunk and step 3 uses the chunks' decoded payloads: this is the *worker* error of 1-bit Adam
-    (Tang et al. 2021, arXiv 2102.02888); the owner's *server* error lives in the inner
-    compressor.
+    (Tang et al. 2021, arXiv 2102.02888), and the wrapper turns on the owner's *server* error
+    feedback too (kept in the inner compressor; not for unbiased ones): error feedback at both
+    ends, as 1-bit Adam's error-compensated compressed all-reduce.
 
     Args:
         inner: the compressor whose error is fed back (its ``summable`` and exchange are used).
@@ -94,8 +95,8 @@ class ErrorFeedback(Compressor):
     def server_nbytes(self, n, dtype, K):
         return self.inner.server_nbytes(n, dtype, K)
 
-    def server_reduce(self, stacks, ctx, K, key):
-        return self.inner.server_reduce(stacks, ctx, K, key)
+    def server_reduce(self, stacks, ctx, K, key, feedback=True):
+        return self.inner.server_reduce(stacks, ctx, K, key, feedback and not self.inner.unbiased)
 
     def server_template(self, payload, ctx, K):
         return self.inner.server_template(payload, ctx, K)

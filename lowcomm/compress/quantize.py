@@ -14,8 +14,9 @@ class Int8(Compressor):
       2. ``q = round(x / s)`` (round half to even) as int8, in [-127, 127];
       3. all-gather ``(q, s)``; the average is ``(1/K) Σ_k s_k q_k``.
     Bytes per rank and bucket: an all-gather of ``n + 4`` bytes; with the two-phase collective
-    (:func:`~lowcomm.compress.twophase.two_phase_reduce`, one scale per chunk, the owner's
-    rounding error fed back) ``(K−1)·2·(⌈n/K⌉ + 4)`` at most.
+    (:func:`~lowcomm.compress.twophase.two_phase_reduce`, one scale per chunk, the owner
+    re-quantises the chunk's average; its rounding error is fed back only under
+    ``error_feedback = true``) ``(K−1)·2·(⌈n/K⌉ + 4)`` at most.
 
     Example::
 

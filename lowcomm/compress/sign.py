@@ -28,7 +28,8 @@ class ScaledSign(Compressor):
 
     Two-phase (:func:`~lowcomm.compress.twophase.two_phase_reduce`, 1-bit Adam's compressed
     all-reduce, Tang et al. 2021, arXiv 2102.02888): one scale per chunk; the chunk's owner
-    re-compresses the average with its own (server) error fed back; each phase sends
+    re-compresses the average, for ef-sign with its own (server) error fed back as 1-bit Adam
+    does (plain sign has error feedback at neither end); each phase sends
     ``(K−1)·(⌈c/8⌉ + 4)`` bytes for chunks of c elements.
     """
 
@@ -85,7 +86,7 @@ class SignMajorityVote(Compressor):
     def server_nbytes(self, n, dtype, K):
         return packed_size(n) if K % 2 else trits_size(n)
 
-    def server_reduce(self, stacks, ctx, K, key):
+    def server_reduce(self, stacks, ctx, K, key, feedback=False):   # the vote is sent exactly
         n, dtype = ctx
         votes = torch.sign(unpack_signs(stacks[0], n, torch.int8).sum(0, dtype=torch.int32))
         if K % 2:

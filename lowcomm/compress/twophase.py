@@ -125,10 +125,12 @@ def two_phase_reduce(comp, x: torch.Tensor, key: str, comm, segments) -> torch.T
          ``max(1, ⌊ratio·|x_j|⌋)`` per chunk, so every block has a fixed size);
       2. all-to-all (``Comm.alltoallv``): rank r receives ``C(x_r)`` of every rank;
       3. the owner decodes and averages its chunk, ``a_r = (1/K) Σ_k D(C_k(x_r))`` (sign-mv:
-         ``a_r = sign(Σ_k sign_k)``, ties 0), and re-compresses it, ``C(a_r + e_r)`` with the
-         server error ``e_r ← a_r + e_r − D(C(a_r + e_r))`` kept per bucket key for biased
-         compressors (int8, top-k, sign, EF-sign; QSGD is unbiased and has none; the vote is
-         sent exactly: 1 bit on odd K, a base-3 digit (8/5 bits) where even K allows ties);
+         ``a_r = sign(Σ_k sign_k)``, ties 0), and re-compresses it: ``C(a_r)``, or, where the
+         method has worker error feedback (top-k, EF-sign, ``error_feedback = true``),
+         ``C(a_r + e_r)`` with the server error ``e_r ← a_r + e_r − D(C(a_r + e_r))`` kept per
+         bucket key (1-bit Adam's error feedback at both ends; QSGD, unbiased, needs none; the
+         vote is sent exactly: 1 bit on odd K, a base-3 digit (8/5 bits) where even K allows
+         ties);
       4. all-gather (``Comm.allgatherv``) the re-compressed chunks; every rank decodes all K and
          returns their concatenation, the same tensor on every rank.
     Bytes sent per rank: ``Σ_{j≠r} P(|x_j|) + (K−1)·S(|x_r|)``, exactly (the ledger's
