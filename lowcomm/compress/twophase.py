@@ -87,9 +87,9 @@ def choose(comp, n: int, dtype: torch.dtype, comm) -> str:
     return "two-phase" if t["two-phase"] < t["allgather"] else "allgather"
 
 
-def _bytes_of(payload: list[torch.Tensor]) -> torch.Tensor:
+def _bytes_of(payload: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not payload:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device=device)
     return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in payload])
 
 
@@ -155,7 +155,7 @@ def two_phase_reduce(comp, x: torch.Tensor, key: str, comm, segments) -> torch.T
     if K == 1:
         stacks = [t.unsqueeze(0) for t in mine]
     else:
-        recv = comm.alltoallv([_bytes_of(p) for p, _ in chunks], [_nbytes(templates[r])] * K)
+        recv = comm.alltoallv([_bytes_of(p, x.device) for p, _ in chunks], [_nbytes(templates[r])] * K)
         stacks = _unbytes(torch.cat(recv).view(K, -1), templates[r], (K,)) if mine else []
     if b[r + 1] > b[r]:
         reduced, _ = comp.server_reduce(stacks, ctx, K, key)
@@ -163,9 +163,9 @@ def two_phase_reduce(comp, x: torch.Tensor, key: str, comm, segments) -> torch.T
         reduced = []
     server = [comp.server_template(p, c, K) for p, c in chunks]
     if K == 1:
-        blocks = [_bytes_of(reduced)]
+        blocks = [_bytes_of(reduced, x.device)]
     else:
-        blocks = comm.allgatherv(_bytes_of(reduced), [_nbytes(t) for t in server])
+        blocks = comm.allgatherv(_bytes_of(reduced, x.device), [_nbytes(t) for t in server])
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     for j in range(K):
         if b[j + 1] > b[j]:
