@@ -15,7 +15,6 @@
 argv[2] == "bytes" runs sections 1 and 8 only (for K = 8 on a 2-core machine).
 """
 import json
-import math
 import sys
 
 import torch
