@@ -272,6 +272,53 @@ class Comm:
         out = torch.empty_like(t, memory_format=torch.contiguous_format)
         return self._exchange("alltoall", block, self.mpi.Alltoall, t, out)
 
+    def alltoallv(self, blocks: list[torch.Tensor], recv_nbytes: list[int]) -> list[torch.Tensor]:
+        """Vendor ``MPI_Alltoallv`` of byte blocks: ``blocks[j]`` (any dtype, sent as its raw
+        bytes) goes to rank ``j``; returns ``size`` uint8 tensors, block ``j`` from rank ``j``
+        holding ``recv_nbytes[j]`` bytes. The ledger (op ``alltoall.v``) is charged exactly the
+        bytes that leave and enter this rank (its own block stays)."""
+        K = self.size
+        if len(blocks) != K or len(recv_nbytes) != K:
+            raise CommError("alltoall.v", self.rank, f"needs {K} blocks and {K} receive sizes, got "
+                            f"{len(blocks)} and {len(recv_nbytes)}", None)
+        raw = [b.detach().contiguous().reshape(-1).view(torch.uint8) for b in blocks]
+        send = torch.cat(raw) if raw else torch.empty(0, dtype=torch.uint8)
+        out = torch.empty(sum(recv_nbytes), dtype=torch.uint8, device=send.device)
+        scounts = [b.numel() for b in raw]
+        sdispl = np.concatenate([[0], np.cumsum(scounts)[:-1]]).astype(np.int64).tolist()
+        rdispl = np.concatenate([[0], np.cumsum(recv_nbytes)[:-1]]).astype(np.int64).tolist()
+        sent = sum(c for j, c in enumerate(scounts) if j != self.rank)
+        recv = sum(c for j, c in enumerate(recv_nbytes) if j != self.rank)
+        MPI = mpi()
+        with self.staged(send, write=False) as h, self.staged(out, read=False) as o:
+            t0 = time.perf_counter()
+            self._guard("alltoall.v", sent, self.mpi.Alltoallv,
+                        [h.numpy(), (scounts, sdispl), MPI.BYTE],
+                        [o.numpy(), (list(recv_nbytes), rdispl), MPI.BYTE])
+            self.ledger.record("alltoall.v", self.level, sent, recv, time.perf_counter() - t0)
+        return list(out.split(list(recv_nbytes)))
+
+    def allgatherv(self, t: torch.Tensor, nbytes: list[int]) -> list[torch.Tensor]:
+        """Vendor ``MPI_Allgatherv`` of byte blocks of unequal sizes: rank ``j`` contributes
+        ``nbytes[j]`` bytes (this rank: ``t``'s raw bytes); returns ``size`` uint8 tensors. The
+        ledger (op ``allgather.v``) is charged ``(size-1)·nbytes[rank]`` sent, as for
+        :meth:`allgather`, and the others' bytes received."""
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if len(nbytes) != self.size or nbytes[self.rank] != raw.numel():
+            raise CommError("allgather.v", self.rank, f"nbytes {list(nbytes)} must list {self.size} "
+                            f"sizes, this rank's = {raw.numel()}", raw.numel())
+        out = torch.empty(sum(nbytes), dtype=torch.uint8, device=raw.device)
+        displ = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64).tolist()
+        sent = (self.size - 1) * raw.numel()
+        recv = sum(c for j, c in enumerate(nbytes) if j != self.rank)
+        MPI = mpi()
+        with self.staged(raw, write=False) as h, self.staged(out, read=False) as o:
+            t0 = time.perf_counter()
+            self._guard("allgather.v", sent, self.mpi.Allgatherv, [h.numpy(), MPI.BYTE],
+                        [o.numpy(), (list(nbytes), displ), MPI.BYTE])
+            self.ledger.record("allgather.v", self.level, sent, recv, time.perf_counter() - t0)
+        return list(out.split(list(nbytes)))
+
     def _exchange(self, op: str, n: int, call, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Vendor ``call(send, recv)`` from ``t`` into ``out`` (both staged), under the watchdog,
         charging the ledger ``op``'s wire bytes for ``n`` bytes per rank."""

@@ -21,6 +21,14 @@ sign-mv       majority vote of packed signs              all-gather of ⌈n/8⌉
 ef-sign       sign with error feedback                   all-gather of ⌈n/8⌉ + 4
 powersgd      rank-r power iteration, warm start, EF     all-reduces of 4(Σrn + dense), 4Σrm
 ============  =========================================  ====================================
+
+The all-gathers grow like K−1. ``compressor.collective`` ("auto" | "allgather" | "two-phase")
+lets every all-gathered method run the two-phase collective instead (all-to-all of compressed
+chunks, each owner reduces and re-compresses its chunk, all-gather of those: about
+2(K−1)/K × the payload, flat in K; :mod:`lowcomm.compress.twophase`), the default: bytes are
+what lowcomm's users pay for, and they stay flat in K; "auto" picks the variant with the smaller
+α–β time on the communicator's link (the all-gather where latency dominates: small buckets, few
+ranks, long links).
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ from .powersgd import PowerSGD
 from .quantize import QSGD, Int8
 from .sign import ScaledSign, SignMajorityVote
 from .sparsify import RandomK, TopK
+from .twophase import COLLECTIVES
 
 #: methods whose error feedback is on unless ``error_feedback = false``
 EF_DEFAULT = {"topk", "randomk", "ef-sign"}
@@ -54,6 +63,10 @@ def check(cfg, prefix: str = "compressor.") -> None:
     :func:`build_compressor` both use it)."""
     if cfg.name not in COMPRESSORS:
         raise ConfigError(prefix + "name", f"unknown compressor {cfg.name!r}; known: {', '.join(COMPRESSORS)}")
+    collective = getattr(cfg, "collective", "two-phase")
+    if collective not in COLLECTIVES:
+        raise ConfigError(prefix + "collective", f"unknown value {collective!r}; known: "
+                          f"{', '.join(COLLECTIVES)}")
     if cfg.name == "none" and cfg.error_feedback:
         raise ConfigError(prefix + "error_feedback", "needs a lossy compressor (compressor.name "
                           "is 'none')")
@@ -63,10 +76,12 @@ def check(cfg, prefix: str = "compressor.") -> None:
 
 
 def _method(make):
-    """A registry factory: check the config, build the bare operator."""
+    """A registry factory: check the config, build the bare operator (with its collective)."""
     def factory(cfg) -> Compressor:
         check(cfg)
-        return make(cfg)
+        comp = make(cfg)
+        comp.collective = getattr(cfg, "collective", "two-phase")
+        return comp
     return factory
 
 
@@ -95,7 +110,10 @@ def build_compressor(cfg) -> Compressor | None:
     if cfg.name == "none":
         return None
     comp = COMPRESSORS[cfg.name](cfg)
-    return ErrorFeedback(comp) if uses_error_feedback(cfg) else comp
+    if uses_error_feedback(cfg):
+        comp = ErrorFeedback(comp)
+        comp.collective = comp.inner.collective
+    return comp
 
 
 __all__ = ["COMPRESSORS", "Cast", "Compressor", "ErrorFeedback", "Int8", "PowerSGD", "QSGD",

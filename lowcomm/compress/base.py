@@ -17,6 +17,15 @@ Methods whose exchange is neither (majority vote) override ``exchange``; PowerSG
 all-reduces interleave with its computation, overrides ``reduce``. The split lets the
 :class:`~lowcomm.compress.error_feedback.ErrorFeedback` wrapper sit between the two halves.
 
+A non-summable method with ``two_phase = True`` has a second collective whose bytes per rank do
+not grow with K (:func:`~lowcomm.compress.twophase.two_phase_reduce`: compressed all-to-all of
+chunks, the owner reduces and re-compresses its chunk, all-gather); ``collective`` ("auto",
+"allgather", "two-phase") picks, "auto" by the α–β model. Its hooks: ``payload_nbytes`` /
+``server_nbytes`` (bytes, for the model), ``compress_chunks`` (step 1), ``server_reduce`` (the
+owner's reduce and re-compression, with server error feedback kept in ``server_error`` where
+the method has worker error feedback), ``server_template`` and ``server_decompress`` (decoding
+the owners' chunks).
+
 ``compress`` refuses NaN/Inf (a :class:`~lowcomm.errors.NonFiniteError` naming the parameters
 and the rank): nothing non-finite is ever encoded, whoever calls it.
 
@@ -100,14 +109,22 @@ class Compressor:
             summable, a dtype Horovod 0.28.1 reduces).
         rank: this rank in the communicator last used by :meth:`reduce` (None before; error
             messages fall back to the MPI world rank).
+        two_phase: a non-summable method that can run the two-phase collective.
+        unbiased: ``E[D(C(x))] = x`` (QSGD): the two-phase owner keeps no server error even
+            under error feedback (re-quantising with fresh randomness stays unbiased).
+        collective: "auto" | "allgather" | "two-phase" (``compressor.collective``).
     """
 
     name = "none"
     summable = True
     horovod = True
+    two_phase = False
+    unbiased = False
 
     def __init__(self) -> None:
         self.rank: int | None = None
+        self.collective = "two-phase"
+        self.server_error: dict[str, torch.Tensor] = {}
 
     # the two halves ---------------------------------------------------------------------------
     def compress(self, x: torch.Tensor, key: str, segments: list[Segment] | None = None):
@@ -143,17 +160,71 @@ class Compressor:
         return out.div_(K)
 
     def reduce(self, flat: torch.Tensor, key: str, comm: Comm, segments: list[Segment]) -> torch.Tensor:
-        """Return the average over ``comm`` of every rank's ``flat`` (same shape and dtype)."""
+        """Return the average over ``comm`` of every rank's ``flat`` (same shape and dtype), by
+        the all-gather exchange or the two-phase collective (``collective``, see
+        :func:`~lowcomm.compress.twophase.choose`)."""
+        from .twophase import choose, two_phase_reduce
         self.rank = comm.rank
+        if choose(self, flat.numel(), flat.dtype, comm) == "two-phase":
+            return two_phase_reduce(self, flat, key, comm, segments).view(flat.shape)
         payload, ctx = self.compress(flat, key, segments)
         return self.exchange(payload, ctx, comm, flat)
 
+    # the two-phase collective's hooks (lowcomm.compress.twophase) -------------------------------
+    def payload_nbytes(self, n: int, dtype: torch.dtype) -> int:
+        """Bytes of the payload of ``n`` elements of ``dtype`` (the α–β model's P(n))."""
+        return n * torch.empty(0, dtype=dtype).element_size()
+
+    def server_nbytes(self, n: int, dtype: torch.dtype, K: int) -> int:
+        """Bytes of the owner's re-compressed chunk of ``n`` elements on K ranks (S(n))."""
+        return self.payload_nbytes(n, dtype)
+
+    def compress_chunks(self, x: torch.Tensor, key: str, segments: list[Segment] | None,
+                        bounds: list[int]) -> list[tuple[list[torch.Tensor], object]]:
+        """Step 1 of the two-phase collective: ``(payload, ctx)`` of every chunk
+        ``x[bounds[j]:bounds[j+1]]``, each compressed on its own (an empty chunk: ``([], None)``).
+        Raises :class:`NonFiniteError` on NaN/Inf in ``x``."""
+        x = x.detach().reshape(-1)
+        check_finite(x, key, segments, self.rank, self.name)
+        out = []
+        for j, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            ck = f"{key}[{j}]"
+            out.append(self._compress(x[lo:hi], ck, whole(ck, x[lo:hi])) if hi > lo else ([], None))
+        return out
+
+    def server_reduce(self, stacks: list[torch.Tensor], ctx, K: int, key: str,
+                      feedback: bool = False):
+        """Step 3: the owner's chunk. ``stacks[i][k]`` is payload tensor i of rank k; returns the
+        re-compressed average ``(payload, ctx)``. With ``feedback`` (the
+        :class:`~lowcomm.compress.error_feedback.ErrorFeedback` wrapper asks for it, so a method
+        has error feedback at both ends or at neither) the owner's re-compression error is kept
+        per ``key`` in ``server_error`` and added back next time."""
+        avg = self.decompress_mean(stacks, ctx, K)
+        if feedback:
+            e = self.server_error.get(key)
+            if e is not None and e.shape == avg.shape and e.dtype == avg.dtype:
+                avg = avg + e
+        payload, ctx2 = self._compress(avg, key, whole(key, avg))
+        if feedback:
+            self.server_error[key] = avg - self.decompress(payload, ctx2).to(avg.dtype)
+        return payload, ctx2
+
+    def server_template(self, payload: list[torch.Tensor], ctx, K: int) -> list[tuple]:
+        """``(dtype, shape)`` of each tensor of an owner's re-compressed chunk whose worker
+        payload is ``payload`` (the same layout, unless a method says otherwise)."""
+        return [(t.dtype, tuple(t.shape)) for t in payload]
+
+    def server_decompress(self, payload: list[torch.Tensor], ctx, K: int) -> torch.Tensor:
+        """Step 4: decode an owner's re-compressed chunk."""
+        return self.decompress(payload, ctx)
+
     # state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {}
+        return {"server_error": {k: e.clone() for k, e in self.server_error.items()}} \
+            if self.server_error else {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        self.server_error = {k: e.clone() for k, e in state.get("server_error", {}).items()}
 
 
 class Seeded:

@@ -97,3 +97,34 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     bits = packed.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
     return bits.reshape(*packed.shape[:-1], -1)[..., :n]
+
+
+# ternary values {-1, 0, +1} as base-3 digits, 5 per byte (3^5 = 243 <= 256): 1.6 bits each --------
+_POW3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32)
+_TRIT_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def trits_size(n: int) -> int:
+    """Bytes that ``n`` ternary values take: ⌈n/5⌉."""
+    return (n + 4) // 5
+
+
+def pack_trits(v: torch.Tensor) -> torch.Tensor:
+    """``⌈n/5⌉`` uint8 holding ``v`` (values in {-1, 0, +1}, flattened): byte j is
+    ``Σ_i (v[5j+i] + 1)·3^i``, padding digits 1 (value 0)."""
+    v = v.detach().reshape(-1)
+    n = v.numel()
+    d = torch.ones(trits_size(n) * 5, dtype=torch.int32, device=v.device)
+    d[:n] = v.to(torch.int32) + 1
+    return (d.view(-1, 5) * _POW3.to(v.device)).sum(1).to(torch.uint8)
+
+
+def unpack_trits(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The first ``n`` values in {-1, 0, +1} that :func:`pack_trits` packed into ``packed``."""
+    key = (dtype, packed.device)
+    if key not in _TRIT_TABLES:
+        b = torch.arange(243, dtype=torch.int64).unsqueeze(1)
+        digits = (b // torch.tensor([1, 3, 9, 27, 81])) % 3 - 1
+        _TRIT_TABLES[key] = torch.cat([digits, torch.zeros(13, 5, dtype=torch.int64)]).to(
+            dtype=dtype, device=packed.device)
+    return _TRIT_TABLES[key].index_select(0, packed.reshape(-1).to(torch.int32)).reshape(-1)[:n]

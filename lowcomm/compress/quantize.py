@@ -13,14 +13,20 @@ class Int8(Compressor):
       1. ``s = max|x| / 127`` (``s = 0``: all zeros);
       2. ``q = round(x / s)`` (round half to even) as int8, in [-127, 127];
       3. all-gather ``(q, s)``; the average is ``(1/K) Σ_k s_k q_k``.
-    Bytes per rank and bucket: an all-gather of ``n + 4`` bytes.
+    Bytes per rank and bucket: an all-gather of ``n + 4`` bytes; with the two-phase collective
+    (:func:`~lowcomm.compress.twophase.two_phase_reduce`, one scale per chunk, the owner
+    re-quantises the chunk's average; its rounding error is fed back only under
+    ``error_feedback = true``) ``(K−1)·2·(⌈n/K⌉ + 4)`` at most.
 
     Example::
 
         payload, ctx = Int8().compress(x, "w")     # [int8 q, float32 s]
     """
 
-    name, summable, horovod = "int8", False, False
+    name, summable, horovod, two_phase = "int8", False, False, True
+
+    def payload_nbytes(self, n, dtype):
+        return n + 4
 
     def _compress(self, x, key, segments):
         scale = (x.abs().max().float() / 127).reshape(1)
@@ -52,6 +58,9 @@ class QSGD(Seeded, Compressor):
     The paper's Elias coding of the levels is replaced by fixed-width int8 (so ``levels`` ≤ 127).
     Bytes per rank and reducer bucket of n elements: an all-gather of
     ``n + 4·⌈n / bucket_size⌉`` bytes. ``u`` comes from this rank's generator (state saved).
+    Two-phase (:func:`~lowcomm.compress.twophase.two_phase_reduce`): every chunk quantised on its
+    own, the owner re-quantises its chunk's average with fresh u (unbiased again: no server
+    error), so each phase sends ``(K−1)·(c + 4⌈c/bucket_size⌉)`` for chunks of c elements.
 
     Args:
         levels: s ≥ 1 (≤ 127).
@@ -59,7 +68,7 @@ class QSGD(Seeded, Compressor):
         seed: generator seed (mixed with the rank).
     """
 
-    name, summable, horovod = "qsgd", False, False
+    name, summable, horovod, two_phase, unbiased = "qsgd", False, False, True, True
 
     def __init__(self, levels: int = 16, bucket_size: int = 512, seed: int = 0):
         super().__init__()
@@ -69,6 +78,9 @@ class QSGD(Seeded, Compressor):
             raise ValueError(f"QSGD bucket_size must be >= 1, got {bucket_size}")
         self.levels, self.bucket_size = int(levels), int(bucket_size)
         self._init_rng(seed)
+
+    def payload_nbytes(self, n, dtype):
+        return n + 4 * -(-n // self.bucket_size)
 
     def _compress(self, x, key, segments):
         n, bs, s = x.numel(), self.bucket_size, self.levels

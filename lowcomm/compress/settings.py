@@ -18,6 +18,7 @@ class CompressorSettings(Settings):
     min_compression_rate: float = 1.0   # PowerSGD: compress a matrix iff n·m > rate·r(n+m)
     bucket_size: int = 512         # QSGD: elements sharing one norm (the paper's bucket size d)
     seed: int = 0                  # qsgd / randomk / powersgd generators (saved in checkpoints)
+    collective: str = "two-phase"  # all-gathered methods: "two-phase" (flat in K) | "allgather" | "auto" (α–β)
 
     def validate(self, prefix: str = "compressor.") -> None:
         """Keys and combinations (whether approx_rank fits the model's matrices: at the first

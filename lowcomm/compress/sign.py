@@ -1,14 +1,16 @@
 """1-bit methods: scaled signSGD, signSGD with majority vote, error-feedback signSGD.
 
 Signs travel bit-packed (8 per byte, :mod:`lowcomm.compress.bits`); a sign bit set means
-negative, so ``+0.0`` is sent as +1.
+negative, so ``+0.0`` is sent as +1. sign-mv's vote is ternary (a tie is 0); where the
+two-phase collective broadcasts it and ties can happen (even K), it travels as base-3 digits,
+5 per byte.
 """
 from __future__ import annotations
 
 import torch
 
 from .base import Compressor, allgather_payload
-from .bits import pack_signs, unpack_signs
+from .bits import pack_signs, pack_trits, packed_size, trits_size, unpack_signs, unpack_trits
 
 
 class ScaledSign(Compressor):
@@ -23,9 +25,18 @@ class ScaledSign(Compressor):
     Without error feedback this is ``sign``; wrapped in
     :class:`~lowcomm.compress.error_feedback.ErrorFeedback` it is ``ef-sign`` (Karimireddy et
     al.'s EF-SignSGD). Bytes per rank and bucket: an all-gather of ``⌈n/8⌉ + 4`` bytes.
+
+    Two-phase (:func:`~lowcomm.compress.twophase.two_phase_reduce`, 1-bit Adam's compressed
+    all-reduce, Tang et al. 2021, arXiv 2102.02888): one scale per chunk; the chunk's owner
+    re-compresses the average, for ef-sign with its own (server) error fed back as 1-bit Adam
+    does (plain sign has error feedback at neither end); each phase sends
+    ``(K−1)·(⌈c/8⌉ + 4)`` bytes for chunks of c elements.
     """
 
-    name, summable, horovod = "sign", False, False
+    name, summable, horovod, two_phase = "sign", False, False, True
+
+    def payload_nbytes(self, n, dtype):
+        return packed_size(n) + 4
 
     def __init__(self, name: str = "sign"):
         super().__init__()
@@ -59,9 +70,39 @@ class SignMajorityVote(Compressor):
     The result has unit magnitude: the learning rate of the wrapped optimizer sets the step
     (Signum: give that optimizer momentum, or apply the vote to momenta yourself).
     Bytes per rank and bucket: an all-gather of ``⌈n/8⌉`` bytes.
+
+    Two-phase (:func:`~lowcomm.compress.twophase.two_phase_reduce`; the paper's parameter
+    server, sharded over the ranks): rank j receives the packed signs of chunk j from every
+    rank, takes the vote on it, and all-gathers the voted chunk: 1 bit per element on odd K
+    (no ties), base-3 digits (⌈c/5⌉ bytes, ties kept as 0) on even K. The result equals the
+    all-gather path's bit for bit. Bytes per rank: ``(K−1)·(⌈c/8⌉ + ⌈c/8⌉ or ⌈c/5⌉)``.
     """
 
-    name, summable, horovod = "sign-mv", False, False
+    name, summable, horovod, two_phase = "sign-mv", False, False, True
+
+    def payload_nbytes(self, n, dtype):
+        return packed_size(n)
+
+    def server_nbytes(self, n, dtype, K):
+        return packed_size(n) if K % 2 else trits_size(n)
+
+    def server_reduce(self, stacks, ctx, K, key, feedback=False):   # the vote is sent exactly
+        n, dtype = ctx
+        votes = torch.sign(unpack_signs(stacks[0], n, torch.int8).sum(0, dtype=torch.int32))
+        if K % 2:
+            return [pack_signs(votes.to(torch.float32))], ctx
+        return [pack_trits(votes)], ctx
+
+    def server_template(self, payload, ctx, K):
+        if not payload or K % 2:
+            return super().server_template(payload, ctx, K)
+        return [(torch.uint8, (trits_size(ctx[0]),))]
+
+    def server_decompress(self, payload, ctx, K):
+        n, dtype = ctx
+        if K % 2:
+            return unpack_signs(payload[0], n, dtype)
+        return unpack_trits(payload[0], n, dtype)
 
     def _compress(self, x, key, segments):
         return [pack_signs(x)], (x.numel(), x.dtype)

@@ -31,15 +31,28 @@ class TopK(Compressor):
     optimizer applies momentum to the averaged gradient).
     Bytes per rank and bucket: an all-gather of ``k · (value bytes + 4)``.
 
+    Two-phase (:func:`~lowcomm.compress.twophase.two_phase_reduce`), bytes ≈ 2·(K−1)/K·k·(value
+    bytes + 4) per rank, flat in K:
+      1. each rank keeps the ``k_j = max(1, ⌊ratio·|x_j|⌋)`` largest of every chunk j (chunk-
+         balanced selection, so every block has a fixed size, as Ok-Topk balances its
+         partitions: Li & Hoefler 2022, arXiv 2201.07598) and sends chunk j to rank j;
+      2. the owner sums the K sparse chunks (at most K·k_j non-zeros), adds its server residual,
+         and re-sparsifies the result to its k_j largest (gTop-k's re-selection of the summed
+         top-k, Shi et al. 2019, arXiv 1901.04359); what it drops is its server residual;
+      3. all-gather of the owners' (values, indices).
+
     Args:
         ratio: share of elements kept, in (0, 1].
     """
 
-    name, summable, horovod = "topk", False, False
+    name, summable, horovod, two_phase = "topk", False, False, True
 
     def __init__(self, ratio: float = 0.01):
         super().__init__()
         self.ratio = _check_ratio(ratio)
+
+    def payload_nbytes(self, n, dtype):
+        return kept(n, self.ratio) * (torch.empty(0, dtype=dtype).element_size() + 4)
 
     def _compress(self, x, key, segments):
         k = kept(x.numel(), self.ratio)

@@ -12,9 +12,13 @@
   compressed all-reduce matches its definition, its running average converges (both error
   feedbacks), ranks agree, bytes match;
 * state_dict round trip: a restored SyncDP+compressor / OneBitAdam continues bit-identically.
+
+argv[1]: the compressors' collective, "allgather" (default) or "two-phase"; the sections that
+do not depend on it (PowerSGD, 1-bit Adam) run with "allgather" only.
 """
 import copy
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +31,7 @@ from lowcomm.config import CompressorConfig
 from lowcomm.ledger import Ledger, wire_bytes
 from lowcomm.strategies.onebit_adam import OneBitAdam
 
+COLLECTIVE = sys.argv[1] if len(sys.argv) > 1 else "allgather"
 comm = lowcomm.init()
 K, r = comm.size, comm.rank
 ok = Checks(r)
@@ -75,30 +80,43 @@ def allreduce(nbytes):
     return wire_bytes("allreduce", nbytes, K)[0]
 
 
-def allgather(nbytes):
-    return (K - 1) * nbytes
+def chunks(n):
+    q, rem = divmod(n, K)
+    return [q + (j < rem) for j in range(K)]
+
+
+def allgather(nbytes, per=None, server=None):
+    """All-gather of ``nbytes``; with the two-phase collective ``per(m)`` is the payload of a
+    chunk of m elements and ``server(m)`` the owner's re-compressed one (default ``per``)."""
+    if COLLECTIVE == "allgather" or per is None:
+        return (K - 1) * nbytes
+    c = chunks(NOW)
+    server = server or per
+    return sum(per(c[j]) for j in range(K) if j != r and c[j]) + ((K - 1) * server(c[r]) if c[r] else 0)
 
 
 def bucket_bytes(name, shapes):
     """Analytic bytes sent per rank for one bucket holding ``shapes`` (in bucket order)."""
-    n = sum(math.prod(s) for s in shapes)
+    global NOW
+    n = NOW = sum(math.prod(s) for s in shapes)
     k = max(1, int(RATIO * n))
     if name == "none":
         return allreduce(4 * n)
     if name in ("fp16", "bf16"):
         return allreduce(2 * n)
     if name == "int8":
-        return allgather(n + 4)
+        return allgather(n + 4, lambda m: m + 4)
     if name == "qsgd":
-        return allgather(n + 4 * -(-n // QBUCKET))
+        return allgather(n + 4 * -(-n // QBUCKET), lambda m: m + 4 * -(-m // QBUCKET))
     if name == "topk":
-        return allgather(k * (4 + 4))
+        return allgather(k * (4 + 4), lambda m: max(1, int(RATIO * m)) * 8)
     if name == "randomk":
         return allreduce(4 * k)
     if name in ("sign", "ef-sign"):
-        return allgather(-(-n // 8) + 4)
-    if name == "sign-mv":
-        return allgather(-(-n // 8))
+        return allgather(-(-n // 8) + 4, lambda m: -(-m // 8) + 4)
+    if name == "sign-mv":     # the vote: 1 bit on odd K, a base-3 digit (5 per byte) on even K
+        return allgather(-(-n // 8), lambda m: -(-m // 8),
+                         (lambda m: -(-m // 8)) if K % 2 else (lambda m: -(-m // 5)))
     if name == "powersgd":
         p = q = 0
         for s in shapes:
@@ -118,7 +136,7 @@ def sent(ledger):
 def syncdp(name, bucket_mb, lr=0.05, **extra):
     model = make()
     cfg = CompressorConfig(name=name, ratio=RATIO, levels=LEVELS, bucket_size=QBUCKET,
-                           approx_rank=RANK, start_iter=0, **extra)
+                           approx_rank=RANK, start_iter=0, collective=COLLECTIVE, **extra)
     run = comm.dup(Ledger())
     opt = lowcomm.SyncDP(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), run,
                          bucket_mb=bucket_mb, compressor=build_compressor(cfg))
@@ -166,6 +184,7 @@ for name in COMPRESSORS:
 x = torch.randn(101, generator=torch.Generator().manual_seed(7 + r))
 x[::10] = 0.0
 mv = SignMajorityVote()
+mv.collective = COLLECTIVE
 vote = mv.reduce(x.clone(), "v", comm, [])
 signs = torch.where(torch.signbit(ctl.allgather(x)), -1.0, 1.0)
 ok(torch.equal(vote, torch.sign(signs.sum(0))), "sign-mv == sign(Σ_k sign(x_k))")
@@ -188,6 +207,7 @@ if K == 3:
     with torch.no_grad():
         w.weight.zero_()
     comp = Flipped() if r == 2 else SignMajorityVote()
+    comp.collective = COLLECTIVE
     opt = lowcomm.SyncDP(w, torch.optim.SGD(w.parameters(), lr=0.01), comm, compressor=comp)
 
     @torch.no_grad()
@@ -204,117 +224,118 @@ if K == 3:
     ok(objective() < 0.1 * f0, f"sign-mv with one flipping rank: {f0:.3f} -> {objective():.3f}")
     ok(agree(w.weight), "sign-mv: ranks agree")
 
-# 4. PowerSGD full rank == dense ----------------------------------------------------------------
-segs, off = [], 0
-for name, shape in (("w1", (5, 9)), ("w2", (5, 5)), ("b", (7,)), ("w3", (5, 3, 2))):
-    n = math.prod(shape)
-    segs.append(Segment(name, torch.Size(shape), off, off + n))
-    off += n
-ps = PowerSGD(approx_rank=5, start_iter=1, min_compression_rate=0.0)
-ok(len(ps.plan(segs)[0]) == 3, "every matrix compressed")
-for step in range(4):
-    g = torch.randn(off, generator=torch.Generator().manual_seed(50 * step + r), dtype=torch.float64)
-    dense = ctl.allgather(g).mean(0)
-    approx = ps.reduce(g.clone(), "bucket0", comm, segs)
-    ok(torch.allclose(approx, dense, rtol=0, atol=1e-10),
-       f"PowerSGD full rank step {step}: {float((approx - dense).abs().max()):.3g}")
-try:
-    PowerSGD(approx_rank=6).reduce(g.clone(), "x", comm, segs)
-    ok(False, "approx_rank 6 > 5 accepted")
-except ValueError as e:
-    ok("'w1'" in str(e) and "5×9" in str(e), str(e))
+if COLLECTIVE == "allgather":     # sections 4 and 5 do not use a compressor's collective
+    # 4. PowerSGD full rank == dense ----------------------------------------------------------------
+    segs, off = [], 0
+    for name, shape in (("w1", (5, 9)), ("w2", (5, 5)), ("b", (7,)), ("w3", (5, 3, 2))):
+        n = math.prod(shape)
+        segs.append(Segment(name, torch.Size(shape), off, off + n))
+        off += n
+    ps = PowerSGD(approx_rank=5, start_iter=1, min_compression_rate=0.0)
+    ok(len(ps.plan(segs)[0]) == 3, "every matrix compressed")
+    for step in range(4):
+        g = torch.randn(off, generator=torch.Generator().manual_seed(50 * step + r), dtype=torch.float64)
+        dense = ctl.allgather(g).mean(0)
+        approx = ps.reduce(g.clone(), "bucket0", comm, segs)
+        ok(torch.allclose(approx, dense, rtol=0, atol=1e-10),
+           f"PowerSGD full rank step {step}: {float((approx - dense).abs().max()):.3g}")
+    try:
+        PowerSGD(approx_rank=6).reduce(g.clone(), "x", comm, segs)
+        ok(False, "approx_rank 6 > 5 accepted")
+    except ValueError as e:
+        ok("'w1'" in str(e) and "5×9" in str(e), str(e))
 
-# 5. 1-bit Adam ---------------------------------------------------------------------------------
-FREEZE, LR = 4, 0.01
+    # 5. 1-bit Adam ---------------------------------------------------------------------------------
+    FREEZE, LR = 4, 0.01
 
 
-def onebit(steps, model=None, opt=None, first=0):
-    if model is None:
+    def onebit(steps, model=None, opt=None, first=0):
+        if model is None:
+            model = make()
+            opt = OneBitAdam(model, torch.optim.Adam(model.parameters(), lr=LR, weight_decay=0.01),
+                             comm.dup(Ledger()), freeze_step=FREEZE)
+        train(model, opt, steps, first)
+        return model, opt
+
+
+    def reference_adam(steps):
+        """torch Adam on the average of the K ranks' gradients (summed in rank order)."""
         model = make()
-        opt = OneBitAdam(model, torch.optim.Adam(model.parameters(), lr=LR, weight_decay=0.01),
-                         comm.dup(Ledger()), freeze_step=FREEZE)
-    train(model, opt, steps, first)
-    return model, opt
+        adam = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=0.01)
+        for step in range(steps):
+            grads = []
+            for k in range(K):
+                model.zero_grad()
+                x, y = batch(step, k)
+                F.cross_entropy(model(x), y).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for i, p in enumerate(model.parameters()):
+                total = grads[0][i].clone()
+                for k in range(1, K):
+                    total += grads[k][i]
+                p.grad = total / K
+            adam.step()
+        return model
 
 
-def reference_adam(steps):
-    """torch Adam on the average of the K ranks' gradients (summed in rank order)."""
+    model, opt = onebit(FREEZE)
+    ref = reference_adam(FREEZE)
+    same = [torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters())]
+    if K == 2:   # a sum of two is the same in any order: bit for bit
+        ok(all(same), "1-bit Adam warm-up == torch Adam bit for bit")
+    else:
+        ok(all(torch.allclose(p, q, rtol=0, atol=1e-7) for p, q in zip(model.parameters(), ref.parameters())),
+           "1-bit Adam warm-up == torch Adam")
+    d = sum(p.numel() for p in model.parameters())
+    ok(opt._comm.ledger.get("allreduce.mpi").bytes_sent == FREEZE * allreduce(4 * d), "warm-up bytes")
+    ledger = opt._comm.ledger
+    b0 = sent(ledger)
+    onebit(1, model, opt, FREEZE)
+    D = -(-d // (8 * K)) * 8 * K
+    ok(sent(ledger) - b0 == 2 * (K - 1) * (D // (8 * K) + 4),
+       f"compressed step bytes {sent(ledger) - b0}, analytic {2 * (K - 1) * (D // (8 * K) + 4)}")
+    start = full_loss(model)
+    onebit(40, model, opt, FREEZE + 1)
+    ok(full_loss(model) < 0.8 * start, f"1-bit Adam: loss {start:.3f} -> {full_loss(model):.3f}")
+    ok(all(agree(p) for p in model.parameters()), "1-bit Adam: parameters agree across ranks")
+
+    # the compressed all-reduce against its definition (first call: zero errors)
     model = make()
-    adam = torch.optim.Adam(model.parameters(), lr=LR, weight_decay=0.01)
-    for step in range(steps):
-        grads = []
-        for k in range(K):
-            model.zero_grad()
-            x, y = batch(step, k)
-            F.cross_entropy(model(x), y).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for i, p in enumerate(model.parameters()):
-            total = grads[0][i].clone()
-            for k in range(1, K):
-                total += grads[k][i]
-            p.grad = total / K
-        adam.step()
-    return model
+    ob = OneBitAdam(model, torch.optim.Adam(model.parameters()), comm.dup(Ledger()), freeze_step=1)
+    u = torch.zeros(ob.D)
+    u[:d] = torch.randn(d, generator=torch.Generator().manual_seed(9 + r))
+    U = ctl.allgather(u)                                      # (K, D)
 
 
-model, opt = onebit(FREEZE)
-ref = reference_adam(FREEZE)
-same = [torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters())]
-if K == 2:   # a sum of two is the same in any order: bit for bit
-    ok(all(same), "1-bit Adam warm-up == torch Adam bit for bit")
-else:
-    ok(all(torch.allclose(p, q, rtol=0, atol=1e-7) for p, q in zip(model.parameters(), ref.parameters())),
-       "1-bit Adam warm-up == torch Adam")
-d = sum(p.numel() for p in model.parameters())
-ok(opt._comm.ledger.get("allreduce.mpi").bytes_sent == FREEZE * allreduce(4 * d), "warm-up bytes")
-ledger = opt._comm.ledger
-b0 = sent(ledger)
-onebit(1, model, opt, FREEZE)
-D = -(-d // (8 * K)) * 8 * K
-ok(sent(ledger) - b0 == 2 * (K - 1) * (D // (8 * K) + 4),
-   f"compressed step bytes {sent(ledger) - b0}, analytic {2 * (K - 1) * (D // (8 * K) + 4)}")
-start = full_loss(model)
-onebit(40, model, opt, FREEZE + 1)
-ok(full_loss(model) < 0.8 * start, f"1-bit Adam: loss {start:.3f} -> {full_loss(model):.3f}")
-ok(all(agree(p) for p in model.parameters()), "1-bit Adam: parameters agree across ranks")
-
-# the compressed all-reduce against its definition (first call: zero errors)
-model = make()
-ob = OneBitAdam(model, torch.optim.Adam(model.parameters()), comm.dup(Ledger()), freeze_step=1)
-u = torch.zeros(ob.D)
-u[:d] = torch.randn(d, generator=torch.Generator().manual_seed(9 + r))
-U = ctl.allgather(u)                                      # (K, D)
+    def C(v, n):      # (‖v‖₂/√n) sign(v), sign(+0) = +1
+        return torch.linalg.vector_norm(v) / math.sqrt(n) * torch.where(torch.signbit(v), -1.0, 1.0)
 
 
-def C(v, n):      # (‖v‖₂/√n) sign(v), sign(+0) = +1
-    return torch.linalg.vector_norm(v) / math.sqrt(n) * torch.where(torch.signbit(v), -1.0, 1.0)
-
-
-worker = torch.stack([C(U[k], d) for k in range(K)])
-c = ob.chunk
-expect = torch.zeros(ob.D)
-for j in range(K):
-    real = max(0, min(c, d - j * c))
-    w = worker[:, j * c:(j + 1) * c].mean(0)
-    if real:
-        expect[j * c:j * c + real] = C(w[:real], real)
-m = ob.compressed_allreduce(u.clone())
-ok(torch.allclose(m[:d], expect[:d], rtol=1e-5, atol=1e-6), "compressed all-reduce == definition")
-ok(agree(m), "compressed all-reduce: ranks agree")
-# a constant input: the running mean of the error-compensated outputs converges to the average
-acc = m.clone()
-T = 60
-for _ in range(T - 1):
-    acc += ob.compressed_allreduce(u.clone())
-mean_u = U.mean(0)
-err = float(torch.linalg.vector_norm(acc[:d] / T - mean_u[:d]) / torch.linalg.vector_norm(mean_u[:d]))
-ok(err < 0.1, f"error feedback: running mean off by {err:.3f}")
-one = float(torch.linalg.vector_norm(m[:d] - mean_u[:d]) / torch.linalg.vector_norm(mean_u[:d]))
-ok(err < 0.2 * one, f"error feedback must shrink the error: {one:.3f} -> {err:.3f}")
-ob.close()
+    worker = torch.stack([C(U[k], d) for k in range(K)])
+    c = ob.chunk
+    expect = torch.zeros(ob.D)
+    for j in range(K):
+        real = max(0, min(c, d - j * c))
+        w = worker[:, j * c:(j + 1) * c].mean(0)
+        if real:
+            expect[j * c:j * c + real] = C(w[:real], real)
+    m = ob.compressed_allreduce(u.clone())
+    ok(torch.allclose(m[:d], expect[:d], rtol=1e-5, atol=1e-6), "compressed all-reduce == definition")
+    ok(agree(m), "compressed all-reduce: ranks agree")
+    # a constant input: the running mean of the error-compensated outputs converges to the average
+    acc = m.clone()
+    T = 60
+    for _ in range(T - 1):
+        acc += ob.compressed_allreduce(u.clone())
+    mean_u = U.mean(0)
+    err = float(torch.linalg.vector_norm(acc[:d] / T - mean_u[:d]) / torch.linalg.vector_norm(mean_u[:d]))
+    ok(err < 0.1, f"error feedback: running mean off by {err:.3f}")
+    one = float(torch.linalg.vector_norm(m[:d] - mean_u[:d]) / torch.linalg.vector_norm(mean_u[:d]))
+    ok(err < 0.2 * one, f"error feedback must shrink the error: {one:.3f} -> {err:.3f}")
+    ob.close()
 
 # 6. state_dict round trip: continue bit-identically ------------------------------------------
-for name in [n for n in COMPRESSORS if n != "none"] + ["onebit-adam"]:
+for name in [n for n in COMPRESSORS if n != "none"] + (["onebit-adam"] if COLLECTIVE == "allgather" else []):
     if name == "onebit-adam":
         model, opt = onebit(FREEZE + 2)
     else:

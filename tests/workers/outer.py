@@ -202,6 +202,18 @@ if SECTION == "equivalence":
         ok(all(bool(torch.isfinite(p).all()) for p in st.outer_params), f"{cname}: finite")
         ok("compressor" in state, f"{cname}: compressor state saved")
 
+    # the two-phase compressed all-reduce serves the pseudo-gradient too: the bytes of every
+    # fragment's sync are its analytic volume (int8: chunks of c_j elements + one scale each)
+    comp = build_compressor(CompressorConfig(name="int8", collective="two-phase"))
+    _, st = train(StreamingDiLoCo, 12, period=6, fragments=3, delay=2, compressor=comp)
+    st.close()
+    for _, f, b in st.syncs:
+        q, rem = divmod(st.fragments[f].numel, K)
+        c = [q + (j < rem) for j in range(K)]
+        want = sum(c[j] + 4 for j in range(K) if j != comm.rank) + (K - 1) * (c[comm.rank] + 4)
+        ok(b == want, f"int8 two-phase fragment {f}: {b} bytes, analytic {want}")
+    ok(all(agree(p.detach()) for p in st.outer_params), "int8 two-phase: outer parameters agree")
+
     # ledger: a DiLoCo sync is one dense all-reduce of the parameters; fragments split it
     n_bytes = 4 * sum(p.numel() for p in make().parameters())
     _, st = train(DiLoCo, 6, period=3)
