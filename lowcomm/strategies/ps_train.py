@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from ..comm import Comm, init, mpi
+from .. import runtime as T
+from ..comm import Comm, init
 from ..errors import LowcommError, NonFiniteError
-from ..ledger import Ledger
 from .async_ps import PUSH, AsyncPS, ServerLost, WorkersLost, recovery_enabled
 
 log = logging.getLogger("lowcomm.train")
@@ -67,19 +67,19 @@ def _recv_from(ctl: Comm, src: int, timeout_s: float, what: str):
     """Receive a pickled end-of-run report from ``src`` on the control channel, or raise naming
     ``src``."""
     t0 = time.monotonic()
-    while not ctl.mpi.Iprobe(src, TAG_STATS):
+    while ctl.iprobe(src, TAG_STATS) is None:
         if time.monotonic() - t0 > timeout_s:
             raise ServerLost(f"rank {ctl.rank}: rank {src} ({what}) sent no end-of-run report "
                              f"for {timeout_s:g} s; it is gone, ending the job")
         time.sleep(0.001)
-    return ctl.mpi.recv(source=src, tag=TAG_STATS)
+    return ctl.recv_object(src, TAG_STATS)
 
 
 def _report_to_rank0(ctl: Comm, report: dict, timeout_s: float) -> None:
     """Send ``report`` to rank 0 synchronously (so that this process may end at once after)."""
-    req = ctl.mpi.issend(report, dest=0, tag=TAG_STATS)
+    req = ctl.issend_object(report, 0, TAG_STATS)
     t0 = time.monotonic()
-    while not req.Test():
+    while not req.test():
         if time.monotonic() - t0 > timeout_s:
             raise ServerLost(f"rank {ctl.rank}: parameter server 0 (rank 0) took no end-of-run "
                              f"report for {timeout_s:g} s; it is gone, ending the job")
@@ -103,18 +103,21 @@ def _skip_mpi_finalize(code: int) -> None:
 
 
 def train_async_ps(cfg, out: str | Path | None = None, comm: Comm | None = None,
-                   progress: bool = True, resume: str | Path | None = None) -> dict:
+                   progress: bool = True, resume: str | Path | None = None, *,
+                   build_model=None) -> dict:
     """Train ``cfg`` with the asynchronous parameter server; rank 0 returns (and writes) the
     summary, other ranks their own counters. Raises :class:`WorkersLost` (exit status 4) on rank
-    0, after writing the summary, when workers were lost."""
-    from .. import train as T       # late: lowcomm.train imports the strategies
+    0, after writing the summary, when workers were lost.
+
+    ``build_model(cfg)``: the model factory (default :func:`lowcomm.runtime.build_model`;
+    :func:`lowcomm.train.train` passes its own, so that both loops build models alike)."""
     comm = comm or init()
     ctl, out, ckpt = T.open_run(cfg, comm, out)
     rank, K, s = comm.rank, comm.size, cfg.strategy
 
     torch.manual_seed(cfg.seed)
     corpus = T.Corpus.load(cfg.data.path, cfg.data.max_bytes, cfg.data.eval_fraction)
-    model = T.build_model(cfg)
+    model = (build_model or T.build_model)(cfg)
     ps = AsyncPS.from_config(cfg, model, T.build_optimizer(cfg, model.parameters()), comm)
     n_params = sum(p.numel() for p in model.parameters())
     S, W, B = ps.servers, ps.workers, cfg.batch_size
@@ -147,7 +150,7 @@ def train_async_ps(cfg, out: str | Path | None = None, comm: Comm | None = None,
             from tqdm import tqdm
             bar = tqdm(total=cfg.steps, initial=first - 1, desc=cfg.method, unit="step",
                        dynamic_ncols=True, mininterval=1.0)
-        self_comm = Comm(mpi().COMM_SELF, Ledger(), "control", False, comm.watchdog)
+        self_comm = Comm.self_comm(comm.watchdog)
         rounds = [first - 1]
 
         def line(step: int) -> None:
@@ -201,12 +204,10 @@ def train_async_ps(cfg, out: str | Path | None = None, comm: Comm | None = None,
                          if rank == 0 else {})
 
         early: dict[int, dict] = {}   # end-of-run reports that arrive while rank 0 still serves
-        status = mpi().Status()
 
         def on_idle() -> None:
-            while ctl.mpi.Iprobe(mpi().ANY_SOURCE, TAG_STATS, status):
-                src = status.Get_source()
-                early[src] = ctl.mpi.recv(source=src, tag=TAG_STATS)
+            while (msg := ctl.iprobe(Comm.ANY_SOURCE, TAG_STATS)) is not None:
+                early[msg[0]] = ctl.recv_object(msg[0], TAG_STATS)
 
         try:
             ps.serve(on_update, on_idle if rank == 0 else None)
@@ -230,7 +231,7 @@ def train_async_ps(cfg, out: str | Path | None = None, comm: Comm | None = None,
         limit = s.server_timeout_s + s.worker_timeout_s + 30
         for r in range(1, S):
             rep = early.pop(r) if r in early else _recv_from(ctl, r, limit, f"parameter server {r}")
-            ps._load(r, rep["values"])
+            ps.load_shard(r, rep["values"])
             reports.append(rep)
         lost: dict[int, dict] = {}
         for rep in reports:
@@ -294,7 +295,7 @@ def train_async_ps(cfg, out: str | Path | None = None, comm: Comm | None = None,
 
 def _summary(cfg, T, model, corpus, comm, ps, reports, lost, finished, n_params, lg, wall, out):
     S, W = ps.servers, ps.workers
-    self_comm = Comm(mpi().COMM_SELF, Ledger(), "control", False, comm.watchdog)
+    self_comm = Comm.self_comm(comm.watchdog)
     eval_loss = T.evaluate(model, corpus, cfg, self_comm) if cfg.eval_batches else float("nan")
     by_level: dict[str, int] = {}
     for rep in reports:
