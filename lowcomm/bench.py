@@ -97,6 +97,10 @@ def reducer(name: str, comm: Comm):
             yield lambda t: lib.allreduce_(t, op=lib.Sum, name="bench")
         elif name == "gloo":
             yield lambda t: lib.all_reduce(t)
+        elif name == "hierarchical":     # the topology's communicators, built once (collective)
+            from .topology import Topology
+            levels = Topology.from_env(comm).comms(comm)
+            yield lambda t: allreduce_(t, comm, name, levels=levels)
         else:
             yield lambda t: allreduce_(t, comm, name)
 
@@ -161,7 +165,7 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
     from .data import Corpus
     from .models import build_model
     from .strategies import SyncDP
-    from .train import build_optimizer
+    from .runtime import build_optimizer
 
     ctl = comm.dup(Ledger(), "control")
     corpus = Corpus.load(cfg.data.path, cfg.data.max_bytes, cfg.data.eval_fraction)
@@ -185,8 +189,12 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
                 del ddp     # before baseline() destroys its process group (see there)
             else:
                 algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") else cfg.strategy.algorithm
+                levels = None
+                if algorithm == "hierarchical":
+                    from .topology import Topology
+                    levels = Topology.from_env(run, cfg.topology).comms(run)
                 wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=cfg.strategy.bucket_mb,
-                                 overlap=cfg.strategy.overlap,
+                                 overlap=cfg.strategy.overlap, levels=levels,
                                  backend="horovod" if name == "horovod" else "mpi")
                 times = _time_steps(ctl, corpus, cfg, wrapped, warmup, steps, model.loss)
                 wrapped.close()

@@ -77,14 +77,16 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def build_strategy(cfg: Config, model, optimizer, comm: Comm):
+def build_strategy(cfg: Config, model, optimizer, comm: Comm, levels=None):
+    """``levels``: the topology's communicators (policies and the hierarchical all-reduce)."""
     if cfg.optimizer.name == "onebit-adam":   # 1-bit Adam owns both the update and the exchange
         from .strategies.onebit_adam import OneBitAdam
         return OneBitAdam.from_config(cfg, model, optimizer, comm)
     if cfg.policy:                          # a strategy per topology level
         from .strategies.policy import build_policy
-        return build_policy(cfg, model, optimizer, comm)
-    return STRATEGIES[cfg.strategy.name].from_config(cfg, model, optimizer, comm)
+        return build_policy(cfg, model, optimizer, comm, levels)
+    extra = {"levels": levels} if cfg.strategy.algorithm == "hierarchical" else {}
+    return STRATEGIES[cfg.strategy.name].from_config(cfg, model, optimizer, comm, **extra)
 
 
 class StopFlag:
@@ -124,9 +126,13 @@ def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
         from .strategies.ps_train import train_async_ps
         return train_async_ps(cfg, out, comm, progress, resume, build_model=build_model)
     comm = comm or init()
-    if cfg.topology or os.environ.get("LOWCOMM_TOPOLOGY"):   # levels for hierarchical/policy
+    topo_comms = None                       # the topology's communicators: hierarchical/policy
+    if cfg.topology or os.environ.get("LOWCOMM_TOPOLOGY") or cfg.policy \
+            or cfg.strategy.algorithm == "hierarchical":
         from .topology import Topology
-        Topology.from_env(comm, cfg.topology).attach(comm)
+        topo = Topology.from_env(comm, cfg.topology)     # checks the spec against the job
+        if cfg.policy or cfg.strategy.algorithm == "hierarchical":
+            topo_comms = topo.comms(comm)
     ctl, out, ckpt = open_run(cfg, comm, out)
     rank, K = comm.rank, comm.size
 
@@ -134,7 +140,7 @@ def train(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
     corpus = Corpus.load(cfg.data.path, cfg.data.max_bytes, cfg.data.eval_fraction)
     model = build_model(cfg)
     optimizer = build_optimizer(cfg, model.parameters())
-    strategy = build_strategy(cfg, model, optimizer, comm)
+    strategy = build_strategy(cfg, model, optimizer, comm, topo_comms)
     n_params = sum(p.numel() for p in model.parameters())
 
     first, skipped, wall_before, window, recent = 1, 0, 0.0, [], float("nan")

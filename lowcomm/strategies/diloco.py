@@ -52,6 +52,7 @@ class DiLoCo(OuterLoop):
         outer_lr, outer_momentum: the outer SGD's learning rate and momentum.
         warmup_steps: W ≥ 0 dense SyncDP steps before the first round.
         algorithm: all-reduce algorithm of the pseudo-gradient (and the warm-up).
+        levels: the topology's communicators, for ``algorithm = "hierarchical"``.
         compressor: a :class:`~lowcomm.compress.Compressor` for the pseudo-gradient
             (None: dense fp32 average).
         warmup_options: extra keyword arguments of the warm-up's SyncDP.
@@ -69,11 +70,11 @@ class DiLoCo(OuterLoop):
                  comm: Comm | None = None, *, period: int, outer_optimizer: str = "nesterov",
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, warmup_steps: int = 0,
                  algorithm: str = "mpi", compressor: Compressor | None = None,
-                 warmup_options: dict | None = None, nest: Nesting | None = None):
+                 warmup_options: dict | None = None, nest: Nesting | None = None, levels=None):
         _check_outer(outer_optimizer, outer_lr, outer_momentum)   # before any communication
         super().__init__(model, optimizer, comm, period=period, warmup_steps=warmup_steps,
                          algorithm=algorithm, compressor=compressor, warmup_options=warmup_options,
-                         nest=nest)
+                         nest=nest, levels=levels)
         self._init_outer(outer_optimizer, outer_lr, outer_momentum)
 
     def _init_outer(self, outer_optimizer: str, outer_lr: float, outer_momentum: float) -> None:
@@ -94,9 +95,9 @@ class DiLoCo(OuterLoop):
         return kw
 
     @classmethod
-    def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None):
+    def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None, levels=None):
         warn_unused(cfg, comm, ("fragments", "delay", "alpha"))
-        return cls(model, optimizer, comm, nest=nest, **cls._config_kwargs(cfg))
+        return cls(model, optimizer, comm, nest=nest, levels=levels, **cls._config_kwargs(cfg))
 
     def _warmup_done(self) -> None:
         for f, outer in zip(self.fragments, self.outer_params):
@@ -162,15 +163,16 @@ class StreamingDiLoCo(DiLoCo):
                  alpha: float = 0.0, outer_optimizer: str = "nesterov", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, warmup_steps: int = 0, algorithm: str = "mpi",
                  compressor: Compressor | None = None, warmup_options: dict | None = None,
-                 nest: Nesting | None = None):
+                 nest: Nesting | None = None, levels=None):
         _check_outer(outer_optimizer, outer_lr, outer_momentum)
         OuterLoop.__init__(self, model, optimizer, comm, period=period, warmup_steps=warmup_steps,
                            algorithm=algorithm, compressor=compressor, fragments=fragments,
-                           delay=delay, alpha=alpha, warmup_options=warmup_options, nest=nest)
+                           delay=delay, alpha=alpha, warmup_options=warmup_options, nest=nest,
+                           levels=levels)
         self._init_outer(outer_optimizer, outer_lr, outer_momentum)
 
     @classmethod
-    def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None):
+    def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None, levels=None):
         s = cfg.strategy
         return cls(model, optimizer, comm, fragments=s.fragments, delay=s.delay, alpha=s.alpha,
-                   nest=nest, **cls._config_kwargs(cfg))
+                   nest=nest, levels=levels, **cls._config_kwargs(cfg))

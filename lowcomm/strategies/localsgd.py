@@ -27,6 +27,7 @@ class LocalSGD(OuterLoop):
         period: H ≥ 1, local steps between averagings.
         warmup_steps: W ≥ 0 dense SyncDP steps first.
         algorithm: all-reduce algorithm of the averaging and the warm-up.
+        levels: the topology's communicators, for ``algorithm = "hierarchical"``.
         warmup_options: extra keyword arguments of the warm-up's SyncDP (``bucket_mb``,
             ``overlap``, ``compressor`` for the warm-up's gradients, ...).
 
@@ -42,19 +43,20 @@ class LocalSGD(OuterLoop):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, period: int, warmup_steps: int = 0,
                  algorithm: str = "mpi", warmup_options: dict | None = None,
-                 nest: Nesting | None = None):
+                 nest: Nesting | None = None, levels=None):
         super().__init__(model, optimizer, comm, period=period, warmup_steps=warmup_steps,
-                         algorithm=algorithm, warmup_options=warmup_options, nest=nest)
+                         algorithm=algorithm, warmup_options=warmup_options, nest=nest,
+                         levels=levels)
 
     @classmethod
-    def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None):
+    def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None, levels=None):
         if cfg.strategy.compressor != "none":
             raise ConfigError("strategy.compressor", "localsgd averages parameters, which have no "
                               "error to feed back; to compress, use strategy.name=\"diloco\" with "
                               "outer_optimizer=\"sgd\", outer_lr=1, outer_momentum=0 (the same "
                               "update on the compressed pseudo-gradient)")
         warn_unused(cfg, comm, ("fragments", "delay", "alpha"))
-        return cls(model, optimizer, comm, nest=nest, **from_config_kwargs(cfg))
+        return cls(model, optimizer, comm, nest=nest, levels=levels, **from_config_kwargs(cfg))
 
     def _outgoing(self, f: Fragment) -> torch.Tensor:
         return f.pack()

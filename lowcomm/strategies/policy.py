@@ -91,35 +91,35 @@ def levels_plan(cfg: Config, names: tuple[str, ...]) -> tuple[list[tuple[str, st
     return plan, first
 
 
-def build_policy(cfg: Config, model, optimizer, comm):
-    """The strategy of ``cfg.policy`` on ``comm`` (whose topology must be attached)."""
-    from ..topology import topology_of
+def build_policy(cfg: Config, model, optimizer, comm, levels):
+    """The strategy of ``cfg.policy`` on ``comm``; ``levels``: the topology's communicators over
+    ``comm`` (:meth:`lowcomm.topology.Topology.comms`)."""
     from .syncdp import SyncDP
     from . import STRATEGIES
-    topo = topology_of(comm)
-    names = topo.names
+    names = levels.names
     plan, first = levels_plan(cfg, names)
     strategy = None
     if first < len(plan):                    # the per-step levels: one SyncDP over their span
         lvl, name, opts = plan[first]
         sub = level_config(cfg, lvl, name, opts)
-        scope = comm if first == 0 else topo.group(names[first - 1])
+        scope = comm if first == 0 else levels.group(names[first - 1])
         if first == 0 and len(names) > 1 and "algorithm" not in opts:
             sub.strategy.algorithm = "hierarchical"
         elif first > 0 and sub.strategy.algorithm == "hierarchical":
             raise ConfigError(f"policy.{lvl}.algorithm", "hierarchical spans the whole job; "
                               "inside a unit use mpi, ring, rabenseifner or tree")
-        strategy = SyncDP.from_config(sub, model, optimizer, scope)
+        strategy = SyncDP.from_config(sub, model, optimizer, scope,
+                                      levels=levels if first == 0 else None)
     for i in range(first - 1, -1, -1):       # outer loops, innermost first
         lvl, name, opts = plan[i]
         sub = level_config(cfg, lvl, name, opts)
         if sub.strategy.algorithm == "hierarchical":
             raise ConfigError(f"policy.{lvl}.algorithm", "an outer loop reduces among unit "
                               "leaders; use mpi, ring, rabenseifner or tree")
-        scope = comm if i == 0 else topo.group(names[i - 1])
+        scope = comm if i == 0 else levels.group(names[i - 1])
         innermost = i == len(names) - 1
-        inside = None if innermost else topo.group(lvl)
-        peers = topo.peers(lvl)              # collective: every rank takes part
+        inside = None if innermost else levels.group(lvl)
+        peers = levels.peers(lvl)
         leaders = peers if inside is not None and inside.rank == 0 else None
         nest = Nesting(strategy, inside, leaders,
                        average_inside=strategy is not None and i + 1 < first)

@@ -28,7 +28,7 @@ class SyncDP(Strategy):
     Args:
         model, optimizer: the user's torch objects.
         comm: communicator (default: world).
-        algorithm: all-reduce algorithm ("mpi", "ring", "rabenseifner", "tree").
+        algorithm: all-reduce algorithm ("mpi", "ring", "rabenseifner", "tree", "hierarchical").
         bucket_mb: bucket size in MiB.
         backward_passes_per_step: gradient accumulation factor N ≥ 1.
         overlap: reduce buckets during backward (True) or all at once in ``step()``.
@@ -38,6 +38,8 @@ class SyncDP(Strategy):
             dense all-reduce with ``algorithm``).
         nonfinite: "raise" (a NaN/Inf gradient is an error, never sent) or "zero" (the caller
             skips such steps with :meth:`skip`).
+        levels: the topology's communicators (:meth:`lowcomm.topology.Topology.comms`) for
+            ``algorithm = "hierarchical"``.
 
     Example::
 
@@ -50,7 +52,7 @@ class SyncDP(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, algorithm: str = "mpi", bucket_mb: float = 4.0,
                  backward_passes_per_step: int = 1, overlap: bool = True, backend: str = "mpi",
-                 compressor=None, nonfinite: str = "raise"):
+                 compressor=None, nonfinite: str = "raise", levels=None):
         super().__init__(model, optimizer, comm)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
@@ -69,7 +71,7 @@ class SyncDP(Strategy):
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self.reducer = Reducer(self.comm, self._named[::-1], algorithm, int(bucket_mb * (1 << 20)),
                                op="avg", overlap=overlap, compressor=compressor,
-                               nonfinite=nonfinite)
+                               nonfinite=nonfinite, levels=levels)
         self._count = {n: 0 for n, _ in self._named}
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._named] \
             if overlap else []
@@ -87,8 +89,10 @@ class SyncDP(Strategy):
                     nonfinite="zero" if cfg.on_nonfinite == "skip" else "raise")
 
     @classmethod
-    def from_config(cls, cfg, model, optimizer, comm):
-        return cls(model, optimizer, comm, **cls.config_kwargs(cfg))
+    def from_config(cls, cfg, model, optimizer, comm, levels=None):
+        """Build from a :class:`~lowcomm.config.Config`; ``levels``: the topology's
+        communicators, for ``strategy.algorithm = "hierarchical"``."""
+        return cls(model, optimizer, comm, levels=levels, **cls.config_kwargs(cfg))
 
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:

@@ -22,7 +22,8 @@ comm = lowcomm.init()
 K, r = comm.size, comm.rank
 ok = Checks(r)
 SPEC = sys.argv[1]
-topo = Topology.parse(SPEC).attach(comm)
+topo = Topology.parse(SPEC)
+levels = topo.comms(comm)
 OUTER, INNER = topo.names
 UNITS = topo.units(OUTER)                 # world ranks of each outer unit
 B, STEPS, LR = 4, 12, 0.1
@@ -77,7 +78,7 @@ def run(policy: dict, extra=()):
         for p in model.parameters():
             p.add_(0.01 * r)
     comm.ledger.reset()
-    st = build_policy(cfg, model, torch.optim.SGD(model.parameters(), lr=LR), comm)
+    st = build_policy(cfg, model, torch.optim.SGD(model.parameters(), lr=LR), comm, levels)
     for step in range(STEPS):
         st.zero_grad()
         x, y = batch(step, r)
