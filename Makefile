@@ -6,7 +6,7 @@ PY    := $(VENV)/bin/python
 NP    ?= 4
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-slurm bench clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -22,6 +22,12 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# launchers/slurm.sbatch on a throw-away single-node Slurm started on this machine (root, Debian):
+# installs slurm-wlm + munge when missing, starts munged/slurmctld/slurmd under /tmp/lowcomm-slurm,
+# runs a 20-step job on $(NP) ranks, checks its summary.json, and stops the daemons again.
+test-slurm: setup
+	NP=$(NP) bash scripts/slurm_test.sh
 
 bench: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH launchers/local.sh -n $(NP) lowcomm bench allreduce --json runs/bench/allreduce.json

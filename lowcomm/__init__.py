@@ -1,28 +1,51 @@
 """lowcomm: decentralized, low-communication distributed training over MPI.
 
-Importing lowcomm makes no MPI call; :func:`init` does.
+Importing lowcomm makes no MPI call; :func:`init` (or the first strategy) does. Every method is
+a top-level name; :func:`build` makes any of them from the spec strings that policies use, and
+:func:`train` runs the one training loop on your task.
 
 Example (run with ``launchers/local.sh -n 4 python train.py``)::
 
     import lowcomm, torch
-    comm = lowcomm.init()
-    opt = lowcomm.SyncDP(model, torch.optim.AdamW(model.parameters()), comm=comm)
+    opt = lowcomm.DiLoCo(model, torch.optim.AdamW(model.parameters()), period=50)
+    opt = lowcomm.build("syncdp:algorithm=ring", model, optimizer, compressor="int8")
     for x, y in batches:
         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    opt.close(); opt.finish()          # the same model on every rank
+
+    lowcomm.train("my_task.py", strategy="diloco:period=50", steps=500, out="runs/mine")
 """
 from .collectives import ALGORITHMS, allreduce_
 from .comm import Comm, Request, init
 from .errors import CommError, ConfigError, LowcommError
 from .ledger import Ledger
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+# name -> module it lives in; loaded on first use (strategies pull in torch machinery)
+_LAZY = {
+    "SyncDP": "strategies.syncdp", "LocalSGD": "strategies.localsgd", "DiLoCo": "strategies.diloco",
+    "StreamingDiLoCo": "strategies.diloco", "Gossip": "strategies.gossip",
+    "AsyncPS": "strategies.async_ps", "OneBitAdam": "strategies.onebit_adam",
+    "HorovodDP": "backends.horovod", "Strategy": "strategies.base", "Method": "strategies.base",
+    "Context": "strategies.base", "Settings": "settings",
+    "Compressor": "compress", "Cast": "compress", "Int8": "compress", "QSGD": "compress",
+    "TopK": "compress", "RandomK": "compress", "ScaledSign": "compress",
+    "SignMajorityVote": "compress", "PowerSGD": "compress", "ErrorFeedback": "compress",
+    "CompressorSettings": "compress.settings",
+    "build": "registry", "policy": "registry", "register": "registry", "STRATEGIES": "registry",
+    "train": "trainer", "Task": "tasks", "load_task": "tasks", "dataset_batches": "tasks",
+    "dataset_eval_batches": "tasks", "from_functions": "tasks",
+}
 
 __all__ = ["ALGORITHMS", "Comm", "CommError", "ConfigError", "Ledger", "LowcommError", "Request",
-           "SyncDP", "allreduce_", "init", "__version__"]
+           "allreduce_", "init", "__version__", *_LAZY]
 
 
-def __getattr__(name):  # SyncDP pulls in the strategies; load it on first use
-    if name == "SyncDP":
-        from .strategies.syncdp import SyncDP
-        return SyncDP
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'lowcomm' has no attribute {name!r}")

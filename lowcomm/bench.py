@@ -162,19 +162,21 @@ STEP_STRATEGIES = ("syncdp", *[f"syncdp-{a}" for a in ALGORITHMS if a != "mpi"],
 
 def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: int = 5) -> list[dict]:
     """Median training-step time of ``cfg``'s model under each data-parallel implementation."""
-    from .data import Corpus
-    from .models import build_model
-    from .strategies import SyncDP
-    from .runtime import build_optimizer
+    from .backends.horovod import HorovodDP
+    from .loop import build_optimizer
+    from .strategies.syncdp import SyncDP, SyncDPSettings
+    from .tasks import load_task
 
     ctl = comm.dup(Ledger(), "control")
-    corpus = Corpus.load(cfg.data.path, cfg.data.max_bytes, cfg.data.eval_fraction)
+    task = load_task(cfg.task.name)
+    s = SyncDPSettings.from_options({k: v for k, v in cfg.strategy.items()
+                                     if k in SyncDPSettings.fields()}, "strategy.")
     for name in strategies:   # fail on a bad name before measuring anything
         _check_known(name, STEP_STRATEGIES, "strategy")
     rows = []
     for name in strategies:
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg)
+        model = task.model(cfg)
         params = sum(p.numel() for p in model.parameters())
         opt = build_optimizer(cfg, model.parameters())
         run = comm.dup(Ledger())
@@ -182,21 +184,21 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
         with baseline(name, comm):
             if name == "ddp-gloo":
                 from torch.nn.parallel import DistributedDataParallel
-                ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.strategy.bucket_mb)
-                times = _time_steps(ctl, corpus, cfg, opt, warmup, steps,
-                                    lambda x, y: torch.nn.functional.cross_entropy(
-                                        ddp(x).flatten(0, 1), y.flatten()))
+                ddp = DistributedDataParallel(model, bucket_cap_mb=s.bucket_mb)
+                times = _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(ddp, b))
                 del ddp     # before baseline() destroys its process group (see there)
             else:
-                algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") else cfg.strategy.algorithm
-                levels = None
-                if algorithm == "hierarchical":
-                    from .topology import Topology
-                    levels = Topology.from_env(run, cfg.topology).comms(run)
-                wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=cfg.strategy.bucket_mb,
-                                 overlap=cfg.strategy.overlap, levels=levels,
-                                 backend="horovod" if name == "horovod" else "mpi")
-                times = _time_steps(ctl, corpus, cfg, wrapped, warmup, steps, model.loss)
+                if name == "horovod":
+                    wrapped = HorovodDP(model, opt, run)
+                else:
+                    algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") else s.algorithm
+                    levels = None
+                    if algorithm == "hierarchical":
+                        from .topology import Topology
+                        levels = Topology.from_env(run, cfg.topology).comms(run)
+                    wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=s.bucket_mb,
+                                     overlap=s.overlap, levels=levels)
+                times = _time_steps(ctl, task, cfg, wrapped, warmup, steps, lambda b: task.loss(model, b))
                 wrapped.close()
         rows.append({"strategy": name, "ranks": comm.size, "params": params,
                      "grad_MB": params * 4 / 1e6, "step_ms": statistics.median(times) * 1e3,
@@ -204,18 +206,18 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
     return rows
 
 
-def _time_steps(ctl: Comm, corpus, cfg, opt, warmup: int, steps: int, loss) -> list[float]:
+def _time_steps(ctl: Comm, task, cfg, opt, warmup: int, steps: int, loss) -> list[float]:
     """The slowest rank's time of each of ``steps`` training steps after ``warmup`` ones."""
     times = []
-    for step in range(warmup + steps):
-        x, y = corpus.batch(step, ctl.rank, ctl.size, cfg.batch_size, cfg.data.seq_len, cfg.seed)
+    for step in range(1, warmup + steps + 1):
+        b = task.batch(step, ctl.rank, ctl.size, cfg)
         ctl.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss(x, y).backward()
+        loss(b).backward()
         opt.step()
         dt = _slowest(ctl, time.perf_counter() - t0)
-        if step >= warmup:
+        if step > warmup:
             times.append(dt)
     return times
 

@@ -58,12 +58,12 @@ def train(config, overrides, out, checkpoint_every, resume, quiet):
     cfg = _config(config, overrides, base)
     out = out or resume or "runs/latest"
     comm = _world()
-    from .train import train as run
+    from .trainer import run
     summary = run(cfg, out, comm, progress=not quiet, resume=resume)
     if comm.rank == 0:
-        keys = ("method", "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total",
-                "wall_s", "skipped_steps", "params_sha256")
-        click.echo(json.dumps({k: summary[k] for k in keys}, indent=2))
+        keys = ("method", "task", "ranks", "steps", "params", "final_loss", "eval_loss",
+                "bytes_total", "wall_s", "skipped_steps", "params_sha256", "ranks_agree")
+        click.echo(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
         click.echo(f"wrote {Path(out) / 'summary.json'}")
 
 

@@ -10,7 +10,6 @@ import os
 
 import click
 
-from .config import load_config
 from .errors import ConfigError
 
 
@@ -23,7 +22,8 @@ def launcher_rank() -> int:
 
 
 def load_cfg(config, overrides, base=None):
-    """:func:`~lowcomm.config.load_config`, a bad key reported as a click usage error."""
+    """:func:`~lowcomm.registry.load_config`, a bad key reported as a click usage error."""
+    from .registry import load_config   # late: the registry imports every strategy
     try:
         return load_config(config, overrides, base)
     except ConfigError as e:

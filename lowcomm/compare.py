@@ -52,7 +52,7 @@ def available(name: str) -> bool:
     """True when every piece the method names is registered in this installation."""
     from .compress import COMPRESSORS
     from .config import OPTIMIZERS
-    from .strategies import STRATEGIES
+    from .registry import STRATEGIES
     for o in METHODS[name]:
         key, _, value = o.partition("=")
         if (key == "compressor.name" and value not in COMPRESSORS) or \

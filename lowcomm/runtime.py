@@ -1,14 +1,16 @@
-"""The pieces of a training run that every loop shares (the common loop in :mod:`lowcomm.train`
-and the parameter server's in :mod:`lowcomm.strategies.ps_train`): building the model and the
-optimizer, opening the output folder, checkpoint snapshots and restores, evaluation, the NaN
-scan and the parameters' hash. Neither loop imports the other; both import this.
-"""
+"""What the training loop keeps and restores around the steps, shared by :mod:`lowcomm.loop`
+and the parameter server's part of it (:mod:`lowcomm.strategies.ps_train`): the optimizer and
+its lr schedule, the held-out evaluation, the NaN check, the SIGINT/SIGTERM flag, the output
+folder, checkpoint snapshots and their restore, and the parameters' hash."""
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import math
 import random
+import signal
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,24 +18,49 @@ import torch
 
 from .checkpoint import Checkpointer, CheckpointError
 from .comm import Comm
-from .config import Config
-from .data import Corpus
+from .errors import LowcommError
 from .ledger import Ledger
-from .models import build_model
 
 log = logging.getLogger("lowcomm.train")
 
-__all__ = ["Corpus", "build_model", "build_optimizer", "evaluate", "nonfinite", "open_run",
-           "params_sha256", "restore", "snapshot"]
+
+class Interrupted(LowcommError):
+    """The run was stopped by a signal after writing a final checkpoint."""
+
+    def __init__(self, signum: int, step: int, where: Path | None):
+        self.signum, self.step, self.exit_code = signum, step, 128 + signum
+        saved = f"checkpoint written to {where}" if where else "no checkpoint folder configured"
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; {saved}")
 
 
-def build_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
+def build_optimizer(cfg, params) -> torch.optim.Optimizer:
     o = cfg.optimizer
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=o.momentum, weight_decay=o.weight_decay)
     cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "onebit-adam": torch.optim.Adam}[o.name]
     return cls(params, lr=cfg.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
 
+
+def lr_at(cfg, step: int) -> float:
+    """The (inner) optimizer's lr at ``step`` (1-based): a linear warm-up over
+    ``optimizer.warmup_steps`` steps (Goyal et al. 2017, arXiv 1706.02677), then ``lr`` constant
+    or, for ``schedule = "cosine"``, SGDR's cosine without restarts (Loshchilov & Hutter 2017,
+    arXiv 1608.03983) from ``lr`` down to ``min_lr_ratio · lr`` at the last step:
+    ``lr_t = lr · (r + (1 − r) · ½(1 + cos(π · (t − W) / (T − W))))``.
+    A function of the step alone, so a resumed run sets the same lr without saved state."""
+    o = cfg.optimizer
+    if step <= o.warmup_steps:
+        return cfg.lr * step / o.warmup_steps
+    if o.schedule == "constant":
+        return cfg.lr
+    progress = (step - o.warmup_steps) / (cfg.steps - o.warmup_steps)   # warmup < steps
+    r = o.min_lr_ratio
+    return cfg.lr * (r + (1 - r) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def params_sha256(model: torch.nn.Module) -> str:
@@ -61,20 +88,46 @@ def nonfinite(loss: torch.Tensor, model: torch.nn.Module) -> str | None:
     return None
 
 
-
 @torch.no_grad()
-def evaluate(model, corpus: Corpus, cfg: Config, ctl: Comm) -> float:
-    """Mean loss on ``cfg.eval_batches`` fixed held-out batches, split across ranks."""
+def evaluate(model, task: Task, batches: list, ctl: Comm) -> float:
+    """Mean loss of ``task`` on the held-out ``batches``, split across the ranks of ``ctl``
+    (NaN when there are none)."""
     model.eval()
     total = count = 0.0
-    for i, (x, y) in enumerate(corpus.eval_batches(cfg.eval_batches, cfg.batch_size, cfg.data.seq_len)):
+    for i, b in enumerate(batches):
         if i % ctl.size == ctl.rank:
-            total += model.loss(x, y).item()
+            total += task.loss(model, b).item()
             count += 1
     model.train()
     total, count = _sum(ctl, [total, count])
-    return total / max(count, 1)
+    return total / count if count else float("nan")
 
+
+class StopFlag:
+    """SIGINT/SIGTERM set a flag (main thread only); the loop acts on it at a step boundary."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = 0
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum:             # a second signal: stop now, without the checkpoint
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        self.signum = signum
+        log.warning("%s: stopping after this step and writing a checkpoint (send it again to "
+                    "stop at once)", signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old)
 
 
 def _rng_state() -> dict:
@@ -95,7 +148,7 @@ def _metrics_upto(src: Path, dst: Path, step: int) -> None:
     dst.write_text("".join(line + "\n" for line in keep))
 
 
-def open_run(cfg: Config, comm: Comm, out: str | Path | None):
+def open_run(cfg, comm: Comm, out: str | Path | None):
     """Apply ``cfg.comm`` to ``comm``; return the uncharged control communicator, the output
     folder (rank 0 writes the resolved config there) and the checkpointer (None without a
     folder)."""
@@ -117,7 +170,7 @@ def snapshot(model, strategy, comm: Comm, loop: dict) -> dict:
             "ledger": comm.ledger.state_dict(), "rng": _rng_state(), "loop": loop}
 
 
-def restore(resume: str | Path, cfg: Config, comm: Comm, ctl: Comm, model, strategy,
+def restore(resume: str | Path, cfg, comm: Comm, ctl: Comm, model, strategy,
             out: Path | None) -> tuple[int, dict]:
     """Load the newest intact checkpoint of run `resume` (or of ``checkpoint.dir``) into
     `model`, `strategy`, the ledger and the RNGs; copy the run's metrics up to that step into
@@ -135,5 +188,3 @@ def restore(resume: str | Path, cfg: Config, comm: Comm, ctl: Comm, model, strat
         _metrics_upto(resume / "metrics.jsonl", out / "metrics.jsonl", state["step"])
         log.info("resumed from %s at step %d", from_dir, state["step"])
     return state["step"], state["loop"]
-
-

@@ -10,7 +10,8 @@ import torch
 from lowcomm.compress import COMPRESSORS, PowerSGD, build_compressor
 from lowcomm.compress.base import Segment
 from lowcomm.compress.bits import _SIGNED, pack_signs, pack_signs_torch, unpack_bits, unpack_signs
-from lowcomm.config import CompressorConfig, load_config
+from lowcomm.config import CompressorConfig
+from lowcomm.registry import load_config
 from lowcomm.errors import ConfigError, LowcommError, NonFiniteError
 
 LOSSY = [n for n in COMPRESSORS if n != "none"]

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import run_ranks, run_worker
 from lowcomm.compress import COMPRESSORS
-from lowcomm.config import load_config
+from lowcomm.registry import load_config
 from lowcomm.errors import ConfigError
 from lowcomm.strategies.graphs import GRAPHS, EdgeGraph, Torus, build_graph, second_eigenvalue
 
@@ -102,7 +102,7 @@ def test_config_errors_name_the_key(override, key):
 def test_config_accepts_gossip_keys():
     cfg = load_config(None, ["strategy.name=gossip", "strategy.graph=one-peer-exponential",
                              "strategy.gossip_mode=push-sum", "strategy.gossip_order=atc"])
-    assert (cfg.strategy.graph, cfg.strategy.gossip_mode, cfg.strategy.gossip_order) == \
+    assert (cfg.strategy["graph"], cfg.strategy["gossip_mode"], cfg.strategy["gossip_order"]) == \
         ("one-peer-exponential", "push-sum", "atc")
 
 

@@ -3,7 +3,7 @@ import pytest
 
 from conftest import run_worker
 from lowcomm.compress import COMPRESSORS
-from lowcomm.config import load_config
+from lowcomm.registry import load_config
 from lowcomm.errors import ConfigError
 
 
@@ -45,6 +45,6 @@ def test_bad_config_names_the_key(overrides, key):
 def test_good_outer_configs_load():
     cfg = load_config(None, ["strategy.name=streaming-diloco", "strategy.period=100",
                              "strategy.fragments=4", "strategy.delay=5", "strategy.alpha=0.5"])
-    assert (cfg.strategy.period, cfg.strategy.fragments, cfg.strategy.delay) == (100, 4, 5)
+    assert (cfg.strategy["period"], cfg.strategy["fragments"], cfg.strategy["delay"]) == (100, 4, 5)
     load_config(None, ["strategy.name=diloco", "strategy.outer_optimizer=sgd",
                        "strategy.outer_lr=1", "strategy.outer_momentum=0"])

@@ -15,7 +15,7 @@ from conftest import WORKERS, run_ranks
 from lowcomm.compress import COMPRESSORS, Compressor, build_compressor
 from lowcomm.config import CompressorConfig
 from lowcomm.config import OPTIMIZERS
-from lowcomm.strategies import STRATEGIES
+from lowcomm.registry import STRATEGIES
 
 NP, STEPS, EVERY = 2, 12, 3
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",

@@ -3,7 +3,7 @@ MPI_Allreduce under mpirun at 1–4 ranks over several topologies (tests/workers
 import pytest
 
 from conftest import run_worker
-from lowcomm.config import load_config
+from lowcomm.registry import load_config
 from lowcomm.errors import ConfigError
 from lowcomm.topology import LinkModel, Topology
 from lowcomm.wan import model_seconds
@@ -37,7 +37,7 @@ def test_bad_specs_name_the_key(bad):
 
 def test_config_accepts_levels():
     cfg = load_config(None, ["topology=dc:2,rank:2", "strategy.algorithm=hierarchical"])
-    assert cfg.topology == "dc:2,rank:2" and cfg.strategy.algorithm == "hierarchical"
+    assert cfg.topology == "dc:2,rank:2" and cfg.strategy["algorithm"] == "hierarchical"
 
 
 def test_alpha_beta_model():

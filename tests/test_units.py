@@ -7,19 +7,20 @@ import torch
 
 from lowcomm.bench import parse_size
 from lowcomm.collectives import chunk_bounds
-from lowcomm.config import Config, ConfigError, load_config, parse_override
+from lowcomm.config import Config, ConfigError, parse_override
+from lowcomm.registry import load_config
 from lowcomm.data import Corpus
 from lowcomm.ledger import Ledger, busbw_factor, wire_bytes
 from lowcomm.models import TinyGPT
-from lowcomm.train import lr_at
+from lowcomm.runtime import lr_at
 
 
 # config -----------------------------------------------------------------------------------------
 def test_defaults_validate_and_overrides_are_typed():
     cfg = load_config(None, ["steps=7", "lr=1e-2", "strategy.overlap=false", "strategy.algorithm=ring",
                              "strategy.bucket_mb=2"])
-    assert (cfg.steps, cfg.lr, cfg.strategy.overlap, cfg.strategy.algorithm) == (7, 0.01, False, "ring")
-    assert cfg.strategy.bucket_mb == 2.0 and isinstance(cfg.strategy.bucket_mb, float)
+    assert (cfg.steps, cfg.lr, cfg.strategy["overlap"], cfg.strategy["algorithm"]) == (7, 0.01, False, "ring")
+    assert cfg.strategy["bucket_mb"] == 2.0 and isinstance(cfg.strategy["bucket_mb"], float)
     assert Config().method == "syncdp(mpi)"
 
 
@@ -61,7 +62,7 @@ def test_toml_file_nested_tables(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('steps = 5\n[strategy]\nalgorithm = "tree"\n[model]\nd_model = 64\n')
     cfg = load_config(f, ["model.d_model=32"])
-    assert (cfg.steps, cfg.strategy.algorithm, cfg.model.d_model) == (5, "tree", 32)
+    assert (cfg.steps, cfg.strategy["algorithm"], cfg.model.d_model) == (5, "tree", 32)
     f.write_text("[model]\nwidth = 3\n")
     with pytest.raises(ConfigError, match="'model.width': unknown key"):
         load_config(f)

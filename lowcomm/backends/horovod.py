@@ -14,6 +14,7 @@ import torch
 from ..comm import Comm
 from ..errors import LowcommError
 from ..ledger import wire_bytes
+from ..strategies.base import Strategy
 
 
 def hvd_module():
@@ -62,26 +63,37 @@ class HorovodCompression:
         return self.compressor.decompress([tensor.reshape(-1)], inner).view(shape)
 
 
-class HorovodOptimizer:
-    """``hvd.DistributedOptimizer`` (average over ranks) with lowcomm's ledger accounting.
+class HorovodDP(Strategy):
+    """Synchronous data parallelism through Horovod: ``hvd.DistributedOptimizer`` (average over
+    ranks) on lowcomm's communicator, with lowcomm's ledger accounting. The same update as
+    :class:`~lowcomm.strategies.syncdp.SyncDP`, so the two stand in for each other.
 
     With a (summable, stateless) ``compressor`` the gradients travel in its payload format
     through Horovod's ``compression=`` hook; they are divided by K before the sum
     (``gradient_predivide_factor = K``) so a 16-bit sum cannot overflow, as lowcomm's own
-    :class:`~lowcomm.compress.cast.Cast` does. The ledger is charged the payload's bytes."""
+    :class:`~lowcomm.compress.cast.Cast` does. The ledger is charged the payload's bytes.
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
-                 backward_passes_per_step: int = 1, compressor=None):
+    Example::
+
+        opt = HorovodDP(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        opt.zero_grad(); loss.backward(); opt.step()
+    """
+
+    name = "syncdp(horovod)"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None, backward_passes_per_step: int = 1, compressor=None):
+        super().__init__(model, optimizer, comm)
+        comm = self.comm
         compression = HorovodCompression(compressor) if compressor is not None else None  # checks it
         hvd = init(comm)
-        self.comm = comm
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         extra = {}
         if compressor is not None:
             extra = {"compression": compression,
                      "gradient_predivide_factor": float(comm.size)}
-        self.optimizer = hvd.DistributedOptimizer(
+        self._hvd = hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), op=hvd.Average,
             backward_passes_per_step=backward_passes_per_step, **extra)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -93,21 +105,34 @@ class HorovodOptimizer:
                                                                 "horovod")[0])
 
         def wrong_object(*_):
-            raise LowcommError("with backend='horovod', call step() on the SyncDP object, not on "
+            raise LowcommError("with backend='horovod', call step() on the strategy, not on "
                                "the wrapped optimizer (Horovod works on its own copy of it)")
-        optimizer.register_step_pre_hook(wrong_object)
+        self._hook = optimizer.register_step_pre_hook(wrong_object)
 
     def synchronize(self) -> None:
         t0 = time.perf_counter()
-        self.optimizer.synchronize()
+        self._hvd.synchronize()
         self.comm.ledger.record("allreduce.horovod", self.comm.level,
                                 *wire_bytes("allreduce", self._grad_bytes, self.comm.size),
                                 seconds=time.perf_counter() - t0)
 
     def step(self, closure=None):
         self.synchronize()
-        with self.optimizer.skip_synchronize():
-            return self.optimizer.step(closure)
+        with self._hvd.skip_synchronize():
+            return self._hvd.step(closure)
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad()  # Horovod's checks that no all-reduce is still pending
+    def skip(self) -> None:
+        self.synchronize()
+        self.zero_grad()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._hvd.zero_grad()  # Horovod's checks that no all-reduce is still pending
+
+    def state_dict(self) -> dict:   # Horovod steps its own copy of the optimizer
+        return {"optimizer": self._hvd.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._hvd.load_state_dict(state["optimizer"])
+
+    def close(self) -> None:
+        self._hook.remove()

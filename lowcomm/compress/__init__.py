@@ -48,16 +48,17 @@ def uses_error_feedback(cfg) -> bool:
     return cfg.error_feedback if cfg.error_feedback is not None else cfg.name in EF_DEFAULT
 
 
-def check(cfg) -> None:
+def check(cfg, prefix: str = "compressor.") -> None:
     """Raise ConfigError (a ValueError) naming the key for a name or a combination of keys no
-    method accepts; :func:`lowcomm.config.validate` and :func:`build_compressor` both use it."""
+    method accepts (:class:`~lowcomm.compress.settings.CompressorSettings` and
+    :func:`build_compressor` both use it)."""
     if cfg.name not in COMPRESSORS:
-        raise ConfigError("compressor.name", f"unknown compressor {cfg.name!r}; known: {', '.join(COMPRESSORS)}")
+        raise ConfigError(prefix + "name", f"unknown compressor {cfg.name!r}; known: {', '.join(COMPRESSORS)}")
     if cfg.name == "none" and cfg.error_feedback:
-        raise ConfigError("compressor.error_feedback", "needs a lossy compressor (compressor.name "
+        raise ConfigError(prefix + "error_feedback", "needs a lossy compressor (compressor.name "
                           "is 'none')")
     if cfg.name == "ef-sign" and cfg.error_feedback is False:
-        raise ConfigError("compressor.error_feedback", "ef-sign is sign with error feedback; "
+        raise ConfigError(prefix + "error_feedback", "ef-sign is sign with error feedback; "
                           "error_feedback = false would make it 'sign'")
 
 

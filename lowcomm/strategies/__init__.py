@@ -1,12 +1,15 @@
-"""Strategies decide when and what to communicate; each attaches to a plain torch optimizer."""
+"""Strategies decide when and what to communicate; each attaches to a plain torch optimizer.
+
+Each module owns its settings and builder (a :class:`~lowcomm.strategies.base.Method`);
+:mod:`lowcomm.registry` maps names to them.
+"""
 from .async_ps import AsyncPS
-from .base import Strategy
+from .base import Context, Method, Strategy
 from .diloco import DiLoCo, StreamingDiLoCo
 from .gossip import Gossip
 from .localsgd import LocalSGD
+from .onebit_adam import OneBitAdam
 from .syncdp import SyncDP
 
-STRATEGIES = {"syncdp": SyncDP, "gossip": Gossip, "localsgd": LocalSGD, "diloco": DiLoCo,
-              "streaming-diloco": StreamingDiLoCo, "async-ps": AsyncPS}
-
-__all__ = ["STRATEGIES", "DiLoCo", "LocalSGD", "Strategy", "StreamingDiLoCo", "SyncDP"]
+__all__ = ["AsyncPS", "Context", "DiLoCo", "Gossip", "LocalSGD", "Method", "OneBitAdam", "Strategy",
+           "StreamingDiLoCo", "SyncDP"]

@@ -1,9 +1,73 @@
-"""The shape every strategy shares: an optimizer wrapper that keeps the user's loop as it is."""
+"""The shape every strategy shares: an optimizer wrapper that keeps the user's loop as it is.
+
+The protocol is narrow: ``zero_grad``, ``step``, ``skip``, ``state_dict``,
+``load_state_dict``, ``finish``, ``close`` and an optional ``metrics``. A strategy module also
+owns a :class:`~lowcomm.settings.Settings` dataclass of its knobs and a builder, which it
+publishes as a :class:`Method`; :mod:`lowcomm.registry` maps names to methods.
+"""
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
 from ..comm import Comm, init
+from ..compress.settings import CompressorSettings
+from ..errors import ConfigError
+
+
+def check_compressor_name(s, prefix: str, allow_empty: bool = False) -> None:
+    """``s.compressor`` names a registered compressor (``""`` too where ``allow_empty``)."""
+    from ..compress import COMPRESSORS
+    if not (allow_empty and s.compressor == "") and s.compressor not in COMPRESSORS:
+        raise ConfigError(prefix + "compressor", f"unknown compressor {s.compressor!r}; known: "
+                          f"{', '.join(COMPRESSORS)}")
+
+
+@dataclass
+class Context:
+    """What a builder takes beyond its own settings: the run's ``[compressor]`` table (the
+    gradient compressor, and the knobs of a compressor named by a strategy option), the run's
+    NaN policy (``"abort"``: never send a non-finite value; ``"skip"``: the loop skips such
+    steps on all ranks),
+    the run's step budget (None: open-ended), where a per-level policy nests the strategy, and
+    the topology's communicators (:class:`~lowcomm.topology.Levels`, built once by the caller:
+    per-level policies and the ``hierarchical`` all-reduce need them; None without a topology)."""
+    compressor: CompressorSettings = field(default_factory=CompressorSettings)
+    nonfinite: str = "abort"
+    steps: int | None = None
+    nest: Any = None
+    levels: Any = None
+
+    def gradient_compressor(self, name: str | None = None):
+        """The run's gradient compressor, or the one called ``name`` with the run's knobs,
+        wrapped in error feedback where asked (None for "none")."""
+        from ..compress import build_compressor
+        return build_compressor(dataclasses.replace(self.compressor, name=name) if name else self.compressor)
+
+    def bare_compressor(self, name: str):
+        """The compression operator ``name`` with the run's knobs, without error feedback."""
+        from ..compress import COMPRESSORS
+        return COMPRESSORS[name](dataclasses.replace(self.compressor, name=name))
+
+
+@dataclass(frozen=True)
+class Method:
+    """A strategy as the registry knows it.
+
+    ``build(settings, model, optimizer, comm, ctx) -> Strategy``; ``check(settings, cfg,
+    prefix)`` (optional) rejects combinations with the run's other keys before MPI starts,
+    naming the key; ``outer`` is True for outer loops (they may wrap a lower policy level);
+    ``level``: the method may be a level of a per-level policy."""
+    name: str
+    settings: type
+    build: Callable
+    summary: str
+    check: Callable | None = None
+    outer: bool = False
+    level: bool = False     # may be a level of a per-level policy (per-step or outer loop)
 
 
 def balance(sizes: list[int], bins: int) -> list[int]:
@@ -26,12 +90,6 @@ class Strategy:
     """
 
     name = "strategy"
-
-    @classmethod
-    def from_config(cls, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    comm: Comm) -> "Strategy":
-        """Build from a :class:`~lowcomm.config.Config` (``cfg.strategy`` and friends)."""
-        raise NotImplementedError(f"{cls.__name__} cannot be built from a config")
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None):
@@ -63,19 +121,16 @@ class Strategy:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def log_fields(self, ctl: Comm) -> dict:
-        """Extra fields for this log line of metrics.jsonl (called on every rank together;
-        reduce over ``ctl``, the uncharged control communicator). E.g. consensus distance."""
-        return {}
-
-    def summary(self, ctl: Comm) -> dict:
-        """Extra fields for summary.json (called on every rank together, after training)."""
+    def metrics(self, ctl: Comm, final: bool = False) -> dict:
+        """Extra fields for a log line of metrics.jsonl, or (``final``, after :meth:`close`)
+        for summary.json; e.g. consensus distance. Called on every rank together; reduce over
+        ``ctl``, the uncharged control communicator."""
         return {}
 
     def finish(self) -> None:
-        """After :meth:`close` and :meth:`summary`: leave on every rank the model the run
-        delivers (e.g. the average of the ranks' local models). Called on all ranks together;
-        traffic is charged to the method."""
+        """After :meth:`close`: leave on every rank the model the run delivers (e.g. the
+        average of the ranks' local models), identical on every rank. Called on all ranks
+        together; traffic is charged to the method."""
 
     def close(self) -> None:
         """Release threads and hooks; the strategy must not be used afterwards."""

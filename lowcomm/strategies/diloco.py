@@ -2,27 +2,72 @@
 step on the averaged pseudo-gradient."""
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from ..comm import Comm
 from ..compress.base import Compressor
-from ..config import OUTER_OPTIMIZERS
 from ..errors import ConfigError
-from .outer import Fragment, Nesting, OuterLoop, from_config_kwargs, warn_unused
+from .base import Context, Method
+from .outer import Fragment, Nesting, OuterLoop, OuterSettings, check_run
+
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
 
 
-def _check_outer(outer_optimizer: str, outer_lr: float, outer_momentum: float) -> None:
+@dataclass
+class DiLoCoSettings(OuterSettings):
+    """``[strategy]`` keys of ``diloco``: the outer loop's keys and the outer optimizer."""
+    outer_optimizer: str = "nesterov"   # "nesterov" | "sgd"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        _check_outer(self.outer_optimizer, self.outer_lr, self.outer_momentum, prefix)
+
+    def kwargs(self, ctx: Context) -> dict:
+        return dict(super().kwargs(ctx), outer_optimizer=self.outer_optimizer,
+                    outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
+                    compressor=ctx.gradient_compressor(self.compressor))
+
+
+@dataclass
+class StreamingDiLoCoSettings(DiLoCoSettings):
+    """``[strategy]`` keys of ``streaming-diloco``: DiLoCo's, and the streaming schedule."""
+    fragments: int = 1             # P parameter fragments
+    delay: int = 0                 # τ inner steps between sending a fragment and applying it
+    alpha: float = 0.0             # share of the local parameters kept when merging
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        self.at_least(prefix, "fragments", 1)
+        self.at_least(prefix, "delay", 0)
+        self.within(prefix, "alpha", 0, 1)
+        if self.delay >= self.period:
+            raise ConfigError(prefix + "delay", f"must be < period={self.period} (a fragment's "
+                              f"reduction has to land before its next synchronisation), got {self.delay}")
+
+    def kwargs(self, ctx: Context) -> dict:
+        return dict(super().kwargs(ctx), fragments=self.fragments, delay=self.delay, alpha=self.alpha)
+
+
+def build(s: DiLoCoSettings, model, optimizer, comm: Comm, ctx: Context) -> "DiLoCo":
+    cls = StreamingDiLoCo if isinstance(s, StreamingDiLoCoSettings) else DiLoCo
+    return cls(model, optimizer, comm, **s.kwargs(ctx))
+
+
+def _check_outer(outer_optimizer: str, outer_lr: float, outer_momentum: float,
+                 prefix: str = "strategy.") -> None:
     if outer_optimizer not in OUTER_OPTIMIZERS:
-        raise ConfigError("strategy.outer_optimizer", f"unknown value {outer_optimizer!r}; "
+        raise ConfigError(prefix + "outer_optimizer", f"unknown value {outer_optimizer!r}; "
                           f"known: {', '.join(OUTER_OPTIMIZERS)}")
     if not outer_lr > 0:
-        raise ConfigError("strategy.outer_lr", f"must be > 0, got {outer_lr}")
+        raise ConfigError(prefix + "outer_lr", f"must be > 0, got {outer_lr}")
     if not 0 <= outer_momentum < 1:
-        raise ConfigError("strategy.outer_momentum", f"must be in [0, 1), got {outer_momentum}")
+        raise ConfigError(prefix + "outer_momentum", f"must be in [0, 1), got {outer_momentum}")
     if outer_optimizer == "nesterov" and outer_momentum == 0:
-        raise ConfigError("strategy.outer_momentum", "Nesterov needs a momentum > 0; for none "
+        raise ConfigError(prefix + "outer_momentum", "Nesterov needs a momentum > 0; for none "
                           "use outer_optimizer=\"sgd\"")
 
 
@@ -83,21 +128,6 @@ class DiLoCo(OuterLoop):
         self.outer_optimizer = torch.optim.SGD(self.outer_params, lr=outer_lr,
                                                momentum=outer_momentum,
                                                nesterov=outer_optimizer == "nesterov")
-
-    @classmethod
-    def _config_kwargs(cls, cfg) -> dict:
-        from ..compress import build_compressor
-        s = cfg.strategy
-        kw = from_config_kwargs(cfg)
-        kw.update(outer_optimizer=s.outer_optimizer, outer_lr=s.outer_lr,
-                  outer_momentum=s.outer_momentum,
-                  compressor=build_compressor(dataclasses.replace(cfg.compressor, name=s.compressor)))
-        return kw
-
-    @classmethod
-    def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None, levels=None):
-        warn_unused(cfg, comm, ("fragments", "delay", "alpha"))
-        return cls(model, optimizer, comm, nest=nest, levels=levels, **cls._config_kwargs(cfg))
 
     def _warmup_done(self) -> None:
         for f, outer in zip(self.fragments, self.outer_params):
@@ -171,8 +201,10 @@ class StreamingDiLoCo(DiLoCo):
                            levels=levels)
         self._init_outer(outer_optimizer, outer_lr, outer_momentum)
 
-    @classmethod
-    def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None, levels=None):
-        s = cfg.strategy
-        return cls(model, optimizer, comm, fragments=s.fragments, delay=s.delay, alpha=s.alpha,
-                   nest=nest, levels=levels, **cls._config_kwargs(cfg))
+
+METHOD = Method("diloco", DiLoCoSettings, build, "DiLoCo: H inner steps, then an outer "
+                "Nesterov step on the averaged pseudo-gradient", check=check_run, outer=True,
+                level=True)
+STREAMING_METHOD = Method("streaming-diloco", StreamingDiLoCoSettings, build, "streaming DiLoCo: "
+                          "DiLoCo over P staggered fragments, overlapped with τ inner steps",
+                          check=check_run, outer=True, level=True)

@@ -1,14 +1,15 @@
 """Decentralized gossip SGD: every step each rank averages parameters with a few graph neighbours."""
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from ..collectives import broadcast_
 from ..comm import Comm
 from ..errors import ConfigError
-from .base import Strategy
+from ..settings import Settings
+from .base import Context, Method, Strategy, check_compressor_name
 from .graphs import GRAPHS, Graph, build_graph
 from .outer import Fragment
 
@@ -192,27 +193,6 @@ class Gossip(Strategy):
         self._tx: dict[int, tuple] = {}          # async: dest -> (buffer, isend in flight)
         self.skipped_sends = 0
         self._started = False                    # async: this rank has taken part in a round
-
-    @classmethod
-    def from_config(cls, cfg, model, optimizer, comm):
-        from ..compress import COMPRESSORS
-        s = cfg.strategy
-        if cfg.compressor.name != "none":
-            raise ConfigError("compressor.name", "gossip exchanges parameters, not gradients; name "
-                              "the parameter compressor in strategy.compressor")
-        compressor = None
-        if s.compressor != "none":
-            compressor = COMPRESSORS[s.compressor](dataclasses.replace(cfg.compressor, name=s.compressor))
-        try:
-            graph = build_graph(s.graph, comm.size)
-        except ValueError as e:
-            raise ConfigError("strategy.graph", str(e)) from None
-        try:
-            return cls(model, optimizer, comm, graph=graph, mode=s.gossip_mode,
-                       order=s.gossip_order, compressor=compressor,
-                       consensus_step=s.consensus_step)
-        except ValueError as e:
-            raise ConfigError("strategy.gossip_mode", str(e)) from None
 
     # synchronous rounds -----------------------------------------------------------------------
     def degree(self, t: int | None = None) -> int:
@@ -453,7 +433,9 @@ class Gossip(Strategy):
         d = torch.tensor([float(torch.linalg.vector_norm(flat - mean))], dtype=torch.float64)
         return float(ctl.allreduce_(d)) / ctl.size
 
-    def log_fields(self, ctl: Comm) -> dict:
+    def metrics(self, ctl: Comm, final: bool = False) -> dict:
+        if final:
+            return self._summary(ctl)
         d = self.consensus_distance(ctl)
         self.history.append([self.steps, d])
         return {"consensus_distance": d}
@@ -462,7 +444,7 @@ class Gossip(Strategy):
         """Bytes this rank has sent in gossip rounds (from the ledger)."""
         return self._g.ledger.get(self.op, self._g.level).bytes_sent
 
-    def summary(self, ctl: Comm) -> dict:
+    def _summary(self, ctl: Comm) -> dict:
         sent = torch.tensor([float(self.gossip_bytes())], dtype=torch.float64)
         total = float(ctl.allreduce_(sent)) if ctl.size > 1 else float(sent)
         period = self.graph.period
@@ -498,3 +480,48 @@ class Gossip(Strategy):
             self._drain(final=True)
             self._absorb()
 
+
+@dataclass
+class GossipSettings(Settings):
+    """``[strategy]`` keys of ``gossip`` (whether a graph fits the rank count: at the start)."""
+    graph: str = "ring"            # ring | torus | exponential | one-peer-exponential | complete
+    gossip_mode: str = "dpsgd"     # "dpsgd" (Lian 2017) | "push-sum" (SGP) | "async"
+    gossip_order: str = "cta"      # "cta": mix then step, exchange overlapped | "atc"
+    compressor: str = "none"       # CHOCO: the parameters' compressor
+    consensus_step: float = 1.0    # CHOCO's γ (with compressor)
+
+    def validate(self, prefix: str = "") -> None:
+        self.one_of(prefix, "graph", GRAPHS)
+        self.one_of(prefix, "gossip_mode", MODES)
+        self.one_of(prefix, "gossip_order", ORDERS)
+        self.within(prefix, "consensus_step", 0, 1, low_open=True)
+        check_compressor_name(self, prefix)
+        if self.compressor != "none" and (self.gossip_mode != "dpsgd" or self.graph == "one-peer-exponential"):
+            raise ConfigError(prefix + "compressor", "compressed (CHOCO) gossip needs gossip_mode = "
+                              "\"dpsgd\" on a static graph")
+        if self.compressor == "none" and self.consensus_step != 1:
+            raise ConfigError(prefix + "consensus_step", "is CHOCO's γ: it needs a compressor")
+
+
+def check_run(s: GossipSettings, cfg, prefix: str) -> None:
+    if cfg.compressor.name != "none":
+        raise ConfigError("compressor.name", "gossip exchanges parameters, not gradients; name the "
+                          "parameter compressor in strategy.compressor")
+
+
+def build(s: GossipSettings, model, optimizer, comm: Comm, ctx: Context) -> Gossip:
+    """CHOCO takes the bare compressor: its x̂ already is an error memory."""
+    compressor = ctx.bare_compressor(s.compressor) if s.compressor != "none" else None
+    try:
+        graph = build_graph(s.graph, comm.size)
+    except ValueError as e:
+        raise ConfigError("strategy.graph", str(e)) from None
+    try:
+        return Gossip(model, optimizer, comm, graph=graph, mode=s.gossip_mode, order=s.gossip_order,
+                      compressor=compressor, consensus_step=s.consensus_step)
+    except ValueError as e:
+        raise ConfigError("strategy.gossip_mode", str(e)) from None
+
+
+METHOD = Method("gossip", GossipSettings, build, "decentralized gossip (D-PSGD, SGP, AD-PSGD, "
+                "CHOCO): average with graph neighbours", check=check_run)

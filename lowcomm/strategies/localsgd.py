@@ -3,9 +3,32 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from ..comm import Comm
 from ..errors import ConfigError
-from .outer import Fragment, Nesting, OuterLoop, from_config_kwargs, warn_unused
+from .base import Context, Method
+from .outer import Fragment, Nesting, OuterLoop, OuterSettings, check_run
+
+
+@dataclass
+class LocalSGDSettings(OuterSettings):
+    """``[strategy]`` keys of ``localsgd``: ``period`` H, ``warmup_steps`` W, ``algorithm`` (and
+    the warm-up's SyncDP keys)."""
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        if self.compressor != "none":
+            raise ConfigError(prefix + "compressor", "localsgd averages parameters, which have no "
+                              "error to feed back; to compress, use strategy.name=\"diloco\" with "
+                              "outer_optimizer=\"sgd\", outer_lr=1, outer_momentum=0 (the same "
+                              "update on the compressed pseudo-gradient)")
+
+
+def build(s: LocalSGDSettings, model, optimizer, comm: Comm, ctx: Context) -> "LocalSGD":
+    return LocalSGD(model, optimizer, comm, **s.kwargs(ctx))
+
+
 
 
 class LocalSGD(OuterLoop):
@@ -48,18 +71,12 @@ class LocalSGD(OuterLoop):
                          algorithm=algorithm, warmup_options=warmup_options, nest=nest,
                          levels=levels)
 
-    @classmethod
-    def from_config(cls, cfg, model, optimizer, comm, nest: Nesting | None = None, levels=None):
-        if cfg.strategy.compressor != "none":
-            raise ConfigError("strategy.compressor", "localsgd averages parameters, which have no "
-                              "error to feed back; to compress, use strategy.name=\"diloco\" with "
-                              "outer_optimizer=\"sgd\", outer_lr=1, outer_momentum=0 (the same "
-                              "update on the compressed pseudo-gradient)")
-        warn_unused(cfg, comm, ("fragments", "delay", "alpha"))
-        return cls(model, optimizer, comm, nest=nest, levels=levels, **from_config_kwargs(cfg))
-
     def _outgoing(self, f: Fragment) -> torch.Tensor:
         return f.pack()
 
     def _apply(self, f: Fragment, avg: torch.Tensor) -> None:
         f.unpack_(avg)
+
+
+METHOD = Method("localsgd", LocalSGDSettings, build, "Local SGD: H local steps, then average "
+                "the parameters", check=check_run, outer=True, level=True)

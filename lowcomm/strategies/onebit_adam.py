@@ -40,7 +40,9 @@ class OneBitAdam(Strategy):
     warm-up a dense all-reduce of 4d.
 
     Args:
-        model, optimizer: the user's model and a ``torch.optim.Adam`` over its parameters
+        model, optimizer: the user's model and a ``torch.optim.Adam`` or ``AdamW`` (decoupled
+            weight decay, Loshchilov & Hutter 2019: ``x ← x(1 − lr·λ)`` before step 5 instead
+            of the L2 term of step 2) over its parameters
             (no amsgrad, no maximize).
         comm: communicator (default: world).
         freeze_step: warm-up steps with dense Adam, ≥ 1.
@@ -56,8 +58,9 @@ class OneBitAdam(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, freeze_step: int = 100):
         super().__init__(model, optimizer, comm)
-        if type(optimizer) is not torch.optim.Adam:
-            raise TypeError(f"1-bit Adam wraps torch.optim.Adam, got {type(optimizer).__name__}")
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            raise TypeError(f"1-bit Adam wraps torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
+        self.decoupled = type(optimizer) is torch.optim.AdamW   # AdamW's weight decay
         for i, g in enumerate(optimizer.param_groups):
             for opt in ("amsgrad", "maximize"):
                 if g.get(opt):
@@ -89,22 +92,6 @@ class OneBitAdam(Strategy):
         self._comm.validate = False
         self._inside = False
         self._hook = optimizer.register_step_pre_hook(self._guard)
-
-    @classmethod
-    def from_config(cls, cfg, model, optimizer, comm):
-        s = cfg.strategy
-        if s.name != "syncdp":
-            raise ConfigError("strategy.name", f"optimizer.name=onebit-adam is its own data-parallel "
-                              f"strategy; leave strategy.name = \"syncdp\", got {s.name!r}")
-        if s.backend != "mpi":
-            raise ConfigError("strategy.backend", "onebit-adam runs on the mpi backend only")
-        if cfg.compressor.name != "none":
-            raise ConfigError("compressor.name", "onebit-adam compresses its momentum itself; "
-                              f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
-        if cfg.optimizer.freeze_step < 1:
-            raise ConfigError("optimizer.freeze_step", f"must be >= 1 for onebit-adam (dense Adam "
-                              f"warm-up before the variance is frozen), got {cfg.optimizer.freeze_step}")
-        return cls(model, optimizer, comm, freeze_step=cfg.optimizer.freeze_step)
 
     def _guard(self, *_):
         if not self._inside:
@@ -152,7 +139,7 @@ class OneBitAdam(Strategy):
             n = p.numel()
             st = self.optimizer.state[p]
             grad = grads[off:off + n].view_as(p)
-            if g["weight_decay"]:
+            if g["weight_decay"] and not self.decoupled:     # Adam: L2 term in the gradient
                 grad = grad.add(p, alpha=g["weight_decay"])
             beta1 = g["betas"][0]
             torch.add(st["exp_avg"].mul(beta1), grad, alpha=1 - beta1, out=u[off:off + n].view_as(p))
@@ -169,6 +156,8 @@ class OneBitAdam(Strategy):
             c1 = 1 - beta1 ** step
             c2 = 1 - beta2 ** self.freeze_step
             denom = (st["exp_avg_sq"].sqrt() / math.sqrt(c2)).add_(g["eps"])
+            if g["weight_decay"] and self.decoupled:         # AdamW: x ← x(1 − lr·λ) first
+                p.mul_(1 - g["lr"] * g["weight_decay"])
             p.addcdiv_(st["exp_avg"], denom, value=-g["lr"] / c1)
             off += n
 
@@ -218,8 +207,26 @@ class OneBitAdam(Strategy):
         self.worker_error.copy_(state["worker_error"])
         self.server_error.copy_(state["server_error"])
 
-    def summary(self, ctl: Comm) -> dict:
+    def metrics(self, ctl: Comm, final: bool = False) -> dict:
+        if not final:
+            return {}
         return {"freeze_step": self.freeze_step, "compressed_steps": max(0, self.t - self.freeze_step)}
 
     def close(self) -> None:
         self._hook.remove()
+
+
+def check_run(cfg) -> None:
+    """``optimizer.name = "onebit-adam"``: 1-bit Adam is its own data-parallel strategy."""
+    name = cfg.strategy.get("name", "syncdp")
+    if name != "syncdp" or cfg.policy:
+        raise ConfigError("strategy.name", f"optimizer.name=onebit-adam is its own data-parallel "
+                          f"strategy; leave strategy.name = \"syncdp\" and no policy, got {name!r}")
+    if cfg.strategy.get("backend", "mpi") != "mpi":
+        raise ConfigError("strategy.backend", "onebit-adam runs on the mpi backend only")
+    if cfg.compressor.name != "none":
+        raise ConfigError("compressor.name", "onebit-adam compresses its momentum itself; "
+                          f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
+    if cfg.optimizer.freeze_step < 1:
+        raise ConfigError("optimizer.freeze_step", f"must be >= 1 for onebit-adam (dense Adam "
+                          f"warm-up before the variance is frozen), got {cfg.optimizer.freeze_step}")

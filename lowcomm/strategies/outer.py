@@ -16,7 +16,8 @@ from ..comm import Comm
 from ..compress.base import Compressor, Segment
 from ..errors import CommError, ConfigError
 from ..ledger import Ledger
-from .base import Strategy, balance
+from .base import Context, Strategy, balance, check_compressor_name
+from .syncdp import SyncDPSettings
 
 log = logging.getLogger("lowcomm.strategies.outer")
 
@@ -169,6 +170,7 @@ class OuterLoop(Strategy):
             raise ValueError("the model has no trainable parameters")
         self.fragments = partition(named, fragments, self.period)
         self.t = 0                                   # inner steps taken
+        self._dirty: set[int] = set()                # fragments stepped locally since their sync
         self.syncs: list[list[int]] = []             # [local step, fragment, bytes sent here]
         self._in_flight: list[_InFlight] = []
         self._dense = None
@@ -233,6 +235,7 @@ class OuterLoop(Strategy):
         if s == 0:
             self._end_warmup()
         elif s > 0:
+            self._dirty = {f.index for f in self.fragments}
             for item in [i for i in self._in_flight if i.apply_at == s]:
                 self._in_flight.remove(item)
                 self._land(item)
@@ -283,6 +286,8 @@ class OuterLoop(Strategy):
         avg, rows = item.future.result()
         self._charge(item, rows)
         self._apply(self.fragments[item.fragment], avg)
+        if self.alpha == 0:                          # every rank now holds the same fragment
+            self._dirty.discard(item.fragment)
 
     def _drain(self) -> None:
         """Wait for every reduction in flight (their results stay queued for their step)."""
@@ -333,7 +338,9 @@ class OuterLoop(Strategy):
         if self._inner is not None:
             self._inner.load_state_dict(state["inner"])
 
-    def summary(self, ctl: Comm) -> dict:
+    def metrics(self, ctl: Comm, final: bool = False) -> dict:
+        if not final:
+            return self._inner.metrics(ctl) if self._inner is not None else {}
         mine = torch.tensor([float(b) for _, _, b in self.syncs], dtype=torch.float64)
         counts = ctl.allgather_object(len(mine))
         if len(set(counts)) != 1:
@@ -347,8 +354,19 @@ class OuterLoop(Strategy):
                "sync_bytes_mean": float(mine.mean()) if len(mine) else 0.0,
                "fragment_numel": [f.numel for f in self.fragments]}
         if self._inner is not None:
-            out["inner"] = {"strategy": self._inner.name, **self._inner.summary(ctl)}
+            out["inner"] = {"strategy": self._inner.name, **self._inner.metrics(ctl, final=True)}
         return out
+
+    def finish(self) -> None:
+        """Deliver one model on every rank. When local steps followed a fragment's last
+        synchronisation (a partial last period, streaming fragments still in flight at the
+        end, α > 0), the ranks' parameters of those fragments are averaged,
+        θ ← (1/K) Σ_k θ_k: one dense all-reduce, charged to the run. Otherwise (the run ended on
+        a synchronisation) nothing is sent: the ranks are equal already."""
+        for f in self.fragments:
+            if f.index in self._dirty:
+                f.unpack_(allreduce_(f.pack(), self.comm, "mpi", op="avg"))
+        self._dirty.clear()
 
     def close(self) -> None:
         """Finish reductions still in flight (their traffic is charged, their updates, due after
@@ -367,21 +385,39 @@ class OuterLoop(Strategy):
             self._inner.close()
 
 
-def from_config_kwargs(cfg) -> dict:
-    """Arguments every outer loop takes from a :class:`~lowcomm.config.Config`."""
-    from .syncdp import SyncDP
-    s = cfg.strategy
-    warmup = SyncDP.config_kwargs(cfg)
-    del warmup["algorithm"], warmup["backend"]      # the outer loop's own; backend is "mpi"
-    return dict(period=s.period, warmup_steps=s.warmup_steps, algorithm=s.algorithm,
-                warmup_options=warmup)
+@dataclass
+class OuterSettings(SyncDPSettings):
+    """``[strategy]`` keys every outer loop takes: H, the dense warm-up W and its SyncDP keys
+    (``algorithm`` is also the synchronisation's all-reduce). ``compressor`` here names the
+    pseudo-gradient's compressor; the warm-up's gradients use the run's ``[compressor]``."""
+    period: int = 1                # H: inner steps between synchronisations
+    warmup_steps: int = 0          # W: dense SyncDP steps first (post-local SGD)
+    compressor: str = "none"       # the pseudo-gradient's compressor (DiLoCo family)
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        self.at_least(prefix, "period", 1)
+        self.at_least(prefix, "warmup_steps", 0)
+        check_compressor_name(self, prefix)
+        if self.backend != "mpi":
+            raise ConfigError(prefix + "backend", "outer loops send lowcomm's own messages; use "
+                              "backend = \"mpi\"")
+        if self.algorithm == "hierarchical" and "policy." in prefix:
+            raise ConfigError(prefix + "algorithm", "an outer loop reduces among unit leaders; "
+                              "use mpi, ring, rabenseifner or tree")
+
+    def kwargs(self, ctx: Context) -> dict:
+        """Arguments every outer loop's constructor takes."""
+        warmup = SyncDPSettings(**{k: getattr(self, k) for k in SyncDPSettings.fields()
+                                   if k != "compressor"}).kwargs(ctx)
+        del warmup["algorithm"]                      # the outer loop's own
+        return dict(period=self.period, warmup_steps=self.warmup_steps, algorithm=self.algorithm,
+                    warmup_options=warmup, nest=ctx.nest, levels=ctx.levels)
 
 
-def warn_unused(cfg, comm: Comm, keys: tuple[str, ...]) -> None:
-    """Log (rank 0) the streaming keys a non-streaming outer loop does not use."""
-    from ..config import StrategyConfig
-    s, default = cfg.strategy, StrategyConfig()
-    unused = [k for k in keys if getattr(s, k) != getattr(default, k)]
-    if unused and comm.rank == 0:
-        log.warning("strategy.%s: used by streaming-diloco only; %s ignores %s", unused[0],
-                    s.name, ", ".join(f"strategy.{k}" for k in unused))
+def check_run(s: OuterSettings, cfg, prefix: str) -> None:
+    """Combinations with the run's keys (the run's ``[compressor]`` only acts in the warm-up)."""
+    if cfg.compressor.name != "none" and s.warmup_steps == 0 and prefix == "strategy.":
+        raise ConfigError("compressor.name", "compresses gradients, which an outer loop exchanges "
+                          "only during strategy.warmup_steps (0 here); the pseudo-gradient's "
+                          "compressor is strategy.compressor")

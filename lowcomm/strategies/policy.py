@@ -31,100 +31,83 @@ datacenter sends one copy of its pseudo-gradient across, not one per rank.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
-from ..config import POLICY_KEYS, Config, parse_policy, validate
 from ..errors import ConfigError
+from .base import Context, Method
 from .outer import Nesting
 
-def level_config(cfg: Config, level: str, name: str, opts: dict) -> Config:
-    """The run's config with ``level``'s policy applied: strategy name and its options; errors
-    name ``policy.<level>.<key>``."""
-    s = dict(opts)
-    compressor = s.pop("compressor", None)
-    strategy = dataclasses.replace(cfg.strategy, name=name, **s)
-    out = dataclasses.replace(cfg, strategy=strategy, policy={})
-    if compressor is not None:
-        if name == "syncdp":
-            out.compressor = dataclasses.replace(cfg.compressor, name=compressor)
-        else:
-            out.strategy.compressor = compressor
-    if name != "syncdp" and out.compressor.name != "none":
-        out.compressor = dataclasses.replace(cfg.compressor, name="none")   # no warm-up here
-    try:
-        return validate(out)
-    except ConfigError as e:
-        if e.key in ("compressor.name", "strategy.compressor"):
-            key = f"policy.{level}.compressor"
-        elif e.key.startswith("strategy.") and e.key.removeprefix("strategy.") in opts:
-            key = f"policy.{level}.{e.key.removeprefix('strategy.')}"
-        else:
-            key = f"{e.key} (with policy.{level})"
-        raise ConfigError(key, e.reason) from None
+
+@dataclass
+class Level:
+    """One level of a policy: its name in the topology, the method, the method's settings and
+    the options its spec gave (``policy.<level> = "NAME:key=value,..."``)."""
+    name: str
+    method: Method
+    settings: object
+    options: dict
 
 
-def levels_plan(cfg: Config, names: tuple[str, ...]) -> tuple[list[tuple[str, str, dict]], int]:
-    """``[(level, name, options)]`` outermost first, and the index of the first per-step level
-    (``len(names)`` when there is none). Checks that per-step levels are innermost."""
-    unknown = sorted(set(cfg.policy) - set(names))
-    if unknown:
-        raise ConfigError(f"policy.{unknown[0]}", f"no such level in topology "
-                          f"{cfg.topology or '(from the environment)'}; levels: {', '.join(names)}")
-    plan = [(lvl, *parse_policy(lvl, cfg.policy.get(lvl, "syncdp"))) for lvl in names]
+def check_plan(plan: list[Level], gradient_compressor: str = "none") -> int:
+    """The index of the first per-step (syncdp) level, ``len(plan)`` when there is none; checks
+    that per-step levels are innermost and share their options. ``plan`` is outermost first."""
     first = len(plan)
-    while first > 0 and plan[first - 1][1] == "syncdp":
+    while first > 0 and not plan[first - 1].method.outer:
         first -= 1
-    for lvl, name, _ in plan[:first]:
-        if name == "syncdp":
-            below = next(p for p in plan[plan.index((lvl, name, _)) + 1:] if p[1] != "syncdp")
-            raise ConfigError(f"policy.{lvl}", f"syncdp (every step) above policy.{below[0]}="
-                              f"{below[1]} (every period): a level cannot synchronise more often "
-                              f"than the levels inside it")
-    if first == len(plan) and cfg.compressor.name != "none":
+    for i, lvl in enumerate(plan[:first]):
+        if not lvl.method.outer:
+            below = next(p for p in plan[i + 1:] if p.method.outer)
+            raise ConfigError(f"policy.{lvl.name}", f"{lvl.method.name} (every step) above "
+                              f"policy.{below.name}={below.method.name} (every period): a level "
+                              "cannot synchronise more often than the levels inside it")
+    if first == len(plan) and gradient_compressor != "none":
         raise ConfigError("compressor.name", "compresses gradients, which only syncdp levels "
                           "exchange, and this policy has none; compress an outer loop's "
                           "pseudo-gradient with policy.<level>=\"diloco:compressor=...\"")
-    steps = {tuple(sorted(o.items())) for _, _, o in plan[first:]}
-    if len(steps) > 1:
-        raise ConfigError(f"policy.{plan[first][0]}", "the per-step (syncdp) levels "
-                          f"{', '.join(p[0] for p in plan[first:])} must share their options "
+    if len({tuple(sorted(p.options.items())) for p in plan[first:]}) > 1:
+        raise ConfigError(f"policy.{plan[first].name}", "the per-step (syncdp) levels "
+                          f"{', '.join(p.name for p in plan[first:])} must share their options "
                           "(they run as one hierarchical SyncDP)")
-    return plan, first
+    return first
 
 
-def build_policy(cfg: Config, model, optimizer, comm, levels):
-    """The strategy of ``cfg.policy`` on ``comm``; ``levels``: the topology's communicators over
-    ``comm`` (:meth:`lowcomm.topology.Topology.comms`)."""
-    from .syncdp import SyncDP
-    from . import STRATEGIES
+def build_policy(plan: list[Level], model, optimizer, comm, ctx: Context):
+    """The strategy of a per-level ``plan`` (outermost level first) on ``comm``. ``ctx.levels``:
+    the topology's communicators over ``comm`` (:meth:`lowcomm.topology.Topology.comms`), whose
+    levels must be exactly the plan's."""
+    levels = ctx.levels
+    if levels is None:
+        raise ConfigError("policy", "a per-level policy needs the topology's communicators: "
+                          "build the Context with levels=Topology.from_env(comm, spec).comms(comm)")
     names = levels.names
-    plan, first = levels_plan(cfg, names)
+    if tuple(p.name for p in plan) != tuple(names):
+        raise ConfigError("policy", f"the plan's levels {[p.name for p in plan]} are not the "
+                          f"topology's {list(names)}")
+    first = check_plan(plan, ctx.compressor.name)
     strategy = None
-    if first < len(plan):                    # the per-step levels: one SyncDP over their span
-        lvl, name, opts = plan[first]
-        sub = level_config(cfg, lvl, name, opts)
+    if first < len(plan):                    # the per-step levels: one strategy over their span
+        lvl = plan[first]
+        s = lvl.settings
         scope = comm if first == 0 else levels.group(names[first - 1])
-        if first == 0 and len(names) > 1 and "algorithm" not in opts:
-            sub.strategy.algorithm = "hierarchical"
-        elif first > 0 and sub.strategy.algorithm == "hierarchical":
-            raise ConfigError(f"policy.{lvl}.algorithm", "hierarchical spans the whole job; "
+        if first == 0 and len(names) > 1 and "algorithm" not in lvl.options:
+            s = dataclasses.replace(s, algorithm="hierarchical")
+        elif first > 0 and getattr(s, "algorithm", "") == "hierarchical":
+            raise ConfigError(f"policy.{lvl.name}.algorithm", "hierarchical spans the whole job; "
                               "inside a unit use mpi, ring, rabenseifner or tree")
-        strategy = SyncDP.from_config(sub, model, optimizer, scope,
-                                      levels=levels if first == 0 else None)
+        strategy = lvl.method.build(s, model, optimizer, scope, ctx)
+    outer_ctx = dataclasses.replace(ctx, compressor=dataclasses.replace(ctx.compressor, name="none"))
     for i in range(first - 1, -1, -1):       # outer loops, innermost first
-        lvl, name, opts = plan[i]
-        sub = level_config(cfg, lvl, name, opts)
-        if sub.strategy.algorithm == "hierarchical":
-            raise ConfigError(f"policy.{lvl}.algorithm", "an outer loop reduces among unit "
-                              "leaders; use mpi, ring, rabenseifner or tree")
+        lvl = plan[i]
         scope = comm if i == 0 else levels.group(names[i - 1])
         innermost = i == len(names) - 1
-        inside = None if innermost else levels.group(lvl)
-        peers = levels.peers(lvl)
+        inside = None if innermost else levels.group(lvl.name)
+        peers = levels.peers(lvl.name)
         leaders = peers if inside is not None and inside.rank == 0 else None
         nest = Nesting(strategy, inside, leaders,
                        average_inside=strategy is not None and i + 1 < first)
-        strategy = STRATEGIES[name].from_config(sub, model, optimizer, scope, nest=nest)
+        strategy = lvl.method.build(lvl.settings, model, optimizer, scope,
+                                    dataclasses.replace(outer_ctx, nest=nest))
     return strategy
 
 
-__all__ = ["POLICY_KEYS", "build_policy", "level_config", "levels_plan"]
+__all__ = ["Level", "build_policy", "check_plan"]

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .. import runtime as T
+from ..runtime import evaluate, nonfinite, params_sha256, restore, snapshot
 from ..comm import Comm, init
 from ..errors import LowcommError, NonFiniteError
 from .async_ps import PUSH, AsyncPS, ServerLost, WorkersLost, recovery_enabled
@@ -102,24 +102,15 @@ def _skip_mpi_finalize(code: int) -> None:
     atexit.register(bye)
 
 
-def train_async_ps(cfg, out: str | Path | None = None, comm: Comm | None = None,
-                   progress: bool = True, resume: str | Path | None = None, *,
-                   build_model=None) -> dict:
-    """Train ``cfg`` with the asynchronous parameter server; rank 0 returns (and writes) the
-    summary, other ranks their own counters. Raises :class:`WorkersLost` (exit status 4) on rank
-    0, after writing the summary, when workers were lost.
-
-    ``build_model(cfg)``: the model factory (default :func:`lowcomm.runtime.build_model`;
-    :func:`lowcomm.train.train` passes its own, so that both loops build models alike)."""
-    comm = comm or init()
-    ctl, out, ckpt = T.open_run(cfg, comm, out)
-    rank, K, s = comm.rank, comm.size, cfg.strategy
-
-    torch.manual_seed(cfg.seed)
-    corpus = T.Corpus.load(cfg.data.path, cfg.data.max_bytes, cfg.data.eval_fraction)
-    model = (build_model or T.build_model)(cfg)
-    ps = AsyncPS.from_config(cfg, model, T.build_optimizer(cfg, model.parameters()), comm)
+def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path | None, ckpt,
+                 progress: bool = True, resume: str | Path | None = None) -> dict:
+    """The part of :func:`lowcomm.loop.run` that is the parameter server's: servers serve,
+    workers train; rank 0 returns (and writes) the summary, other ranks their own counters.
+    Raises :class:`WorkersLost` (exit status 4) on rank 0, after writing the summary, when
+    workers were lost."""
+    rank, K, s = comm.rank, comm.size, ps
     n_params = sum(p.numel() for p in model.parameters())
+    held_out = task.eval_batches(cfg) if cfg.eval_batches else []
     S, W, B = ps.servers, ps.workers, cfg.batch_size
     if rank == 0 and recovery_enabled() is False:
         log.warning("async-ps: Open MPI's mpirun ends the whole job when any rank dies; launch "
@@ -132,13 +123,13 @@ def train_async_ps(cfg, out: str | Path | None = None, comm: Comm | None = None,
     wloop = {"skipped": 0, "wall_s": 0.0}
     first = 1
     if resume:
-        step, loop = T.restore(resume, cfg, comm, ctl, model, ps, out)
+        step, loop = restore(resume, cfg, comm, ctl, model, ps, out)
         (lg if ps.is_server else wloop).update(loop)
         first = step + 1
     every = cfg.checkpoint.every if ckpt else 0
 
     def save(step: int, loop: dict):
-        ckpt.save(step, T.snapshot(model, ps, comm, loop), cfg.to_dict())
+        ckpt.save(step, snapshot(model, ps, comm, loop), cfg.to_dict())
 
     ctl.barrier()
     t0 = time.perf_counter()
@@ -164,7 +155,7 @@ def train_async_ps(cfg, out: str | Path | None = None, comm: Comm | None = None,
                    # message rounds per rank (a push and a pull per gradient and server)
                    "comm_s": comm.ledger.totals()["seconds"], "rounds": 2 * lg["gradients"] * S / K}
             if cfg.eval_batches and cfg.eval_every and step % cfg.eval_every == 0 and S == 1:
-                row["eval_loss"] = T.evaluate(model, corpus, cfg, self_comm)
+                row["eval_loss"] = evaluate(model, task, held_out, self_comm)
             lg["window"], lg["sigma"], lg["lag"], lg["step"] = [], [], 0, step
             if metrics:
                 metrics.write(json.dumps(row) + "\n")
@@ -243,17 +234,17 @@ def train_async_ps(cfg, out: str | Path | None = None, comm: Comm | None = None,
                            _recv_from(ctl, S + w, limit, f"worker {w}"))
         ps.close()
         _skip_mpi_finalize(WorkersLost.exit_code if lost else 0)
-        return _summary(cfg, T, model, corpus, comm, ps, reports, lost, finished, n_params, lg,
-                        max(r["wall_s"] for r in reports), out)
+        return _summary(cfg, model, task, held_out, comm, ps, reports, lost, finished,
+                        n_params, lg, max(r["wall_s"] for r in reports), out)
 
     # worker ---------------------------------------------------------------------------------
     w = ps.index
     skipped = wloop["skipped"]
     try:
         for step in itertools.count(first):   # until a server says the run's budget is spent
-            x, y = corpus.batch(step, w, W, B, cfg.data.seq_len, cfg.seed)
+            batch = task.batch(step, w, W, cfg)
             ps.zero_grad()
-            loss = model.loss(x, y)
+            loss = task.loss(model, batch)
             value = loss.item()
             ps.note_loss(value)
             if not math.isfinite(value):
@@ -267,7 +258,7 @@ def train_async_ps(cfg, out: str | Path | None = None, comm: Comm | None = None,
                     break
                 continue
             loss.backward()           # full shards are pushed from inside the backward pass
-            bad = T.nonfinite(loss, model)
+            bad = nonfinite(loss, model)
             if bad and cfg.on_nonfinite == "skip":
                 log.warning("rank %d step %d: %s is not finite; this worker skips the step",
                             rank, step, bad)
@@ -293,10 +284,11 @@ def train_async_ps(cfg, out: str | Path | None = None, comm: Comm | None = None,
                                                                      if k != "ledger"}}
 
 
-def _summary(cfg, T, model, corpus, comm, ps, reports, lost, finished, n_params, lg, wall, out):
+def _summary(cfg, model, task, held_out, comm, ps, reports, lost, finished, n_params, lg,
+             wall, out):
     S, W = ps.servers, ps.workers
     self_comm = Comm.self_comm(comm.watchdog)
-    eval_loss = T.evaluate(model, corpus, cfg, self_comm) if cfg.eval_batches else float("nan")
+    eval_loss = evaluate(model, task, held_out, self_comm) if held_out else float("nan")
     by_level: dict[str, int] = {}
     for rep in reports:
         for row in rep["ledger"]:
@@ -309,7 +301,7 @@ def _summary(cfg, T, model, corpus, comm, ps, reports, lost, finished, n_params,
     applied = servers[0]["applied"]
     samples = sum(applied) * cfg.batch_size
     summary = {
-        "method": cfg.method, "ranks": comm.size, "steps": cfg.steps, "params": n_params,
+        "method": cfg.method, "task": task.where, "ranks": comm.size, "steps": cfg.steps, "params": n_params,
         "final_loss": lg["recent"], "eval_loss": eval_loss,
         "bytes_total": int(total), "bytes_by_level": {k: int(v) for k, v in sorted(by_level.items())},
         "bytes_per_step_per_rank": total / comm.size / cfg.steps,
@@ -325,7 +317,7 @@ def _summary(cfg, T, model, corpus, comm, ps, reports, lost, finished, n_params,
         "workers_lost": [lost[w] for w in sorted(lost)],
         "status": "ok" if not lost else f"{len(lost)} of {W} workers lost",
         "mpirun_recovery": recovery_enabled(),
-        "params_sha256": T.params_sha256(model),
+        "params_sha256": params_sha256(model),
         "ledger_rank0": comm.ledger.rows(),
         "config": cfg.to_dict(),
     }

@@ -1,16 +1,60 @@
 """Synchronous data parallelism: every step, average the gradients of all ranks."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
-from ..collectives import broadcast_
+from ..collectives import ALGORITHMS, broadcast_
 from ..comm import Comm
-from ..errors import LowcommError
+from ..errors import ConfigError, LowcommError
 from ..reducer import Reducer
-from .base import Strategy
+from ..settings import Settings
+from .base import Context, Method, Strategy, check_compressor_name
 
 BACKENDS = ("mpi", "horovod")
+
+
+@dataclass
+class SyncDPSettings(Settings):
+    """``[strategy]`` keys of ``syncdp`` (and of the outer loops' dense warm-up)."""
+    algorithm: str = "mpi"             # all-reduce algorithm (lowcomm.collectives.ALGORITHMS)
+    bucket_mb: float = 4.0             # bucket size in MiB
+    backward_passes_per_step: int = 1  # gradient accumulation N
+    overlap: bool = True               # reduce buckets during backward
+    backend: str = "mpi"               # "mpi" (lowcomm's reducer) or "horovod"
+    compressor: str = ""               # gradient compressor; "" = the run's [compressor] table
+
+    def validate(self, prefix: str = "") -> None:
+        self.one_of(prefix, "algorithm", list(ALGORITHMS))
+        self.one_of(prefix, "backend", BACKENDS)
+        self.within(prefix, "bucket_mb", 0, float("inf"), low_open=True)
+        self.at_least(prefix, "backward_passes_per_step", 1)
+        check_compressor_name(self, prefix, allow_empty=True)
+        if self.backend == "horovod" and self.algorithm != "mpi":
+            raise ConfigError(prefix + "algorithm", "Horovod chooses its own all-reduce; leave "
+                              f"algorithm = \"mpi\" with backend = \"horovod\", got {self.algorithm!r}")
+
+    def kwargs(self, ctx: Context) -> dict:
+        """The constructor's keyword arguments (also the outer loops' dense warm-up, which
+        drops ``algorithm`` and ``backend``)."""
+        return dict(algorithm=self.algorithm, bucket_mb=self.bucket_mb,
+                    backward_passes_per_step=self.backward_passes_per_step, overlap=self.overlap,
+                    compressor=ctx.gradient_compressor(self.compressor or None),
+                    nonfinite="zero" if ctx.nonfinite == "skip" else "raise")
+
+
+def build(s: SyncDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
+    """SyncDP, or :class:`~lowcomm.backends.horovod.HorovodDP` for ``backend = "horovod"``."""
+    if s.backend == "horovod":
+        from ..backends.horovod import HorovodDP    # refuses non-summable compressors
+        return HorovodDP(model, optimizer, comm, s.backward_passes_per_step,
+                         ctx.gradient_compressor(s.compressor or None))
+    return SyncDP(model, optimizer, comm, levels=ctx.levels, **s.kwargs(ctx))
+
+
+METHOD = Method("syncdp", SyncDPSettings, build,
+                "synchronous data parallelism: gradients averaged every step", level=True)
 
 
 class SyncDP(Strategy):
@@ -32,8 +76,6 @@ class SyncDP(Strategy):
         bucket_mb: bucket size in MiB.
         backward_passes_per_step: gradient accumulation factor N ≥ 1.
         overlap: reduce buckets during backward (True) or all at once in ``step()``.
-        backend: "mpi" (lowcomm's reducer) or "horovod" (``hvd.DistributedOptimizer`` on the
-            same communicator).
         compressor: a :class:`~lowcomm.compress.Compressor` applied to every bucket (None:
             dense all-reduce with ``algorithm``).
         nonfinite: "raise" (a NaN/Inf gradient is an error, never sent) or "zero" (the caller
@@ -51,23 +93,16 @@ class SyncDP(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, algorithm: str = "mpi", bucket_mb: float = 4.0,
-                 backward_passes_per_step: int = 1, overlap: bool = True, backend: str = "mpi",
+                 backward_passes_per_step: int = 1, overlap: bool = True,
                  compressor=None, nonfinite: str = "raise", levels=None):
         super().__init__(model, optimizer, comm)
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
         if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
-        self.backend, self.algorithm, self.compressor = backend, algorithm, compressor
+        self.algorithm, self.compressor = algorithm, compressor
         self.passes = int(backward_passes_per_step)
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if backend == "horovod":
-            from ..backends.horovod import HorovodOptimizer   # refuses non-summable compressors
-            self._hvd = HorovodOptimizer(model, optimizer, self.comm, self.passes, compressor)
-            return
-        self._hvd = None
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self.reducer = Reducer(self.comm, self._named[::-1], algorithm, int(bucket_mb * (1 << 20)),
                                op="avg", overlap=overlap, compressor=compressor,
@@ -76,23 +111,6 @@ class SyncDP(Strategy):
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._named] \
             if overlap else []
         self._step_hook = optimizer.register_step_pre_hook(lambda *_: self.synchronize())
-
-    @staticmethod
-    def config_kwargs(cfg) -> dict:
-        """The constructor's keyword arguments from a :class:`~lowcomm.config.Config` (also
-        the outer loops' dense warm-up, less ``algorithm`` and ``backend``)."""
-        from ..compress import build_compressor
-        s = cfg.strategy
-        return dict(algorithm=s.algorithm, bucket_mb=s.bucket_mb,
-                    backward_passes_per_step=s.backward_passes_per_step, overlap=s.overlap,
-                    backend=s.backend, compressor=build_compressor(cfg.compressor),
-                    nonfinite="zero" if cfg.on_nonfinite == "skip" else "raise")
-
-    @classmethod
-    def from_config(cls, cfg, model, optimizer, comm, levels=None):
-        """Build from a :class:`~lowcomm.config.Config`; ``levels``: the topology's
-        communicators, for ``strategy.algorithm = "hierarchical"``."""
-        return cls(model, optimizer, comm, levels=levels, **cls.config_kwargs(cfg))
 
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
@@ -122,42 +140,24 @@ class SyncDP(Strategy):
             self._count[n] = 0
 
     def step(self, closure=None):
-        if self._hvd is not None:
-            return self._hvd.step(closure)
         return self.optimizer.step(closure)  # the pre-hook synchronises first
 
     def skip(self) -> None:
-        if self._hvd is not None:
-            self._hvd.synchronize()
-        else:
-            self.synchronize()   # every rank takes part in the same reductions, then drops them
+        self.synchronize()   # every rank takes part in the same reductions, then drops them
         self.zero_grad()
 
     def state_dict(self) -> dict:
-        if self._hvd is not None:   # Horovod steps its own copy of the optimizer
-            return {"optimizer": self._hvd.optimizer.state_dict()}
         state = super().state_dict()
         if self.compressor is not None:
             state["compressor"] = self.compressor.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if self._hvd is not None:
-            self._hvd.optimizer.load_state_dict(state["optimizer"])
-            return
         super().load_state_dict(state)
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._hvd is not None:
-            self._hvd.zero_grad()
-        else:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-
     def close(self) -> None:
-        if self._hvd is not None:
-            return
         for h in self._hooks:
             h.remove()
         self._step_hook.remove()

@@ -10,38 +10,31 @@ import signal
 
 import torch
 
-import lowcomm.train
+import lowcomm.tasks.bytelm as bytelm
 from lowcomm.cli import launcher_rank, main
 
 kind, fault_rank, fault_step = os.environ["LOWCOMM_FAULT"].split(":")
 fault_rank, fault_step = int(fault_rank), int(fault_step)
-real_build_model = lowcomm.train.build_model
+real_loss, calls = bytelm.loss, [0]
 
 
-def build_model(cfg):
-    model = real_build_model(cfg)
-    if launcher_rank() != fault_rank:
-        return model
-    real_loss, calls = model.loss, [0]
-
-    def loss(x, y):
-        out = real_loss(x, y)
-        if model.training:
-            calls[0] += 1
-            if calls[0] == fault_step:
-                if kind in ("kill", "stop", "term"):
-                    os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP,
-                                          "term": signal.SIGTERM}[kind])
-                elif kind == "nan-loss":
-                    out = out * float("nan")
-                elif kind == "nan-grad":
-                    p = next(model.parameters())
-                    p.register_hook(lambda g: torch.full_like(g, float("inf")) if calls[0] == fault_step else g)
+def loss(model, batch):
+    """The built-in task's loss, with the fault at ``fault_step`` on ``fault_rank``."""
+    out = real_loss(model, batch)
+    if launcher_rank() != fault_rank or not model.training:
         return out
+    calls[0] += 1
+    if calls[0] == fault_step:
+        if kind in ("kill", "stop", "term"):
+            os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP,
+                                  "term": signal.SIGTERM}[kind])
+        elif kind == "nan-loss":
+            out = out * float("nan")
+        elif kind == "nan-grad":
+            p = next(model.parameters())
+            p.register_hook(lambda g: torch.full_like(g, float("inf")) if calls[0] == fault_step else g)
+    return out
 
-    model.loss = loss
-    return model
 
-
-lowcomm.train.build_model = build_model
+bytelm.loss = loss      # the task is loaded after this, so the loop calls this loss
 main()

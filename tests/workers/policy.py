@@ -13,9 +13,8 @@ import torch.nn.functional as F
 
 import lowcomm
 from common import Checks, random_batch, seeded_mlp
-from lowcomm.config import load_config
+from lowcomm.registry import build_strategy, load_config
 from lowcomm.errors import ConfigError
-from lowcomm.strategies.policy import build_policy
 from lowcomm.topology import Topology
 
 comm = lowcomm.init()
@@ -78,14 +77,14 @@ def run(policy: dict, extra=()):
         for p in model.parameters():
             p.add_(0.01 * r)
     comm.ledger.reset()
-    st = build_policy(cfg, model, torch.optim.SGD(model.parameters(), lr=LR), comm, levels)
+    st = build_strategy(cfg, model, torch.optim.SGD(model.parameters(), lr=LR), comm, levels)
     for step in range(STEPS):
         st.zero_grad()
         x, y = batch(step, r)
         F.cross_entropy(model(x), y).backward()
         st.step()
-    summary = st.summary(comm.dup())
     st.close()
+    summary = st.metrics(comm.dup(), final=True)
     level_bytes = {}
     for row in comm.ledger.rows():
         level_bytes[row["level"]] = level_bytes.get(row["level"], 0) + row["bytes_sent"]

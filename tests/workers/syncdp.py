@@ -40,8 +40,9 @@ def distributed(passes=1, **kw):
     with torch.no_grad():   # ranks start apart; SyncDP's broadcast from rank 0 must fix that
         for p in model.parameters():
             p.add_(0.01 * r)
-    opt = lowcomm.SyncDP(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm,
-                         backward_passes_per_step=passes, **kw)
+    cls = lowcomm.HorovodDP if kw.pop("backend", "mpi") == "horovod" else lowcomm.SyncDP
+    opt = cls(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm,
+              backward_passes_per_step=passes, **kw)
     for step in range(STEPS):
         x, y = batch(step)
         x, y = x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]

@@ -190,18 +190,6 @@ def channels(comm):
     return ps, ctl
 
 
-def config_kwargs(cfg, comm) -> dict:
-    """The keyword arguments of :class:`~.worker.AsyncPS` and :class:`~.server.ParameterServer`
-    from a :class:`~lowcomm.config.Config` (the same on every rank)."""
-    from ...compress import build_compressor
-    s = cfg.strategy
-    return dict(servers=s.servers, max_staleness=s.max_staleness, staleness_lr=s.staleness_lr,
-                dc_lambda=s.dc_lambda, compressor=build_compressor(cfg.compressor),
-                worker_timeout_s=s.worker_timeout_s, server_timeout_s=s.server_timeout_s,
-                overlap=s.overlap, nonfinite="skip" if cfg.on_nonfinite == "skip" else "raise",
-                budget=cfg.steps * (comm.size - s.servers))
-
-
 def trainable(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The model's parameters that train, in model order (what the shards hold)."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -23,7 +23,7 @@ import torch
 from ...comm import Comm, init
 from ...errors import LowcommError
 from .protocol import (DROPPED, OK, POLL_S, PUSH, STOP, TAG_BEAT, TAG_DONE, TAG_INIT, TAG_PULL,
-                       TAG_PUSH, Reply, Settings, build_shards, channels, config_kwargs,
+                       TAG_PUSH, Reply, Settings, build_shards, channels,
                        dc_compensate, load_shard, staleness_lr, trainable, unpack_push)
 
 log = logging.getLogger("lowcomm.async_ps")
@@ -64,6 +64,7 @@ class ParameterServer:
         self.servers, self.workers = st.servers, comm.size - st.servers
         self.max_staleness, self.staleness_lr, self.dc_lambda = st.max_staleness, st.staleness_lr, st.dc_lambda
         self.budget = st.budget
+        self.worker_timeout_s, self.server_timeout_s = st.worker_timeout_s, st.server_timeout_s
         self._params = dict(trainable(model))
         self.shards = build_shards(trainable(model), st.servers)
         self.comm, self.ctl = channels(comm)
@@ -92,11 +93,6 @@ class ParameterServer:
         self.lost: dict[int, dict] = {}
         self._dead_reqs: list = []              # requests to lost workers, never completed
         self.initial_push()
-
-    @classmethod
-    def from_config(cls, cfg, model, optimizer, comm) -> "ParameterServer":
-        """Build from a :class:`~lowcomm.config.Config` (``cfg.strategy`` and friends)."""
-        return cls(model, optimizer, comm, **config_kwargs(cfg, comm))
 
     @property
     def server(self) -> "ParameterServer":

@@ -17,7 +17,7 @@ from ...errors import LowcommError, NonFiniteError
 from ..base import Strategy
 from .protocol import (DROPPED, HEADER, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE, TAG_INIT,
                        TAG_PULL, TAG_PUSH, Reply, ServerLost, Settings, WorkerDropped,
-                       build_shards, channels, config_kwargs, load_shard, pack_push, trainable)
+                       build_shards, channels, load_shard, pack_push, trainable)
 
 
 class AsyncPS(Strategy):
@@ -86,10 +86,6 @@ class AsyncPS(Strategy):
         if st.overlap and st.nonfinite == "raise":
             self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._named]
         self._initial_pull()
-
-    @classmethod
-    def from_config(cls, cfg, model, optimizer, comm):
-        return cls(model, optimizer, comm, **config_kwargs(cfg, comm))
 
     def _initial_pull(self) -> None:
         """Every worker starts from the servers' parameters (as SyncDP broadcasts rank 0's)."""
