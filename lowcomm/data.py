@@ -105,10 +105,12 @@ class Corpus:
             (held if zlib.crc32(str(f.relative_to(root)).encode()) < threshold else train).append(blob)
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "none"
         if not train or not held:
-            if files == 1 and train:         # one file: split it by position like a single file
-                raw = np.frombuffer(train[0], dtype=np.uint8)
+            if train or held:   # too few files for the split by name: split the text by position
+                raw = np.frombuffer(b"".join(train + held), dtype=np.uint8)
                 cut = int(len(raw) * (1 - eval_fraction))
                 train, held = [raw[:cut].tobytes()], [raw[cut:].tobytes()]
+                log.info("%s: no file fell in the held-out split of %d files; holding out the "
+                         "last %g of the text instead", where, files, eval_fraction)
             else:
                 raise ValueError(f"{where}: need text for both the training and the held-out split, "
                                  f"read {files} files ({sum(map(len, train))} train / "

@@ -42,8 +42,10 @@ import torch
 
 from .comm import Comm
 from .errors import NonFiniteError
-from .runtime import (Interrupted, StopFlag, _sum, build_optimizer, evaluate, lr_at, nonfinite,
-                      open_run, params_sha256, restore, set_lr, snapshot)
+from .errors import LowcommError
+from .runtime import (Interrupted, StopFlag, _sum, _write_text, build_optimizer, close_run,
+                      evaluate, lr_at, nonfinite, open_run, params_sha256, restore, set_lr,
+                      snapshot)
 from .tasks import Task
 
 log = logging.getLogger("lowcomm.train")
@@ -56,13 +58,23 @@ def agree(ctl: Comm, model: torch.nn.Module) -> tuple[str, bool]:
 
 
 def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = None,
-        progress: bool = True, resume: str | Path | None = None) -> dict:
+        progress: bool = True, resume: str | Path | None = None, overwrite: bool = False) -> dict:
     """Train ``task`` under the strategy ``build(model, optimizer, comm)`` makes; return (and
     write) the run summary. ``cfg`` is a resolved :class:`~lowcomm.config.Config`.
 
     ``resume``: the output folder of an earlier run of this config; continue from the newest
-    intact checkpoint in its checkpoint folder (an error if there is none)."""
-    ctl, out, ckpt = open_run(cfg, comm, out)
+    intact checkpoint in its checkpoint folder (an error if there is none). ``out`` must not
+    hold another run unless it is the one resumed, or ``overwrite`` (see
+    :func:`lowcomm.runtime.open_run`)."""
+    ctl, out, ckpt = open_run(cfg, comm, out, resume, overwrite)
+    try:
+        return _run(cfg, task, build, comm, ctl, out, ckpt, progress, resume)
+    finally:
+        close_run(out)
+
+
+def _run(cfg, task: Task, build: Callable, comm: Comm, ctl: Comm, out: Path | None, ckpt,
+         progress: bool, resume: str | Path | None) -> dict:
     rank, K = comm.rank, comm.size
     torch.manual_seed(cfg.seed)
     model = task.model(cfg)
@@ -128,8 +140,7 @@ def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = N
                     if held_out and cfg.eval_every and step % cfg.eval_every == 0:
                         line["eval_loss"] = evaluate(model, task, held_out, ctl)
                     if metrics:
-                        metrics.write(json.dumps(line) + "\n")
-                        metrics.flush()
+                        _append(metrics, json.dumps(line) + "\n")
                     if bar:
                         bar.set_postfix(loss=f"{recent:.3f}", MB=f"{sent / 1e6:.1f}")
                 if bar:
@@ -174,8 +185,17 @@ def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = N
         "config": cfg.to_dict(),
     }
     if out and rank == 0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _append(f, line: str) -> None:
+    """Append a metrics line; a full disk is an error naming the file."""
+    try:
+        f.write(line)
+        f.flush()
+    except OSError as e:
+        raise LowcommError(f"cannot write {f.name}: {e.strerror or e}") from e
 
 
 def train_step(cfg, task: Task, model, strategy, step: int, rank: int, world: int):

@@ -35,20 +35,21 @@ def task_of(cfg: Config) -> Task:
 
 
 def run(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
-        progress: bool = True, resume: str | Path | None = None, task: Task | None = None) -> dict:
+        progress: bool = True, resume: str | Path | None = None, task: Task | None = None,
+        overwrite: bool = False) -> dict:
     """Train a resolved config (:func:`lowcomm.registry.load_config`) on ``comm`` (default: the
     world): the task it names (or ``task``), the strategy it names."""
     comm = comm or init()
     task = task or task_of(cfg)
     levels = topology_comms(cfg, comm)     # the topology's communicators: hierarchical/policy
     return run_loop(cfg, task, lambda m, o, c: build_strategy(cfg, m, o, c, levels), comm, out,
-                    progress, resume)
+                    progress, resume, overwrite)
 
 
 def train(task=None, *, model=None, loss=None, batch=None, eval_batches=None, strategy=None,
           config: str | Path | None = None, set=(), out: str | Path | None = None,
           comm: Comm | None = None, resume: str | Path | None = None, progress: bool = False,
-          **keys) -> dict:
+          overwrite: bool = False, **keys) -> dict:
     """Train ``task`` (a file path, a module name, a :class:`~lowcomm.tasks.Task` or a module
     object), or the functions ``model``, ``loss``, ``batch`` (and ``eval_batches``), under the
     method and settings given; returns the summary (rank 0 writes it to ``out``, with
@@ -71,7 +72,7 @@ def train(task=None, *, model=None, loss=None, batch=None, eval_batches=None, st
         task = load_task(str(task))
     elif not isinstance(task, Task):          # a module object
         task = load_task(task.__name__) if hasattr(task, "__name__") else task
-    return run(cfg, out, comm, progress, resume, task)
+    return run(cfg, out, comm, progress, resume, task, overwrite)
 
 
 def _literal(v) -> str:

@@ -1,0 +1,126 @@
+"""Runs that need no person: relaunch a failed training job from its newest intact checkpoint.
+
+:func:`supervise` runs ``LAUNCH lowcomm train ARGS --out OUT`` (``LAUNCH`` is an mpirun
+prefix); when the job fails — a rank killed, a watchdog abort, a lost link — it waits a short
+backoff and relaunches with ``--resume OUT`` (``--overwrite`` when no checkpoint was written
+yet), up to ``max_restarts`` times. A stop the user asked for is not restarted: a job that ends
+on SIGINT/SIGTERM (status 128 + signal, after its final checkpoint), or a supervisor that is
+itself sent SIGINT/SIGTERM (it forwards the signal to the job and waits for it). On success
+``restarts`` and each failure's exit status and cause are added to the run's summary.json.
+
+Since a task's batches are a pure function of the step and checkpoints hold every RNG, the
+final parameters of a restarted run equal an uninterrupted run's, bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+log = logging.getLogger("lowcomm.supervise")
+
+#: exit statuses of a stop the user asked for (the job checkpointed and stopped on purpose)
+USER_STOPS = {128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM}
+
+
+def cause(stderr_text: str, returncode: int) -> str:
+    """One line on why a job failed, from its stderr: lowcomm's own one-line errors first
+    (``lowcomm failed: ...``, the watchdog's ``waited ...``), else mpirun's note of a killed
+    process, else the exit status."""
+    lines = [ln.strip() for ln in stderr_text.splitlines() if ln.strip()]
+    for key in ("lowcomm failed", "watchdog", "CommError", "exited on signal", "killed"):
+        hit = [ln for ln in lines if key in ln]
+        if hit:
+            return hit[0][:400]
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}" + (f": {lines[-1][:300]}" if lines else "")
+
+
+def has_checkpoint(out: Path) -> bool:
+    ck = out / "checkpoints"
+    return ck.is_dir() and any(p.is_dir() and p.name.startswith("step-") for p in ck.iterdir())
+
+
+def supervise(launch: list[str], args: list[str], out: str | Path, max_restarts: int,
+              backoff_s: float = 2.0, env: dict | None = None, log_dir: str | Path | None = None,
+              timeout_s: float | None = None, poll=None) -> dict:
+    """Run ``launch + args`` (``args`` is ``lowcomm train ...`` without ``--out``/``--resume``),
+    relaunching from the newest checkpoint in ``out`` on failure; returns ``{"returncode",
+    "restarts", "failures"}``. ``log_dir``: append each attempt's stdout/stderr there (default
+    ``out``). ``poll()`` is called about twice a second while a job runs."""
+    out = Path(out)
+    logs = Path(log_dir) if log_dir else out
+    logs.mkdir(parents=True, exist_ok=True)
+    failures: list[dict] = []
+    stop = {"signum": 0}
+    child: dict = {}
+
+    def forward(signum, frame):
+        stop["signum"] = signum
+        if child.get("p") is not None and child["p"].poll() is None:
+            os.killpg(child["p"].pid, signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if _main_thread() else {}
+    t0 = time.monotonic()
+    try:
+        attempt = 0
+        while True:
+            extra = ["--out", str(out)]
+            if attempt > 0:
+                extra += ["--resume", str(out)] if has_checkpoint(out) else ["--overwrite"]
+            cmd = [*launch, *args, *extra]
+            with open(logs / "stdout.log", "a") as so, open(logs / "stderr.log", "a") as se:
+                se.write(f"--- attempt {attempt + 1}: {' '.join(cmd)}\n")
+                se.flush()
+                start = se.tell()
+                p = subprocess.Popen(cmd, stdout=so, stderr=se, start_new_session=True, env=env)
+                child["p"] = p
+                while p.poll() is None:
+                    time.sleep(0.5)
+                    if poll is not None:
+                        poll()
+                    if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                        os.killpg(p.pid, signal.SIGKILL)
+                        p.wait()
+                        failures.append({"attempt": attempt + 1, "exit": p.returncode,
+                                         "cause": f"timed out after {timeout_s:g} s"})
+                        return {"returncode": p.returncode, "restarts": attempt, "failures": failures}
+            rc = p.returncode
+            if rc == 0:
+                break
+            with open(logs / "stderr.log") as se:
+                se.seek(start)
+                why = cause(se.read(), rc)
+            failures.append({"attempt": attempt + 1, "exit": rc, "cause": why})
+            if stop["signum"] or rc in USER_STOPS:
+                log.warning("stopped on request (exit %d); not restarting", rc)
+                return {"returncode": rc, "restarts": attempt, "failures": failures}
+            if attempt >= max_restarts:
+                log.error("job failed (%s); %d restart(s) used, giving up", why, attempt)
+                return {"returncode": rc, "restarts": attempt, "failures": failures}
+            wait = backoff_s * 2 ** attempt
+            log.warning("job failed (%s); restarting %s in %.0f s (%d of %d)", why,
+                        "from the newest checkpoint" if has_checkpoint(out) else "from step 0",
+                        wait, attempt + 1, max_restarts)
+            time.sleep(wait)
+            attempt += 1
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    summary = out / "summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        s.update(restarts=attempt, failures=failures)
+        summary.write_text(json.dumps(s, indent=2) + "\n")
+    return {"returncode": 0, "restarts": attempt, "failures": failures}
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
