@@ -435,17 +435,6 @@ class Comm:
         sub = self._guard("split_shared", 0, self.mpi.Split_type, mpi().COMM_TYPE_SHARED, self.rank)
         return Comm(sub, self.ledger, level or self.level, self.validate, self.watchdog)
 
-    def same_group(self, other: "Comm") -> bool:
-        """Whether ``other`` holds the same ranks in the same order (``MPI_Group_compare`` is
-        ``MPI_IDENT``): e.g. a duplicate of this communicator. Local; no communication."""
-        MPI = mpi()
-        a, b = self.mpi.Get_group(), other.mpi.Get_group()
-        try:
-            return MPI.Group.Compare(a, b) == MPI.IDENT
-        finally:
-            a.Free()
-            b.Free()
-
     def free(self) -> None:
         """Release the MPI communicator (collective); the Comm must not be used afterwards."""
         self._guard("free", 0, self.mpi.Free)
