@@ -97,6 +97,10 @@ def reducer(name: str, comm: Comm):
             yield lambda t: lib.allreduce_(t, op=lib.Sum, name="bench")
         elif name == "gloo":
             yield lambda t: lib.all_reduce(t)
+        elif name == "hierarchical":     # the topology's communicators, built once (collective)
+            from .topology import Topology
+            levels = Topology.from_env(comm).comms(comm)
+            yield lambda t: allreduce_(t, comm, name, levels=levels)
         else:
             yield lambda t: allreduce_(t, comm, name)
 
@@ -188,8 +192,12 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
                     wrapped = HorovodDP(model, opt, run)
                 else:
                     algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") else s.algorithm
+                    levels = None
+                    if algorithm == "hierarchical":
+                        from .topology import Topology
+                        levels = Topology.from_env(run, cfg.topology).comms(run)
                     wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=s.bucket_mb,
-                                     overlap=s.overlap)
+                                     overlap=s.overlap, levels=levels)
                 times = _time_steps(ctl, task, cfg, wrapped, warmup, steps, lambda b: task.loss(model, b))
                 wrapped.close()
         rows.append({"strategy": name, "ranks": comm.size, "params": params,

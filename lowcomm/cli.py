@@ -8,45 +8,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import traceback
 from pathlib import Path
 
 import click
 
-from .errors import ConfigError, LowcommError
-from .wan_cli import topo as topo_command, wan as wan_command
+from .cli_common import config_options, launcher_rank, load_cfg as _config, set_threads as _set_threads, \
+    world as _world
+from .errors import LowcommError
+from .topo_cli import topo as topo_command
+from .wan_cli import wan as wan_command
 
 log = logging.getLogger("lowcomm")
 
-
-def launcher_rank() -> int:
-    """This process's rank as the launcher tells it, before MPI is initialised (0 if none)."""
-    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
-
-
-def _config(config, overrides, base=None):
-    from .registry import load_config
-    try:
-        return load_config(config, overrides, base)
-    except ConfigError as e:
-        raise click.UsageError(str(e)) from None
-
-
-def _set_threads() -> None:
-    """torch's intra-op threads: ``$LOWCOMM_NUM_THREADS`` (the launchers set 1 per rank)."""
-    import torch
-    torch.set_num_threads(int(os.environ.get("LOWCOMM_NUM_THREADS", torch.get_num_threads())))
-
-
-def _world():
-    from .comm import init
-    _set_threads()
-    return init()
+__all__ = ["cli", "config_options", "launcher_rank", "main"]
 
 
 @click.group()
@@ -55,19 +31,6 @@ def cli(verbose: bool) -> None:
     """lowcomm: low-communication distributed training over MPI."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format=f"[rank {launcher_rank()}] %(levelname)s %(name)s: %(message)s")
-
-
-_config_options = [
-    click.option("--config", "config", type=click.Path(dir_okay=False), help="TOML file."),
-    click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                 help="Override a config key, e.g. --set strategy.algorithm=ring (repeatable)."),
-]
-
-
-def config_options(f):
-    for opt in reversed(_config_options):
-        f = opt(f)
-    return f
 
 
 @cli.command()
@@ -256,10 +219,10 @@ def info():
     """Versions, MPI library and thread level, Horovod build."""
     import torch
     comm = _world()
-    from mpi4py import MPI
+    from .comm import mpi_library
+    version, level, multiple = mpi_library()
     lines = [f"lowcomm ranks: {comm.size}", f"torch {torch.__version__}",
-             f"MPI: {MPI.Get_library_version().splitlines()[0]}",
-             f"thread level: {MPI.Query_thread()} (multiple = {MPI.THREAD_MULTIPLE})"]
+             f"MPI: {version.splitlines()[0]}", f"thread level: {level} (multiple = {multiple})"]
     try:
         import horovod.torch as hvd
         lines.append(f"horovod {hvd.__version__}: mpi={hvd.mpi_built()} gloo={hvd.gloo_built()}")
@@ -275,11 +238,8 @@ cli.add_command(topo_command)
 
 def _abort(code: int) -> None:
     """End every rank if MPI is running with more than one rank; otherwise just exit."""
-    MPI = sys.modules.get("mpi4py.MPI")
-    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(code)
+    from .comm import abort_world   # late: the CLI starts without torch or MPI
+    abort_world(code)
     sys.exit(code)
 
 

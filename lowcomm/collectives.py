@@ -21,11 +21,15 @@ Use :func:`allreduce_` for tensors of any shape, dtype and device.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from .comm import Comm, _reduce_op, init
+from .errors import CommError, LowcommError
+
+if TYPE_CHECKING:   # the topology's communicators are handed in, never looked up
+    from .topology import Hierarchy, Levels
 
 Algorithm = Callable[[Comm, torch.Tensor], torch.Tensor]
 
@@ -155,14 +159,14 @@ def mpi(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
     return comm.allreduce_(buf)
 
 
-def hierarchical(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
-    """Hierarchical all-reduce over the levels of ``comm``'s topology (Horovod's hierarchical
+def hierarchical(levels: "Levels", buf: torch.Tensor) -> torch.Tensor:
+    """Hierarchical all-reduce over the levels of a topology (Horovod's hierarchical
     allreduce, Sergeev & Del Balso 2018, arXiv:1802.05799; BlueConnect, Cho et al. 2019), with
     ring reduce-scatter / all-gather phases (Thakur, Rabenseifner & Gropp 2005).
 
-    The topology is ``comm.topology`` (see :meth:`lowcomm.topology.Topology.attach`), the run's
-    attached one when ``comm`` is a duplicate of its world, else read from the environment
-    (``$LOWCOMM_TOPOLOGY``, Slurm, hostfile or MPI's shared-memory split) on first use.
+    ``levels``: the topology's communicators (:meth:`lowcomm.topology.Topology.comms`), built
+    once and passed in; it runs on ``levels.hierarchy``. By name, ``get_algorithm("hierarchical",
+    levels=levels)`` gives the ``fn(comm, buf)`` form of the other algorithms.
 
     1. Cut the buffer into S shards, S = the largest innermost group (e.g. ranks of a node). In
        a group of s ranks, local rank l owns shards j ≡ l (mod s): unequal groups are allowed.
@@ -179,34 +183,135 @@ def hierarchical(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
     Example::
 
         comm = lowcomm.init()
-        Topology.parse("dc:2,rank:2").attach(comm)
-        lowcomm.allreduce_(t, comm, "hierarchical")
+        levels = Topology.parse("dc:2,rank:2").comms(comm)
+        lowcomm.allreduce_(t, comm, "hierarchical", levels=levels)
     """
-    from .topology import topology_of
     if buf.numel() == 0:
         return buf
-    return topology_of(comm).plan(comm).run(buf)
+    return _hier_run(levels.hierarchy, buf)
 
 
 hierarchical.files_own_levels = True   # allreduce_ must not fold its phases into one row
 
 
+def _hier_run(h: "Hierarchy", buf: torch.Tensor) -> torch.Tensor:
+    """Steps 1–4 of :func:`hierarchical` on one step's communicators ``h``."""
+    if h.flat is not None:
+        f = h.flat
+        if f.size == 2:    # two parties: swap whole buffers and add: the ring's bytes, one round
+            with f.ledger.scope("allreduce.exchange", f.level):
+                tmp = torch.empty_like(buf)
+                f.sendrecv_(buf, 1 - f.rank, tmp, 1 - f.rank)
+                buf.add_(tmp)
+        else:
+            with f.ledger.scope("allreduce.ring", f.level):
+                ring(f, buf)
+        return buf
+    b = chunk_bounds(buf.numel(), h.shards)
+    blocks = [[(b[j], b[j + 1]) for j in owned] for owned in h.owned]
+    inner = h.inner
+    if inner.size > 1:
+        with inner.ledger.scope("reduce_scatter.ring", inner.level):
+            _ring_reduce_scatter(inner, buf, blocks)
+    for shards, sub in h.cross:
+        ranges = [(b[j], b[j + 1]) for j in shards]
+        if len(ranges) == 1:
+            _hier_run(sub, buf[ranges[0][0]:ranges[0][1]])
+        else:
+            tmp = _gather(buf, ranges)
+            _hier_run(sub, tmp)
+            _scatter(buf, ranges, tmp)
+    if inner.size > 1:
+        with inner.ledger.scope("allgather.ring", inner.level):
+            _ring_allgather(inner, buf, blocks)
+    return buf
+
+
+def _gather(buf, ranges):
+    if len(ranges) == 1:
+        return buf[ranges[0][0]:ranges[0][1]]
+    return torch.cat([buf[lo:hi] for lo, hi in ranges]) if ranges else buf[:0]
+
+
+def _scatter(buf, ranges, src, add: bool = False) -> None:
+    off = 0
+    for lo, hi in ranges:
+        part = src[off:off + hi - lo]
+        buf[lo:hi].add_(part) if add else buf[lo:hi].copy_(part)
+        off += hi - lo
+
+
+def _count(ranges) -> int:
+    return sum(hi - lo for lo, hi in ranges)
+
+
+def _ring_reduce_scatter(comm: Comm, buf, blocks) -> None:
+    """Ring reduce-scatter over blocks of any sizes (Thakur, Rabenseifner & Gropp 2005 §4.5):
+    for s = 0..K-2 rank r sends block (r-s-1) mod K to r+1 and adds block (r-s-2) mod K from
+    r-1 into its own copy; rank r then holds the sum of block r."""
+    K, r = comm.size, comm.rank
+    right, left = (r + 1) % K, (r - 1) % K
+    tmp = torch.empty(max(_count(x) for x in blocks), dtype=buf.dtype)
+    for s in range(K - 1):
+        out = _gather(buf, blocks[(r - s - 1) % K]).contiguous()
+        into = blocks[(r - s - 2) % K]
+        got = tmp[:_count(into)]
+        comm.sendrecv_(out, right, got, left)
+        _scatter(buf, into, got, add=True)
+
+
+def _ring_allgather(comm: Comm, buf, blocks) -> None:
+    """Ring all-gather: for s = 0..K-2 rank r sends block (r-s) mod K to r+1 and stores block
+    (r-s-1) mod K from r-1."""
+    K, r = comm.size, comm.rank
+    right, left = (r + 1) % K, (r - 1) % K
+    tmp = torch.empty(max(_count(x) for x in blocks), dtype=buf.dtype)
+    for s in range(K - 1):
+        out = _gather(buf, blocks[(r - s) % K]).contiguous()
+        into = blocks[(r - s - 1) % K]
+        if len(into) == 1:
+            comm.sendrecv_(out, right, buf[into[0][0]:into[0][1]], left)
+        else:
+            got = tmp[:_count(into)]
+            comm.sendrecv_(out, right, got, left)
+            _scatter(buf, into, got)
+
+
+# by name; "hierarchical" takes the topology's communicators instead of a comm (get_algorithm)
 ALGORITHMS: dict[str, Algorithm] = {"mpi": mpi, "ring": ring, "rabenseifner": rabenseifner,
                                     "tree": tree, "hierarchical": hierarchical}
 
 
-def get_algorithm(name: str) -> Algorithm:
+def get_algorithm(name: str, levels: "Levels | None" = None) -> Algorithm:
+    """The all-reduce ``fn(comm, buf)`` called ``name``. ``"hierarchical"`` needs ``levels``
+    (:meth:`lowcomm.topology.Topology.comms`): it returns a function running
+    :func:`hierarchical` on them (its ``comm`` argument is only the caller's view)."""
     if name not in ALGORITHMS:
         raise ValueError(f"unknown all-reduce algorithm {name!r}; known: {', '.join(ALGORITHMS)}")
-    return ALGORITHMS[name]
+    if name != "hierarchical":
+        return ALGORITHMS[name]
+    if levels is None:
+        raise LowcommError("the hierarchical all-reduce needs the topology's communicators: pass "
+                           "levels=Topology.from_env(comm, spec).comms(comm) (lowcomm train builds "
+                           "them from the topology setting)")
+
+    def fn(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
+        if comm.size != levels.size:
+            raise CommError("allreduce.hierarchical", comm.rank, f"the topology's levels span "
+                            f"{levels.size} ranks, the communicator {comm.size}", buf.numel() * buf.element_size())
+        return hierarchical(levels, buf)
+    fn.files_own_levels = True
+    return fn
 
 
 def allreduce_(tensor: torch.Tensor, comm: Comm | None = None, algorithm: str = "mpi",
-               op: str = "sum") -> torch.Tensor:
+               op: str = "sum", levels: "Levels | None" = None) -> torch.Tensor:
     """Sum (``op="sum"``) or average (``op="avg"``) ``tensor`` over ``comm`` in place.
 
     Any shape, length (0 included), rank count, float dtype and device. The traffic is filed
-    in ``comm.ledger`` as one ``allreduce.<algorithm>`` call at ``comm.level``.
+    in ``comm.ledger`` as one ``allreduce.<algorithm>`` call at ``comm.level`` (``hierarchical``:
+    one row per phase and level, in the ledger of ``levels``, the topology's communicators it
+    needs; see :func:`get_algorithm`).
 
     Example::
 
@@ -215,7 +320,7 @@ def allreduce_(tensor: torch.Tensor, comm: Comm | None = None, algorithm: str = 
         lowcomm.allreduce_(g, algorithm="ring", op="avg")   # every element = (K-1)/2
     """
     comm = comm or init()
-    fn = get_algorithm(algorithm)
+    fn = get_algorithm(algorithm, levels)
     avg = _reduce_op(op)
     if algorithm == "mpi":
         return comm.allreduce_(tensor, op)  # checks, stages and records itself

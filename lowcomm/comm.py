@@ -12,6 +12,9 @@ mpi4py is imported lazily, so importing lowcomm makes no MPI call.
 """
 from __future__ import annotations
 
+import os
+import pickle
+import sys
 import time
 import zlib
 from contextlib import contextmanager
@@ -78,14 +81,18 @@ def describe(t: torch.Tensor) -> str:
 
 
 class Request:
-    """A non-blocking op in flight. :meth:`wait` completes it and charges the ledger."""
+    """A non-blocking op in flight. :meth:`wait` (blocking, watched) or :meth:`test` (one
+    watched poll) completes it and charges the ledger ``op``'s bytes, unless ``charged`` says
+    the bytes were charged when the op was posted."""
 
     def __init__(self, comm: "Comm", req, op: str, sent: int, recv: int,
-                 finish: Callable[[], None] | None = None, keep=None, peer: int | None = None):
+                 finish: Callable[[], None] | None = None, keep=None, peer: int | None = None,
+                 charged: bool = False):
         self._comm, self._req, self.op, self._peer = comm, req, op, peer
         self._sent, self._recv, self._finish = sent, recv, finish
         self._keep = keep          # buffers MPI reads or writes until completion
         self._done = False
+        self._charged = charged
 
     def wait(self) -> None:
         if self._done:
@@ -108,7 +115,8 @@ class Request:
         if self._finish is not None:
             self._finish()
         self._keep = None
-        self._comm.ledger.record(self.op, self._comm.level, self._sent, self._recv, seconds)
+        if not self._charged:
+            self._comm.ledger.record(self.op, self._comm.level, self._sent, self._recv, seconds)
 
 
 class Comm:
@@ -138,7 +146,8 @@ class Comm:
         self.level = level
         self.ledger = ledger if ledger is not None else Ledger()
         self.validate = validate
-        self.watchdog = watchdog or Watchdog(DEFAULT_TIMEOUT_S, mpi().COMM_WORLD.Get_rank())
+        self.watchdog = watchdog or Watchdog(DEFAULT_TIMEOUT_S, mpi().COMM_WORLD.Get_rank(),
+                                             abort=_watchdog_abort)
         self._pinned: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
     def __repr__(self) -> str:
@@ -380,19 +389,84 @@ class Comm:
         self.ledger.record("sendrecv", self.level, ns, nr, time.perf_counter() - t0)
         return recv
 
-    def isend(self, t: torch.Tensor, dest: int, tag: int = 0) -> Request:
-        self._host_only("isend", t)
+    def isend(self, t: torch.Tensor, dest: int, tag: int = 0, op: str = "send",
+              charge: str = "complete") -> Request:
+        """Non-blocking send of a contiguous CPU tensor's bytes, filed in the ledger as ``op``.
+        ``charge="post"`` charges the bytes now (a protocol whose logs must not depend on when
+        completion is noticed, or whose peer may die before receiving); ``"complete"`` when
+        the request completes."""
+        self._host_only(op, t)
+        n = _nbytes(t)
         buf = _raw(t)
-        req = self._guard("isend", _nbytes(t), self.mpi.Isend, buf, dest, tag)
-        return Request(self, req, "send", _nbytes(t), 0, keep=(t, buf), peer=dest)
+        t0 = time.perf_counter()
+        req = self._guard(op, n, self.mpi.Isend, buf, dest, tag, peer=dest)
+        if charge == "post":
+            self.ledger.record(op, self.level, n, 0, time.perf_counter() - t0)
+        return Request(self, req, op, n, 0, keep=(t, buf), peer=dest, charged=charge == "post")
 
-    def irecv_(self, t: torch.Tensor, source: int, tag: int = 0) -> Request:
-        self._host_only("irecv", t)
+    def irecv_(self, t: torch.Tensor, source: int, tag: int = 0, op: str = "recv") -> Request:
+        """Non-blocking receive into a contiguous CPU tensor; charged as ``op`` on completion."""
+        self._host_only(op, t)
         buf = _raw(t)
-        req = self._guard("irecv", _nbytes(t), self.mpi.Irecv, buf, source, tag)
-        return Request(self, req, "recv", 0, _nbytes(t), keep=(t, buf), peer=source)
+        req = self._guard(op, _nbytes(t), self.mpi.Irecv, buf, source, tag, peer=source)
+        return Request(self, req, op, 0, _nbytes(t), keep=(t, buf), peer=source)
 
-    # communicators ----------------------------------------------------------------------------
+    # probes and matched receives (message sizes not known in advance) ---------------------------
+    ANY_SOURCE = -1001     # placeholders for MPI.ANY_SOURCE / MPI.ANY_TAG (their values differ
+    ANY_TAG = -1002        # between MPI libraries, and reading them would initialise MPI)
+
+    @staticmethod
+    def _wild(source: int, tag: int) -> tuple[int, int]:
+        MPI = mpi()
+        return (MPI.ANY_SOURCE if source == Comm.ANY_SOURCE else source,
+                MPI.ANY_TAG if tag == Comm.ANY_TAG else tag)
+
+    def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[int, int, int] | None:
+        """``(source, tag, nbytes)`` of a message that has arrived from ``source`` with ``tag``
+        (``Comm.ANY_SOURCE`` / ``Comm.ANY_TAG`` match any), or None. Does not receive it."""
+        MPI = mpi()
+        status = MPI.Status()
+        src, tg = self._wild(source, tag)
+        peer = None if source == Comm.ANY_SOURCE else source
+        if not self._guard("iprobe", 0, self.mpi.Iprobe, src, tg, status, peer=peer):
+            return None
+        return status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)
+
+    def improbe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> "Message | None":
+        """Matched probe (``MPI_Improbe``): the :class:`Message` that has arrived from ``source``
+        with ``tag``, removed from matching so that only :meth:`Message.recv_` /
+        :meth:`Message.irecv_` can take it (safe beside other threads' receives), or None."""
+        MPI = mpi()
+        status = MPI.Status()
+        src, tg = self._wild(source, tag)
+        peer = None if source == Comm.ANY_SOURCE else source
+        msg = self._guard("improbe", 0, self.mpi.Improbe, src, tg, status, peer=peer)
+        if msg is None:
+            return None
+        return Message(self, msg, status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
+
+    # pickled objects, point-to-point (control plane: end-of-run reports) -------------------------
+    def issend_object(self, obj, dest: int, tag: int = 0, op: str = "send_object") -> Request:
+        """Synchronous non-blocking send of a pickled ``obj``: the request completes only once
+        ``dest`` has started receiving it (so this process may end right after). Receive it with
+        :meth:`recv_object`."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        buf = np.frombuffer(data, dtype=np.uint8)
+        req = self._guard(op, buf.nbytes, self.mpi.Issend, [buf, mpi().BYTE], dest, tag, peer=dest)
+        return Request(self, req, op, buf.nbytes, 0, keep=(data, buf), peer=dest)
+
+    def recv_object(self, source: int, tag: int = 0, op: str = "recv_object"):
+        """Receive one object sent by :meth:`issend_object` from ``source`` (blocking, watched)."""
+        t0 = time.perf_counter()
+        MPI = mpi()
+        status = MPI.Status()
+        msg = self._guard(op, None, self.mpi.Mprobe, source, tag, status, peer=source)
+        buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+        self._guard(op, buf.nbytes, msg.Recv, [buf, MPI.BYTE], peer=source)
+        self.ledger.record(op, self.level, 0, buf.nbytes, time.perf_counter() - t0)
+        return pickle.loads(buf.tobytes())
+
+        # communicators ----------------------------------------------------------------------------
     def split(self, color: int, key: int | None = None, level: str | None = None) -> "Comm | None":
         """``MPI_Comm_split``: ranks with the same ``color`` form a new Comm (``None`` for a
         negative color). The new Comm shares this one's ledger, filed under ``level``."""
@@ -402,12 +476,99 @@ class Comm:
             return None
         return Comm(sub, self.ledger, level or self.level, self.validate, self.watchdog)
 
+    def split_shared(self, level: str | None = None) -> "Comm":
+        """``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``: the ranks that can share memory with
+        this one (one node), ordered by rank here. Collective."""
+        sub = self._guard("split_shared", 0, self.mpi.Split_type, mpi().COMM_TYPE_SHARED, self.rank)
+        return Comm(sub, self.ledger, level or self.level, self.validate, self.watchdog)
+
+    def free(self) -> None:
+        """Release the MPI communicator (collective); the Comm must not be used afterwards."""
+        self._guard("free", 0, self.mpi.Free)
+
+    @classmethod
+    def self_comm(cls, watchdog: Watchdog | None = None, ledger: Ledger | None = None,
+                  level: str = "control") -> "Comm":
+        """A Comm over ``MPI_COMM_SELF`` (this process alone; e.g. an evaluation that must not
+        wait for other ranks), with its own ledger unless one is given."""
+        return cls(mpi().COMM_SELF, ledger or Ledger(), level, False, watchdog)
+
     def dup(self, ledger: Ledger | None = None, level: str | None = None) -> "Comm":
         """A duplicate communicator: a separate message space, the same watchdog, and this
         one's ledger and level unless others are given (e.g. a control channel whose traffic
         is not charged to the method)."""
         return Comm(self.mpi.Dup(), ledger or self.ledger, level or self.level, self.validate,
                     self.watchdog)
+
+
+class Message:
+    """A message matched by :meth:`Comm.improbe`: ``source``, ``tag`` and ``nbytes`` are known;
+    receive it once, with :meth:`recv_` or :meth:`irecv_` into a buffer of ``nbytes`` bytes."""
+
+    def __init__(self, comm: Comm, msg, source: int, tag: int, nbytes: int):
+        self._comm, self._msg = comm, msg
+        self.source, self.tag, self.nbytes = source, tag, nbytes
+
+    def _check(self, op: str, t: torch.Tensor) -> None:
+        self._comm._host_only(op, t)
+        if _nbytes(t) != self.nbytes:
+            raise CommError(op, self._comm.rank, f"the message from rank {self.source} (tag "
+                            f"{self.tag}) holds {self.nbytes} bytes, the buffer {describe(t)} "
+                            f"{_nbytes(t)}", _nbytes(t))
+
+    def recv_(self, t: torch.Tensor, op: str = "recv") -> torch.Tensor:
+        """Receive the message into ``t`` (blocking, watched); charged as ``op``."""
+        self._check(op, t)
+        t0 = time.perf_counter()
+        self._comm._guard(op, self.nbytes, self._msg.Recv, _raw(t), peer=self.source)
+        self._comm.ledger.record(op, self._comm.level, 0, self.nbytes, time.perf_counter() - t0)
+        return t
+
+    def irecv_(self, t: torch.Tensor, op: str = "recv") -> Request:
+        """Start receiving the message into ``t``; charged as ``op`` when the request completes."""
+        self._check(op, t)
+        buf = _raw(t)
+        req = self._comm._guard(op, self.nbytes, self._msg.Irecv, buf, peer=self.source)
+        return Request(self._comm, req, op, 0, self.nbytes, keep=(t, buf), peer=self.source)
+
+
+def world_rank() -> int:
+    """This process's world rank without starting MPI: the world Comm's once :func:`init` ran,
+    else MPI's if mpi4py initialised it, else the launcher's (``OMPI_COMM_WORLD_RANK``,
+    ``PMI_RANK``, ``PMIX_RANK``, ``SLURM_PROCID``), else 0. For error messages and seeds."""
+    if _WORLD is not None:
+        return _WORLD.rank
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        return MPI.COMM_WORLD.Get_rank()
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def abort_world(code: int) -> None:
+    """``MPI_Abort`` every rank with ``code`` if MPI is running with more than one rank (after
+    flushing this process's output); otherwise return and let the caller exit."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() \
+            and MPI.COMM_WORLD.Get_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(code)
+
+
+def _watchdog_abort() -> None:
+    """The watchdog's way to end the job: ``MPI_Abort`` with status 3 (``os._exit`` if MPI
+    cannot)."""
+    mpi().COMM_WORLD.Abort(3)
+    os._exit(3)  # pragma: no cover - Abort does not return
+
+
+def mpi_library() -> tuple[str, int, int]:
+    """The MPI library's version text, the thread level granted and ``MPI_THREAD_MULTIPLE``."""
+    MPI = mpi()
+    return MPI.Get_library_version(), MPI.Query_thread(), MPI.THREAD_MULTIPLE
 
 
 def _reduce_op(op: str) -> bool:
@@ -430,7 +591,8 @@ def init(validate: bool = True, timeout_s: float | None = None) -> Comm:
     global _WORLD
     if _WORLD is None:
         MPI = mpi()
-        dog = Watchdog(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, MPI.COMM_WORLD.Get_rank())
+        dog = Watchdog(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, MPI.COMM_WORLD.Get_rank(),
+                       abort=_watchdog_abort)
         _WORLD = Comm(MPI.COMM_WORLD, Ledger(), "world", validate, dog)
     elif timeout_s is not None:
         _WORLD.watchdog.timeout_s = timeout_s

@@ -52,6 +52,8 @@ class Reducer:
         named: ``(name, tensor)`` pairs fixing names, shapes, dtypes and bucket order; the same
             on every rank (checked once, here, so the hot path needs no per-call check).
         algorithm: an all-reduce algorithm name from :data:`lowcomm.collectives.ALGORITHMS`.
+        levels: the topology's communicators (:meth:`lowcomm.topology.Topology.comms`), needed by
+            ``algorithm = "hierarchical"`` (the Reducer runs it on a duplicate of them).
         bucket_bytes: target bucket size; a tensor larger than this gets a bucket of its own.
         op: "avg" or "sum".
         overlap: reduce buckets on a background thread as they fill (else in :meth:`flush`).
@@ -69,8 +71,8 @@ class Reducer:
 
     def __init__(self, comm: Comm, named: list[tuple[str, torch.Tensor]], algorithm: str = "mpi",
                  bucket_bytes: int = 4 << 20, op: str = "avg", overlap: bool = True,
-                 compressor: Compressor | None = None, nonfinite: str = "raise"):
-        get_algorithm(algorithm)
+                 compressor: Compressor | None = None, nonfinite: str = "raise", levels=None):
+        get_algorithm(algorithm, levels)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if nonfinite not in ("raise", "zero"):
@@ -98,6 +100,8 @@ class Reducer:
         self._check_layout()
         self._thread_comm = comm.dup()   # own message space; shapes were checked just above
         self._thread_comm.validate = False
+        # hierarchical: the topology's communicators, duplicated for the same reason
+        self._levels = levels.dup() if levels is not None and algorithm == "hierarchical" else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-reducer") if overlap else None
         self._next = 0          # the next bucket to launch; launches happen in index order
         self.reset()
@@ -150,7 +154,7 @@ class Reducer:
         for s in bad:
             b.flat[s.start:s.stop].zero_()
         if self.compressor is None:
-            allreduce_(b.flat, self._thread_comm, self.algorithm, self.op)
+            allreduce_(b.flat, self._thread_comm, self.algorithm, self.op, levels=self._levels)
         else:
             b.flat.copy_(self.compressor.reduce(b.flat, f"bucket{b.index}", self._thread_comm, b.segments))
 

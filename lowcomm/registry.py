@@ -19,6 +19,7 @@ as strings; unknown names and keys are :class:`~lowcomm.errors.ConfigError` nami
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from .config import Config, parse_override
 from .config import load_config as _load_config
@@ -170,20 +171,34 @@ def context(cfg) -> Context:
                    else "abort", steps=cfg.steps)
 
 
-def build_strategy(cfg, model, optimizer, comm) -> Strategy:
-    """The run's strategy on ``comm``: 1-bit Adam, a per-level policy (the topology must be
-    attached to ``comm``), or ``cfg.strategy``."""
+def build_strategy(cfg, model, optimizer, comm, levels=None) -> Strategy:
+    """The run's strategy on ``comm``: 1-bit Adam, a per-level policy, or ``cfg.strategy``.
+    ``levels``: the topology's communicators over ``comm`` (:func:`topology_comms`), which a
+    policy and the hierarchical all-reduce need."""
     if cfg.optimizer.name == "onebit-adam":   # 1-bit Adam owns both the update and the exchange
         return onebit_adam.OneBitAdam(model, optimizer, comm, freeze_step=cfg.optimizer.freeze_step)
-    ctx = context(cfg)
+    ctx = dataclasses.replace(context(cfg), levels=levels)
     if cfg.policy:
-        from .topology import topology_of
-        return build_policy(policy_levels(cfg, topology_of(comm).names), model, optimizer, comm, ctx)
+        return build_policy(policy_levels(cfg, levels.names), model, optimizer, comm, ctx)
     m, s = strategy_settings(cfg)
     return m.build(s, model, optimizer, comm, ctx)
 
 
-def _python_context(compressor, nonfinite: str, steps: int | None) -> Context:
+def topology_comms(cfg, comm):
+    """The topology's communicators over ``comm`` when the run needs them (a per-level policy,
+    or a ``hierarchical`` all-reduce), else None; the topology is read (and checked against the
+    job's size) whenever one is configured. Collective over ``comm``."""
+    if not (cfg.topology or os.environ.get("LOWCOMM_TOPOLOGY") or cfg.policy
+            or getattr(cfg.strategy, "algorithm", "") == "hierarchical"):
+        return None
+    from .topology import Topology
+    topo = Topology.from_env(comm, cfg.topology)
+    if cfg.policy or getattr(cfg.strategy, "algorithm", "") == "hierarchical":
+        return topo.comms(comm)
+    return None
+
+
+def _python_context(compressor, nonfinite: str, steps: int | None, levels=None) -> Context:
     if isinstance(compressor, str):
         compressor = CompressorSettings(name=compressor)
     elif compressor is None:
@@ -192,16 +207,17 @@ def _python_context(compressor, nonfinite: str, steps: int | None) -> Context:
         raise TypeError("compressor must be a name, a CompressorSettings or None, got "
                         f"{type(compressor).__name__}")
     compressor.validate("compressor.")
-    return Context(compressor=compressor, nonfinite=nonfinite, steps=steps)
+    return Context(compressor=compressor, nonfinite=nonfinite, steps=steps, levels=levels)
 
 
 def build(spec: str, model, optimizer, comm=None, *, compressor=None, nonfinite: str = "abort",
-          steps: int | None = None, **options) -> Strategy:
+          steps: int | None = None, levels=None, **options) -> Strategy:
     """Any registered strategy from Python: ``spec`` is ``NAME[:key=value,...]`` and
     ``options`` more keys (they win over the spec's). ``compressor``: the gradient
     compressor's name or a :class:`~lowcomm.compress.settings.CompressorSettings` (its knobs
     also serve a compressor a strategy option names). ``steps``: the run's step budget (the
-    parameter server needs it). ``comm``: default the world.
+    parameter server needs it). ``comm``: default the world. ``levels``: the topology's
+    communicators (:meth:`lowcomm.topology.Topology.comms`) for ``algorithm=hierarchical``.
 
     Example::
 
@@ -210,7 +226,8 @@ def build(spec: str, model, optimizer, comm=None, *, compressor=None, nonfinite:
     from .comm import init
     m, opts = parse_spec(spec, "spec")
     s = settings(m, {**opts, **options}, "")
-    return m.build(s, model, optimizer, comm or init(), _python_context(compressor, nonfinite, steps))
+    return m.build(s, model, optimizer, comm or init(),
+                   _python_context(compressor, nonfinite, steps, levels))
 
 
 def policy(levels: dict[str, str], model, optimizer, comm=None, *, topology: str = "",
@@ -221,11 +238,13 @@ def policy(levels: dict[str, str], model, optimizer, comm=None, *, topology: str
     from .comm import init
     from .topology import Topology
     comm = comm or init()
-    topo = Topology.from_env(comm, topology).attach(comm)
+    comms = Topology.from_env(comm, topology).comms(comm)
     cfg = Config(topology=topology, policy=dict(levels))
-    plan = policy_levels(cfg, topo.names)
-    return build_policy(plan, model, optimizer, comm, _python_context(compressor, nonfinite, None))
+    plan = policy_levels(cfg, comms.names)
+    return build_policy(plan, model, optimizer, comm,
+                        _python_context(compressor, nonfinite, None, comms))
 
 
 __all__ = ["STRATEGIES", "build", "build_strategy", "check", "context", "load_config", "method",
-           "parse_spec", "policy", "policy_levels", "register", "settings", "strategy_settings"]
+           "parse_spec", "policy", "policy_levels", "register", "settings", "strategy_settings",
+           "topology_comms"]

@@ -19,11 +19,15 @@ Ledger levels: traffic is filed under the name of the outermost level at which t
 differ: messages between datacenters under ``dc``, between nodes of one datacenter under
 ``node``, between ranks of one node under the innermost level's name (``rank``).
 
-Communicators for a per-level policy (e.g. dense all-reduce inside a datacenter, DiLoCo across)::
+A topology is data: it makes no MPI call until :meth:`Topology.comms` builds, collectively and
+once, the communicators of every level (a :class:`Levels`), which the callers that need them
+(per-level policies, the ``hierarchical`` all-reduce) are handed explicitly::
 
-    topo = Topology.parse("dc:2,rank:2").attach(comm)
-    inside = topo.group("dc")     # all ranks of my datacenter   (traffic filed under "rank")
-    across = topo.peers("dc")     # my counterpart in every dc   (traffic filed under "dc")
+    topo = Topology.parse("dc:2,rank:2")
+    levels = topo.comms(comm)       # collective over comm
+    inside = levels.group("dc")     # all ranks of my datacenter   (traffic filed under "rank")
+    across = levels.peers("dc")     # my counterpart in every dc   (traffic filed under "dc")
+    lowcomm.allreduce_(t, comm, "hierarchical", levels=levels)
     topo.predict("allreduce.ring", 16 << 20, "dc")   # α–β seconds on the dc links
 
 The α–β model (Hockney 1994; Thakur, Rabenseifner & Gropp 2005): one message of n bytes on a
@@ -34,11 +38,15 @@ from __future__ import annotations
 
 import os
 import re
-import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .errors import ConfigError, LowcommError
+from .errors import ConfigError
 from .ledger import latency_rounds, wire_bytes
+
+if TYPE_CHECKING:   # a topology is data; only Topology.comms touches communicators
+    from .comm import Comm
+    from .ledger import Ledger
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 _LINK = re.compile(r"^(?P<a>[0-9.]+(?:e-?[0-9]+)?)(?P<au>us|ms|s)/(?P<b>[0-9.]+(?:e-?[0-9]+)?)"
@@ -112,8 +120,6 @@ class Topology:
             if len(p) != len(self.names) - 1:
                 raise ConfigError("topology", f"rank {r} has a path of {len(p)} units for "
                                   f"{len(self.names)} levels")
-        self._world = None        # the Comm it is attached to (weak)
-        self._comms: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     # construction -----------------------------------------------------------------------------
     @classmethod
@@ -189,11 +195,9 @@ class Topology:
     def discover(cls, comm) -> "Topology":
         """Nodes = groups of ranks that can share memory (``MPI_Comm_split_type`` with
         ``MPI_COMM_TYPE_SHARED``); collective over ``comm``."""
-        from .comm import mpi
-        MPI = mpi()
-        shared = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED, comm.rank)
-        leader = shared.bcast(comm.rank, root=0)   # the node's lowest rank names it
-        shared.Free()
+        shared = comm.split_shared()
+        leader = shared.bcast_object(comm.rank, root=0)   # the node's lowest rank names it
+        shared.free()
         return cls.from_keys(comm.allgather_object(leader), source="MPI_COMM_TYPE_SHARED")
 
     @classmethod
@@ -307,210 +311,117 @@ class Topology:
         return out
 
     # communicators ----------------------------------------------------------------------------
-    def attach(self, comm) -> "Topology":
-        """Make this the topology of ``comm`` (and of its duplicates): ``hierarchical``
-        all-reduces on them use it, and :meth:`group`/:meth:`peers` default to it."""
-        self.check_size(comm.size)
-        comm.topology = self
-        self._world = weakref.ref(comm)
-        _ATTACHED[:] = [self]
-        return self
-
-    def _comm(self, comm):
-        comm = comm or (self._world() if self._world else None)
-        if comm is None:
-            raise LowcommError("topology: no communicator given and none attached (call attach)")
-        self.check_size(comm.size)
-        return comm
-
-    def group(self, level: str, comm=None):
-        """Comm of every rank in my unit of ``level`` (``group("dc")``: my datacenter), filed
-        under the next level inward. Collective over ``comm`` on first use; cached."""
-        comm = self._comm(comm)
-        i = self._index(level)
-        if i == len(self.names) - 1:
-            raise ConfigError("topology", f"group({level!r}): the innermost level is one rank")
-        key = ("group", level)
-        cache = self._comms.setdefault(comm, {})
-        if key not in cache:
-            cache[key] = comm.split(self.paths[comm.rank][i], comm.rank, level=self.names[i + 1])
-        return cache[key]
-
-    def peers(self, level: str, comm=None):
-        """Comm of the ranks at my position in each unit of ``level`` inside my parent unit
-        (``peers("dc")``: my counterpart in every datacenter), filed under ``level``. With
-        unequal units, ranks past a smaller unit's size have no counterpart there (use the
-        ``hierarchical`` all-reduce for a full reduction). Collective; cached."""
-        comm = self._comm(comm)
-        i = self._index(level)
-        key = ("peers", level)
-        cache = self._comms.setdefault(comm, {})
-        if key not in cache:
-            unit = (lambda r: self.paths[r][i]) if i < len(self.names) - 1 else (lambda r: r)
-            seen: dict[int, int] = {}          # ranks counted so far per unit: the position
-            colors: dict[tuple, int] = {}
-            for r in range(self.size):
-                position = seen[unit(r)] = seen.get(unit(r), -1) + 1
-                c = colors.setdefault((self.paths[r][:i], position), len(colors))
-                if r == comm.rank:
-                    color = c
-            cache[key] = comm.split(color, comm.rank, level=level)
-        return cache[key]
-
-    def plan(self, comm) -> "_Plan":
-        """The hierarchical all-reduce's communicators for ``comm`` (built once; collective)."""
-        comm = self._comm(comm)
-        cache = self._comms.setdefault(comm, {})
-        if "plan" not in cache:
-            cache["plan"] = _Plan(comm, self.names, self.paths)
-        return cache["plan"]
+    def comms(self, world: Comm) -> "Levels":
+        """Build every level's communicators over ``world`` (collective; every rank calls it
+        once, in the same order as its other collectives): see :class:`Levels`."""
+        self.check_size(world.size)
+        return Levels(self, world)
 
 
-_ATTACHED: list[Topology] = []       # the run's topology (one per process)
+class Levels:
+    """The communicators of a :class:`Topology` over one world communicator, built collectively
+    by :meth:`Topology.comms`. Traffic goes to ``world``'s ledger, filed under each level's name.
 
+    * :meth:`group` (level): every rank in my unit of ``level`` (``group("dc")``: my datacenter),
+      filed under the next level inward;
+    * :meth:`peers` (level): the ranks at my position in each unit of ``level`` inside my parent
+      unit (``peers("dc")``: my counterpart in every datacenter), filed under ``level``. With
+      unequal units, ranks past a smaller unit's size have no counterpart there (use the
+      ``hierarchical`` all-reduce for a full reduction);
+    * :attr:`hierarchy`: the hierarchical all-reduce's communicators (:class:`Hierarchy`), for
+      :func:`lowcomm.collectives.hierarchical`.
 
-def topology_of(comm) -> Topology:
-    """The topology of ``comm``: its own (``attach``), the run's one when ``comm`` holds the same
-    ranks in the same order (a ``dup`` of the attached world), else one read from the
-    environment (:meth:`Topology.from_env`, collective) and attached."""
-    topo = getattr(comm, "topology", None)
-    if topo is not None:
-        return topo
-    if _ATTACHED and _ATTACHED[0]._world is not None:
-        world = _ATTACHED[0]._world()
-        if world is not None and world.size == comm.size:
-            from .comm import mpi
-            MPI = mpi()
-            if MPI.Group.Compare(world.mpi.Get_group(), comm.mpi.Get_group()) == MPI.IDENT:
-                comm.topology = _ATTACHED[0]
-                return _ATTACHED[0]
-    topo = Topology.from_env(comm)
-    comm.topology = topo
-    if topo._world is None:
-        topo._world = weakref.ref(comm)
-    return topo
-
-
-class _Plan:
-    """One step of the hierarchical all-reduce over ``comm`` whose ranks sit at ``paths``.
-
-    ``inner``: the ranks of my innermost group (level ``names[-1]``). The buffer is cut into
-    S = (largest group) shards; in a group of s ranks, local rank l owns shards j ≡ l (mod s).
-    ``cross``: one entry per distinct owner pattern: the shards, and the Comm of their owners
-    (one rank per group, ordered by group) with the next step of the plan over it.
+    ``levels[level]`` is ``peers(level)``: the Comm whose traffic crosses that level's links.
     """
 
-    def __init__(self, comm, names: tuple[str, ...], paths: list[tuple[int, ...]]):
-        self.names = names
+    def __init__(self, topology: Topology, world: Comm):
+        self.topology, self.world = topology, world
+        names, i_last = topology.names, len(topology.names) - 1
+        self._groups = {lvl: world.split(topology.paths[world.rank][i], world.rank, level=names[i + 1])
+                        for i, lvl in enumerate(names) if i < i_last}
+        self._peers = {lvl: world.split(self._peer_color(i), world.rank, level=lvl)
+                       for i, lvl in enumerate(names)}
+        self.hierarchy = Hierarchy.build(world, names, topology.paths)
+
+    def _peer_color(self, i: int) -> int:
+        t, me = self.topology, self.world.rank
+        unit = (lambda r: t.paths[r][i]) if i < len(t.names) - 1 else (lambda r: r)
+        seen: dict[int, int] = {}          # ranks counted so far per unit: the position
+        colors: dict[tuple, int] = {}
+        for r in range(t.size):
+            position = seen[unit(r)] = seen.get(unit(r), -1) + 1
+            c = colors.setdefault((t.paths[r][:i], position), len(colors))
+            if r == me:
+                color = c
+        return color
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.topology.names
+
+    @property
+    def size(self) -> int:
+        return self.world.size
+
+    def group(self, level: str) -> Comm:
+        self.topology._index(level)
+        if level not in self._groups:
+            raise ConfigError("topology", f"group({level!r}): the innermost level is one rank")
+        return self._groups[level]
+
+    def peers(self, level: str) -> Comm:
+        self.topology._index(level)
+        return self._peers[level]
+
+    def __getitem__(self, level: str) -> Comm:
+        return self.peers(level)
+
+    def dup(self, ledger: Ledger | None = None) -> "Levels":
+        """The same levels over a duplicate of ``world`` (collective): a separate message space
+        (e.g. for a reduction thread), charged to ``ledger`` if given."""
+        return Levels(self.topology, self.world.dup(ledger))
+
+
+class Hierarchy:
+    """The communicators of one step of the hierarchical all-reduce over ranks at ``paths``
+    (built by :meth:`build`; run by :func:`lowcomm.collectives.hierarchical`).
+
+    ``flat``: with one level left, the Comm of all these ranks (a flat all-reduce), else None.
+    ``inner``: the ranks of my innermost group (level ``names[-1]``). The buffer is cut into
+    ``shards`` = (largest group) shards; in a group of s ranks, local rank l owns shards
+    j ≡ l (mod s): ``owned[l]``. ``cross``: one entry per distinct owner pattern that I belong
+    to: the shards, and the :class:`Hierarchy` one level up over their owners (one rank per
+    group, ordered by group).
+    """
+
+    def __init__(self, names, flat=None, inner=None, shards=0, owned=(), cross=()):
+        self.names, self.flat, self.inner = names, flat, inner
+        self.shards, self.owned, self.cross = shards, list(owned), list(cross)
+
+    @classmethod
+    def build(cls, comm: Comm, names: tuple[str, ...], paths: list[tuple[int, ...]]) -> "Hierarchy":
+        """Split ``comm`` (whose rank r sits at ``paths[r]``) into the step's communicators
+        (collective over ``comm``)."""
         if len(names) == 1:       # one level left: a flat all-reduce among these ranks
-            self.flat = comm.split(0, comm.rank, level=names[0])
-            return
-        self.flat = None
+            return cls(names, flat=comm.split(0, comm.rank, level=names[0]))
         groups: dict[tuple, list[int]] = {}
         for r, p in enumerate(paths):
             groups.setdefault(p, []).append(r)
         order = list(groups)
         gi = order.index(paths[comm.rank])
         sizes = [len(groups[p]) for p in order]
-        self.inner = comm.split(gi, comm.rank, level=names[-1])
-        self.shards = max(sizes)
-        local = self.inner.rank
+        inner = comm.split(gi, comm.rank, level=names[-1])
+        shards = max(sizes)
+        local = inner.rank
         sigs: dict[tuple, list[int]] = {}
-        for j in range(self.shards):
+        for j in range(shards):
             sigs.setdefault(tuple(j % s for s in sizes), []).append(j)
-        # blocks[l]: the shards local rank l of my group owns
-        self.owned = [[j for j in range(self.shards) if j % sizes[gi] == l] for l in range(sizes[gi])]
-        self.cross = []
+        owned = [[j for j in range(shards) if j % sizes[gi] == l] for l in range(sizes[gi])]
+        cross = []
         sub_paths = [p[:-1] for p in order]
-        for sig, shards in sigs.items():
+        for sig, mine in sigs.items():
             member = sig[gi] == local
             sub = comm.split(0 if member else -1, gi, level=names[-2])
             if member:
-                self.cross.append((shards, _Plan(sub, names[:-1], sub_paths)))
-
-    def run(self, buf):
-        import torch
-
-        from .collectives import chunk_bounds, ring
-        if self.flat is not None:
-            f = self.flat
-            if f.size == 2:    # two parties: swap whole buffers and add: the ring's bytes, one round
-                with f.ledger.scope("allreduce.exchange", f.level):
-                    tmp = torch.empty_like(buf)
-                    f.sendrecv_(buf, 1 - f.rank, tmp, 1 - f.rank)
-                    buf.add_(tmp)
-            else:
-                with f.ledger.scope("allreduce.ring", f.level):
-                    ring(f, buf)
-            return buf
-        b = chunk_bounds(buf.numel(), self.shards)
-        blocks = [[(b[j], b[j + 1]) for j in owned] for owned in self.owned]
-        inner = self.inner
-        if inner.size > 1:
-            with inner.ledger.scope("reduce_scatter.ring", inner.level):
-                _ring_reduce_scatter(inner, buf, blocks)
-        for shards, sub in self.cross:
-            ranges = [(b[j], b[j + 1]) for j in shards]
-            if len(ranges) == 1:
-                sub.run(buf[ranges[0][0]:ranges[0][1]])
-            else:
-                tmp = _gather(buf, ranges)
-                sub.run(tmp)
-                _scatter(buf, ranges, tmp)
-        if inner.size > 1:
-            with inner.ledger.scope("allgather.ring", inner.level):
-                _ring_allgather(inner, buf, blocks)
-        return buf
-
-
-def _gather(buf, ranges):
-    import torch
-    if len(ranges) == 1:
-        return buf[ranges[0][0]:ranges[0][1]]
-    return torch.cat([buf[lo:hi] for lo, hi in ranges]) if ranges else buf[:0]
-
-
-def _scatter(buf, ranges, src, add: bool = False) -> None:
-    off = 0
-    for lo, hi in ranges:
-        part = src[off:off + hi - lo]
-        buf[lo:hi].add_(part) if add else buf[lo:hi].copy_(part)
-        off += hi - lo
-
-
-def _count(ranges) -> int:
-    return sum(hi - lo for lo, hi in ranges)
-
-
-def _ring_reduce_scatter(comm, buf, blocks) -> None:
-    """Ring reduce-scatter over blocks of any sizes (Thakur, Rabenseifner & Gropp 2005 §4.5):
-    for s = 0..K-2 rank r sends block (r-s-1) mod K to r+1 and adds block (r-s-2) mod K from
-    r-1 into its own copy; rank r then holds the sum of block r."""
-    import torch
-    K, r = comm.size, comm.rank
-    right, left = (r + 1) % K, (r - 1) % K
-    tmp = torch.empty(max(_count(x) for x in blocks), dtype=buf.dtype)
-    for s in range(K - 1):
-        out = _gather(buf, blocks[(r - s - 1) % K]).contiguous()
-        into = blocks[(r - s - 2) % K]
-        got = tmp[:_count(into)]
-        comm.sendrecv_(out, right, got, left)
-        _scatter(buf, into, got, add=True)
-
-
-def _ring_allgather(comm, buf, blocks) -> None:
-    """Ring all-gather: for s = 0..K-2 rank r sends block (r-s) mod K to r+1 and stores block
-    (r-s-1) mod K from r-1."""
-    import torch
-    K, r = comm.size, comm.rank
-    right, left = (r + 1) % K, (r - 1) % K
-    tmp = torch.empty(max(_count(x) for x in blocks), dtype=buf.dtype)
-    for s in range(K - 1):
-        out = _gather(buf, blocks[(r - s) % K]).contiguous()
-        into = blocks[(r - s - 1) % K]
-        if len(into) == 1:
-            comm.sendrecv_(out, right, buf[into[0][0]:into[0][1]], left)
-        else:
-            got = tmp[:_count(into)]
-            comm.sendrecv_(out, right, got, left)
-            _scatter(buf, into, got)
+                cross.append((mine, cls.build(sub, names[:-1], sub_paths)))
+        return cls(names, inner=inner, shards=shards, owned=owned, cross=cross)

@@ -16,11 +16,10 @@ whole TOML file as ``config``. ``strategy`` takes a spec string ``NAME[:key=valu
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from .loop import run as run_loop
-from .registry import build_strategy, load_config, parse_spec
+from .registry import build_strategy, load_config, parse_spec, topology_comms
 from .comm import Comm, init
 from .config import Config
 from .errors import ConfigError
@@ -42,10 +41,8 @@ def run(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
     world): the task it names (or ``task``), the strategy it names."""
     comm = comm or init()
     task = task or task_of(cfg)
-    if cfg.topology or os.environ.get("LOWCOMM_TOPOLOGY"):   # levels for hierarchical/policy
-        from .topology import Topology
-        Topology.from_env(comm, cfg.topology).attach(comm)
-    return run_loop(cfg, task, lambda m, o, c: build_strategy(cfg, m, o, c), comm, out,
+    levels = topology_comms(cfg, comm)     # the topology's communicators: hierarchical/policy
+    return run_loop(cfg, task, lambda m, o, c: build_strategy(cfg, m, o, c, levels), comm, out,
                     progress, resume, overwrite)
 
 

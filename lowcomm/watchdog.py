@@ -4,8 +4,8 @@ Every MPI call lowcomm makes goes through :meth:`Comm._guard`, which registers t
 for the calling thread with a *callable* describing it (op, bytes, whom it waits for): the text
 is built only when a call is late, so the hot path pays for two dict operations, not formatting. One daemon thread per
 process looks at the registered calls about four times per timeout; when one has waited too
-long it prints which rank waits, in which op, for whom, and calls ``MPI_Abort`` so that every
-rank ends (a rank stopped with SIGSTOP or stuck in a loop never answers; without this the
+long it prints which rank waits, in which op, for whom, and calls its ``abort`` (the Comm's
+``MPI_Abort``, :func:`lowcomm.comm.abort_world`'s kin) so that every rank ends (a rank stopped with SIGSTOP or stuck in a loop never answers; without this the
 others would wait forever).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ class Watchdog:
         if timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
         self.timeout_s, self.rank = timeout_s, rank
-        self._abort = abort or _mpi_abort
+        self._abort = abort or _exit   # Comm passes its MPI_Abort (mpi4py lives in comm.py only)
         self._calls: dict[int, tuple[object, float]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -69,10 +69,10 @@ class Watchdog:
                 return
 
 
-def _mpi_abort() -> None:
-    from mpi4py import MPI
-    MPI.COMM_WORLD.Abort(3)
-    os._exit(3)  # pragma: no cover - Abort does not return
+def _exit() -> None:
+    """End this process with status 3 (without MPI; the Comms built by lowcomm pass an abort
+    that ends every rank)."""
+    os._exit(3)
 
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("LOWCOMM_TIMEOUT_S", "60"))

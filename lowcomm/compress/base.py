@@ -35,12 +35,11 @@ Comm.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
 
-from ..comm import Comm
+from ..comm import Comm, world_rank
 from ..errors import NonFiniteError
 
 
@@ -56,14 +55,6 @@ class Segment:
 def whole(key: str, x: torch.Tensor) -> list[Segment]:
     """The segment list of a flat tensor that carries no parameter names: one segment, ``key``."""
     return [Segment(key, torch.Size([x.numel()]), 0, x.numel())]
-
-
-def world_rank() -> int:
-    """This process's MPI world rank if MPI is running, else 0 (for error messages only)."""
-    MPI = sys.modules.get("mpi4py.MPI")
-    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
-        return MPI.COMM_WORLD.Get_rank()
-    return 0
 
 
 def nonfinite_segments(x: torch.Tensor, segments: list[Segment]) -> list[Segment]:

@@ -32,11 +32,14 @@ class Context:
     gradient compressor, and the knobs of a compressor named by a strategy option), the run's
     NaN policy (``"abort"``: never send a non-finite value; ``"skip"``: the loop skips such
     steps on all ranks),
-    the run's step budget (None: open-ended), and where a per-level policy nests the strategy."""
+    the run's step budget (None: open-ended), where a per-level policy nests the strategy, and
+    the topology's communicators (:class:`~lowcomm.topology.Levels`, built once by the caller:
+    per-level policies and the ``hierarchical`` all-reduce need them; None without a topology)."""
     compressor: CompressorSettings = field(default_factory=CompressorSettings)
     nonfinite: str = "abort"
     steps: int | None = None
     nest: Any = None
+    levels: Any = None
 
     def gradient_compressor(self, name: str | None = None):
         """The run's gradient compressor, or the one called ``name`` with the run's knobs,

@@ -97,6 +97,7 @@ class DiLoCo(OuterLoop):
         outer_lr, outer_momentum: the outer SGD's learning rate and momentum.
         warmup_steps: W ≥ 0 dense SyncDP steps before the first round.
         algorithm: all-reduce algorithm of the pseudo-gradient (and the warm-up).
+        levels: the topology's communicators, for ``algorithm = "hierarchical"``.
         compressor: a :class:`~lowcomm.compress.Compressor` for the pseudo-gradient
             (None: dense fp32 average).
         warmup_options: extra keyword arguments of the warm-up's SyncDP.
@@ -114,11 +115,11 @@ class DiLoCo(OuterLoop):
                  comm: Comm | None = None, *, period: int, outer_optimizer: str = "nesterov",
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, warmup_steps: int = 0,
                  algorithm: str = "mpi", compressor: Compressor | None = None,
-                 warmup_options: dict | None = None, nest: Nesting | None = None):
+                 warmup_options: dict | None = None, nest: Nesting | None = None, levels=None):
         _check_outer(outer_optimizer, outer_lr, outer_momentum)   # before any communication
         super().__init__(model, optimizer, comm, period=period, warmup_steps=warmup_steps,
                          algorithm=algorithm, compressor=compressor, warmup_options=warmup_options,
-                         nest=nest)
+                         nest=nest, levels=levels)
         self._init_outer(outer_optimizer, outer_lr, outer_momentum)
 
     def _init_outer(self, outer_optimizer: str, outer_lr: float, outer_momentum: float) -> None:
@@ -192,11 +193,12 @@ class StreamingDiLoCo(DiLoCo):
                  alpha: float = 0.0, outer_optimizer: str = "nesterov", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, warmup_steps: int = 0, algorithm: str = "mpi",
                  compressor: Compressor | None = None, warmup_options: dict | None = None,
-                 nest: Nesting | None = None):
+                 nest: Nesting | None = None, levels=None):
         _check_outer(outer_optimizer, outer_lr, outer_momentum)
         OuterLoop.__init__(self, model, optimizer, comm, period=period, warmup_steps=warmup_steps,
                            algorithm=algorithm, compressor=compressor, fragments=fragments,
-                           delay=delay, alpha=alpha, warmup_options=warmup_options, nest=nest)
+                           delay=delay, alpha=alpha, warmup_options=warmup_options, nest=nest,
+                           levels=levels)
         self._init_outer(outer_optimizer, outer_lr, outer_momentum)
 
 

@@ -50,6 +50,7 @@ class LocalSGD(OuterLoop):
         period: H ≥ 1, local steps between averagings.
         warmup_steps: W ≥ 0 dense SyncDP steps first.
         algorithm: all-reduce algorithm of the averaging and the warm-up.
+        levels: the topology's communicators, for ``algorithm = "hierarchical"``.
         warmup_options: extra keyword arguments of the warm-up's SyncDP (``bucket_mb``,
             ``overlap``, ``compressor`` for the warm-up's gradients, ...).
 
@@ -65,9 +66,10 @@ class LocalSGD(OuterLoop):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, period: int, warmup_steps: int = 0,
                  algorithm: str = "mpi", warmup_options: dict | None = None,
-                 nest: Nesting | None = None):
+                 nest: Nesting | None = None, levels=None):
         super().__init__(model, optimizer, comm, period=period, warmup_steps=warmup_steps,
-                         algorithm=algorithm, warmup_options=warmup_options, nest=nest)
+                         algorithm=algorithm, warmup_options=warmup_options, nest=nest,
+                         levels=levels)
 
     def _outgoing(self, f: Fragment) -> torch.Tensor:
         return f.pack()

@@ -144,7 +144,7 @@ class OuterLoop(Strategy):
                  comm: Comm | None = None, *, period: int, warmup_steps: int = 0,
                  algorithm: str = "mpi", compressor: Compressor | None = None, fragments: int = 1,
                  delay: int = 0, alpha: float = 0.0, warmup_options: dict | None = None,
-                 nest: Nesting | None = None):
+                 nest: Nesting | None = None, levels=None):
         super().__init__(model, optimizer, comm)
         if nest is not None and warmup_steps:
             raise ConfigError("strategy.warmup_steps", "a warm-up of dense steps is not "
@@ -160,7 +160,7 @@ class OuterLoop(Strategy):
                               f"synchronisation), got {delay}")
         if not 0 <= alpha <= 1:
             raise ConfigError("strategy.alpha", f"must be in [0, 1], got {alpha}")
-        get_algorithm(algorithm)
+        get_algorithm(algorithm, levels)
         if compressor is not None and not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a lowcomm Compressor, got {type(compressor).__name__}")
         self.period, self.warmup_steps, self.delay = int(period), int(warmup_steps), int(delay)
@@ -176,13 +176,16 @@ class OuterLoop(Strategy):
         self._dense = None
         if self.warmup_steps > 0:                    # SyncDP broadcasts rank 0's state itself
             from .syncdp import SyncDP
-            self._dense = SyncDP(model, optimizer, self.comm, algorithm=algorithm,
+            self._dense = SyncDP(model, optimizer, self.comm, algorithm=algorithm, levels=levels,
                                  **(warmup_options or {}))
         else:
             broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self._red = self.comm.dup(Ledger())          # own message space and ledger
         self._check_layout()
         self._red.validate = False                   # the layout was agreed just above
+        # hierarchical: the topology's communicators in the reductions' own space and ledger
+        self._levels = levels.dup(self._red.ledger) if levels is not None and \
+            algorithm == "hierarchical" else None
         self.nest, self._inside, self._leaders = nest, None, None
         if nest is not None:                         # same ledger: a sync's rows, all levels
             self._inside = nest.inside.dup(self._red.ledger) if nest.inside else None
@@ -265,7 +268,7 @@ class OuterLoop(Strategy):
         if inside is None or inside.rank == 0:
             across = self._red if inside is None else self._leaders
             if self.compressor is None:
-                avg = allreduce_(flat, across, self.algorithm, op="avg")
+                avg = allreduce_(flat, across, self.algorithm, op="avg", levels=self._levels)
             else:
                 avg = self.compressor.reduce(flat, f"fragment{f.index}", across, f.segments)
         if inside is not None:                       # the unit's leader hands the average on
@@ -409,7 +412,7 @@ class OuterSettings(SyncDPSettings):
                                    if k != "compressor"}).kwargs(ctx)
         del warmup["algorithm"]                      # the outer loop's own
         return dict(period=self.period, warmup_steps=self.warmup_steps, algorithm=self.algorithm,
-                    warmup_options=warmup, nest=ctx.nest)
+                    warmup_options=warmup, nest=ctx.nest, levels=ctx.levels)
 
 
 def check_run(s: OuterSettings, cfg, prefix: str) -> None:

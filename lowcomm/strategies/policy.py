@@ -71,13 +71,15 @@ def check_plan(plan: list[Level], gradient_compressor: str = "none") -> int:
     return first
 
 
-def build_policy(plan: list[Level], model, optimizer, comm, ctx: Context | None = None):
-    """The strategy of a per-level ``plan`` (outermost level first) on ``comm``, whose
-    topology must be attached and have exactly the plan's levels."""
-    from ..topology import topology_of
-    ctx = ctx or Context()
-    topo = topology_of(comm)
-    names = topo.names
+def build_policy(plan: list[Level], model, optimizer, comm, ctx: Context):
+    """The strategy of a per-level ``plan`` (outermost level first) on ``comm``. ``ctx.levels``:
+    the topology's communicators over ``comm`` (:meth:`lowcomm.topology.Topology.comms`), whose
+    levels must be exactly the plan's."""
+    levels = ctx.levels
+    if levels is None:
+        raise ConfigError("policy", "a per-level policy needs the topology's communicators: "
+                          "build the Context with levels=Topology.from_env(comm, spec).comms(comm)")
+    names = levels.names
     if tuple(p.name for p in plan) != tuple(names):
         raise ConfigError("policy", f"the plan's levels {[p.name for p in plan]} are not the "
                           f"topology's {list(names)}")
@@ -86,7 +88,7 @@ def build_policy(plan: list[Level], model, optimizer, comm, ctx: Context | None 
     if first < len(plan):                    # the per-step levels: one strategy over their span
         lvl = plan[first]
         s = lvl.settings
-        scope = comm if first == 0 else topo.group(names[first - 1])
+        scope = comm if first == 0 else levels.group(names[first - 1])
         if first == 0 and len(names) > 1 and "algorithm" not in lvl.options:
             s = dataclasses.replace(s, algorithm="hierarchical")
         elif first > 0 and getattr(s, "algorithm", "") == "hierarchical":
@@ -96,10 +98,10 @@ def build_policy(plan: list[Level], model, optimizer, comm, ctx: Context | None 
     outer_ctx = dataclasses.replace(ctx, compressor=dataclasses.replace(ctx.compressor, name="none"))
     for i in range(first - 1, -1, -1):       # outer loops, innermost first
         lvl = plan[i]
-        scope = comm if i == 0 else topo.group(names[i - 1])
+        scope = comm if i == 0 else levels.group(names[i - 1])
         innermost = i == len(names) - 1
-        inside = None if innermost else topo.group(lvl.name)
-        peers = topo.peers(lvl.name)         # collective: every rank takes part
+        inside = None if innermost else levels.group(lvl.name)
+        peers = levels.peers(lvl.name)
         leaders = peers if inside is not None and inside.rank == 0 else None
         nest = Nesting(strategy, inside, leaders,
                        average_inside=strategy is not None and i + 1 < first)

@@ -39,9 +39,8 @@ from pathlib import Path
 import torch
 
 from ..runtime import evaluate, nonfinite, params_sha256, restore, snapshot
-from ..comm import Comm, init, mpi
+from ..comm import Comm, init
 from ..errors import LowcommError, NonFiniteError
-from ..ledger import Ledger
 from .async_ps import PUSH, AsyncPS, ServerLost, WorkersLost, recovery_enabled
 
 log = logging.getLogger("lowcomm.train")
@@ -68,19 +67,19 @@ def _recv_from(ctl: Comm, src: int, timeout_s: float, what: str):
     """Receive a pickled end-of-run report from ``src`` on the control channel, or raise naming
     ``src``."""
     t0 = time.monotonic()
-    while not ctl.mpi.Iprobe(src, TAG_STATS):
+    while ctl.iprobe(src, TAG_STATS) is None:
         if time.monotonic() - t0 > timeout_s:
             raise ServerLost(f"rank {ctl.rank}: rank {src} ({what}) sent no end-of-run report "
                              f"for {timeout_s:g} s; it is gone, ending the job")
         time.sleep(0.001)
-    return ctl.mpi.recv(source=src, tag=TAG_STATS)
+    return ctl.recv_object(src, TAG_STATS)
 
 
 def _report_to_rank0(ctl: Comm, report: dict, timeout_s: float) -> None:
     """Send ``report`` to rank 0 synchronously (so that this process may end at once after)."""
-    req = ctl.mpi.issend(report, dest=0, tag=TAG_STATS)
+    req = ctl.issend_object(report, 0, TAG_STATS)
     t0 = time.monotonic()
-    while not req.Test():
+    while not req.test():
         if time.monotonic() - t0 > timeout_s:
             raise ServerLost(f"rank {ctl.rank}: parameter server 0 (rank 0) took no end-of-run "
                              f"report for {timeout_s:g} s; it is gone, ending the job")
@@ -142,7 +141,7 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
             from tqdm import tqdm
             bar = tqdm(total=cfg.steps, initial=first - 1, desc=cfg.method, unit="step",
                        dynamic_ncols=True, mininterval=1.0)
-        self_comm = Comm(mpi().COMM_SELF, Ledger(), "control", False, comm.watchdog)
+        self_comm = Comm.self_comm(comm.watchdog)
         rounds = [first - 1]
 
         def line(step: int) -> None:
@@ -196,12 +195,10 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
                          if rank == 0 else {})
 
         early: dict[int, dict] = {}   # end-of-run reports that arrive while rank 0 still serves
-        status = mpi().Status()
 
         def on_idle() -> None:
-            while ctl.mpi.Iprobe(mpi().ANY_SOURCE, TAG_STATS, status):
-                src = status.Get_source()
-                early[src] = ctl.mpi.recv(source=src, tag=TAG_STATS)
+            while (msg := ctl.iprobe(Comm.ANY_SOURCE, TAG_STATS)) is not None:
+                early[msg[0]] = ctl.recv_object(msg[0], TAG_STATS)
 
         try:
             ps.serve(on_update, on_idle if rank == 0 else None)
@@ -225,7 +222,7 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
         limit = s.server_timeout_s + s.worker_timeout_s + 30
         for r in range(1, S):
             rep = early.pop(r) if r in early else _recv_from(ctl, r, limit, f"parameter server {r}")
-            ps._load(r, rep["values"])
+            ps.load_shard(r, rep["values"])
             reports.append(rep)
         lost: dict[int, dict] = {}
         for rep in reports:
@@ -290,7 +287,7 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
 def _summary(cfg, model, task, held_out, comm, ps, reports, lost, finished, n_params, lg,
              wall, out):
     S, W = ps.servers, ps.workers
-    self_comm = Comm(mpi().COMM_SELF, Ledger(), "control", False, comm.watchdog)
+    self_comm = Comm.self_comm(comm.watchdog)
     eval_loss = evaluate(model, task, held_out, self_comm) if held_out else float("nan")
     by_level: dict[str, int] = {}
     for rep in reports:

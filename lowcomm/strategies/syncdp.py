@@ -50,7 +50,7 @@ def build(s: SyncDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Stra
         from ..backends.horovod import HorovodDP    # refuses non-summable compressors
         return HorovodDP(model, optimizer, comm, s.backward_passes_per_step,
                          ctx.gradient_compressor(s.compressor or None))
-    return SyncDP(model, optimizer, comm, **s.kwargs(ctx))
+    return SyncDP(model, optimizer, comm, levels=ctx.levels, **s.kwargs(ctx))
 
 
 METHOD = Method("syncdp", SyncDPSettings, build,
@@ -72,7 +72,7 @@ class SyncDP(Strategy):
     Args:
         model, optimizer: the user's torch objects.
         comm: communicator (default: world).
-        algorithm: all-reduce algorithm ("mpi", "ring", "rabenseifner", "tree").
+        algorithm: all-reduce algorithm ("mpi", "ring", "rabenseifner", "tree", "hierarchical").
         bucket_mb: bucket size in MiB.
         backward_passes_per_step: gradient accumulation factor N ≥ 1.
         overlap: reduce buckets during backward (True) or all at once in ``step()``.
@@ -80,6 +80,8 @@ class SyncDP(Strategy):
             dense all-reduce with ``algorithm``).
         nonfinite: "raise" (a NaN/Inf gradient is an error, never sent) or "zero" (the caller
             skips such steps with :meth:`skip`).
+        levels: the topology's communicators (:meth:`lowcomm.topology.Topology.comms`) for
+            ``algorithm = "hierarchical"``.
 
     Example::
 
@@ -92,7 +94,7 @@ class SyncDP(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, algorithm: str = "mpi", bucket_mb: float = 4.0,
                  backward_passes_per_step: int = 1, overlap: bool = True,
-                 compressor=None, nonfinite: str = "raise"):
+                 compressor=None, nonfinite: str = "raise", levels=None):
         super().__init__(model, optimizer, comm)
         if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step}")
@@ -104,7 +106,7 @@ class SyncDP(Strategy):
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self.reducer = Reducer(self.comm, self._named[::-1], algorithm, int(bucket_mb * (1 << 20)),
                                op="avg", overlap=overlap, compressor=compressor,
-                               nonfinite=nonfinite)
+                               nonfinite=nonfinite, levels=levels)
         self._count = {n: 0 for n, _ in self._named}
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._named] \
             if overlap else []

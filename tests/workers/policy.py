@@ -21,7 +21,8 @@ comm = lowcomm.init()
 K, r = comm.size, comm.rank
 ok = Checks(r)
 SPEC = sys.argv[1]
-topo = Topology.parse(SPEC).attach(comm)
+topo = Topology.parse(SPEC)
+levels = topo.comms(comm)
 OUTER, INNER = topo.names
 UNITS = topo.units(OUTER)                 # world ranks of each outer unit
 B, STEPS, LR = 4, 12, 0.1
@@ -76,7 +77,7 @@ def run(policy: dict, extra=()):
         for p in model.parameters():
             p.add_(0.01 * r)
     comm.ledger.reset()
-    st = build_strategy(cfg, model, torch.optim.SGD(model.parameters(), lr=LR), comm)
+    st = build_strategy(cfg, model, torch.optim.SGD(model.parameters(), lr=LR), comm, levels)
     for step in range(STEPS):
         st.zero_grad()
         x, y = batch(step, r)

@@ -16,7 +16,7 @@ from mpi4py import MPI
 import lowcomm
 from common import Checks
 from lowcomm.ledger import Ledger
-from lowcomm.topology import Topology, topology_of
+from lowcomm.topology import Topology
 
 world = lowcomm.init()
 K, r = world.size, world.rank
@@ -59,15 +59,15 @@ def units(topo: Topology, i: int) -> int:
 for spec in SPECS:
     topo = Topology.parse(spec)
     comm = world.dup(Ledger())
-    topo.attach(comm)
-    ok(topology_of(comm) is topo, f"{spec}: attached topology not found")
+    levels = topo.comms(comm)
+    ok(levels.topology is topo and levels.world is comm, f"{spec}: levels of another topology")
     for n in SIZES:
         for dt in DTYPES:
             g = torch.Generator().manual_seed(100 * r + n)
             t = torch.randint(-4, 5, (n,), generator=g).to(dt)
             ref = vendor_sum(t)
             before = by_level(comm.ledger)
-            out = lowcomm.allreduce_(t, comm, "hierarchical")
+            out = lowcomm.allreduce_(t, comm, "hierarchical", levels=levels)
             after = by_level(comm.ledger)
             ok(out is t, "allreduce_ must return its argument")
             ok(np.array_equal(t.double().numpy(), ref), f"{spec} n={n} {dt}: differs from MPI_Allreduce")
@@ -82,16 +82,16 @@ for spec in SPECS:
     g = torch.Generator().manual_seed(7 + r)
     t = torch.randn(4099, generator=g, dtype=torch.float64)
     ref = vendor_sum(t)
-    lowcomm.allreduce_(t, comm, "hierarchical")
+    lowcomm.allreduce_(t, comm, "hierarchical", levels=levels)
     ok(np.allclose(t.numpy(), ref, rtol=1e-12, atol=1e-12), f"{spec}: random float64")
     a = torch.full((3, 5), float(r + 1))
-    lowcomm.allreduce_(a, comm, "hierarchical", op="avg")
+    lowcomm.allreduce_(a, comm, "hierarchical", op="avg", levels=levels)
     ok(torch.allclose(a, torch.full((3, 5), (K + 1) / 2)), f"{spec}: average of a 2-D tensor")
     # non-contiguous view written back in place
     base = torch.zeros(6, 4)
     view = base[:, 1]
     view.fill_(r + 1.0)
-    lowcomm.allreduce_(view, comm, "hierarchical")
+    lowcomm.allreduce_(view, comm, "hierarchical", levels=levels)
     ok(torch.equal(base[:, 1], torch.full((6,), K * (K + 1) / 2)) and base[:, 0].eq(0).all(),
        f"{spec}: non-contiguous")
 
@@ -101,24 +101,28 @@ CLOSED = {4: [("dc:2,rank:2", {"rank": lambda n: 2 * (2 - 1) * n // 2, "dc": lam
           2: [("dc:2,rank:1", {"dc": lambda n: n})]}.get(K, [])
 for spec, forms in CLOSED:
     comm = world.dup(Ledger())
-    Topology.parse(spec).attach(comm)
+    levels = Topology.parse(spec).comms(comm)
     n = 1 << 14
-    lowcomm.allreduce_(torch.ones(n), comm, "hierarchical")
+    lowcomm.allreduce_(torch.ones(n), comm, "hierarchical", levels=levels)
     for level, f in forms.items():
         ok(by_level(comm.ledger).get(level, 0) == 4 * f(n),
            f"{spec}: rank {r} sent {by_level(comm.ledger).get(level, 0)} bytes on {level}, "
            f"expected {4 * f(n)}")
 
-# the run's topology: attached to the world, found by lowcomm.allreduce_ (no comm) and by dups
+# the run's topology: its communicators over the world, handed to lowcomm.allreduce_ (no comm)
 if K == 4:
-    topo = Topology.parse("dc:2,rank:2").attach(world)
+    topo = Topology.parse("dc:2,rank:2")
+    levels = topo.comms(world)
     t = torch.full((1000,), float(r))
-    lowcomm.allreduce_(t, algorithm="hierarchical")
+    lowcomm.allreduce_(t, algorithm="hierarchical", levels=levels)
     ok(torch.equal(t, torch.full((1000,), 6.0)), "allreduce_(t, algorithm='hierarchical') on the world")
-    dup = world.dup()
-    ok(topology_of(dup) is topo, "a dup of the world must find the attached topology")
+    try:      # nothing is looked up behind the caller's back
+        lowcomm.allreduce_(t, world, "hierarchical")
+        ok(False, "hierarchical without its communicators accepted")
+    except lowcomm.LowcommError as e:
+        ok("levels=" in str(e), str(e))
     # per-level communicators for a per-level policy
-    inside, across = topo.group("dc"), topo.peers("dc")
+    inside, across = levels.group("dc"), levels.peers("dc")
     ok(inside.size == 2 and across.size == 2, f"group/peers sizes {inside.size}/{across.size}")
     ok(inside.level == "rank" and across.level == "dc", f"levels {inside.level}/{across.level}")
     x = torch.tensor([float(r)])
@@ -130,7 +134,7 @@ if K == 4:
     # unequal: peers of node:2,rank:3+1 (the lone rank pairs with local rank 0)
     u = Topology.parse("node:2,rank:3+1")
     c = world.dup(Ledger())
-    p = u.peers("node", c)
+    p = u.comms(c).peers("node")
     ok(p.size == (2 if r in (0, 3) else 1), f"unequal peers size {p.size}")
 
 # discovered: all ranks share memory here, so one node of K ranks
@@ -139,7 +143,7 @@ if "LOWCOMM_TOPOLOGY" not in os.environ:
     ok(d.spec() == f"node:1,rank:{K}" and d.source == "MPI_COMM_TYPE_SHARED", f"discovered {d.spec()} ({d.source})")
 # wrong size: a clear error
 try:
-    Topology.parse("dc:2,rank:3").attach(world.dup())
+    Topology.parse("dc:2,rank:3").comms(world.dup())
     ok(False, "a topology of 6 ranks accepted")
 except lowcomm.ConfigError as e:
     ok("topology" in str(e) and str(K) in str(e), str(e))

@@ -10,7 +10,7 @@ from mpi4py import MPI
 import lowcomm
 from common import Checks
 from lowcomm.ledger import Ledger
-from lowcomm.topology import topology_of
+from lowcomm.topology import Topology
 
 world = lowcomm.init()
 r = world.rank
@@ -18,7 +18,8 @@ ok = Checks(r)
 hosts = world.allgather_object(socket.gethostname())
 ok(hosts == ["lowcomm-dc0"] * 2 + ["lowcomm-dc1"] * 2, f"ranks run on {hosts}")
 comm = world.dup(Ledger())
-topo = topology_of(comm)           # from $LOWCOMM_TOPOLOGY, set by launchers/wan.sh
+topo = Topology.from_env(comm)     # from $LOWCOMM_TOPOLOGY, set by launchers/wan.sh
+levels = topo.comms(comm)
 ok(topo.spec() == "dc:2,rank:2", f"topology {topo.spec()}")
 for n in (0, 7, 1000, 1 << 18):
     for dt in (torch.float32, torch.bfloat16):
@@ -26,7 +27,7 @@ for n in (0, 7, 1000, 1 << 18):
         ref = t.double().numpy().copy()
         MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, ref, op=MPI.SUM)
         comm.ledger.reset()
-        lowcomm.allreduce_(t, comm, "hierarchical")
+        lowcomm.allreduce_(t, comm, "hierarchical", levels=levels)
         ok(np.array_equal(t.double().numpy(), ref), f"n={n} {dt}: differs from MPI_Allreduce")
         lv = {k: v for k, v in comm.ledger.by_level().items() if k != "world"}
         es = t.element_size()

@@ -1,0 +1,202 @@
+"""What parameter-server workers and servers agree on: roles, tags, message layouts, the shard
+layout, the update rules' formulas and the errors.
+
+Roles: MPI ranks ``0 … S-1`` are *servers* (``servers = S``), ranks ``S … K-1`` are *workers*
+(worker index ``w = rank - S``). Parameter tensors are sharded over the servers, balanced by size
+(largest tensor first onto the least-loaded server).
+
+Messages (on a duplicate of the world communicator, the *PS channel*, charged to the method):
+
+* ``TAG_PUSH`` worker → server: :func:`pack_push` (``HEADER`` float64s: kind, clock, loss,
+  cumulative bytes sent and received, meta length, payload length; then the pickled payload
+  layout and compressor context, then the payload bytes);
+* ``TAG_PULL`` / ``TAG_INIT`` server → worker: a :class:`Reply` (``HEADER`` float64s: version,
+  clock lag, status; then the shard's values).
+
+On a second duplicate, the *control channel* (its own ledger: not charged to the method, and
+heartbeats are timing-dependent): ``TAG_BEAT`` server → waiting worker (one float64, "I am
+alive") and ``TAG_DONE`` worker → server (one float64: the worker's clock).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...compress import Segment
+from ...errors import LowcommError
+from ...ledger import Ledger
+from ..base import balance
+
+TAG_PUSH, TAG_PULL, TAG_DONE, TAG_BEAT, TAG_INIT = 71, 72, 73, 74, 75
+HEADER = 8                     # float64 fields leading every push and every reply
+PUSH, SKIP = 1.0, 2.0          # push kinds
+OK, DROPPED, STOP = 0.0, 1.0, 2.0   # reply status (STOP: the run's gradient budget is spent)
+POLL_S = 0.0005                # idle sleep between polls (a spinning poll would steal a core)
+
+
+class ServerLost(LowcommError):
+    """A parameter server stopped answering; the job cannot continue without its shard."""
+
+
+class WorkerDropped(LowcommError):
+    """This worker was declared lost by a server (it was silent past ``worker_timeout_s``)."""
+
+    exit_code = 4
+
+
+class WorkersLost(LowcommError):
+    """The run finished, but some workers were lost on the way (the summary names them)."""
+
+    exit_code = 4
+
+
+@dataclass
+class Settings:
+    """The parameter server's settings, the same on every rank (see :class:`~.worker.AsyncPS`
+    for each one's meaning). :meth:`check` validates them for a job of ``ranks`` ranks."""
+    servers: int = 1
+    max_staleness: int = -1
+    staleness_lr: bool = False
+    dc_lambda: float = 0.0
+    worker_timeout_s: float = 30.0
+    server_timeout_s: float = 10.0
+    overlap: bool = True
+    nonfinite: str = "raise"
+    budget: int | None = None
+
+    def check(self, ranks: int) -> "Settings":
+        if not 1 <= self.servers < ranks:
+            raise LowcommError(f"async-ps needs 1 <= strategy.servers < ranks so that at least one "
+                               f"rank trains; got servers={self.servers} on {ranks} ranks")
+        if self.max_staleness < -1:
+            raise ValueError(f"max_staleness must be >= -1 (-1 = fully asynchronous), got "
+                             f"{self.max_staleness}")
+        if self.dc_lambda < 0:
+            raise ValueError(f"dc_lambda must be >= 0, got {self.dc_lambda}")
+        if not (self.worker_timeout_s > 0 and self.server_timeout_s > 0):
+            raise ValueError("worker_timeout_s and server_timeout_s must be > 0")
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"budget must be >= 1 gradients, got {self.budget}")
+        if self.nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
+        return self
+
+
+@dataclass
+class Shard:
+    """The parameters one server owns: ``segments`` index one flat vector of ``numel`` values."""
+    server: int
+    segments: list[Segment]
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.segments]
+
+
+def build_shards(named: list[tuple[str, torch.Tensor]], servers: int) -> list[Shard]:
+    """Shard ``named`` parameters over ``servers`` (each tensor whole; model order inside a shard)."""
+    if len(named) < servers:
+        raise ValueError(f"{servers} servers but only {len(named)} parameter tensors to shard")
+    dtypes = {p.dtype for _, p in named}
+    if len(dtypes) != 1:
+        raise ValueError(f"async-ps needs one parameter dtype, got {sorted(map(str, dtypes))}")
+    where = balance([p.numel() for _, p in named], servers)
+    shards = []
+    for s in range(servers):
+        segs, n = [], 0
+        for (name, p), b in zip(named, where):
+            if b == s:
+                segs.append(Segment(name, p.shape, n, n + p.numel()))
+                n += p.numel()
+        shards.append(Shard(s, segs, n, next(iter(dtypes))))
+    return shards
+
+
+def staleness_lr(lr: float, sigma: int) -> float:
+    """Zhang et al. 2016's staleness-dependent learning rate ``lr / σ`` (``lr`` when σ = 0)."""
+    return lr / max(sigma, 1)
+
+
+def dc_compensate(g: torch.Tensor, w: torch.Tensor, w_bak: torch.Tensor, lam: float) -> torch.Tensor:
+    """DC-ASGD's delay-compensated gradient ``g + λ · g ⊙ g ⊙ (w - w_bak)`` (Zheng et al. 2017)."""
+    return g + lam * g * g * (w - w_bak)
+
+
+def recovery_enabled() -> bool | None:
+    """Whether Open MPI's mpirun keeps the job alive when a process dies (None: not Open MPI)."""
+    if "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        return None
+    return os.environ.get("OMPI_MCA_orte_enable_recovery", "0").lower() in ("1", "true", "yes")
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def pack_push(header: np.ndarray, payload: list[torch.Tensor], ctx) -> np.ndarray:
+    """One push message: ``HEADER`` float64s, the pickled payload layout and ``ctx`` (the decoder
+    needs it and, unlike inside an all-reduce, the server has no copy), then the payload bytes."""
+    meta = pickle.dumps(([(str(t.dtype).replace("torch.", ""), tuple(t.shape)) for t in payload], ctx))
+    body = sum(t.numel() * t.element_size() for t in payload)
+    header[5], header[6] = len(meta), body
+    out = np.empty(HEADER * 8 + len(meta) + body, dtype=np.uint8)
+    out[:HEADER * 8] = header.view(np.uint8)
+    out[HEADER * 8:HEADER * 8 + len(meta)] = np.frombuffer(meta, dtype=np.uint8)
+    at = HEADER * 8 + len(meta)
+    for t in payload:
+        n = t.numel() * t.element_size()
+        out[at:at + n] = _np(t.detach().contiguous())
+        at += n
+    return out
+
+
+def unpack_push(buf: np.ndarray) -> tuple[np.ndarray, list[torch.Tensor], object]:
+    """The inverse of :func:`pack_push`: ``(header, payload tensors, ctx)``."""
+    header = buf[:HEADER * 8].view(np.float64).copy()
+    n_meta = int(header[5])
+    specs, ctx = pickle.loads(buf[HEADER * 8:HEADER * 8 + n_meta].tobytes())
+    at, payload = HEADER * 8 + n_meta, []
+    for dtype, shape in specs:
+        dt = getattr(torch, dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
+        payload.append(torch.from_numpy(buf[at:at + n].copy()).view(dt).view(shape))
+        at += n
+    return header, payload, ctx
+
+
+class Reply:
+    """A reply buffer: ``HEADER`` float64s (version, clock lag, status) then the shard's values."""
+
+    def __init__(self, shard: Shard):
+        self.raw = torch.empty(HEADER * 8 + shard.numel * torch.empty((), dtype=shard.dtype).element_size(),
+                               dtype=torch.uint8)
+        self.header = self.raw[:HEADER * 8].view(torch.float64)
+        self.values = self.raw[HEADER * 8:].view(shard.dtype)
+        self.nbytes = self.raw.numel()
+
+
+def channels(comm):
+    """The PS channel and the control channel (see the module docstring), duplicates of
+    ``comm`` made collectively in the same order on every rank, servers and workers alike."""
+    ps = comm.dup()                              # PS traffic: its own message space, same ledger
+    ctl = comm.dup(Ledger(), "control")          # heartbeats and "done": not the method's bytes
+    ctl.validate = False
+    return ps, ctl
+
+
+def trainable(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's parameters that train, in model order (what the shards hold)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def load_shard(params: dict, shard: Shard, vals: torch.Tensor) -> None:
+    """Copy a shard's flat ``vals`` into the model's parameters ``params`` (name → tensor)."""
+    with torch.no_grad():
+        for seg in shard.segments:
+            params[seg.name].copy_(vals[seg.start:seg.stop].view(seg.shape))

@@ -1,0 +1,361 @@
+"""The server side of the asynchronous parameter server: one shard, its optimizer, versions,
+clocks, held replies, heartbeats and lost-worker detection (the update rules are in
+:mod:`lowcomm.strategies.async_ps`'s docstring).
+
+A :class:`ParameterServer` is not a strategy: it does not wrap a training step, it serves
+(:meth:`ParameterServer.serve`) until every worker has finished or is lost. It talks to the
+workers through :class:`~lowcomm.comm.Comm` only (every call watched and charged), using what
+:mod:`.protocol` defines and nothing of the worker's code.
+
+The serving loop never blocks: pushes are matched with :meth:`Comm.improbe` (any worker, any
+size) and received with non-blocking matched receives; replies and heartbeats are non-blocking
+sends; between polls the loop sleeps briefly, so a server sharing a core with workers does not
+steal it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from ...comm import Comm, init
+from ...errors import LowcommError
+from .protocol import (DROPPED, OK, POLL_S, PUSH, STOP, TAG_BEAT, TAG_DONE, TAG_INIT, TAG_PULL,
+                       TAG_PUSH, Reply, Settings, build_shards, channels,
+                       dc_compensate, load_shard, staleness_lr, trainable, unpack_push)
+
+log = logging.getLogger("lowcomm.async_ps")
+
+
+def _bump(hist: dict, key: int, n: int = 1) -> None:
+    hist[key] = hist.get(key, 0) + n
+
+
+class ParameterServer:
+    """Serves shard ``index = comm.rank`` of ``model``'s parameters to the worker ranks.
+
+    Built on server ranks (``comm.rank < servers``) with the same arguments as the workers'
+    :class:`~lowcomm.strategies.ps.worker.AsyncPS` (see it for their meaning); collective with
+    the workers' constructors. ``optimizer`` steps this server's shard; the shard's parameters
+    become views of one flat vector :attr:`flat`.
+
+    Example::
+
+        server = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), comm,
+                                 servers=1, max_staleness=2)
+        server.serve()            # until every worker has finished or is lost
+        server.stats()            # staleness and clock-lag histograms, gradients per worker
+    """
+
+    is_server = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None, *, compressor=None, **settings):
+        comm = comm or init()
+        self.settings = st = Settings(**settings).check(comm.size)
+        if comm.rank >= st.servers:
+            raise LowcommError(f"rank {comm.rank} is a worker (servers = ranks 0..{st.servers - 1}): "
+                               "build AsyncPS there")
+        self.model, self.optimizer, self.compressor = model, optimizer, compressor
+        self.world = comm
+        self.index = comm.rank
+        self.servers, self.workers = st.servers, comm.size - st.servers
+        self.max_staleness, self.staleness_lr, self.dc_lambda = st.max_staleness, st.staleness_lr, st.dc_lambda
+        self.budget = st.budget
+        self.worker_timeout_s, self.server_timeout_s = st.worker_timeout_s, st.server_timeout_s
+        self._params = dict(trainable(model))
+        self.shards = build_shards(trainable(model), st.servers)
+        self.comm, self.ctl = channels(comm)
+        self.shard = self.shards[self.index]
+        self.W, self.S = self.workers, self.servers
+        self.tau = st.max_staleness
+        self.taken = 0                          # gradients (and skips) taken, toward the budget
+        # the shard's parameters become views of one flat vector: a reply is one copy, and
+        # DC-ASGD's w − w_bak is one subtraction
+        self.flat = torch.empty(self.shard.numel, dtype=self.shard.dtype)
+        self._bind_flat()
+        self._grad = torch.zeros_like(self.flat)
+        self.version = 0
+        self.clock = [0] * self.W
+        self.read_version = [0] * self.W
+        self.backup = [self.flat.clone() for _ in range(self.W)] if st.dc_lambda > 0 else None
+        self.replies = [Reply(self.shard) for _ in range(self.W)]
+        self.reply_req: list = [None] * self.W
+        self.staleness: dict[int, int] = {}     # σ per applied gradient
+        self.lag: dict[int, int] = {}           # clock lag per reply
+        self.lag_since = 0                      # largest clock lag since the loop last read it
+        self.applied = [0] * self.W             # gradients applied, per worker
+        self.skipped = [0] * self.W
+        self.recv_from = [0] * self.W           # push bytes received, per worker
+        self.done: set[int] = set()
+        self.lost: dict[int, dict] = {}
+        self._dead_reqs: list = []              # requests to lost workers, never completed
+        self.initial_push()
+
+    @property
+    def server(self) -> "ParameterServer":
+        """This object (the loop reads ``ps.server`` on every server rank)."""
+        return self
+
+    def rank_of(self, w: int) -> int:
+        return self.S + w
+
+    def initial_push(self) -> None:
+        """Send every worker the shard's starting values (the workers' initial pull)."""
+        reqs = []
+        for w in range(self.W):
+            r = self.replies[w]
+            r.header.zero_()
+            r.values.copy_(self.flat)
+            reqs.append(self.comm.isend(r.raw, self.rank_of(w), TAG_INIT, op="pull"))
+        for req in reqs:
+            req.wait()
+
+    # the update -------------------------------------------------------------------------------
+    def _decode(self, payload, ctx) -> torch.Tensor:
+        c = self.compressor
+        g = payload[0] if c is None else c.decompress(payload, ctx)
+        g = g.reshape(-1).to(self.flat.dtype)
+        if g.numel() != self.flat.numel():
+            raise LowcommError(f"server {self.index}: a push decoded to {g.numel()} values, the "
+                               f"shard has {self.flat.numel()}")
+        return g
+
+    def _step(self, grad: torch.Tensor, lr_scale: float) -> None:
+        """Steps 4–5: the optimizer steps the shard with ``grad`` at ``lr · lr_scale``."""
+        opt = self.optimizer
+        for seg in self.shard.segments:
+            self._params[seg.name].grad = grad[seg.start:seg.stop].view(seg.shape)
+        saved = [g["lr"] for g in opt.param_groups]
+        if lr_scale != 1.0:
+            for g in opt.param_groups:
+                g["lr"] = g["lr"] * lr_scale
+        opt.step()
+        for g, lr in zip(opt.param_groups, saved):
+            g["lr"] = lr
+        for seg in self.shard.segments:
+            self._params[seg.name].grad = None
+        self.version += 1
+
+    def _apply_one(self, w: int, g: torch.Tensor) -> int:
+        """Steps 2–5 for one gradient of worker ``w``; returns its staleness σ."""
+        sigma = self.version - self.read_version[w]
+        if self.backup is not None:
+            g = dc_compensate(g, self.flat, self.backup[w], self.dc_lambda)
+        scale = staleness_lr(1.0, sigma) if self.staleness_lr else 1.0
+        self._step(g, scale)
+        return sigma
+
+    def _apply_round(self, grads: dict[int, torch.Tensor]) -> None:
+        """τ = 0: the mean of the round's gradients (worker order), one update (σ = 0)."""
+        if grads:
+            acc = self._grad.zero_()
+            for w in sorted(grads):
+                g = grads[w]
+                if self.backup is not None:
+                    g = dc_compensate(g, self.flat, self.backup[w], self.dc_lambda)
+                acc.add_(g)
+            acc.div_(len(grads))
+            self._step(acc, 1.0)
+        else:
+            self.version += 1
+        _bump(self.staleness, 0, len(grads))
+
+    # replies ----------------------------------------------------------------------------------
+    def _active(self) -> list[int]:
+        return [w for w in range(self.W) if w not in self.done and w not in self.lost]
+
+    def _may_proceed(self, w: int) -> bool:
+        if self.tau < 0:
+            return True
+        return self.clock[w] - min(self.clock[v] for v in self._active()) <= self.tau
+
+    def _spent(self) -> bool:
+        return self.budget is not None and self.taken >= self.budget
+
+    def _reply(self, w: int, status: float = OK) -> None:
+        if self.reply_req[w] is not None:       # the worker pushed again: it got the last one
+            self.reply_req[w].wait()
+        r = self.replies[w]
+        active = self._active()
+        lag = self.clock[w] - min(self.clock[v] for v in active) if w in active else 0
+        r.header.zero_()
+        r.header[0], r.header[1], r.header[2] = self.version, lag, status
+        r.values.copy_(self.flat)
+        if self.backup is not None:
+            self.backup[w].copy_(self.flat)
+        self.read_version[w] = self.version
+        # charged when posted: a reply to a worker that dies before taking it still counts
+        self.reply_req[w] = self.comm.isend(r.raw, self.rank_of(w), TAG_PULL, op="pull", charge="post")
+        if status == OK:                        # STOP / DROPPED: nothing is computed on it
+            _bump(self.lag, lag)
+            self.lag_since = max(self.lag_since, lag)
+
+    # the loop ---------------------------------------------------------------------------------
+    def serve(self, on_update=None, on_idle=None) -> None:
+        """Serve until every worker has finished or is lost. ``on_update(entries)`` is called
+        after every update (after its replies are sent) with one ``(worker, push header,
+        staleness or None)`` per gradient; ``on_idle()`` once per poll."""
+        now = time.monotonic()
+        last = [now] * self.W             # last message from, or reply to, each worker
+        held: set[int] = set()            # workers owed a reply
+        stash: dict[int, tuple] = {}      # τ = 0: this round's pushes
+        inflight: list = []               # (worker, buffer, request) of pushes being received
+        beats: list = []
+        beat = torch.zeros(1, dtype=torch.float64)
+        done_buf = torch.zeros(1, dtype=torch.float64)
+        period = min(0.5, self.settings.server_timeout_s / 4)
+        next_beat = now + period
+        updates: list = []                # per update: [(worker, push header, σ or None)]
+        while len(self.done) + len(self.lost) < self.W:
+            busy = False
+            while True:                   # match every arrived push
+                msg = self.comm.improbe(Comm.ANY_SOURCE, Comm.ANY_TAG)
+                if msg is None:
+                    break
+                busy = True
+                w = msg.source - self.S
+                if msg.tag != TAG_PUSH:
+                    raise LowcommError(f"server {self.index}: unexpected message tag {msg.tag} "
+                                       f"from rank {msg.source}")
+                buf = np.empty(msg.nbytes, dtype=np.uint8)
+                inflight.append((w, buf, msg.irecv_(torch.from_numpy(buf), op="push")))
+                last[w] = time.monotonic()
+            while True:                   # workers that finished (sent after their last reply)
+                msg = self.ctl.improbe(Comm.ANY_SOURCE, TAG_DONE)
+                if msg is None:
+                    break
+                busy = True
+                msg.recv_(done_buf, op="done")
+                w = msg.source - self.S
+                self.done.add(w)
+                last[w] = time.monotonic()
+            still = []
+            for w, buf, req in inflight:
+                if not req.test():
+                    still.append((w, buf, req))
+                    continue
+                busy = True
+                last[w] = time.monotonic()
+                self.recv_from[w] += buf.nbytes
+                if w in self.lost:        # declared lost, yet alive: tell it to stop
+                    self._reply(w, DROPPED)
+                    continue
+                header, payload, ctx = unpack_push(buf)
+                if int(header[1]) != self.clock[w]:
+                    raise LowcommError(f"server {self.index}: worker {w} pushed clock {int(header[1])}, "
+                                       f"expected {self.clock[w]}")
+                g = self._decode(payload, ctx) if header[0] == PUSH else None
+                if self.tau == 0:
+                    stash[w] = (header, g)
+                    held.add(w)
+                    continue
+                sigma = None
+                self.taken += 1
+                if g is not None:
+                    sigma = self._apply_one(w, g)
+                    _bump(self.staleness, sigma)
+                    self.applied[w] += 1
+                else:
+                    self.skipped[w] += 1
+                self.clock[w] += 1
+                held.add(w)
+                updates.append([(w, header, sigma)])
+            inflight = still
+            if self.tau == 0 and stash and all(w in stash for w in self._active()):
+                grads = {w: g for w, (h, g) in stash.items() if g is not None}
+                self._apply_round(grads)
+                self.taken += len(stash)
+                for w, (h, g) in stash.items():
+                    self.clock[w] += 1
+                    if g is None:
+                        self.skipped[w] += 1
+                    else:
+                        self.applied[w] += 1
+                updates.append([(w, h, 0 if g is not None else None)
+                                for w, (h, g) in sorted(stash.items())])
+                stash = {}
+                busy = True
+            for w in sorted(held):        # step 6: release the replies SSP allows
+                if w in self.lost or w in self.done:
+                    held.discard(w)
+                elif (self.tau != 0 or w not in stash) and (self._spent() or self._may_proceed(w)):
+                    self._reply(w, STOP if self._spent() else OK)
+                    held.discard(w)
+                    last[w] = time.monotonic()
+                    busy = True
+            for entries in updates:       # after the replies: a callback may checkpoint (collective)
+                on_update(entries) if on_update else None
+            updates = []
+            now = time.monotonic()
+            for w in self._active():      # lost: silent while owed nothing (or a push never lands)
+                if w not in held and now - last[w] > self.settings.worker_timeout_s:
+                    self._lose(w, now - last[w], stash)
+                    busy = True
+            if now >= next_beat:          # the workers we keep waiting know we are alive
+                beats = [b for b in beats if not b.test()]
+                for w in held:
+                    beats.append(self.ctl.isend(beat, self.rank_of(w), TAG_BEAT, op="beat"))
+                next_beat = now + period
+            if on_idle:
+                on_idle()
+            if not busy:
+                time.sleep(POLL_S)
+        self._dead_reqs.extend(inflight)  # pushes of lost workers that never completed
+        for w in range(self.W):           # the last replies to finished workers have landed
+            if self.reply_req[w] is not None and w not in self.lost:
+                self.reply_req[w].wait()
+
+    def _lose(self, w: int, silent_s: float, stash: dict) -> None:
+        self.lost[w] = {"worker": w, "rank": self.rank_of(w), "clock": self.clock[w],
+                        "silent_s": round(silent_s, 2)}
+        stash.pop(w, None)
+        if self.reply_req[w] is not None:
+            self._dead_reqs.append((self.reply_req[w], self.replies[w]))
+            self.reply_req[w] = None
+        log.warning("parameter server %d (rank %d): worker %d (rank %d) sent nothing for %.1f s "
+                    "(strategy.worker_timeout_s = %g): treating it as lost after %d gradients; the "
+                    "other workers go on", self.index, self.comm.rank, w, self.rank_of(w), silent_s,
+                    self.settings.worker_timeout_s, self.clock[w])
+
+    # state ------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {"staleness": dict(self.staleness), "clock_lag": dict(self.lag),
+                "applied": list(self.applied), "skipped": list(self.skipped),
+                "recv_from": list(self.recv_from), "lost": dict(self.lost), "version": self.version}
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "version": self.version, "taken": self.taken,
+                "clock": list(self.clock), "read_version": list(self.read_version),
+                "backup": self.backup, "staleness": dict(self.staleness), "lag": dict(self.lag),
+                "applied": list(self.applied), "skipped": list(self.skipped),
+                "recv_from": list(self.recv_from)}
+
+    def _bind_flat(self) -> None:
+        """Copy the shard's parameters into ``flat`` and make them views of it."""
+        with torch.no_grad():
+            for seg in self.shard.segments:
+                p = self._params[seg.name]
+                self.flat[seg.start:seg.stop].copy_(p.detach().reshape(-1))
+                p.data = self.flat[seg.start:seg.stop].view(seg.shape)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore (after the model's state: the shard's values are the model's parameters)."""
+        self._bind_flat()
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version, self.clock, self.taken = state["version"], list(state["clock"]), state["taken"]
+        self.read_version = list(state["read_version"])
+        self.backup = state["backup"]
+        self.staleness, self.lag = dict(state["staleness"]), dict(state["lag"])
+        self.applied, self.skipped = list(state["applied"]), list(state["skipped"])
+        self.recv_from = list(state["recv_from"])
+
+    def load_shard(self, s: int, vals: torch.Tensor) -> None:
+        """Copy server ``s``'s shard values ``vals`` into the model (rank 0 assembles the model
+        from the other servers' end-of-run reports)."""
+        load_shard(self._params, self.shards[s], vals)
+
+    def close(self) -> None:
+        """Nothing to release (no hooks, no threads); for symmetry with the workers."""
