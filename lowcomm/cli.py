@@ -14,8 +14,8 @@ from pathlib import Path
 
 import click
 
-from .cli_common import config_options, launcher_rank, load_cfg as _config, set_threads as _set_threads, \
-    world as _world
+from .cli_common import check_env, config_options, debug, launcher_rank, load_cfg as _config, \
+    set_threads as _set_threads, world as _world
 from .errors import LowcommError
 from .topo_cli import topo as topo_command
 from .wan_cli import wan as wan_command
@@ -29,6 +29,7 @@ __all__ = ["cli", "config_options", "launcher_rank", "main"]
 @click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
 def cli(verbose: bool) -> None:
     """lowcomm: low-communication distributed training over MPI."""
+    check_env()
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format=f"[rank {launcher_rank()}] %(levelname)s %(name)s: %(message)s")
 
@@ -44,8 +45,28 @@ def cli(verbose: bool) -> None:
               help="Continue the run in DIR (its config.json, then --config/--set) from its "
                    "newest intact checkpoint.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def train(config, overrides, out, checkpoint_every, resume, quiet):
-    """Train the configured model with the configured strategy on every rank."""
+@click.option("--overwrite", is_flag=True,
+              help="Replace the run already in --out (its config, metrics, summary and "
+                   "checkpoints); without it such a folder is refused.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=None, metavar="N",
+              help="Supervise: launch the job (on --np ranks) and relaunch it from its newest "
+                   "checkpoint when it fails, up to N times (not a stop you asked for). Run this "
+                   "outside mpirun: it starts mpirun itself.")
+@click.option("--np", "np_", type=click.IntRange(min=1), default=None,
+              help="Ranks of the supervised job (with --max-restarts).")
+@click.option("--launcher", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="With --max-restarts: a launcher taking '-n N COMMAND...' (default: mpirun "
+                   "with this machine's flags).")
+def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, max_restarts, np_,
+          launcher):
+    """Train the configured task with the configured strategy on every rank."""
+    if max_restarts is not None or np_ is not None:
+        _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwrite,
+                    max_restarts or 0, np_, launcher)
+        return
+    if launcher:
+        raise click.UsageError("--launcher goes with --max-restarts (a supervised run)")
+    global _RUN_OUT
     base = None
     if resume:
         saved = Path(resume) / "config.json"
@@ -57,14 +78,55 @@ def train(config, overrides, out, checkpoint_every, resume, quiet):
         overrides = (*overrides, f"checkpoint.every={checkpoint_every}")
     cfg = _config(config, overrides, base)
     out = out or resume or "runs/latest"
+    _RUN_OUT = Path(out)
     comm = _world()
     from .trainer import run
-    summary = run(cfg, out, comm, progress=not quiet, resume=resume)
+    summary = run(cfg, out, comm, progress=not quiet, resume=resume, overwrite=overwrite)
     if comm.rank == 0:
         keys = ("method", "task", "ranks", "steps", "params", "final_loss", "eval_loss",
                 "bytes_total", "wall_s", "skipped_steps", "params_sha256", "ranks_agree")
         click.echo(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
         click.echo(f"wrote {Path(out) / 'summary.json'}")
+
+
+_RUN_OUT: Path | None = None     # the run folder, for the tracebacks of a failing rank
+
+
+def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwrite,
+                max_restarts, np_, launcher) -> None:
+    """``lowcomm train --np N --max-restarts R``: this process launches and watches the job."""
+    import os
+    import sys
+
+    from .compare import mpirun_command
+    from .supervise import supervise
+    if any(v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
+        raise click.UsageError("--max-restarts supervises the job from outside: run 'lowcomm train "
+                               "--np N --max-restarts R ...' without mpirun (it starts mpirun)")
+    if np_ is None:
+        raise click.UsageError("--max-restarts needs --np (the ranks of the job it launches)")
+    if resume and out and Path(out).resolve() != Path(resume).resolve():
+        raise click.UsageError("a supervised run resumes in place: give --resume DIR alone")
+    out = Path(out or resume or "runs/latest")
+    _config(config, (*overrides, *([f"checkpoint.every={checkpoint_every}"] if checkpoint_every
+                                   else [])), None if not resume else
+            json.loads((Path(resume) / "config.json").read_text()))   # a bad key fails here
+    args = [sys.executable, "-m", "lowcomm.cli", "train", *(["--quiet"] if quiet else []),
+            *(["--config", config] if config else []),
+            *[a for o in overrides for a in ("--set", o)],
+            *(["--checkpoint-every", str(checkpoint_every)] if checkpoint_every else [])]
+    result = supervise(mpirun_command(np_, launcher), args, out, max_restarts,
+                       first=["--resume", str(out)] if resume else
+                       (["--overwrite"] if overwrite else []))
+    for f in result["failures"]:
+        click.echo(f"attempt {f['attempt']} failed (exit {f['exit']}): {f['cause']}", err=True)
+    if result["returncode"]:
+        raise SystemExit(result["returncode"] if result["returncode"] > 0 else 1)
+    s = json.loads((out / "summary.json").read_text())
+    click.echo(json.dumps({k: s.get(k) for k in ("method", "ranks", "steps", "eval_loss",
+                                                  "params_sha256", "ranks_agree", "restarts")},
+                          indent=2))
+    click.echo(f"wrote {out / 'summary.json'}")
 
 
 @cli.group()
@@ -172,7 +234,11 @@ def bench_compress(config, overrides, size, methods, iters, warmup, json_path):
 @click.option("--launcher", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Launcher script taking '-n N COMMAND...' (default: mpirun with local flags).")
 @click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per method.")
-def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launcher, timeout):
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Relaunch a failed method from its newest checkpoint up to N times "
+                   "(set checkpoint.every for a resume; without one it restarts from step 0).")
+def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launcher, timeout,
+            max_restarts):
     """Train the same model under each method (one mpirun each); write results.json, plots and
     a ranked table. An experiment TOML (--config) may hold a [compare] table: question, expect,
     methods, np, link."""
@@ -201,10 +267,11 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
         from .compare import over_emulated_wan
         with over_emulated_wan(np_, dcs, the_link) as wan_launcher:
             results = run(names, np_, steps, out, config, overrides, the_link, wan_launcher,
-                          timeout, dcs=dcs)
+                          timeout, dcs=dcs, max_restarts=max_restarts)
         where = f"over an emulated WAN of {dcs} datacenters, {the_link} (measured)"
     else:
         results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout,
+                      max_restarts=max_restarts,
                       dcs=dcs)
         where = f"on this machine; modelled link: {the_link}"
     click.echo(f"\n{np_} ranks, {steps} steps per method, {where}\n")
@@ -269,9 +336,26 @@ def main() -> None:
 
 
 def _fail(e: BaseException) -> None:
-    sys.stderr.write(f"[rank {launcher_rank()}] lowcomm failed: {type(e).__name__}: {e}\n")
-    if not isinstance(e, LowcommError):   # our errors say what is wrong; others need the trace
-        traceback.print_exc()
+    """One line per failing rank; the traceback goes to the run's folder (or, with
+    ``LOWCOMM_DEBUG=1``, to stderr too)."""
+    rank = launcher_rank()
+    where = ""
+    trace = traceback.format_exc()
+    if debug():
+        sys.stderr.write(trace)
+    elif not isinstance(e, LowcommError) or e.__cause__ is not None:   # the user's code raised
+        if _RUN_OUT is not None:
+            try:
+                _RUN_OUT.mkdir(parents=True, exist_ok=True)
+                path = _RUN_OUT / f"rank{rank}.traceback.log"
+                path.write_text(trace)
+                where = f" (traceback: {path})"
+            except OSError:
+                where = " (LOWCOMM_DEBUG=1 prints the traceback)"
+        else:
+            where = " (LOWCOMM_DEBUG=1 prints the traceback)"
+    first = str(e).splitlines()[0] if str(e) else ""
+    sys.stderr.write(f"[rank {rank}] lowcomm failed: {type(e).__name__}: {first}{where}\n")
     _abort(1)
 
 

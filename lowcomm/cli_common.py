@@ -21,6 +21,42 @@ def launcher_rank() -> int:
     return 0
 
 
+#: the environment variables lowcomm reads, each with a check of its value (None: any text)
+ENV = {
+    "LOWCOMM_NUM_THREADS": ("a whole number >= 1", lambda v: int(v) >= 1),
+    "LOWCOMM_TIMEOUT_S": ("seconds >= 0 (0 = no watchdog)", lambda v: float(v) >= 0),
+    "LOWCOMM_DEBUG": ("0 or 1", lambda v: v in ("0", "1")),
+    "LOWCOMM_HOSTFILE": ("an existing hostfile", lambda v: os.path.isfile(v)),
+    "LOWCOMM_TOPOLOGY": ("a topology spec such as dc:2,rank:2", None),
+}
+
+
+def check_env() -> None:
+    """A usage error naming any ``LOWCOMM_*`` variable whose value lowcomm cannot use."""
+    for name, (what, ok) in ENV.items():
+        value = os.environ.get(name)
+        if value is None or ok is None:
+            continue
+        try:
+            good = ok(value)
+        except ValueError:
+            good = False
+        if not good:
+            raise click.UsageError(f"environment variable {name}={value!r}: expects {what}")
+    spec = os.environ.get("LOWCOMM_TOPOLOGY")
+    if spec:
+        from .topology import Topology
+        try:
+            Topology.parse(spec)
+        except ConfigError as e:
+            raise click.UsageError(f"environment variable LOWCOMM_TOPOLOGY={spec!r}: {e.reason}") from None
+
+
+def debug() -> bool:
+    """``LOWCOMM_DEBUG=1``: full tracebacks on every failing rank."""
+    return os.environ.get("LOWCOMM_DEBUG") == "1"
+
+
 def load_cfg(config, overrides, base=None):
     """:func:`~lowcomm.registry.load_config`, a bad key reported as a click usage error."""
     from .registry import load_config   # late: the registry imports every strategy

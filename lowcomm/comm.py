@@ -148,6 +148,10 @@ class Comm:
         self.validate = validate
         self.watchdog = watchdog or Watchdog(DEFAULT_TIMEOUT_S, mpi().COMM_WORLD.Get_rank(),
                                              abort=_watchdog_abort)
+        #: α–β model (:class:`~lowcomm.topology.LinkModel`) of the links this communicator's
+        #: traffic crosses, where a topology says (:meth:`lowcomm.topology.Topology.comms`
+        #: sets it); None: unknown. Duplicates keep it.
+        self.link = None
         self._pinned: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
     def __repr__(self) -> str:
@@ -497,8 +501,10 @@ class Comm:
         """A duplicate communicator: a separate message space, the same watchdog, and this
         one's ledger and level unless others are given (e.g. a control channel whose traffic
         is not charged to the method)."""
-        return Comm(self.mpi.Dup(), ledger or self.ledger, level or self.level, self.validate,
-                    self.watchdog)
+        out = Comm(self.mpi.Dup(), ledger or self.ledger, level or self.level, self.validate,
+                   self.watchdog)
+        out.link = self.link
+        return out
 
 
 class Message:

@@ -19,14 +19,12 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .ledger import alpha_beta_seconds
+from .supervise import supervise
 
 # Method name -> the config overrides that select it (on top of the shared config).
 METHODS: dict[str, list[str]] = {
@@ -160,43 +158,43 @@ def mpirun_command(np: int, launcher: str | list[str] | None) -> list[str]:
 
 def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
                overrides: list[str], launcher: str | list[str] | None, timeout_s: float,
-               on_step=None, dcs: int = 2) -> dict:
-    """One method's run; returns its summary (plus ``status``) or a failure record."""
+               on_step=None, dcs: int = 2, max_restarts: int = 0) -> dict:
+    """One method's run, supervised (:func:`lowcomm.supervise.supervise`: relaunched from its
+    newest checkpoint up to ``max_restarts`` times); returns its summary (plus ``status``) or a
+    failure record."""
     run_dir = out / method
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     sets = [*overrides, *METHODS[method], f"steps={steps}"]
-    cmd = [*mpirun_command(np, launcher), sys.executable, "-m", "lowcomm.cli", "train", "--quiet",
-           "--out", str(run_dir), *(["--config", config] if config else []),
-           *[a for s in sets for a in ("--set", s)]]
+    launch = mpirun_command(np, launcher)
+    args = [sys.executable, "-m", "lowcomm.cli", "train", "--quiet",
+            *(["--config", config] if config else []), *[a for s in sets for a in ("--set", s)]]
+    cmd = [*launch, *args, "--out", str(run_dir)]
     env, prefix = dict(os.environ), ""
     if needs_topology(method):
         env.setdefault("LOWCOMM_TOPOLOGY", default_topology(np, dcs))   # wan.sh sets the same
         prefix = f"LOWCOMM_TOPOLOGY={env['LOWCOMM_TOPOLOGY']} "
     (run_dir / "command.txt").write_text(prefix + " ".join(cmd) + "\n")
     record = {"method": method, "overrides": METHODS[method]}
-    t0 = time.monotonic()
-    with open(run_dir / "stdout.log", "w") as so, open(run_dir / "stderr.log", "w") as se:
-        p = subprocess.Popen(cmd, stdout=so, stderr=se, start_new_session=True, env=env)
-        last = 0
-        while p.poll() is None:
-            time.sleep(0.5)
-            last = _progress(run_dir / "metrics.jsonl", last, on_step)
-            if time.monotonic() - t0 > timeout_s:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-                return {**record, "status": "failed", "error": f"timed out after {timeout_s:g} s"}
-        _progress(run_dir / "metrics.jsonl", last, on_step)
+    last = [0]
+
+    def poll():
+        last[0] = _progress(run_dir / "metrics.jsonl", last[0], on_step)
+
+    result = supervise(launch, args, run_dir, max_restarts, env=env, timeout_s=timeout_s, poll=poll)
+    poll()
     summary_path = run_dir / "summary.json"
-    if p.returncode != 0 or not summary_path.exists():
-        err = (run_dir / "stderr.log").read_text().strip().splitlines()
-        why = [line for line in err if "lowcomm failed" in line or "Error" in line] or err[-5:]
-        return {**record, "status": "failed", "error": f"exit {p.returncode}: " + " | ".join(why[:3])}
+    if result["returncode"] != 0 or not summary_path.exists():
+        f = result["failures"][-1] if result["failures"] else {"exit": result["returncode"],
+                                                               "cause": "no summary written"}
+        return {**record, "status": "failed", "restarts": result["restarts"],
+                "error": f"exit {f['exit']}: {f['cause']}"}
     s = json.loads(summary_path.read_text())
     return {**record, "status": "ok", **{k: s[k] for k in (
         "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total", "bytes_by_level",
-        "wall_s", "skipped_steps", "params_sha256")}, "summary": str(summary_path)}
+        "wall_s", "skipped_steps", "params_sha256")}, "ranks_agree": s.get("ranks_agree"),
+        "restarts": result["restarts"], "summary": str(summary_path)}
 
 
 def _progress(metrics: Path, last: int, on_step) -> int:
@@ -275,7 +273,8 @@ def table(results: list[dict], link: Link) -> str:
 
 def compare(methods: list[str], np: int, steps: int, out: str | Path, config: str | None = None,
             overrides: tuple[str, ...] = (), link: Link = Link(25, 100), launcher: str | None = None,
-            timeout_s: float = 3600, progress: bool = True, dcs: int = 2) -> list[dict]:
+            timeout_s: float = 3600, progress: bool = True, dcs: int = 2,
+            max_restarts: int = 0) -> list[dict]:
     """Run every method, write results.json, plots and table.md; return the results."""
     from tqdm import tqdm
 
@@ -288,7 +287,7 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
             bar.set_description(method)
             done_before = bar.n
             r = run_method(method, np, steps, out, config, list(overrides), launcher, timeout_s,
-                           on_step=bar.update, dcs=dcs)
+                           on_step=bar.update, dcs=dcs, max_restarts=max_restarts)
             bar.update(done_before + steps - bar.n)
             if r["status"] == "ok":
                 s = json.loads(Path(r.pop("summary")).read_text())

@@ -130,8 +130,8 @@ class Corpus:
         if len(self.train) // world <= seq_len + 1 or len(self.eval) <= seq_len + 1:
             raise ValueError(f"data.path {self.source!r}: {len(self.train)} training bytes "
                              f"({len(self.train) // world} per rank on {world}) and "
-                             f"{len(self.eval)} held-out bytes are too few for data.seq_len="
-                             f"{seq_len}; use more text or a shorter seq_len")
+                             f"{len(self.eval)} held-out bytes are too few for seq_len "
+                             f"(data.seq_len={seq_len}); use more text or a shorter seq_len")
 
     def batch(self, step: int, rank: int, world: int, batch_size: int, seq_len: int,
               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -92,8 +92,8 @@ def settings(m: Method, options: dict, prefix: str = "strategy."):
             continue
         defaults = _defaults(k)
         if not defaults:
-            raise ConfigError(prefix + k, f"not an option of {m.name} (nor of any strategy); "
-                              f"{m.name} takes: {', '.join(own) or '(none)'}")
+            raise ConfigError(prefix + k, f"unknown key (an option of no strategy); {m.name} "
+                              f"takes: {', '.join(own) or '(none)'}")
         if v not in defaults:
             owners = sorted(n for n, o in STRATEGIES.items() if k in o.settings.fields())
             raise ConfigError(prefix + k, f"is an option of {', '.join(owners)}, which {m.name} "

@@ -12,6 +12,7 @@ import random
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ from .checkpoint import Checkpointer, CheckpointError
 from .comm import Comm
 from .errors import LowcommError
 from .ledger import Ledger
+
+if TYPE_CHECKING:
+    from .tasks import Task
 
 log = logging.getLogger("lowcomm.train")
 

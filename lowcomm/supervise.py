@@ -48,7 +48,7 @@ def has_checkpoint(out: Path) -> bool:
 
 def supervise(launch: list[str], args: list[str], out: str | Path, max_restarts: int,
               backoff_s: float = 2.0, env: dict | None = None, log_dir: str | Path | None = None,
-              timeout_s: float | None = None, poll=None) -> dict:
+              timeout_s: float | None = None, poll=None, first: list[str] = ()) -> dict:
     """Run ``launch + args`` (``args`` is ``lowcomm train ...`` without ``--out``/``--resume``),
     relaunching from the newest checkpoint in ``out`` on failure; returns ``{"returncode",
     "restarts", "failures"}``. ``log_dir``: append each attempt's stdout/stderr there (default
@@ -72,7 +72,9 @@ def supervise(launch: list[str], args: list[str], out: str | Path, max_restarts:
         attempt = 0
         while True:
             extra = ["--out", str(out)]
-            if attempt > 0:
+            if attempt == 0:
+                extra += list(first)
+            else:
                 extra += ["--resume", str(out)] if has_checkpoint(out) else ["--overwrite"]
             cmd = [*launch, *args, *extra]
             with open(logs / "stdout.log", "a") as so, open(logs / "stderr.log", "a") as se:

@@ -342,6 +342,12 @@ class Levels:
         self._peers = {lvl: world.split(self._peer_color(i), world.rank, level=lvl)
                        for i, lvl in enumerate(names)}
         self.hierarchy = Hierarchy.build(world, names, topology.paths)
+        for i, lvl in enumerate(names):          # the links each communicator's traffic crosses
+            if self._peers[lvl] is not None:
+                self._peers[lvl].link = topology.link(lvl)
+            if lvl in self._groups and self._groups[lvl] is not None:
+                self._groups[lvl].link = topology.link(names[i + 1])
+        world.link = topology.link(names[0])     # a world collective crosses the outermost links
 
     def _peer_color(self, i: int) -> int:
         t, me = self.topology, self.world.rank

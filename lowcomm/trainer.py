@@ -25,9 +25,6 @@ from .config import Config
 from .errors import ConfigError
 from .tasks import Task, from_functions, load_task
 
-# the loop's pieces, importable from here as before
-from .runtime import (Interrupted, build_optimizer, evaluate, lr_at, nonfinite,  # noqa: F401
-                      open_run, params_sha256, restore, set_lr, snapshot)
 
 
 def task_of(cfg: Config) -> Task:

@@ -66,14 +66,15 @@ def test_the_alpha_beta_rule():
     assert t["allgather"] < t["two-phase"]
 
 
-def test_link_of_reads_the_topology_level():
+def test_link_of_reads_the_communicators_link():
+    """Topology.comms sets each communicator's link (checked under mpirun in
+    tests/workers/topology.py); link_of reads it, or assumes the default LAN."""
     from types import SimpleNamespace
 
-    from lowcomm.compress.twophase import link_of
+    from lowcomm.compress.twophase import DEFAULT_LINK, link_of
     from lowcomm.topology import Topology
     topo = Topology.parse("dc:2@25ms/100mbit,rank:2")
-    wan = (25e-3, 100e6 / 8)
-    assert link_of(SimpleNamespace(topology=topo, level="dc")) == pytest.approx(wan)
-    assert link_of(SimpleNamespace(topology=topo, level="world")) == pytest.approx(wan)   # crosses dc
+    assert link_of(SimpleNamespace(link=topo.link("dc"))) == pytest.approx((25e-3, 100e6 / 8))
     rank = topo.link("rank")
-    assert link_of(SimpleNamespace(topology=topo, level="rank")) == (rank.alpha_s, rank.bytes_per_s)
+    assert link_of(SimpleNamespace(link=rank)) == (rank.alpha_s, rank.bytes_per_s)
+    assert link_of(SimpleNamespace(link=None)) == DEFAULT_LINK

@@ -49,17 +49,13 @@ def check_collective(value: str) -> str:
 
 
 def link_of(comm) -> tuple[float, float]:
-    """``(α, β)`` of the links ``comm``'s collectives cross: the attached topology's link model
-    for ``comm.level`` (a world communicator: its outermost level, which a world collective
-    crosses), else :data:`DEFAULT_LINK`. Makes no MPI call."""
-    topo = getattr(comm, "topology", None)
-    if topo is None:
-        from ..topology import _ATTACHED       # no cycle: topology never imports compress
-        topo = _ATTACHED[0] if _ATTACHED else None
-    if topo is None:
+    """``(α, β)`` of the links ``comm``'s collectives cross: ``comm.link``, which
+    :meth:`lowcomm.topology.Topology.comms` sets from the topology (a world communicator: its
+    outermost level, which a world collective crosses), else :data:`DEFAULT_LINK`. Makes no
+    MPI call."""
+    link = getattr(comm, "link", None)
+    if link is None:
         return DEFAULT_LINK
-    level = comm.level if comm.level in topo.names else topo.names[0]
-    link = topo.link(level)
     return link.alpha_s, link.bytes_per_s
 
 

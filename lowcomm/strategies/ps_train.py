@@ -36,10 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from ..runtime import evaluate, nonfinite, params_sha256, restore, snapshot
-from ..comm import Comm, init
+from ..comm import Comm
 from ..errors import LowcommError, NonFiniteError
 from .async_ps import PUSH, AsyncPS, ServerLost, WorkersLost, recovery_enabled
 

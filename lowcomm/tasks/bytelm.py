@@ -51,6 +51,7 @@ def batch(step: int, rank: int, world: int, cfg):
 
 
 def eval_batches(cfg):
+    _corpus(cfg).check(cfg.data.seq_len, 1)
     return _corpus(cfg).eval_batches(cfg.eval_batches, cfg.batch_size, cfg.data.seq_len)
 
 

@@ -1,5 +1,6 @@
 """``lowcomm train`` with one injected fault: ``LOWCOMM_FAULT=kind:rank:step``.
 
+``LOWCOMM_FAULT_ONCE=FILE`` makes it happen once over relaunches (a supervised run).
 kinds: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself), ``term`` (SIGTERM itself, only that
 rank), ``nan-loss`` (the loss is NaN), ``nan-grad`` (one parameter's gradient is Inf while the
 loss stays finite). The fault happens in the forward pass of ``step`` on ``rank``; everything
@@ -18,13 +19,24 @@ fault_rank, fault_step = int(fault_rank), int(fault_step)
 real_loss, calls = Task.loss, [0]
 
 
+def _already() -> bool:
+    """``LOWCOMM_FAULT_ONCE=FILE``: the fault happens once over relaunches (the file marks it)."""
+    marker = os.environ.get("LOWCOMM_FAULT_ONCE")
+    if not marker:
+        return False
+    if os.path.exists(marker):
+        return True
+    open(marker, "w").close()
+    return False
+
+
 def loss(self, model, batch):
     """The task's loss, with the fault at ``fault_step`` on ``fault_rank``."""
     out = real_loss(self, model, batch)
     if launcher_rank() != fault_rank or not model.training:
         return out
     calls[0] += 1
-    if calls[0] == fault_step:
+    if calls[0] == fault_step and not _already():
         if kind in ("kill", "stop", "term"):
             os.kill(os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP,
                                   "term": signal.SIGTERM}[kind])

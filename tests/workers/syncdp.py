@@ -62,7 +62,7 @@ def same(model, ref, what):
 
 
 ref = reference()
-for algorithm in lowcomm.ALGORITHMS:
+for algorithm in [a for a in lowcomm.ALGORITHMS if a != "hierarchical"]:   # needs a topology
     for overlap in (True, False):
         same(distributed(algorithm=algorithm, overlap=overlap, bucket_mb=0.01), ref,
              f"{algorithm} overlap={overlap}")

@@ -61,6 +61,13 @@ for spec in SPECS:
     comm = world.dup(Ledger())
     levels = topo.comms(comm)
     ok(levels.topology is topo and levels.world is comm, f"{spec}: levels of another topology")
+    for i, lvl in enumerate(topo.names):   # each communicator knows the links it crosses
+        p = levels.peers(lvl)
+        ok(p is None or p.link == topo.link(lvl), f"{spec}: peers({lvl}).link")
+        if i < len(topo.names) - 1:
+            g = levels.group(lvl)
+            ok(g is None or g.link == topo.link(topo.names[i + 1]), f"{spec}: group({lvl}).link")
+    ok(comm.link == topo.link(topo.names[0]) and comm.dup().link == comm.link, f"{spec}: world link")
     for n in SIZES:
         for dt in DTYPES:
             g = torch.Generator().manual_seed(100 * r + n)

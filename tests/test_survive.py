@@ -1,0 +1,120 @@
+"""Runs that need no person, and nothing lost whatever the user does (issue 16, parts 1 and 4):
+a supervised run relaunches itself from its newest checkpoint; a run never overwrites another
+run's files; a resume that cannot continue changes nothing on disk; errors are one line a rank."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import ROOT, run_ranks
+
+SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",
+         "data.seq_len=32", "data.max_bytes=300000", "eval_batches=2", "steps=9", "log_every=3",
+         "checkpoint.every=3", "comm.timeout_s=20"]
+SETS = [a for o in SMALL for a in ("--set", o)]
+FAULTY = ROOT / "tests" / "launchers" / "faulty.sh"
+
+
+def lowcomm(*args, env=None, timeout=180):
+    return subprocess.run([sys.executable, "-m", "lowcomm.cli", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def train(out, *extra, np=2, env=None):
+    return run_ranks(np, "lowcomm", "train", "--quiet", "--out", out, *SETS, *extra, env=env)
+
+
+def digest(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lowcomm.lock"}
+
+
+def test_a_killed_rank_under_max_restarts_resumes_and_ends_bit_identical(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    r = train(ref)
+    assert r.returncode == 0, r.output
+    r = lowcomm("train", "--np", "2", "--max-restarts", "1", "--launcher", FAULTY, "--quiet",
+                "--out", run, *SETS, env={"LOWCOMM_FAULT": "kill:1:5",
+                                          "LOWCOMM_FAULT_ONCE": str(tmp_path / "fired")},
+                timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "fired").exists(), "the fault never happened"
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (ref, run))
+    assert b["restarts"] == 1 and b["steps"] == 9, b
+    assert len(b["failures"]) == 1 and b["failures"][0]["exit"] != 0, b["failures"]
+    assert "signal 9" in b["failures"][0]["cause"] or "Killed" in b["failures"][0]["cause"], b["failures"]
+    assert a["params_sha256"] == b["params_sha256"]
+    # a run that keeps failing gives up after its restarts, exiting non-zero, naming the cause
+    again = tmp_path / "again"
+    r = lowcomm("train", "--np", "2", "--max-restarts", "1", "--launcher", FAULTY, "--quiet",
+                "--out", again, *SETS, env={"LOWCOMM_FAULT": "nan-loss:0:2"}, timeout=300)
+    assert r.returncode != 0 and r.stderr.count("non-finite values") >= 2, r.stdout + r.stderr
+    assert "attempt 2 failed" in r.stderr, r.stderr
+
+
+def test_a_second_run_never_touches_a_finished_runs_files(tmp_path):
+    run = tmp_path / "run"
+    assert train(run).returncode == 0
+    before = digest(run)
+    r = train(run, "--set", "lr=0.1")
+    assert r.returncode != 0 and f"{run} holds another run" in r.stderr, r.output
+    assert digest(run) == before, "the refused run changed the earlier run's files"
+    r = train(run, "--set", "model.d_model=64", "--resume", run)      # a resume that cannot continue
+    assert r.returncode != 0 and "config differs in: model.d_model" in r.stderr, r.output
+    assert digest(run) == before, "a rejected --resume changed files"
+    r = train(run, "--set", "steps=5", "--resume", run)
+    assert r.returncode != 0 and "past steps=5" in r.stderr, r.output
+    assert digest(run) == before
+    r = train(run, "--set", "lr=0.1", "--overwrite")                  # asked for: replaced
+    assert r.returncode == 0, r.output
+    assert json.loads((run / "config.json").read_text())["lr"] == 0.1
+
+
+def test_two_runs_on_one_folder_at_once_the_second_names_the_holder(tmp_path):
+    out = tmp_path / "busy"
+    first = subprocess.Popen([str(ROOT / "launchers" / "local.sh"), "-n", "1", "lowcomm", "train",
+                              "--quiet", "--out", str(out), *SETS, "--set", "steps=100000"],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not (out / "metrics.jsonl").exists() and time.monotonic() - t0 < 120:
+            time.sleep(0.5)
+        assert (out / "metrics.jsonl").exists(), "the first run did not start"
+        r = train(out, "--overwrite", np=1)
+        assert r.returncode != 0 and "is in use by another run (pid" in r.stderr, r.output
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+
+
+def test_a_cut_metrics_line_does_not_block_resume(tmp_path):
+    run = tmp_path / "run"
+    r = run_ranks(2, sys.executable, ROOT / "tests" / "workers" / "faulty_train.py", "train",
+                  "--quiet", "--out", run, *SETS, env={"LOWCOMM_FAULT": "kill:1:8"})
+    assert r.returncode != 0
+    metrics = run / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 7, "loss": 3.1')     # a kill mid-line
+    r = train(run, "--resume", run)
+    assert r.returncode == 0, r.output
+    assert all(json.loads(x) for x in metrics.read_text().splitlines())
+
+
+def test_a_crash_is_one_line_per_rank_with_the_traceback_in_the_run_folder(tmp_path):
+    task = tmp_path / "broken.py"
+    task.write_text("import torch\ndef model(cfg): return torch.nn.Linear(2, 1)\n"
+                    "def loss(model, batch): return model(batch).sum()\n"
+                    "def batch(step, rank, world, cfg): return {}['no such key']\n")
+    r = train(tmp_path / "run", "--set", f"task={task}")
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if "lowcomm failed" in ln]
+    assert lines and all("broken.py: batch() raised KeyError" in ln for ln in lines), r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    r = train(tmp_path / "run2", "--set", f"task={task}", env={"LOWCOMM_DEBUG": "1"})
+    assert "Traceback" in r.stderr, r.stderr
+    r = lowcomm("train", "--out", tmp_path / "x", env={"LOWCOMM_NUM_THREADS": "two"})
+    assert r.returncode != 0 and "LOWCOMM_NUM_THREADS='two': expects a whole number" in r.stderr, r.stderr
