@@ -7,7 +7,7 @@ writes ``config.json`` (the resolved config), ``metrics.jsonl`` (one line per lo
 ``<out>/checkpoints`` (see :mod:`lowcomm.checkpoint`). Losses and byte counts are over all ranks;
 the reductions that gather them run on a separate control communicator whose traffic is not
 charged to the method. The asynchronous parameter server's server ranks serve from inside it
-(:mod:`lowcomm.strategies.ps_train` keeps their bookkeeping), its workers take the same steps as
+(:mod:`lowcomm.strategies.ps.run` keeps their bookkeeping), its workers take the same steps as
 every other method's ranks.
 
 Reliability, per step boundary:
@@ -81,7 +81,7 @@ def _run(cfg, task: Task, build: Callable, comm: Comm, ctl: Comm, out: Path | No
     optimizer = build_optimizer(cfg, model.parameters())
     strategy = build(model, optimizer, comm)
     if getattr(strategy, "is_server", None) is not None:   # the parameter server
-        from .strategies.ps_train import run_async_ps
+        from .strategies.ps.run import run_async_ps
         return run_async_ps(cfg, task, model, strategy, comm, ctl, out, ckpt, progress, resume)
     if rank == 0 and task.describe_fn is not None:
         log.info("data: %s", task.describe_fn(cfg))

@@ -25,7 +25,8 @@ from .config import Config, parse_override
 from .config import load_config as _load_config
 from .compress.settings import CompressorSettings
 from .errors import ConfigError
-from .strategies import async_ps_method, diloco, gossip, localsgd, onebit_adam, syncdp
+from .strategies import diloco, gossip, localsgd, onebit_adam, syncdp
+from .strategies.ps import method as async_ps
 from .strategies.base import Context, Method, Strategy
 from .strategies.policy import Level, build_policy, check_plan
 from .tasks import TaskError, load_task
@@ -37,7 +38,7 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     diloco.METHOD,
     diloco.STREAMING_METHOD,
     gossip.METHOD,
-    async_ps_method.METHOD,
+    async_ps.METHOD,
 )}
 
 

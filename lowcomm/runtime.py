@@ -1,5 +1,5 @@
 """What the training loop keeps and restores around the steps, shared by :mod:`lowcomm.loop`
-and the parameter server's part of it (:mod:`lowcomm.strategies.ps_train`): the optimizer and
+and the parameter server's part of it (:mod:`lowcomm.strategies.ps.run`): the optimizer and
 its lr schedule, the held-out evaluation, the NaN check, the SIGINT/SIGTERM flag, the output
 folder, checkpoint snapshots and their restore, and the parameters' hash."""
 from __future__ import annotations

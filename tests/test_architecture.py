@@ -130,9 +130,9 @@ def test_import_graph_reads_relative_and_late_imports_but_not_type_checking(tmp_
     assert "lowcomm.comm" in imports("lowcomm.collectives", known["lowcomm.collectives"], known)
     # topology imports Comm only for annotations
     assert "lowcomm.comm" not in imports("lowcomm.topology", known["lowcomm.topology"], known)
-    # a function-level import counts: ps_train's runtime helpers
-    assert "lowcomm.runtime" in imports("lowcomm.strategies.ps_train",
-                                        known["lowcomm.strategies.ps_train"], known)
+    # a function-level import counts: ps/run.py's runtime helpers
+    assert "lowcomm.runtime" in imports("lowcomm.strategies.ps.run",
+                                        known["lowcomm.strategies.ps.run"], known)
 
 
 def test_no_import_cycles():
@@ -150,7 +150,7 @@ def test_parameter_server_roles_depend_on_the_protocol_only():
     assert server not in g[worker] and worker not in g[server]
     assert "lowcomm.strategies.ps.protocol" in g[worker] & g[server]
     # the parameter server's bookkeeping is called by the loop, never the other way round
-    assert not {"lowcomm.loop", "lowcomm.trainer"} & g["lowcomm.strategies.ps_train"]
+    assert not {"lowcomm.loop", "lowcomm.trainer"} & g["lowcomm.strategies.ps.run"]
 
 
 def _code_lines(path: Path) -> list[tuple[int, str]]:

@@ -1,7 +1,8 @@
 """Fault injection under real mpirun: killed ranks, signals, corrupt checkpoints, NaN.
 
-Every strategy in ``STRATEGIES`` joins the kill-and-resume test by being registered, and so does
-one compressor of each kind of state (error-feedback residuals, a seeded generator, PowerSGD's
+Every strategy in ``STRATEGIES`` joins the kill-and-resume test by being registered (Local SGD
+and DiLoCo through streaming DiLoCo, whose state is theirs and more), and so does one compressor
+of each kind of state (error-feedback residuals, a seeded generator, PowerSGD's
 warm start; the others keep the same kinds): a resumed run must end with the same
 ``params_sha256`` (and the same logged losses and byte counts) as an uninterrupted one. The
 uninterrupted reference runs share one mpirun (tests/workers/train_many.py).
@@ -41,8 +42,10 @@ def methods() -> dict[str, list[str]]:
     m = {"syncdp-sgd": ["strategy.algorithm=ring", "strategy.overlap=false",
                         "optimizer.name=sgd", "optimizer.momentum=0.9"],
          "horovod": ["strategy.backend=horovod"]}
+    # localsgd and diloco keep a subset of streaming-diloco's state (OuterLoop's, DiLoCo's outer
+    # optimizer): streaming-diloco's row, and the policy's nested one, resume them
     for name, method in STRATEGIES.items():   # each with the outer-loop keys it takes
-        if name != "syncdp":
+        if name not in ("syncdp", "localsgd", "diloco"):
             m[name] = [f"strategy.name={name}", *[o for o in OUTER
                                                   if o[9:o.index("=")] in method.settings.fields()]]
     kinds = {}

@@ -78,7 +78,7 @@ class AsyncPS(worker.AsyncPS):
     (``comm.rank < servers``) constructing it returns a :class:`ParameterServer` (which serves
     and is not a strategy), on worker ranks this worker strategy
     (:class:`lowcomm.strategies.ps.worker.AsyncPS`). Same arguments on every rank; see the
-    worker class for them (:mod:`.async_ps_method` builds it from the run's settings)."""
+    worker class for them (:mod:`.ps.method` builds it from the run's settings)."""
 
     def __new__(cls, model=None, optimizer=None, comm: Comm | None = None, *, compressor=None,
                 **settings):

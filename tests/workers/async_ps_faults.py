@@ -37,7 +37,7 @@ Task.loss = loss        # every task's loss, as the loop calls it
 if os.environ.get("LOWCOMM_KILL_SERVER"):
     kill_rank, updates = map(int, os.environ["LOWCOMM_KILL_SERVER"].split(":"))
     if kill_rank == rank:
-        from lowcomm.strategies.ps_server import ParameterServer
+        from lowcomm.strategies.ps.server import ParameterServer
         real_step = ParameterServer._step
 
         def _step(self, grad, lr_scale):

@@ -61,6 +61,7 @@ METHODS = {
     "gossip-push-sum": ("gossip:graph=one-peer-exponential,gossip_mode=push-sum", []),
     "onebit-adam": ("syncdp", ["optimizer.name=onebit-adam", "optimizer.freeze_step=3"]),
     "average-every": ("average-every:period=3", []),
+    "async-ps": ("async-ps:servers=1", []),
     "policy": ("syncdp", ["topology=dc:2,rank:2+1", "policy.dc=diloco:period=3,compressor=int8"]),
 }
 with tempfile.TemporaryDirectory() as tmp:
@@ -71,6 +72,11 @@ with tempfile.TemporaryDirectory() as tmp:
                                 eval_batches=evals, strategy=spec, steps=STEPS, batch_size=8,
                                 log_every=2, lr=0.05, set=["optimizer.name=sgd", *extra],
                                 out=os.path.join(out, name), comm=comm)
+        if name == "async-ps" and r != 0:     # servers and workers return their own counters
+            summary = {**summary, **comm.bcast_object(None)}
+        elif name == "async-ps":
+            comm.bcast_object({k: summary[k] for k in ("ranks_agree", "params_sha256",
+                                                        "final_loss", "eval_loss", "bytes_total")})
         ok(summary["ranks_agree"] is True, f"{name}: ranks_agree is {summary['ranks_agree']}")
         m = built[-1]                # the delivered model: every rank's copy must be the same
         digest = params_sha256(m)
@@ -84,6 +90,26 @@ with tempfile.TemporaryDirectory() as tmp:
     # the README's 30-line method equals Local SGD with the same period (SGD: the same update;
     # the averages are packed differently, so equal up to the sums' rounding)
     ok.models_close(finals["average-every"], finals["localsgd"], "average-every vs localsgd")
+
+# 1-bit Adam accepts AdamW: during its warm-up it equals torch AdamW (decoupled weight decay) on
+# the averaged gradient, i.e. one process on the K ranks' batches together
+def adamw_run(distributed: bool):
+    m = seeded_mlp(10, 16, 3)
+    inner = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1)
+    opt = lowcomm.OneBitAdam(m, inner, comm, freeze_step=4) if distributed else inner
+    for step in range(1, 5):
+        x, y = data[(step * 3 * K * 4) % 500:(step * 3 * K * 4) % 500 + K * 4]
+        if distributed:
+            x, y = x[r * 4:(r + 1) * 4], y[r * 4:(r + 1) * 4]
+        opt.zero_grad()
+        loss((m), (x, y)).backward()
+        opt.step()
+    if distributed:
+        opt.close()
+    return m
+
+
+ok.models_close(adamw_run(True), adamw_run(False), "OneBitAdam(AdamW) warm-up vs torch AdamW")
 
 # every registered method from its spec string, from Python (no config machinery)
 for name in lowcomm.STRATEGIES:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..comm import Comm
-from ..errors import ConfigError
-from ..settings import Settings
-from .base import Context, Method
+from ...comm import Comm
+from ...errors import ConfigError
+from ...settings import Settings
+from ..base import Context, Method
 
 
 @dataclass
@@ -58,7 +58,7 @@ def check_run(s: AsyncPSSettings, cfg, prefix: str) -> None:
 
 
 def build(s: AsyncPSSettings, model, optimizer, comm: Comm, ctx: Context):
-    from .async_ps import AsyncPS
+    from ..async_ps import AsyncPS
     return AsyncPS(model, optimizer, comm, servers=s.servers, max_staleness=s.max_staleness,
                    staleness_lr=s.staleness_lr, dc_lambda=s.dc_lambda,
                    compressor=ctx.gradient_compressor(), worker_timeout_s=s.worker_timeout_s,

@@ -1,9 +1,11 @@
-"""The training loop of ``strategy.name = "async-ps"``: servers serve, workers train, nobody waits
-for a collective.
+"""The parameter server's part of the one training loop (``strategy.name = "async-ps"``):
+servers serve, workers train, nobody waits for a collective.
 
-:func:`lowcomm.train.train` hands async-ps runs to :func:`train_async_ps`, because its loop's
-per-step reductions over all ranks are exactly what an asynchronous parameter server must not do
-(servers do not train; workers never wait for each other). Outputs are the same files:
+:func:`lowcomm.loop.run` hands a run whose strategy is the parameter server to
+:func:`run_async_ps` after building the model, the optimizer and the rank's role, because its
+per-step reductions over all ranks are exactly what an asynchronous parameter server must not
+do (servers do not train; workers never wait for each other). Workers take the loop's steps on
+the task's batches. Outputs are the same files:
 
 * ``steps`` is the run's budget in step-equivalents: the servers take ``steps × W`` gradients
   in all (what SyncDP's ``steps`` on W ranks computes), then answer STOP; fast workers do more
@@ -22,7 +24,10 @@ per-step reductions over all ranks are exactly what an asynchronous parameter se
   compressor state — and ``--resume`` continues bit-identically.
 
 At the end the other servers send rank 0 their shard and counters, the finished workers their
-ledgers, all point-to-point: a lost worker cannot hold the end of the run up.
+ledgers, all point-to-point: a lost worker cannot hold the end of the run up. Rank 0 then sends
+the final parameters to every live rank, which loads them and answers their sha256: the summary's
+``ranks_agree`` says every live rank holds the delivered model (``final_model_bytes``: what that
+delivery sent, on the uncharged control channel).
 """
 from __future__ import annotations
 
@@ -36,13 +41,18 @@ import sys
 import time
 from pathlib import Path
 
-from ..runtime import evaluate, nonfinite, params_sha256, restore, snapshot
-from ..comm import Comm
-from ..errors import LowcommError, NonFiniteError
-from .async_ps import PUSH, AsyncPS, ServerLost, WorkersLost, recovery_enabled
+import torch
+
+from ...comm import Comm
+from ...errors import LowcommError, NonFiniteError
+from ...runtime import evaluate, nonfinite, params_sha256, restore, snapshot
+from ..async_ps import AsyncPS
+from .protocol import PUSH, ServerLost, WorkersLost, recovery_enabled
 
 log = logging.getLogger("lowcomm.train")
 TAG_STATS = 77
+TAG_FINAL = 78          # rank 0 -> every live rank: the run's final parameters
+TAG_AGREE = 79          # every live rank -> rank 0: the sha256 of the parameters it now holds
 
 
 def _hist(h: dict) -> dict:
@@ -61,27 +71,51 @@ def _merge(hists: list[dict]) -> dict:
     return out
 
 
-def _recv_from(ctl: Comm, src: int, timeout_s: float, what: str):
-    """Receive a pickled end-of-run report from ``src`` on the control channel, or raise naming
-    ``src``."""
+def _recv_from(ctl: Comm, src: int, timeout_s: float, what: str, tag: int = TAG_STATS):
+    """Receive a pickled end-of-run message from ``src`` on the control channel, or raise
+    naming ``src``."""
     t0 = time.monotonic()
-    while ctl.iprobe(src, TAG_STATS) is None:
+    while ctl.iprobe(src, tag) is None:
         if time.monotonic() - t0 > timeout_s:
-            raise ServerLost(f"rank {ctl.rank}: rank {src} ({what}) sent no end-of-run report "
+            raise ServerLost(f"rank {ctl.rank}: rank {src} ({what}) sent no end-of-run message "
                              f"for {timeout_s:g} s; it is gone, ending the job")
         time.sleep(0.001)
-    return ctl.recv_object(src, TAG_STATS)
+    return ctl.recv_object(src, tag)
 
 
-def _report_to_rank0(ctl: Comm, report: dict, timeout_s: float) -> None:
-    """Send ``report`` to rank 0 synchronously (so that this process may end at once after)."""
-    req = ctl.issend_object(report, 0, TAG_STATS)
+def _send_sync(ctl: Comm, obj, dest: int, tag: int, timeout_s: float, what: str) -> None:
+    """Send ``obj`` synchronously (so that this process may end at once after)."""
+    req = ctl.issend_object(obj, dest, tag)
     t0 = time.monotonic()
     while not req.test():
         if time.monotonic() - t0 > timeout_s:
-            raise ServerLost(f"rank {ctl.rank}: parameter server 0 (rank 0) took no end-of-run "
-                             f"report for {timeout_s:g} s; it is gone, ending the job")
+            raise ServerLost(f"rank {ctl.rank}: rank {dest} ({what}) took no end-of-run message "
+                             f"for {timeout_s:g} s; it is gone, ending the job")
         time.sleep(0.001)
+
+
+def _report_to_rank0(ctl: Comm, report: dict, timeout_s: float) -> None:
+    _send_sync(ctl, report, 0, TAG_STATS, timeout_s, "parameter server 0")
+
+
+def _take_final_model(ctl: Comm, model, timeout_s: float) -> None:
+    """Every live rank but 0: load the run's final parameters from rank 0, answer their hash."""
+    final = _recv_from(ctl, 0, timeout_s, "parameter server 0", TAG_FINAL)
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), final, strict=True):
+            p.copy_(v)
+    _send_sync(ctl, params_sha256(model), 0, TAG_AGREE, timeout_s, "parameter server 0")
+
+
+def _deliver_final_model(ctl: Comm, model, ranks: list[int], timeout_s: float) -> tuple[bool, int]:
+    """Rank 0: send the final parameters to ``ranks`` (the live ones) and check that each now
+    holds them (its sha256 equals ours). Returns (every rank agrees, bytes sent)."""
+    final = [p.detach().cpu() for p in model.parameters()]
+    for r in ranks:
+        _send_sync(ctl, final, r, TAG_FINAL, timeout_s, f"rank {r}")
+    mine = params_sha256(model)
+    same = all(_recv_from(ctl, r, timeout_s, f"rank {r}", TAG_AGREE) == mine for r in ranks)
+    return same, len(ranks) * sum(t.numel() * t.element_size() for t in final)
 
 
 def _skip_mpi_finalize(code: int) -> None:
@@ -210,8 +244,10 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
             metrics.close()
         srv = ps.server
         if rank != 0:
+            limit = s.server_timeout_s + s.worker_timeout_s + 30
             _report_to_rank0(ctl, {"stats": srv.stats(), "ledger": comm.ledger.rows(), "wall_s": wall,
-                                   "values": srv.flat}, s.server_timeout_s + s.worker_timeout_s + 30)
+                                   "values": srv.flat}, limit)
+            _take_final_model(ctl, model, limit)
             ps.close()
             _skip_mpi_finalize(0)
             return {"method": cfg.method, "rank": rank, "role": "server", **srv.stats()}
@@ -230,10 +266,12 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
         for w in finished:
             reports.append(early.pop(S + w) if S + w in early else
                            _recv_from(ctl, S + w, limit, f"worker {w}"))
+        agree, delivered = _deliver_final_model(ctl, model, [*range(1, S), *(S + w for w in finished)],
+                                                limit)
         ps.close()
         _skip_mpi_finalize(WorkersLost.exit_code if lost else 0)
         return _summary(cfg, model, task, held_out, comm, ps, reports, lost, finished,
-                        n_params, lg, max(r["wall_s"] for r in reports), out)
+                        n_params, lg, max(r["wall_s"] for r in reports), out, agree, delivered)
 
     # worker ---------------------------------------------------------------------------------
     w = ps.index
@@ -277,13 +315,14 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
     mine = {"worker": w, "ledger": comm.ledger.rows(), "wall_s": wall, "skipped": skipped,
             "clock_lag": dict(ps.lag_hist), "wait_s": ps.wait_s, "clock": ps.clock}
     _report_to_rank0(ctl, mine, s.server_timeout_s + 30)   # rank 0 takes it while serving
+    _take_final_model(ctl, model, s.server_timeout_s + s.worker_timeout_s + 30)
     _skip_mpi_finalize(0)
     return {"method": cfg.method, "rank": rank, "role": "worker", **{k: v for k, v in mine.items()
                                                                      if k != "ledger"}}
 
 
 def _summary(cfg, model, task, held_out, comm, ps, reports, lost, finished, n_params, lg,
-             wall, out):
+             wall, out, agree: bool, delivered: int):
     S, W = ps.servers, ps.workers
     self_comm = Comm.self_comm(comm.watchdog)
     eval_loss = evaluate(model, task, held_out, self_comm) if held_out else float("nan")
@@ -316,6 +355,8 @@ def _summary(cfg, model, task, held_out, comm, ps, reports, lost, finished, n_pa
         "status": "ok" if not lost else f"{len(lost)} of {W} workers lost",
         "mpirun_recovery": recovery_enabled(),
         "params_sha256": params_sha256(model),
+        "ranks_agree": agree,                 # every live rank holds these parameters
+        "final_model_bytes": delivered,       # rank 0 sent them there (control channel)
         "ledger_rank0": comm.ledger.rows(),
         "config": cfg.to_dict(),
     }
