@@ -78,6 +78,10 @@ def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, ma
         overrides = (*overrides, f"checkpoint.every={checkpoint_every}")
     cfg = _config(config, overrides, base)
     out = out or resume or "runs/latest"
+    from .runtime import refusal
+    why = refusal(Path(out), resume, overwrite)    # before MPI starts: every rank at once
+    if why:
+        raise click.UsageError(why)
     _RUN_OUT = Path(out)
     comm = _world()
     from .trainer import run

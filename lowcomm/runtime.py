@@ -199,6 +199,18 @@ def _lock(out: Path) -> str | None:
     return None
 
 
+def refusal(out: Path, resume: str | Path | None, overwrite: bool) -> str | None:
+    """Why a run may not use ``out`` (it holds another run that this one neither resumes nor
+    replaces), or None."""
+    if overwrite or (resume is not None and Path(resume).resolve() == out.resolve()):
+        return None
+    present = [f for f in RUN_FILES if (out / f).exists()]
+    if present:
+        return (f"{out} holds another run ({', '.join(present)}); continue it with --resume "
+                f"{out}, replace it with --overwrite, or choose another --out")
+    return None
+
+
 def close_run(out: Path | None) -> None:
     """Release the run folder's lock (the end of :func:`lowcomm.loop.run`)."""
     f = _LOCKS.pop(str(out), None) if out else None
@@ -228,15 +240,13 @@ def open_run(cfg, comm: Comm, out: str | Path | None, resume: str | Path | None 
         except OSError as e:
             problem = f"cannot use {out} for the run: {e.strerror or e}"
         resuming_here = resume is not None and Path(resume).resolve() == out.resolve()
-        present = [f for f in RUN_FILES if (out / f).exists()]
-        if problem is None and present and not resuming_here:
-            if overwrite:
-                import shutil
-                for f in present:
+        if problem is None:
+            problem = refusal(out, resume, overwrite)
+        if problem is None and overwrite and not resuming_here:
+            import shutil
+            for f in RUN_FILES:
+                if (out / f).exists():
                     (shutil.rmtree if (out / f).is_dir() else Path.unlink)(out / f)
-            else:
-                problem = (f"{out} holds another run ({', '.join(present)}); continue it with "
-                           f"--resume {out}, replace it with --overwrite, or choose another --out")
         if problem is None and resume is None:
             write_config(cfg, out)
     problem = ctl.bcast_object(problem) if comm.size > 1 else problem

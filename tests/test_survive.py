@@ -51,7 +51,7 @@ def test_a_killed_rank_under_max_restarts_resumes_and_ends_bit_identical(tmp_pat
     # a run that keeps failing gives up after its restarts, exiting non-zero, naming the cause
     again = tmp_path / "again"
     r = lowcomm("train", "--np", "2", "--max-restarts", "1", "--launcher", FAULTY, "--quiet",
-                "--out", again, *SETS, env={"LOWCOMM_FAULT": "nan-loss:0:2"}, timeout=300)
+                "--out", again, *SETS, env={"LOWCOMM_FAULT": "nan-loss:0:1"}, timeout=300)
     assert r.returncode != 0 and r.stderr.count("non-finite values") >= 2, r.stdout + r.stderr
     assert "attempt 2 failed" in r.stderr, r.stderr
 

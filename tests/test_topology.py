@@ -8,7 +8,7 @@ from lowcomm.errors import ConfigError
 from lowcomm.topology import LinkModel, Topology
 from lowcomm.wan import model_seconds
 
-CHECKS = {1: 160, 2: 319, 3: 333, 4: 595}
+CHECKS = {1: 168, 2: 335, 3: 351, 4: 627}
 
 
 @pytest.mark.parametrize("np", [1, 2, 3, 4])
