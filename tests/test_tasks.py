@@ -98,7 +98,7 @@ def test_directory_corpus_reads_text_skips_binary_and_never_opens_a_fifo(tmp_pat
     assert "7 files read" in c.describe() and "1 binary" in c.describe()
     only_md = Corpus.load(str(tmp_path), glob="**/*.md")
     assert only_md.files == 1 and len(only_md.train) + len(only_md.eval) == len("markdown ") * 300
-    with pytest.raises(ValueError, match=f"data.path '{tmp_path}'.*too few for seq_len \(data.seq_len=10000\)"):
+    with pytest.raises(ValueError, match=rf"data.path '{tmp_path}'.*too few for seq_len \(data.seq_len=10000\)"):
         c.check(10_000, 2)
 
 
