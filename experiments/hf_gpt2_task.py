@@ -47,12 +47,15 @@ _splits: dict = {}
 
 
 def splits(cfg):
+    """(training windows, held-out windows, a line on the text read, the batch function),
+    built once per set of options."""
     o = options(cfg)
     key = (o["path"], o["seq_len"], o["eval_fraction"])
     if key not in _splits:
         corpus = Corpus.load(o["path"], eval_fraction=o["eval_fraction"])
-        _splits[key] = (Windows(corpus.train, o["seq_len"]), Windows(corpus.eval, o["seq_len"]),
-                        corpus.describe())
+        train = Windows(corpus.train, o["seq_len"])
+        _splits[key] = (train, Windows(corpus.eval, o["seq_len"]), corpus.describe(),
+                        dataset_batches(train))
     return _splits[key]
 
 
@@ -69,21 +72,11 @@ def loss(model, batch):
 
 
 def batch(step, rank, world, cfg):
-    train, _, _ = splits(cfg)
-    return _batch(train)(step, rank, world, cfg)
-
-
-_batchers: dict = {}
-
-
-def _batch(dataset):
-    if id(dataset) not in _batchers:
-        _batchers[id(dataset)] = dataset_batches(dataset)
-    return _batchers[id(dataset)]
+    return splits(cfg)[3](step, rank, world, cfg)
 
 
 def eval_batches(cfg):
-    _, held, _ = splits(cfg)
+    held = splits(cfg)[1]
     n = min(len(held), cfg.eval_batches * cfg.batch_size)
     return [torch.stack([held[i] for i in range(b, min(n, b + cfg.batch_size))])
             for b in range(0, n, cfg.batch_size)]

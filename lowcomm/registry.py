@@ -189,14 +189,12 @@ def topology_comms(cfg, comm):
     """The topology's communicators over ``comm`` when the run needs them (a per-level policy,
     or a ``hierarchical`` all-reduce), else None; the topology is read (and checked against the
     job's size) whenever one is configured. Collective over ``comm``."""
-    if not (cfg.topology or os.environ.get("LOWCOMM_TOPOLOGY") or cfg.policy
-            or getattr(cfg.strategy, "algorithm", "") == "hierarchical"):
+    needed = bool(cfg.policy) or cfg.strategy.get("algorithm") == "hierarchical"
+    if not (needed or cfg.topology or os.environ.get("LOWCOMM_TOPOLOGY")):
         return None
     from .topology import Topology
     topo = Topology.from_env(comm, cfg.topology)
-    if cfg.policy or getattr(cfg.strategy, "algorithm", "") == "hierarchical":
-        return topo.comms(comm)
-    return None
+    return topo.comms(comm) if needed else None
 
 
 def _python_context(compressor, nonfinite: str, steps: int | None, levels=None) -> Context:

@@ -61,3 +61,17 @@ def test_alpha_beta_model():
     assert per["total"] == pytest.approx(per["dc"] + per["rank"])
     m = model_seconds(rows, delay_ms=25, rate_mbit=100)
     assert m["seconds"] == pytest.approx(per["dc"]) and m["calls"] == 3 and m["bytes_sent"] == 3 * n
+
+
+def test_cli_hierarchical_on_the_environments_topology(tmp_path):
+    """``strategy.algorithm=hierarchical`` with the levels from $LOWCOMM_TOPOLOGY: the run builds
+    the topology's communicators, and traffic is filed per level."""
+    import json
+
+    from conftest import run_ranks
+    r = run_ranks(2, "lowcomm", "train", "--quiet", "--out", tmp_path, "--set", "steps=3",
+                  "--set", "strategy.algorithm=hierarchical", "--set", "model.d_model=32",
+                  "--set", "eval_batches=1", env={"LOWCOMM_TOPOLOGY": "dc:2,rank:1"}, timeout=120)
+    assert r.returncode == 0, r.output
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["bytes_by_level"].get("dc", 0) > 0 and s["ranks_agree"] is True, s["bytes_by_level"]

@@ -51,8 +51,9 @@ def batch(step: int, rank: int, world: int, cfg):
 
 
 def eval_batches(cfg):
-    _corpus(cfg).check(cfg.data.seq_len, 1)
-    return _corpus(cfg).eval_batches(cfg.eval_batches, cfg.batch_size, cfg.data.seq_len)
+    c = _corpus(cfg)
+    c.check(cfg.data.seq_len, 1)
+    return c.eval_batches(cfg.eval_batches, cfg.batch_size, cfg.data.seq_len)
 
 
 def describe(cfg) -> str:
