@@ -8,7 +8,8 @@ Run it under any method::
     lowcomm compare --np 2 --set task=experiments/hf_gpt2_task.py --methods ddp,diloco,ef-sign
 
 Options (a ``[task]`` table, or ``--set task.<option>=...``): ``path`` (a text file or a
-directory), ``seq_len``, ``n_embd``, ``n_layer``, ``n_head``, ``eval_fraction``. The batch size
+directory), ``seq_len``, ``n_embd``, ``n_layer``, ``n_head``, ``eval_fraction``, ``dropout`` (GPT-2's three
+dropout rates; 0 by default — a resumed run then needs the checkpoint's RNG state to match). The batch size
 is the run's ``batch_size``; held-out batches: the run's ``eval_batches``.
 """
 import torch
@@ -18,7 +19,7 @@ from lowcomm.data import Corpus
 from lowcomm.tasks import dataset_batches
 
 DEFAULTS = {"path": "/usr/share/common-licenses", "seq_len": 64, "n_embd": 64, "n_layer": 2,
-            "n_head": 4, "eval_fraction": 0.1}
+            "n_head": 4, "eval_fraction": 0.1, "dropout": 0.0}
 
 
 def options(cfg) -> dict:
@@ -64,7 +65,7 @@ def model(cfg):
     return GPT2LMHeadModel(GPT2Config(
         vocab_size=256, n_positions=o["seq_len"], n_embd=o["n_embd"], n_layer=o["n_layer"],
         n_head=o["n_head"], bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        resid_pdrop=o["dropout"], embd_pdrop=o["dropout"], attn_pdrop=o["dropout"]))
 
 
 def loss(model, batch):

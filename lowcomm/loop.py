@@ -158,6 +158,10 @@ def _run(cfg, task: Task, build: Callable, comm: Comm, ctl: Comm, out: Path | No
             if stop_vote is not None:
                 stop_vote[1].wait()
         wall = wall_before + time.perf_counter() - t0
+    except BaseException:
+        if stop_vote is not None:   # MPI may still write into its buffer: never free it
+            _ABANDONED.append(stop_vote)
+        raise
     finally:
         if bar:
             bar.close()
@@ -206,6 +210,11 @@ def train_step(cfg, task: Task, model, strategy, step: int, rank: int, world: in
     loss = task.loss(model, batch)
     loss.backward()
     return loss, nonfinite(loss, model)
+
+
+#: stop votes still in flight when a run raised (a crash, an injected fault, a user's error in
+#: ``loss``): freeing their buffer while MPI may still write into it would corrupt the heap
+_ABANDONED: list = []
 
 
 class _Done:

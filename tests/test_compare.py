@@ -1,5 +1,6 @@
 """``lowcomm compare``: the same workload under several methods, results, plots and table."""
 import json
+import os
 import subprocess
 import sys
 
@@ -13,11 +14,11 @@ SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=
          "data.seq_len=32", "data.max_bytes=300000", "eval_batches=2", "log_every=5"]
 
 
-def compare(tmp_path, *args, timeout=300):
+def compare(tmp_path, *args, timeout=300, env=None):
     sets = [a for s in SMALL for a in ("--set", s)]
     return subprocess.run([sys.executable, "-m", "lowcomm.cli", "compare", "--np", "2", "--steps", "20", "--out", str(tmp_path),
                            *sets, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def test_unknown_method_lists_the_known_ones():
@@ -45,30 +46,25 @@ def test_modelled_wall_is_compute_plus_alpha_beta():
         Link.parse("fast")
 
 
-def test_compare_keeps_going_when_one_method_fails(tmp_path):
-    r = compare(tmp_path, "--methods", "ddp,horovod,fp16" if "fp16" in resolve_methods("all") else "ddp,horovod",
-                "--launcher", ROOT / "tests" / "launchers" / "fail_horovod.sh")
+def test_compare_runs_methods_on_the_same_data_and_keeps_going_when_one_fails(tmp_path):
+    r = compare(tmp_path, "--methods", "ddp,horovod,fp16",
+                "--launcher", ROOT / "tests" / "launchers" / "fail_method.sh",
+                env={"LOWCOMM_TEST_FAIL_ARG": "compressor.name=fp16"})
     assert r.returncode == 1, r.stdout + r.stderr
     results = json.loads((tmp_path / "results.json").read_text())
     by = {x["method"]: x for x in results}
-    assert by["horovod"]["status"] == "failed" and "exit 7" in by["horovod"]["error"]
-    ok = [x for x in results if x["status"] == "ok"]
-    assert ok and all(x["steps"] == 20 and x["ranks"] == 2 for x in ok)
+    assert by["fp16"]["status"] == "failed" and "exit 7" in by["fp16"]["error"], by["fp16"]
+    ok = [by["ddp"], by["horovod"]]
+    assert all(x["status"] == "ok" and x["steps"] == 20 and x["ranks"] == 2 for x in ok), ok
     for x in ok:
         assert {"method", "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total",
                 "bytes_by_level", "wall_s", "modelled_wall_s"} <= set(x)
         assert x["bytes_total"] > 0 and x["eval_loss"] > 0
     for png in ("bytes", "wall", "modelled_wall", "steps"):
         assert (tmp_path / f"eval_loss_vs_{png}.png").stat().st_size > 10_000
-    assert "| 1 | " in r.stdout and "horovod | failed: exit 7" in r.stdout, r.stdout
-
-
-def test_compare_runs_every_method_on_the_same_data(tmp_path):
-    r = compare(tmp_path, "--methods", "ddp,horovod")
-    assert r.returncode == 0, r.stdout + r.stderr
-    a, b = json.loads((tmp_path / "results.json").read_text())
+    assert "| 1 | " in r.stdout and "fp16 | failed: exit 7" in r.stdout, r.stdout
     # Horovod and lowcomm's SyncDP average the same gradients of the same batches
-    assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-4)
+    assert by["ddp"]["eval_loss"] == pytest.approx(by["horovod"]["eval_loss"], rel=1e-4)
     curves = [[json.loads(x) for x in (tmp_path / m / "metrics.jsonl").read_text().splitlines()]
               for m in ("ddp", "horovod")]
     assert [x["step"] for x in curves[0]] == [x["step"] for x in curves[1]] == [5, 10, 15, 20]

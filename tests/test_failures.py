@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from conftest import WORKERS, run_ranks
+from conftest import WORKERS, cli, run_ranks
 
 
 def test_exception_on_one_rank_ends_the_whole_job_within_seconds():
@@ -54,13 +54,13 @@ def test_bad_config_type_and_value_are_named(tmp_path):
     for override, words in [("steps=ten", "config key 'steps': expects int"),
                             ("strategy.algorithm=butterfly", "known: mpi, ring, rabenseifner, tree"),
                             ("compressor.name=zip", "config key 'compressor.name'")]:
-        r = run_ranks(1, "lowcomm", "train", "--set", override, "--out", tmp_path, timeout=60)
+        r = cli("train", "--set", override, "--out", tmp_path)
         assert r.returncode != 0 and words in r.stderr, r.output
 
 
 def test_bad_toml_file_is_named(tmp_path):
     f = tmp_path / "run.toml"
     f.write_text("[strategy]\nname = 'syncdp'\nbogus = 1\n")
-    r = run_ranks(1, "lowcomm", "train", "--config", f, "--out", tmp_path, timeout=60)
+    r = cli("train", "--config", f, "--out", tmp_path)
     assert r.returncode != 0 and "'strategy.bogus': unknown key" in r.stderr, r.output
     assert not (tmp_path / "summary.json").exists()

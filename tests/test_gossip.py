@@ -106,7 +106,7 @@ def test_config_accepts_gossip_keys():
         ("one-peer-exponential", "push-sum", "atc")
 
 
-@pytest.mark.parametrize("np_", [1, 2, 3, 4])
+@pytest.mark.parametrize("np_", [2, 3, 4])   # 2: both ring neighbours are one rank
 def test_gossip_under_mpirun(np_):
     assert set(run_worker(np_, "gossip.py", timeout=120).values()) == {checks(np_)}
 

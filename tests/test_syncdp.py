@@ -9,11 +9,10 @@ BASE = ((len(lowcomm.ALGORITHMS) - 1) * 2 + 2) * N_PARAMS + 2   # every algorith
 HOROVOD = 2 * N_PARAMS + 1
 
 
-@pytest.mark.parametrize("np", [1, 2, 3, 4])
+@pytest.mark.parametrize("np", [1, 3, 4])   # 3: uneven chunks, 4: a power of two
 def test_syncdp_equals_single_process_large_batch(np):
     assert set(run_worker(np, "syncdp.py").values()) == {BASE}
 
 
-@pytest.mark.parametrize("np", [2, 3])
-def test_horovod_backend_gives_the_same_parameters(np):
-    assert set(run_worker(np, "syncdp.py", "--horovod").values()) == {BASE + HOROVOD}
+def test_horovod_backend_gives_the_same_parameters():
+    assert set(run_worker(3, "syncdp.py", "--horovod").values()) == {BASE + HOROVOD}
