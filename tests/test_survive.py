@@ -56,6 +56,24 @@ def test_a_killed_rank_under_max_restarts_resumes_and_ends_bit_identical(tmp_pat
     assert "attempt 2 failed" in r.stderr, r.stderr
 
 
+def test_a_rank_that_cannot_come_back_shrinks_the_run_down_to_min_ranks(tmp_path):
+    """DiLoCo on 2 ranks whose rank 1 dies at its 2nd step in every launch: the relaunch on 2
+    ranks fails as well, so the third attempt runs on 1 rank from the 2-rank checkpoint."""
+    run = tmp_path / "run"
+    r = lowcomm("train", "--np", "2", "--max-restarts", "2", "--min-ranks", "1",
+                "--restart-backoff", "0.1", "--launcher", FAULTY, "--quiet", "--out", run, *SETS,
+                "--set", "steps=5", "--set", "checkpoint.every=1", "--set", "strategy.name=diloco",
+                "--set", "strategy.period=2", env={"LOWCOMM_FAULT": "kill:1:2"}, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = json.loads((run / "summary.json").read_text())
+    assert s["ranks_per_attempt"] == [2, 2, 1], s["ranks_per_attempt"]
+    assert [f["ranks"] for f in s["failures"]] == [2, 2], s["failures"]
+    assert s["resizes"] == [{"step": 2, "from": 2, "to": 1}], s["resizes"]
+    assert s["ranks"] == 1 and s["steps"] == 5 and s["ranks_agree"], s
+    assert s["eval_loss"] == s["eval_loss"] and abs(s["eval_loss"]) < float("inf"), s["eval_loss"]
+    assert "attempt 2 failed on 2 ranks" in r.stderr, r.stderr
+
+
 def test_a_second_run_never_touches_a_finished_runs_files(tmp_path):
     run = tmp_path / "run"
     assert train(run).returncode == 0

@@ -1,7 +1,7 @@
 """Resume on another number of ranks, 4 → 2 and 2 → 4, for every method in argv[2] (a JSON
 object ``{method: [method]}``), all in one 4-rank mpirun (usage: resize.py ROOT METHODS):
 
-1. the 4 ranks train each method on 4 ranks (``ROOT/<m>/four``, checkpoints every 3 steps);
+1. the 4 ranks train each method on 4 ranks (``ROOT/<m>/four``, a checkpoint at step 3);
 2. ranks 0–1 resume it on 2 ranks; meanwhile ranks 2–3 train it on 2 ranks (``two``);
 3. the 4 ranks resume ``two`` on 4 ranks.
 Each resume is checked twice: resumed with ``steps`` equal to the checkpoint's step (nothing
@@ -24,8 +24,8 @@ from common import Checks, seeded_mlp
 import lowcomm
 from lowcomm.tasks import dataset_batches
 
-STEPS, EVERY = 8, 3
-LAST = 6                       # the newest checkpoint of an 8-step run saved every 3 steps
+STEPS, EVERY = 5, 3
+LAST = 3                       # the newest checkpoint of a 5-step run saved every 3 steps
 world = lowcomm.init()
 rank = world.rank
 ok = Checks(rank)
