@@ -64,6 +64,7 @@ class ParameterServer:
         self.servers, self.workers = st.servers, comm.size - st.servers
         self.max_staleness, self.staleness_lr, self.dc_lambda = st.max_staleness, st.staleness_lr, st.dc_lambda
         self.budget = st.budget
+        self.interrupt = 0                      # a stop signal's number (here or a worker's)
         self.worker_timeout_s, self.server_timeout_s = st.worker_timeout_s, st.server_timeout_s
         self._params = dict(trainable(model))
         self.shards = build_shards(trainable(model), st.servers)
@@ -173,7 +174,18 @@ class ParameterServer:
         return self.clock[w] - min(self.clock[v] for v in self._active()) <= self.tau
 
     def _spent(self) -> bool:
-        return self.budget is not None and self.taken >= self.budget
+        """The budget is spent, or a stop was asked for (:meth:`stop`): replies say STOP."""
+        return bool(self.interrupt) or (self.budget is not None and self.taken >= self.budget)
+
+    def stop(self, signum: int) -> None:
+        """SIGINT/SIGTERM here or at a worker: answer STOP from now on, so every worker ends
+        after the step it is in and :meth:`serve` returns when all have (nothing stays in
+        flight: the loop then writes a checkpoint). Ignored once the budget is spent."""
+        if not self._spent():
+            self.interrupt = signum
+            log.warning("parameter server %d (rank %d): stop requested (signal %d) after %d "
+                        "gradients; stopping the workers", self.index, self.comm.rank, signum,
+                        self.taken)
 
     def _reply(self, w: int, status: float = OK) -> None:
         if self.reply_req[w] is not None:       # the worker pushed again: it got the last one
@@ -205,7 +217,7 @@ class ParameterServer:
         inflight: list = []               # (worker, buffer, request) of pushes being received
         beats: list = []
         beat = torch.zeros(1, dtype=torch.float64)
-        done_buf = torch.zeros(1, dtype=torch.float64)
+        done_buf = torch.zeros(2, dtype=torch.float64)     # the worker's clock, its stop signal
         period = min(0.5, self.settings.server_timeout_s / 4)
         next_beat = now + period
         updates: list = []                # per update: [(worker, push header, σ or None)]
@@ -231,6 +243,8 @@ class ParameterServer:
                 msg.recv_(done_buf, op="done")
                 w = msg.source - self.S
                 self.done.add(w)
+                if done_buf[1] > 0:       # the worker was sent SIGINT/SIGTERM: stop them all
+                    self.stop(int(done_buf[1]))
                 last[w] = time.monotonic()
             still = []
             for w, buf, req in inflight:

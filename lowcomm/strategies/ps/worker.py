@@ -211,9 +211,11 @@ class AsyncPS(Strategy):
                                      f"{self.server_timeout_s:g}); it is gone, ending the job")
             time.sleep(POLL_S)
 
-    def done(self) -> None:
-        """Tell every server this worker is done (servers end when all workers are done or lost)."""
-        done = torch.tensor([float(self.clock)], dtype=torch.float64)
+    def done(self, signum: int = 0) -> None:
+        """Tell every server this worker is done (servers end when all workers are done or
+        lost); ``signum``: it stops because it was sent that signal (the servers then stop
+        every worker)."""
+        done = torch.tensor([float(self.clock), float(signum)], dtype=torch.float64)
         reqs = [self.ctl.isend(done, s, TAG_DONE, op="done") for s in range(self.servers)]
         pushes = [s for s, r in enumerate(self._push_req) if r is not None]
         self._wait_all([*reqs, *[self._push_req[s] for s in pushes]], "the end of the run",
