@@ -275,7 +275,9 @@ def resized(state: dict, comm: Comm, strategy, where: Path) -> dict:
     * model and strategy: the strategy's own :meth:`~lowcomm.strategies.base.Strategy.reshard`
       (replicated state: rank 0's; per-rank state: averaged; compressor state: reset);
     * RNG states: new rank r takes old rank ``r mod K_old``'s (a run that shrinks continues
-      its first ranks' streams; one that grows repeats old ranks' streams on its new ranks);
+      its first ranks' streams; one that grows repeats old ranks' streams on its new ranks),
+      unless the strategy's ``reshard`` returns ``"rng"`` (and ``"loop"``) itself (the
+      parameter server: a worker takes an old worker's);
     * ledger: new rank 0 takes the sum of every old rank's counters, the others start at zero,
       so the run's byte totals (summed over ranks) carry over;
     * the loop's counters: old rank ``r mod K_old``'s (equal on every rank), except the loss
@@ -295,16 +297,17 @@ def resized(state: dict, comm: Comm, strategy, where: Path) -> dict:
                                                                      bytes_recv=0, seconds=0.0))
                 for k in ("calls", "bytes_sent", "bytes_recv", "seconds"):
                     acc[k] += row[k]
-    loop = dict(old[r % K_old]["loop"])
+    loop = dict(merged.get("loop", old[r % K_old]["loop"]))
     if r >= K_old and "window" in loop:
         loop["window"] = []
     loop["resizes"] = [*loop.get("resizes", []), {"step": state["step"], "from": K_old,
                                                    "to": comm.size}]
     if r == 0:
-        log.warning("resuming the %d-rank checkpoint %s on %d ranks (%s's merge rule; RNG "
-                    "states of old rank r mod %d)", K_old, where, comm.size, strategy.name, K_old)
+        log.warning("resuming the %d-rank checkpoint %s on %d ranks, merged by %s's rule",
+                    K_old, where, comm.size, getattr(strategy, "name", "async-ps"))
     return {"step": state["step"], "model": merged["model"], "strategy": merged["strategy"],
-            "ledger": {"rows": list(rows.values())}, "rng": old[r % K_old]["rng"], "loop": loop}
+            "ledger": {"rows": list(rows.values())}, "rng": merged.get("rng", old[r % K_old]["rng"]),
+            "loop": loop}
 
 
 def restore(resume: str | Path, cfg, comm: Comm, ctl: Comm, model, strategy,

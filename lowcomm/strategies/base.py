@@ -126,7 +126,9 @@ class Strategy:
         """Resume on another number of ranks: from ``old``, every old rank's checkpoint state
         (``{"model": ..., "strategy": ...}``, in old rank order), return this rank's
         ``{"model": model state dict, "strategy": state for load_state_dict}`` in the new world
-        (``self.comm``). Called on every new rank with the same ``old``.
+        (``self.comm``); it may add ``"loop"`` and ``"rng"`` (the loop's counters and the RNG
+        states to continue from; default: old rank ``rank mod K_old``'s). Called on every new
+        rank with the same ``old``.
 
         Default: the state is replicated, so rank 0's copy carries over (checked equal on every
         old rank, see :func:`~lowcomm.strategies.reshard.replicated`). Strategies with per-rank

@@ -173,6 +173,9 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
     if resume:
         step, loop = restore(resume, cfg, comm, ctl, model, ps, out)
         (lg if ps.is_server else wloop).update(loop)
+        if ps.is_server and len(lg["traffic"]) != W:     # resumed on another number of workers
+            from .protocol import fold
+            lg.update(traffic=fold(lg["traffic"], W), gradients=step * W)
         first = (step if ps.is_server else wloop.get("step", step)) + 1   # a worker's own steps
     every = cfg.checkpoint.every if ckpt else 0
 
@@ -392,6 +395,7 @@ def _summary(cfg, model, task, held_out, comm, ps, reports, lost, finished, n_pa
         "servers": S, "workers": W, "max_staleness": ps.max_staleness,
         "staleness_lr": ps.staleness_lr, "dc_lambda": ps.dc_lambda,
         "shard_numel": [sh.numel for sh in ps.shards],
+        "resizes": lg.get("resizes", []),
         "gradients_per_worker": applied,
         "staleness": _hist(_merge([st["staleness"] for st in servers])),
         "clock_lag": _hist(_merge([st["clock_lag"] for st in servers])),

@@ -366,6 +366,25 @@ class ParameterServer:
         self.applied, self.skipped = list(state["applied"]), list(state["skipped"])
         self.recv_from = list(state["recv_from"])
 
+    def reshard(self, old: list[dict]) -> dict:
+        """Resume on another number of ranks (the same ``servers``, so W_old → W workers): this
+        server's shard, optimizer state and version carry over from old rank ``index``; the
+        gradients taken toward the budget become ``step × W`` (step-equivalents, so the rest of
+        the budget is the remaining steps on W workers); every worker's clock restarts at 0 and
+        its read version is the current version (each new worker starts from the servers'
+        parameters); per-worker counters are folded (old worker w's onto w mod W)."""
+        from .protocol import fold, reshard_model
+        W_old = len(old) - self.S
+        mine = dict(old[self.index]["strategy"])
+        step = mine["taken"] // W_old
+        model = reshard_model(old, self.shards)
+        flat = torch.cat([model[seg.name].reshape(-1) for seg in self.shard.segments])
+        mine.update(taken=step * self.W, clock=[0] * self.W, read_version=[mine["version"]] * self.W,
+                    backup=[flat.clone() for _ in range(self.W)] if self.backup is not None else None,
+                    applied=fold(mine["applied"], self.W), skipped=fold(mine["skipped"], self.W),
+                    recv_from=fold(mine["recv_from"], self.W))
+        return {"model": model, "strategy": mine}
+
     def load_shard(self, s: int, vals: torch.Tensor) -> None:
         """Copy server ``s``'s shard values ``vals`` into the model (rank 0 assembles the model
         from the other servers' end-of-run reports)."""

@@ -233,6 +233,22 @@ class AsyncPS(Strategy):
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
 
+    def reshard(self, old: list[dict]) -> dict:
+        """Resume on another number of ranks: this worker starts from the servers' parameters
+        (:func:`~.protocol.reshard_model`) with clock 0 (the servers restart every clock) and a
+        fresh compressor (its error feedback is reset, with a warning); its RNG state and loop
+        counters are old worker ``index mod W_old``'s."""
+        from ..reshard import reset_compressor
+        from .protocol import reshard_model
+        S, W_old = self.servers, len(old) - self.servers
+        src = old[S + self.index % W_old]
+        state = {"clock": 0, "lag_hist": {}}
+        if self.compressor is not None:
+            state["compressor"] = reset_compressor([s["strategy"].get("compressor") for s in old[S:]],
+                                                   self.compressor.state_dict(), "async-ps")
+        return {"model": reshard_model(old, self.shards), "strategy": state,
+                "loop": src["loop"], "rng": src["rng"]}
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
