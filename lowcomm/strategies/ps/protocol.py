@@ -15,7 +15,8 @@ Messages (on a duplicate of the world communicator, the *PS channel*, charged to
 
 On a second duplicate, the *control channel* (its own ledger: not charged to the method, and
 heartbeats are timing-dependent): ``TAG_BEAT`` server → waiting worker (one float64, "I am
-alive") and ``TAG_DONE`` worker → server (one float64: the worker's clock).
+alive") and ``TAG_DONE`` worker → server (two float64: the worker's clock, and the signal that
+stopped it or 0).
 """
 from __future__ import annotations
 
