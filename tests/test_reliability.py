@@ -150,8 +150,7 @@ def test_resume_that_cannot_continue_fails_before_training(tmp_path):
     assert train(run, fault=f"kill:1:{STEPS}").returncode != 0
     r = train(run, "model.d_model=64", resume=run)
     assert r.returncode != 0 and "config differs in: model.d_model: checkpoint 32, now 64" in r.stderr, r.output
-    r = train(run, resume=run, np=3)
-    assert r.returncode != 0 and "written by 2 ranks; this run has 3" in r.stderr, r.output
+    # (another rank count continues, merging the ranks' states: tests/test_resize.py)
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text((run / "config.json").read_text())
