@@ -141,8 +141,8 @@ def test_sigterm_to_one_worker_of_an_ssp_run_checkpoints_every_rank_and_resumes(
     """1 server + 2 workers, τ = 2: worker 1 (rank 2) gets SIGTERM in its 3rd step. The servers
     answer STOP from then on; every rank exits 128 + 15 after one final checkpoint (the server's
     shard, optimizer and clocks; each worker's own step, clock and RNG), and --resume finishes the
-    run's budget of 40 × 2 gradients (not bit-identical to an uninterrupted run: asynchronous)."""
-    r = train(tmp_path, "steps=40", "strategy.max_staleness=2", np=3, script="faulty_train.py",
+    run's budget of 16 × 2 gradients (not bit-identical to an uninterrupted run: asynchronous)."""
+    r = train(tmp_path, "steps=16", "strategy.max_staleness=2", np=3, script="faulty_train.py",
               env={"LOWCOMM_FAULT": "term:2:3"})
     assert r.returncode == 128 + 15, r.output
     assert "parameter server 0 (rank 0): stop requested (signal 15)" in r.stderr, r.output
@@ -156,5 +156,5 @@ def test_sigterm_to_one_worker_of_an_ssp_run_checkpoints_every_rank_and_resumes(
     assert f"resumed from {tmp_path / 'checkpoints'} at step {manifest['step']}" in r.stderr, r.output
     s = summary(tmp_path)
     got = s["gradients_per_worker"]      # the whole budget, before and after the stop
-    assert 80 <= sum(got) <= 81 and s["status"] == "ok" and s["ranks_agree"], s
+    assert 32 <= sum(got) <= 33 and s["status"] == "ok" and s["ranks_agree"], s
     assert math.isfinite(s["eval_loss"]) and math.isfinite(s["final_loss"]), s
