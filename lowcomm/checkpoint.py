@@ -12,7 +12,8 @@ folder named ``step-*`` is therefore complete or absent, never half-written; a c
 most a ``.tmp`` folder, which the next save removes. Only the newest ``keep`` are kept.
 
 Reading verifies each rank's file against the manifest's sha256 on that rank and agrees across
-ranks; a corrupt or truncated checkpoint is named in a warning and the previous good one is
+ranks (a run resumed on another number of ranks reads and verifies every old rank's file on every
+new rank, and merges them: :func:`lowcomm.runtime.restore`); a corrupt or truncated checkpoint is named in a warning and the previous good one is
 used. All ranks must see the same folder (one machine, or a shared file system).
 """
 from __future__ import annotations
@@ -91,6 +92,7 @@ class Checkpointer:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.root, self.comm, self.keep = Path(root), comm, keep
+        self.resize = False
 
     def _name(self, step: int) -> str:
         return f"step-{step:08d}"
@@ -142,26 +144,41 @@ class Checkpointer:
         except (OSError, ValueError) as e:
             return f"{folder}/manifest.json unreadable ({e})", None, None
         if manifest.get("world_size") != self.comm.size:
-            return None, manifest, None   # a config problem, reported by the caller
-        fname = f"rank-{self.comm.rank:05d}.pt"
+            if not self.resize:
+                return None, manifest, None   # a config problem, reported by the caller
+            datas = []                        # another rank count: read every old rank's file
+            for r in range(int(manifest["world_size"])):
+                problem, data = self._verify(folder, manifest, f"rank-{r:05d}.pt")
+                if problem:
+                    return problem, manifest, None
+                datas.append(data)
+            return None, manifest, datas
+        problem, data = self._verify(folder, manifest, f"rank-{self.comm.rank:05d}.pt")
+        return problem, manifest, data
+
+    def _verify(self, folder: Path, manifest: dict, fname: str) -> tuple[str | None, bytes | None]:
+        """(problem or None, the bytes of ``fname``) checked against the manifest."""
         entry = manifest.get("files", {}).get(fname)
         try:
             data = (folder / fname).read_bytes()
         except OSError as e:
-            return f"{folder / fname} unreadable ({e})", manifest, None
+            return f"{folder / fname} unreadable ({e})", None
         if entry is None:
-            return f"{folder}/manifest.json lists no {fname}", manifest, None
+            return f"{folder}/manifest.json lists no {fname}", None
         digest = hashlib.sha256(data).hexdigest()
         if len(data) != entry["bytes"] or digest != entry["sha256"]:
             return (f"{folder / fname} is corrupt or truncated ({len(data)} bytes, sha256 "
                     f"{digest[:12]}…; manifest says {entry['bytes']} bytes, {entry['sha256'][:12]}…)",
-                    manifest, None)
-        return None, manifest, data
+                    None)
+        return None, data
 
-    def load_latest(self, config: dict | None = None) -> dict | None:
+    def load_latest(self, config: dict | None = None, resize: bool = False) -> dict | None:
         """The newest checkpoint that is intact on every rank, as this rank's state dict (with
         ``"step"``), or None if there is none. Corrupt ones are skipped with a warning naming
-        the file; a checkpoint of another world size or config is a CheckpointError."""
+        the file; a checkpoint of another config is a CheckpointError, and so is one of another
+        world size unless ``resize``: then every rank reads and verifies every old rank's file
+        and gets ``{"step", "world_size", "ranks": [old rank 0's state, ...]}`` to merge."""
+        self.resize = resize
         steps = self.comm.bcast_object(self.steps() if self.comm.rank == 0 else None)
         for step in steps:
             problem, manifest, data = self._check(step)
@@ -171,7 +188,7 @@ class Checkpointer:
                     for p in problems:
                         log.warning("checkpoint step %d skipped: %s; trying the previous one", step, p)
                 continue
-            if manifest["world_size"] != self.comm.size:
+            if manifest["world_size"] != self.comm.size and not self.resize:
                 raise CheckpointError(f"checkpoint {self.root / self._name(step)} was written by "
                                       f"{manifest['world_size']} ranks; this run has {self.comm.size} "
                                       f"(resume on the same number of ranks)")
@@ -180,6 +197,9 @@ class Checkpointer:
                 if diff:
                     raise CheckpointError(f"checkpoint {self.root / self._name(step)} cannot continue "
                                           f"this run; config differs in: " + "; ".join(diff))
+            if isinstance(data, list):       # another rank count: every old rank's state
+                return {"step": step, "world_size": manifest["world_size"],
+                        "ranks": [torch.load(io.BytesIO(d), weights_only=False) for d in data]}
             state = torch.load(io.BytesIO(data), weights_only=False)
             state["step"] = step
             return state

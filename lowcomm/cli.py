@@ -54,18 +54,29 @@ def cli(verbose: bool) -> None:
                    "outside mpirun: it starts mpirun itself.")
 @click.option("--np", "np_", type=click.IntRange(min=1), default=None,
               help="Ranks of the supervised job (with --max-restarts).")
+@click.option("--min-ranks", type=click.IntRange(min=1), default=None, metavar="M",
+              help="With --max-restarts: when a relaunch on n ranks fails too (a rank cannot "
+                   "come back), relaunch on n-1 ranks, down to M, resuming the checkpoint on "
+                   "fewer ranks [default: --np, never shrink].")
+@click.option("--restart-backoff", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              metavar="S", help="With --max-restarts: wait S·2^k seconds before the k-th relaunch.")
 @click.option("--launcher", type=click.Path(exists=True, dir_okay=False), default=None,
               help="With --max-restarts: a launcher taking '-n N COMMAND...' (default: mpirun "
                    "with this machine's flags).")
 def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, max_restarts, np_,
-          launcher):
-    """Train the configured task with the configured strategy on every rank."""
+          min_ranks, restart_backoff, launcher):
+    """Train the configured task with the configured strategy on every rank.
+
+    \b
+    --resume DIR may run on another number of ranks than DIR's run: each method merges the old
+    ranks' checkpoints by its own rule (see the README's "Resume on another number of ranks")."""
     if max_restarts is not None or np_ is not None:
         _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwrite,
-                    max_restarts or 0, np_, launcher)
+                    max_restarts or 0, np_, launcher, min_ranks, restart_backoff)
         return
-    if launcher:
-        raise click.UsageError("--launcher goes with --max-restarts (a supervised run)")
+    if launcher or min_ranks is not None:
+        raise click.UsageError(f"{'--launcher' if launcher else '--min-ranks'} goes with "
+                               "--max-restarts (a supervised run)")
     global _RUN_OUT
     base = None
     if resume:
@@ -97,7 +108,7 @@ _RUN_OUT: Path | None = None     # the run folder, for the tracebacks of a faili
 
 
 def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwrite,
-                max_restarts, np_, launcher) -> None:
+                max_restarts, np_, launcher, min_ranks=None, backoff_s=2.0) -> None:
     """``lowcomm train --np N --max-restarts R``: this process launches and watches the job."""
     import os
     import sys
@@ -109,6 +120,8 @@ def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwri
                                "--np N --max-restarts R ...' without mpirun (it starts mpirun)")
     if np_ is None:
         raise click.UsageError("--max-restarts needs --np (the ranks of the job it launches)")
+    if min_ranks is not None and min_ranks > np_:
+        raise click.UsageError(f"--min-ranks {min_ranks} is more than --np {np_}")
     if resume and out and Path(out).resolve() != Path(resume).resolve():
         raise click.UsageError("a supervised run resumes in place: give --resume DIR alone")
     out = Path(out or resume or "runs/latest")
@@ -119,16 +132,19 @@ def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwri
             *(["--config", config] if config else []),
             *[a for o in overrides for a in ("--set", o)],
             *(["--checkpoint-every", str(checkpoint_every)] if checkpoint_every else [])]
-    result = supervise(mpirun_command(np_, launcher), args, out, max_restarts,
+    result = supervise(lambda n: mpirun_command(n, launcher), args, out, max_restarts,
+                       backoff_s=backoff_s, np=np_, min_ranks=min_ranks,
                        first=["--resume", str(out)] if resume else
                        (["--overwrite"] if overwrite else []))
     for f in result["failures"]:
-        click.echo(f"attempt {f['attempt']} failed (exit {f['exit']}): {f['cause']}", err=True)
+        click.echo(f"attempt {f['attempt']} failed on {f['ranks']} ranks (exit {f['exit']}): "
+                   f"{f['cause']}", err=True)
     if result["returncode"]:
         raise SystemExit(result["returncode"] if result["returncode"] > 0 else 1)
     s = json.loads((out / "summary.json").read_text())
     click.echo(json.dumps({k: s.get(k) for k in ("method", "ranks", "steps", "eval_loss",
-                                                  "params_sha256", "ranks_agree", "restarts")},
+                                                  "params_sha256", "ranks_agree", "restarts",
+                                                  "ranks_per_attempt")},
                           indent=2))
     click.echo(f"wrote {out / 'summary.json'}")
 

@@ -89,14 +89,18 @@ def _run(cfg, task: Task, build: Callable, comm: Comm, ctl: Comm, out: Path | No
     held_out = task.eval_batches(cfg) if cfg.eval_batches else []
 
     first, skipped, wall_before, window, recent = 1, 0, 0.0, [], float("nan")
+    resizes, samples_before = [], 0        # rank-count changes at a resume; samples before it
     if resume:
         step, loop = restore(resume, cfg, comm, ctl, model, strategy, out)
         skipped, wall_before, window, recent = loop["skipped"], loop["wall_s"], loop["window"], loop["recent"]
+        resizes = loop.get("resizes", [])
+        samples_before = loop.get("samples", step * cfg.batch_size * (resizes[-1]["from"] if resizes else K))
         first = step + 1
 
     def save(step: int) -> Path:
         loop = {"skipped": skipped, "wall_s": wall_before + time.perf_counter() - t0,
-                "window": list(window), "recent": recent}
+                "window": list(window), "recent": recent, "resizes": resizes,
+                "samples": samples_before + (step - first + 1) * cfg.batch_size * K}
         return ckpt.save(step, snapshot(model, strategy, comm, loop), cfg.to_dict())
 
     bar = None
@@ -180,7 +184,8 @@ def _run(cfg, task: Task, build: Callable, comm: Comm, ctl: Comm, out: Path | No
         "bytes_total": int(sum(per_level)), "bytes_by_level": {lv: int(b) for lv, b in zip(levels, per_level)},
         "bytes_per_step_per_rank": sum(per_level) / K / cfg.steps,
         "wall_s": max(ctl.allgather_object(wall)),
-        "samples": cfg.steps * cfg.batch_size * K,
+        "samples": samples_before + (cfg.steps - first + 1) * cfg.batch_size * K,
+        "resizes": resizes,             # [{"step", "from", "to"}]: resumed on another rank count
         "skipped_steps": skipped,
         **extra,
         "params_sha256": digest,

@@ -6,10 +6,18 @@ backoff and relaunches with ``--resume OUT`` (``--overwrite`` when no checkpoint
 yet), up to ``max_restarts`` times. A stop the user asked for is not restarted: a job that ends
 on SIGINT/SIGTERM (status 128 + signal, after its final checkpoint), or a supervisor that is
 itself sent SIGINT/SIGTERM (it forwards the signal to the job and waits for it). On success
-``restarts`` and each failure's exit status and cause are added to the run's summary.json.
+``restarts``, each failure's exit status, cause and rank count, and the rank count of every
+attempt (``ranks_per_attempt``) are added to the run's summary.json.
+
+Shrinking (``min_ranks``): when a *relaunch* on n ranks fails too (a rank that cannot come
+back: its node is gone, its launch keeps failing), the next attempt runs on n − 1 ranks, down to
+``min_ranks``, resuming the n-rank checkpoint on fewer ranks by each method's merge rule
+(:meth:`lowcomm.strategies.base.Strategy.reshard`). The first failure on a rank count is always
+retried on the same count (most failures are transient).
 
 Since a task's batches are a pure function of the step and checkpoints hold every RNG, the
-final parameters of a restarted run equal an uninterrupted run's, bit for bit.
+final parameters of a restarted run equal an uninterrupted run's, bit for bit, as long as the
+rank count did not change.
 """
 from __future__ import annotations
 
@@ -46,14 +54,31 @@ def has_checkpoint(out: Path) -> bool:
     return ck.is_dir() and any(p.is_dir() and p.name.startswith("step-") for p in ck.iterdir())
 
 
-def supervise(launch: list[str], args: list[str], out: str | Path, max_restarts: int,
+def supervise(launch, args: list[str], out: str | Path, max_restarts: int,
               backoff_s: float = 2.0, env: dict | None = None, log_dir: str | Path | None = None,
-              timeout_s: float | None = None, poll=None, first: list[str] = ()) -> dict:
+              timeout_s: float | None = None, poll=None, first: list[str] = (),
+              np: int | None = None, min_ranks: int | None = None) -> dict:
     """Run ``launch + args`` (``args`` is ``lowcomm train ...`` without ``--out``/``--resume``),
     relaunching from the newest checkpoint in ``out`` on failure; returns ``{"returncode",
-    "restarts", "failures"}``. ``log_dir``: append each attempt's stdout/stderr there (default
-    ``out``). ``poll()`` is called about twice a second while a job runs."""
+    "restarts", "failures", "ranks_per_attempt"}``. ``launch`` is a command prefix, or a
+    function of the rank count giving one (with ``np``, the first attempt's rank count, and
+    ``min_ranks``: shrink down to it when relaunches fail, see the module's notes).
+    ``log_dir``: append each attempt's stdout/stderr there (default ``out``). ``poll()`` is
+    called about twice a second while a job runs."""
     out = Path(out)
+    if callable(launch):
+        if np is None:
+            raise ValueError("supervise: a launch function needs np, the first rank count")
+        min_ranks = np if min_ranks is None else min_ranks
+        if not 1 <= min_ranks <= np:
+            raise ValueError(f"min_ranks must be in [1, np={np}], got {min_ranks}")
+        launch_for = launch
+    else:
+        if min_ranks is not None:
+            raise ValueError("supervise: min_ranks needs a launch function of the rank count")
+        launch_for = (lambda n, prefix=list(launch): prefix)
+    n = np
+    ranks: list = []
     logs = Path(log_dir) if log_dir else out
     logs.mkdir(parents=True, exist_ok=True)
     failures: list[dict] = []
@@ -76,7 +101,8 @@ def supervise(launch: list[str], args: list[str], out: str | Path, max_restarts:
                 extra += list(first)
             else:
                 extra += ["--resume", str(out)] if has_checkpoint(out) else ["--overwrite"]
-            cmd = [*launch, *args, *extra]
+            cmd = [*launch_for(n), *args, *extra]
+            ranks.append(n)
             with open(logs / "stdout.log", "a") as so, open(logs / "stderr.log", "a") as se:
                 se.write(f"--- attempt {attempt + 1}: {' '.join(cmd)}\n")
                 se.flush()
@@ -91,25 +117,30 @@ def supervise(launch: list[str], args: list[str], out: str | Path, max_restarts:
                         os.killpg(p.pid, signal.SIGKILL)
                         p.wait()
                         failures.append({"attempt": attempt + 1, "exit": p.returncode,
-                                         "cause": f"timed out after {timeout_s:g} s"})
-                        return {"returncode": p.returncode, "restarts": attempt, "failures": failures}
+                                         "cause": f"timed out after {timeout_s:g} s", "ranks": n})
+                        return {"returncode": p.returncode, "restarts": attempt, "failures": failures,
+                                "ranks_per_attempt": ranks}
             rc = p.returncode
             if rc == 0:
                 break
             with open(logs / "stderr.log") as se:
                 se.seek(start)
                 why = cause(se.read(), rc)
-            failures.append({"attempt": attempt + 1, "exit": rc, "cause": why})
+            failures.append({"attempt": attempt + 1, "exit": rc, "cause": why, "ranks": n})
             if stop["signum"] or rc in USER_STOPS:
                 log.warning("stopped on request (exit %d); not restarting", rc)
-                return {"returncode": rc, "restarts": attempt, "failures": failures}
+                return {"returncode": rc, "restarts": attempt, "failures": failures,
+                        "ranks_per_attempt": ranks}
             if attempt >= max_restarts:
                 log.error("job failed (%s); %d restart(s) used, giving up", why, attempt)
-                return {"returncode": rc, "restarts": attempt, "failures": failures}
+                return {"returncode": rc, "restarts": attempt, "failures": failures,
+                        "ranks_per_attempt": ranks}
+            if n is not None and attempt > 0 and ranks[-2] == n and n > min_ranks:
+                n -= 1             # a relaunch on n failed as well: a rank cannot come back
             wait = backoff_s * 2 ** attempt
-            log.warning("job failed (%s); restarting %s in %.0f s (%d of %d)", why,
+            log.warning("job failed (%s); restarting %s%s in %.0f s (%d of %d)", why,
                         "from the newest checkpoint" if has_checkpoint(out) else "from step 0",
-                        wait, attempt + 1, max_restarts)
+                        f" on {n} ranks" if n is not None else "", wait, attempt + 1, max_restarts)
             time.sleep(wait)
             attempt += 1
     finally:
@@ -118,9 +149,9 @@ def supervise(launch: list[str], args: list[str], out: str | Path, max_restarts:
     summary = out / "summary.json"
     if summary.exists():
         s = json.loads(summary.read_text())
-        s.update(restarts=attempt, failures=failures)
+        s.update(restarts=attempt, failures=failures, ranks_per_attempt=ranks)
         summary.write_text(json.dumps(s, indent=2) + "\n")
-    return {"returncode": 0, "restarts": attempt, "failures": failures}
+    return {"returncode": 0, "restarts": attempt, "failures": failures, "ranks_per_attempt": ranks}
 
 
 def _main_thread() -> bool:

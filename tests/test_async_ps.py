@@ -135,3 +135,26 @@ def test_killed_server_ends_the_job_naming_it(tmp_path):
     assert "parameter server 1 (rank 1) sent neither a reply nor a heartbeat for 2." in r.stderr, r.output
     assert "it is gone, ending the job" in r.stderr, r.output
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_sigterm_to_one_worker_of_an_ssp_run_checkpoints_every_rank_and_resumes(tmp_path):
+    """1 server + 2 workers, τ = 2: worker 1 (rank 2) gets SIGTERM in its 3rd step. The servers
+    answer STOP from then on; every rank exits 128 + 15 after one final checkpoint (the server's
+    shard, optimizer and clocks; each worker's own step, clock and RNG), and --resume finishes the
+    run's budget of 16 × 2 gradients (not bit-identical to an uninterrupted run: asynchronous)."""
+    r = train(tmp_path, "steps=16", "strategy.max_staleness=2", np=3, script="faulty_train.py",
+              env={"LOWCOMM_FAULT": "term:2:3"})
+    assert r.returncode == 128 + 15, r.output
+    assert "parameter server 0 (rank 0): stop requested (signal 15)" in r.stderr, r.output
+    assert "stopped by SIGTERM after step" in r.stderr, r.output
+    (ck,) = (tmp_path / "checkpoints").iterdir()
+    manifest = json.loads((ck / "manifest.json").read_text())
+    assert manifest["world_size"] == 3 and len(manifest["files"]) == 3, manifest
+    assert not (tmp_path / "summary.json").exists()
+    r = run_ranks(3, "lowcomm", "train", "--quiet", "--resume", tmp_path, timeout=150)
+    assert r.returncode == 0, r.output
+    assert f"resumed from {tmp_path / 'checkpoints'} at step {manifest['step']}" in r.stderr, r.output
+    s = summary(tmp_path)
+    got = s["gradients_per_worker"]      # the whole budget, before and after the stop
+    assert 32 <= sum(got) <= 33 and s["status"] == "ok" and s["ranks_agree"], s
+    assert math.isfinite(s["eval_loss"]) and math.isfinite(s["final_loss"]), s

@@ -15,6 +15,7 @@ SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=
          "data.seq_len=32", "data.max_bytes=300000", "eval_batches=2", "steps=9", "log_every=3",
          "checkpoint.every=3", "comm.timeout_s=20"]
 SETS = [a for o in SMALL for a in ("--set", o)]
+FAULTY = ROOT / "tests" / "launchers" / "faulty.sh"
 
 
 def lowcomm(*args, env=None, timeout=180):
@@ -30,6 +31,35 @@ def train(out, *extra, np=2, env=None):
 def digest(folder):
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lowcomm.lock"}
+
+
+def test_a_rank_that_cannot_come_back_shrinks_the_run_down_to_min_ranks(tmp_path):
+    """DiLoCo on 2 ranks whose rank 1 dies at its 2nd step in every launch: the relaunch on 2
+    ranks fails as well, so the third attempt runs on 1 rank from the 2-rank checkpoint."""
+    run = tmp_path / "run"
+    r = lowcomm("train", "--np", "2", "--max-restarts", "2", "--min-ranks", "1",
+                "--restart-backoff", "0.1", "--launcher", FAULTY, "--quiet", "--out", run, *SETS,
+                "--set", "steps=5", "--set", "checkpoint.every=1", "--set", "strategy.name=diloco",
+                "--set", "strategy.period=2", env={"LOWCOMM_FAULT": "kill:1:2"}, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = json.loads((run / "summary.json").read_text())
+    assert s["ranks_per_attempt"] == [2, 2, 1], s["ranks_per_attempt"]
+    assert [f["ranks"] for f in s["failures"]] == [2, 2], s["failures"]
+    assert s["resizes"] == [{"step": 2, "from": 2, "to": 1}], s["resizes"]
+    assert s["ranks"] == 1 and s["steps"] == 5 and s["ranks_agree"], s
+    assert s["eval_loss"] == s["eval_loss"] and abs(s["eval_loss"]) < float("inf"), s["eval_loss"]
+    assert "attempt 2 failed on 2 ranks" in r.stderr, r.stderr
+
+
+def test_the_supervisor_shrinks_only_after_a_relaunch_fails_and_not_below_min_ranks(tmp_path):
+    """The rule alone, on a job that fails while it has more than one rank (no MPI)."""
+    from lowcomm.supervise import supervise
+    job = lambda n: ["sh", "-c", f"test {n} -le 1", "--"]     # noqa: E731
+    r = supervise(job, [], tmp_path / "a", max_restarts=4, backoff_s=0, np=3, min_ranks=1)
+    assert r["returncode"] == 0 and r["ranks_per_attempt"] == [3, 3, 2, 2, 1], r
+    assert [f["ranks"] for f in r["failures"]] == [3, 3, 2, 2], r["failures"]
+    r = supervise(job, [], tmp_path / "b", max_restarts=4, backoff_s=0, np=3, min_ranks=2)
+    assert r["returncode"] != 0 and r["ranks_per_attempt"] == [3, 3, 2, 2, 2], r
 
 
 def test_two_runs_on_one_folder_at_once_the_second_names_the_holder(tmp_path):

@@ -1,7 +1,8 @@
 """The shape every strategy shares: an optimizer wrapper that keeps the user's loop as it is.
 
 The protocol is narrow: ``zero_grad``, ``step``, ``skip``, ``state_dict``,
-``load_state_dict``, ``finish``, ``close`` and an optional ``metrics``. A strategy module also
+``load_state_dict``, ``finish``, ``close``, an optional ``metrics`` and ``reshard`` (merge the
+checkpoints of another rank count; default: replicated state, rank 0's copy). A strategy module also
 owns a :class:`~lowcomm.settings.Settings` dataclass of its knobs and a builder, which it
 publishes as a :class:`Method`; :mod:`lowcomm.registry` maps names to methods.
 """
@@ -120,6 +121,21 @@ class Strategy:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def reshard(self, old: list[dict]) -> dict:
+        """Resume on another number of ranks: from ``old``, every old rank's checkpoint state
+        (``{"model": ..., "strategy": ...}``, in old rank order), return this rank's
+        ``{"model": model state dict, "strategy": state for load_state_dict}`` in the new world
+        (``self.comm``); it may add ``"loop"`` and ``"rng"`` (the loop's counters and the RNG
+        states to continue from; default: old rank ``rank mod K_old``'s). Called on every new
+        rank with the same ``old``.
+
+        Default: the state is replicated, so rank 0's copy carries over (checked equal on every
+        old rank, see :func:`~lowcomm.strategies.reshard.replicated`). Strategies with per-rank
+        state merge it by their own rule; one that cannot be resized raises a
+        :class:`~lowcomm.errors.LowcommError` saying why."""
+        from .reshard import replicated
+        return replicated(old, self.name)
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         """Extra fields for a log line of metrics.jsonl, or (``final``, after :meth:`close`)

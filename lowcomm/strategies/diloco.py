@@ -149,6 +149,14 @@ class DiLoCo(OuterLoop):
         state["outer_optimizer"] = self.outer_optimizer.state_dict()
         return state
 
+    def _reshard_extra(self, old: list[dict]) -> dict:
+        """The outer parameters θ and the outer optimizer's momentum, averaged over the old
+        ranks (they are equal on every rank of a DiLoCo run; the average is then exact)."""
+        from .reshard import average, average_optimizer
+        return {"outer_params": [average([s["outer_params"][i] for s in old])
+                                 for i in range(len(self.outer_params))],
+                "outer_optimizer": average_optimizer([s["outer_optimizer"] for s in old])}
+
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         with torch.no_grad():

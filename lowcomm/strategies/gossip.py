@@ -407,6 +407,46 @@ class Gossip(Strategy):
                               "compressor": self.compressor.state_dict()}
         return state
 
+    def reshard(self, old: list[dict]) -> dict:
+        """The network average of the old ranks' models becomes every new rank's model: with
+        push-sum weights, ``z = (Σ_k w_k z_k + Σ m_x) / (Σ_k w_k + Σ m_w)`` over the ranks and
+        the async messages ``m`` that were in flight (drained into the checkpoint), i.e. the
+        exact average the gossip converges to; with every ``w_k = 1`` and nothing in flight
+        (D-PSGD, regular graphs) the plain average ``(1/K_old) Σ_k z_k``. Weights restart at 1;
+        a synchronous round posted but not mixed is dropped (it carries copies, no mass). The
+        optimizer's state is averaged; the round and step counters and the consensus history
+        are rank 0's. CHOCO's public copies x̂, s and its compressor restart from zero, as at
+        the start of a run (a warning says so)."""
+        from .reshard import average_dicts, average_optimizer, reset_compressor
+        st = [s["strategy"] for s in old]
+        models = [s["model"] for s in old]
+        ws = [float(g["gossip"]["w"]) for g in st]
+        inbox = [buf for g in st for buf in g.get("inbox", [])]
+        if all(w == 1.0 for w in ws) and not inbox:
+            model = average_dicts(models)
+        else:
+            model = dict(models[0])
+            L = self._layout
+            total = sum(ws) + sum(L.get_weight(b) for b in inbox)
+            views = [L.views(b) for b in inbox]          # per message: one view per block
+            for g, (f, _) in enumerate(L.groups):
+                for name, p, a, b in f.members:
+                    x = sum(w * m[name].to(torch.float64) for w, m in zip(ws, models))
+                    for v in views:
+                        x = x + v[g][a:b].view(p.shape).to(torch.float64)
+                    model[name] = (x / total).to(models[0][name].dtype)
+        state = {"optimizer": average_optimizer([g["optimizer"] for g in st]),
+                 "gossip": dict(st[0]["gossip"], w=1.0,
+                                skipped_sends=sum(g["gossip"]["skipped_sends"] for g in st))}
+        if self.mode == "async":
+            state["inbox"] = []
+        if self.compressor is not None:
+            state["choco"] = {"xhat": [torch.zeros_like(t) for t in self._xhat],
+                              "s": [torch.zeros_like(t) for t in self._s],
+                              "compressor": reset_compressor([g["choco"] for g in st],
+                                                             self.compressor.state_dict(), self.name)}
+        return {"model": model, "strategy": state}
+
     def load_state_dict(self, state: dict) -> None:
         if self._pending is not None or self._rx:
             raise RuntimeError("load_state_dict() on a gossip strategy with messages in flight")

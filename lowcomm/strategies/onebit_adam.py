@@ -207,6 +207,23 @@ class OneBitAdam(Strategy):
         self.worker_error.copy_(state["worker_error"])
         self.server_error.copy_(state["server_error"])
 
+    def reshard(self, old: list[dict]) -> dict:
+        """Model, Adam's moments (the agreed momentum, the frozen variance) and ``t`` are
+        replicas: rank 0's (checked equal). The error buffers ``δ_k`` and ``δ̄_j`` are per rank
+        and sized by the rank count (the server chunks are 1/K of the model): reset to zero,
+        with a warning when they held anything (only after ``freeze_step``)."""
+        from .reshard import replicated
+        merged = replicated(old, self.name)
+        held = any(bool(s["strategy"][k].any()) for s in old for k in ("worker_error", "server_error"))
+        if held:
+            import logging
+            logging.getLogger("lowcomm.resize").warning(
+                "onebit-adam: the worker and server error-feedback buffers of the %d old ranks "
+                "are reset to zero (not summed into the merged replica)", len(old))
+        merged["strategy"] = dict(merged["strategy"], worker_error=torch.zeros_like(self.worker_error),
+                                  server_error=torch.zeros_like(self.server_error))
+        return merged
+
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         if not final:
             return {}

@@ -338,6 +338,41 @@ class OuterLoop(Strategy):
         if self._inner is not None:
             self._inner.load_state_dict(state["inner"])
 
+    def reshard(self, old: list[dict]) -> dict:
+        """Per-rank state is averaged over the old ranks (:mod:`~lowcomm.strategies.reshard`):
+        the models θ_k and buffers, the inner optimizer's state (momentum, Adam moments; step
+        counts are rank 0's) and whatever subclasses add (:meth:`_reshard_extra`). The step
+        counter, the synchronisation log and the reductions in flight are rank 0's: an
+        in-flight fragment holds the rank average already (the all-reduce completed when the
+        checkpoint was written), so it lands at its step on every new rank as it would have.
+        Compressor state (the pseudo-gradient's error feedback, the warm-up's) is reset.
+        Inside a per-level policy the topology fixes the rank count: not resizable."""
+        from ..errors import LowcommError
+        from .reshard import average_dicts, average_optimizer, reset_compressor
+        if self._inner is not None:
+            raise LowcommError(f"{self.name} is a level of a per-level policy, whose topology "
+                               "fixes the number of ranks: resume it on the same number of ranks")
+        ts = [s["strategy"]["t"] for s in old]
+        if len(set(ts)) != 1:
+            raise LowcommError(f"{self.name}: the old ranks' checkpoints are at different inner "
+                               f"steps {ts}; cannot merge them")
+        first = old[0]["strategy"]
+        state = dict(first, optimizer=average_optimizer([s["strategy"]["optimizer"] for s in old]))
+        if "compressor" in first:
+            state["compressor"] = reset_compressor([s["strategy"]["compressor"] for s in old],
+                                                   self.compressor.state_dict(), self.name)
+        if "warmup_compressor" in first:
+            fresh = self._dense.compressor.state_dict() if self._dense is not None and \
+                self._dense.compressor is not None else {}
+            state["warmup_compressor"] = reset_compressor(
+                [s["strategy"]["warmup_compressor"] for s in old], fresh, self.name + " warm-up")
+        state.update(self._reshard_extra([s["strategy"] for s in old]))
+        return {"model": average_dicts([s["model"] for s in old]), "strategy": state}
+
+    def _reshard_extra(self, old: list[dict]) -> dict:
+        """Merged values of the state keys a subclass adds (none here)."""
+        return {}
+
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         if not final:
             return self._inner.metrics(ctl) if self._inner is not None else {}

@@ -157,6 +157,17 @@ class SyncDP(Strategy):
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
 
+    def reshard(self, old: list[dict]) -> dict:
+        """Model and optimizer are replicas: rank 0's (checked equal). The gradient
+        compressor's per-rank state (error-feedback residuals, PowerSGD memory) is reset."""
+        from .reshard import replicated, reset_compressor
+        merged = replicated(old, self.name)
+        if self.compressor is not None:
+            merged["strategy"] = dict(merged["strategy"], compressor=reset_compressor(
+                [s["strategy"].get("compressor") for s in old], self.compressor.state_dict(),
+                self.name))
+        return merged
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()

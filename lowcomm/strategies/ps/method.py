@@ -48,9 +48,10 @@ def check_run(s: AsyncPSSettings, cfg, prefix: str) -> None:
                               "updates are not numbered by one global step); use "
                               "optimizer.schedule = \"constant\" and optimizer.warmup_steps = 0")
     if cfg.checkpoint.every and s.max_staleness != 0:
-        raise ConfigError("checkpoint.every", "async-ps checkpoints only with "
+        raise ConfigError("checkpoint.every", "async-ps checkpoints every N steps only with "
                           "strategy.max_staleness = 0 (synchronous): asynchronous servers and "
-                          "workers never pass a common step whose state could be saved")
+                          "workers never pass a common step whose state could be saved (at any "
+                          "max_staleness, SIGINT/SIGTERM stops the run with a final checkpoint)")
     if cfg.eval_every and s.servers != 1:
         raise ConfigError("eval_every", "async-ps evaluates during the run only with "
                           "strategy.servers = 1 (rank 0 then holds the whole model); use 0 to "

@@ -15,7 +15,8 @@ Messages (on a duplicate of the world communicator, the *PS channel*, charged to
 
 On a second duplicate, the *control channel* (its own ledger: not charged to the method, and
 heartbeats are timing-dependent): ``TAG_BEAT`` server → waiting worker (one float64, "I am
-alive") and ``TAG_DONE`` worker → server (one float64: the worker's clock).
+alive") and ``TAG_DONE`` worker → server (two float64: the worker's clock, and the signal that
+stopped it or 0).
 """
 from __future__ import annotations
 
@@ -200,3 +201,23 @@ def load_shard(params: dict, shard: Shard, vals: torch.Tensor) -> None:
     with torch.no_grad():
         for seg in shard.segments:
             params[seg.name].copy_(vals[seg.start:seg.stop].view(seg.shape))
+
+
+def reshard_model(old: list[dict], shards: list[Shard]) -> dict:
+    """The run's model from the checkpoint of a parameter-server run (every old rank's state):
+    each shard's parameters from the server that owns it (old rank s), buffers from rank 0.
+    The number of servers is part of the config, so old and new runs shard alike."""
+    model = dict(old[0]["model"])
+    for shard in shards:
+        for seg in shard.segments:
+            model[seg.name] = old[shard.server]["model"][seg.name]
+    return model
+
+
+def fold(values: list, n: int) -> list:
+    """Per-worker counters of W_old workers onto ``n`` workers: old worker w's to new worker
+    ``w mod n``, summed (totals are kept)."""
+    out = [0] * n
+    for w, v in enumerate(values):
+        out[w % n] += v
+    return out

@@ -19,9 +19,20 @@ the task's batches. Outputs are the same files:
 * ``summary.json``: train.py's keys plus ``servers``, ``workers``, ``staleness`` and
   ``clock_lag`` (distributions), ``workers_lost``, ``workers_finished``, ``status`` and
   ``samples_per_s``. Bytes of a lost worker are what the servers received from it.
-* checkpoints (``max_staleness = 0`` only, where every rank passes step N together): every rank
-  saves at step N — servers their shard, optimizer, versions and clocks; workers their clock and
-  compressor state — and ``--resume`` continues bit-identically.
+* checkpoints every N steps (``max_staleness = 0`` only, where every rank passes step N
+  together): every rank saves at step N — servers their shard, optimizer, versions and clocks;
+  workers their clock and compressor state — and ``--resume`` continues bit-identically.
+* SIGINT/SIGTERM, at any ``max_staleness``, on any rank: the servers answer STOP from then on (a
+  worker that got the signal tells them with its end-of-run message), so every worker ends after
+  the step it is in and nothing is in flight; rank 0 then tells every live rank to write one
+  final checkpoint (named after the step-equivalents the servers have taken, gradients / W) and
+  every rank exits with 128 + signal. It holds the model as the servers' shards with their
+  optimizer state, versions, clocks and each worker's read version; each worker's own step (its
+  batch sequence), clock, compressor state, RNG and the parameters it last pulled. ``--resume``
+  continues from there; for τ > 0 the run is not bit-identical to an uninterrupted one (the
+  interleaving of asynchronous updates is timing's), and with τ = 0 the round in which the stop
+  arrives may run on fewer workers. With a lost worker no final checkpoint can be written (it
+  needs every rank): the run says so and exits 128 + signal.
 
 At the end the other servers send rank 0 their shard and counters, the finished workers their
 ledgers, all point-to-point: a lost worker cannot hold the end of the run up. Rank 0 then sends
@@ -45,7 +56,7 @@ import torch
 
 from ...comm import Comm
 from ...errors import LowcommError, NonFiniteError
-from ...runtime import evaluate, nonfinite, params_sha256, restore, snapshot
+from ...runtime import Interrupted, StopFlag, evaluate, nonfinite, params_sha256, restore, snapshot
 from ..async_ps import AsyncPS
 from .protocol import PUSH, ServerLost, WorkersLost, recovery_enabled
 
@@ -98,13 +109,18 @@ def _report_to_rank0(ctl: Comm, report: dict, timeout_s: float) -> None:
     _send_sync(ctl, report, 0, TAG_STATS, timeout_s, "parameter server 0")
 
 
-def _take_final_model(ctl: Comm, model, timeout_s: float) -> None:
-    """Every live rank but 0: load the run's final parameters from rank 0, answer their hash."""
+def _take_final_model(ctl: Comm, model, timeout_s: float) -> dict | None:
+    """Every live rank but 0: load the run's final parameters from rank 0, answer their hash;
+    or, when the run was stopped by a signal, return rank 0's notice (``{"signum", "step",
+    "save"}``) instead."""
     final = _recv_from(ctl, 0, timeout_s, "parameter server 0", TAG_FINAL)
+    if isinstance(final, dict):
+        return final
     with torch.no_grad():
         for p, v in zip(model.parameters(), final, strict=True):
             p.copy_(v)
     _send_sync(ctl, params_sha256(model), 0, TAG_AGREE, timeout_s, "parameter server 0")
+    return None
 
 
 def _deliver_final_model(ctl: Comm, model, ranks: list[int], timeout_s: float) -> tuple[bool, int]:
@@ -157,11 +173,23 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
     if resume:
         step, loop = restore(resume, cfg, comm, ctl, model, ps, out)
         (lg if ps.is_server else wloop).update(loop)
-        first = step + 1
+        if ps.is_server and len(lg["traffic"]) != W:     # resumed on another number of workers
+            from .protocol import fold
+            lg.update(traffic=fold(lg["traffic"], W), gradients=step * W)
+        first = (step if ps.is_server else wloop.get("step", step)) + 1   # a worker's own steps
     every = cfg.checkpoint.every if ckpt else 0
 
     def save(step: int, loop: dict):
-        ckpt.save(step, snapshot(model, ps, comm, loop), cfg.to_dict())
+        return ckpt.save(step, snapshot(model, ps, comm, loop), cfg.to_dict())
+
+    def stopped(notice: dict, loop: dict):
+        """Stopped by a signal: every live rank writes the final checkpoint (rank 0's notice
+        names its step), then raises Interrupted (exit status 128 + signal)."""
+        where = save(notice["step"], loop) if notice["save"] else None
+        if notice["save"] is False and ckpt is not None and rank == 0:
+            log.error("async-ps: workers were lost, so no final checkpoint can be written (it "
+                      "needs every rank); resume from the last one, if any")
+        raise Interrupted(notice["signum"], notice["step"], where)
 
     ctl.barrier()
     t0 = time.perf_counter()
@@ -216,7 +244,7 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
                 if bar:
                     bar.n = min(step, cfg.steps)
                     bar.refresh()
-            if ps.max_staleness == 0:
+            if ps.max_staleness == 0 and not ps.server.interrupt:   # a stop: saved at the end
                 if every and ps.server.lost:
                     raise LowcommError(f"worker(s) {sorted(ps.server.lost)} lost: a checkpointed "
                                        "synchronous run needs every worker at every checkpoint; "
@@ -229,11 +257,14 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
         early: dict[int, dict] = {}   # end-of-run reports that arrive while rank 0 still serves
 
         def on_idle() -> None:
-            while (msg := ctl.iprobe(Comm.ANY_SOURCE, TAG_STATS)) is not None:
+            if stop.signum:
+                ps.server.stop(stop.signum)
+            while rank == 0 and (msg := ctl.iprobe(Comm.ANY_SOURCE, TAG_STATS)) is not None:
                 early[msg[0]] = ctl.recv_object(msg[0], TAG_STATS)
 
         try:
-            ps.serve(on_update, on_idle if rank == 0 else None)
+            with StopFlag() as stop:
+                ps.serve(on_update, on_idle)
         finally:
             if bar:
                 bar.close()
@@ -246,8 +277,11 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
         if rank != 0:
             limit = s.server_timeout_s + s.worker_timeout_s + 30
             _report_to_rank0(ctl, {"stats": srv.stats(), "ledger": comm.ledger.rows(), "wall_s": wall,
-                                   "values": srv.flat}, limit)
-            _take_final_model(ctl, model, limit)
+                                   "values": srv.flat, "signum": srv.interrupt}, limit)
+            notice = _take_final_model(ctl, model, limit)
+            if notice:
+                ps.close()
+                stopped(notice, {})
             ps.close()
             _skip_mpi_finalize(0)
             return {"method": cfg.method, "rank": rank, "role": "server", **srv.stats()}
@@ -266,6 +300,14 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
         for w in finished:
             reports.append(early.pop(S + w) if S + w in early else
                            _recv_from(ctl, S + w, limit, f"worker {w}"))
+        signum = max([srv.interrupt, *(rep.get("signum", 0) for rep in reports)])
+        if signum:                  # stopped on request: a final checkpoint instead of the end
+            notice = {"signum": signum, "step": srv.taken // W,
+                      "save": (not lost) if ckpt is not None else None}
+            for r in [*range(1, S), *(S + w for w in finished)]:
+                _send_sync(ctl, notice, r, TAG_FINAL, limit, f"rank {r}")
+            ps.close()
+            stopped(notice, {**lg, "wall_s": wall})
         agree, delivered = _deliver_final_model(ctl, model, [*range(1, S), *(S + w for w in finished)],
                                                 limit)
         ps.close()
@@ -276,46 +318,52 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
     # worker ---------------------------------------------------------------------------------
     w = ps.index
     skipped = wloop["skipped"]
+    step = first - 1
     try:
-        for step in itertools.count(first):   # until a server says the run's budget is spent
-            batch = task.batch(step, w, W, cfg)
-            ps.zero_grad()
-            loss = task.loss(model, batch)
-            value = loss.item()
-            ps.note_loss(value)
-            if not math.isfinite(value):
-                if cfg.on_nonfinite != "skip":
-                    raise NonFiniteError(rank, "the loss", step)
-                log.warning("rank %d step %d: the loss is not finite; this worker skips the step",
-                            rank, step)
-                ps.skip()
-                skipped += 1
-                if ps.stopped:
+        with StopFlag() as stop:
+            for step in itertools.count(first):   # until a server says the budget is spent
+                batch = task.batch(step, w, W, cfg)
+                ps.zero_grad()
+                loss = task.loss(model, batch)
+                value = loss.item()
+                ps.note_loss(value)
+                if not math.isfinite(value):
+                    if cfg.on_nonfinite != "skip":
+                        raise NonFiniteError(rank, "the loss", step)
+                    log.warning("rank %d step %d: the loss is not finite; this worker skips the "
+                                "step", rank, step)
+                    ps.skip()
+                    skipped += 1
+                else:
+                    loss.backward()           # full shards are pushed from inside the backward pass
+                    bad = nonfinite(loss, model)
+                    if bad and cfg.on_nonfinite == "skip":
+                        log.warning("rank %d step %d: %s is not finite; this worker skips the step",
+                                    rank, step, bad)
+                        ps.skip()
+                        skipped += 1
+                    elif bad:
+                        raise NonFiniteError(rank, bad, step)
+                    else:
+                        ps.step()
+                if ps.stopped:            # the budget is spent, or a stop was asked for
                     break
-                continue
-            loss.backward()           # full shards are pushed from inside the backward pass
-            bad = nonfinite(loss, model)
-            if bad and cfg.on_nonfinite == "skip":
-                log.warning("rank %d step %d: %s is not finite; this worker skips the step",
-                            rank, step, bad)
-                ps.skip()
-                skipped += 1
-            elif bad:
-                raise NonFiniteError(rank, bad, step)
-            else:
-                ps.step()
-            if ps.stopped:
-                break
-            if every and step % every == 0:
-                save(step, {"skipped": skipped, "wall_s": wall_before + time.perf_counter() - t0})
-        ps.done()
+                if every and step % every == 0:
+                    save(step, {"skipped": skipped, "step": step,
+                                "wall_s": wall_before + time.perf_counter() - t0})
+                if stop.signum:           # after the step's exchange: nothing left in flight
+                    break
+            ps.done(stop.signum)
     finally:
         ps.close()
     wall = wall_before + time.perf_counter() - t0
     mine = {"worker": w, "ledger": comm.ledger.rows(), "wall_s": wall, "skipped": skipped,
-            "clock_lag": dict(ps.lag_hist), "wait_s": ps.wait_s, "clock": ps.clock}
+            "clock_lag": dict(ps.lag_hist), "wait_s": ps.wait_s, "clock": ps.clock,
+            "signum": stop.signum}
     _report_to_rank0(ctl, mine, s.server_timeout_s + 30)   # rank 0 takes it while serving
-    _take_final_model(ctl, model, s.server_timeout_s + s.worker_timeout_s + 30)
+    notice = _take_final_model(ctl, model, s.server_timeout_s + s.worker_timeout_s + 30)
+    if notice:                    # this worker's own step: it resumes its own batch sequence
+        stopped(notice, {"skipped": skipped, "step": step, "wall_s": wall})
     _skip_mpi_finalize(0)
     return {"method": cfg.method, "rank": rank, "role": "worker", **{k: v for k, v in mine.items()
                                                                      if k != "ledger"}}
@@ -347,6 +395,7 @@ def _summary(cfg, model, task, held_out, comm, ps, reports, lost, finished, n_pa
         "servers": S, "workers": W, "max_staleness": ps.max_staleness,
         "staleness_lr": ps.staleness_lr, "dc_lambda": ps.dc_lambda,
         "shard_numel": [sh.numel for sh in ps.shards],
+        "resizes": lg.get("resizes", []),
         "gradients_per_worker": applied,
         "staleness": _hist(_merge([st["staleness"] for st in servers])),
         "clock_lag": _hist(_merge([st["clock_lag"] for st in servers])),

@@ -64,6 +64,7 @@ class ParameterServer:
         self.servers, self.workers = st.servers, comm.size - st.servers
         self.max_staleness, self.staleness_lr, self.dc_lambda = st.max_staleness, st.staleness_lr, st.dc_lambda
         self.budget = st.budget
+        self.interrupt = 0                      # a stop signal's number (here or a worker's)
         self.worker_timeout_s, self.server_timeout_s = st.worker_timeout_s, st.server_timeout_s
         self._params = dict(trainable(model))
         self.shards = build_shards(trainable(model), st.servers)
@@ -173,7 +174,18 @@ class ParameterServer:
         return self.clock[w] - min(self.clock[v] for v in self._active()) <= self.tau
 
     def _spent(self) -> bool:
-        return self.budget is not None and self.taken >= self.budget
+        """The budget is spent, or a stop was asked for (:meth:`stop`): replies say STOP."""
+        return bool(self.interrupt) or (self.budget is not None and self.taken >= self.budget)
+
+    def stop(self, signum: int) -> None:
+        """SIGINT/SIGTERM here or at a worker: answer STOP from now on, so every worker ends
+        after the step it is in and :meth:`serve` returns when all have (nothing stays in
+        flight: the loop then writes a checkpoint). Ignored once the budget is spent."""
+        if not self._spent():
+            self.interrupt = signum
+            log.warning("parameter server %d (rank %d): stop requested (signal %d) after %d "
+                        "gradients; stopping the workers", self.index, self.comm.rank, signum,
+                        self.taken)
 
     def _reply(self, w: int, status: float = OK) -> None:
         if self.reply_req[w] is not None:       # the worker pushed again: it got the last one
@@ -205,7 +217,7 @@ class ParameterServer:
         inflight: list = []               # (worker, buffer, request) of pushes being received
         beats: list = []
         beat = torch.zeros(1, dtype=torch.float64)
-        done_buf = torch.zeros(1, dtype=torch.float64)
+        done_buf = torch.zeros(2, dtype=torch.float64)     # the worker's clock, its stop signal
         period = min(0.5, self.settings.server_timeout_s / 4)
         next_beat = now + period
         updates: list = []                # per update: [(worker, push header, σ or None)]
@@ -231,6 +243,8 @@ class ParameterServer:
                 msg.recv_(done_buf, op="done")
                 w = msg.source - self.S
                 self.done.add(w)
+                if done_buf[1] > 0:       # the worker was sent SIGINT/SIGTERM: stop them all
+                    self.stop(int(done_buf[1]))
                 last[w] = time.monotonic()
             still = []
             for w, buf, req in inflight:
@@ -351,6 +365,25 @@ class ParameterServer:
         self.staleness, self.lag = dict(state["staleness"]), dict(state["lag"])
         self.applied, self.skipped = list(state["applied"]), list(state["skipped"])
         self.recv_from = list(state["recv_from"])
+
+    def reshard(self, old: list[dict]) -> dict:
+        """Resume on another number of ranks (the same ``servers``, so W_old → W workers): this
+        server's shard, optimizer state and version carry over from old rank ``index``; the
+        gradients taken toward the budget become ``step × W`` (step-equivalents, so the rest of
+        the budget is the remaining steps on W workers); every worker's clock restarts at 0 and
+        its read version is the current version (each new worker starts from the servers'
+        parameters); per-worker counters are folded (old worker w's onto w mod W)."""
+        from .protocol import fold, reshard_model
+        W_old = len(old) - self.S
+        mine = dict(old[self.index]["strategy"])
+        step = mine["taken"] // W_old
+        model = reshard_model(old, self.shards)
+        flat = torch.cat([model[seg.name].reshape(-1) for seg in self.shard.segments])
+        mine.update(taken=step * self.W, clock=[0] * self.W, read_version=[mine["version"]] * self.W,
+                    backup=[flat.clone() for _ in range(self.W)] if self.backup is not None else None,
+                    applied=fold(mine["applied"], self.W), skipped=fold(mine["skipped"], self.W),
+                    recv_from=fold(mine["recv_from"], self.W))
+        return {"model": model, "strategy": mine}
 
     def load_shard(self, s: int, vals: torch.Tensor) -> None:
         """Copy server ``s``'s shard values ``vals`` into the model (rank 0 assembles the model

@@ -211,9 +211,11 @@ class AsyncPS(Strategy):
                                      f"{self.server_timeout_s:g}); it is gone, ending the job")
             time.sleep(POLL_S)
 
-    def done(self) -> None:
-        """Tell every server this worker is done (servers end when all workers are done or lost)."""
-        done = torch.tensor([float(self.clock)], dtype=torch.float64)
+    def done(self, signum: int = 0) -> None:
+        """Tell every server this worker is done (servers end when all workers are done or
+        lost); ``signum``: it stops because it was sent that signal (the servers then stop
+        every worker)."""
+        done = torch.tensor([float(self.clock), float(signum)], dtype=torch.float64)
         reqs = [self.ctl.isend(done, s, TAG_DONE, op="done") for s in range(self.servers)]
         pushes = [s for s, r in enumerate(self._push_req) if r is not None]
         self._wait_all([*reqs, *[self._push_req[s] for s in pushes]], "the end of the run",
@@ -230,6 +232,22 @@ class AsyncPS(Strategy):
         self.clock, self.lag_hist = state["clock"], dict(state["lag_hist"])
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
+
+    def reshard(self, old: list[dict]) -> dict:
+        """Resume on another number of ranks: this worker starts from the servers' parameters
+        (:func:`~.protocol.reshard_model`) with clock 0 (the servers restart every clock) and a
+        fresh compressor (its error feedback is reset, with a warning); its RNG state and loop
+        counters are old worker ``index mod W_old``'s."""
+        from ..reshard import reset_compressor
+        from .protocol import reshard_model
+        S, W_old = self.servers, len(old) - self.servers
+        src = old[S + self.index % W_old]
+        state = {"clock": 0, "lag_hist": {}}
+        if self.compressor is not None:
+            state["compressor"] = reset_compressor([s["strategy"].get("compressor") for s in old[S:]],
+                                                   self.compressor.state_dict(), "async-ps")
+        return {"model": reshard_model(old, self.shards), "strategy": state,
+                "loop": src["loop"], "rng": src["rng"]}
 
     def close(self) -> None:
         for h in self._hooks:
