@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch
 
-from .collectives import ALGORITHMS, allreduce_
+from .collectives import ALGORITHM_NAMES, ALGORITHMS, allreduce_, choose
 from .comm import Comm, mpi
 from .ledger import Ledger, busbw_factor
 from .watchdog import DEFAULT_TIMEOUT_S
@@ -90,19 +90,29 @@ def baseline(name: str, comm: Comm):
 
 @contextmanager
 def reducer(name: str, comm: Comm):
-    """Yield a callable summing a float32 CPU tensor in place over all ranks with ``name``."""
-    _check_known(name, [*ALGORITHMS, *BASELINES])
+    """Yield a callable summing a float32 CPU tensor in place over all ranks with ``name``
+    (``auto``: with the topology's communicators when ``$LOWCOMM_TOPOLOGY`` names one)."""
+    _check_known(name, [*ALGORITHM_NAMES, *BASELINES])
     with baseline(name, comm) as lib:
         if name == "horovod":
             yield lambda t: lib.allreduce_(t, op=lib.Sum, name="bench")
         elif name == "gloo":
             yield lambda t: lib.all_reduce(t)
-        elif name == "hierarchical":     # the topology's communicators, built once (collective)
-            from .topology import Topology
+        elif name == "hierarchical" or (name == "auto" and _topology_given()):
+            from .topology import Topology     # the topology's communicators, built once
             levels = Topology.from_env(comm).comms(comm)
-            yield lambda t: allreduce_(t, comm, name, levels=levels)
+
+            def fn(t):
+                return allreduce_(t, comm, name, levels=levels)
+            fn.levels = levels
+            yield fn
         else:
             yield lambda t: allreduce_(t, comm, name)
+
+
+def _topology_given() -> bool:
+    import os
+    return bool(os.environ.get("LOWCOMM_TOPOLOGY"))
 
 
 def _slowest(ctl: Comm, seconds: float) -> float:
@@ -118,7 +128,7 @@ def bench_allreduce(comm: Comm, sizes: list[int], algorithms: list[str], iters: 
     bench.validate = False
     K = comm.size
     for alg in algorithms:   # fail on a bad name before measuring anything
-        _check_known(alg, [*ALGORITHMS, *BASELINES])
+        _check_known(alg, [*ALGORITHM_NAMES, *BASELINES])
     rows = []
     for alg in algorithms:
         with reducer(alg, bench) as reduce_:
@@ -139,22 +149,63 @@ def bench_allreduce(comm: Comm, sizes: list[int], algorithms: list[str], iters: 
                 wrong = int((buf != expected).sum())
                 t = statistics.median(times)
                 algbw = size / t / 1e9 if t > 0 else 0.0
-                rows.append({"size": size, "count": n, "dtype": "float32", "algorithm": alg,
-                             "ranks": K, "time_us": t * 1e6, "algbw_GBps": algbw,
-                             "busbw_GBps": algbw * busbw_factor("allreduce", K), "wrong": wrong})
+                row = {"size": size, "count": n, "dtype": "float32", "algorithm": alg,
+                       "ranks": K, "time_us": t * 1e6, "algbw_GBps": algbw,
+                       "busbw_GBps": algbw * busbw_factor("allreduce", K), "wrong": wrong}
+                if alg == "auto":
+                    row["chose"] = choose(bench, size, getattr(reduce_, "levels", None))
+                rows.append(row)
     return sorted(rows, key=lambda row: (row["size"], algorithms.index(row["algorithm"])))
 
 
 def format_allreduce(rows: list[dict]) -> str:
-    """An nccl-tests style table with each row's busbw as a ratio of vendor MPI's."""
+    """An nccl-tests style table with each row's busbw as a ratio of vendor MPI's; an ``auto``
+    row also says what it ran and ``best/auto``: the fastest other lowcomm row's time (of the
+    same size, same run) over auto's (>= 1: auto was at least as fast)."""
     ref = {r["size"]: r["busbw_GBps"] for r in rows if r["algorithm"] == "mpi"}
+    best = {}
+    for r in rows:
+        if r["algorithm"] in ALGORITHMS:
+            best[r["size"]] = min(best.get(r["size"], float("inf")), r["time_us"])
     lines = [f"{'size':>10} {'algorithm':>13} {'time(us)':>11} {'algbw(GB/s)':>12} "
-             f"{'busbw(GB/s)':>12} {'vs mpi':>7} {'#wrong':>7}"]
+             f"{'busbw(GB/s)':>12} {'vs mpi':>7} {'#wrong':>7} {'best/auto':>10}"]
     for r in rows:
         ratio = f"{r['busbw_GBps'] / ref[r['size']]:.2f}" if ref.get(r["size"]) else "-"
-        lines.append(f"{r['size']:>10} {r['algorithm']:>13} {r['time_us']:>11.1f} "
-                     f"{r['algbw_GBps']:>12.3f} {r['busbw_GBps']:>12.3f} {ratio:>7} {r['wrong']:>7}")
+        name = f"auto={r['chose']}" if "chose" in r else r["algorithm"]
+        vs = f"{best[r['size']] / r['time_us']:.2f}" if "chose" in r and r["size"] in best else ""
+        lines.append(f"{r['size']:>10} {name:>13} {r['time_us']:>11.1f} "
+                     f"{r['algbw_GBps']:>12.3f} {r['busbw_GBps']:>12.3f} {ratio:>7} {r['wrong']:>7} {vs:>10}")
     return "\n".join(lines)
+
+
+def tune_allreduce(comm: Comm, iters: int = 10, warmup: int = 2, path=None) -> tuple[list[dict], str]:
+    """``lowcomm bench allreduce --tune``: time every candidate of ``auto`` at
+    :data:`lowcomm.tuning.TUNE_SIZES` on this communicator (one node) and write the table
+    :mod:`lowcomm.tuning` reads (rank 0 writes; returns the rows and the path)."""
+    import os
+    import platform
+    from pathlib import Path
+
+    from .tuning import TUNE_SIZES, save_table, table_path
+    if not comm.node_local():
+        raise ValueError("--tune measures the ranks of one node; these ranks span several "
+                         "(their links are the α–β model's business)")
+    algs = ["mpi", "ring", "rabenseifner", "tree", "shm"] + (["hierarchical"] if _topology_given() else [])
+    rows = bench_allreduce(comm, list(TUNE_SIZES), algs, iters, warmup)
+    bad = [r for r in rows if r["wrong"]]
+    if bad:
+        raise RuntimeError(f"--tune: {bad[0]['algorithm']} gave {bad[0]['wrong']} wrong elements "
+                           f"at {bad[0]['size']} bytes; no table written")
+    target = Path(path) if path else table_path(comm.size)
+    if comm.rank == 0:
+        times: dict[int, dict[str, float]] = {}
+        for r in rows:
+            times.setdefault(r["size"], {})[r["algorithm"]] = round(r["time_us"], 1)
+        save_table(target, comm.size, times, {
+            "host": platform.node(), "iters": iters, "dtype": "float32",
+            "loadavg": os.getloadavg(), "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "topology": os.environ.get("LOWCOMM_TOPOLOGY", "")})
+    return rows, str(target)
 
 
 STEP_STRATEGIES = ("syncdp", *[f"syncdp-{a}" for a in ALGORITHMS if a != "mpi"], "horovod", "ddp-gloo")

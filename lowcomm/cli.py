@@ -147,18 +147,35 @@ def _write_json(path, rows):
 
 @bench.command("allreduce")
 @click.option("--sizes", default="4K,1M,16M", show_default=True, help="Bytes per buffer (K, M, G).")
-@click.option("--algorithms", default="mpi,ring,rabenseifner,tree,horovod,gloo", show_default=True)
+@click.option("--algorithms", default="mpi,ring,rabenseifner,tree,shm,auto,horovod,gloo",
+              show_default=True)
 @click.option("--iters", default=20, show_default=True)
 @click.option("--warmup", default=3, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
-def bench_allreduce(sizes, algorithms, iters, warmup, json_path):
-    """All-reduce time, algbw and busbw per size and algorithm (nccl-tests style)."""
-    from .bench import bench_allreduce as run, format_allreduce, parse_size
+@click.option("--tune", is_flag=True, help="Measure every candidate of algorithm=auto at 4 KiB .. "
+              "64 MiB and write the table auto reads (then the sizes/algorithms run as usual).")
+@click.option("--table", "table", type=click.Path(dir_okay=False), default=None,
+              help="The auto table to write (--tune) and read [default: $LOWCOMM_ALLREDUCE_TABLE, "
+                   "else ~/.cache/lowcomm/allreduce-<host>-<ranks>.json].")
+def bench_allreduce(sizes, algorithms, iters, warmup, json_path, tune, table):
+    """All-reduce time, algbw and busbw per size and algorithm (nccl-tests style); the auto row
+    says which algorithm it ran and its time against the fastest other row's."""
+    import os
+
+    from .bench import bench_allreduce as run, format_allreduce, parse_size, tune_allreduce
+    from .tuning import TABLE_ENV
     try:
         size_list = [parse_size(s) for s in sizes.split(",")]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--sizes") from None
+    if table:
+        os.environ[TABLE_ENV] = table       # every rank parses the same command line
     comm = _world()
+    if tune:
+        tuned, where = tune_allreduce(comm, max(3, iters // 2), warmup)
+        if comm.rank == 0:
+            click.echo(f"tuned on {comm.size} ranks, median of {max(3, iters // 2)}; wrote {where}")
+            click.echo(format_allreduce(tuned))
     rows = run(comm, size_list, algorithms.split(","), iters, warmup)
     if comm.rank == 0:
         click.echo(f"all-reduce, float32, {comm.size} ranks, median of {iters} iterations")

@@ -28,6 +28,7 @@ import torch
 
 from .comm import Comm, _reduce_op, init
 from .errors import CommError, LowcommError
+from .tuning import agree
 
 if TYPE_CHECKING:   # the topology's communicators are handed in, never looked up
     from .topology import Hierarchy, Levels
@@ -368,12 +369,30 @@ ALGORITHMS: dict[str, Algorithm] = {"mpi": mpi, "ring": ring, "rabenseifner": ra
                                     "tree": tree, "shm": shm, "hierarchical": hierarchical}
 
 
+#: every name an algorithm setting accepts: the algorithms and "auto"
+ALGORITHM_NAMES = ("auto", *ALGORITHMS)
+
+
+def choose(comm: Comm, nbytes: int, levels: "Levels | None" = None) -> str:
+    """The algorithm ``"auto"`` runs for an all-reduce of ``nbytes`` on ``comm`` (collective the
+    first time on a Comm: the ranks agree on the table; see :mod:`lowcomm.tuning`)."""
+    policy = agree(comm, shm_segment_bytes=SHM_SEGMENT_BYTES, shm_one_sync_bytes=SHM_ONE_SYNC_BYTES)
+    return policy.choose(nbytes, levels)
+
+
 def get_algorithm(name: str, levels: "Levels | None" = None) -> Algorithm:
     """The all-reduce ``fn(comm, buf)`` called ``name``. ``"hierarchical"`` needs ``levels``
     (:meth:`lowcomm.topology.Topology.comms`): it returns a function running
-    :func:`hierarchical` on them (its ``comm`` argument is only the caller's view)."""
+    :func:`hierarchical` on them (its ``comm`` argument is only the caller's view).
+    ``"auto"`` returns a function choosing per call (:func:`choose`); it files each call under
+    the algorithm it ran."""
+    if name == "auto":
+        def auto(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
+            chosen = choose(comm, buf.numel() * buf.element_size(), levels)
+            return get_algorithm(chosen, levels)(comm, buf)
+        return auto
     if name not in ALGORITHMS:
-        raise ValueError(f"unknown all-reduce algorithm {name!r}; known: {', '.join(ALGORITHMS)}")
+        raise ValueError(f"unknown all-reduce algorithm {name!r}; known: {', '.join(ALGORITHM_NAMES)}")
     if name != "hierarchical":
         return ALGORITHMS[name]
     if levels is None:
@@ -390,12 +409,14 @@ def get_algorithm(name: str, levels: "Levels | None" = None) -> Algorithm:
     return fn
 
 
-def allreduce_(tensor: torch.Tensor, comm: Comm | None = None, algorithm: str = "mpi",
+def allreduce_(tensor: torch.Tensor, comm: Comm | None = None, algorithm: str = "auto",
                op: str = "sum", levels: "Levels | None" = None) -> torch.Tensor:
     """Sum (``op="sum"``) or average (``op="avg"``) ``tensor`` over ``comm`` in place.
 
-    Any shape, length (0 included), rank count, float dtype and device. The traffic is filed
-    in ``comm.ledger`` as one ``allreduce.<algorithm>`` call at ``comm.level`` (``hierarchical``:
+    Any shape, length (0 included), rank count, float dtype and device. ``algorithm="auto"``
+    (the default) runs the fastest algorithm for this size and rank count (:func:`choose`). The
+    traffic is filed in ``comm.ledger`` as one ``allreduce.<algorithm run>`` call at
+    ``comm.level`` (``hierarchical``:
     one row per phase and level, in the ledger of ``levels``, the topology's communicators it
     needs; see :func:`get_algorithm`).
 
@@ -406,6 +427,9 @@ def allreduce_(tensor: torch.Tensor, comm: Comm | None = None, algorithm: str = 
         lowcomm.allreduce_(g, algorithm="ring", op="avg")   # every element = (K-1)/2
     """
     comm = comm or init()
+    if algorithm == "auto":
+        get_algorithm(algorithm, levels)        # the name is checked before any collective
+        algorithm = choose(comm, tensor.numel() * tensor.element_size(), levels)
     fn = get_algorithm(algorithm, levels)
     avg = _reduce_op(op)
     if algorithm == "mpi":

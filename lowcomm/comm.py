@@ -542,6 +542,7 @@ class Comm:
                    self.watchdog)
         out.link = self.link
         out._node_local = self._node_local
+        out.auto_policy = self.auto_policy
         return out
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import ALGORITHMS, broadcast_
+from ..collectives import ALGORITHM_NAMES, broadcast_
 from ..comm import Comm
 from ..errors import ConfigError, LowcommError
 from ..reducer import Reducer
@@ -18,7 +18,7 @@ BACKENDS = ("mpi", "horovod")
 @dataclass
 class SyncDPSettings(Settings):
     """``[strategy]`` keys of ``syncdp`` (and of the outer loops' dense warm-up)."""
-    algorithm: str = "mpi"             # all-reduce algorithm (lowcomm.collectives.ALGORITHMS)
+    algorithm: str = "auto"            # all-reduce algorithm (collectives.ALGORITHM_NAMES)
     bucket_mb: float = 4.0             # bucket size in MiB
     backward_passes_per_step: int = 1  # gradient accumulation N
     overlap: bool = True               # reduce buckets during backward
@@ -26,14 +26,15 @@ class SyncDPSettings(Settings):
     compressor: str = ""               # gradient compressor; "" = the run's [compressor] table
 
     def validate(self, prefix: str = "") -> None:
-        self.one_of(prefix, "algorithm", list(ALGORITHMS))
+        self.one_of(prefix, "algorithm", list(ALGORITHM_NAMES))
         self.one_of(prefix, "backend", BACKENDS)
         self.within(prefix, "bucket_mb", 0, float("inf"), low_open=True)
         self.at_least(prefix, "backward_passes_per_step", 1)
         check_compressor_name(self, prefix, allow_empty=True)
-        if self.backend == "horovod" and self.algorithm != "mpi":
+        if self.backend == "horovod" and self.algorithm not in ("mpi", "auto"):
             raise ConfigError(prefix + "algorithm", "Horovod chooses its own all-reduce; leave "
-                              f"algorithm = \"mpi\" with backend = \"horovod\", got {self.algorithm!r}")
+                              f"algorithm = \"auto\" or \"mpi\" with backend = \"horovod\", got "
+                              f"{self.algorithm!r}")
 
     def kwargs(self, ctx: Context) -> dict:
         """The constructor's keyword arguments (also the outer loops' dense warm-up, which
@@ -72,7 +73,8 @@ class SyncDP(Strategy):
     Args:
         model, optimizer: the user's torch objects.
         comm: communicator (default: world).
-        algorithm: all-reduce algorithm ("mpi", "ring", "rabenseifner", "tree", "hierarchical").
+        algorithm: all-reduce algorithm ("auto": the fastest per bucket size, see
+            :mod:`lowcomm.tuning`; "mpi", "ring", "rabenseifner", "tree", "shm", "hierarchical").
         bucket_mb: bucket size in MiB.
         backward_passes_per_step: gradient accumulation factor N ≥ 1.
         overlap: reduce buckets during backward (True) or all at once in ``step()``.
@@ -81,7 +83,7 @@ class SyncDP(Strategy):
         nonfinite: "raise" (a NaN/Inf gradient is an error, never sent) or "zero" (the caller
             skips such steps with :meth:`skip`).
         levels: the topology's communicators (:meth:`lowcomm.topology.Topology.comms`) for
-            ``algorithm = "hierarchical"``.
+            ``algorithm = "hierarchical"`` (and a candidate of ``"auto"``).
 
     Example::
 
@@ -92,7 +94,7 @@ class SyncDP(Strategy):
     name = "syncdp"
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, algorithm: str = "mpi", bucket_mb: float = 4.0,
+                 comm: Comm | None = None, algorithm: str = "auto", bucket_mb: float = 4.0,
                  backward_passes_per_step: int = 1, overlap: bool = True,
                  compressor=None, nonfinite: str = "raise", levels=None):
         super().__init__(model, optimizer, comm)
