@@ -63,7 +63,7 @@ def _check_known(name: str, known, what: str = "algorithm") -> None:
 
 @contextmanager
 def baseline(name: str, comm: Comm):
-    """Start Horovod (``horovod``) or a gloo process group (``gloo``, ``ddp-gloo``) for one
+    """Start Horovod (``horovod``) or a gloo process group (``gloo``, ``ddp-gloo*``) for one
     benchmark window, yield its module, and shut it down after: their polling threads would
     otherwise slow every later row on a shared, oversubscribed machine. Others yield None."""
     if name == "horovod":
@@ -73,7 +73,7 @@ def baseline(name: str, comm: Comm):
             yield hvd
         finally:
             hvd.shutdown()
-    elif name in ("gloo", "ddp-gloo"):
+    elif name == "gloo" or name.startswith("ddp-gloo"):
         dist = init_gloo(comm)
         try:
             yield dist
@@ -208,11 +208,47 @@ def tune_allreduce(comm: Comm, iters: int = 10, warmup: int = 2, path=None) -> t
     return rows, str(target)
 
 
-STEP_STRATEGIES = ("syncdp", *[f"syncdp-{a}" for a in ALGORITHMS if a != "mpi"], "horovod", "ddp-gloo")
+#: compressed peers: lowcomm's ``syncdp-<c>`` beside torch DDP's communication hook ``ddp-gloo-<c>``
+STEP_COMPRESSORS = ("fp16", "powersgd")
+#: PowerSGD's dense steps before compressing, in both implementations (torch needs >= 2 with
+#: error feedback); the timed steps come after the warm-up, so all of them are compressed
+STEP_POWERSGD_START = 2
+STEP_STRATEGIES = ("syncdp", *[f"syncdp-{a}" for a in ALGORITHMS], "horovod", "ddp-gloo",
+                   *[f"{p}-{c}" for c in STEP_COMPRESSORS for p in ("syncdp", "ddp-gloo")])
+
+
+def _ddp_hook(ddp, name: str, cfg) -> None:
+    """torch's own communication hook for compressed peer ``name`` (``ddp-gloo-<c>``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    kind = name.rsplit("-", 1)[1]
+    if kind == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    else:
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=cfg.compressor.approx_rank,
+            start_powerSGD_iter=STEP_POWERSGD_START,
+            min_compression_rate=cfg.compressor.min_compression_rate,
+            use_error_feedback=True, warm_start=True, random_seed=cfg.compressor.seed)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def _step_compressor(name: str, cfg):
+    """lowcomm's compressor for ``syncdp-<c>`` (the run's [compressor] keys, PowerSGD starting
+    at :data:`STEP_POWERSGD_START` like torch's hook)."""
+    import dataclasses
+
+    from .compress import build_compressor
+    kind = name.split("-", 1)[1]
+    return build_compressor(dataclasses.replace(cfg.compressor, name=kind, start_iter=STEP_POWERSGD_START))
 
 
 def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: int = 5) -> list[dict]:
-    """Median training-step time of ``cfg``'s model under each data-parallel implementation."""
+    """Median training-step time of ``cfg``'s model under each data-parallel implementation:
+    lowcomm's SyncDP (``syncdp``: the configured algorithm, default ``auto``;
+    ``syncdp-<algorithm>``; ``syncdp-fp16`` / ``syncdp-powersgd`` with lowcomm's compressor),
+    Horovod, and torch DDP over gloo (``ddp-gloo``; ``ddp-gloo-fp16`` / ``ddp-gloo-powersgd``
+    with torch's ``fp16_compress_hook`` / ``powerSGD_hook``). Same model, seed, batches and
+    optimizer for every row; DDP's bucket size is SyncDP's ``bucket_mb``."""
     from .backends.horovod import HorovodDP
     from .loop import build_optimizer
     from .strategies.syncdp import SyncDP, SyncDPSettings
@@ -233,22 +269,27 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
         run = comm.dup(Ledger())
         run.validate = False
         with baseline(name, comm):
-            if name == "ddp-gloo":
+            if name.startswith("ddp-gloo"):
                 from torch.nn.parallel import DistributedDataParallel
                 ddp = DistributedDataParallel(model, bucket_cap_mb=s.bucket_mb)
+                if name != "ddp-gloo":
+                    _ddp_hook(ddp, name, cfg)
                 times = _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(ddp, b))
                 del ddp     # before baseline() destroys its process group (see there)
             else:
                 if name == "horovod":
                     wrapped = HorovodDP(model, opt, run)
                 else:
-                    algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") else s.algorithm
+                    compressed = name.split("-", 1)[-1] in STEP_COMPRESSORS
+                    algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") and \
+                        not compressed else s.algorithm
                     levels = None
                     if algorithm == "hierarchical":
                         from .topology import Topology
                         levels = Topology.from_env(run, cfg.topology).comms(run)
                     wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=s.bucket_mb,
-                                     overlap=s.overlap, levels=levels)
+                                     overlap=s.overlap, levels=levels,
+                                     compressor=_step_compressor(name, cfg) if compressed else None)
                 times = _time_steps(ctl, task, cfg, wrapped, warmup, steps, lambda b: task.loss(model, b))
                 wrapped.close()
         rows.append({"strategy": name, "ranks": comm.size, "params": params,
@@ -273,14 +314,28 @@ def _time_steps(ctl: Comm, task, cfg, opt, warmup: int, steps: int, loss) -> lis
     return times
 
 
+def step_peer(name: str) -> str | None:
+    """The torch DDP row a lowcomm row is compared with: ``syncdp``/``syncdp-<algorithm>`` ->
+    ``ddp-gloo``, ``syncdp-<c>`` -> ``ddp-gloo-<c>`` for a compressor c; others: None."""
+    if not name.startswith("syncdp"):
+        return None
+    kind = name.split("-", 1)[1] if "-" in name else ""
+    return f"ddp-gloo-{kind}" if kind in STEP_COMPRESSORS else "ddp-gloo"
+
+
 def format_step(rows: list[dict]) -> str:
+    """Step times; ``vs syncdp``: this row over plain SyncDP's; ``ours/ddp``: a lowcomm row's
+    median over its torch DDP peer's in the same run (< 1: ours is faster)."""
     ref = {r["strategy"]: r["step_ms"] for r in rows}
     base = ref.get("syncdp")
-    lines = [f"{'strategy':>22} {'params':>10} {'step(ms) median':>16} {'mean':>8} {'vs syncdp':>10}"]
+    lines = [f"{'strategy':>22} {'params':>10} {'step(ms) median':>16} {'mean':>8} {'vs syncdp':>10} "
+             f"{'ours/ddp':>9}"]
     for r in rows:
         ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
+        peer = step_peer(r["strategy"])
+        vs = f"{r['step_ms'] / ref[peer]:.2f}" if peer in ref else ""
         lines.append(f"{r['strategy']:>22} {r['params']:>10} {r['step_ms']:>16.1f} "
-                     f"{r['step_ms_mean']:>8.1f} {ratio:>10}")
+                     f"{r['step_ms_mean']:>8.1f} {ratio:>10} {vs:>9}")
     return "\n".join(lines)
 
 

@@ -185,7 +185,8 @@ def bench_allreduce(sizes, algorithms, iters, warmup, json_path, tune, table):
 
 @bench.command("step")
 @config_options
-@click.option("--strategies", default="syncdp,horovod,ddp-gloo", show_default=True)
+@click.option("--strategies", default="syncdp,ddp-gloo,syncdp-fp16,ddp-gloo-fp16,syncdp-powersgd,"
+              "ddp-gloo-powersgd,horovod", show_default=True)
 @click.option("--steps", default=20, show_default=True)
 @click.option("--warmup", default=5, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
