@@ -178,9 +178,10 @@ def format_allreduce(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def tune_allreduce(comm: Comm, iters: int = 10, warmup: int = 2, path=None) -> tuple[list[dict], str]:
-    """``lowcomm bench allreduce --tune``: time every candidate of ``auto`` at
-    :data:`lowcomm.tuning.TUNE_SIZES` on this communicator (one node) and write the table
+def tune_allreduce(comm: Comm, sizes=None, iters: int = 10, warmup: int = 2,
+                   path=None) -> tuple[list[dict], str]:
+    """``lowcomm bench allreduce --tune``: time every candidate of ``auto`` at ``sizes``
+    (default :data:`lowcomm.tuning.TUNE_SIZES`) on this communicator (one node) and write the table
     :mod:`lowcomm.tuning` reads (rank 0 writes; returns the rows and the path)."""
     import os
     import platform
@@ -191,7 +192,7 @@ def tune_allreduce(comm: Comm, iters: int = 10, warmup: int = 2, path=None) -> t
         raise ValueError("--tune measures the ranks of one node; these ranks span several "
                          "(their links are the α–β model's business)")
     algs = ["mpi", "ring", "rabenseifner", "tree", "shm"] + (["hierarchical"] if _topology_given() else [])
-    rows = bench_allreduce(comm, list(TUNE_SIZES), algs, iters, warmup)
+    rows = bench_allreduce(comm, list(sizes or TUNE_SIZES), algs, iters, warmup)
     bad = [r for r in rows if r["wrong"]]
     if bad:
         raise RuntimeError(f"--tune: {bad[0]['algorithm']} gave {bad[0]['wrong']} wrong elements "

@@ -154,10 +154,12 @@ def _write_json(path, rows):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
 @click.option("--tune", is_flag=True, help="Measure every candidate of algorithm=auto at 4 KiB .. "
               "64 MiB and write the table auto reads (then the sizes/algorithms run as usual).")
+@click.option("--tune-sizes", default="4K,16K,64K,256K,1M,4M,16M,64M", show_default=True,
+              help="The sizes --tune measures.")
 @click.option("--table", "table", type=click.Path(dir_okay=False), default=None,
               help="The auto table to write (--tune) and read [default: $LOWCOMM_ALLREDUCE_TABLE, "
                    "else ~/.cache/lowcomm/allreduce-<host>-<ranks>.json].")
-def bench_allreduce(sizes, algorithms, iters, warmup, json_path, tune, table):
+def bench_allreduce(sizes, algorithms, iters, warmup, json_path, tune, tune_sizes, table):
     """All-reduce time, algbw and busbw per size and algorithm (nccl-tests style); the auto row
     says which algorithm it ran and its time against the fastest other row's."""
     import os
@@ -166,13 +168,14 @@ def bench_allreduce(sizes, algorithms, iters, warmup, json_path, tune, table):
     from .tuning import TABLE_ENV
     try:
         size_list = [parse_size(s) for s in sizes.split(",")]
+        tune_list = [parse_size(s) for s in tune_sizes.split(",")]
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--sizes") from None
+        raise click.BadParameter(str(e), param_hint="--sizes/--tune-sizes") from None
     if table:
         os.environ[TABLE_ENV] = table       # every rank parses the same command line
     comm = _world()
     if tune:
-        tuned, where = tune_allreduce(comm, max(3, iters // 2), warmup)
+        tuned, where = tune_allreduce(comm, tune_list, max(3, iters // 2), warmup)
         if comm.rank == 0:
             click.echo(f"tuned on {comm.size} ranks, median of {max(3, iters // 2)}; wrote {where}")
             click.echo(format_allreduce(tuned))
