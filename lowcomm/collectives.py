@@ -13,11 +13,14 @@ rabenseifner    2log₂K·α + 2(K-1)/K·nβ       2(K-1)/K·n (+n for the pairs
                                              K is not a power of two)
 tree            2⌈log₂K⌉(α + nβ)             n to the parent + n per child
 mpi             vendor choice                charged 2(K-1)/K·n
+shm             2⌈n/S⌉ barriers + ~3n         2(K-1)/K·n read by the others (one node only;
+                memory traffic               S = SHM_SEGMENT_BYTES; 1 barrier when small)
 hierarchical    per level, see below         2(g-1)/g·n inside a group of g, 2(G-1)/G·n/g
                                              across G groups
 ==============  ==========================  =============================================
 
-Use :func:`allreduce_` for tensors of any shape, dtype and device.
+Use :func:`allreduce_` for tensors of any shape, dtype and device; its default ``"auto"`` picks
+the fastest per size (:mod:`lowcomm.tuning`).
 """
 from __future__ import annotations
 
@@ -46,14 +49,22 @@ def chunk_bounds(n: int, parts: int) -> list[int]:
     return bounds
 
 
+#: The ring's reduce-scatter moves chunks larger than this in segments, pipelined.
+RING_SEGMENT_BYTES = 1 << 20
+
+
 def ring(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
     """Ring all-reduce: reduce-scatter then all-gather around a ring (Patarasuk & Yuan 2009,
-    "Bandwidth optimal all-reduce algorithms for clusters of workstations").
+    "Bandwidth optimal all-reduce algorithms for clusters of workstations"), the
+    reduce-scatter segmented and pipelined.
 
     1. Split ``buf`` into K chunks. For s = 0..K-2, rank r sends chunk (r-s) mod K to r+1 and
        adds the chunk (r-s-1) mod K received from r-1. Rank r now owns the sum of chunk r+1.
-    2. For s = 0..K-2, rank r sends chunk (r+1-s) mod K to r+1 and stores chunk (r-s) mod K
-       received from r-1.
+       A chunk over ``RING_SEGMENT_BYTES`` goes in segments: all its sends are posted at once
+       (``Isend``), and the receive of segment i+1 (``Irecv``, into the other of two segment
+       buffers) is posted before segment i is added in place into the chunk.
+    2. For s = 0..K-2, rank r sends chunk (r+1-s) mod K to r+1 and receives chunk (r-s) mod K
+       from r-1 straight into ``buf``.
     """
     K, r = comm.size, comm.rank
     if K == 1 or buf.numel() == 0:
@@ -61,11 +72,30 @@ def ring(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
     b = chunk_bounds(buf.numel(), K)
     seg = lambda i: buf[b[i]:b[i + 1]]  # noqa: E731
     right, left = (r + 1) % K, (r - 1) % K
-    tmp = torch.empty(b[1] - b[0], dtype=buf.dtype)
+    S = max(1, RING_SEGMENT_BYTES // buf.element_size())
+    tmp = torch.empty(2 * min(S, b[1] - b[0]), dtype=buf.dtype)
     for s in range(K - 1):
         out, into = seg((r - s) % K), seg((r - s - 1) % K)
-        comm.sendrecv_(out, right, tmp[:into.numel()], left)
-        into.add_(tmp[:into.numel()])
+        if into.numel() <= S and out.numel() <= S:
+            got = tmp[:into.numel()]
+            comm.sendrecv_(out, right, got, left)
+            into.add_(got)
+            continue
+        sends = [comm.isend(out[a:a + S], right) for a in range(0, out.numel(), S)]
+        parts = list(range(0, into.numel(), S))
+
+        def post(j):
+            t = tmp[(j % 2) * S:(j % 2) * S + min(S, into.numel() - parts[j])]
+            return comm.irecv_(t, left), t
+        pending = post(0)
+        for j, a in enumerate(parts):
+            req, t = pending
+            req.wait()
+            if j + 1 < len(parts):
+                pending = post(j + 1)      # in flight while this segment is added
+            into[a:a + t.numel()].add_(t)
+        for q in sends:
+            q.wait()
     for s in range(K - 1):
         comm.sendrecv_(seg((r + 1 - s) % K), right, seg((r - s) % K), left)
     return buf
@@ -257,13 +287,15 @@ def hierarchical(levels: "Levels", buf: torch.Tensor) -> torch.Tensor:
 
     1. Cut the buffer into S shards, S = the largest innermost group (e.g. ranks of a node). In
        a group of s ranks, local rank l owns shards j ≡ l (mod s): unequal groups are allowed.
-    2. Ring reduce-scatter inside the group: each rank holds its shards summed over the group.
+    2. Reduce-scatter inside the group: each rank holds its shards summed over the group —
+       through the node's shared window when the group shares one node (as :func:`shm`),
+       else around a ring.
     3. For each owned shard pattern, all-reduce the shards among their owners (one rank per
        group) by applying steps 1–4 again one level up; at the outermost level, a ring.
-    4. Ring all-gather inside the group.
+    4. All-gather inside the group (shared window or ring, as in step 2).
 
-    Each phase is filed in the ledger at its own level (``reduce_scatter.ring`` and
-    ``allgather.ring`` under the inner level, ``allreduce.ring`` under the outermost), so
+    Each phase is filed in the ledger at its own level (``reduce_scatter.shm|ring`` and
+    ``allgather.shm|ring`` under the inner level, ``allreduce.ring`` under the outermost), so
     ``Ledger.by_level()`` shows the bytes that crossed each kind of link. With equal groups of
     g ranks, an n-byte all-reduce sends 2(g-1)/g·n inside and 2(G-1)/G·n/g across G groups.
 
@@ -297,9 +329,12 @@ def _hier_run(h: "Hierarchy", buf: torch.Tensor) -> torch.Tensor:
     b = chunk_bounds(buf.numel(), h.shards)
     blocks = [[(b[j], b[j + 1]) for j in owned] for owned in h.owned]
     inner = h.inner
+    # ranks of one node reduce through their shared window (shm), others around a ring
+    local = inner.size > 1 and inner.node_local()
+    kind = "shm" if local else "ring"
     if inner.size > 1:
-        with inner.ledger.scope("reduce_scatter.ring", inner.level):
-            _ring_reduce_scatter(inner, buf, blocks)
+        with inner.ledger.scope(f"reduce_scatter.{kind}", inner.level):
+            (_shm_reduce_scatter if local else _ring_reduce_scatter)(inner, buf, blocks)
     for shards, sub in h.cross:
         ranges = [(b[j], b[j + 1]) for j in shards]
         if len(ranges) == 1:
@@ -309,9 +344,55 @@ def _hier_run(h: "Hierarchy", buf: torch.Tensor) -> torch.Tensor:
             _hier_run(sub, tmp)
             _scatter(buf, ranges, tmp)
     if inner.size > 1:
-        with inner.ledger.scope("allgather.ring", inner.level):
-            _ring_allgather(inner, buf, blocks)
+        with inner.ledger.scope(f"allgather.{kind}", inner.level):
+            (_shm_allgather if local else _ring_allgather)(inner, buf, blocks)
     return buf
+
+
+def _clip(ranges, a: int, b: int):
+    """The parts of ``ranges`` inside [a, b)."""
+    return [(max(lo, a), min(hi, b)) for lo, hi in ranges if max(lo, a) < min(hi, b)]
+
+
+def _shm_reduce_scatter(comm: Comm, buf, blocks) -> None:
+    """Reduce-scatter through the node's shared window (see :func:`shm`): per segment, every
+    rank copies it into its slot; barrier; rank r adds the other slots' parts of its blocks
+    ``blocks[r]`` into its buffer. Charged what others read of my slot, (their blocks), and
+    what I read of theirs, (K-1)·(my blocks): the ring's bytes."""
+    K, r, es = comm.size, comm.rank, buf.element_size()
+    win = _shm_window(comm)
+    slots = [win.slot(j, buf.dtype) for j in range(K)]
+    t0 = time.perf_counter()
+    for a, L, off in _shm_segments(win, buf.numel(), es):
+        slots[r][off:off + L].copy_(buf[a:a + L])
+        win.sync("reduce_scatter.shm")
+        for lo, hi in _clip(blocks[r], a, a + L):
+            own = buf[lo:hi]
+            for j in range(1, K):
+                own.add_(slots[(r + j) % K][off + lo - a:off + hi - a])
+    mine = _count(blocks[r])
+    comm.ledger.record("shm", comm.level, (buf.numel() - mine) * es, (K - 1) * mine * es,
+                       time.perf_counter() - t0)
+
+
+def _shm_allgather(comm: Comm, buf, blocks) -> None:
+    """All-gather through the node's shared window: per segment, rank r copies its blocks into
+    its slot; barrier; it copies every other rank's blocks from that rank's slot."""
+    K, r, es = comm.size, comm.rank, buf.element_size()
+    win = _shm_window(comm)
+    slots = [win.slot(j, buf.dtype) for j in range(K)]
+    t0 = time.perf_counter()
+    for a, L, off in _shm_segments(win, buf.numel(), es):
+        for lo, hi in _clip(blocks[r], a, a + L):
+            slots[r][off + lo - a:off + hi - a].copy_(buf[lo:hi])
+        win.sync("allgather.shm")
+        for j in range(K):
+            if j != r:
+                for lo, hi in _clip(blocks[j], a, a + L):
+                    buf[lo:hi].copy_(slots[j][off + lo - a:off + hi - a])
+    mine = _count(blocks[r])
+    comm.ledger.record("shm", comm.level, (K - 1) * mine * es, (buf.numel() - mine) * es,
+                       time.perf_counter() - t0)
 
 
 def _gather(buf, ranges):
