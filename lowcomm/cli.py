@@ -152,8 +152,10 @@ def _write_json(path, rows):
 @click.option("--iters", default=20, show_default=True)
 @click.option("--warmup", default=3, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
-@click.option("--tune", is_flag=True, help="Measure every candidate of algorithm=auto at 4 KiB .. "
-              "64 MiB and write the table auto reads (then the sizes/algorithms run as usual).")
+@click.option("--autotune", "--tune", "tune", is_flag=True,
+              help="Measure every candidate of algorithm=auto at --tune-sizes and write the table "
+                   "auto reads (then the sizes/algorithms run as usual). Under mpirun write "
+                   "--autotune: Open MPI's mpirun takes '--tune FILE' for itself wherever it appears.")
 @click.option("--tune-sizes", default="4K,16K,64K,256K,1M,4M,16M,64M", show_default=True,
               help="The sizes --tune measures.")
 @click.option("--table", "table", type=click.Path(dir_okay=False), default=None,

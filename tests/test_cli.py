@@ -40,10 +40,10 @@ def test_train_writes_metrics_and_summary(tmp_path, algorithm, schedule):
 
 
 def test_bench_allreduce_every_algorithm_correct(tmp_path):
-    """Every row correct; --tune writes the table and the auto row then runs its fastest."""
+    """Every row correct; --autotune writes the table and the auto row then runs its fastest."""
     out, table = tmp_path / "ar.json", tmp_path / "cache" / "allreduce.json"
     r = run_ranks(4, "lowcomm", "bench", "allreduce", "--sizes", "4K,1M", "--iters", "3",
-                  "--warmup", "1", "--json", out, "--tune", "--tune-sizes", "4K,1M",
+                  "--warmup", "1", "--json", out, "--autotune", "--tune-sizes", "4K,1M",
                   "--table", table, timeout=240)
     assert r.returncode == 0, r.output
     rows = json.loads(out.read_text())
