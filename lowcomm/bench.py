@@ -269,6 +269,7 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
         opt = build_optimizer(cfg, model.parameters())
         run = comm.dup(Ledger())
         run.validate = False
+        exposed = None
         with baseline(name, comm):
             if name.startswith("ddp-gloo"):
                 from torch.nn.parallel import DistributedDataParallel
@@ -291,16 +292,22 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
                     wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=s.bucket_mb,
                                      overlap=s.overlap, levels=levels,
                                      compressor=_step_compressor(name, cfg) if compressed else None)
-                times = _time_steps(ctl, task, cfg, wrapped, warmup, steps, lambda b: task.loss(model, b))
+                exposed = [] if isinstance(wrapped, SyncDP) else None
+                times = _time_steps(ctl, task, cfg, wrapped, warmup, steps, lambda b: task.loss(model, b),
+                                    exposed=exposed)
                 wrapped.close()
         rows.append({"strategy": name, "ranks": comm.size, "params": params,
                      "grad_MB": params * 4 / 1e6, "step_ms": statistics.median(times) * 1e3,
-                     "step_ms_mean": statistics.fmean(times) * 1e3})
+                     "step_ms_mean": statistics.fmean(times) * 1e3,
+                     "sync_ms": statistics.median(exposed) * 1e3 if exposed else None})
     return rows
 
 
-def _time_steps(ctl: Comm, task, cfg, opt, warmup: int, steps: int, loss) -> list[float]:
-    """The slowest rank's time of each of ``steps`` training steps after ``warmup`` ones."""
+def _time_steps(ctl: Comm, task, cfg, opt, warmup: int, steps: int, loss,
+                exposed: list | None = None) -> list[float]:
+    """The slowest rank's time of each of ``steps`` training steps after ``warmup`` ones;
+    ``exposed`` (SyncDP): gets the slowest rank's ``sync_s`` of each timed step (the wait for
+    the buckets after backward, and the copies into ``p.grad``)."""
     times = []
     for step in range(1, warmup + steps + 1):
         b = task.batch(step, ctl.rank, ctl.size, cfg)
@@ -312,6 +319,8 @@ def _time_steps(ctl: Comm, task, cfg, opt, warmup: int, steps: int, loss) -> lis
         dt = _slowest(ctl, time.perf_counter() - t0)
         if step > warmup:
             times.append(dt)
+            if exposed is not None:
+                exposed.append(_slowest(ctl, opt.sync_s))
     return times
 
 
@@ -326,17 +335,20 @@ def step_peer(name: str) -> str | None:
 
 def format_step(rows: list[dict]) -> str:
     """Step times; ``vs syncdp``: this row over plain SyncDP's; ``ours/ddp``: a lowcomm row's
-    median over its torch DDP peer's in the same run (< 1: ours is faster)."""
+    median over its torch DDP peer's in the same run (< 1: ours is faster); ``sync(ms)``: a
+    SyncDP row's median wait in ``step()`` for the buckets backward did not finish (plus the
+    copies into ``p.grad``): the communication left exposed."""
     ref = {r["strategy"]: r["step_ms"] for r in rows}
     base = ref.get("syncdp")
     lines = [f"{'strategy':>22} {'params':>10} {'step(ms) median':>16} {'mean':>8} {'vs syncdp':>10} "
-             f"{'ours/ddp':>9}"]
+             f"{'ours/ddp':>9} {'sync(ms)':>9}"]
     for r in rows:
         ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
         peer = step_peer(r["strategy"])
         vs = f"{r['step_ms'] / ref[peer]:.2f}" if peer in ref else ""
+        sync = f"{r['sync_ms']:.1f}" if r.get("sync_ms") is not None else ""
         lines.append(f"{r['strategy']:>22} {r['params']:>10} {r['step_ms']:>16.1f} "
-                     f"{r['step_ms_mean']:>8.1f} {ratio:>10} {vs:>9}")
+                     f"{r['step_ms_mean']:>8.1f} {ratio:>10} {vs:>9} {sync:>9}")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """Synchronous data parallelism: every step, average the gradients of all ranks."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,7 @@ class SyncDP(Strategy):
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.algorithm, self.compressor = algorithm, compressor
         self.passes = int(backward_passes_per_step)
+        self.sync_s = 0.0
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self.reducer = Reducer(self.comm, self._named[::-1], algorithm, int(bucket_mb * (1 << 20)),
@@ -122,7 +124,15 @@ class SyncDP(Strategy):
         return hook
 
     def synchronize(self) -> None:
-        """Finish the gradient all-reduce and write the averages into ``p.grad``."""
+        """Finish the gradient all-reduce and write the averages into ``p.grad``. Its duration
+        (the communication backward did not hide, plus the copies) is kept in ``sync_s``."""
+        t0 = time.perf_counter()
+        try:
+            self._synchronize()
+        finally:
+            self.sync_s = time.perf_counter() - t0
+
+    def _synchronize(self) -> None:
         partial = [n for n, c in self._count.items() if 0 < c < self.passes] if self._hooks else []
         if partial:
             raise LowcommError(f"step() after {self._count[partial[0]]} of {self.passes} backward "
