@@ -195,17 +195,22 @@ SHM_SEGMENT_BYTES = 16 << 20
 SHM_ONE_SYNC_BYTES = 256 << 10
 
 
-def _shm_window(comm: Comm):
-    """The communicator's window (every call asks for the same size, so it is allocated once)."""
-    return comm.shared_window(2 * SHM_SEGMENT_BYTES)
+def _shm_window(comm: Comm, nbytes: int):
+    """The communicator's window, two segments per rank: of ``SHM_SEGMENT_BYTES``, or of the
+    next power of two ≥ ``nbytes`` (at least 4 KiB) when that is smaller, so small buckets keep
+    a small window. Every rank passes the same ``nbytes``, so a (collective) reallocation for a
+    larger message happens on all ranks at the same call."""
+    half = min(SHM_SEGMENT_BYTES, 1 << max(12, (max(nbytes, 1) - 1).bit_length()))
+    return comm.shared_window(2 * half)
 
 
 def _shm_segments(win, n: int, es: int):
-    """``(start, length, offset into the slot in elements)`` of each segment of ``n`` elements,
-    alternating between the slot's two halves across segments *and* calls (``win.turn``): a
-    rank fills one half while slower ranks may still read the other, and it can only come back
-    to a half after a barrier that every rank reaches only once done reading it."""
-    seg = max(1, SHM_SEGMENT_BYTES // es)
+    """``(start, length, offset into the slot in elements)`` of each segment of ``n`` elements
+    (a segment: half the window's slot), alternating between the two halves across segments
+    *and* calls (``win.turn``): a rank fills one half while slower ranks may still read the
+    other, and it can only come back to a half after a barrier that every rank reaches only
+    once done reading it."""
+    seg = max(1, min(SHM_SEGMENT_BYTES, win.slot_bytes // 2) // es)
     for a in range(0, n, seg):
         half = getattr(win, "turn", 0)
         win.turn = 1 - half
@@ -238,7 +243,7 @@ def shm(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
     n = buf.numel()
     if K == 1 or n == 0:
         return buf
-    win = _shm_window(comm)
+    win = _shm_window(comm, buf.numel() * buf.element_size())
     slots = [win.slot(j, buf.dtype) for j in range(K)]
     t0 = time.perf_counter()
     moved = 0
@@ -360,7 +365,7 @@ def _shm_reduce_scatter(comm: Comm, buf, blocks) -> None:
     ``blocks[r]`` into its buffer. Charged what others read of my slot, (their blocks), and
     what I read of theirs, (K-1)·(my blocks): the ring's bytes."""
     K, r, es = comm.size, comm.rank, buf.element_size()
-    win = _shm_window(comm)
+    win = _shm_window(comm, buf.numel() * buf.element_size())
     slots = [win.slot(j, buf.dtype) for j in range(K)]
     t0 = time.perf_counter()
     for a, L, off in _shm_segments(win, buf.numel(), es):
@@ -379,7 +384,7 @@ def _shm_allgather(comm: Comm, buf, blocks) -> None:
     """All-gather through the node's shared window: per segment, rank r copies its blocks into
     its slot; barrier; it copies every other rank's blocks from that rank's slot."""
     K, r, es = comm.size, comm.rank, buf.element_size()
-    win = _shm_window(comm)
+    win = _shm_window(comm, buf.numel() * buf.element_size())
     slots = [win.slot(j, buf.dtype) for j in range(K)]
     t0 = time.perf_counter()
     for a, L, off in _shm_segments(win, buf.numel(), es):
