@@ -12,7 +12,7 @@ import gc
 import socket
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 
 import torch
@@ -122,40 +122,61 @@ def _slowest(ctl: Comm, seconds: float) -> float:
 
 def bench_allreduce(comm: Comm, sizes: list[int], algorithms: list[str], iters: int = 20,
                     warmup: int = 3) -> list[dict]:
-    """Time each algorithm on each float32 size; count wrong elements against the exact sum."""
+    """Time each algorithm on each float32 size; count wrong elements against the exact sum.
+
+    lowcomm's algorithms (``auto`` included) take turns iteration by iteration (the order
+    rotating), so a load that comes and goes on a shared machine falls on all of them alike
+    and their ratios hold; Horovod and gloo run in windows of their own (their threads would
+    slow the others)."""
     ctl = comm.dup(Ledger(), "control")
     bench = comm.dup(Ledger())
     bench.validate = False
-    K = comm.size
     for alg in algorithms:   # fail on a bad name before measuring anything
         _check_known(alg, [*ALGORITHM_NAMES, *BASELINES])
+    own = [a for a in algorithms if a not in BASELINES]
     rows = []
-    for alg in algorithms:
-        with reducer(alg, bench) as reduce_:
+    with ExitStack() as stack:
+        fns = {a: stack.enter_context(reducer(a, bench)) for a in own}
+        for size in sizes:
+            rows += _time_size(ctl, bench, fns, size, iters, warmup)
+    for alg in [a for a in algorithms if a in BASELINES]:
+        with reducer(alg, bench) as fn:
             for size in sizes:
-                n = size // 4
-                base = (torch.arange(n, dtype=torch.float32) % 7) + comm.rank      # exact in float32
-                expected = (torch.arange(n, dtype=torch.float32) % 7) * K + K * (K - 1) / 2
-                buf = torch.empty(n, dtype=torch.float32)
-                times = []
-                for i in range(warmup + iters):
-                    buf.copy_(base)
-                    ctl.barrier()
-                    t0 = time.perf_counter()
-                    reduce_(buf)
-                    dt = _slowest(ctl, time.perf_counter() - t0)
-                    if i >= warmup:
-                        times.append(dt)
-                wrong = int((buf != expected).sum())
-                t = statistics.median(times)
-                algbw = size / t / 1e9 if t > 0 else 0.0
-                row = {"size": size, "count": n, "dtype": "float32", "algorithm": alg,
-                       "ranks": K, "time_us": t * 1e6, "algbw_GBps": algbw,
-                       "busbw_GBps": algbw * busbw_factor("allreduce", K), "wrong": wrong}
-                if alg == "auto":
-                    row["chose"] = choose(bench, size, getattr(reduce_, "levels", None))
-                rows.append(row)
+                rows += _time_size(ctl, bench, {alg: fn}, size, iters, warmup)
     return sorted(rows, key=lambda row: (row["size"], algorithms.index(row["algorithm"])))
+
+
+def _time_size(ctl: Comm, bench: Comm, fns: dict, size: int, iters: int, warmup: int) -> list[dict]:
+    """One row per algorithm in ``fns`` at ``size`` bytes, the algorithms taking turns."""
+    K, n = bench.size, size // 4
+    base = (torch.arange(n, dtype=torch.float32) % 7) + bench.rank      # exact in float32
+    expected = (torch.arange(n, dtype=torch.float32) % 7) * K + K * (K - 1) / 2
+    bufs = {a: torch.empty(n, dtype=torch.float32) for a in fns}
+    times: dict[str, list[float]] = {a: [] for a in fns}
+    wrong = dict.fromkeys(fns, 0)
+    names = list(fns)
+    for i in range(warmup + iters):
+        for alg in names[i % len(names):] + names[:i % len(names)]:
+            buf = bufs[alg]
+            buf.copy_(base)
+            ctl.barrier()
+            t0 = time.perf_counter()
+            fns[alg](buf)
+            dt = _slowest(ctl, time.perf_counter() - t0)
+            if i >= warmup:
+                times[alg].append(dt)
+            wrong[alg] = max(wrong[alg], int((buf != expected).sum()))
+    rows = []
+    for alg in names:
+        t = statistics.median(times[alg])
+        algbw = size / t / 1e9 if t > 0 else 0.0
+        row = {"size": size, "count": n, "dtype": "float32", "algorithm": alg,
+               "ranks": K, "time_us": t * 1e6, "algbw_GBps": algbw,
+               "busbw_GBps": algbw * busbw_factor("allreduce", K), "wrong": wrong[alg]}
+        if alg == "auto":
+            row["chose"] = choose(bench, size, getattr(fns[alg], "levels", None))
+        rows.append(row)
+    return rows
 
 
 def format_allreduce(rows: list[dict]) -> str:
