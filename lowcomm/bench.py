@@ -12,12 +12,12 @@ import gc
 import socket
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 
 import torch
 
-from .collectives import ALGORITHMS, allreduce_
+from .collectives import ALGORITHM_NAMES, ALGORITHMS, allreduce_, choose
 from .comm import Comm, mpi
 from .ledger import Ledger, busbw_factor
 from .watchdog import DEFAULT_TIMEOUT_S
@@ -63,7 +63,7 @@ def _check_known(name: str, known, what: str = "algorithm") -> None:
 
 @contextmanager
 def baseline(name: str, comm: Comm):
-    """Start Horovod (``horovod``) or a gloo process group (``gloo``, ``ddp-gloo``) for one
+    """Start Horovod (``horovod``) or a gloo process group (``gloo``, ``ddp-gloo*``) for one
     benchmark window, yield its module, and shut it down after: their polling threads would
     otherwise slow every later row on a shared, oversubscribed machine. Others yield None."""
     if name == "horovod":
@@ -73,7 +73,7 @@ def baseline(name: str, comm: Comm):
             yield hvd
         finally:
             hvd.shutdown()
-    elif name in ("gloo", "ddp-gloo"):
+    elif name == "gloo" or name.startswith("ddp-gloo"):
         dist = init_gloo(comm)
         try:
             yield dist
@@ -90,19 +90,29 @@ def baseline(name: str, comm: Comm):
 
 @contextmanager
 def reducer(name: str, comm: Comm):
-    """Yield a callable summing a float32 CPU tensor in place over all ranks with ``name``."""
-    _check_known(name, [*ALGORITHMS, *BASELINES])
+    """Yield a callable summing a float32 CPU tensor in place over all ranks with ``name``
+    (``auto``: with the topology's communicators when ``$LOWCOMM_TOPOLOGY`` names one)."""
+    _check_known(name, [*ALGORITHM_NAMES, *BASELINES])
     with baseline(name, comm) as lib:
         if name == "horovod":
             yield lambda t: lib.allreduce_(t, op=lib.Sum, name="bench")
         elif name == "gloo":
             yield lambda t: lib.all_reduce(t)
-        elif name == "hierarchical":     # the topology's communicators, built once (collective)
-            from .topology import Topology
+        elif name == "hierarchical" or (name == "auto" and _topology_given()):
+            from .topology import Topology     # the topology's communicators, built once
             levels = Topology.from_env(comm).comms(comm)
-            yield lambda t: allreduce_(t, comm, name, levels=levels)
+
+            def fn(t):
+                return allreduce_(t, comm, name, levels=levels)
+            fn.levels = levels
+            yield fn
         else:
             yield lambda t: allreduce_(t, comm, name)
+
+
+def _topology_given() -> bool:
+    import os
+    return bool(os.environ.get("LOWCOMM_TOPOLOGY"))
 
 
 def _slowest(ctl: Comm, seconds: float) -> float:
@@ -112,56 +122,155 @@ def _slowest(ctl: Comm, seconds: float) -> float:
 
 def bench_allreduce(comm: Comm, sizes: list[int], algorithms: list[str], iters: int = 20,
                     warmup: int = 3) -> list[dict]:
-    """Time each algorithm on each float32 size; count wrong elements against the exact sum."""
+    """Time each algorithm on each float32 size; count wrong elements against the exact sum.
+
+    lowcomm's algorithms (``auto`` included) take turns iteration by iteration (the order
+    rotating), so a load that comes and goes on a shared machine falls on all of them alike
+    and their ratios hold; Horovod and gloo run in windows of their own (their threads would
+    slow the others)."""
     ctl = comm.dup(Ledger(), "control")
     bench = comm.dup(Ledger())
     bench.validate = False
-    K = comm.size
     for alg in algorithms:   # fail on a bad name before measuring anything
-        _check_known(alg, [*ALGORITHMS, *BASELINES])
+        _check_known(alg, [*ALGORITHM_NAMES, *BASELINES])
+    own = [a for a in algorithms if a not in BASELINES]
     rows = []
-    for alg in algorithms:
-        with reducer(alg, bench) as reduce_:
+    with ExitStack() as stack:
+        fns = {a: stack.enter_context(reducer(a, bench)) for a in own}
+        for size in sizes:
+            rows += _time_size(ctl, bench, fns, size, iters, warmup)
+    for alg in [a for a in algorithms if a in BASELINES]:
+        with reducer(alg, bench) as fn:
             for size in sizes:
-                n = size // 4
-                base = (torch.arange(n, dtype=torch.float32) % 7) + comm.rank      # exact in float32
-                expected = (torch.arange(n, dtype=torch.float32) % 7) * K + K * (K - 1) / 2
-                buf = torch.empty(n, dtype=torch.float32)
-                times = []
-                for i in range(warmup + iters):
-                    buf.copy_(base)
-                    ctl.barrier()
-                    t0 = time.perf_counter()
-                    reduce_(buf)
-                    dt = _slowest(ctl, time.perf_counter() - t0)
-                    if i >= warmup:
-                        times.append(dt)
-                wrong = int((buf != expected).sum())
-                t = statistics.median(times)
-                algbw = size / t / 1e9 if t > 0 else 0.0
-                rows.append({"size": size, "count": n, "dtype": "float32", "algorithm": alg,
-                             "ranks": K, "time_us": t * 1e6, "algbw_GBps": algbw,
-                             "busbw_GBps": algbw * busbw_factor("allreduce", K), "wrong": wrong})
+                rows += _time_size(ctl, bench, {alg: fn}, size, iters, warmup)
     return sorted(rows, key=lambda row: (row["size"], algorithms.index(row["algorithm"])))
 
 
+def _time_size(ctl: Comm, bench: Comm, fns: dict, size: int, iters: int, warmup: int) -> list[dict]:
+    """One row per algorithm in ``fns`` at ``size`` bytes, the algorithms taking turns."""
+    K, n = bench.size, size // 4
+    base = (torch.arange(n, dtype=torch.float32) % 7) + bench.rank      # exact in float32
+    expected = (torch.arange(n, dtype=torch.float32) % 7) * K + K * (K - 1) / 2
+    bufs = {a: torch.empty(n, dtype=torch.float32) for a in fns}
+    times: dict[str, list[float]] = {a: [] for a in fns}
+    wrong = dict.fromkeys(fns, 0)
+    names = list(fns)
+    for i in range(warmup + iters):
+        for alg in names[i % len(names):] + names[:i % len(names)]:
+            buf = bufs[alg]
+            buf.copy_(base)
+            ctl.barrier()
+            t0 = time.perf_counter()
+            fns[alg](buf)
+            dt = _slowest(ctl, time.perf_counter() - t0)
+            if i >= warmup:
+                times[alg].append(dt)
+            wrong[alg] = max(wrong[alg], int((buf != expected).sum()))
+    rows = []
+    for alg in names:
+        t = statistics.median(times[alg])
+        algbw = size / t / 1e9 if t > 0 else 0.0
+        row = {"size": size, "count": n, "dtype": "float32", "algorithm": alg,
+               "ranks": K, "time_us": t * 1e6, "algbw_GBps": algbw,
+               "busbw_GBps": algbw * busbw_factor("allreduce", K), "wrong": wrong[alg]}
+        if alg == "auto":
+            row["chose"] = choose(bench, size, getattr(fns[alg], "levels", None))
+        rows.append(row)
+    return rows
+
+
 def format_allreduce(rows: list[dict]) -> str:
-    """An nccl-tests style table with each row's busbw as a ratio of vendor MPI's."""
+    """An nccl-tests style table with each row's busbw as a ratio of vendor MPI's; an ``auto``
+    row also says what it ran and ``best/auto``: the fastest other lowcomm row's time (of the
+    same size, same run) over auto's (>= 1: auto was at least as fast)."""
     ref = {r["size"]: r["busbw_GBps"] for r in rows if r["algorithm"] == "mpi"}
+    best = {}
+    for r in rows:
+        if r["algorithm"] in ALGORITHMS:
+            best[r["size"]] = min(best.get(r["size"], float("inf")), r["time_us"])
     lines = [f"{'size':>10} {'algorithm':>13} {'time(us)':>11} {'algbw(GB/s)':>12} "
-             f"{'busbw(GB/s)':>12} {'vs mpi':>7} {'#wrong':>7}"]
+             f"{'busbw(GB/s)':>12} {'vs mpi':>7} {'#wrong':>7} {'best/auto':>10}"]
     for r in rows:
         ratio = f"{r['busbw_GBps'] / ref[r['size']]:.2f}" if ref.get(r["size"]) else "-"
-        lines.append(f"{r['size']:>10} {r['algorithm']:>13} {r['time_us']:>11.1f} "
-                     f"{r['algbw_GBps']:>12.3f} {r['busbw_GBps']:>12.3f} {ratio:>7} {r['wrong']:>7}")
+        name = f"auto={r['chose']}" if "chose" in r else r["algorithm"]
+        vs = f"{best[r['size']] / r['time_us']:.2f}" if "chose" in r and r["size"] in best else ""
+        lines.append(f"{r['size']:>10} {name:>13} {r['time_us']:>11.1f} "
+                     f"{r['algbw_GBps']:>12.3f} {r['busbw_GBps']:>12.3f} {ratio:>7} {r['wrong']:>7} {vs:>10}")
     return "\n".join(lines)
 
 
-STEP_STRATEGIES = ("syncdp", *[f"syncdp-{a}" for a in ALGORITHMS if a != "mpi"], "horovod", "ddp-gloo")
+def tune_allreduce(comm: Comm, sizes=None, iters: int = 10, warmup: int = 2,
+                   path=None) -> tuple[list[dict], str]:
+    """``lowcomm bench allreduce --tune``: time every candidate of ``auto`` at ``sizes``
+    (default :data:`lowcomm.tuning.TUNE_SIZES`) on this communicator (one node) and write the table
+    :mod:`lowcomm.tuning` reads (rank 0 writes; returns the rows and the path)."""
+    import os
+    import platform
+    from pathlib import Path
+
+    from .tuning import TUNE_SIZES, save_table, table_path
+    if not comm.node_local():
+        raise ValueError("--tune measures the ranks of one node; these ranks span several "
+                         "(their links are the α–β model's business)")
+    algs = ["mpi", "ring", "rabenseifner", "tree", "shm"] + (["hierarchical"] if _topology_given() else [])
+    rows = bench_allreduce(comm, list(sizes or TUNE_SIZES), algs, iters, warmup)
+    bad = [r for r in rows if r["wrong"]]
+    if bad:
+        raise RuntimeError(f"--tune: {bad[0]['algorithm']} gave {bad[0]['wrong']} wrong elements "
+                           f"at {bad[0]['size']} bytes; no table written")
+    target = Path(path) if path else table_path(comm.size)
+    if comm.rank == 0:
+        times: dict[int, dict[str, float]] = {}
+        for r in rows:
+            times.setdefault(r["size"], {})[r["algorithm"]] = round(r["time_us"], 1)
+        save_table(target, comm.size, times, {
+            "host": platform.node(), "iters": iters, "dtype": "float32",
+            "loadavg": os.getloadavg(), "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "topology": os.environ.get("LOWCOMM_TOPOLOGY", "")})
+    return rows, str(target)
+
+
+#: compressed peers: lowcomm's ``syncdp-<c>`` beside torch DDP's communication hook ``ddp-gloo-<c>``
+STEP_COMPRESSORS = ("fp16", "powersgd")
+#: PowerSGD's dense steps before compressing, in both implementations (torch needs >= 2 with
+#: error feedback); the timed steps come after the warm-up, so all of them are compressed
+STEP_POWERSGD_START = 2
+STEP_STRATEGIES = ("syncdp", *[f"syncdp-{a}" for a in ALGORITHMS], "horovod", "ddp-gloo",
+                   *[f"{p}-{c}" for c in STEP_COMPRESSORS for p in ("syncdp", "ddp-gloo")])
+
+
+def _ddp_hook(ddp, name: str, cfg) -> None:
+    """torch's own communication hook for compressed peer ``name`` (``ddp-gloo-<c>``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    kind = name.rsplit("-", 1)[1]
+    if kind == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    else:
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=cfg.compressor.approx_rank,
+            start_powerSGD_iter=STEP_POWERSGD_START,
+            min_compression_rate=cfg.compressor.min_compression_rate,
+            use_error_feedback=True, warm_start=True, random_seed=cfg.compressor.seed)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def _step_compressor(name: str, cfg):
+    """lowcomm's compressor for ``syncdp-<c>`` (the run's [compressor] keys, PowerSGD starting
+    at :data:`STEP_POWERSGD_START` like torch's hook)."""
+    import dataclasses
+
+    from .compress import build_compressor
+    kind = name.split("-", 1)[1]
+    return build_compressor(dataclasses.replace(cfg.compressor, name=kind, start_iter=STEP_POWERSGD_START))
 
 
 def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: int = 5) -> list[dict]:
-    """Median training-step time of ``cfg``'s model under each data-parallel implementation."""
+    """Median training-step time of ``cfg``'s model under each data-parallel implementation:
+    lowcomm's SyncDP (``syncdp``: the configured algorithm, default ``auto``;
+    ``syncdp-<algorithm>``; ``syncdp-fp16`` / ``syncdp-powersgd`` with lowcomm's compressor),
+    Horovod, and torch DDP over gloo (``ddp-gloo``; ``ddp-gloo-fp16`` / ``ddp-gloo-powersgd``
+    with torch's ``fp16_compress_hook`` / ``powerSGD_hook``). Same model, seed, batches and
+    optimizer for every row; DDP's bucket size is SyncDP's ``bucket_mb``."""
     from .backends.horovod import HorovodDP
     from .loop import build_optimizer
     from .strategies.syncdp import SyncDP, SyncDPSettings
@@ -181,33 +290,45 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
         opt = build_optimizer(cfg, model.parameters())
         run = comm.dup(Ledger())
         run.validate = False
+        exposed = None
         with baseline(name, comm):
-            if name == "ddp-gloo":
+            if name.startswith("ddp-gloo"):
                 from torch.nn.parallel import DistributedDataParallel
                 ddp = DistributedDataParallel(model, bucket_cap_mb=s.bucket_mb)
+                if name != "ddp-gloo":
+                    _ddp_hook(ddp, name, cfg)
                 times = _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(ddp, b))
                 del ddp     # before baseline() destroys its process group (see there)
             else:
                 if name == "horovod":
                     wrapped = HorovodDP(model, opt, run)
                 else:
-                    algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") else s.algorithm
+                    compressed = name.split("-", 1)[-1] in STEP_COMPRESSORS
+                    algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") and \
+                        not compressed else s.algorithm
                     levels = None
                     if algorithm == "hierarchical":
                         from .topology import Topology
                         levels = Topology.from_env(run, cfg.topology).comms(run)
                     wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=s.bucket_mb,
-                                     overlap=s.overlap, levels=levels)
-                times = _time_steps(ctl, task, cfg, wrapped, warmup, steps, lambda b: task.loss(model, b))
+                                     overlap=s.overlap, levels=levels,
+                                     compressor=_step_compressor(name, cfg) if compressed else None)
+                exposed = [] if isinstance(wrapped, SyncDP) else None
+                times = _time_steps(ctl, task, cfg, wrapped, warmup, steps, lambda b: task.loss(model, b),
+                                    exposed=exposed)
                 wrapped.close()
         rows.append({"strategy": name, "ranks": comm.size, "params": params,
                      "grad_MB": params * 4 / 1e6, "step_ms": statistics.median(times) * 1e3,
-                     "step_ms_mean": statistics.fmean(times) * 1e3})
+                     "step_ms_mean": statistics.fmean(times) * 1e3,
+                     "sync_ms": statistics.median(exposed) * 1e3 if exposed else None})
     return rows
 
 
-def _time_steps(ctl: Comm, task, cfg, opt, warmup: int, steps: int, loss) -> list[float]:
-    """The slowest rank's time of each of ``steps`` training steps after ``warmup`` ones."""
+def _time_steps(ctl: Comm, task, cfg, opt, warmup: int, steps: int, loss,
+                exposed: list | None = None) -> list[float]:
+    """The slowest rank's time of each of ``steps`` training steps after ``warmup`` ones;
+    ``exposed`` (SyncDP): gets the slowest rank's ``sync_s`` of each timed step (the wait for
+    the buckets after backward, and the copies into ``p.grad``)."""
     times = []
     for step in range(1, warmup + steps + 1):
         b = task.batch(step, ctl.rank, ctl.size, cfg)
@@ -219,17 +340,36 @@ def _time_steps(ctl: Comm, task, cfg, opt, warmup: int, steps: int, loss) -> lis
         dt = _slowest(ctl, time.perf_counter() - t0)
         if step > warmup:
             times.append(dt)
+            if exposed is not None:
+                exposed.append(_slowest(ctl, opt.sync_s))
     return times
 
 
+def step_peer(name: str) -> str | None:
+    """The torch DDP row a lowcomm row is compared with: ``syncdp``/``syncdp-<algorithm>`` ->
+    ``ddp-gloo``, ``syncdp-<c>`` -> ``ddp-gloo-<c>`` for a compressor c; others: None."""
+    if not name.startswith("syncdp"):
+        return None
+    kind = name.split("-", 1)[1] if "-" in name else ""
+    return f"ddp-gloo-{kind}" if kind in STEP_COMPRESSORS else "ddp-gloo"
+
+
 def format_step(rows: list[dict]) -> str:
+    """Step times; ``vs syncdp``: this row over plain SyncDP's; ``ours/ddp``: a lowcomm row's
+    median over its torch DDP peer's in the same run (< 1: ours is faster); ``sync(ms)``: a
+    SyncDP row's median wait in ``step()`` for the buckets backward did not finish (plus the
+    copies into ``p.grad``): the communication left exposed."""
     ref = {r["strategy"]: r["step_ms"] for r in rows}
     base = ref.get("syncdp")
-    lines = [f"{'strategy':>22} {'params':>10} {'step(ms) median':>16} {'mean':>8} {'vs syncdp':>10}"]
+    lines = [f"{'strategy':>22} {'params':>10} {'step(ms) median':>16} {'mean':>8} {'vs syncdp':>10} "
+             f"{'ours/ddp':>9} {'sync(ms)':>9}"]
     for r in rows:
         ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
+        peer = step_peer(r["strategy"])
+        vs = f"{r['step_ms'] / ref[peer]:.2f}" if peer in ref else ""
+        sync = f"{r['sync_ms']:.1f}" if r.get("sync_ms") is not None else ""
         lines.append(f"{r['strategy']:>22} {r['params']:>10} {r['step_ms']:>16.1f} "
-                     f"{r['step_ms_mean']:>8.1f} {ratio:>10}")
+                     f"{r['step_ms_mean']:>8.1f} {ratio:>10} {vs:>9} {sync:>9}")
     return "\n".join(lines)
 
 

@@ -163,18 +163,40 @@ def _write_json(path, rows):
 
 @bench.command("allreduce")
 @click.option("--sizes", default="4K,1M,16M", show_default=True, help="Bytes per buffer (K, M, G).")
-@click.option("--algorithms", default="mpi,ring,rabenseifner,tree,horovod,gloo", show_default=True)
+@click.option("--algorithms", default="mpi,ring,rabenseifner,tree,shm,auto,horovod,gloo",
+              show_default=True)
 @click.option("--iters", default=20, show_default=True)
 @click.option("--warmup", default=3, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
-def bench_allreduce(sizes, algorithms, iters, warmup, json_path):
-    """All-reduce time, algbw and busbw per size and algorithm (nccl-tests style)."""
-    from .bench import bench_allreduce as run, format_allreduce, parse_size
+@click.option("--autotune", "--tune", "tune", is_flag=True,
+              help="Measure every candidate of algorithm=auto at --tune-sizes and write the table "
+                   "auto reads (then the sizes/algorithms run as usual). Under mpirun write "
+                   "--autotune: Open MPI's mpirun takes '--tune FILE' for itself wherever it appears.")
+@click.option("--tune-sizes", default="4K,16K,64K,256K,1M,4M,16M,64M", show_default=True,
+              help="The sizes --tune measures.")
+@click.option("--table", "table", type=click.Path(dir_okay=False), default=None,
+              help="The auto table to write (--tune) and read [default: $LOWCOMM_ALLREDUCE_TABLE, "
+                   "else ~/.cache/lowcomm/allreduce-<host>-<ranks>.json].")
+def bench_allreduce(sizes, algorithms, iters, warmup, json_path, tune, tune_sizes, table):
+    """All-reduce time, algbw and busbw per size and algorithm (nccl-tests style); the auto row
+    says which algorithm it ran and its time against the fastest other row's."""
+    import os
+
+    from .bench import bench_allreduce as run, format_allreduce, parse_size, tune_allreduce
+    from .tuning import TABLE_ENV
     try:
         size_list = [parse_size(s) for s in sizes.split(",")]
+        tune_list = [parse_size(s) for s in tune_sizes.split(",")]
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--sizes") from None
+        raise click.BadParameter(str(e), param_hint="--sizes/--tune-sizes") from None
+    if table:
+        os.environ[TABLE_ENV] = table       # every rank parses the same command line
     comm = _world()
+    if tune:
+        tuned, where = tune_allreduce(comm, tune_list, max(3, iters // 2), warmup)
+        if comm.rank == 0:
+            click.echo(f"tuned on {comm.size} ranks, median of {max(3, iters // 2)}; wrote {where}")
+            click.echo(format_allreduce(tuned))
     rows = run(comm, size_list, algorithms.split(","), iters, warmup)
     if comm.rank == 0:
         click.echo(f"all-reduce, float32, {comm.size} ranks, median of {iters} iterations")
@@ -184,7 +206,8 @@ def bench_allreduce(sizes, algorithms, iters, warmup, json_path):
 
 @bench.command("step")
 @config_options
-@click.option("--strategies", default="syncdp,horovod,ddp-gloo", show_default=True)
+@click.option("--strategies", default="syncdp,ddp-gloo,syncdp-fp16,ddp-gloo-fp16,syncdp-powersgd,"
+              "ddp-gloo-powersgd,horovod", show_default=True)
 @click.option("--steps", default=20, show_default=True)
 @click.option("--warmup", default=5, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")

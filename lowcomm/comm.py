@@ -32,7 +32,8 @@ _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bflo
                 torch.bool: 10}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 _META_LEN = 12          # dtype, numel, ndim, 6 dims, hash of further dims, op hash, root
-_HALF_OPS: dict = {}    # torch dtype -> MPI.Op summing 16-bit floats, created on first use
+_HALF_OPS: dict = {}
+_SHM_SPINS, _SHM_YIELDS = 64, 256   # SharedWindow.sync: polls before yielding, then napping    # torch dtype -> MPI.Op summing 16-bit floats, created on first use
 
 
 def mpi():
@@ -153,6 +154,9 @@ class Comm:
         #: sets it); None: unknown. Duplicates keep it.
         self.link = None
         self._pinned: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._node_local: bool | None = None        # node_local()'s cached answer
+        self._window: SharedWindow | None = None     # shared_window()'s window, kept
+        self.auto_policy = None   # lowcomm.collectives' auto choice, agreed once per Comm
 
     def __repr__(self) -> str:
         return f"Comm(level={self.level!r}, rank={self.rank}, size={self.size})"
@@ -470,6 +474,39 @@ class Comm:
         self.ledger.record(op, self.level, 0, buf.nbytes, time.perf_counter() - t0)
         return pickle.loads(buf.tobytes())
 
+    # shared memory (MPI-3 shared windows) --------------------------------------------------------
+    def node_local(self) -> bool:
+        """True when every rank of this communicator can share memory with every other (one
+        node): ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` keeps all of them. Collective the
+        first time (the answer is cached; every rank gets the same one)."""
+        if self._node_local is None:
+            if self.size == 1:
+                self._node_local = True
+            else:
+                sub = self._guard("split_shared", 0, self.mpi.Split_type, mpi().COMM_TYPE_SHARED,
+                                  self.rank)
+                self._node_local = sub.Get_size() == self.size
+                sub.Free()
+        return self._node_local
+
+    def shared_window(self, slot_bytes: int) -> "SharedWindow":
+        """This communicator's :class:`SharedWindow` of ``slot_bytes`` bytes per rank (allocated
+        collectively on first use and kept; a later call asking for more reallocates, so every
+        rank must ask for the same size in the same order). Raises :class:`CommError` naming the
+        level when the ranks do not share one node."""
+        w = self._window
+        if w is not None and w.slot_bytes >= slot_bytes:
+            return w
+        if not self.node_local():
+            raise CommError("shared_window", self.rank, f"the {self.size} ranks of level "
+                            f"{self.level!r} do not share one node (MPI_COMM_TYPE_SHARED split "
+                            f"them); a shared-memory collective needs a node-local communicator",
+                            slot_bytes)
+        if w is not None:
+            w.free()
+        self._window = SharedWindow(self, slot_bytes)
+        return self._window
+
         # communicators ----------------------------------------------------------------------------
     def split(self, color: int, key: int | None = None, level: str | None = None) -> "Comm | None":
         """``MPI_Comm_split``: ranks with the same ``color`` form a new Comm (``None`` for a
@@ -504,7 +541,80 @@ class Comm:
         out = Comm(self.mpi.Dup(), ledger or self.ledger, level or self.level, self.validate,
                    self.watchdog)
         out.link = self.link
+        out._node_local = self._node_local
+        out.auto_policy = self.auto_policy
         return out
+
+
+class SharedWindow:
+    """An MPI-3 shared-memory window (``MPI_Win_allocate_shared``) over a node-local Comm:
+    ``slot_bytes`` bytes of data per rank, every rank's slot mapped into every process.
+
+    ``slot(j)`` is rank j's data as a tensor (no copy: loads and stores go straight to the
+    shared pages). :meth:`sync` is a barrier through the window itself: each rank bumps a
+    counter in its slot's header and waits until every counter has reached it, with
+    ``MPI_Win_sync`` fences on both sides (MPI-3.1 §11.5.5's recipe for load/store access).
+    A waiting rank spins briefly, then yields, then sleeps in short naps, so on an
+    oversubscribed node it hands its core to the ranks still working (an ``MPI_Barrier``
+    spins, stealing the core from them). The wait runs under the communicator's watchdog,
+    so a rank that never arrives ends the job with a message naming the op, not a hang.
+    """
+
+    HEADER = 64       # bytes before each slot's data: the sync counter, on its own cache line
+
+    def __init__(self, comm: Comm, slot_bytes: int):
+        MPI = mpi()
+        self.comm, self.slot_bytes = comm, int(slot_bytes)
+        total = self.HEADER + self.slot_bytes
+        self.win = comm._guard("shared_window", total, MPI.Win.Allocate_shared,
+                               total, 1, MPI.INFO_NULL, comm.mpi)
+        self.win.Lock_all(MPI.MODE_NOCHECK)     # one passive epoch for the window's life
+        self._raw, self._data = [], []
+        for j in range(comm.size):
+            mem, _ = self.win.Shared_query(j)
+            raw = torch.frombuffer(mem, dtype=torch.uint8, count=total)
+            self._raw.append(raw)
+            self._data.append(raw[self.HEADER:])
+        self._counters = [np.frombuffer(mem, dtype=np.int64, count=1)
+                          for mem in (self.win.Shared_query(j)[0] for j in range(comm.size))]
+        self._mine = self._counters[comm.rank]
+        self._mine[0] = 0
+        self._seq = 0
+        self.comm._guard("shared_window", 0, self.comm.mpi.Barrier)   # counters zeroed
+
+    def slot(self, j: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """Rank ``j``'s slot viewed as ``dtype`` (whole elements)."""
+        es = torch.empty(0, dtype=dtype).element_size()
+        return self._data[j][:self.slot_bytes - self.slot_bytes % es].view(dtype)
+
+    def sync(self, op: str = "shm.sync") -> None:
+        """Make this rank's stores visible to every rank and wait until all have arrived."""
+        self._seq += 1
+        seq = self._seq
+        self.win.Sync()              # my data stores before my counter store
+        self._mine[0] = seq
+        others = [c for j, c in enumerate(self._counters) if j != self.comm.rank]
+
+        def wait():
+            spins = 0
+            while True:
+                if all(c[0] >= seq for c in others):
+                    return
+                spins += 1
+                if spins < _SHM_SPINS:
+                    continue
+                if spins < _SHM_YIELDS:
+                    os.sched_yield()
+                else:
+                    time.sleep(50e-6)
+        self.comm._guard(op, 0, wait)
+        self.win.Sync()              # their data loads after their counters
+
+    def free(self) -> None:
+        """Release the window (collective)."""
+        self._raw, self._data, self._counters = [], [], []
+        self.win.Unlock_all()
+        self.win.Free()
 
 
 class Message:

@@ -51,7 +51,8 @@ class Reducer:
         comm: the communicator.
         named: ``(name, tensor)`` pairs fixing names, shapes, dtypes and bucket order; the same
             on every rank (checked once, here, so the hot path needs no per-call check).
-        algorithm: an all-reduce algorithm name from :data:`lowcomm.collectives.ALGORITHMS`.
+        algorithm: an all-reduce algorithm name (:data:`lowcomm.collectives.ALGORITHM_NAMES`;
+            "auto" chooses per bucket size).
         levels: the topology's communicators (:meth:`lowcomm.topology.Topology.comms`), needed by
             ``algorithm = "hierarchical"`` (the Reducer runs it on a duplicate of them).
         bucket_bytes: target bucket size; a tensor larger than this gets a bucket of its own.
@@ -101,7 +102,8 @@ class Reducer:
         self._thread_comm = comm.dup()   # own message space; shapes were checked just above
         self._thread_comm.validate = False
         # hierarchical: the topology's communicators, duplicated for the same reason
-        self._levels = levels.dup() if levels is not None and algorithm == "hierarchical" else None
+        self._levels = levels.dup() if levels is not None and algorithm in ("hierarchical", "auto") \
+            else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-reducer") if overlap else None
         self._next = 0          # the next bucket to launch; launches happen in index order
         self.reset()

@@ -189,8 +189,11 @@ def topology_comms(cfg, comm):
     """The topology's communicators over ``comm`` when the run needs them (a per-level policy,
     or a ``hierarchical`` all-reduce), else None; the topology is read (and checked against the
     job's size) whenever one is configured. Collective over ``comm``."""
-    needed = bool(cfg.policy) or cfg.strategy.get("algorithm") == "hierarchical"
-    if not (needed or cfg.topology or os.environ.get("LOWCOMM_TOPOLOGY")):
+    configured = bool(cfg.topology or os.environ.get("LOWCOMM_TOPOLOGY"))
+    algorithm = cfg.strategy.get("algorithm", "auto")
+    # "auto" may pick the hierarchical all-reduce where a topology is configured
+    needed = bool(cfg.policy) or algorithm == "hierarchical" or (algorithm == "auto" and configured)
+    if not (needed or configured):
         return None
     from .topology import Topology
     topo = Topology.from_env(comm, cfg.topology)

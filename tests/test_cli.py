@@ -40,25 +40,37 @@ def test_train_writes_metrics_and_summary(tmp_path):
 
 
 def test_bench_allreduce_every_algorithm_correct(tmp_path):
-    out = tmp_path / "ar.json"
+    """Every row correct; --autotune writes the table and the auto row then runs its fastest."""
+    out, table = tmp_path / "ar.json", tmp_path / "cache" / "allreduce.json"
     r = run_ranks(4, "lowcomm", "bench", "allreduce", "--sizes", "4K,1M", "--iters", "3",
-                  "--warmup", "1", "--json", out, timeout=240)
+                  "--warmup", "1", "--json", out, "--autotune", "--tune-sizes", "4K,1M",
+                  "--table", table, timeout=240)
     assert r.returncode == 0, r.output
     rows = json.loads(out.read_text())
     assert {(x["size"], x["algorithm"]) for x in rows} == {
-        (s, a) for s in (4096, 1 << 20) for a in ("mpi", "ring", "rabenseifner", "tree", "horovod", "gloo")}
+        (s, a) for s in (4096, 1 << 20)
+        for a in ("mpi", "ring", "rabenseifner", "tree", "shm", "auto", "horovod", "gloo")}
     assert all(x["wrong"] == 0 and x["time_us"] > 0 and x["busbw_GBps"] > 0 for x in rows)
-    assert "busbw(GB/s)" in r.stdout and "vs mpi" in r.stdout
+    assert "busbw(GB/s)" in r.stdout and "vs mpi" in r.stdout and "best/auto" in r.stdout
+    tuned = json.loads(table.read_text())
+    assert tuned["ranks"] == 4 and set(tuned["times_us"]) == {"4096", "1048576"}
+    for x in rows:
+        if x["algorithm"] == "auto":
+            times = tuned["times_us"][str(x["size"])]
+            assert set(times) == {"mpi", "ring", "rabenseifner", "tree", "shm"}
+            assert x["chose"] == min(times, key=times.get), (x, times)
 
 
-def test_bench_step_runs_all_three(tmp_path):
+def test_bench_step_runs_every_peer(tmp_path):
     out = tmp_path / "step.json"
     r = run_ranks(2, "lowcomm", "bench", "step", "--steps", "3", "--warmup", "1",
                   "--set", "model.d_model=32", "--json", out, timeout=240)
     assert r.returncode == 0, r.output
     rows = json.loads(out.read_text())
-    assert [x["strategy"] for x in rows] == ["syncdp", "horovod", "ddp-gloo"]
+    assert [x["strategy"] for x in rows] == ["syncdp", "ddp-gloo", "syncdp-fp16", "ddp-gloo-fp16",
+                                              "syncdp-powersgd", "ddp-gloo-powersgd", "horovod"]
     assert all(x["step_ms"] > 0 for x in rows) and len({x["params"] for x in rows}) == 1
+    assert "ours/ddp" in r.stdout
 
 
 def test_horovodrun_launcher_runs_lowcomm(tmp_path):

@@ -52,7 +52,7 @@ def test_bad_config_key_fails_before_training(tmp_path):
 
 def test_bad_config_type_and_value_are_named(tmp_path):
     for override, words in [("steps=ten", "config key 'steps': expects int"),
-                            ("strategy.algorithm=butterfly", "known: mpi, ring, rabenseifner, tree"),
+                            ("strategy.algorithm=butterfly", "known: auto, mpi, ring, rabenseifner, tree, shm"),
                             ("compressor.name=zip", "config key 'compressor.name'")]:
         r = cli("train", "--set", override, "--out", tmp_path)
         assert r.returncode != 0 and words in r.stderr, r.output

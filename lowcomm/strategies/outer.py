@@ -185,7 +185,7 @@ class OuterLoop(Strategy):
         self._red.validate = False                   # the layout was agreed just above
         # hierarchical: the topology's communicators in the reductions' own space and ledger
         self._levels = levels.dup(self._red.ledger) if levels is not None and \
-            algorithm == "hierarchical" else None
+            algorithm in ("hierarchical", "auto") else None
         self.nest, self._inside, self._leaders = nest, None, None
         if nest is not None:                         # same ledger: a sync's rows, all levels
             self._inside = nest.inside.dup(self._red.ledger) if nest.inside else None

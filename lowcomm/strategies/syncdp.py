@@ -1,11 +1,12 @@
 """Synchronous data parallelism: every step, average the gradients of all ranks."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
-from ..collectives import ALGORITHMS, broadcast_
+from ..collectives import ALGORITHM_NAMES, broadcast_
 from ..comm import Comm
 from ..errors import ConfigError, LowcommError
 from ..reducer import Reducer
@@ -18,7 +19,7 @@ BACKENDS = ("mpi", "horovod")
 @dataclass
 class SyncDPSettings(Settings):
     """``[strategy]`` keys of ``syncdp`` (and of the outer loops' dense warm-up)."""
-    algorithm: str = "mpi"             # all-reduce algorithm (lowcomm.collectives.ALGORITHMS)
+    algorithm: str = "auto"            # all-reduce algorithm (collectives.ALGORITHM_NAMES)
     bucket_mb: float = 4.0             # bucket size in MiB
     backward_passes_per_step: int = 1  # gradient accumulation N
     overlap: bool = True               # reduce buckets during backward
@@ -26,14 +27,15 @@ class SyncDPSettings(Settings):
     compressor: str = ""               # gradient compressor; "" = the run's [compressor] table
 
     def validate(self, prefix: str = "") -> None:
-        self.one_of(prefix, "algorithm", list(ALGORITHMS))
+        self.one_of(prefix, "algorithm", list(ALGORITHM_NAMES))
         self.one_of(prefix, "backend", BACKENDS)
         self.within(prefix, "bucket_mb", 0, float("inf"), low_open=True)
         self.at_least(prefix, "backward_passes_per_step", 1)
         check_compressor_name(self, prefix, allow_empty=True)
-        if self.backend == "horovod" and self.algorithm != "mpi":
+        if self.backend == "horovod" and self.algorithm not in ("mpi", "auto"):
             raise ConfigError(prefix + "algorithm", "Horovod chooses its own all-reduce; leave "
-                              f"algorithm = \"mpi\" with backend = \"horovod\", got {self.algorithm!r}")
+                              f"algorithm = \"auto\" or \"mpi\" with backend = \"horovod\", got "
+                              f"{self.algorithm!r}")
 
     def kwargs(self, ctx: Context) -> dict:
         """The constructor's keyword arguments (also the outer loops' dense warm-up, which
@@ -72,7 +74,8 @@ class SyncDP(Strategy):
     Args:
         model, optimizer: the user's torch objects.
         comm: communicator (default: world).
-        algorithm: all-reduce algorithm ("mpi", "ring", "rabenseifner", "tree", "hierarchical").
+        algorithm: all-reduce algorithm ("auto": the fastest per bucket size, see
+            :mod:`lowcomm.tuning`; "mpi", "ring", "rabenseifner", "tree", "shm", "hierarchical").
         bucket_mb: bucket size in MiB.
         backward_passes_per_step: gradient accumulation factor N ≥ 1.
         overlap: reduce buckets during backward (True) or all at once in ``step()``.
@@ -81,7 +84,7 @@ class SyncDP(Strategy):
         nonfinite: "raise" (a NaN/Inf gradient is an error, never sent) or "zero" (the caller
             skips such steps with :meth:`skip`).
         levels: the topology's communicators (:meth:`lowcomm.topology.Topology.comms`) for
-            ``algorithm = "hierarchical"``.
+            ``algorithm = "hierarchical"`` (and a candidate of ``"auto"``).
 
     Example::
 
@@ -92,7 +95,7 @@ class SyncDP(Strategy):
     name = "syncdp"
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, algorithm: str = "mpi", bucket_mb: float = 4.0,
+                 comm: Comm | None = None, algorithm: str = "auto", bucket_mb: float = 4.0,
                  backward_passes_per_step: int = 1, overlap: bool = True,
                  compressor=None, nonfinite: str = "raise", levels=None):
         super().__init__(model, optimizer, comm)
@@ -102,6 +105,7 @@ class SyncDP(Strategy):
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.algorithm, self.compressor = algorithm, compressor
         self.passes = int(backward_passes_per_step)
+        self.sync_s = 0.0
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self.reducer = Reducer(self.comm, self._named[::-1], algorithm, int(bucket_mb * (1 << 20)),
@@ -120,7 +124,15 @@ class SyncDP(Strategy):
         return hook
 
     def synchronize(self) -> None:
-        """Finish the gradient all-reduce and write the averages into ``p.grad``."""
+        """Finish the gradient all-reduce and write the averages into ``p.grad``. Its duration
+        (the communication backward did not hide, plus the copies) is kept in ``sync_s``."""
+        t0 = time.perf_counter()
+        try:
+            self._synchronize()
+        finally:
+            self.sync_s = time.perf_counter() - t0
+
+    def _synchronize(self) -> None:
         partial = [n for n, c in self._count.items() if 0 < c < self.passes] if self._hooks else []
         if partial:
             raise LowcommError(f"step() after {self._count[partial[0]]} of {self.passes} backward "
