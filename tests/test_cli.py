@@ -16,6 +16,7 @@ def test_train_writes_metrics_and_summary(tmp_path):
     K, steps, algorithm = 4, 12, "ring"
     r = run_ranks(K, "lowcomm", "train", "--quiet", "--set", f"steps={steps}", "--set", "log_every=4",
                   "--set", f"strategy.algorithm={algorithm}", "--set", "model.d_model=32",
+                  "--set", "model.n_layers=1", "--set", "data.max_bytes=300000",
                   "--set", "optimizer.schedule=cosine", "--set", "optimizer.warmup_steps=2",
                   "--set", "eval_batches=4", "--out", tmp_path, timeout=240)
     assert r.returncode == 0, r.output
@@ -75,7 +76,8 @@ def test_bench_step_runs_every_peer(tmp_path):
 
 def test_horovodrun_launcher_runs_lowcomm(tmp_path):
     r = run_ranks(2, "lowcomm", "train", "--quiet", "--set", "steps=3", "--set", "model.d_model=32",
-                  "--set", "strategy.backend='horovod'", "--set", "eval_batches=2", "--out", tmp_path,
+                  "--set", "strategy.backend='horovod'", "--set", "eval_batches=2",
+                  "--set", "model.n_layers=1", "--set", "data.max_bytes=300000", "--out", tmp_path,
                   launcher=ROOT / "launchers" / "horovodrun.sh", timeout=240)
     assert r.returncode == 0, r.output
     s = json.loads((tmp_path / "summary.json").read_text())

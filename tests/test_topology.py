@@ -71,6 +71,7 @@ def test_cli_hierarchical_on_the_environments_topology(tmp_path):
     from conftest import run_ranks
     r = run_ranks(2, "lowcomm", "train", "--quiet", "--out", tmp_path, "--set", "steps=3",
                   "--set", "strategy.algorithm=hierarchical", "--set", "model.d_model=32",
+                  "--set", "model.n_layers=1", "--set", "data.max_bytes=300000",
                   "--set", "eval_batches=1", env={"LOWCOMM_TOPOLOGY": "dc:2,rank:1"}, timeout=120)
     assert r.returncode == 0, r.output
     s = json.loads((tmp_path / "summary.json").read_text())
