@@ -45,6 +45,7 @@ import torch
 
 from ...comm import Comm
 from ...errors import LowcommError, NonFiniteError
+from ...ledger import compute_cpu_clock
 from ...runtime import evaluate, nonfinite, params_sha256, restore, snapshot
 from ..async_ps import AsyncPS
 from .protocol import PUSH, ServerLost, WorkersLost, recovery_enabled
@@ -276,8 +277,12 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
     # worker ---------------------------------------------------------------------------------
     w = ps.index
     skipped = wloop["skipped"]
+    compute = wloop.get("compute_cpu_s", 0.0 if not resume else float("nan"))
+    c0 = compute_cpu_clock()
     try:
         for step in itertools.count(first):   # until a server says the run's budget is spent
+            compute += compute_cpu_clock() - c0     # the step before, ended however it ended
+            c0 = compute_cpu_clock()
             batch = task.batch(step, w, W, cfg)
             ps.zero_grad()
             loss = task.loss(model, batch)
@@ -307,12 +312,15 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
             if ps.stopped:
                 break
             if every and step % every == 0:
-                save(step, {"skipped": skipped, "wall_s": wall_before + time.perf_counter() - t0})
+                save(step, {"skipped": skipped, "wall_s": wall_before + time.perf_counter() - t0,
+                            "compute_cpu_s": compute + compute_cpu_clock() - c0})
+        compute += compute_cpu_clock() - c0
         ps.done()
     finally:
         ps.close()
     wall = wall_before + time.perf_counter() - t0
-    mine = {"worker": w, "ledger": comm.ledger.rows(), "wall_s": wall, "skipped": skipped,
+    mine = {"worker": w, "ledger": comm.ledger.rows(), "wall_s": wall, "compute_cpu_s": compute,
+            "skipped": skipped,
             "clock_lag": dict(ps.lag_hist), "wait_s": ps.wait_s, "clock": ps.clock}
     _report_to_rank0(ctl, mine, s.server_timeout_s + 30)   # rank 0 takes it while serving
     _take_final_model(ctl, model, s.server_timeout_s + s.worker_timeout_s + 30)
@@ -342,7 +350,9 @@ def _summary(cfg, model, task, held_out, comm, ps, reports, lost, finished, n_pa
         "final_loss": lg["recent"], "eval_loss": eval_loss,
         "bytes_total": int(total), "bytes_by_level": {k: int(v) for k, v in sorted(by_level.items())},
         "bytes_per_step_per_rank": total / comm.size / cfg.steps,
-        "wall_s": wall, "samples": samples, "samples_per_s": samples / wall if wall > 0 else float("nan"),
+        "wall_s": wall, "compute_cpu_s": max((r["compute_cpu_s"] for r in reports[S:]),
+                                             default=float("nan")),
+        "samples": samples, "samples_per_s": samples / wall if wall > 0 else float("nan"),
         "skipped_steps": sum(servers[0]["skipped"]),
         "servers": S, "workers": W, "max_staleness": ps.max_staleness,
         "staleness_lr": ps.staleness_lr, "dc_lambda": ps.dc_lambda,
