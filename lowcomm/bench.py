@@ -233,12 +233,20 @@ def format_step(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: the link of the break-even column of ``lowcomm bench compress``: 10 Gbit/s
+BREAK_EVEN_GBIT = 10.0
+
+
 def bench_compress(methods: list[str], numel: int = 2048 * 2048, iters: int = 10, warmup: int = 2,
-                   cfg=None) -> list[dict]:
+                   cfg=None, link_gbit: float = BREAK_EVEN_GBIT) -> list[dict]:
     """Single-process compress / decompress throughput of each method on one float32 gradient
     of ``numel`` elements (a square-ish matrix), beside a memcpy of the same bytes timed in the
     same run. GB/s = gradient bytes / median seconds; ``vs memcpy`` = that / memcpy GB/s.
-    Method ``pack`` times the bit packing and unpacking alone (sign methods and 1-bit Adam)."""
+    Method ``pack`` times the bit packing and unpacking alone (sign methods and 1-bit Adam).
+
+    Break-even: ``cost_ms`` = compress + decompress (median each), ``saved_ms`` = the time the
+    bytes it saves (gradient − payload) take on a ``link_gbit`` link, ``cost_vs_saved`` =
+    cost / saved (below 1: it pays for itself on that link, for one rank's one send)."""
     from .compress import COMPRESSORS, build_compressor
     from .compress.base import Segment
     from .compress.bits import pack_signs, unpack_signs
@@ -284,18 +292,33 @@ def bench_compress(methods: list[str], numel: int = 2048 * 2048, iters: int = 10
         u = median(lambda: c.decompress(payload, ctx))
         rows.append({"method": m, "compress_GBps": nbytes / t / 1e9, "decompress_GBps": nbytes / u / 1e9,
                      "payload_bytes": sum(p.numel() * p.element_size() for p in payload)})
+    if link_gbit <= 0:
+        raise ValueError(f"link_gbit must be > 0, got {link_gbit}")
     for row in rows:
         row["compress_vs_memcpy"] = row["compress_GBps"] / memcpy
         row["decompress_vs_memcpy"] = row["decompress_GBps"] / memcpy
         row["ratio"] = nbytes / row["payload_bytes"]
+        row["cost_ms"] = (nbytes / row["compress_GBps"] + nbytes / row["decompress_GBps"]) / 1e6
+        row["saved_ms"] = (nbytes - row["payload_bytes"]) * 8 / (link_gbit * 1e9) * 1e3
+        row["cost_vs_saved"] = row["cost_ms"] / row["saved_ms"] if row["saved_ms"] > 0 else None
+        row["link_gbit"] = link_gbit
+    rows[0]["cost_ms"] = rows[0]["cost_vs_saved"] = None      # memcpy: the reference, no method
     return rows
 
 
 def format_compress(rows: list[dict]) -> str:
+    gbit = rows[0]["link_gbit"] if rows else BREAK_EVEN_GBIT
     lines = [f"{'method':>12} {'payload(B)':>11} {'ratio':>7} {'compress GB/s':>14} {'vs memcpy':>10} "
-             f"{'decompress GB/s':>16} {'vs memcpy':>10}"]
+             f"{'decompress GB/s':>16} {'vs memcpy':>10} {'c+d ms':>8} {f'saved@{gbit:g}G ms':>15} "
+             f"{'cost/saved':>11}"]
     for r in rows:
+        cost = f"{r['cost_ms']:8.2f}" if r["cost_ms"] is not None else f"{'-':>8}"
+        ratio = f"{r['cost_vs_saved']:11.2f}" if r["cost_vs_saved"] is not None else f"{'-':>11}"
         lines.append(f"{r['method']:>12} {r['payload_bytes']:>11} {r['ratio']:>7.1f} "
                      f"{r['compress_GBps']:>14.2f} {r['compress_vs_memcpy']:>10.2f} "
-                     f"{r['decompress_GBps']:>16.2f} {r['decompress_vs_memcpy']:>10.2f}")
+                     f"{r['decompress_GBps']:>16.2f} {r['decompress_vs_memcpy']:>10.2f} "
+                     f"{cost} {r['saved_ms']:15.2f} {ratio}")
+    lines.append(f"c+d ms: compress + decompress; saved@{gbit:g}G: the time the bytes a method saves "
+                 f"(gradient - payload) take on a {gbit:g} Gbit/s link; cost/saved > 1: it costs "
+                 f"more time than it saves there")
     return "\n".join(lines)

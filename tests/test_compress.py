@@ -81,15 +81,53 @@ def test_int8():
 
 def test_qsgd_definition_and_unbiasedness():
     c = build_compressor(cfg("qsgd", levels=4, bucket_size=100, seed=3))
+    twin = build_compressor(cfg("qsgd", levels=4, bucket_size=100, seed=3))
     payload, y = roundtrip(c)
     v = X.view(10, 100)
     norms = torch.linalg.vector_norm(v, dim=1, keepdim=True)
-    u = torch.rand((10, 100), generator=torch.Generator().manual_seed(3 * 1_000_003 + 0))
+    u = twin.uniforms(1000).view(10, 100)          # the u that c drew, from an equal generator
+    assert torch.equal(twin.generator(X.device).get_state(), c.generator(X.device).get_state())
     lev = torch.floor(v.abs() / norms * 4 + u).clamp(max=4)
     assert torch.equal(payload[0], (torch.sign(v) * lev).view(-1).to(torch.int8))
     assert torch.allclose(y, (norms / 4 * torch.sign(v) * lev).view(-1), rtol=1e-6, atol=1e-7)
     mean = torch.stack([roundtrip(c)[1] for _ in range(3000)]).mean(0)
     assert float((mean - X).abs().max()) < 0.1, "E[Q(v)] = v"
+
+
+def test_qsgd_cheap_uniforms_are_uniform_fresh_per_block_and_across_ranks():
+    """The table-and-offset u (QSGD docstring): each block's window is uniform over the L
+    stratified points, blocks and calls draw fresh offsets, and fused blocks (here several, and a
+    short last bucket) quantise exactly as the definition does on the whole tensor."""
+    from lowcomm.compress.quantize import UNIFORM_TABLE, uniform_table
+    t = uniform_table(torch.float64, torch.device("cpu"))[:UNIFORM_TABLE]
+    assert torch.equal(t.sort().values, (torch.arange(UNIFORM_TABLE, dtype=torch.float64) + 0.5) / UNIFORM_TABLE)
+    c = build_compressor(cfg("qsgd", levels=16, bucket_size=512, seed=5))
+    u = c.uniforms(3 * c.block() + 1000)
+    assert u.min() > 0 and u.max() < 1 and abs(float(u.mean()) - 0.5) < 0.01
+    blocks = u[:3 * c.block()].view(3, -1)
+    assert not torch.equal(blocks[0], blocks[1]) and not torch.equal(u, c.uniforms(u.numel()))
+    # every element's u over many calls: uniform (mean 1/2, variance 1/12)
+    many = torch.stack([c.uniforms(8) for _ in range(4000)])
+    assert (many.mean(0) - 0.5).abs().max() < 0.02 and (many.var(0) - 1 / 12).abs().max() < 0.01
+    # the fused blocked pass == the definition with the same u, on several blocks and a short bucket
+    x = torch.randn(3 * c.block() + 1000, generator=torch.Generator().manual_seed(9))
+    twin = build_compressor(cfg("qsgd", levels=16, bucket_size=512, seed=5))
+    twin.load_state_dict(c.state_dict())
+    q, norms = c.compress(x, "k")[0]
+    u = twin.uniforms(x.numel())
+    n, bs = x.numel(), 512
+    v = torch.zeros(-(-n // bs) * bs)
+    v[:n] = x
+    v = v.view(-1, bs)
+    ref_norms = torch.linalg.vector_norm(v, dim=1, keepdim=True)
+    uu = torch.zeros(v.numel())
+    uu[:n] = u
+    lev = torch.floor(v.abs() / ref_norms * 16 + uu.view(-1, bs)).clamp(max=16)
+    assert torch.equal(q, (torch.sign(v) * lev).view(-1)[:n].to(torch.int8))
+    assert torch.allclose(norms, ref_norms.view(-1))
+    r0, r1 = (build_compressor(cfg("qsgd", seed=5)) for _ in range(2))
+    r0.rank, r1.rank = 0, 1
+    assert not torch.equal(r0.uniforms(1000), r1.uniforms(1000)), "ranks draw different u"
 
 
 def test_topk_and_randomk():

@@ -132,6 +132,15 @@ class Compressor:
     def decompress(self, payload: list[torch.Tensor], ctx) -> torch.Tensor:
         return payload[0]
 
+    def subtract_decoded_(self, p: torch.Tensor, payload: list[torch.Tensor], ctx) -> torch.Tensor:
+        """``p ← p − D(payload)`` in place (flat ``p``, the tensor the payload encodes): the error
+        :class:`~lowcomm.compress.error_feedback.ErrorFeedback` keeps. Methods override it where
+        the decoded tensor need not be built (top-k: only k entries change)."""
+        sent = self.decompress(payload, ctx).reshape(-1)
+        if sent.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+            sent = sent.clone()                 # a payload that is p itself (a same-dtype cast)
+        return p.sub_(sent.to(p.dtype))
+
     def exchange(self, payload: list[torch.Tensor], ctx, comm: Comm, like: torch.Tensor) -> torch.Tensor:
         """Combine every rank's payload into the average (shaped and typed like ``like``)."""
         K = comm.size

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import Compressor, allgather_payload
+from .scratch import BLOCK, blocks, l1_norm, scratch
 from .bits import pack_signs, pack_trits, packed_size, trits_size, unpack_signs, unpack_trits
 
 
@@ -43,13 +44,24 @@ class ScaledSign(Compressor):
         self.name = name
 
     def _compress(self, x, key, segments):
-        scale = x.abs().sum().div(x.numel()).float().reshape(1)
+        scale = l1_norm(x).div(x.numel()).float().reshape(1)
         return [scale, pack_signs(x)], (x.numel(), x.dtype)
 
     def decompress(self, payload, ctx):
         scale, packed = payload
         n, dtype = ctx
         return unpack_signs(packed, n, dtype, scale)
+
+    def subtract_decoded_(self, p, payload, ctx):
+        scale, packed = payload
+        n, _ = ctx
+        if p.device.type != "cpu" or n % 8:
+            return super().subtract_decoded_(p, payload, ctx)
+        sent = scratch("sign.sent", min(n, BLOCK), p.dtype, p.device)
+        for lo, hi in blocks(n):               # BLOCK is a multiple of 8: whole bytes per block
+            p[lo:hi].sub_(unpack_signs(packed[lo // 8:hi // 8], hi - lo, p.dtype, scale,
+                                       out=sent[:hi - lo]))
+        return p
 
     def decompress_mean(self, gathered, ctx, K):
         scales, packed = gathered                       # (K, 1), (K, ⌈n/8⌉)
