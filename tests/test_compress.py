@@ -148,6 +148,95 @@ def test_topk_and_randomk():
     assert not torch.equal(roundtrip(a)[1] != 0, ya != 0), "a new draw per call"
 
 
+def test_large_buckets_take_the_fused_blocked_paths_and_match_the_definitions():
+    """Buckets of several blocks (lowcomm.compress.scratch.BLOCK) and a ragged tail: int8,
+    sign, ef-sign (blocked error subtraction) and top-k (sampled threshold) equal their
+    definitions."""
+    from lowcomm.compress.scratch import BLOCK
+    x = torch.randn(3 * BLOCK + 1001, generator=torch.Generator().manual_seed(11))
+    payload, y = roundtrip(build_compressor(cfg("int8")), x)
+    s = x.abs().max() / 127
+    assert torch.equal(payload[0], torch.round(x / s).to(torch.int8)) and torch.equal(y, payload[0].float() * s)
+    payload, y = roundtrip(build_compressor(cfg("sign")), x)
+    assert torch.allclose(payload[0], x.abs().mean().reshape(1), rtol=1e-5)
+    assert torch.equal(y, payload[0] * sign_pm(x))
+    x8 = x[:3 * BLOCK + 1000]                                # a multiple of 8: the blocked subtraction
+    for xs in (x8, x):
+        c = build_compressor(cfg("ef-sign"))
+        payload, y = roundtrip(c, xs)
+        assert torch.equal(c.residuals["k"], xs - y)
+        payload2, y2 = roundtrip(c, xs)
+        assert torch.equal(c.residuals["k"], (xs + (xs - y)) - y2)
+    c = build_compressor(cfg("topk", ratio=0.01))
+    k = int(0.01 * x.numel())
+    payload, y = roundtrip(c, x)
+    assert set(payload[1].tolist()) == set(x.abs().topk(k).indices.tolist())
+    assert torch.equal(c.residuals["k"][payload[1].long()], torch.zeros(k))
+    assert torch.equal(c.residuals["k"] + y, x)
+
+
+def test_top_indices_is_exact_whatever_the_sample_says():
+    """The sample only decides the speed: on data built to mislead it (a period that the
+    stride would alias, a sorted ramp, heavy ties, a few huge values) the set equals topk's,
+    and the retry and full-sort paths are taken and counted."""
+    from lowcomm.compress import sparsify
+    n = 1 << 18
+    g = torch.Generator().manual_seed(4)
+    cases = {"random": torch.randn(n, generator=g),
+             "ramp": torch.linspace(-1, 1, n),
+             "columns": torch.randn(64, generator=g).repeat(n // 64) + 1e-3 * torch.randn(n, generator=g),
+             "spikes": torch.zeros(n).index_fill_(0, torch.randperm(n, generator=g)[:500], 1e3)
+             + 1e-4 * torch.randn(n, generator=g)}
+    before = dict(sparsify._stats)
+    for name, x in cases.items():
+        for k in (1, 100, int(0.01 * n), int(0.05 * n)):
+            got = sparsify.top_indices(x, k)
+            want = x.abs().topk(k).values
+            assert got.numel() == k == len(set(got.tolist())), (name, k)
+            assert torch.equal(x[got].abs().sort().values, want.sort().values), (name, k)
+    assert sparsify._stats["sampled"] > before["sampled"]
+    # a sample that sees only large values: its threshold is too high, so retries follow
+    x = 1e-3 * torch.randn(n, generator=g)
+    stride = sparsify.sample_stride(n)
+    x[::stride] = 10 + torch.arange(len(range(0, n, stride)), dtype=torch.float32)
+    before = dict(sparsify._stats)
+    k = int(0.05 * n)
+    got = sparsify.top_indices(x, k)
+    assert torch.equal(x[got].abs().sort().values, x.abs().topk(k).values.sort().values)
+    assert sparsify._stats["retries"] > before["retries"]
+
+
+def test_randomk_draws_a_uniform_distinct_subset():
+    from lowcomm.compress.sparsify import distinct_sample
+    for n, k in ((1 << 20, 10_000), (1000, 50), (1000, 900)):   # the sampled and randperm paths
+        a = distinct_sample(n, k, torch.Generator().manual_seed(1), "cpu")
+        b = distinct_sample(n, k, torch.Generator().manual_seed(1), "cpu")
+        assert torch.equal(a, b) and a.numel() == k == len(set(a.tolist()))
+        assert 0 <= int(a.min()) and int(a.max()) < n
+    hits = torch.zeros(100)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2000):
+        hits[distinct_sample(100, 5, g, "cpu")] += 1
+    assert (hits / 2000 - 0.05).abs().max() < 0.02, "every index equally likely"
+    g = torch.Generator().manual_seed(3)
+    first = torch.zeros(100)
+    for _ in range(2000):
+        first[distinct_sample(100, 5, g, "cpu")[0]] += 1
+    assert (first / 2000 - 0.01).abs().max() < 0.015, "in random order"
+
+
+def test_error_feedback_keeps_no_error_for_bytes_no_parameter_owns():
+    c = build_compressor(cfg("topk", ratio=0.1))
+    x = torch.randn(30, generator=torch.Generator().manual_seed(5))
+    segs = [Segment("a", torch.Size([10]), 0, 10), Segment("b", torch.Size([10]), 20, 30)]
+    _, y1 = roundtrip(c, x, "b", segs)
+    _, y2 = roundtrip(c, x, "b", segs)
+    p = x.clone()
+    p[:10] += (x - y1)[:10]
+    p[20:] += (x - y1)[20:]
+    assert torch.equal(torch.cat([c.residuals["a"], c.residuals["b"]]), torch.cat([(p - y2)[:10], (p - y2)[20:]]))
+
+
 def test_sign_family():
     for name in ("sign", "ef-sign"):
         payload, y = roundtrip(COMPRESSORS[name](cfg(name)))
@@ -209,6 +298,15 @@ def test_powersgd_alone():
     M = x[:48].view(6, 8)
     assert torch.linalg.matrix_rank(y[:48].view(6, 8)) == 1 and torch.equal(y[48:56], x[48:56])
     assert torch.allclose(low.error["p0"], (M - y[:48].view(6, 8)).reshape(-1))
+
+
+def test_low_rank_products_match_the_gemm_on_both_paths():
+    from lowcomm.compress.powersgd import OUTER_MAX_RANK, low_rank_
+    g = torch.Generator().manual_seed(6)
+    for r in (1, 2, OUTER_MAX_RANK, OUTER_MAX_RANK + 2):       # rank-1 updates, then one GEMM
+        P, Qt, M = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((40, r), (r, 30), (40, 30)))
+        assert torch.allclose(low_rank_(torch.empty(40, 30, dtype=torch.float64), P, Qt), P @ Qt, atol=1e-12)
+        assert torch.allclose(low_rank_(M.clone(), P, Qt, subtract=True), M - P @ Qt, atol=1e-12)
 
 
 # bad input ---------------------------------------------------------------------------------------
@@ -294,5 +392,14 @@ def test_bench_compress_rows_and_packing_speed():
     assert by["sign"]["payload_bytes"] == (1 << 17) + 4 and by["memcpy"]["ratio"] == 1
     assert by["powersgd"]["payload_bytes"] == 4 * 2 * (1024 + 1024)
     assert "vs memcpy" in format_compress(rows)
+    for r in rows[1:]:   # break-even: compress + decompress against the saved bytes at 10 Gbit/s
+        cost = (4 << 20) / r["compress_GBps"] / 1e6 + (4 << 20) / r["decompress_GBps"] / 1e6
+        saved = ((4 << 20) - r["payload_bytes"]) * 8 / 10e9 * 1e3
+        assert r["cost_ms"] == pytest.approx(cost) and r["saved_ms"] == pytest.approx(saved)
+        assert r["cost_vs_saved"] == pytest.approx(cost / saved)
+    table = format_compress(rows)
+    assert "saved@10G ms" in table and "cost/saved" in table and "costs more time than it saves" in table
+    assert bench_compress(["sign"], numel=1 << 12, iters=1, warmup=0, link_gbit=1)[1]["saved_ms"] == \
+        pytest.approx(((1 << 14) - (1 << 9) - 4) * 8 / 1e9 * 1e3)
     with pytest.raises(ValueError, match="unknown method 'zip'"):
         bench_compress(["zip"])

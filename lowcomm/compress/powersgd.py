@@ -9,6 +9,23 @@ from ..comm import Comm
 from .base import Compressor, Seeded, Segment, check_finite, whole
 
 
+#: up to this rank, P Qᵀ is built as r rank-1 updates (r passes at memory speed; a GEMM with an
+#: inner dimension of 1 or 2 runs far below it); above it, one GEMM
+OUTER_MAX_RANK = 4
+
+
+def low_rank_(out: torch.Tensor, P: torch.Tensor, Qt: torch.Tensor, subtract: bool = False) -> torch.Tensor:
+    """``out ← P Qᵀ`` (``subtract``: ``out ← out − P Qᵀ``) for P (n, r) and Qᵀ (r, m), in place."""
+    r = P.shape[1]
+    if r > OUTER_MAX_RANK:
+        return out.addmm_(P, Qt, alpha=-1) if subtract else torch.matmul(P, Qt, out=out)
+    if not subtract:
+        torch.mul(P[:, :1], Qt[0], out=out)
+    for j in range(0 if subtract else 1, r):
+        out.addcmul_(P[:, j:j + 1], Qt[j], value=-1 if subtract else 1)
+    return out
+
+
 class PowerSGD(Seeded, Compressor):
     """Rank-r PowerSGD with warm start and error feedback (Vogels, Karimireddy & Jaggi 2019,
     arXiv 1905.13727, Algorithms 1 and 2).
@@ -108,9 +125,9 @@ class PowerSGD(Seeded, Compressor):
             return
         e = self.error.get(s.name)
         if e is not None and M.data_ptr() == e.data_ptr():
-            M.addmm_(P, Qt, alpha=-1)
+            low_rank_(M, P, Qt, subtract=True)
         else:
-            self.error[s.name] = torch.addmm(M, P, Qt, alpha=-1).reshape(-1)
+            self.error[s.name] = low_rank_(M.clone(), P, Qt, subtract=True).reshape(-1)
 
     def _step(self, key: str) -> int:
         it = self.iters.get(key, 0)
@@ -153,7 +170,7 @@ class PowerSGD(Seeded, Compressor):
         for (s, n, m), M, P, part in zip(mats, Ms, Ps, qparts):
             Qt = part.view(r, m)
             approx = out[s.start:s.stop].view(n, m)
-            torch.matmul(P, Qt, out=approx)
+            low_rank_(approx, P, Qt)
             self._remember_approx(s, M, approx, Qt)
         return out
 
@@ -197,7 +214,7 @@ class PowerSGD(Seeded, Compressor):
         for s, n, m in mats:
             P = pbuf[po:po + n * r].view(n, r)
             Qt = qbuf[qo:qo + m * r].view(r, m)
-            torch.matmul(P, Qt, out=out[s.start:s.stop].view(n, m))
+            low_rank_(out[s.start:s.stop].view(n, m), P, Qt)
             po, qo = po + n * r, qo + m * r
         for s in dense:
             out[s.start:s.stop] = pbuf[po:po + s.stop - s.start]

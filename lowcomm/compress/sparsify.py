@@ -29,6 +29,12 @@ _PRIMES = (7, 13, 31, 61, 127, 251, 509, 1021, 2039, 4093, 8191)
 _stats = {"sampled": 0, "retries": 0, "full": 0}     # how top_indices went (tests, benchmarks)
 
 
+def sample_stride(n: int) -> int:
+    """The stride of :func:`top_indices`' sample: the largest of a few primes leaving at least
+    :data:`SAMPLE` elements (7 at the least)."""
+    return next((p for p in reversed(_PRIMES) if n // p >= SAMPLE), _PRIMES[0])
+
+
 def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (int64, in no particular order) of the ``k`` largest ``|x_i|`` of flat ``x``: the
     same set as ``x.abs().topk(k).indices`` (up to the order among equal magnitudes).
@@ -48,8 +54,7 @@ def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     if n < SAMPLED_MIN or k > SAMPLED_MAX_SHARE * n or x.device.type != "cpu" or \
             x.dtype not in (torch.float32, torch.float64, torch.float16):
         return x.abs().topk(k, sorted=False).indices
-    stride = next((p for p in reversed(_PRIMES) if n // p >= SAMPLE), _PRIMES[0])
-    sample = x[::stride].abs()
+    sample = x[::sample_stride(n)].abs()
     m = sample.numel()
     expect = k / n * m
     j = min(m, int(1.1 * expect + 4 * expect ** 0.5) + 1)
