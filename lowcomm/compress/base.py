@@ -52,6 +52,18 @@ class Segment:
     stop: int
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` overlap (a cheap aliasing test)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + (a.numel() - 1) * max(a.stride() or (1,)) * a.element_size() + a.element_size() \
+        if a.dim() else a0 + a.element_size()
+    b1 = b0 + (b.numel() - 1) * max(b.stride() or (1,)) * b.element_size() + b.element_size() \
+        if b.dim() else b0 + b.element_size()
+    return a0 < b1 and b0 < a1
+
+
 def whole(key: str, x: torch.Tensor) -> list[Segment]:
     """The segment list of a flat tensor that carries no parameter names: one segment, ``key``."""
     return [Segment(key, torch.Size([x.numel()]), 0, x.numel())]
@@ -137,7 +149,7 @@ class Compressor:
         :class:`~lowcomm.compress.error_feedback.ErrorFeedback` keeps. Methods override it where
         the decoded tensor need not be built (top-k: only k entries change)."""
         sent = self.decompress(payload, ctx).reshape(-1)
-        if sent.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+        if overlaps(sent, p):
             sent = sent.clone()                 # a payload that is p itself (a same-dtype cast)
         return p.sub_(sent.to(p.dtype))
 

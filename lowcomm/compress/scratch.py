@@ -36,15 +36,13 @@ def blocks(n: int, step: int = BLOCK):
         yield lo, min(lo + step, n)
 
 
-def l1_norm(x: torch.Tensor) -> torch.Tensor:
+def l1_norm(x: torch.Tensor, step: int = 4 * BLOCK) -> torch.Tensor:
     """``‖x‖₁`` of flat ``x`` (a 0-d tensor of x's dtype), |x| taken block by block in a cached
     buffer: one read of x (``x.abs().sum()`` writes and re-reads a full temporary, and
     ``vector_norm(x, 1)`` is not vectorised on the CPU)."""
     n = x.numel()
-    if n <= BLOCK or x.device.type != "cpu":
+    if n <= step or x.device.type != "cpu":
         return x.abs().sum()
-    buf = scratch("l1", BLOCK, x.dtype, x.device)
-    total = 0.0
-    for lo, hi in blocks(n):
-        total += float(torch.abs(x[lo:hi], out=buf[:hi - lo]).sum(dtype=torch.float64))
-    return torch.tensor(total, dtype=torch.float64).to(x.dtype)
+    buf = scratch("l1", step, x.dtype, x.device)
+    parts = [torch.abs(x[lo:hi], out=buf[:hi - lo]).sum() for lo, hi in blocks(n, step)]
+    return torch.stack(parts).sum()

@@ -11,7 +11,7 @@ import torch
 
 from .base import Compressor, allgather_payload
 from .scratch import BLOCK, blocks, l1_norm, scratch
-from .bits import pack_signs, pack_trits, packed_size, trits_size, unpack_signs, unpack_trits
+from .bits import pack_signs, sign_table, pack_trits, packed_size, trits_size, unpack_signs, unpack_trits
 
 
 class ScaledSign(Compressor):
@@ -57,10 +57,13 @@ class ScaledSign(Compressor):
         n, _ = ctx
         if p.device.type != "cpu" or n % 8:
             return super().subtract_decoded_(p, payload, ctx)
-        sent = scratch("sign.sent", min(n, BLOCK), p.dtype, p.device)
-        for lo, hi in blocks(n):               # BLOCK is a multiple of 8: whole bytes per block
-            p[lo:hi].sub_(unpack_signs(packed[lo // 8:hi // 8], hi - lo, p.dtype, scale,
-                                       out=sent[:hi - lo]))
+        step = 4 * BLOCK                       # a multiple of 8: whole bytes per block
+        table = sign_table(p.dtype, p.device) * scale.to(p.dtype)
+        idx = packed.to(torch.int32)
+        sent = scratch("sign.sent", min(n, step), p.dtype, p.device)
+        for lo, hi in blocks(n, step):         # p − s·sign, block by block: no full-size temporary
+            torch.index_select(table, 0, idx[lo // 8:hi // 8], out=sent[:hi - lo].view(-1, 8))
+            p[lo:hi].sub_(sent[:hi - lo])
         return p
 
     def decompress_mean(self, gathered, ctx, K):

@@ -72,7 +72,7 @@ def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
         cand = torch.from_numpy(np.concatenate(found)) if found else torch.empty(0, dtype=torch.int64)
         if cand.numel() >= k:
             _stats["sampled"] += 1
-            return cand[x[cand].abs().topk(k, sorted=False).indices]
+            return cand.index_select(0, x.index_select(0, cand).abs().topk(k, sorted=False).indices)
         _stats["retries"] += 1
         j = min(m, 4 * j)
     _stats["full"] += 1
@@ -118,18 +118,17 @@ class TopK(Compressor):
 
     def _compress(self, x, key, segments):
         idx = top_indices(x, kept(x.numel(), self.ratio))
-        return [x[idx], idx.to(torch.int32)], x.numel()
+        return [x.index_select(0, idx), idx.to(torch.int32)], x.numel()
 
     def subtract_decoded_(self, p, payload, ctx):
         values, idx = payload                       # only the k sent entries change
         i = idx.long()
-        p[i] = p[i] - values.to(p.dtype)
-        return p
+        return p.index_copy_(0, i, p.index_select(0, i).sub_(values.to(p.dtype)))
 
     def decompress(self, payload, ctx):
         values, idx = payload
         out = torch.zeros(ctx, dtype=values.dtype, device=values.device)
-        return out.index_put_((idx.long(),), values)
+        return out.index_copy_(0, idx.long(), values)
 
     def decompress_mean(self, gathered, ctx, K):
         values, idx = gathered
@@ -156,7 +155,7 @@ def distinct_sample(n: int, k: int, gen: torch.Generator, device) -> torch.Tenso
         want = k - uniq.numel() + 4 * int(k ** 0.5) + 8
     first = torch.full((uniq.numel(),), draws.numel(), dtype=torch.int64, device=device)
     first.scatter_reduce_(0, inv, torch.arange(draws.numel(), device=device), "amin")
-    return draws[first.sort().values[:k]]
+    return draws.index_select(0, first.sort().values[:k])
 
 
 class RandomK(Seeded, Compressor):
@@ -188,17 +187,16 @@ class RandomK(Seeded, Compressor):
     def _compress(self, x, key, segments):
         n = x.numel()
         idx = distinct_sample(n, kept(n, self.ratio), self.generator(x.device), x.device)
-        return [x[idx]], (idx, n)
+        return [x.index_select(0, idx)], (idx, n)
 
     def subtract_decoded_(self, p, payload, ctx):
         idx, _ = ctx                                # only the k sent entries change
-        p[idx] = p[idx] - payload[0].to(p.dtype)
-        return p
+        return p.index_copy_(0, idx, p.index_select(0, idx).sub_(payload[0].to(p.dtype)))
 
     def decompress(self, payload, ctx):
         idx, n = ctx
         out = torch.zeros(n, dtype=payload[0].dtype, device=payload[0].device)
-        return out.index_put_((idx,), payload[0])
+        return out.index_copy_(0, idx, payload[0])
 
     def state_dict(self):
         return self.rng_state()
