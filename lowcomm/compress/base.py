@@ -119,6 +119,9 @@ class Compressor:
     """
 
     name = "none"
+    #: ``_compress`` reduces x (a norm, a max) before encoding and calls :func:`check_finite`
+    #: when that reduction is not finite (NaN/Inf propagate into it), saving a pass over x
+    finite_from_reduction = False
     summable = True
     horovod = True
     two_phase = False
@@ -135,7 +138,8 @@ class Compressor:
         ``ctx`` what the decoder needs that need not travel (sizes, dtype). Raises
         :class:`NonFiniteError` on NaN/Inf in ``x``."""
         x = x.detach().reshape(-1)
-        check_finite(x, key, segments, self.rank, self.name)
+        if not self.finite_from_reduction:
+            check_finite(x, key, segments, self.rank, self.name)
         return self._compress(x, key, segments or whole(key, x))
 
     def _compress(self, x: torch.Tensor, key: str, segments: list[Segment]):
@@ -143,6 +147,14 @@ class Compressor:
 
     def decompress(self, payload: list[torch.Tensor], ctx) -> torch.Tensor:
         return payload[0]
+
+    def compress_feedback_(self, p: torch.Tensor, key: str, segments: list[Segment] | None = None):
+        """``compress(p)``, leaving ``p − D(C(p))`` in ``p`` (error feedback's step 3); returns
+        ``(payload, ctx)``. Methods override it to encode and subtract in one pass."""
+        payload, ctx = self.compress(p, key, segments)
+        payload = [t.clone() if overlaps(t, p) else t for t in payload]   # p becomes the error
+        self.subtract_decoded_(p, payload, ctx)
+        return payload, ctx
 
     def subtract_decoded_(self, p: torch.Tensor, payload: list[torch.Tensor], ctx) -> torch.Tensor:
         """``p ← p − D(payload)`` in place (flat ``p``, the tensor the payload encodes): the error

@@ -52,10 +52,7 @@ class ErrorFeedback(Compressor):
 
     def compress(self, x: torch.Tensor, key: str, segments: list[Segment] | None = None):
         def one(p, segments):
-            payload, ctx = self.inner.compress(p, key, segments)
-            payload = [t.clone() if _aliases(t, p) else t for t in payload]   # p becomes the error
-            self.inner.subtract_decoded_(p, payload, ctx)
-            return payload, ctx
+            return self.inner.compress_feedback_(p, key, segments)
         return self._fed_back(x, key, segments, one)
 
     def compress_chunks(self, x, key, segments, bounds):

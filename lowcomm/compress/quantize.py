@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, Seeded
+from .base import Compressor, Seeded, check_finite
 from .scratch import BLOCK, blocks, scratch
 
 
@@ -25,6 +25,7 @@ class Int8(Compressor):
     """
 
     name, summable, horovod, two_phase = "int8", False, False, True
+    finite_from_reduction = True
 
     def payload_nbytes(self, n, dtype):
         return n + 4
@@ -32,6 +33,8 @@ class Int8(Compressor):
     def _compress(self, x, key, segments):
         # max|x| = max(max x, −min x): one pass, no |x| temporary
         lo, hi = torch.aminmax(x)
+        if not bool(torch.isfinite(hi - lo)):        # NaN/Inf in x (or an overflowing range)
+            check_finite(x, key, segments, self.rank, self.name)
         scale = (torch.maximum(hi, lo.neg()).float() / 127).reshape(1)
         wdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         denom = torch.where(scale > 0, scale, torch.ones_like(scale)).to(wdt)
@@ -58,6 +61,14 @@ UNIFORM_TABLE = 1 << 18
 _TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
+def shifted_table(dtype: torch.dtype, device: torch.device, shift: int) -> torch.Tensor:
+    """:func:`uniform_table` + ``shift`` (cached)."""
+    key = (dtype, torch.device(device), shift)
+    if key not in _TABLES:
+        _TABLES[key] = uniform_table(dtype, device) + shift
+    return _TABLES[key]
+
+
 def uniform_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The L = :data:`UNIFORM_TABLE` points ``(j + ½)/L``, j = 0..L−1, in a fixed random order,
     twice over (so any cyclic window of at most L entries is one contiguous slice). The same on
@@ -78,7 +89,10 @@ class QSGD(Seeded, Compressor):
     zero-padded), on each of K ranks:
       1. ``a_i = |v_i| / ‖v‖₂ · s`` ∈ [0, s];
       2. ``ℓ_i = ⌊a_i + u_i⌋`` with ``u_i`` uniform on [0, 1) (so ℓ_i = ⌈a_i⌉ with probability
-         a_i − ⌊a_i⌋: unbiased), and ``q_i = sign(v_i) ℓ_i`` as int8;
+         a_i − ⌊a_i⌋: unbiased), and ``q_i = sign(v_i) ℓ_i`` as int8 — computed as
+         ``q_i = ⌊sign(v_i)·a_i + u_i⌋``, which has the same distribution (rounded away from
+         zero with probability frac(a_i)) in one fused pass: ``y = (u_i + s + 1) + v_i·s/‖v‖₂``
+         in (0, 2s + 2), ``q_i = trunc(y) − (s + 1)``;
       3. all-gather ``(q, ‖v‖₂ per norm bucket)``; decode ``Q(v)_i = ‖v‖₂ / s · q_i`` and
          average over ranks. ``E[Q(v)] = v``.
     The paper's Elias coding of the levels is replaced by fixed-width int8 (so ``levels`` ≤ 127).
@@ -92,8 +106,9 @@ class QSGD(Seeded, Compressor):
     drawn from this rank's generator (state saved, so a resumed run draws the same). Each u_i is
     uniform on those L points given everything before, so ``E[Q(v)] = v`` up to the grid's
     ≤ 1/(2L) of a level (float32 rounding of a_i is of the same order) and the paper's variance
-    bound holds; the u_i of one block are not independent of each other (a window of one fixed
-    permutation), which neither property needs. :meth:`uniforms` returns them.
+    bound holds (y's float32 rounding adds at most 2^-16 of a level); the u_i of one block are
+    not independent of each other (a window of one fixed permutation), which neither property
+    needs. :meth:`uniforms` returns them.
     Two-phase (:func:`~lowcomm.compress.twophase.two_phase_reduce`): every chunk quantised on its
     own, the owner re-quantises its chunk's average with fresh u (unbiased again: no server
     error), so each phase sends ``(K−1)·(c + 4⌈c/bucket_size⌉)`` for chunks of c elements.
@@ -105,6 +120,7 @@ class QSGD(Seeded, Compressor):
     """
 
     name, summable, horovod, two_phase, unbiased = "qsgd", False, False, True, True
+    finite_from_reduction = True
 
     def __init__(self, levels: int = 16, bucket_size: int = 512, seed: int = 0):
         super().__init__()
@@ -147,23 +163,25 @@ class QSGD(Seeded, Compressor):
             torch.linalg.vector_norm(x[:full * bs].view(full, bs), dim=1, dtype=wdt, out=norms[:full])
         if nbk > full:          # the last, short bucket (zero padding adds nothing to its norm)
             norms[full] = torch.linalg.vector_norm(x[full * bs:], dtype=wdt)
+        if not bool(torch.isfinite(norms).all()):    # NaN/Inf in x (or an overflowing norm)
+            check_finite(x, key, segments, self.rank, self.name)
         mult = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
-        C = self.block()
-        table = uniform_table(wdt, x.device)
-        q = torch.empty(n, dtype=torch.int8, device=x.device)
-        buf = scratch("qsgd.a", min(C, n), wdt, x.device)
-        ubuf = scratch("qsgd.u", min(C, n), wdt, x.device)
+        C, K = self.block(), s + 1
+        table = shifted_table(wdt, x.device, K)      # u + K: y = a + u + K ∈ (0, 2s + 2)
+        q = torch.empty(n, dtype=torch.uint8, device=x.device)
+        y = scratch("qsgd.y", min(C, n), wdt, x.device)
         for o, (lo, hi) in zip(self._offsets(n, x.device), blocks(n, C)):
             m = hi - lo
-            a, u, v = buf[:m], ubuf[:m], x[lo:hi]
-            if lo % bs == 0 and m % bs == 0:       # whole buckets: a = v · s/‖v‖, row by row
-                torch.mul(v.view(m // bs, bs), mult[lo // bs:hi // bs, None], out=a.view(m // bs, bs))
+            v, yb, u = x[lo:hi], y[:hi - lo], table[o:o + hi - lo]
+            if lo % bs == 0 and m % bs == 0:          # whole buckets: y = u + K + v·s/‖v‖, row by row
+                torch.addcmul(u.view(m // bs, bs), v.view(m // bs, bs), mult[lo // bs:hi // bs, None],
+                              out=yb.view(m // bs, bs))
             else:
-                torch.mul(v, mult[torch.arange(lo, hi, device=x.device) // bs], out=a)
-            # sign(v)·⌊|a| + u⌋ = trunc(a + copysign(u, v)); the clamp guards |a| rounding above s
-            torch.copysign(table[o:o + m], v, out=u)
-            q[lo:hi].copy_(a.add_(u).clamp_(-s, s))
-        return [q, norms.to(torch.float32)], (n, x.dtype)
+                torch.addcmul(u, v, mult[torch.arange(lo, hi, device=x.device) // bs], out=yb)
+            # ⌊a + u⌋ + K = trunc(y) (y > 0); the clamp keeps ℓ in [−s, s] where a rounds past ±s
+            q[lo:hi].copy_(yb.clamp_(1, 2 * s + 1))
+        q.sub_(K)                                     # uint8 wraps: the int8 bits of ⌊a + u⌋
+        return [q.view(torch.int8), norms.to(torch.float32)], (n, x.dtype)
 
     def decompress(self, payload, ctx):
         q, norms = payload

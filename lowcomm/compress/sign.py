@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, allgather_payload
+from .base import Compressor, allgather_payload, check_finite
 from .scratch import BLOCK, blocks, l1_norm, scratch
 from .bits import pack_signs, sign_table, pack_trits, packed_size, trits_size, unpack_signs, unpack_trits
 
@@ -35,6 +35,7 @@ class ScaledSign(Compressor):
     """
 
     name, summable, horovod, two_phase = "sign", False, False, True
+    finite_from_reduction = True
 
     def payload_nbytes(self, n, dtype):
         return packed_size(n) + 4
@@ -44,7 +45,10 @@ class ScaledSign(Compressor):
         self.name = name
 
     def _compress(self, x, key, segments):
-        scale = l1_norm(x).div(x.numel()).float().reshape(1)
+        l1 = l1_norm(x)
+        if not bool(torch.isfinite(l1)):           # NaN/Inf in x (or an overflowing sum)
+            check_finite(x, key, segments, self.rank, self.name)
+        scale = l1.div(x.numel()).float().reshape(1)
         return [scale, pack_signs(x)], (x.numel(), x.dtype)
 
     def decompress(self, payload, ctx):
@@ -52,12 +56,32 @@ class ScaledSign(Compressor):
         n, dtype = ctx
         return unpack_signs(packed, n, dtype, scale)
 
+    def compress_feedback_(self, p, key, segments=None):
+        """Encode and subtract block by block (each block of p is read while in cache)."""
+        n = p.numel()
+        if p.device.type != "cpu" or n % 8 or n <= BLOCK:
+            return super().compress_feedback_(p, key, segments)
+        p = p.detach().reshape(-1)
+        l1 = l1_norm(p)
+        if not bool(torch.isfinite(l1)):
+            check_finite(p, key, segments, self.rank, self.name)
+        scale = l1.div(n).float().reshape(1)
+        table = sign_table(p.dtype, p.device) * scale.to(p.dtype)
+        packed = torch.empty(n // 8, dtype=torch.uint8)
+        sent = scratch("sign.sent", BLOCK, p.dtype, p.device)
+        for lo, hi in blocks(n):               # BLOCK is a multiple of 8: whole bytes per block
+            pb = packed[lo // 8:hi // 8]
+            pb.copy_(pack_signs(p[lo:hi]))
+            torch.index_select(table, 0, pb.to(torch.int32), out=sent[:hi - lo].view(-1, 8))
+            p[lo:hi].sub_(sent[:hi - lo])
+        return [scale, packed], (n, p.dtype)
+
     def subtract_decoded_(self, p, payload, ctx):
         scale, packed = payload
         n, _ = ctx
         if p.device.type != "cpu" or n % 8:
             return super().subtract_decoded_(p, payload, ctx)
-        step = 4 * BLOCK                       # a multiple of 8: whole bytes per block
+        step = BLOCK                           # a multiple of 8: whole bytes per block
         table = sign_table(p.dtype, p.device) * scale.to(p.dtype)
         idx = packed.to(torch.int32)
         sent = scratch("sign.sent", min(n, step), p.dtype, p.device)
