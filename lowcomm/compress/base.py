@@ -148,9 +148,13 @@ class Compressor:
     def decompress(self, payload: list[torch.Tensor], ctx) -> torch.Tensor:
         return payload[0]
 
-    def compress_feedback_(self, p: torch.Tensor, key: str, segments: list[Segment] | None = None):
+    def compress_feedback_(self, p: torch.Tensor, key: str, segments: list[Segment] | None = None,
+                           x: torch.Tensor | None = None, e: torch.Tensor | None = None):
         """``compress(p)``, leaving ``p − D(C(p))`` in ``p`` (error feedback's step 3); returns
-        ``(payload, ctx)``. Methods override it to encode and subtract in one pass."""
+        ``(payload, ctx)``. With ``x`` and ``e``, first ``p ← x + e`` (step 1). Methods override
+        it to do the steps in fewer passes."""
+        if x is not None:
+            torch.add(x, e, out=p)
         payload, ctx = self.compress(p, key, segments)
         payload = [t.clone() if overlaps(t, p) else t for t in payload]   # p becomes the error
         self.subtract_decoded_(p, payload, ctx)

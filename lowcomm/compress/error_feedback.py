@@ -51,12 +51,13 @@ class ErrorFeedback(Compressor):
         return self.inner.two_phase
 
     def compress(self, x: torch.Tensor, key: str, segments: list[Segment] | None = None):
-        def one(p, segments):
-            return self.inner.compress_feedback_(p, key, segments)
+        def one(p, segments, x, e):
+            return self.inner.compress_feedback_(p, key, segments, x, e)
         return self._fed_back(x, key, segments, one)
 
     def compress_chunks(self, x, key, segments, bounds):
-        def chunked(p, segments):
+        def chunked(p, segments, x, e):
+            torch.add(x, e, out=p)
             chunks = self.inner.compress_chunks(p, key, segments, bounds)
             chunks = [([t.clone() if _aliases(t, p) else t for t in pl], ctx) for pl, ctx in chunks]
             for (pl, ctx), lo, hi in zip(chunks, bounds, bounds[1:]):
@@ -95,14 +96,13 @@ class ErrorFeedback(Compressor):
         self._flat[key] = (e, spare, views, layout)
 
     def _fed_back(self, x: torch.Tensor, key: str, segments: list[Segment] | None, encode):
-        """Steps 1–3 around ``encode(p, segments)``, which returns its result and leaves
-        ``p − D(C(p))`` in ``p``; returns the result."""
+        """Steps 1–3 by ``encode(p, segments, x, e)``, which writes ``x + e`` into p, returns its
+        result and leaves ``p − D(C(p))`` in ``p``; returns the result."""
         x = x.detach().reshape(-1)
         self.inner.rank = self.rank
         segments = segments or whole(key, x)
         e, p = self._buffers(key, x, segments)
-        torch.add(x, e, out=p)                      # 1. p = x + e
-        result = encode(p, segments)                # 2.–3.; the inner compressor checks p for NaN/Inf
+        result = encode(p, segments, x, e)          # 1.–3.; the inner compressor checks p for NaN/Inf
         covered = sum(s.stop - s.start for s in segments)
         if covered != x.numel():                    # bytes no parameter owns keep no error
             mask = torch.ones(x.numel(), dtype=torch.bool, device=x.device)

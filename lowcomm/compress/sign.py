@@ -56,13 +56,19 @@ class ScaledSign(Compressor):
         n, dtype = ctx
         return unpack_signs(packed, n, dtype, scale)
 
-    def compress_feedback_(self, p, key, segments=None):
-        """Encode and subtract block by block (each block of p is read while in cache)."""
+    def compress_feedback_(self, p, key, segments=None, x=None, e=None):
+        """Block by block, each block used while in cache: ``p = x + e`` with ‖p‖₁, then the
+        signs and ``p − s·sign(p)``."""
         n = p.numel()
         if p.device.type != "cpu" or n % 8 or n <= BLOCK:
-            return super().compress_feedback_(p, key, segments)
+            return super().compress_feedback_(p, key, segments, x, e)
         p = p.detach().reshape(-1)
-        l1 = l1_norm(p)
+        if x is None:
+            l1 = l1_norm(p)
+        else:
+            buf = scratch("l1", BLOCK, p.dtype, p.device)
+            l1 = torch.stack([torch.abs(torch.add(x[lo:hi], e[lo:hi], out=p[lo:hi]), out=buf[:hi - lo]).sum()
+                              for lo, hi in blocks(n)]).sum()
         if not bool(torch.isfinite(l1)):
             check_finite(p, key, segments, self.rank, self.name)
         scale = l1.div(n).float().reshape(1)
