@@ -57,28 +57,27 @@ class ScaledSign(Compressor):
         return unpack_signs(packed, n, dtype, scale)
 
     def compress_feedback_(self, p, key, segments=None, x=None, e=None):
-        """Block by block, each block used while in cache: ``p = x + e`` with ‖p‖₁, then the
-        signs and ``p − s·sign(p)``."""
+        """Block by block, each block used while in cache: ``p = x + e``, ‖p‖₁ and the packed
+        signs; then ``p − s·sign(p)``."""
         n = p.numel()
         if p.device.type != "cpu" or n % 8 or n <= BLOCK:
             return super().compress_feedback_(p, key, segments, x, e)
         p = p.detach().reshape(-1)
-        if x is None:
-            l1 = l1_norm(p)
-        else:
-            buf = scratch("l1", BLOCK, p.dtype, p.device)
-            l1 = torch.stack([torch.abs(torch.add(x[lo:hi], e[lo:hi], out=p[lo:hi]), out=buf[:hi - lo]).sum()
-                              for lo, hi in blocks(n)]).sum()
+        buf = scratch("l1", BLOCK, p.dtype, p.device)
+        packed = torch.empty(n // 8, dtype=torch.uint8)
+        parts = []
+        for lo, hi in blocks(n):               # BLOCK is a multiple of 8: whole bytes per block
+            pb = p[lo:hi] if x is None else torch.add(x[lo:hi], e[lo:hi], out=p[lo:hi])
+            parts.append(torch.abs(pb, out=buf[:hi - lo]).sum())
+            packed[lo // 8:hi // 8].copy_(pack_signs(pb))      # the signs need no scale
+        l1 = torch.stack(parts).sum()
         if not bool(torch.isfinite(l1)):
             check_finite(p, key, segments, self.rank, self.name)
         scale = l1.div(n).float().reshape(1)
         table = sign_table(p.dtype, p.device) * scale.to(p.dtype)
-        packed = torch.empty(n // 8, dtype=torch.uint8)
         sent = scratch("sign.sent", BLOCK, p.dtype, p.device)
-        for lo, hi in blocks(n):               # BLOCK is a multiple of 8: whole bytes per block
-            pb = packed[lo // 8:hi // 8]
-            pb.copy_(pack_signs(p[lo:hi]))
-            torch.index_select(table, 0, pb.to(torch.int32), out=sent[:hi - lo].view(-1, 8))
+        for lo, hi in blocks(n):
+            torch.index_select(table, 0, packed[lo // 8:hi // 8].to(torch.int32), out=sent[:hi - lo].view(-1, 8))
             p[lo:hi].sub_(sent[:hi - lo])
         return [scale, packed], (n, p.dtype)
 
