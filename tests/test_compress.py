@@ -139,6 +139,18 @@ def test_qsgd_cheap_uniforms_are_uniform_fresh_per_block_and_across_ranks():
     frac = (x[:512].abs() / x[:512].norm() * 16).frac()
     assert (p_away - frac).abs().max() < 0.05
     assert torch.allclose(norms, ref_norms.view(-1))
+    # norm buckets larger than a block: blocks not aligned to buckets
+    from lowcomm.compress.scratch import BLOCK
+    big = build_compressor(cfg("qsgd", levels=8, bucket_size=BLOCK + 5, seed=1))
+    twin = build_compressor(cfg("qsgd", levels=8, bucket_size=BLOCK + 5, seed=1))
+    x = torch.randn(2 * BLOCK + 100, generator=torch.Generator().manual_seed(3))
+    q, norms = big.compress(x, "k")[0]
+    u = twin.uniforms(x.numel())
+    owner = torch.arange(x.numel()) // (BLOCK + 5)
+    ref_norms = torch.stack([x[owner == b].norm() for b in range(3)])
+    want = qsgd_levels(x, ref_norms[owner], u, 8)
+    diff = (q.float() - want).abs()
+    assert diff.max() <= 1 and int((diff > 0).sum()) <= 2 and torch.allclose(norms, ref_norms)
     r0, r1 = (build_compressor(cfg("qsgd", seed=5)) for _ in range(2))
     r0.rank, r1.rank = 0, 1
     assert not torch.equal(r0.uniforms(1000), r1.uniforms(1000)), "ranks draw different u"
@@ -318,9 +330,10 @@ def test_low_rank_products_match_the_gemm_on_both_paths():
     from lowcomm.compress.powersgd import OUTER_MAX_RANK, low_rank_
     g = torch.Generator().manual_seed(6)
     for r in (1, 2, OUTER_MAX_RANK, OUTER_MAX_RANK + 2):       # rank-1 updates, then one GEMM
-        P, Qt, M = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((40, r), (r, 30), (40, 30)))
-        assert torch.allclose(low_rank_(torch.empty(40, 30, dtype=torch.float64), P, Qt), P @ Qt, atol=1e-12)
-        assert torch.allclose(low_rank_(M.clone(), P, Qt, subtract=True), M - P @ Qt, atol=1e-12)
+        for n, m in ((40, 30), (300, 300)):                     # small: a GEMM as well
+            P, Qt, M = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((n, r), (r, m), (n, m)))
+            assert torch.allclose(low_rank_(torch.empty(n, m, dtype=torch.float64), P, Qt), P @ Qt, atol=1e-12)
+            assert torch.allclose(low_rank_(M.clone(), P, Qt, subtract=True), M - P @ Qt, atol=1e-12)
 
 
 # bad input ---------------------------------------------------------------------------------------

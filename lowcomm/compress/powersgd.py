@@ -12,12 +12,13 @@ from .base import Compressor, Seeded, Segment, check_finite, whole
 #: up to this rank, P Qᵀ is built as r rank-1 updates (r passes at memory speed; a GEMM with an
 #: inner dimension of 1 or 2 runs far below it); above it, one GEMM
 OUTER_MAX_RANK = 4
+OUTER_MIN_NUMEL = 1 << 16
 
 
 def low_rank_(out: torch.Tensor, P: torch.Tensor, Qt: torch.Tensor, subtract: bool = False) -> torch.Tensor:
     """``out ← P Qᵀ`` (``subtract``: ``out ← out − P Qᵀ``) for P (n, r) and Qᵀ (r, m), in place."""
     r = P.shape[1]
-    if r > OUTER_MAX_RANK:
+    if r > OUTER_MAX_RANK or out.numel() < OUTER_MIN_NUMEL:     # small: one GEMM call is cheaper
         return out.addmm_(P, Qt, alpha=-1) if subtract else torch.matmul(P, Qt, out=out)
     if not subtract:
         torch.mul(P[:, :1], Qt[0], out=out)

@@ -173,11 +173,14 @@ class QSGD(Seeded, Compressor):
         for o, (lo, hi) in zip(self._offsets(n, x.device), blocks(n, C)):
             m = hi - lo
             v, yb, u = x[lo:hi], y[:hi - lo], table[o:o + hi - lo]
-            if lo % bs == 0 and m % bs == 0:          # whole buckets: y = u + K + v·s/‖v‖, row by row
-                torch.addcmul(u.view(m // bs, bs), v.view(m // bs, bs), mult[lo // bs:hi // bs, None],
-                              out=yb.view(m // bs, bs))
-            else:
+            w = m - m % bs if lo % bs == 0 else 0     # whole buckets: y = u + K + v·s/‖v‖, row by row
+            if w:
+                torch.addcmul(u[:w].view(w // bs, bs), v[:w].view(w // bs, bs),
+                              mult[lo // bs:(lo + w) // bs, None], out=yb[:w].view(w // bs, bs))
+            if w == 0 and bs < m:                     # blocks not aligned to buckets (bs > BLOCK)
                 torch.addcmul(u, v, mult[torch.arange(lo, hi, device=x.device) // bs], out=yb)
+            elif w < m:                               # the last, short bucket
+                torch.addcmul(u[w:], v[w:], mult[(lo + w) // bs], out=yb[w:])
             # ⌊a + u⌋ + K = trunc(y) (y > 0); the clamp keeps ℓ in [−s, s] where a rounds past ±s
             q[lo:hi].copy_(yb.clamp_(1, 2 * s + 1))
         q.sub_(K)                                     # uint8 wraps: the int8 bits of ⌊a + u⌋
