@@ -177,10 +177,11 @@ class QSGD(Seeded, Compressor):
             if w:
                 torch.addcmul(u[:w].view(w // bs, bs), v[:w].view(w // bs, bs),
                               mult[lo // bs:(lo + w) // bs, None], out=yb[:w].view(w // bs, bs))
-            if w == 0 and bs < m:                     # blocks not aligned to buckets (bs > BLOCK)
-                torch.addcmul(u, v, mult[torch.arange(lo, hi, device=x.device) // bs], out=yb)
-            elif w < m:                               # the last, short bucket
+            if w < m and (lo + w) // bs == (hi - 1) // bs:     # the rest lies in one bucket
                 torch.addcmul(u[w:], v[w:], mult[(lo + w) // bs], out=yb[w:])
+            elif w < m:                               # blocks not aligned to buckets (bs > BLOCK)
+                torch.addcmul(u[w:], v[w:], mult[torch.arange(lo + w, hi, device=x.device) // bs],
+                              out=yb[w:])
             # ⌊a + u⌋ + K = trunc(y) (y > 0); the clamp keeps ℓ in [−s, s] where a rounds past ±s
             q[lo:hi].copy_(yb.clamp_(1, 2 * s + 1))
         q.sub_(K)                                     # uint8 wraps: the int8 bits of ⌊a + u⌋
