@@ -6,10 +6,6 @@ import torch
 from .base import Compressor, Segment, overlaps, whole
 
 
-def _aliases(t: torch.Tensor, p: torch.Tensor) -> bool:
-    return overlaps(t, p)
-
-
 class ErrorFeedback(Compressor):
     """Error feedback / error compensation around any compressor C (Seide et al. 2014, 1-bit
     SGD; Stich, Cordonnier & Jaggi 2018, arXiv 1809.07599; Karimireddy, Rebjock, Stich & Jaggi
@@ -59,7 +55,7 @@ class ErrorFeedback(Compressor):
         def chunked(p, segments, x, e):
             torch.add(x, e, out=p)
             chunks = self.inner.compress_chunks(p, key, segments, bounds)
-            chunks = [([t.clone() if _aliases(t, p) else t for t in pl], ctx) for pl, ctx in chunks]
+            chunks = [([t.clone() if overlaps(t, p) else t for t in pl], ctx) for pl, ctx in chunks]
             for (pl, ctx), lo, hi in zip(chunks, bounds, bounds[1:]):
                 if hi > lo:
                     self.inner.subtract_decoded_(p[lo:hi], pl, ctx)
