@@ -373,12 +373,25 @@ def format_step(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: the link of the break-even column of ``lowcomm bench compress``: 10 Gbit/s
+BREAK_EVEN_GBIT = 10.0
+
+
 def bench_compress(methods: list[str], numel: int = 2048 * 2048, iters: int = 10, warmup: int = 2,
-                   cfg=None) -> list[dict]:
+                   cfg=None, link_gbit: float = BREAK_EVEN_GBIT, clock: str = "wall") -> list[dict]:
     """Single-process compress / decompress throughput of each method on one float32 gradient
     of ``numel`` elements (a square-ish matrix), beside a memcpy of the same bytes timed in the
-    same run. GB/s = gradient bytes / median seconds; ``vs memcpy`` = that / memcpy GB/s.
-    Method ``pack`` times the bit packing and unpacking alone (sign methods and 1-bit Adam)."""
+    same run. GB/s = gradient bytes / median seconds; ``vs memcpy`` = memcpy's median seconds /
+    the method's, with a memcpy timed just before every timed call (interleaved: on a shared
+    machine both see the same load); the memcpy row: the median of all those copies.
+    Method ``pack`` times the bit packing and unpacking alone (sign methods and 1-bit Adam).
+    ``clock``: "wall" (``time.perf_counter``) or "cpu" (this thread's CPU time,
+    ``time.thread_time``: time spent descheduled by other processes does not count, so ratios
+    taken on a busy machine move less; memory contention still shows).
+
+    Break-even: ``cost_ms`` = compress + decompress (median each), ``saved_ms`` = the time the
+    bytes it saves (gradient − payload) take on a ``link_gbit`` link, ``cost_vs_saved`` =
+    cost / saved (below 1: it pays for itself on that link, for one rank's one send)."""
     from .compress import COMPRESSORS, build_compressor
     from .compress.base import Segment
     from .compress.bits import pack_signs, unpack_signs
@@ -386,6 +399,9 @@ def bench_compress(methods: list[str], numel: int = 2048 * 2048, iters: int = 10
 
     for m in methods:
         _check_known(m, [*COMPRESSORS, "pack"], "method")
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"unknown clock {clock!r}; known: wall, cpu")
+    now = time.perf_counter if clock == "wall" else time.thread_time
     rows_n = max(1, int(numel ** 0.5))
     while numel % rows_n:
         rows_n -= 1
@@ -395,47 +411,76 @@ def bench_compress(methods: list[str], numel: int = 2048 * 2048, iters: int = 10
     segs = [Segment("grad", torch.Size(shape), 0, numel)]
     nbytes = numel * 4
 
-    def median(fn) -> float:
+    dst = torch.empty_like(x)
+
+    def memcpy() -> None:
+        dst.copy_(x)
+
+    copies: list[float] = []
+
+    def median(fn) -> tuple[float, float]:
+        """Median seconds of ``fn`` and of a memcpy timed just before each of its iterations
+        (interleaved, so on a shared machine both see the same load)."""
         for _ in range(warmup):
             fn()
-        times = []
+        times, refs = [], []
         for _ in range(iters):
-            t0 = time.perf_counter()
+            t0 = now()
+            memcpy()
+            t1 = now()
             fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            times.append(now() - t1)
+            refs.append(t1 - t0)
+        copies.extend(refs)
+        return statistics.median(times), statistics.median(refs)
 
-    dst = torch.empty_like(x)
-    memcpy = nbytes / median(lambda: dst.copy_(x)) / 1e9
-    rows = [{"method": "memcpy", "compress_GBps": memcpy, "decompress_GBps": memcpy,
-             "payload_bytes": nbytes}]
+    rows = []
     base = cfg or CompressorConfig()
     for m in methods:
         if m == "pack":
-            t = median(lambda: pack_signs(x))
-            p = pack_signs(x)
-            u = median(lambda: unpack_signs(p, numel, torch.float32, 0.5))
-            rows.append({"method": "pack/unpack", "compress_GBps": nbytes / t / 1e9,
-                         "decompress_GBps": nbytes / u / 1e9, "payload_bytes": p.numel()})
-            continue
-        c = build_compressor(dataclasses.replace(base, name=m, start_iter=0)) or COMPRESSORS["none"](base)
-        t = median(lambda: c.compress(x, "bench", segs))
-        payload, ctx = c.compress(x, "bench", segs)
-        u = median(lambda: c.decompress(payload, ctx))
-        rows.append({"method": m, "compress_GBps": nbytes / t / 1e9, "decompress_GBps": nbytes / u / 1e9,
-                     "payload_bytes": sum(p.numel() * p.element_size() for p in payload)})
+            (t, tm), p = median(lambda: pack_signs(x)), pack_signs(x)
+            u, um = median(lambda: unpack_signs(p, numel, torch.float32, 0.5))
+            name, payload_bytes = "pack/unpack", p.numel()
+        else:
+            c = build_compressor(dataclasses.replace(base, name=m, start_iter=0)) or COMPRESSORS["none"](base)
+            t, tm = median(lambda: c.compress(x, "bench", segs))
+            payload, ctx = c.compress(x, "bench", segs)
+            u, um = median(lambda: c.decompress(payload, ctx))
+            name, payload_bytes = m, sum(q.numel() * q.element_size() for q in payload)
+        rows.append({"method": name, "compress_GBps": nbytes / t / 1e9, "decompress_GBps": nbytes / u / 1e9,
+                     "payload_bytes": payload_bytes, "compress_vs_memcpy": tm / t,
+                     "decompress_vs_memcpy": um / u})
+    if not copies:
+        median(memcpy)
+    mc = nbytes / statistics.median(copies) / 1e9
+    rows.insert(0, {"method": "memcpy", "compress_GBps": mc, "decompress_GBps": mc,
+                    "payload_bytes": nbytes, "compress_vs_memcpy": 1.0, "decompress_vs_memcpy": 1.0})
+    if link_gbit <= 0:
+        raise ValueError(f"link_gbit must be > 0, got {link_gbit}")
     for row in rows:
-        row["compress_vs_memcpy"] = row["compress_GBps"] / memcpy
-        row["decompress_vs_memcpy"] = row["decompress_GBps"] / memcpy
         row["ratio"] = nbytes / row["payload_bytes"]
+        row["cost_ms"] = (nbytes / row["compress_GBps"] + nbytes / row["decompress_GBps"]) / 1e6
+        row["saved_ms"] = (nbytes - row["payload_bytes"]) * 8 / (link_gbit * 1e9) * 1e3
+        row["cost_vs_saved"] = row["cost_ms"] / row["saved_ms"] if row["saved_ms"] > 0 else None
+        row["link_gbit"] = link_gbit
+        row["clock"] = clock
+    rows[0]["cost_ms"] = rows[0]["cost_vs_saved"] = None      # memcpy: the reference, no method
     return rows
 
 
 def format_compress(rows: list[dict]) -> str:
+    gbit = rows[0]["link_gbit"] if rows else BREAK_EVEN_GBIT
     lines = [f"{'method':>12} {'payload(B)':>11} {'ratio':>7} {'compress GB/s':>14} {'vs memcpy':>10} "
-             f"{'decompress GB/s':>16} {'vs memcpy':>10}"]
+             f"{'decompress GB/s':>16} {'vs memcpy':>10} {'c+d ms':>8} {f'saved@{gbit:g}G ms':>15} "
+             f"{'cost/saved':>11}"]
     for r in rows:
+        cost = f"{r['cost_ms']:8.2f}" if r["cost_ms"] is not None else f"{'-':>8}"
+        ratio = f"{r['cost_vs_saved']:11.2f}" if r["cost_vs_saved"] is not None else f"{'-':>11}"
         lines.append(f"{r['method']:>12} {r['payload_bytes']:>11} {r['ratio']:>7.1f} "
                      f"{r['compress_GBps']:>14.2f} {r['compress_vs_memcpy']:>10.2f} "
-                     f"{r['decompress_GBps']:>16.2f} {r['decompress_vs_memcpy']:>10.2f}")
+                     f"{r['decompress_GBps']:>16.2f} {r['decompress_vs_memcpy']:>10.2f} "
+                     f"{cost} {r['saved_ms']:15.2f} {ratio}")
+    lines.append(f"c+d ms: compress + decompress; saved@{gbit:g}G: the time the bytes a method saves "
+                 f"(gradient - payload) take on a {gbit:g} Gbit/s link; cost/saved > 1: it costs "
+                 f"more time than it saves there")
     return "\n".join(lines)

@@ -231,10 +231,18 @@ def bench_step(config, overrides, strategies, steps, warmup, json_path):
               show_default=True, help="Compressor names; 'pack' times the bit packing alone.")
 @click.option("--iters", default=10, show_default=True)
 @click.option("--warmup", default=2, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch threads (one: a rank's share of a node).")
+@click.option("--link-gbit", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Link of the break-even column (Gbit/s).")
+@click.option("--clock", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True,
+              help="wall: perf_counter; cpu: the thread's CPU time (steadier on a busy machine).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
-def bench_compress(config, overrides, size, methods, iters, warmup, json_path):
+def bench_compress(config, overrides, size, methods, iters, warmup, threads, link_gbit, clock, json_path):
     """Compress / decompress GB/s of each compressor beside a memcpy of the same bytes (one
-    process; the [compressor] keys of --config/--set give ratio, levels, approx_rank, ...)."""
+    process; the [compressor] keys of --config/--set give ratio, levels, approx_rank, ...), and
+    its break-even: compress + decompress time against the time the bytes it saves take on a
+    --link-gbit link."""
     import torch
 
     from .bench import bench_compress as run, format_compress, parse_size
@@ -245,13 +253,14 @@ def bench_compress(config, overrides, size, methods, iters, warmup, json_path):
         raise click.BadParameter(str(e), param_hint="--size") from None
     if numel < 1:
         raise click.BadParameter(f"{size!r} holds no float32 element", param_hint="--size")
-    _set_threads()
+    torch.set_num_threads(threads)
     try:
-        rows = run(methods.split(","), numel, iters, warmup, cfg.compressor)
+        rows = run(methods.split(","), numel, iters, warmup, cfg.compressor, link_gbit, clock)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--methods") from None
     click.echo(f"compress/decompress of a {numel * 4 / 2**20:.1f} MiB float32 gradient, "
-               f"{torch.get_num_threads()} thread(s), median of {iters}; GB/s of gradient bytes")
+               f"{torch.get_num_threads()} thread(s), median of {iters} ({clock} clock, a memcpy timed "
+               f"before each call); GB/s of gradient bytes")
     click.echo(format_compress(rows))
     _write_json(json_path, rows)
 

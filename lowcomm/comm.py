@@ -24,8 +24,20 @@ import numpy as np
 import torch
 
 from .errors import CommError
-from .ledger import Ledger, wire_bytes
+from .ledger import Ledger, charge_comm_cpu, wire_bytes
 from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
+
+def _clock() -> tuple[float, float]:
+    """Start of a timed MPI call: (wall, this thread's CPU time)."""
+    return time.perf_counter(), time.thread_time()
+
+
+def _since(t0: tuple[float, float]) -> float:
+    """Wall seconds since :func:`_clock`; the thread's CPU seconds in between go to
+    :func:`~lowcomm.ledger.charge_comm_cpu` (MPI busy-polls while it waits)."""
+    charge_comm_cpu(time.thread_time() - t0[1])
+    return time.perf_counter() - t0[0]
+
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4,
                 torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
@@ -98,17 +110,17 @@ class Request:
     def wait(self) -> None:
         if self._done:
             return
-        t0 = time.perf_counter()
+        t0 = _clock()
         self._comm._guard(self.op, self._sent, self._req.Wait, peer=self._peer)
-        self._complete(time.perf_counter() - t0)
+        self._complete(_since(t0))
 
     def test(self) -> bool:
         if self._done:
             return True
-        t0 = time.perf_counter()
+        t0 = _clock()
         flag = self._comm._guard(self.op, self._sent, self._req.Test, peer=self._peer)
         if flag:
-            self._complete(time.perf_counter() - t0)
+            self._complete(_since(t0))
         return bool(flag)
 
     def _complete(self, seconds: float) -> None:
@@ -187,10 +199,10 @@ class Comm:
         meta[10] = zlib.crc32(op.encode())
         meta[11] = root
         table = np.empty((self.size, _META_LEN), dtype=np.int64)
-        t0 = time.perf_counter()
+        t0 = _clock()
         self._guard("check:" + op, meta.nbytes, self.mpi.Allgather, meta, table)
         sent, recv = wire_bytes("allgather", meta.nbytes, self.size)
-        self.ledger.record("check", self.level, sent, recv, time.perf_counter() - t0)
+        self.ledger.record("check", self.level, sent, recv, _since(t0))
         if (table == table[0]).all():
             return
         parts = []
@@ -236,12 +248,12 @@ class Comm:
         n = _nbytes(t)
         with self.staged(t) as h:
             buf, mop = _typed(h)
-            t0 = time.perf_counter()
+            t0 = _clock()
             self._guard("allreduce.mpi", n, self.mpi.Allreduce, mpi().IN_PLACE, buf, mop)
             if avg:
                 h.div_(self.size)
             self.ledger.record("allreduce.mpi", self.level, *wire_bytes("allreduce", n, self.size),
-                               seconds=time.perf_counter() - t0)
+                               seconds=_since(t0))
         return t
 
     def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Request:
@@ -263,11 +275,11 @@ class Comm:
         self.check("bcast", t, root)
         n = _nbytes(t)
         with self.staged(t, read=self.rank == root, write=self.rank != root) as h:
-            t0 = time.perf_counter()
+            t0 = _clock()
             self._guard("bcast", n, self.mpi.Bcast, _raw(h), root)
             sent, recv = wire_bytes("bcast", n, self.size)
             self.ledger.record("bcast", self.level, sent if self.rank == root else 0,
-                               0 if self.rank == root else recv, time.perf_counter() - t0)
+                               0 if self.rank == root else recv, _since(t0))
         return t
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
@@ -308,11 +320,11 @@ class Comm:
         recv = sum(c for j, c in enumerate(recv_nbytes) if j != self.rank)
         MPI = mpi()
         with self.staged(send, write=False) as h, self.staged(out, read=False) as o:
-            t0 = time.perf_counter()
+            t0 = _clock()
             self._guard("alltoall.v", sent, self.mpi.Alltoallv,
                         [h.numpy(), (scounts, sdispl), MPI.BYTE],
                         [o.numpy(), (list(recv_nbytes), rdispl), MPI.BYTE])
-            self.ledger.record("alltoall.v", self.level, sent, recv, time.perf_counter() - t0)
+            self.ledger.record("alltoall.v", self.level, sent, recv, _since(t0))
         return list(out.split(list(recv_nbytes)))
 
     def allgatherv(self, t: torch.Tensor, nbytes: list[int]) -> list[torch.Tensor]:
@@ -330,20 +342,20 @@ class Comm:
         recv = sum(c for j, c in enumerate(nbytes) if j != self.rank)
         MPI = mpi()
         with self.staged(raw, write=False) as h, self.staged(out, read=False) as o:
-            t0 = time.perf_counter()
+            t0 = _clock()
             self._guard("allgather.v", sent, self.mpi.Allgatherv, [h.numpy(), MPI.BYTE],
                         [o.numpy(), (list(nbytes), displ), MPI.BYTE])
-            self.ledger.record("allgather.v", self.level, sent, recv, time.perf_counter() - t0)
+            self.ledger.record("allgather.v", self.level, sent, recv, _since(t0))
         return list(out.split(list(nbytes)))
 
     def _exchange(self, op: str, n: int, call, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Vendor ``call(send, recv)`` from ``t`` into ``out`` (both staged), under the watchdog,
         charging the ledger ``op``'s wire bytes for ``n`` bytes per rank."""
         with self.staged(t, write=False) as h, self.staged(out, read=False) as o:
-            t0 = time.perf_counter()
+            t0 = _clock()
             self._guard(op, n, call, _raw(h), _raw(o))
             self.ledger.record(op, self.level, *wire_bytes(op, n, self.size),
-                               seconds=time.perf_counter() - t0)
+                               seconds=_since(t0))
         return out
 
     def disagreeing(self, signature: str, count: int) -> list[int]:
@@ -374,16 +386,16 @@ class Comm:
     def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None:
         self._host_only("send", t)
         n = _nbytes(t)
-        t0 = time.perf_counter()
+        t0 = _clock()
         self._guard("send", n, self.mpi.Send, _raw(t), dest, tag, peer=dest)
-        self.ledger.record("send", self.level, n, 0, time.perf_counter() - t0)
+        self.ledger.record("send", self.level, n, 0, _since(t0))
 
     def recv_(self, t: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
         self._host_only("recv", t)
         n = _nbytes(t)
-        t0 = time.perf_counter()
+        t0 = _clock()
         self._guard("recv", n, self.mpi.Recv, _raw(t), source, tag, peer=source)
-        self.ledger.record("recv", self.level, 0, n, time.perf_counter() - t0)
+        self.ledger.record("recv", self.level, 0, n, _since(t0))
         return t
 
     def sendrecv_(self, send: torch.Tensor, dest: int, recv: torch.Tensor, source: int,
@@ -391,10 +403,10 @@ class Comm:
         """Send ``send`` to ``dest`` while receiving into ``recv`` from ``source``."""
         self._host_only("sendrecv", send, recv)
         ns, nr = _nbytes(send), _nbytes(recv)
-        t0 = time.perf_counter()
+        t0 = _clock()
         self._guard("sendrecv", ns, self.mpi.Sendrecv, _raw(send), dest, tag, _raw(recv), source, tag,
                     peer=source)
-        self.ledger.record("sendrecv", self.level, ns, nr, time.perf_counter() - t0)
+        self.ledger.record("sendrecv", self.level, ns, nr, _since(t0))
         return recv
 
     def isend(self, t: torch.Tensor, dest: int, tag: int = 0, op: str = "send",
@@ -406,10 +418,10 @@ class Comm:
         self._host_only(op, t)
         n = _nbytes(t)
         buf = _raw(t)
-        t0 = time.perf_counter()
+        t0 = _clock()
         req = self._guard(op, n, self.mpi.Isend, buf, dest, tag, peer=dest)
         if charge == "post":
-            self.ledger.record(op, self.level, n, 0, time.perf_counter() - t0)
+            self.ledger.record(op, self.level, n, 0, _since(t0))
         return Request(self, req, op, n, 0, keep=(t, buf), peer=dest, charged=charge == "post")
 
     def irecv_(self, t: torch.Tensor, source: int, tag: int = 0, op: str = "recv") -> Request:
@@ -465,13 +477,13 @@ class Comm:
 
     def recv_object(self, source: int, tag: int = 0, op: str = "recv_object"):
         """Receive one object sent by :meth:`issend_object` from ``source`` (blocking, watched)."""
-        t0 = time.perf_counter()
+        t0 = _clock()
         MPI = mpi()
         status = MPI.Status()
         msg = self._guard(op, None, self.mpi.Mprobe, source, tag, status, peer=source)
         buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
         self._guard(op, buf.nbytes, msg.Recv, [buf, MPI.BYTE], peer=source)
-        self.ledger.record(op, self.level, 0, buf.nbytes, time.perf_counter() - t0)
+        self.ledger.record(op, self.level, 0, buf.nbytes, _since(t0))
         return pickle.loads(buf.tobytes())
 
     # shared memory (MPI-3 shared windows) --------------------------------------------------------
@@ -635,9 +647,9 @@ class Message:
     def recv_(self, t: torch.Tensor, op: str = "recv") -> torch.Tensor:
         """Receive the message into ``t`` (blocking, watched); charged as ``op``."""
         self._check(op, t)
-        t0 = time.perf_counter()
+        t0 = _clock()
         self._comm._guard(op, self.nbytes, self._msg.Recv, _raw(t), peer=self.source)
-        self._comm.ledger.record(op, self._comm.level, 0, self.nbytes, time.perf_counter() - t0)
+        self._comm.ledger.record(op, self._comm.level, 0, self.nbytes, _since(t0))
         return t
 
     def irecv_(self, t: torch.Tensor, op: str = "recv") -> Request:

@@ -9,9 +9,15 @@ outside MPI, shows one progress bar over all steps, and writes into ``--out``:
 * ``eval_loss_vs_bytes.png``, ``eval_loss_vs_wall.png``, ``eval_loss_vs_modelled_wall.png``,
   ``eval_loss_vs_steps.png``.
 
-Modelled wall-clock answers "what would this cost on link L?": the run's computation (measured
-wall-clock minus the communication time it measured) plus the α–β time of its traffic on L
-(:func:`lowcomm.ledger.alpha_beta_seconds`: message rounds·α + bytes/β, no overlap assumed).
+Modelled wall-clock answers "what would this cost on link L?": the run's computation plus the
+α–β time of its traffic on L (:func:`lowcomm.ledger.alpha_beta_seconds`: message rounds·α +
+bytes/β, no overlap assumed). The computation is the run's ``compute_cpu_s``: CPU seconds of
+the training steps minus those spent inside communication calls
+(:func:`lowcomm.ledger.compute_cpu_clock`, summed step by step; the slowest rank's). It is CPU
+time, not wall-clock, so other processes on a busy machine do not inflate it (they took cores
+from the run; they did not add work to it); only cache and memory-bandwidth contention still
+shows. The table's header and footnote say so. A run that did not record it (a summary from
+before) is an error, never replaced by wall-clock.
 """
 from __future__ import annotations
 
@@ -101,18 +107,27 @@ class Link:
         return f"{self.delay_ms:g} ms, {self.rate_mbit:g} Mbit/s"
 
 
+def _compute(record: dict, what: str) -> float:
+    c = record.get("compute_cpu_s")
+    if c is None or c != c:
+        raise ValueError(f"{what} has no compute_cpu_s (the CPU seconds of its computation, written "
+                         f"since lowcomm records them); rerun it to model its wall-clock")
+    return float(c)
+
+
 def modelled_wall(summary: dict, link: Link) -> float:
-    """Computation measured in the run plus its (rank 0) traffic's α–β time on ``link``."""
+    """The run's computation (``compute_cpu_s``, CPU seconds: see the module docstring) plus its
+    (rank 0) traffic's α–β time on ``link``. Measured wall-clock is not used."""
     rows = summary["ledger_rank0"]
-    measured_comm = sum(r["seconds"] for r in rows)
-    return max(summary["wall_s"] - measured_comm, 0.0) + link.seconds(rows, summary["ranks"])
+    return _compute(summary, f"the summary of {summary.get('method', '?')!r}") + \
+        link.seconds(rows, summary["ranks"])
 
 
 def _line_modelled(line: dict, link: Link) -> float:
     per_rank_bytes = line["bytes"]   # summed over ranks; rounds are per rank
     ranks = line.get("ranks", 1)
-    return max(line["wall_s"] - line["comm_s"], 0.0) + line["rounds"] * link.delay_ms / 1e3 \
-        + per_rank_bytes / ranks / (link.rate_mbit * 1e6 / 8)
+    return _compute(line, f"metrics line of step {line.get('step')}") + \
+        line["rounds"] * link.delay_ms / 1e3 + per_rank_bytes / ranks / (link.rate_mbit * 1e6 / 8)
 
 
 @contextlib.contextmanager
@@ -238,7 +253,10 @@ def plot(out: Path, results: list[dict], link: Link) -> list[Path]:
     for _, xlabel, fname, x_of, logx in axes:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in ok:
-            pts = [(x_of(ln), ln["eval_loss"]) for ln in curves(out, r) if "eval_loss" in ln]
+            lines = [ln for ln in curves(out, r) if "eval_loss" in ln]
+            if fname == "eval_loss_vs_modelled_wall.png":    # lines without a CPU clock (the
+                lines = [ln for ln in lines if "compute_cpu_s" in ln]   # parameter server's): no curve
+            pts = [(x_of(ln), ln["eval_loss"]) for ln in lines]
             if pts:
                 ax.plot(*zip(*pts), marker="o", markersize=3, label=r["method"])
         ax.set_xlabel(xlabel)
@@ -259,16 +277,21 @@ def table(results: list[dict], link: Link) -> str:
     """Markdown table, best eval loss first; failed methods last with their error."""
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["eval_loss"])
     base = next((r for r in ok if r["method"] == "ddp"), None)
-    head = ("| # | method | eval loss | train loss | MB sent | ddp bytes ÷ bytes | wall s | "
-            f"modelled s ({link}) |\n|---|---|---|---|---|---|---|---|")
+    head = ("| # | method | eval loss | train loss | MB sent | ddp bytes ÷ bytes | wall s | compute CPU s | "
+            f"modelled s ({link})¹ |\n|---|---|---|---|---|---|---|---|---|")
     rows = []
     for i, r in enumerate(ok, 1):
         ratio = f"{base['bytes_total'] / r['bytes_total']:.1f}×" if base and r["bytes_total"] else "–"
         rows.append(f"| {i} | {r['method']} | {r['eval_loss']:.4f} | {r['final_loss']:.4f} | "
-                    f"{r['bytes_total'] / 1e6:.1f} | {ratio} | {r['wall_s']:.1f} | {r['modelled_wall_s']:.1f} |")
-    rows += [f"| – | {r['method']} | failed: {r['error']} | | | | | |"
+                    f"{r['bytes_total'] / 1e6:.1f} | {ratio} | {r['wall_s']:.1f} | "
+                    f"{r['compute_cpu_s']:.1f} | {r['modelled_wall_s']:.1f} |")
+    rows += [f"| – | {r['method']} | failed: {r['error']} | | | | | | |"
              for r in results if r["status"] != "ok"]
-    return "\n".join([head, *rows])
+    foot = (f"\n¹ modelled s = compute CPU s + the α–β time of the run's traffic on {link}. Compute "
+            "CPU s: the slowest rank's CPU seconds of computation in its training steps (process CPU "
+            "time minus the CPU time of its communication calls), which other processes on the "
+            "machine do not inflate; wall s is measured and does depend on the machine's load.")
+    return "\n".join([head, *rows]) + "\n" + foot
 
 
 def compare(methods: list[str], np: int, steps: int, out: str | Path, config: str | None = None,
@@ -292,6 +315,7 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
             if r["status"] == "ok":
                 s = json.loads(Path(r.pop("summary")).read_text())
                 r["modelled_wall_s"] = modelled_wall(s, link)
+                r["compute_cpu_s"] = s["compute_cpu_s"]
                 r["link"] = {"delay_ms": link.delay_ms, "rate_mbit": link.rate_mbit}
             else:
                 bar.write(f"{method} failed: {r['error']}")

@@ -78,6 +78,33 @@ def alpha_beta_seconds(rows: list[dict], size: int, alpha_s: float, bytes_per_s:
                for r in rows if levels is None or r["level"] in levels)
 
 
+_comm_cpu = [0.0]
+_comm_cpu_lock = threading.Lock()
+
+
+def charge_comm_cpu(seconds: float) -> None:
+    """Add CPU seconds spent inside a communication call (any thread, any communicator)."""
+    with _comm_cpu_lock:
+        _comm_cpu[0] += seconds
+
+
+def comm_cpu_seconds() -> float:
+    """CPU seconds this process's threads have spent inside communication calls so far (every
+    :class:`~lowcomm.comm.Comm` call charges its thread's CPU time; MPI busy-polls while it
+    waits, so this is what to subtract from the process's CPU time to get its computation)."""
+    with _comm_cpu_lock:
+        return _comm_cpu[0]
+
+
+def compute_cpu_clock() -> float:
+    """CPU seconds of computation so far: the process's CPU time (all its threads, the training
+    thread and the reducer's) minus :func:`comm_cpu_seconds`. Time the process spends waiting
+    for a core, descheduled by other processes, does not count, so differences of this clock
+    measure a run's computation whatever else the machine is running (cache and memory
+    contention still slow it somewhat)."""
+    return time.process_time() - comm_cpu_seconds()
+
+
 @dataclass
 class OpStats:
     calls: int = 0

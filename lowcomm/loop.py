@@ -25,6 +25,12 @@ Reliability, per step boundary:
   parameter (``"abort"``, the default; nothing non-finite is ever sent) or is skipped by all
   ranks together (``"skip"``: one 4-byte all-reduce per step to agree; counted in the summary).
 
+Time: ``wall_s`` is measured wall-clock; ``compute_cpu_s`` the CPU seconds of computation in
+the steps (:func:`lowcomm.ledger.compute_cpu_clock`: the process's CPU time minus what its
+communication calls took, summed step by step; in metrics lines the mean over ranks, in the
+summary the largest rank's), which other processes on the machine do not inflate:
+``lowcomm compare`` models wall-clock from it.
+
 At the end the strategy's :meth:`~lowcomm.strategies.base.Strategy.finish` leaves one model on
 every rank; the summary records its ``params_sha256`` and ``ranks_agree`` (every rank's hash
 equal).
@@ -43,6 +49,7 @@ import torch
 from .comm import Comm
 from .errors import NonFiniteError
 from .errors import LowcommError
+from .ledger import compute_cpu_clock
 from .runtime import (Interrupted, StopFlag, _sum, _write_text, build_optimizer, close_run,
                       evaluate, lr_at, nonfinite, open_run, params_sha256, restore, set_lr,
                       snapshot)
@@ -90,17 +97,20 @@ def _run(cfg, task: Task, build: Callable, comm: Comm, ctl: Comm, out: Path | No
 
     first, skipped, wall_before, window, recent = 1, 0, 0.0, [], float("nan")
     resizes, samples_before = [], 0        # rank-count changes at a resume; samples before it
+    compute = [0.0]                  # CPU seconds of computation in the steps (compute_cpu_clock)
     if resume:
         step, loop = restore(resume, cfg, comm, ctl, model, strategy, out)
         skipped, wall_before, window, recent = loop["skipped"], loop["wall_s"], loop["window"], loop["recent"]
         resizes = loop.get("resizes", [])
         samples_before = loop.get("samples", step * cfg.batch_size * (resizes[-1]["from"] if resizes else K))
+        compute[0] = loop.get("compute_cpu_s", float("nan"))   # nan: a checkpoint from before it
         first = step + 1
 
     def save(step: int) -> Path:
         loop = {"skipped": skipped, "wall_s": wall_before + time.perf_counter() - t0,
                 "window": list(window), "recent": recent, "resizes": resizes,
-                "samples": samples_before + (step - first + 1) * cfg.batch_size * K}
+                "samples": samples_before + (step - first + 1) * cfg.batch_size * K,
+                "compute_cpu_s": compute[0]}
         return ckpt.save(step, snapshot(model, strategy, comm, loop), cfg.to_dict())
 
     bar = None
@@ -115,6 +125,7 @@ def _run(cfg, task: Task, build: Callable, comm: Comm, ctl: Comm, out: Path | No
     try:
         with StopFlag() as stop:
             for step in range(first, cfg.steps + 1):
+                c0 = compute_cpu_clock()
                 loss, bad = train_step(cfg, task, model, strategy, step, rank, K)
                 if cfg.on_nonfinite == "skip":
                     if _sum(ctl, [1.0 if bad else 0.0])[0] > 0:
@@ -130,15 +141,17 @@ def _run(cfg, task: Task, build: Callable, comm: Comm, ctl: Comm, out: Path | No
                     set_lr(optimizer, lr_at(cfg, step))
                     strategy.step()
                     window.append(loss.item())
+                compute[0] += compute_cpu_clock() - c0
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     tot = comm.ledger.totals()
-                    loss_sum, n, sent, comm_s, rounds = _sum(ctl, [
-                        sum(window), len(window), tot["bytes_sent"], tot["seconds"], comm.ledger.rounds(K)])
+                    loss_sum, n, sent, comm_s, rounds, cpu = _sum(ctl, [
+                        sum(window), len(window), tot["bytes_sent"], tot["seconds"], comm.ledger.rounds(K),
+                        compute[0]])
                     recent = loss_sum / n if n else float("nan")
                     window = []
                     line = {"step": step, "loss": recent, "bytes": int(sent),
                             "wall_s": wall_before + time.perf_counter() - t0,
-                            "comm_s": comm_s / K, "rounds": rounds / K,
+                            "comm_s": comm_s / K, "rounds": rounds / K, "compute_cpu_s": cpu / K,
                             "lr": optimizer.param_groups[0]["lr"]}
                     line.update(strategy.metrics(ctl))
                     if held_out and cfg.eval_every and step % cfg.eval_every == 0:
@@ -184,6 +197,7 @@ def _run(cfg, task: Task, build: Callable, comm: Comm, ctl: Comm, out: Path | No
         "bytes_total": int(sum(per_level)), "bytes_by_level": {lv: int(b) for lv, b in zip(levels, per_level)},
         "bytes_per_step_per_rank": sum(per_level) / K / cfg.steps,
         "wall_s": max(ctl.allgather_object(wall)),
+        "compute_cpu_s": max(ctl.allgather_object(compute[0])),
         "samples": samples_before + (cfg.steps - first + 1) * cfg.batch_size * K,
         "resizes": resizes,             # [{"step", "from", "to"}]: resumed on another rank count
         "skipped_steps": skipped,

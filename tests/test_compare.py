@@ -36,12 +36,44 @@ def test_topology_aware_methods_get_the_launcher_s_datacenter_blocks():
     assert not needs_topology("ddp") and not needs_topology("diloco")
 
 
-def test_modelled_wall_is_compute_plus_alpha_beta():
+def test_modelled_wall_is_cpu_compute_plus_alpha_beta_never_wall_clock():
+    from lowcomm.compare import _line_modelled, table
     rows = [{"level": "world", "op": "allreduce.ring", "calls": 10, "bytes_sent": 1_000_000,
              "bytes_recv": 1_000_000, "seconds": 0.5}]
-    s = {"ledger_rank0": rows, "wall_s": 2.0, "ranks": 4}
-    # compute 1.5 s + 10 calls x 2(K-1)=6 rounds x 10 ms + 1 MB at 8 Mbit/s = 1 s
+    s = {"method": "ddp", "ledger_rank0": rows, "wall_s": 9.0, "compute_cpu_s": 1.5, "ranks": 4}
+    # compute 1.5 CPU s + 10 calls x 2(K-1)=6 rounds x 10 ms + 1 MB at 8 Mbit/s = 1 s
     assert modelled_wall(s, Link(10, 8)) == pytest.approx(1.5 + 0.6 + 1.0)
+    busy = {**s, "wall_s": 90.0}     # a machine ten times as busy: the same model
+    assert modelled_wall(busy, Link(10, 8)) == modelled_wall(s, Link(10, 8))
+    line = {"step": 5, "bytes": 4_000_000, "ranks": 4, "rounds": 60, "wall_s": 50.0, "comm_s": 1.0,
+            "compute_cpu_s": 1.5}
+    assert _line_modelled(line, Link(10, 8)) == pytest.approx(1.5 + 0.6 + 1.0)
+    for bad in ({k: v for k, v in s.items() if k != "compute_cpu_s"}, {**s, "compute_cpu_s": float("nan")}):
+        with pytest.raises(ValueError, match="'ddp' has no compute_cpu_s"):
+            modelled_wall(bad, Link(10, 8))
+    with pytest.raises(ValueError, match="step 5 has no compute_cpu_s"):
+        _line_modelled({k: v for k, v in line.items() if k != "compute_cpu_s"}, Link(10, 8))
+    md = table([{"method": "ddp", "status": "ok", "eval_loss": 1.0, "final_loss": 1.0, "bytes_total": 1,
+                 "wall_s": 9.0, "compute_cpu_s": 1.5, "modelled_wall_s": 3.1}], Link(10, 8))
+    assert "| compute CPU s | modelled s (10 ms, 8 Mbit/s)¹ |" in md and "| 9.0 | 1.5 | 3.1 |" in md
+    assert "¹ modelled s = compute CPU s + the α–β time" in md and "do not inflate" in md
+
+
+def test_compute_cpu_clock_counts_computation_not_waiting_or_communication():
+    import time
+
+    from lowcomm.ledger import charge_comm_cpu, comm_cpu_seconds, compute_cpu_clock
+    c0 = compute_cpu_clock()
+    time.sleep(0.3)                       # descheduled: no CPU time
+    assert compute_cpu_clock() - c0 < 0.1
+    c0, p0 = compute_cpu_clock(), time.process_time()
+    x = 0
+    while time.process_time() - p0 < 0.2:  # computing
+        x += 1
+    assert compute_cpu_clock() - c0 >= 0.19
+    m0, c0 = comm_cpu_seconds(), compute_cpu_clock()
+    charge_comm_cpu(5.0)                  # what communication calls charge is not computation
+    assert comm_cpu_seconds() - m0 == pytest.approx(5.0) and compute_cpu_clock() - c0 < -4.5
     with pytest.raises(ValueError, match="DELAY_MS,RATE_MBIT"):
         Link.parse("fast")
 
@@ -68,4 +100,13 @@ def test_compare_runs_methods_on_the_same_data_and_keeps_going_when_one_fails(tm
     curves = [[json.loads(x) for x in (tmp_path / m / "metrics.jsonl").read_text().splitlines()]
               for m in ("ddp", "horovod")]
     assert [x["step"] for x in curves[0]] == [x["step"] for x in curves[1]] == [5, 10, 15, 20]
+    # the modelled wall-clock comes from the CPU clock of the steps, and the table says so
+    for x, curve in zip((a, b), curves):
+        summary = json.loads((tmp_path / x["method"] / "summary.json").read_text())
+        assert 0 < x["compute_cpu_s"] == summary["compute_cpu_s"] < 1e3
+        assert x["modelled_wall_s"] == pytest.approx(
+            summary["compute_cpu_s"] + Link(25, 100).seconds(summary["ledger_rank0"], 2))
+        cpu = [ln["compute_cpu_s"] for ln in curve]
+        assert all(0 < c for c in cpu) and cpu == sorted(cpu)
+    assert "compute CPU s" in r.stdout and "do not inflate" in (tmp_path / "table.md").read_text()
     assert all("eval_loss" in x for x in curves[0][1::2])      # eval_every = 10 by default

@@ -79,17 +79,81 @@ def test_int8():
     assert torch.equal(roundtrip(build_compressor(cfg("int8")), torch.zeros(5))[1], torch.zeros(5))
 
 
+def qsgd_levels(v, norms, u, s):
+    """The definition, in float64: q = ⌊sign(v)·|v|/‖v‖·s + u⌋, clamped to [−s, s]."""
+    a = v.double() / norms.double() * s
+    return torch.floor(a + u.double()).clamp(-s, s).float()
+
+
 def test_qsgd_definition_and_unbiasedness():
     c = build_compressor(cfg("qsgd", levels=4, bucket_size=100, seed=3))
+    twin = build_compressor(cfg("qsgd", levels=4, bucket_size=100, seed=3))
     payload, y = roundtrip(c)
     v = X.view(10, 100)
     norms = torch.linalg.vector_norm(v, dim=1, keepdim=True)
-    u = torch.rand((10, 100), generator=torch.Generator().manual_seed(3 * 1_000_003 + 0))
-    lev = torch.floor(v.abs() / norms * 4 + u).clamp(max=4)
-    assert torch.equal(payload[0], (torch.sign(v) * lev).view(-1).to(torch.int8))
-    assert torch.allclose(y, (norms / 4 * torch.sign(v) * lev).view(-1), rtol=1e-6, atol=1e-7)
+    u = twin.uniforms(1000).view(10, 100)          # the u that c drew, from an equal generator
+    assert torch.equal(twin.generator(X.device).get_state(), c.generator(X.device).get_state())
+    q = qsgd_levels(v, norms, u, 4)
+    assert torch.equal(payload[0], q.view(-1).to(torch.int8))
+    assert torch.allclose(y, (norms / 4 * q).view(-1), rtol=1e-6, atol=1e-7)
     mean = torch.stack([roundtrip(c)[1] for _ in range(3000)]).mean(0)
     assert float((mean - X).abs().max()) < 0.1, "E[Q(v)] = v"
+
+
+def test_qsgd_cheap_uniforms_are_uniform_fresh_per_block_and_across_ranks():
+    """The table-and-offset u (QSGD docstring): each block's window is uniform over the L
+    stratified points, blocks and calls draw fresh offsets, and fused blocks (here several, and a
+    short last bucket) quantise exactly as the definition does on the whole tensor."""
+    from lowcomm.compress.quantize import UNIFORM_TABLE, uniform_table
+    t = uniform_table(torch.float64, torch.device("cpu"))[:UNIFORM_TABLE]
+    assert torch.equal(t.sort().values, (torch.arange(UNIFORM_TABLE, dtype=torch.float64) + 0.5) / UNIFORM_TABLE)
+    c = build_compressor(cfg("qsgd", levels=16, bucket_size=512, seed=5))
+    u = c.uniforms(3 * c.block() + 1000)
+    assert u.min() > 0 and u.max() < 1 and abs(float(u.mean()) - 0.5) < 0.01
+    blocks = u[:3 * c.block()].view(3, -1)
+    assert not torch.equal(blocks[0], blocks[1]) and not torch.equal(u, c.uniforms(u.numel()))
+    # every element's u over many calls: uniform (mean 1/2, variance 1/12)
+    many = torch.stack([c.uniforms(8) for _ in range(4000)])
+    assert (many.mean(0) - 0.5).abs().max() < 0.02 and (many.var(0) - 1 / 12).abs().max() < 0.01
+    # the fused blocked pass == the definition with the same u, on several blocks and a short bucket
+    x = torch.randn(3 * c.block() + 1000, generator=torch.Generator().manual_seed(9))
+    twin = build_compressor(cfg("qsgd", levels=16, bucket_size=512, seed=5))
+    twin.load_state_dict(c.state_dict())
+    q, norms = c.compress(x, "k")[0]
+    u = twin.uniforms(x.numel())
+    n, bs = x.numel(), 512
+    v = torch.zeros(-(-n // bs) * bs)
+    v[:n] = x
+    v = v.view(-1, bs)
+    ref_norms = torch.linalg.vector_norm(v, dim=1, keepdim=True)
+    uu = torch.zeros(v.numel())
+    uu[:n] = u
+    want = qsgd_levels(v, ref_norms, uu.view(-1, bs), 16).view(-1)[:n]
+    diff = (q.float() - want).abs()
+    # float32 rounding of y may move an a + u within ~1e-5 of an integer across it (never by more)
+    assert diff.max() <= 1 and int((diff > 0).sum()) <= 2, int((diff > 0).sum())
+    assert int(q.abs().max()) <= 16 and (q.sign() * x.sign() >= 0).all()
+    # the sign·⌊|a| + u⌋ form of the paper draws the same levels with the same probabilities
+    p_away = torch.stack([(c.compress(x[:512], "k")[0][0].float().abs() > (x[:512].abs() / x[:512].norm() * 16).floor()).float()
+                          for _ in range(2000)]).mean(0)
+    frac = (x[:512].abs() / x[:512].norm() * 16).frac()
+    assert (p_away - frac).abs().max() < 0.05
+    assert torch.allclose(norms, ref_norms.view(-1))
+    # norm buckets larger than a block: blocks not aligned to buckets
+    from lowcomm.compress.scratch import BLOCK
+    big = build_compressor(cfg("qsgd", levels=8, bucket_size=BLOCK + 5, seed=1))
+    twin = build_compressor(cfg("qsgd", levels=8, bucket_size=BLOCK + 5, seed=1))
+    x = torch.randn(2 * BLOCK + 100, generator=torch.Generator().manual_seed(3))
+    q, norms = big.compress(x, "k")[0]
+    u = twin.uniforms(x.numel())
+    owner = torch.arange(x.numel()) // (BLOCK + 5)
+    ref_norms = torch.stack([x[owner == b].norm() for b in range(3)])
+    want = qsgd_levels(x, ref_norms[owner], u, 8)
+    diff = (q.float() - want).abs()
+    assert diff.max() <= 1 and int((diff > 0).sum()) <= 2 and torch.allclose(norms, ref_norms)
+    r0, r1 = (build_compressor(cfg("qsgd", seed=5)) for _ in range(2))
+    r0.rank, r1.rank = 0, 1
+    assert not torch.equal(r0.uniforms(1000), r1.uniforms(1000)), "ranks draw different u"
 
 
 def test_topk_and_randomk():
@@ -108,6 +172,95 @@ def test_topk_and_randomk():
     other = roundtrip(COMPRESSORS["randomk"](cfg("randomk", ratio=0.05, seed=2)))[1]
     assert not torch.equal(ya != 0, other != 0)
     assert not torch.equal(roundtrip(a)[1] != 0, ya != 0), "a new draw per call"
+
+
+def test_large_buckets_take_the_fused_blocked_paths_and_match_the_definitions():
+    """Buckets of several blocks (lowcomm.compress.scratch.BLOCK) and a ragged tail: int8,
+    sign, ef-sign (blocked error subtraction) and top-k (sampled threshold) equal their
+    definitions."""
+    from lowcomm.compress.scratch import BLOCK
+    x = torch.randn(3 * BLOCK + 1001, generator=torch.Generator().manual_seed(11))
+    payload, y = roundtrip(build_compressor(cfg("int8")), x)
+    s = x.abs().max() / 127
+    assert torch.equal(payload[0], torch.round(x / s).to(torch.int8)) and torch.equal(y, payload[0].float() * s)
+    payload, y = roundtrip(build_compressor(cfg("sign")), x)
+    assert torch.allclose(payload[0], x.abs().mean().reshape(1), rtol=1e-5)
+    assert torch.equal(y, payload[0] * sign_pm(x))
+    x8 = x[:3 * BLOCK + 1000]                                # a multiple of 8: the blocked subtraction
+    for xs in (x8, x):
+        c = build_compressor(cfg("ef-sign"))
+        payload, y = roundtrip(c, xs)
+        assert torch.equal(c.residuals["k"], xs - y)
+        payload2, y2 = roundtrip(c, xs)
+        assert torch.equal(c.residuals["k"], (xs + (xs - y)) - y2)
+    c = build_compressor(cfg("topk", ratio=0.01))
+    k = int(0.01 * x.numel())
+    payload, y = roundtrip(c, x)
+    assert set(payload[1].tolist()) == set(x.abs().topk(k).indices.tolist())
+    assert torch.equal(c.residuals["k"][payload[1].long()], torch.zeros(k))
+    assert torch.equal(c.residuals["k"] + y, x)
+
+
+def test_top_indices_is_exact_whatever_the_sample_says():
+    """The sample only decides the speed: on data built to mislead it (a period that the
+    stride would alias, a sorted ramp, heavy ties, a few huge values) the set equals topk's,
+    and the retry and full-sort paths are taken and counted."""
+    from lowcomm.compress import sparsify
+    n = 1 << 18
+    g = torch.Generator().manual_seed(4)
+    cases = {"random": torch.randn(n, generator=g),
+             "ramp": torch.linspace(-1, 1, n),
+             "columns": torch.randn(64, generator=g).repeat(n // 64) + 1e-3 * torch.randn(n, generator=g),
+             "spikes": torch.zeros(n).index_fill_(0, torch.randperm(n, generator=g)[:500], 1e3)
+             + 1e-4 * torch.randn(n, generator=g)}
+    before = dict(sparsify._stats)
+    for name, x in cases.items():
+        for k in (1, 100, int(0.01 * n), int(0.05 * n)):
+            got = sparsify.top_indices(x, k)
+            want = x.abs().topk(k).values
+            assert got.numel() == k == len(set(got.tolist())), (name, k)
+            assert torch.equal(x[got].abs().sort().values, want.sort().values), (name, k)
+    assert sparsify._stats["sampled"] > before["sampled"]
+    # a sample that sees only large values: its threshold is too high, so retries follow
+    x = 1e-3 * torch.randn(n, generator=g)
+    stride = sparsify.sample_stride(n)
+    x[::stride] = 10 + torch.arange(len(range(0, n, stride)), dtype=torch.float32)
+    before = dict(sparsify._stats)
+    k = int(0.05 * n)
+    got = sparsify.top_indices(x, k)
+    assert torch.equal(x[got].abs().sort().values, x.abs().topk(k).values.sort().values)
+    assert sparsify._stats["retries"] > before["retries"]
+
+
+def test_randomk_draws_a_uniform_distinct_subset():
+    from lowcomm.compress.sparsify import distinct_sample
+    for n, k in ((1 << 20, 10_000), (1000, 50), (1000, 900)):   # the sampled and randperm paths
+        a = distinct_sample(n, k, torch.Generator().manual_seed(1), "cpu")
+        b = distinct_sample(n, k, torch.Generator().manual_seed(1), "cpu")
+        assert torch.equal(a, b) and a.numel() == k == len(set(a.tolist()))
+        assert 0 <= int(a.min()) and int(a.max()) < n
+    hits = torch.zeros(100)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2000):
+        hits[distinct_sample(100, 5, g, "cpu")] += 1
+    assert (hits / 2000 - 0.05).abs().max() < 0.02, "every index equally likely"
+    g = torch.Generator().manual_seed(3)
+    first = torch.zeros(100)
+    for _ in range(2000):
+        first[distinct_sample(100, 5, g, "cpu")[0]] += 1
+    assert (first / 2000 - 0.01).abs().max() < 0.015, "in random order"
+
+
+def test_error_feedback_keeps_no_error_for_bytes_no_parameter_owns():
+    c = build_compressor(cfg("topk", ratio=0.1))
+    x = torch.randn(30, generator=torch.Generator().manual_seed(5))
+    segs = [Segment("a", torch.Size([10]), 0, 10), Segment("b", torch.Size([10]), 20, 30)]
+    _, y1 = roundtrip(c, x, "b", segs)
+    _, y2 = roundtrip(c, x, "b", segs)
+    p = x.clone()
+    p[:10] += (x - y1)[:10]
+    p[20:] += (x - y1)[20:]
+    assert torch.equal(torch.cat([c.residuals["a"], c.residuals["b"]]), torch.cat([(p - y2)[:10], (p - y2)[20:]]))
 
 
 def test_sign_family():
@@ -171,6 +324,16 @@ def test_powersgd_alone():
     M = x[:48].view(6, 8)
     assert torch.linalg.matrix_rank(y[:48].view(6, 8)) == 1 and torch.equal(y[48:56], x[48:56])
     assert torch.allclose(low.error["p0"], (M - y[:48].view(6, 8)).reshape(-1))
+
+
+def test_low_rank_products_match_the_gemm_on_both_paths():
+    from lowcomm.compress.powersgd import OUTER_MAX_RANK, low_rank_
+    g = torch.Generator().manual_seed(6)
+    for r in (1, 2, OUTER_MAX_RANK, OUTER_MAX_RANK + 2):       # rank-1 updates, then one GEMM
+        for n, m in ((40, 30), (300, 300)):                     # small: a GEMM as well
+            P, Qt, M = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((n, r), (r, m), (n, m)))
+            assert torch.allclose(low_rank_(torch.empty(n, m, dtype=torch.float64), P, Qt), P @ Qt, atol=1e-12)
+            assert torch.allclose(low_rank_(M.clone(), P, Qt, subtract=True), M - P @ Qt, atol=1e-12)
 
 
 # bad input ---------------------------------------------------------------------------------------
@@ -256,5 +419,14 @@ def test_bench_compress_rows_and_packing_speed():
     assert by["sign"]["payload_bytes"] == (1 << 17) + 4 and by["memcpy"]["ratio"] == 1
     assert by["powersgd"]["payload_bytes"] == 4 * 2 * (1024 + 1024)
     assert "vs memcpy" in format_compress(rows)
+    for r in rows[1:]:   # break-even: compress + decompress against the saved bytes at 10 Gbit/s
+        cost = (4 << 20) / r["compress_GBps"] / 1e6 + (4 << 20) / r["decompress_GBps"] / 1e6
+        saved = ((4 << 20) - r["payload_bytes"]) * 8 / 10e9 * 1e3
+        assert r["cost_ms"] == pytest.approx(cost) and r["saved_ms"] == pytest.approx(saved)
+        assert r["cost_vs_saved"] == pytest.approx(cost / saved)
+    table = format_compress(rows)
+    assert "saved@10G ms" in table and "cost/saved" in table and "costs more time than it saves" in table
+    assert bench_compress(["sign"], numel=1 << 12, iters=1, warmup=0, link_gbit=1)[1]["saved_ms"] == \
+        pytest.approx(((1 << 14) - (1 << 9) - 4) * 8 / 1e9 * 1e3)
     with pytest.raises(ValueError, match="unknown method 'zip'"):
         bench_compress(["zip"])

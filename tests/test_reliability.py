@@ -92,7 +92,7 @@ def train(out, *overrides, fault=None, resume=None, np=NP, timeout=120):
     return run_ranks(np, *cmd, "train", *args, env=env, timeout=timeout)
 
 
-TIMINGS = {"wall_s", "comm_s"}
+TIMINGS = {"wall_s", "comm_s", "compute_cpu_s"}
 
 
 def logged(out):

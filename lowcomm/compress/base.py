@@ -52,6 +52,18 @@ class Segment:
     stop: int
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` overlap (a cheap aliasing test)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + (a.numel() - 1) * max(a.stride() or (1,)) * a.element_size() + a.element_size() \
+        if a.dim() else a0 + a.element_size()
+    b1 = b0 + (b.numel() - 1) * max(b.stride() or (1,)) * b.element_size() + b.element_size() \
+        if b.dim() else b0 + b.element_size()
+    return a0 < b1 and b0 < a1
+
+
 def whole(key: str, x: torch.Tensor) -> list[Segment]:
     """The segment list of a flat tensor that carries no parameter names: one segment, ``key``."""
     return [Segment(key, torch.Size([x.numel()]), 0, x.numel())]
@@ -107,6 +119,9 @@ class Compressor:
     """
 
     name = "none"
+    #: ``_compress`` reduces x (a norm, a max) before encoding and calls :func:`check_finite`
+    #: when that reduction is not finite (NaN/Inf propagate into it), saving a pass over x
+    finite_from_reduction = False
     summable = True
     horovod = True
     two_phase = False
@@ -123,7 +138,8 @@ class Compressor:
         ``ctx`` what the decoder needs that need not travel (sizes, dtype). Raises
         :class:`NonFiniteError` on NaN/Inf in ``x``."""
         x = x.detach().reshape(-1)
-        check_finite(x, key, segments, self.rank, self.name)
+        if not self.finite_from_reduction:
+            check_finite(x, key, segments, self.rank, self.name)
         return self._compress(x, key, segments or whole(key, x))
 
     def _compress(self, x: torch.Tensor, key: str, segments: list[Segment]):
@@ -131,6 +147,27 @@ class Compressor:
 
     def decompress(self, payload: list[torch.Tensor], ctx) -> torch.Tensor:
         return payload[0]
+
+    def compress_feedback_(self, p: torch.Tensor, key: str, segments: list[Segment] | None = None,
+                           x: torch.Tensor | None = None, e: torch.Tensor | None = None):
+        """``compress(p)``, leaving ``p − D(C(p))`` in ``p`` (error feedback's step 3); returns
+        ``(payload, ctx)``. With ``x`` and ``e``, first ``p ← x + e`` (step 1). Methods override
+        it to do the steps in fewer passes."""
+        if x is not None:
+            torch.add(x, e, out=p)
+        payload, ctx = self.compress(p, key, segments)
+        payload = [t.clone() if overlaps(t, p) else t for t in payload]   # p becomes the error
+        self.subtract_decoded_(p, payload, ctx)
+        return payload, ctx
+
+    def subtract_decoded_(self, p: torch.Tensor, payload: list[torch.Tensor], ctx) -> torch.Tensor:
+        """``p ← p − D(payload)`` in place (flat ``p``, the tensor the payload encodes): the error
+        :class:`~lowcomm.compress.error_feedback.ErrorFeedback` keeps. Methods override it where
+        the decoded tensor need not be built (top-k: only k entries change)."""
+        sent = self.decompress(payload, ctx).reshape(-1)
+        if overlaps(sent, p):
+            sent = sent.clone()                 # a payload that is p itself (a same-dtype cast)
+        return p.sub_(sent.to(p.dtype))
 
     def exchange(self, payload: list[torch.Tensor], ctx, comm: Comm, like: torch.Tensor) -> torch.Tensor:
         """Combine every rank's payload into the average (shaped and typed like ``like``)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, Segment, whole
+from .base import Compressor, Segment, overlaps, whole
 
 
 class ErrorFeedback(Compressor):
@@ -40,47 +40,72 @@ class ErrorFeedback(Compressor):
         self.inner = inner
         self.name, self.summable = inner.name, inner.summable
         self.residuals: dict[str, torch.Tensor] = {}
+        self._flat: dict[str, tuple] = {}     # key -> (e, spare, residual views, layout)
 
     @property
     def two_phase(self) -> bool:
         return self.inner.two_phase
 
     def compress(self, x: torch.Tensor, key: str, segments: list[Segment] | None = None):
-        def one(p, segments):
-            payload, ctx = self.inner.compress(p, key, segments)
-            return (payload, ctx), self.inner.decompress(payload, ctx)
+        def one(p, segments, x, e):
+            return self.inner.compress_feedback_(p, key, segments, x, e)
         return self._fed_back(x, key, segments, one)
 
     def compress_chunks(self, x, key, segments, bounds):
-        def chunked(p, segments):
+        def chunked(p, segments, x, e):
+            torch.add(x, e, out=p)
             chunks = self.inner.compress_chunks(p, key, segments, bounds)
-            sent = torch.cat([self.inner.decompress(pl, ctx).reshape(-1).to(p.dtype)
-                              if hi > lo else p.new_zeros(0)
-                              for (pl, ctx), lo, hi in zip(chunks, bounds, bounds[1:])])
-            return chunks, sent
+            chunks = [([t.clone() if overlaps(t, p) else t for t in pl], ctx) for pl, ctx in chunks]
+            for (pl, ctx), lo, hi in zip(chunks, bounds, bounds[1:]):
+                if hi > lo:
+                    self.inner.subtract_decoded_(p[lo:hi], pl, ctx)
+            return chunks
         return self._fed_back(x, key, segments, chunked)
 
+    def _buffers(self, key: str, x: torch.Tensor, segments: list[Segment]):
+        """The bucket's residuals as one flat tensor ``e`` (``residuals[name]`` are its slices)
+        and a second flat buffer, swapped with it every step: p = x + e is written into the
+        second, becomes the error in place, and is the next step's e (no clone, no copy)."""
+        layout = [(s.name, s.start, s.stop) for s in segments]
+        st = self._flat.get(key)
+        if st is not None:
+            e, spare, views, was = st
+            if was == layout and e.numel() == x.numel() and e.dtype == x.dtype and \
+                    e.device == x.device and all(self.residuals.get(s.name) is v
+                                                 for s, v in zip(segments, views)):
+                return e, spare
+        e = torch.zeros(x.numel(), dtype=x.dtype, device=x.device)
+        for s in segments:
+            r = self.residuals.get(s.name)
+            if r is not None:
+                if r.numel() != s.stop - s.start:
+                    raise ValueError(f"error feedback: parameter {s.name!r} has {s.stop - s.start} "
+                                     f"elements, its residual {r.numel()}")
+                e[s.start:s.stop] = r.reshape(-1)
+        self._keep(key, e, torch.empty_like(e), segments, layout)
+        return e, self._flat[key][1]
+
+    def _keep(self, key, e, spare, segments, layout) -> None:
+        views = [e[s.start:s.stop] for s in segments]
+        for s, v in zip(segments, views):
+            self.residuals[s.name] = v
+        self._flat[key] = (e, spare, views, layout)
+
     def _fed_back(self, x: torch.Tensor, key: str, segments: list[Segment] | None, encode):
-        """Steps 1–3 around ``encode(p, segments) -> (result, D(C(p)))``; returns ``result``."""
+        """Steps 1–3 by ``encode(p, segments, x, e)``, which writes ``x + e`` into p, returns its
+        result and leaves ``p − D(C(p))`` in ``p``; returns the result."""
         x = x.detach().reshape(-1)
         self.inner.rank = self.rank
         segments = segments or whole(key, x)
-        p = x.clone()
-        for s in segments:
-            e = self.residuals.get(s.name)
-            if e is not None:
-                if e.numel() != s.stop - s.start:
-                    raise ValueError(f"error feedback: parameter {s.name!r} has {s.stop - s.start} "
-                                     f"elements, its residual {e.numel()}")
-                p[s.start:s.stop].add_(e)
-        result, sent = encode(p, segments)          # the inner compressor checks p (so x) for NaN/Inf
-        err = p.sub_(sent.to(p.dtype))
-        for s in segments:
-            e = self.residuals.get(s.name)
-            if e is None:
-                self.residuals[s.name] = err[s.start:s.stop].clone()
-            else:
-                e.copy_(err[s.start:s.stop])
+        e, p = self._buffers(key, x, segments)
+        result = encode(p, segments, x, e)          # 1.–3.; the inner compressor checks p for NaN/Inf
+        covered = sum(s.stop - s.start for s in segments)
+        if covered != x.numel():                    # bytes no parameter owns keep no error
+            mask = torch.ones(x.numel(), dtype=torch.bool, device=x.device)
+            for s in segments:
+                mask[s.start:s.stop] = False
+            p[mask] = 0
+        self._keep(key, p, e, segments, self._flat[key][3])    # the error is the next e
         return result
 
     def decompress(self, payload, ctx):
@@ -110,4 +135,5 @@ class ErrorFeedback(Compressor):
 
     def load_state_dict(self, state: dict) -> None:
         self.residuals = {n: e.clone() for n, e in state["residuals"].items()}
+        self._flat = {}
         self.inner.load_state_dict(state["inner"])

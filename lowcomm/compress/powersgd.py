@@ -9,6 +9,24 @@ from ..comm import Comm
 from .base import Compressor, Seeded, Segment, check_finite, whole
 
 
+#: up to this rank, P Qᵀ is built as r rank-1 updates (r passes at memory speed; a GEMM with an
+#: inner dimension of 1 or 2 runs far below it); above it, one GEMM
+OUTER_MAX_RANK = 4
+OUTER_MIN_NUMEL = 1 << 16
+
+
+def low_rank_(out: torch.Tensor, P: torch.Tensor, Qt: torch.Tensor, subtract: bool = False) -> torch.Tensor:
+    """``out ← P Qᵀ`` (``subtract``: ``out ← out − P Qᵀ``) for P (n, r) and Qᵀ (r, m), in place."""
+    r = P.shape[1]
+    if r > OUTER_MAX_RANK or out.numel() < OUTER_MIN_NUMEL:     # small: one GEMM call is cheaper
+        return out.addmm_(P, Qt, alpha=-1) if subtract else torch.matmul(P, Qt, out=out)
+    if not subtract:
+        torch.mul(P[:, :1], Qt[0], out=out)
+    for j in range(0 if subtract else 1, r):
+        out.addcmul_(P[:, j:j + 1], Qt[j], value=-1 if subtract else 1)
+    return out
+
+
 class PowerSGD(Seeded, Compressor):
     """Rank-r PowerSGD with warm start and error feedback (Vogels, Karimireddy & Jaggi 2019,
     arXiv 1905.13727, Algorithms 1 and 2).
@@ -91,14 +109,26 @@ class PowerSGD(Seeded, Compressor):
         return q
 
     def _matrix(self, x: torch.Tensor, s: Segment, n: int, m: int) -> torch.Tensor:
+        """``M = G + E`` as an (n, m) matrix: a view of ``x`` where there is no error memory
+        (read only), else the memory itself, with G added in place (it becomes the next E in
+        :meth:`_remember`): no copy of the gradient."""
         M = x[s.start:s.stop].view(n, m)
         e = self.error.get(s.name) if self.error_feedback else None
-        return M + e.view(n, m) if e is not None else M.clone()
+        if e is None or e.numel() != n * m or e.dtype != x.dtype or e.device != x.device:
+            return M
+        return e.view(n, m).add_(M)
 
-    def _remember(self, s: Segment, M: torch.Tensor, approx: torch.Tensor, q: torch.Tensor) -> None:
-        self.q[s.name] = q.clone()
-        if self.error_feedback:
-            self.error[s.name] = (M - approx).reshape(-1)
+    def _remember(self, s: Segment, M: torch.Tensor, P: torch.Tensor, Qt: torch.Tensor) -> None:
+        """Keep ``Q`` (given as Qᵀ, (r, m)) and ``E ← M − P Qᵀ`` (in place where M is the
+        memory: one fused pass)."""
+        self.q[s.name] = Qt.T.contiguous()
+        if not self.error_feedback:
+            return
+        e = self.error.get(s.name)
+        if e is not None and M.data_ptr() == e.data_ptr():
+            low_rank_(M, P, Qt, subtract=True)
+        else:
+            self.error[s.name] = low_rank_(M.clone(), P, Qt, subtract=True).reshape(-1)
 
     def _step(self, key: str) -> int:
         it = self.iters.get(key, 0)
@@ -116,11 +146,13 @@ class PowerSGD(Seeded, Compressor):
             return comm.allreduce_(x.clone(), "avg")
         r = self.r
         Ms = [self._matrix(x, s, n, m) for s, n, m in mats]
+        # P travels as Pᵀ (r, n) and Q as Qᵀ (r, m): (M Q)ᵀ = Qᵀ Mᵀ and Qᵀ = P̂ᵀ M are the fast
+        # products for a thin Q or P (M is read row by row), and the averages are the same
         p_sizes = [n * r for _, n, _ in mats] + [s.stop - s.start for s in dense]
         pbuf = torch.empty(sum(p_sizes), dtype=x.dtype, device=x.device)
         parts = list(pbuf.split(p_sizes))
         for (s, n, m), M, part in zip(mats, Ms, parts):
-            torch.matmul(M, self._q(s.name, m, x.device, x.dtype), out=part.view(n, r))
+            torch.matmul(self._q(s.name, m, x.device, x.dtype).T, M.T, out=part.view(r, n))
         for s, part in zip(dense, parts[len(mats):]):
             part.copy_(x[s.start:s.stop])
         comm.allreduce_(pbuf, "avg")
@@ -129,34 +161,45 @@ class PowerSGD(Seeded, Compressor):
             out[s.start:s.stop] = part
         if not mats:
             return out
-        Ps = [torch.linalg.qr(part.view(n, r)).Q for (_, n, _), part in zip(mats, parts)]
+        Ps = [torch.linalg.qr(part.view(r, n).T).Q for (_, n, _), part in zip(mats, parts)]
         q_sizes = [m * r for _, _, m in mats]
         qbuf = torch.empty(sum(q_sizes), dtype=x.dtype, device=x.device)
         qparts = list(qbuf.split(q_sizes))
         for (_, n, m), M, P, part in zip(mats, Ms, Ps, qparts):
-            torch.matmul(M.T, P, out=part.view(m, r))
+            torch.matmul(P.T, M, out=part.view(r, m))
         comm.allreduce_(qbuf, "avg")
         for (s, n, m), M, P, part in zip(mats, Ms, Ps, qparts):
-            Q = part.view(m, r)
-            approx = P @ Q.T
-            out[s.start:s.stop] = approx.reshape(-1)
-            self._remember(s, M, approx, Q)
+            Qt = part.view(r, m)
+            approx = out[s.start:s.stop].view(n, m)
+            low_rank_(approx, P, Qt)
+            self._remember_approx(s, M, approx, Qt)
         return out
+
+    def _remember_approx(self, s: Segment, M: torch.Tensor, approx: torch.Tensor, Qt: torch.Tensor) -> None:
+        """:meth:`_remember` where ``P Qᵀ`` is already built (``approx``)."""
+        self.q[s.name] = Qt.T.contiguous()
+        if not self.error_feedback:
+            return
+        e = self.error.get(s.name)
+        if e is not None and M.data_ptr() == e.data_ptr():
+            M.sub_(approx)
+        else:
+            self.error[s.name] = (M - approx).reshape(-1)
 
     # one rank on its own (compress -> decompress; e.g. gossip) --------------------------------
     def _compress(self, x, key, segments):
-        """The same power-iteration step without averaging: payload ``[P̂'s and dense, Q's]``."""
+        """The same power-iteration step without averaging: payload ``[P̂'s (n, r) and dense, Qᵀ's (r, m)]``."""
         mats, dense = self.plan(segments)
         if self._step(key) < self.start_iter:
             return [x.clone()], None
         ps, qs = [], []
         for s, n, m in mats:
             M = self._matrix(x, s, n, m)
-            P = torch.linalg.qr(M @ self._q(s.name, m, x.device, x.dtype)).Q
-            Q = M.T @ P
-            self._remember(s, M, P @ Q.T, Q)
+            P = torch.linalg.qr(torch.matmul(self._q(s.name, m, x.device, x.dtype).T, M.T).T).Q
+            Qt = torch.matmul(P.T, M)                          # Qᵀ = P̂ᵀ M, (r, m)
+            self._remember(s, M, P, Qt)
             ps.append(P.reshape(-1))
-            qs.append(Q.reshape(-1))
+            qs.append(Qt.reshape(-1))
         ps += [x[s.start:s.stop] for s in dense]
         layout = (x.numel(), [(s, n, m) for s, n, m in mats], dense)
         return [torch.cat(ps), torch.cat(qs) if qs else x.new_zeros(0)], layout
@@ -171,8 +214,8 @@ class PowerSGD(Seeded, Compressor):
         po = qo = 0
         for s, n, m in mats:
             P = pbuf[po:po + n * r].view(n, r)
-            Q = qbuf[qo:qo + m * r].view(m, r)
-            out[s.start:s.stop] = (P @ Q.T).reshape(-1)
+            Qt = qbuf[qo:qo + m * r].view(r, m)
+            low_rank_(out[s.start:s.stop].view(n, m), P, Qt)
             po, qo = po + n * r, qo + m * r
         for s in dense:
             out[s.start:s.stop] = pbuf[po:po + s.stop - s.start]

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, Seeded
+from .base import Compressor, Seeded, check_finite
+from .scratch import BLOCK, blocks, scratch
 
 
 class Int8(Compressor):
@@ -24,24 +25,60 @@ class Int8(Compressor):
     """
 
     name, summable, horovod, two_phase = "int8", False, False, True
+    finite_from_reduction = True
 
     def payload_nbytes(self, n, dtype):
         return n + 4
 
     def _compress(self, x, key, segments):
-        scale = (x.abs().max().float() / 127).reshape(1)
-        w = x if x.dtype == torch.float64 else x.float()
-        denom = torch.where(scale > 0, scale, torch.ones_like(scale)).to(w.dtype)
-        q = torch.round(w / denom).to(torch.int8)
+        # max|x| = max(max x, −min x): one pass, no |x| temporary
+        lo, hi = torch.aminmax(x)
+        if not bool(torch.isfinite(hi - lo)):        # NaN/Inf in x (or an overflowing range)
+            check_finite(x, key, segments, self.rank, self.name)
+        scale = (torch.maximum(hi, lo.neg()).float() / 127).reshape(1)
+        wdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        denom = torch.where(scale > 0, scale, torch.ones_like(scale)).to(wdt)
+        q = torch.empty(x.numel(), dtype=torch.int8, device=x.device)
+        buf = scratch("int8", min(BLOCK, x.numel()), wdt, x.device)
+        for a, b in blocks(x.numel()):       # fused per block: the temporaries stay in cache
+            w = buf[:b - a]
+            torch.div(x[a:b], denom, out=w)
+            q[a:b].copy_(w.round_())
         return [q, scale], x.dtype
 
     def decompress(self, payload, ctx):
         q, scale = payload
-        return q.to(ctx) * scale.to(ctx)
+        out = torch.empty(q.shape, dtype=ctx, device=q.device).copy_(q)
+        return out.mul_(scale.to(ctx))
 
     def decompress_mean(self, gathered, ctx, K):
         q, scales = gathered                               # (K, n) int8, (K, 1) float32
         return (scales.view(1, K).to(ctx) @ q.to(ctx)).view(-1).div_(K)
+
+
+#: size L of the table of stratified uniforms behind QSGD's random rounding (see QSGD.uniforms)
+UNIFORM_TABLE = 1 << 18
+_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def shifted_table(dtype: torch.dtype, device: torch.device, shift: int) -> torch.Tensor:
+    """:func:`uniform_table` + ``shift`` (cached)."""
+    key = (dtype, torch.device(device), shift)
+    if key not in _TABLES:
+        _TABLES[key] = uniform_table(dtype, device) + shift
+    return _TABLES[key]
+
+
+def uniform_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The L = :data:`UNIFORM_TABLE` points ``(j + ½)/L``, j = 0..L−1, in a fixed random order,
+    twice over (so any cyclic window of at most L entries is one contiguous slice). The same on
+    every rank and run."""
+    key = (dtype, torch.device(device))
+    if key not in _TABLES:
+        g = torch.Generator().manual_seed(0x5EED)
+        t = (torch.randperm(UNIFORM_TABLE, generator=g, dtype=torch.float64) + 0.5) / UNIFORM_TABLE
+        _TABLES[key] = torch.cat([t, t]).to(dtype=dtype, device=device)
+    return _TABLES[key]
 
 
 class QSGD(Seeded, Compressor):
@@ -51,13 +88,27 @@ class QSGD(Seeded, Compressor):
     Update, per reducer bucket split into norm buckets v of ``bucket_size`` elements (the last one
     zero-padded), on each of K ranks:
       1. ``a_i = |v_i| / ‖v‖₂ · s`` ∈ [0, s];
-      2. ``ℓ_i = ⌊a_i + u_i⌋`` with ``u_i ~ U[0, 1)`` (so ℓ_i = ⌈a_i⌉ with probability
-         a_i − ⌊a_i⌋: unbiased), and ``q_i = sign(v_i) ℓ_i`` as int8;
+      2. ``ℓ_i = ⌊a_i + u_i⌋`` with ``u_i`` uniform on [0, 1) (so ℓ_i = ⌈a_i⌉ with probability
+         a_i − ⌊a_i⌋: unbiased), and ``q_i = sign(v_i) ℓ_i`` as int8 — computed as
+         ``q_i = ⌊sign(v_i)·a_i + u_i⌋``, which has the same distribution (rounded away from
+         zero with probability frac(a_i)) in one fused pass: ``y = (u_i + s + 1) + v_i·s/‖v‖₂``
+         in (0, 2s + 2), ``q_i = trunc(y) − (s + 1)``;
       3. all-gather ``(q, ‖v‖₂ per norm bucket)``; decode ``Q(v)_i = ‖v‖₂ / s · q_i`` and
          average over ranks. ``E[Q(v)] = v``.
     The paper's Elias coding of the levels is replaced by fixed-width int8 (so ``levels`` ≤ 127).
     Bytes per rank and reducer bucket of n elements: an all-gather of
-    ``n + 4·⌈n / bucket_size⌉`` bytes. ``u`` comes from this rank's generator (state saved).
+    ``n + 4·⌈n / bucket_size⌉`` bytes.
+
+    The cheap random numbers (a Cranley–Patterson-style random shift of a fixed point set):
+    drawing n uniforms from ``torch.Generator`` costs more than the whole quantisation, so
+    ``u`` is read from a fixed table T of the L = 2^18 stratified points ``(j + ½)/L`` in random
+    order (:func:`uniform_table`) at a random cyclic offset per block of about 2^16 elements,
+    drawn from this rank's generator (state saved, so a resumed run draws the same). Each u_i is
+    uniform on those L points given everything before, so ``E[Q(v)] = v`` up to the grid's
+    ≤ 1/(2L) of a level (float32 rounding of a_i is of the same order) and the paper's variance
+    bound holds (y's float32 rounding adds at most 2^-16 of a level); the u_i of one block are
+    not independent of each other (a window of one fixed permutation), which neither property
+    needs. :meth:`uniforms` returns them.
     Two-phase (:func:`~lowcomm.compress.twophase.two_phase_reduce`): every chunk quantised on its
     own, the owner re-quantises its chunk's average with fresh u (unbiased again: no server
     error), so each phase sends ``(K−1)·(c + 4⌈c/bucket_size⌉)`` for chunks of c elements.
@@ -69,6 +120,7 @@ class QSGD(Seeded, Compressor):
     """
 
     name, summable, horovod, two_phase, unbiased = "qsgd", False, False, True, True
+    finite_from_reduction = True
 
     def __init__(self, levels: int = 16, bucket_size: int = 512, seed: int = 0):
         super().__init__()
@@ -82,24 +134,70 @@ class QSGD(Seeded, Compressor):
     def payload_nbytes(self, n, dtype):
         return n + 4 * -(-n // self.bucket_size)
 
+    def block(self) -> int:
+        """Elements per block of the fused pass: whole norm buckets, about BLOCK elements (BLOCK
+        itself when a norm bucket is larger)."""
+        bs = self.bucket_size
+        return bs * (BLOCK // bs) if bs <= BLOCK else BLOCK
+
+    def _offsets(self, n: int, device) -> list[int]:
+        """One table offset per block, from this rank's generator (state saved)."""
+        nblocks = -(-n // self.block())
+        return torch.randint(0, UNIFORM_TABLE, (nblocks,), generator=self.generator(device),
+                             device=device).tolist()
+
+    def uniforms(self, n: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
+        """The ``u`` of step 2 for ``n`` elements, drawn as :meth:`_compress` draws them (and
+        advancing the generator alike): ``u_{b,i} = T[o_b + i]``, T :func:`uniform_table`, one
+        offset ``o_b`` per block b of :meth:`block` elements."""
+        table = uniform_table(dtype, device)
+        return torch.cat([table[o:o + hi - lo] for o, (lo, hi) in
+                          zip(self._offsets(n, device), blocks(n, self.block()))] or [table[:0]])
+
     def _compress(self, x, key, segments):
         n, bs, s = x.numel(), self.bucket_size, self.levels
-        nbk = -(-n // bs)
-        v = torch.zeros(nbk * bs, dtype=torch.float32 if x.dtype != torch.float64 else x.dtype,
-                        device=x.device)
-        v[:n] = x
-        v = v.view(nbk, bs)
-        norms = torch.linalg.vector_norm(v, dim=1, keepdim=True)
-        a = v.abs().mul_(torch.where(norms > 0, s / norms, torch.zeros_like(norms)))
-        u = torch.rand(a.shape, generator=self.generator(x.device), dtype=a.dtype, device=a.device)
-        lev = a.add_(u).floor_().clamp_(max=s)
-        q = lev.mul_(torch.sign(v)).view(-1)[:n].to(torch.int8)
-        return [q, norms.view(-1).float()], (n, x.dtype)
+        wdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        nbk, full = -(-n // bs), n // bs
+        norms = torch.empty(nbk, dtype=wdt, device=x.device)
+        if full:
+            torch.linalg.vector_norm(x[:full * bs].view(full, bs), dim=1, dtype=wdt, out=norms[:full])
+        if nbk > full:          # the last, short bucket (zero padding adds nothing to its norm)
+            norms[full] = torch.linalg.vector_norm(x[full * bs:], dtype=wdt)
+        if not bool(torch.isfinite(norms).all()):    # NaN/Inf in x (or an overflowing norm)
+            check_finite(x, key, segments, self.rank, self.name)
+        mult = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
+        C, K = self.block(), s + 1
+        table = shifted_table(wdt, x.device, K)      # u + K: y = a + u + K ∈ (0, 2s + 2)
+        q = torch.empty(n, dtype=torch.uint8, device=x.device)
+        y = scratch("qsgd.y", min(C, n), wdt, x.device)
+        for o, (lo, hi) in zip(self._offsets(n, x.device), blocks(n, C)):
+            m = hi - lo
+            v, yb, u = x[lo:hi], y[:hi - lo], table[o:o + hi - lo]
+            w = m - m % bs if lo % bs == 0 else 0     # whole buckets: y = u + K + v·s/‖v‖, row by row
+            if w:
+                torch.addcmul(u[:w].view(w // bs, bs), v[:w].view(w // bs, bs),
+                              mult[lo // bs:(lo + w) // bs, None], out=yb[:w].view(w // bs, bs))
+            if w < m and (lo + w) // bs == (hi - 1) // bs:     # the rest lies in one bucket
+                torch.addcmul(u[w:], v[w:], mult[(lo + w) // bs], out=yb[w:])
+            elif w < m:                               # blocks not aligned to buckets (bs > BLOCK)
+                torch.addcmul(u[w:], v[w:], mult[torch.arange(lo + w, hi, device=x.device) // bs],
+                              out=yb[w:])
+            # ⌊a + u⌋ + K = trunc(y) (y > 0); the clamp keeps ℓ in [−s, s] where a rounds past ±s
+            q[lo:hi].copy_(yb.clamp_(1, 2 * s + 1))
+        q.sub_(K)                                     # uint8 wraps: the int8 bits of ⌊a + u⌋
+        return [q.view(torch.int8), norms.to(torch.float32)], (n, x.dtype)
 
     def decompress(self, payload, ctx):
         q, norms = payload
         n, dtype = ctx
-        return self._decode(q.unsqueeze(0), norms.unsqueeze(0), n, dtype)[0]
+        bs, full = self.bucket_size, n // self.bucket_size
+        out = torch.empty(n, dtype=dtype, device=q.device).copy_(q)
+        step = (norms.to(dtype) / self.levels)
+        if full:
+            out[:full * bs].view(full, bs).mul_(step[:full, None])
+        if n > full * bs:
+            out[full * bs:].mul_(step[full])
+        return out
 
     def _decode(self, q, norms, n, dtype):
         K, bs = q.shape[0], self.bucket_size

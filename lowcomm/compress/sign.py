@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, allgather_payload
-from .bits import pack_signs, pack_trits, packed_size, trits_size, unpack_signs, unpack_trits
+from .base import Compressor, allgather_payload, check_finite
+from .scratch import BLOCK, blocks, l1_norm, scratch
+from .bits import pack_signs, sign_table, pack_trits, packed_size, trits_size, unpack_signs, unpack_trits
 
 
 class ScaledSign(Compressor):
@@ -34,6 +35,7 @@ class ScaledSign(Compressor):
     """
 
     name, summable, horovod, two_phase = "sign", False, False, True
+    finite_from_reduction = True
 
     def payload_nbytes(self, n, dtype):
         return packed_size(n) + 4
@@ -43,13 +45,55 @@ class ScaledSign(Compressor):
         self.name = name
 
     def _compress(self, x, key, segments):
-        scale = x.abs().sum().div(x.numel()).float().reshape(1)
+        l1 = l1_norm(x)
+        if not bool(torch.isfinite(l1)):           # NaN/Inf in x (or an overflowing sum)
+            check_finite(x, key, segments, self.rank, self.name)
+        scale = l1.div(x.numel()).float().reshape(1)
         return [scale, pack_signs(x)], (x.numel(), x.dtype)
 
     def decompress(self, payload, ctx):
         scale, packed = payload
         n, dtype = ctx
         return unpack_signs(packed, n, dtype, scale)
+
+    def compress_feedback_(self, p, key, segments=None, x=None, e=None):
+        """Block by block, each block used while in cache: ``p = x + e``, ‖p‖₁ and the packed
+        signs; then ``p − s·sign(p)``."""
+        n = p.numel()
+        if p.device.type != "cpu" or n % 8 or n <= BLOCK:
+            return super().compress_feedback_(p, key, segments, x, e)
+        p = p.detach().reshape(-1)
+        buf = scratch("l1", BLOCK, p.dtype, p.device)
+        packed = torch.empty(n // 8, dtype=torch.uint8)
+        parts = []
+        for lo, hi in blocks(n):               # BLOCK is a multiple of 8: whole bytes per block
+            pb = p[lo:hi] if x is None else torch.add(x[lo:hi], e[lo:hi], out=p[lo:hi])
+            parts.append(torch.abs(pb, out=buf[:hi - lo]).sum())
+            packed[lo // 8:hi // 8].copy_(pack_signs(pb))      # the signs need no scale
+        l1 = torch.stack(parts).sum()
+        if not bool(torch.isfinite(l1)):
+            check_finite(p, key, segments, self.rank, self.name)
+        scale = l1.div(n).float().reshape(1)
+        table = sign_table(p.dtype, p.device) * scale.to(p.dtype)
+        sent = scratch("sign.sent", BLOCK, p.dtype, p.device)
+        for lo, hi in blocks(n):
+            torch.index_select(table, 0, packed[lo // 8:hi // 8].to(torch.int32), out=sent[:hi - lo].view(-1, 8))
+            p[lo:hi].sub_(sent[:hi - lo])
+        return [scale, packed], (n, p.dtype)
+
+    def subtract_decoded_(self, p, payload, ctx):
+        scale, packed = payload
+        n, _ = ctx
+        if p.device.type != "cpu" or n % 8:
+            return super().subtract_decoded_(p, payload, ctx)
+        step = BLOCK                           # a multiple of 8: whole bytes per block
+        table = sign_table(p.dtype, p.device) * scale.to(p.dtype)
+        idx = packed.to(torch.int32)
+        sent = scratch("sign.sent", min(n, step), p.dtype, p.device)
+        for lo, hi in blocks(n, step):         # p − s·sign, block by block: no full-size temporary
+            torch.index_select(table, 0, idx[lo // 8:hi // 8], out=sent[:hi - lo].view(-1, 8))
+            p[lo:hi].sub_(sent[:hi - lo])
+        return p
 
     def decompress_mean(self, gathered, ctx, K):
         scales, packed = gathered                       # (K, 1), (K, ⌈n/8⌉)

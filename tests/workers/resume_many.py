@@ -31,7 +31,7 @@ from lowcomm.registry import load_config
 from lowcomm.tasks import Task
 from lowcomm.trainer import run
 
-TIMINGS = {"wall_s", "comm_s"}
+TIMINGS = {"wall_s", "comm_s", "compute_cpu_s"}
 
 
 class Crash(Exception):

@@ -56,6 +56,7 @@ import torch
 
 from ...comm import Comm
 from ...errors import LowcommError, NonFiniteError
+from ...ledger import compute_cpu_clock
 from ...runtime import Interrupted, StopFlag, evaluate, nonfinite, params_sha256, restore, snapshot
 from ..async_ps import AsyncPS
 from .protocol import PUSH, ServerLost, WorkersLost, recovery_enabled
@@ -319,9 +320,13 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
     w = ps.index
     skipped = wloop["skipped"]
     step = first - 1
+    compute = wloop.get("compute_cpu_s", 0.0 if not resume else float("nan"))
+    c0 = compute_cpu_clock()
     try:
         with StopFlag() as stop:
             for step in itertools.count(first):   # until a server says the budget is spent
+                compute += compute_cpu_clock() - c0     # the step before, ended however it ended
+                c0 = compute_cpu_clock()
                 batch = task.batch(step, w, W, cfg)
                 ps.zero_grad()
                 loss = task.loss(model, batch)
@@ -350,20 +355,23 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
                     break
                 if every and step % every == 0:
                     save(step, {"skipped": skipped, "step": step,
-                                "wall_s": wall_before + time.perf_counter() - t0})
+                                "wall_s": wall_before + time.perf_counter() - t0,
+                                "compute_cpu_s": compute + compute_cpu_clock() - c0})
                 if stop.signum:           # after the step's exchange: nothing left in flight
                     break
+            compute += compute_cpu_clock() - c0
             ps.done(stop.signum)
     finally:
         ps.close()
     wall = wall_before + time.perf_counter() - t0
-    mine = {"worker": w, "ledger": comm.ledger.rows(), "wall_s": wall, "skipped": skipped,
+    mine = {"worker": w, "ledger": comm.ledger.rows(), "wall_s": wall, "compute_cpu_s": compute,
+            "skipped": skipped,
             "clock_lag": dict(ps.lag_hist), "wait_s": ps.wait_s, "clock": ps.clock,
             "signum": stop.signum}
     _report_to_rank0(ctl, mine, s.server_timeout_s + 30)   # rank 0 takes it while serving
     notice = _take_final_model(ctl, model, s.server_timeout_s + s.worker_timeout_s + 30)
     if notice:                    # this worker's own step: it resumes its own batch sequence
-        stopped(notice, {"skipped": skipped, "step": step, "wall_s": wall})
+        stopped(notice, {"skipped": skipped, "step": step, "wall_s": wall, "compute_cpu_s": compute})
     _skip_mpi_finalize(0)
     return {"method": cfg.method, "rank": rank, "role": "worker", **{k: v for k, v in mine.items()
                                                                      if k != "ledger"}}
@@ -390,7 +398,9 @@ def _summary(cfg, model, task, held_out, comm, ps, reports, lost, finished, n_pa
         "final_loss": lg["recent"], "eval_loss": eval_loss,
         "bytes_total": int(total), "bytes_by_level": {k: int(v) for k, v in sorted(by_level.items())},
         "bytes_per_step_per_rank": total / comm.size / cfg.steps,
-        "wall_s": wall, "samples": samples, "samples_per_s": samples / wall if wall > 0 else float("nan"),
+        "wall_s": wall, "compute_cpu_s": max((r["compute_cpu_s"] for r in reports[S:]),
+                                             default=float("nan")),
+        "samples": samples, "samples_per_s": samples / wall if wall > 0 else float("nan"),
         "skipped_steps": sum(servers[0]["skipped"]),
         "servers": S, "workers": W, "max_staleness": ps.max_staleness,
         "staleness_lr": ps.staleness_lr, "dc_lambda": ps.dc_lambda,
