@@ -17,6 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "launchers" / "local.sh"
 WORKERS = Path(__file__).resolve().parent / "workers"
+# The suite never reads this machine's tuned all-reduce table (``lowcomm bench allreduce
+# --autotune``): algorithm=auto decides by the α–β model, as on a fresh machine.
+os.environ["LOWCOMM_ALLREDUCE_TABLE"] = tempfile.mkdtemp(prefix="lowcomm-no-table-") + "/"
 
 
 class Ran(subprocess.CompletedProcess):
