@@ -25,7 +25,7 @@ import torch
 
 from .errors import CommError
 from .ledger import Ledger, wire_bytes
-from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
+from .watchdog import Watchdog
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4,
                 torch.int64: 5, torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9,
@@ -128,8 +128,10 @@ class Comm:
         level: the name this communicator's traffic is filed under.
         validate: check that every rank passes the same shape and dtype before a collective
             (one 96-byte all-gather per call; turn off on hot paths whose shapes are fixed).
-        watchdog: ends the job when one call waits longer than its timeout (shared by the
-            communicators made from this one; default: ``$LOWCOMM_TIMEOUT_S`` or 60 s).
+        watchdog: ends the job when one call waits longer than its limit (shared by the
+            communicators made from this one; the limit scales with the α–β prediction of the
+            call on :attr:`link`: :mod:`lowcomm.watchdog`; default floor
+            ``$LOWCOMM_TIMEOUT_S`` or 60 s).
 
     Example::
 
@@ -146,7 +148,7 @@ class Comm:
         self.level = level
         self.ledger = ledger if ledger is not None else Ledger()
         self.validate = validate
-        self.watchdog = watchdog or Watchdog(DEFAULT_TIMEOUT_S, mpi().COMM_WORLD.Get_rank(),
+        self.watchdog = watchdog or Watchdog(None, mpi().COMM_WORLD.Get_rank(),
                                              abort=_watchdog_abort)
         #: α–β model (:class:`~lowcomm.topology.LinkModel`) of the links this communicator's
         #: traffic crosses, where a topology says (:meth:`lowcomm.topology.Topology.comms`
@@ -163,9 +165,11 @@ class Comm:
         def describe():
             who = f"rank {peer} of level {self.level}" if peer is not None else \
                 f"all {self.size} ranks of level {self.level}"
-            return f"{op} ({nbytes or 0} bytes)", who
+            on = f" on level {self.level}" + (f" (links {self.link})" if self.link else "")
+            return f"{op} ({nbytes or 0} bytes){on}", who
+        limit, why = self.watchdog.limit(op, nbytes, self.size, self.link)
         try:
-            with self.watchdog.watch(describe):
+            with self.watchdog.watch(describe, limit, why):
                 return fn(*args)
         except mpi().Exception as e:  # MPI errors come back as exceptions with ERRORS_RETURN
             raise CommError(op, self.rank, e.Get_error_string(), nbytes) from e
@@ -592,12 +596,13 @@ _WORLD: Comm | None = None
 def init(validate: bool = True, timeout_s: float | None = None) -> Comm:
     """Initialise MPI (if needed) and return the world :class:`Comm` (one per process).
 
-    ``timeout_s``: the watchdog's limit for one blocking call (0 = off; default
-    ``$LOWCOMM_TIMEOUT_S`` or 60 s)."""
+    ``timeout_s``: the floor of the watchdog's limit for one blocking call (0 = off; default
+    ``$LOWCOMM_TIMEOUT_S`` or 60 s); the limit scales with the call's α–β prediction where its
+    communicator's link is known (:mod:`lowcomm.watchdog`)."""
     global _WORLD
     if _WORLD is None:
         MPI = mpi()
-        dog = Watchdog(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, MPI.COMM_WORLD.Get_rank(),
+        dog = Watchdog(timeout_s, MPI.COMM_WORLD.Get_rank(),
                        abort=_watchdog_abort)
         _WORLD = Comm(MPI.COMM_WORLD, Ledger(), "world", validate, dog)
     elif timeout_s is not None:
