@@ -165,8 +165,7 @@ class Comm:
         def describe():
             who = f"rank {peer} of level {self.level}" if peer is not None else \
                 f"all {self.size} ranks of level {self.level}"
-            on = f" on level {self.level}" + (f" (links {self.link})" if self.link else "")
-            return f"{op} ({nbytes or 0} bytes){on}", who
+            return f"{op} ({nbytes or 0} bytes) on level {self.level}", who
         limit, why = self.watchdog.limit(op, nbytes, self.size, self.link)
         try:
             with self.watchdog.watch(describe, limit, why):
@@ -479,7 +478,8 @@ class Comm:
         """``MPI_Comm_split``: ranks with the same ``color`` form a new Comm (``None`` for a
         negative color). The new Comm shares this one's ledger, filed under ``level``."""
         MPI = mpi()
-        sub = self.mpi.Split(MPI.UNDEFINED if color < 0 else color, self.rank if key is None else key)
+        sub = self._guard("split", 0, self.mpi.Split, MPI.UNDEFINED if color < 0 else color,
+                          self.rank if key is None else key)
         if sub == MPI.COMM_NULL:
             return None
         return Comm(sub, self.ledger, level or self.level, self.validate, self.watchdog)
@@ -505,7 +505,7 @@ class Comm:
         """A duplicate communicator: a separate message space, the same watchdog, and this
         one's ledger and level unless others are given (e.g. a control channel whose traffic
         is not charged to the method)."""
-        out = Comm(self.mpi.Dup(), ledger or self.ledger, level or self.level, self.validate,
+        out = Comm(self._guard("dup", 0, self.mpi.Dup), ledger or self.ledger, level or self.level, self.validate,
                    self.watchdog)
         out.link = self.link
         return out

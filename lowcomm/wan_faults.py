@@ -152,7 +152,7 @@ def parse_spec(text: str, dcs: int) -> Fault:
     if len(parts) < 2:
         raise FaultError(f"--fault {text!r}: use KIND:LINK[:key=value...], e.g. down:0-1:at=20s:for=10s "
                          "or loss:all:rate=1%:seed=7")
-    kind, link, kw = parts[0], parts[1], {}
+    kind, link, kw, seen = parts[0], parts[1], {}, set()
     for item in parts[2:]:
         key, eq, value = item.partition("=")
         if key == "hold" and not eq:
@@ -161,8 +161,9 @@ def parse_spec(text: str, dcs: int) -> Fault:
         if not eq or key not in ("at", "for", "rate", "seed"):
             raise FaultError(f"--fault {text!r}: unknown item {item!r}; keys: at=DUR, for=DUR, "
                              "rate=R (loss), seed=N (loss), hold (down)")
-        if key in kw:
+        if key in seen:
             raise FaultError(f"--fault {text!r}: {key} given twice")
+        seen.add(key)
         if key == "at":
             kw["at"] = parse_duration(value, f"--fault {text!r}: at")
         elif key == "for":
