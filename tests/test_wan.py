@@ -179,3 +179,28 @@ def connects(src: int, dst: int) -> bool:
     finally:
         server.kill()
         server.wait()
+
+
+def test_fault_table_drops_holds_and_loses_packets_as_written(tmp_path):
+    """The forwarder's side of the control file, in process: a down link drops (or holds until
+    it is back), loss draws are seeded per direction and reproducible, faults outside their
+    window or on other links do nothing, and a torn file keeps the faults in force."""
+    from lowcomm.wan_faults import FaultTable, add, make
+    t0 = 1000.0
+    add(tmp_path, [make("down", "0-1", 3, at=10, duration=5).at(t0),
+                   make("down", "2>0", 3, at=0, duration=3, hold=True).at(t0),
+                   make("loss", "1>2", 3, rate=0.25, seed=9).at(t0)])
+    table = FaultTable(tmp_path, 3)
+    table.poll()
+    assert table.verdict(0, 1, t0 + 9.9) == ("pass", 0.0) and table.verdict(0, 1, t0 + 10) == ("drop", 0.0)
+    assert table.verdict(1, 0, t0 + 14.9) == ("drop", 0.0) and table.verdict(1, 0, t0 + 15) == ("pass", 0.0)
+    assert table.verdict(2, 0, t0 + 1) == ("hold", t0 + 3) and table.verdict(0, 2, t0 + 1) == ("pass", 0.0)
+    draws = [table.verdict(1, 2, t0)[0] for _ in range(2000)]
+    again = FaultTable(tmp_path, 3)
+    again.poll()
+    assert draws == [again.verdict(1, 2, t0)[0] for _ in range(2000)]       # seeded: reproducible
+    assert 0.2 < draws.count("drop") / 2000 < 0.3 and table.verdict(2, 1, t0) == ("pass", 0.0)
+    assert table.counts == {1: 2, 2: 1, 3: draws.count("drop")}
+    (tmp_path / "faults.json").write_text('{"faults": [')                    # a torn write
+    table.poll()
+    assert table.verdict(0, 1, t0 + 12) == ("drop", 0.0)
