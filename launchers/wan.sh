@@ -7,17 +7,18 @@
 #
 # If no WAN is up, this brings one up with --delay-ms/--rate-mbit/--link/--mtu and takes it
 # down again when COMMAND ends, fails or is interrupted; a WAN already up (lowcomm wan up) is
-# used as it is and left up. Needs root.
+# used as it is and left up. Needs root. --fault KIND:LINK[:...] (repeatable) schedules a fault
+# from the moment the WAN is up (e.g. down:0-1:at=20s:for=10s; see 'lowcomm wan up --help').
 # usage: launchers/wan.sh -n N --dcs D [--delay-ms 25] [--rate-mbit 100] [--link a,b,ms,mbit]...
-#                         [--mtu 9000] [--] COMMAND [ARGS...]
+#                         [--mtu 9000] [--fault SPEC]... [--] COMMAND [ARGS...]
 set -euo pipefail
-usage() { echo "usage: $0 -n N --dcs D [--delay-ms MS] [--rate-mbit MBIT] [--link a,b,ms,mbit]... [--mtu B] [--] COMMAND..." >&2; exit 2; }
+usage() { echo "usage: $0 -n N --dcs D [--delay-ms MS] [--rate-mbit MBIT] [--link a,b,ms,mbit]... [--mtu B] [--fault SPEC]... [--] COMMAND..." >&2; exit 2; }
 N="" D="" UPARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         -n|--np) [ $# -ge 2 ] || usage; N=$2; shift 2 ;;
         --dcs) [ $# -ge 2 ] || usage; D=$2; shift 2 ;;
-        --delay-ms|--rate-mbit|--link|--mtu|--queue-kb) [ $# -ge 2 ] || usage; UPARGS+=("$1" "$2"); shift 2 ;;
+        --delay-ms|--rate-mbit|--link|--mtu|--queue-kb|--fault) [ $# -ge 2 ] || usage; UPARGS+=("$1" "$2"); shift 2 ;;
         -h|--help) usage ;;
         --) shift; break ;;
         *) break ;;
@@ -63,6 +64,9 @@ if [ "$up_dcs" = 0 ]; then
 elif [ "$up_dcs" != "$D" ]; then
     echo "$0: an emulated WAN with $up_dcs datacenters is up, not $D (lowcomm wan down first)" >&2
     exit 2
+elif [[ " ${UPARGS[*]} " == *" --fault "* ]]; then
+    echo "$0: a WAN is already up, so --fault cannot be scheduled with it; use 'lowcomm wan fault'" >&2
+    exit 2
 elif [ ${#UPARGS[@]} -gt 0 ]; then
     echo "$0: a WAN is already up; ignoring ${UPARGS[*]} (lowcomm wan status shows its links)" >&2
 fi
@@ -84,7 +88,8 @@ flags=(-n "$N" --hostfile "$TMP/hostfile" --oversubscribe --bind-to none --allow
        --mca plm_rsh_agent "$TMP/agent" --mca btl self,vader,tcp --mca mpi_yield_when_idle 1
        --mca btl_tcp_if_include 10.77.0.0/24 --mca oob_tcp_if_include 10.77.0.0/24
        -x OMP_NUM_THREADS -x LOWCOMM_NUM_THREADS -x PATH -x LOWCOMM_TOPOLOGY)
-for v in LOWCOMM_TEST_REPORTS LOWCOMM_TIMEOUT_S LOWCOMM_WAN_RESULT PYTHONPATH; do
+for v in LOWCOMM_TEST_REPORTS LOWCOMM_TIMEOUT_S LOWCOMM_WATCHDOG_FACTOR LOWCOMM_WATCHDOG_OUTAGE_S \
+         LOWCOMM_WAN_RESULT PYTHONPATH; do
     [ -n "${!v:-}" ] && flags+=(-x "$v")
 done
 # mpirun itself runs in datacenter 0 (its daemons must reach it over the emulated WAN)

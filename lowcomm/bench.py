@@ -20,7 +20,7 @@ import torch
 from .collectives import ALGORITHM_NAMES, ALGORITHMS, allreduce_, choose
 from .comm import Comm, mpi
 from .ledger import Ledger, busbw_factor
-from .watchdog import DEFAULT_TIMEOUT_S
+from .watchdog import default_timeout_s
 
 SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 BASELINES = ("horovod", "gloo")
@@ -52,7 +52,7 @@ def init_gloo(comm: Comm):
                 port = s.getsockname()[1]
         addr, port = comm.bcast_object((addr, port))
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
-                                world_size=comm.size, timeout=timedelta(seconds=comm.watchdog.timeout_s or DEFAULT_TIMEOUT_S))
+                                world_size=comm.size, timeout=timedelta(seconds=comm.watchdog.timeout_s or default_timeout_s()))
     return dist
 
 

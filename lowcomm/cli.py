@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from .cli_common import check_env, config_options, debug, launcher_rank, load_cfg as _config, \
-    set_threads as _set_threads, world as _world
+    world as _world
 from .errors import LowcommError
 from .topo_cli import topo as topo_command
 from .wan_cli import wan as wan_command

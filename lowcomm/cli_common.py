@@ -24,7 +24,9 @@ def launcher_rank() -> int:
 #: the environment variables lowcomm reads, each with a check of its value (None: any text)
 ENV = {
     "LOWCOMM_NUM_THREADS": ("a whole number >= 1", lambda v: int(v) >= 1),
-    "LOWCOMM_TIMEOUT_S": ("seconds >= 0 (0 = no watchdog)", lambda v: float(v) >= 0),
+    "LOWCOMM_TIMEOUT_S": ("seconds >= 0 (0 = no watchdog)", lambda v: 0 <= float(v) < float("inf")),
+    "LOWCOMM_WATCHDOG_FACTOR": ("a number >= 0", lambda v: 0 <= float(v) < float("inf")),
+    "LOWCOMM_WATCHDOG_OUTAGE_S": ("seconds >= 0", lambda v: 0 <= float(v) < float("inf")),
     "LOWCOMM_DEBUG": ("0 or 1", lambda v: v in ("0", "1")),
     "LOWCOMM_HOSTFILE": ("an existing hostfile", lambda v: os.path.isfile(v)),
     "LOWCOMM_TOPOLOGY": ("a topology spec such as dc:2,rank:2", None),

@@ -25,7 +25,7 @@ import torch
 
 from .errors import CommError
 from .ledger import Ledger, charge_comm_cpu, wire_bytes
-from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
+from .watchdog import Watchdog
 
 def _clock() -> tuple[float, float]:
     """Start of a timed MPI call: (wall, this thread's CPU time)."""
@@ -141,8 +141,10 @@ class Comm:
         level: the name this communicator's traffic is filed under.
         validate: check that every rank passes the same shape and dtype before a collective
             (one 96-byte all-gather per call; turn off on hot paths whose shapes are fixed).
-        watchdog: ends the job when one call waits longer than its timeout (shared by the
-            communicators made from this one; default: ``$LOWCOMM_TIMEOUT_S`` or 60 s).
+        watchdog: ends the job when one call waits longer than its limit (shared by the
+            communicators made from this one; the limit scales with the α–β prediction of the
+            call on :attr:`link`: :mod:`lowcomm.watchdog`; default floor
+            ``$LOWCOMM_TIMEOUT_S`` or 60 s).
 
     Example::
 
@@ -159,7 +161,7 @@ class Comm:
         self.level = level
         self.ledger = ledger if ledger is not None else Ledger()
         self.validate = validate
-        self.watchdog = watchdog or Watchdog(DEFAULT_TIMEOUT_S, mpi().COMM_WORLD.Get_rank(),
+        self.watchdog = watchdog or Watchdog(None, mpi().COMM_WORLD.Get_rank(),
                                              abort=_watchdog_abort)
         #: α–β model (:class:`~lowcomm.topology.LinkModel`) of the links this communicator's
         #: traffic crosses, where a topology says (:meth:`lowcomm.topology.Topology.comms`
@@ -179,9 +181,10 @@ class Comm:
         def describe():
             who = f"rank {peer} of level {self.level}" if peer is not None else \
                 f"all {self.size} ranks of level {self.level}"
-            return f"{op} ({nbytes or 0} bytes)", who
+            return f"{op} ({nbytes or 0} bytes) on level {self.level}", who
+        limit, why = self.watchdog.limit(op, nbytes, self.size, self.link)
         try:
-            with self.watchdog.watch(describe):
+            with self.watchdog.watch(describe, limit, why):
                 return fn(*args)
         except mpi().Exception as e:  # MPI errors come back as exceptions with ERRORS_RETURN
             raise CommError(op, self.rank, e.Get_error_string(), nbytes) from e
@@ -524,7 +527,8 @@ class Comm:
         """``MPI_Comm_split``: ranks with the same ``color`` form a new Comm (``None`` for a
         negative color). The new Comm shares this one's ledger, filed under ``level``."""
         MPI = mpi()
-        sub = self.mpi.Split(MPI.UNDEFINED if color < 0 else color, self.rank if key is None else key)
+        sub = self._guard("split", 0, self.mpi.Split, MPI.UNDEFINED if color < 0 else color,
+                          self.rank if key is None else key)
         if sub == MPI.COMM_NULL:
             return None
         return Comm(sub, self.ledger, level or self.level, self.validate, self.watchdog)
@@ -550,7 +554,7 @@ class Comm:
         """A duplicate communicator: a separate message space, the same watchdog, and this
         one's ledger and level unless others are given (e.g. a control channel whose traffic
         is not charged to the method)."""
-        out = Comm(self.mpi.Dup(), ledger or self.ledger, level or self.level, self.validate,
+        out = Comm(self._guard("dup", 0, self.mpi.Dup), ledger or self.ledger, level or self.level, self.validate,
                    self.watchdog)
         out.link = self.link
         out._node_local = self._node_local
@@ -714,12 +718,13 @@ _WORLD: Comm | None = None
 def init(validate: bool = True, timeout_s: float | None = None) -> Comm:
     """Initialise MPI (if needed) and return the world :class:`Comm` (one per process).
 
-    ``timeout_s``: the watchdog's limit for one blocking call (0 = off; default
-    ``$LOWCOMM_TIMEOUT_S`` or 60 s)."""
+    ``timeout_s``: the floor of the watchdog's limit for one blocking call (0 = off; default
+    ``$LOWCOMM_TIMEOUT_S`` or 60 s); the limit scales with the call's α–β prediction where its
+    communicator's link is known (:mod:`lowcomm.watchdog`)."""
     global _WORLD
     if _WORLD is None:
         MPI = mpi()
-        dog = Watchdog(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, MPI.COMM_WORLD.Get_rank(),
+        dog = Watchdog(timeout_s, MPI.COMM_WORLD.Get_rank(),
                        abort=_watchdog_abort)
         _WORLD = Comm(MPI.COMM_WORLD, Ledger(), "world", validate, dog)
     elif timeout_s is not None:

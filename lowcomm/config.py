@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .compress.settings import CompressorSettings as CompressorConfig
+from . import watchdog
 from .errors import ConfigError
 from .settings import coerce
 
@@ -66,7 +67,13 @@ class OptimizerConfig:
 @dataclass
 class CommConfig:
     validate: bool = True          # per-call shape/dtype agreement check (one small all-gather)
-    timeout_s: float = 60.0        # watchdog: one call waiting longer ends the job (0 = off)
+    # watchdog (lowcomm/watchdog.py): a call waiting longer than
+    #   max(timeout_s, watchdog_factor × its α–β prediction) + outage_s (wide-area links only)
+    # ends the job; defaults from $LOWCOMM_TIMEOUT_S, $LOWCOMM_WATCHDOG_FACTOR,
+    # $LOWCOMM_WATCHDOG_OUTAGE_S, else 60 s, 10, 30 s
+    timeout_s: float = field(default_factory=lambda: watchdog.default_timeout_s())   # floor; 0 = off
+    watchdog_factor: float = field(default_factory=lambda: watchdog.default_factor())
+    outage_s: float = field(default_factory=lambda: watchdog.default_outage_s())
 
 
 @dataclass
@@ -243,8 +250,10 @@ def validate(cfg: Config) -> Config:
     if "name" in cfg.strategy and not isinstance(cfg.strategy["name"], str):
         raise ConfigError("strategy.name", f"expects str, got {cfg.strategy['name']!r}")
     cfg.compressor.validate("compressor.")
-    if cfg.comm.timeout_s < 0:
-        raise ConfigError("comm.timeout_s", f"must be >= 0 (0 = no watchdog), got {cfg.comm.timeout_s}")
+    for key in ("timeout_s", "watchdog_factor", "outage_s"):
+        v = getattr(cfg.comm, key)
+        if not 0 <= v < float("inf"):
+            raise ConfigError(f"comm.{key}", f"must be a number >= 0{' (0 = no watchdog)' if key == 'timeout_s' else ''}, got {v}")
     if cfg.eval_every < 0 or (cfg.eval_every and cfg.eval_every % cfg.log_every):
         raise ConfigError("eval_every", f"must be 0 or a multiple of log_every={cfg.log_every}, "
                           f"got {cfg.eval_every}")

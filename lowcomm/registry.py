@@ -188,7 +188,9 @@ def build_strategy(cfg, model, optimizer, comm, levels=None) -> Strategy:
 def topology_comms(cfg, comm):
     """The topology's communicators over ``comm`` when the run needs them (a per-level policy,
     or a ``hierarchical`` all-reduce), else None; the topology is read (and checked against the
-    job's size) whenever one is configured. Collective over ``comm``."""
+    job's size) whenever one is configured, and ``comm.link`` set to its outermost level's
+    links (which a world collective crosses: the watchdog's limits and the compressed
+    collective's choice read it). Collective over ``comm``."""
     configured = bool(cfg.topology or os.environ.get("LOWCOMM_TOPOLOGY"))
     algorithm = cfg.strategy.get("algorithm", "auto")
     # "auto" may pick the hierarchical all-reduce where a topology is configured
@@ -197,7 +199,11 @@ def topology_comms(cfg, comm):
         return None
     from .topology import Topology
     topo = Topology.from_env(comm, cfg.topology)
-    return topo.comms(comm) if needed else None
+    if needed:
+        return topo.comms(comm)
+    topo.check_size(comm.size)
+    comm.link = topo.link(topo.names[0])    # a world collective crosses the outermost links
+    return None
 
 
 def _python_context(compressor, nonfinite: str, steps: int | None, levels=None) -> Context:

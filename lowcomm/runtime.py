@@ -229,6 +229,7 @@ def open_run(cfg, comm: Comm, out: str | Path | None, resume: str | Path | None 
     config is written now; a resumed run's after its checkpoint is accepted
     (:func:`write_config`). Every rank raises the same error."""
     comm.validate, comm.watchdog.timeout_s = cfg.comm.validate, cfg.comm.timeout_s
+    comm.watchdog.factor, comm.watchdog.outage_s = cfg.comm.watchdog_factor, cfg.comm.outage_s
     ctl = comm.dup(Ledger(), "control")
     ctl.validate = False            # fixed shapes; keeps its non-blocking calls non-blocking
     out = Path(out) if out else None

@@ -11,9 +11,14 @@ destination namespace ``delay`` seconds after it left the queue.
 
 Only the namespaces this module creates carry traffic; nothing leaves the machine. Needs root.
 
-Commands (``lowcomm wan up|down|status``; ranks run with ``launchers/wan.sh``)::
+Faults (:mod:`lowcomm.wan_faults`): a link can be taken down for a while (its packets dropped,
+or held) and given random packet loss, on the running forwarder (``lowcomm wan fault``) or
+scheduled when the WAN comes up (``--fault``).
 
-    lowcomm wan up --dcs 2 --delay-ms 25 --rate-mbit 100 [--link 0,1,50,20]
+Commands (``lowcomm wan up|fault|down|status``; ranks run with ``launchers/wan.sh``)::
+
+    lowcomm wan up --dcs 2 --delay-ms 25 --rate-mbit 100 [--link 0,1,50,20] [--fault down:0-1:at=20s:for=10s]
+    lowcomm wan fault --link 0-1 --down 10s          # or --loss 1% [--seed 7], or --clear
     launchers/wan.sh -n 4 --dcs 2 lowcomm bench allreduce --algorithms ring,hierarchical
     lowcomm wan down
 
@@ -39,6 +44,7 @@ from pathlib import Path
 
 from .errors import LowcommError
 from .ledger import alpha_beta_seconds
+from .wan_faults import Fault, FaultTable, add as add_faults, load as load_faults
 
 STATE_DIR = Path(os.environ.get("LOWCOMM_WAN_STATE", "/run/lowcomm-wan"))
 NS_PREFIX = "lowcomm-dc"
@@ -127,17 +133,25 @@ def open_tun(name: str) -> int:
     return fd
 
 
-def forward(fds: list[int], spec: WanSpec, stats_path: Path | None = None) -> None:
+def forward(fds: list[int], spec: WanSpec, stats_path: Path | None = None,
+            state_dir: Path | None = None) -> None:
     """Move IPv4 packets between the TUN devices ``fds`` (index = datacenter) until SIGTERM.
 
     Per direction a -> b: a packet of L bytes starts serialising at max(now, busy_until), ends
     L/rate later, and is written to dc b ``delay`` after that; if the bytes still waiting to be
-    serialised exceed the queue bound, it is dropped (drop-tail)."""
+    serialised exceed the queue bound, it is dropped (drop-tail). Faults
+    (:mod:`lowcomm.wan_faults`, read from ``state_dir``'s control file every 0.2 s) come
+    first: a link that is down drops the packet, or holds it (its serialisation starts when
+    the link is back, the queue bound counted from then); a lossy link drops it at its rate.
+    The counters go to ``stats_path`` about once a second and at the end."""
     links = {(x.a, x.b): x for x in spec.links}
     busy = {k: 0.0 for k in links}
     heap: list = []
     seq = 0
-    stats = {"packets": 0, "bytes": 0, "dropped": 0, "misrouted": 0}
+    stats = {"packets": 0, "bytes": 0, "dropped": 0, "misrouted": 0, "fault_drops": 0,
+             "fault_holds": 0}
+    faults = FaultTable(state_dir, spec.dcs, log=lambda m: print(m, file=sys.stderr, flush=True)) \
+        if state_dir else None
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
@@ -147,8 +161,15 @@ def forward(fds: list[int], spec: WanSpec, stats_path: Path | None = None) -> No
         poller.register(fd, select.POLLIN)
         index[fd] = i
     prefix = bytes(map(int, SUBNET.split(".")))
+    next_poll = next_stats = 0.0
     while not stop:
         now = time.monotonic()
+        if faults and now >= next_poll:
+            faults.poll()
+            next_poll = now + 0.2
+        if stats_path and now >= next_stats:
+            _write_stats(stats_path, stats, faults)
+            next_stats = now + 1.0
         while heap and heap[0][0] <= now:
             _, _, b, pkt = heapq.heappop(heap)
             try:
@@ -157,9 +178,9 @@ def forward(fds: list[int], spec: WanSpec, stats_path: Path | None = None) -> No
                 if e.errno not in (errno.EAGAIN, errno.EIO, errno.EINVAL):
                     raise
                 stats["dropped"] += 1
-        timeout = max(0, (heap[0][0] - time.monotonic()) * 1e3) if heap else 500
+        timeout = max(0, (heap[0][0] - time.monotonic()) * 1e3) if heap else 200
         try:
-            ready = poller.poll(timeout)
+            ready = poller.poll(min(timeout, 200))
         except InterruptedError:
             continue
         for fd, _ in ready:
@@ -178,8 +199,18 @@ def forward(fds: list[int], spec: WanSpec, stats_path: Path | None = None) -> No
                     stats["misrouted"] += 1
                     continue
                 now = time.monotonic()
-                start = max(now, busy[(a, b)])
-                if (start - now) * link.bytes_per_s + len(pkt) > link.queue_bytes:
+                ready_at = now
+                if faults and faults.faults:
+                    wall = time.time()
+                    verdict, until = faults.verdict(a, b, wall)
+                    if verdict == "drop":
+                        stats["fault_drops"] += 1
+                        continue
+                    if verdict == "hold":
+                        stats["fault_holds"] += 1
+                        ready_at = now + (until - wall)
+                start = max(ready_at, busy[(a, b)])
+                if (start - ready_at) * link.bytes_per_s + len(pkt) > link.queue_bytes:
                     stats["dropped"] += 1
                     continue
                 busy[(a, b)] = done = start + len(pkt) / link.bytes_per_s
@@ -188,7 +219,15 @@ def forward(fds: list[int], spec: WanSpec, stats_path: Path | None = None) -> No
                 stats["packets"] += 1
                 stats["bytes"] += len(pkt)
     if stats_path:
-        stats_path.write_text(json.dumps(stats))
+        _write_stats(stats_path, stats, faults)
+
+
+def _write_stats(stats_path: Path, stats: dict, faults) -> None:
+    """The forwarder's counters, replaced atomically (``lowcomm wan status`` reads them)."""
+    out = dict(stats, by_fault={str(k): v for k, v in faults.counts.items()} if faults else {})
+    tmp = stats_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, stats_path)
 
 
 def _forwarder_main(argv: list[str]) -> None:
@@ -204,7 +243,7 @@ def _forwarder_main(argv: list[str]) -> None:
         pass
     sys.stdout.write("ready\n")
     sys.stdout.flush()
-    forward(fds, spec, STATE_DIR / "forwarder-stats.json")
+    forward(fds, spec, STATE_DIR / "forwarder-stats.json", STATE_DIR)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,12 +298,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def up(spec: WanSpec) -> dict:
-    """Create the namespaces, TUN devices and the forwarder; undo everything on any failure."""
+def up(spec: WanSpec, faults: list[Fault] = ()) -> dict:
+    """Create the namespaces, TUN devices and the forwarder; undo everything on any failure.
+    ``faults`` (times relative to the moment the WAN is up: :func:`lowcomm.wan_faults.parse_spec`)
+    are scheduled once it is."""
     require_root("lowcomm wan up")
+    for f in faults:
+        for a, b in f.directions(spec.dcs):
+            if not (0 <= a < spec.dcs and 0 <= b < spec.dcs):
+                raise WanError(f"fault on link {f.link}: the WAN has datacenters 0..{spec.dcs - 1}")
     if state() is not None or ours()["namespaces"]:
         raise WanError("an emulated WAN is already up (lowcomm wan down first)")
     STATE_DIR.mkdir(parents=True, exist_ok=True)
+    for f in ("faults.json", "forwarder-stats.json"):     # a previous WAN's
+        (STATE_DIR / f).unlink(missing_ok=True)
     st = {"dcs": spec.dcs, "delay_ms": spec.delay_ms, "rate_mbit": spec.rate_mbit,
           "queue_kb": spec.queue_kb, "mtu": spec.mtu, "links": [asdict(x) for x in spec.links],
           "pid": 0, "namespaces": [namespace(i) for i in range(spec.dcs)],
@@ -296,10 +343,43 @@ def up(spec: WanSpec) -> dict:
             _ip("-n", ns, "link", "set", dev, "mtu", str(spec.mtu))
             _ip("-n", ns, "addr", "add", f"{address(i)}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
+        if faults:
+            add_faults(STATE_DIR, [f.at(time.time()) for f in faults])
     except BaseException:
         down(quiet=True)
         raise
     return st
+
+
+def fault(faults: list[Fault], clear: bool = False) -> list[Fault]:
+    """Schedule ``faults`` (times relative to now) on the running WAN; ``clear`` first ends
+    every earlier fault. Returns the faults added, numbered. The forwarder picks them up within
+    0.2 s (its control file, :mod:`lowcomm.wan_faults`)."""
+    require_root("lowcomm wan fault")
+    s = state()
+    if s is None or not _alive(s.get("pid", 0)):
+        raise WanError("no emulated WAN is up (lowcomm wan up first)" if s is None else
+                       f"the WAN's forwarder (pid {s.get('pid')}) is not running; "
+                       "lowcomm wan down, then up again")
+    for f in faults:
+        for a, b in f.directions(s["dcs"]):
+            if not (0 <= a < s["dcs"] and 0 <= b < s["dcs"]):
+                raise WanError(f"fault on link {f.link}: the WAN has datacenters 0..{s['dcs'] - 1}")
+    now = time.time()
+    return add_faults(STATE_DIR, [f.at(now) for f in faults], clear=clear)
+
+
+def faults_now() -> list[dict]:
+    """The running WAN's faults with their state now and the packets each dropped or held so
+    far (from the forwarder's counters, at most a second old)."""
+    try:
+        counts = json.loads((STATE_DIR / "forwarder-stats.json").read_text()).get("by_fault", {})
+    except (OSError, ValueError):
+        counts = {}
+    now = time.time()
+    return [{"id": f.id, "kind": f.kind, "link": f.link, "active": f.active(now),
+             "packets": counts.get(str(f.id), 0), "what": f.describe(now)}
+            for f in load_faults(STATE_DIR)]
 
 
 def down(quiet: bool = False) -> list[str]:
@@ -329,7 +409,7 @@ def down(quiet: bool = False) -> list[str]:
     for dev in ours()["devices"]:   # devices never moved (a failed up)
         _ip("link", "delete", dev, check=False)
         removed.append(f"device {dev}")
-    for f in ("state.json",):
+    for f in ("state.json", "faults.json", "faults.lock"):
         if (STATE_DIR / f).exists():
             (STATE_DIR / f).unlink()
             removed.append(str(STATE_DIR / f))

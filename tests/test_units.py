@@ -31,6 +31,7 @@ def test_defaults_validate_and_overrides_are_typed():
     ("steps.x=1", "steps.x"), ("data.path=/no/such/dir", "data.path"), ("topology=dc:0", "topology"),
     ("strategy.backend=nccl", "strategy.backend"), ("noequals", "noequals"),
     ("comm.timeout_s=-1", "comm.timeout_s"), ("optimizer.schedule=step", "optimizer.schedule"),
+    ("comm.watchdog_factor=-2", "comm.watchdog_factor"), ("comm.outage_s=inf", "comm.outage_s"),
     ("optimizer.warmup_steps=300", "optimizer.warmup_steps"),
     ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio"),
 ])
@@ -182,3 +183,62 @@ def test_watchdog_fires_only_on_a_call_past_its_timeout(capsys):
     assert "rank 5 waited" in err and "allreduce.ring" in err and "rank 4 of level world" in err
     with pytest.raises(ValueError):
         Watchdog(-1, 0)
+
+
+def test_watchdog_limit_scales_with_the_alpha_beta_prediction(capsys):
+    """limit = max(floor, factor × (rounds·α + bytes_sent/β)) + outage_s on a wide-area link;
+    a long transfer on a slow link is let finish, a hang on a fast link still ends the job."""
+    import time
+
+    from lowcomm.topology import LinkModel
+    from lowcomm.watchdog import Watchdog
+    wan = LinkModel(25e-3, 100e6 / 8)          # 25 ms, 100 Mbit/s: between datacenters
+    lan = LinkModel(2e-6, 5e9)                 # inside a node
+    dog = Watchdog(60, rank=2, factor=10, outage_s=30, abort=lambda: None)
+    n = 100 << 20                              # 100 MiB per rank, all-reduce over 4 ranks
+    # by hand: the vendor all-reduce sends 2(K-1)/K·n = 1.5·n bytes in 2·log2(4) = 4 rounds
+    wan_s = 4 * 25e-3 + 1.5 * n / (100e6 / 8)
+    assert dog.limit("allreduce.mpi", n, 4, wan)[0] == pytest.approx(10 * wan_s + 30)
+    assert dog.limit("allreduce.mpi", n, 4, lan)[0] == 60          # fast link: the floor
+    assert dog.limit("allreduce.mpi", 1024, 4, wan)[0] == 90         # small op: floor + outage
+    assert dog.limit("sendrecv", n, 2, wan)[0] == pytest.approx(10 * (25e-3 + n / (100e6 / 8)) + 30)
+    assert dog.limit("check:allgather", 96, 4, wan)[0] == 90
+    assert dog.limit("allreduce.mpi", n, 4, None)[0] == 60           # unknown link: the floor
+    fixed = Watchdog(5, rank=0, factor=0, outage_s=0)                # the explicit override
+    assert fixed.limit("allreduce.mpi", n, 4, wan)[0] == fixed.limit("send", 8, 2, lan)[0] == 5
+    assert Watchdog(0, rank=0).limit("allreduce.mpi", n, 4, wan)[0] == 0   # off
+    with pytest.raises(ValueError, match="factor"):
+        Watchdog(1, 0, factor=-1)
+
+    # live: floor 0.2 s; a 1 MB send on a 10 Mbit/s wide link is predicted 0.8 s -> limit 1.6 s
+    fired = threading.Event()
+    dog = Watchdog(0.2, rank=3, factor=2, outage_s=0, abort=fired.set)
+    slow = LinkModel(1e-3, 10e6 / 8)
+    limit, why = dog.limit("send", 10 ** 6, 2, slow)
+    assert limit == pytest.approx(2 * (1e-3 + 0.8))
+    describe = lambda: ("send (1000000 bytes) on level dc", "rank 1 of level dc")  # noqa: E731
+    with dog.watch(describe, limit, why):
+        time.sleep(0.6)                       # three floors: a fixed limit would have fired
+    assert not fired.is_set()
+    limit, why = dog.limit("send", 10 ** 6, 2, lan)
+    with dog.watch(describe, limit, why):     # the same wait on a fast link is a hang
+        assert fired.wait(3)
+    err = capsys.readouterr().err
+    assert "rank 3 waited" in err and "send (1000000 bytes) on level dc" in err and "(timeout 0.2 s)" in err
+
+
+def test_watchdog_settings_come_from_the_environment_unless_the_config_says(monkeypatch):
+    from lowcomm.errors import LowcommError
+    from lowcomm.watchdog import Watchdog
+    monkeypatch.setenv("LOWCOMM_TIMEOUT_S", "7")
+    monkeypatch.setenv("LOWCOMM_WATCHDOG_FACTOR", "3")
+    monkeypatch.setenv("LOWCOMM_WATCHDOG_OUTAGE_S", "11")
+    cfg = load_config(None, [])
+    assert (cfg.comm.timeout_s, cfg.comm.watchdog_factor, cfg.comm.outage_s) == (7, 3, 11)
+    dog = Watchdog(None, 0)
+    assert (dog.timeout_s, dog.factor, dog.outage_s) == (7, 3, 11)
+    cfg = load_config(None, ["comm.outage_s=2", "comm.watchdog_factor=0"])
+    assert (cfg.comm.timeout_s, cfg.comm.watchdog_factor, cfg.comm.outage_s) == (7, 0, 2)
+    monkeypatch.setenv("LOWCOMM_WATCHDOG_OUTAGE_S", "soon")
+    with pytest.raises(LowcommError, match="LOWCOMM_WATCHDOG_OUTAGE_S='soon'"):
+        load_config(None, [])
