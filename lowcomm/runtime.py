@@ -218,6 +218,14 @@ def close_run(out: Path | None) -> None:
         f.close()
 
 
+def apply_comm_settings(cfg, comm: Comm) -> None:
+    """``cfg.comm`` on ``comm``: shape validation and the watchdog's floor, factor and outage
+    allowance. Before the run's first collective (the topology's communicators included), so
+    that none of them waits under another run's limits."""
+    comm.validate, comm.watchdog.timeout_s = cfg.comm.validate, cfg.comm.timeout_s
+    comm.watchdog.factor, comm.watchdog.outage_s = cfg.comm.watchdog_factor, cfg.comm.outage_s
+
+
 def open_run(cfg, comm: Comm, out: str | Path | None, resume: str | Path | None = None,
              overwrite: bool = False):
     """Apply ``cfg.comm`` to ``comm``; return the uncharged control communicator, the output
@@ -228,8 +236,7 @@ def open_run(cfg, comm: Comm, out: str | Path | None, resume: str | Path | None 
     run resumes it, or ``overwrite`` (its files are then removed first). A fresh run's resolved
     config is written now; a resumed run's after its checkpoint is accepted
     (:func:`write_config`). Every rank raises the same error."""
-    comm.validate, comm.watchdog.timeout_s = cfg.comm.validate, cfg.comm.timeout_s
-    comm.watchdog.factor, comm.watchdog.outage_s = cfg.comm.watchdog_factor, cfg.comm.outage_s
+    apply_comm_settings(cfg, comm)
     ctl = comm.dup(Ledger(), "control")
     ctl.validate = False            # fixed shapes; keeps its non-blocking calls non-blocking
     out = Path(out) if out else None

@@ -337,11 +337,13 @@ class Levels:
     def __init__(self, topology: Topology, world: Comm):
         self.topology, self.world = topology, world
         names, i_last = topology.names, len(topology.names) - 1
+        world.link = topology.link(names[0])     # a world collective crosses the outermost links
         self._groups = {lvl: world.split(topology.paths[world.rank][i], world.rank, level=names[i + 1])
                         for i, lvl in enumerate(names) if i < i_last}
         self._peers = {lvl: world.split(self._peer_color(i), world.rank, level=lvl)
                        for i, lvl in enumerate(names)}
-        self.hierarchy = Hierarchy.build(world, names, topology.paths)
+        self.hierarchy = Hierarchy.build(world, names, topology.paths,
+                                         {lvl: topology.link(lvl) for lvl in names})
         for i, lvl in enumerate(names):          # the links each communicator's traffic crosses
             if self._peers[lvl] is not None:
                 self._peers[lvl].link = topology.link(lvl)
@@ -405,18 +407,24 @@ class Hierarchy:
         self.shards, self.owned, self.cross = shards, list(owned), list(cross)
 
     @classmethod
-    def build(cls, comm: Comm, names: tuple[str, ...], paths: list[tuple[int, ...]]) -> "Hierarchy":
+    def build(cls, comm: Comm, names: tuple[str, ...], paths: list[tuple[int, ...]],
+              links: dict | None = None) -> "Hierarchy":
         """Split ``comm`` (whose rank r sits at ``paths[r]``) into the step's communicators
-        (collective over ``comm``)."""
+        (collective over ``comm``); ``links``: each level's α–β link, set on the communicators
+        whose traffic crosses it (the watchdog's limits read them)."""
+        def linked(c, level):
+            if c is not None and links and level in links:
+                c.link = links[level]
+            return c
         if len(names) == 1:       # one level left: a flat all-reduce among these ranks
-            return cls(names, flat=comm.split(0, comm.rank, level=names[0]))
+            return cls(names, flat=linked(comm.split(0, comm.rank, level=names[0]), names[0]))
         groups: dict[tuple, list[int]] = {}
         for r, p in enumerate(paths):
             groups.setdefault(p, []).append(r)
         order = list(groups)
         gi = order.index(paths[comm.rank])
         sizes = [len(groups[p]) for p in order]
-        inner = comm.split(gi, comm.rank, level=names[-1])
+        inner = linked(comm.split(gi, comm.rank, level=names[-1]), names[-1])
         shards = max(sizes)
         local = inner.rank
         sigs: dict[tuple, list[int]] = {}
@@ -427,7 +435,7 @@ class Hierarchy:
         sub_paths = [p[:-1] for p in order]
         for sig, mine in sigs.items():
             member = sig[gi] == local
-            sub = comm.split(0 if member else -1, gi, level=names[-2])
+            sub = linked(comm.split(0 if member else -1, gi, level=names[-2]), names[-2])
             if member:
-                cross.append((mine, cls.build(sub, names[:-1], sub_paths)))
+                cross.append((mine, cls.build(sub, names[:-1], sub_paths, links)))
         return cls(names, inner=inner, shards=shards, owned=owned, cross=cross)

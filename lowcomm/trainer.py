@@ -21,6 +21,7 @@ from pathlib import Path
 from .loop import run as run_loop
 from .registry import build_strategy, load_config, parse_spec, topology_comms
 from .comm import Comm, init
+from .runtime import apply_comm_settings
 from .config import Config
 from .errors import ConfigError
 from .tasks import Task, from_functions, load_task
@@ -38,6 +39,7 @@ def run(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
     world): the task it names (or ``task``), the strategy it names."""
     comm = comm or init()
     task = task or task_of(cfg)
+    apply_comm_settings(cfg, comm)         # the watchdog's limits, before the first collective
     levels = topology_comms(cfg, comm)     # the topology's communicators: hierarchical/policy
     return run_loop(cfg, task, lambda m, o, c: build_strategy(cfg, m, o, c, levels), comm, out,
                     progress, resume, overwrite)

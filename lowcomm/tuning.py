@@ -21,11 +21,16 @@ The rule, for an all-reduce of n bytes over a Comm of K ranks:
    topology; else the assumed intra-node link): ring 2(K-1)α + 2(K-1)/K·nβ, Rabenseifner
    2⌈log₂K⌉α + 2(K-1)/K·nβ, tree 2⌈log₂K⌉(α + nβ); ``mpi`` is modelled as the best of those
    three (the vendor has them all), and ties go to ``mpi``, so the model only leaves the vendor
-   for what the vendor lacks: ``shm`` on a node-local Comm (1 barrier for segments up to
-   ``collectives.SHM_ONE_SYNC_BYTES``, else 2 per segment, each costing α, plus 2(K-1)/K·nβ) and
-   ``hierarchical`` given the topology (per level, the inner rings on the inner links and the
-   outer all-reduce of n/g bytes on the outer links, by :meth:`Topology.predict`; the flat
-   vendor all-reduce is charged the outermost link).
+   for what the vendor lacks: ``hierarchical`` given the topology (per level, the inner rings on
+   the inner links and the outer all-reduce of n/g bytes on the outer links, by
+   :meth:`Topology.predict`; the flat vendor all-reduce is charged the outermost link). The
+   model never picks ``shm``: on paper (1 barrier for segments up to
+   ``collectives.SHM_ONE_SYNC_BYTES``, else 2 per segment, each costing α, plus 2(K-1)/K·nβ) it
+   beats the vendor at every size, but the vendor also reduces through shared memory, in C:
+   measured on a 2-core machine, 4 ranks, the vendor was faster up to 1 MiB and shm from 4 MiB
+   (0.43–0.97× and 1.12–2.34× the vendor's bus bandwidth, three runs). Only a measured table
+   (``--autotune``) can say where shm wins on a given machine; :meth:`model_seconds` still
+   gives its paper time.
 
 All ranks must run the same algorithm, so the choice is never made from what one rank sees:
 the first ``auto`` call on a Comm (collective) has rank 0 read the table and broadcast it with
@@ -49,6 +54,8 @@ CANDIDATES = ("mpi", "ring", "rabenseifner", "tree", "shm", "hierarchical")
 TUNE_SIZES = tuple(4096 << (2 * i) for i in range(8))
 # the intra-node link assumed where the Comm has none (topology.ASSUMED_LINKS["rank"])
 _LOCAL_ALPHA_S, _LOCAL_BYTES_PER_S = 2e-6, 5e9
+# a link with at least this one-way latency joins different nodes (topology.ASSUMED_LINKS["node"]: 20 µs)
+_NODE_ALPHA_S = 10e-6
 
 
 def table_path(size: int, host: str | None = None) -> Path:
@@ -139,7 +146,9 @@ class Policy:
             row = {a: t for a, t in times[near].items() if a in can}
             if row:
                 return min(row, key=lambda a: (row[a], CANDIDATES.index(a)))
-        model = {a: self.model_seconds(a, nbytes, levels) for a in can}
+        # shm only from a measured table: the model cannot tell lowcomm's Python-level
+        # shared-memory reduction from the vendor's C one (module docstring, rule 2)
+        model = {a: self.model_seconds(a, nbytes, levels) for a in can if a != "shm"}
         return min(model, key=lambda a: (model[a], CANDIDATES.index(a)))
 
     def model_seconds(self, algorithm: str, nbytes: int, levels=None) -> float:
@@ -192,7 +201,12 @@ def agree(comm, **shm) -> Policy:
     algorithm's ``shm_segment_bytes`` / ``shm_one_sync_bytes``."""
     if comm.auto_policy is not None:
         return comm.auto_policy
-    node_local = comm.node_local()
+    node_local = comm.node_local()      # collective: every rank asks
+    # a link slower than a node's (set by the topology: these ranks are on different nodes or
+    # datacenters, e.g. an emulated WAN whose namespaces share this machine's memory) is never
+    # crossed through shared memory, whatever MPI can map
+    if comm.link is not None and comm.link.alpha_s >= _NODE_ALPHA_S:
+        node_local = False
     mine = None
     if comm.rank == 0:
         link = comm.link

@@ -179,14 +179,13 @@ if K > 1:
         ok(str(table) in str(e) and f"{K + 1} ranks" in str(e), str(e))
 else:
     ok(True, "one rank: no table needed")
-# no table: the α–β rule (node-local ranks: shm from K = 3; the vendor otherwise)
+# no table: the α–β rule (the vendor here: the model never picks shm, only a table does)
 os.environ[lowcomm.tuning.TABLE_ENV] = str(tmp / "none.json")
 model = comm.dup()
 model.auto_policy = None
 for nbytes in (4096, 16 << 20):
     got = C.choose(model, nbytes)
-    # shm's 1 barrier (small) or 2 against the vendor's 2⌈log₂K⌉ rounds, the same bytes
-    want = "mpi" if K == 1 or (K == 2 and nbytes > C.SHM_ONE_SYNC_BYTES) else "shm"
+    want = "mpi"
     ok(got == want, f"α–β auto at {nbytes} bytes on {K} ranks chose {got}, the rule says {want}")
 comm.barrier()
 if r == 0:
