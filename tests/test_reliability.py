@@ -109,7 +109,7 @@ PLAIN = {"plain": [], "plain-no-checkpoints": ["checkpoint.every=0"]}   # for th
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory) -> Path:
+def references(tmp_path_factory) -> Path:
     """One mpirun: every method's uninterrupted run (``<dir>/<method>``) and, for those that can
     be interrupted in-process, an interrupted-then-resumed run checked against it (problems in
     ``<dir>/problems/rank<r>.json``)."""
@@ -126,14 +126,9 @@ def matrix(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def references(matrix) -> Path:
-    return matrix
-
-
 @pytest.mark.parametrize("method", [m for m in methods() if m not in NOT_IN_PROCESS])
-def test_interrupted_then_resumed_is_bit_identical(method, matrix):
-    reports = [json.loads(p.read_text()) for p in sorted((matrix / "problems").glob("rank*.json"))]
+def test_interrupted_then_resumed_is_bit_identical(method, references):
+    reports = [json.loads(p.read_text()) for p in sorted((references / "problems").glob("rank*.json"))]
     assert len(reports) == NP, reports
     for r, problems in enumerate(reports):
         assert method in problems, f"rank {r} did not resume {method}"

@@ -79,26 +79,16 @@ def sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def unpack_signs(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32,
-                 scale: float | torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: float | torch.Tensor | None = None) -> torch.Tensor:
     """The first ``n`` signs (±1, or ±``scale``) that ``packed`` holds in its last dimension: a
     ``(nb,)`` tensor gives ``(n,)``, a ``(K, nb)`` stack gives ``(K, n)``. ``scale`` is a number,
-    a one-element tensor, or for a stack a ``(K,)`` tensor (one scale per row). ``out``: a 1-D
-    ``(n,)`` tensor of ``dtype`` to write into (one ``(nb,)`` tensor, one scale)."""
+    a one-element tensor, or for a stack a ``(K,)`` tensor (one scale per row)."""
     lead = packed.shape[:-1]
     table = _table(dtype, packed.device)
     per_row = isinstance(scale, torch.Tensor) and scale.numel() > 1
     if scale is not None and not per_row:
         table = table * (scale.to(dtype) if isinstance(scale, torch.Tensor) else scale)
     idx = packed.reshape(-1).to(torch.int32)
-    if out is not None:
-        if lead or per_row or out.shape != (n,) or out.dtype != dtype:
-            raise ValueError(f"unpack_signs(out=): needs one packed row and a ({n},) {dtype} "
-                             f"tensor, got {tuple(packed.shape)} and {tuple(out.shape)} {out.dtype}")
-        whole_bytes = n // 8
-        torch.index_select(table, 0, idx[:whole_bytes], out=out[:whole_bytes * 8].view(-1, 8))
-        if n > whole_bytes * 8:
-            out[whole_bytes * 8:] = table[idx[whole_bytes]][:n - whole_bytes * 8]
-        return out
     out = table.index_select(0, idx).view(*lead, -1)
     if out.shape[-1] != n:
         out = out[..., :n]

@@ -74,11 +74,7 @@ class ScaledSign(Compressor):
         if not bool(torch.isfinite(l1)):
             check_finite(p, key, segments, self.rank, self.name)
         scale = l1.div(n).float().reshape(1)
-        table = sign_table(p.dtype, p.device) * scale.to(p.dtype)
-        sent = scratch("sign.sent", BLOCK, p.dtype, p.device)
-        for lo, hi in blocks(n):
-            torch.index_select(table, 0, packed[lo // 8:hi // 8].to(torch.int32), out=sent[:hi - lo].view(-1, 8))
-            p[lo:hi].sub_(sent[:hi - lo])
+        self.subtract_decoded_(p, [scale, packed], (n, p.dtype))
         return [scale, packed], (n, p.dtype)
 
     def subtract_decoded_(self, p, payload, ctx):

@@ -212,12 +212,11 @@ class OneBitAdam(Strategy):
         replicas: rank 0's (checked equal). The error buffers ``δ_k`` and ``δ̄_j`` are per rank
         and sized by the rank count (the server chunks are 1/K of the model): reset to zero,
         with a warning when they held anything (only after ``freeze_step``)."""
-        from .reshard import replicated
+        from .reshard import log, replicated
         merged = replicated(old, self.name)
         held = any(bool(s["strategy"][k].any()) for s in old for k in ("worker_error", "server_error"))
         if held:
-            import logging
-            logging.getLogger("lowcomm.resize").warning(
+            log.warning(
                 "onebit-adam: the worker and server error-feedback buffers of the %d old ranks "
                 "are reset to zero (not summed into the merged replica)", len(old))
         merged["strategy"] = dict(merged["strategy"], worker_error=torch.zeros_like(self.worker_error),
