@@ -45,9 +45,19 @@ METHODS: dict[str, list[str]] = {
                          "strategy.fragments=4", "strategy.delay=5"],
     "gossip": ["strategy.name=gossip", "strategy.graph=one-peer-exponential"],
     "async-ps": ["strategy.name=async-ps"],
+    # the compute floor: every rank trains alone, one average at the end (one-shot averaging,
+    # Zinkevich et al. 2010) -- the seconds per step of a run that does not communicate
+    "no-comm": ["strategy.name=localsgd", "strategy.period=1000000000"],
     # topology-aware (run on a dc:D,rank:… topology: see default_topology)
     "ddp-hier": ["strategy.algorithm=hierarchical"],
     "dc-diloco": ["policy.dc=diloco:period=50,compressor=int8"],
+    # SyncDP inside a datacenter (its buckets reduced after backward: with every core computing,
+    # a reducer thread only competes with it); across, streaming DiLoCo: one int8 fragment of 4
+    # per step, sent while the next step computes, its average landing a step later on top of
+    # that step's progress (merge = "add-local", DaSGD)
+    "dc-streaming": ["policy.rank=syncdp:overlap=false",
+                     "policy.dc=streaming-diloco:period=4,fragments=4,delay=1,merge=add-local,"
+                     "outer_optimizer=sgd,outer_lr=1.0,outer_momentum=0,compressor=int8"],
 }
 MAIN_METHODS = ("ddp", "fp16", "int8", "topk", "ef-sign", "powersgd", "localsgd", "diloco")
 

@@ -46,11 +46,11 @@ def run_ranks(np: int, *cmd: str, timeout: float = 180, env: dict | None = None,
 
 
 def run_worker(np: int, name: str, *args: str, timeout: float = 180, launcher: Path = LOCAL,
-               launcher_args: list[str] = ()) -> dict[int, int]:
+               launcher_args: list[str] = (), env: dict | None = None) -> dict[int, int]:
     """Run tests/workers/<name> on ``np`` ranks; require every rank to report OK."""
     with tempfile.TemporaryDirectory() as reports:
         r = run_ranks(np, sys.executable, WORKERS / name, *args, timeout=timeout,
-                      env={"LOWCOMM_TEST_REPORTS": reports}, launcher=launcher,
+                      env={**(env or {}), "LOWCOMM_TEST_REPORTS": reports}, launcher=launcher,
                       launcher_args=launcher_args)
         assert r.returncode == 0, r.output
         oks = {int(f.name[4:]): int(f.read_text()) for f in Path(reports).glob("rank*")}

@@ -19,7 +19,7 @@ def test_state_dict_round_trip_is_bit_identical():
 
 
 def test_bad_arguments_are_config_errors_before_any_communication():
-    assert set(run_worker(2, "outer.py", "errors", timeout=60).values()) == {8}
+    assert set(run_worker(2, "outer.py", "errors", timeout=60).values()) == {10}
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -28,6 +28,8 @@ def test_bad_arguments_are_config_errors_before_any_communication():
     (["strategy.name=streaming-diloco", "strategy.period=8", "strategy.delay=8"], "strategy.delay"),
     (["strategy.name=streaming-diloco", "strategy.fragments=0"], "strategy.fragments"),
     (["strategy.name=streaming-diloco", "strategy.alpha=2"], "strategy.alpha"),
+    (["strategy.name=streaming-diloco", "strategy.merge=avg"], "strategy.merge"),
+    (["strategy.name=streaming-diloco", "strategy.merge=add-local", "strategy.alpha=0.5"], "strategy.alpha"),
     (["strategy.name=diloco", "strategy.outer_momentum=0"], "strategy.outer_momentum"),
     (["strategy.name=diloco", "strategy.outer_lr=0"], "strategy.outer_lr"),
     (["strategy.name=localsgd", "strategy.compressor=fp16"], "strategy.compressor"),

@@ -25,7 +25,7 @@ METHODS = {
     "onebit-adam": ["syncdp", ["optimizer.name=onebit-adam", "optimizer.freeze_step=2"], False],
     "localsgd": ["localsgd:period=2", [], True],
     "diloco": ["diloco:period=2,compressor=ef-sign", [], True],
-    "streaming-diloco": ["streaming-diloco:period=2,fragments=2,delay=1", [], True],
+    "streaming-diloco": ["streaming-diloco:period=2,fragments=2,delay=1,merge=add-local", [], True],
     "gossip": ["gossip:graph=ring", [], True],
     # 1 server + 3 workers <-> 1 server + 1 worker (checkpoints every N steps need τ = 0)
     "async-ps": ["async-ps:servers=1,max_staleness=0", [], False],
@@ -77,3 +77,19 @@ def test_a_method_that_cannot_be_resized_says_why():
     with pytest.raises(CheckpointError, match="checkpoint ck was written by 4 ranks and cannot "
                                               "be resumed on 2: diloco is a level"):
         resized(state, SimpleNamespace(rank=0, size=2), loop, "ck")
+
+
+def test_an_add_local_fragment_in_flight_keeps_the_average_of_the_ranks_bases():
+    loop = object.__new__(OuterLoop)
+    loop.name, loop.nest, loop.compressor, loop._dense = "streaming-diloco", None, None, None
+    opt = {"param_groups": [{"lr": 0.1}], "state": {}}
+    avg = torch.tensor([5.0, 5.0])
+
+    def rank(base):
+        return {"model": {"w": base + 1}, "strategy": {
+            "t": 3, "optimizer": opt, "syncs": [], "in_flight": [(0, 3, 4, avg, [], base)]}}
+    merged = loop.reshard([rank(torch.tensor([1.0, 2.0])), rank(torch.tensor([3.0, 6.0]))])
+    (f, start, at, got, rows, base), = merged["strategy"]["in_flight"]
+    assert (f, start, at) == (0, 3, 4) and torch.equal(got, avg)
+    assert torch.equal(base, torch.tensor([2.0, 4.0]))            # the mean of the two ranks' bases
+    assert torch.equal(merged["model"]["w"], torch.tensor([3.0, 5.0]))

@@ -10,7 +10,7 @@ from ..comm import Comm
 from ..compress.base import Compressor
 from ..errors import ConfigError
 from .base import Context, Method
-from .outer import Fragment, Nesting, OuterLoop, OuterSettings, check_run
+from .outer import Fragment, Nesting, OuterLoop, OuterSettings, check_merge, check_run
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 
@@ -37,7 +37,8 @@ class StreamingDiLoCoSettings(DiLoCoSettings):
     """``[strategy]`` keys of ``streaming-diloco``: DiLoCo's, and the streaming schedule."""
     fragments: int = 1             # P parameter fragments
     delay: int = 0                 # τ inner steps between sending a fragment and applying it
-    alpha: float = 0.0             # share of the local parameters kept when merging
+    alpha: float = 0.0             # share of the local parameters kept when merging ("mix")
+    merge: str = "mix"             # "mix" (α) | "add-local" (keep the τ steps' local progress)
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
@@ -47,9 +48,11 @@ class StreamingDiLoCoSettings(DiLoCoSettings):
         if self.delay >= self.period:
             raise ConfigError(prefix + "delay", f"must be < period={self.period} (a fragment's "
                               f"reduction has to land before its next synchronisation), got {self.delay}")
+        check_merge(self.merge, self.alpha, prefix)
 
     def kwargs(self, ctx: Context) -> dict:
-        return dict(super().kwargs(ctx), fragments=self.fragments, delay=self.delay, alpha=self.alpha)
+        return dict(super().kwargs(ctx), fragments=self.fragments, delay=self.delay, alpha=self.alpha,
+                    merge=self.merge)
 
 
 def build(s: DiLoCoSettings, model, optimizer, comm: Comm, ctx: Context) -> "DiLoCo":
@@ -136,12 +139,12 @@ class DiLoCo(OuterLoop):
     def _outgoing(self, f: Fragment) -> torch.Tensor:
         return self.outer_params[f.index].detach() - f.pack()
 
-    def _apply(self, f: Fragment, avg: torch.Tensor) -> None:
+    def _apply(self, f: Fragment, avg: torch.Tensor) -> torch.Tensor:
         outer = self.outer_params[f.index]
         outer.grad = avg.to(outer.dtype)
         self.outer_optimizer.step()             # only parameters with a gradient move
         outer.grad = None
-        f.unpack_(outer.detach(), self.alpha)
+        return outer.detach()
 
     def state_dict(self) -> dict:
         state = super().state_dict()
@@ -176,15 +179,22 @@ class StreamingDiLoCo(DiLoCo):
       2. at local step s with s mod H = ⌊(p+1)H/P⌋ mod H, fragment p's pseudo-gradient
          Δ_p = (1/K) Σ_k (θ_p − θ_{k,p}(s)) starts its (possibly compressed) all-reduce in the
          background;
-      3. after step s + τ (τ < H), the outer step θ_p ← OuterOpt(θ_p, Δ_p) and the merge
-         θ_{k,p} ← α θ_{k,p}(s + τ) + (1 − α) θ_p on every rank.
-    With P = 1, τ = 0 and α = 0 this is :class:`DiLoCo`. Each fragment is its own outer
-    parameter, so momentum is kept per fragment.
+      3. after step s + τ (τ < H), the outer step θ_p ← OuterOpt(θ_p, Δ_p) and the merge on
+         every rank, ``merge = "mix"`` (the paper's): θ_{k,p} ← α θ_{k,p}(s + τ) + (1 − α) θ_p;
+         ``merge = "add-local"``: θ_{k,p} ← θ_p + (θ_{k,p}(s + τ) − θ_{k,p}(s)), the local
+         progress of the τ steps the reduction was in flight kept on top of the synchronised
+         fragment (the delayed-averaging correction of DaSGD, Zhou et al. 2020,
+         arXiv 2006.00441). With α = 0, "mix" drops those τ steps: at small H a large share of
+         the inner work (τ/H of it); "add-local" keeps it, at one fragment copy per reduction
+         in flight.
+    With P = 1, τ = 0 and α = 0 this is :class:`DiLoCo` (either merge: with τ = 0 the local
+    progress is zero). Each fragment is its own outer parameter, so momentum is kept per fragment.
 
     Args:
         fragments: P, at most the number of parameter tensors (a tensor is never split).
         delay: τ in [0, period), inner steps between sending a fragment and applying it.
-        alpha: α in [0, 1], the share of the local parameters kept when merging.
+        alpha: α in [0, 1], the share of the local parameters kept when merging ("mix").
+        merge: "mix" or "add-local" (α must be 0), see step 3.
         (others as :class:`DiLoCo`.)
 
     Example::
@@ -198,15 +208,16 @@ class StreamingDiLoCo(DiLoCo):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, period: int, fragments: int = 1, delay: int = 0,
-                 alpha: float = 0.0, outer_optimizer: str = "nesterov", outer_lr: float = 0.7,
+                 alpha: float = 0.0, merge: str = "mix", outer_optimizer: str = "nesterov",
+                 outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, warmup_steps: int = 0, algorithm: str = "mpi",
                  compressor: Compressor | None = None, warmup_options: dict | None = None,
                  nest: Nesting | None = None, levels=None):
         _check_outer(outer_optimizer, outer_lr, outer_momentum)
         OuterLoop.__init__(self, model, optimizer, comm, period=period, warmup_steps=warmup_steps,
                            algorithm=algorithm, compressor=compressor, fragments=fragments,
-                           delay=delay, alpha=alpha, warmup_options=warmup_options, nest=nest,
-                           levels=levels)
+                           delay=delay, alpha=alpha, merge=merge, warmup_options=warmup_options,
+                           nest=nest, levels=levels)
         self._init_outer(outer_optimizer, outer_lr, outer_momentum)
 
 

@@ -74,8 +74,8 @@ class LocalSGD(OuterLoop):
     def _outgoing(self, f: Fragment) -> torch.Tensor:
         return f.pack()
 
-    def _apply(self, f: Fragment, avg: torch.Tensor) -> None:
-        f.unpack_(avg)
+    def _apply(self, f: Fragment, avg: torch.Tensor) -> torch.Tensor:
+        return avg
 
 
 METHOD = Method("localsgd", LocalSGDSettings, build, "Local SGD: H local steps, then average "

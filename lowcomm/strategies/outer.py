@@ -111,6 +111,7 @@ class _InFlight:
     start: int             # local step at which it was sent
     apply_at: int          # local step after which the average is applied
     future: Future         # -> (averaged flat tensor, ledger rows of its traffic)
+    base: torch.Tensor | None = None   # this rank's fragment when sent (merge="add-local")
 
 
 class OuterLoop(Strategy):
@@ -143,8 +144,8 @@ class OuterLoop(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, period: int, warmup_steps: int = 0,
                  algorithm: str = "mpi", compressor: Compressor | None = None, fragments: int = 1,
-                 delay: int = 0, alpha: float = 0.0, warmup_options: dict | None = None,
-                 nest: Nesting | None = None, levels=None):
+                 delay: int = 0, alpha: float = 0.0, merge: str = "mix",
+                 warmup_options: dict | None = None, nest: Nesting | None = None, levels=None):
         super().__init__(model, optimizer, comm)
         if nest is not None and warmup_steps:
             raise ConfigError("strategy.warmup_steps", "a warm-up of dense steps is not "
@@ -160,11 +161,13 @@ class OuterLoop(Strategy):
                               f"synchronisation), got {delay}")
         if not 0 <= alpha <= 1:
             raise ConfigError("strategy.alpha", f"must be in [0, 1], got {alpha}")
+        check_merge(merge, alpha)
         get_algorithm(algorithm, levels)
         if compressor is not None and not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a lowcomm Compressor, got {type(compressor).__name__}")
         self.period, self.warmup_steps, self.delay = int(period), int(warmup_steps), int(delay)
         self.alpha, self.algorithm, self.compressor = float(alpha), algorithm, compressor
+        self.merge = merge
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -208,8 +211,9 @@ class OuterLoop(Strategy):
         """The flat CPU tensor this rank contributes for fragment ``f`` (a fresh tensor)."""
         raise NotImplementedError
 
-    def _apply(self, f: Fragment, avg: torch.Tensor) -> None:
-        """Apply the rank average ``avg`` of the outgoing tensors of fragment ``f``."""
+    def _apply(self, f: Fragment, avg: torch.Tensor) -> torch.Tensor:
+        """Take the rank average ``avg`` of the outgoing tensors of fragment ``f``; return the
+        fragment's new synchronised value (flat), which :meth:`_land` merges into the model."""
         raise NotImplementedError
 
     def _warmup_done(self) -> None:
@@ -255,8 +259,9 @@ class OuterLoop(Strategy):
         if self._pool is None:
             self._land(_InFlight(f.index, s, s, _done(self._reduce(f, out))))
         else:
+            base = f.pack() if self.merge == "add-local" else None
             self._in_flight.append(_InFlight(f.index, s, s + self.delay,
-                                             self._pool.submit(self._reduce, f, out)))
+                                             self._pool.submit(self._reduce, f, out), base))
 
     def _reduce(self, f: Fragment, flat: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
         """Average ``flat`` over the ranks; runs on the reduction thread when delay > 0 (the
@@ -283,11 +288,19 @@ class OuterLoop(Strategy):
         self.syncs.append([item.start, item.fragment, sum(row["bytes_sent"] for row in rows)])
 
     def _land(self, item: _InFlight) -> None:
+        """Apply a finished reduction and merge the result into the model: ``mix`` sets the
+        fragment to α·local + (1 − α)·synchronised; ``add-local`` to synchronised + (local −
+        ``item.base``), the local progress of the τ steps the reduction was in flight."""
         avg, rows = item.future.result()
         self._charge(item, rows)
-        self._apply(self.fragments[item.fragment], avg)
-        if self.alpha == 0:                          # every rank now holds the same fragment
-            self._dirty.discard(item.fragment)
+        f = self.fragments[item.fragment]
+        synced = self._apply(f, avg)
+        if item.base is not None:
+            f.unpack_(synced + (f.pack() - item.base))
+        else:
+            f.unpack_(synced, self.alpha)
+            if self.alpha == 0:                      # every rank now holds the same fragment
+                self._dirty.discard(item.fragment)
 
     def _drain(self) -> None:
         """Wait for every reduction in flight (their results stay queued for their step)."""
@@ -310,7 +323,7 @@ class OuterLoop(Strategy):
         state = {"optimizer": self.optimizer.state_dict(), "t": self.t,
                  "syncs": [list(x) for x in self.syncs],
                  "in_flight": [(i.fragment, i.start, i.apply_at, i.future.result()[0].clone(),
-                                i.future.result()[1]) for i in self._in_flight]}
+                                i.future.result()[1], i.base) for i in self._in_flight]}
         if self.compressor is not None:
             state["compressor"] = self.compressor.state_dict()
         if self._dense is not None and self._dense.compressor is not None:
@@ -325,8 +338,8 @@ class OuterLoop(Strategy):
         self.optimizer.load_state_dict(state["optimizer"])
         self.t = int(state["t"])
         self.syncs = [list(x) for x in state["syncs"]]
-        self._in_flight = [_InFlight(f, s, at, _done((avg.clone(), list(rows))))
-                           for f, s, at, avg, rows in state["in_flight"]]
+        self._in_flight = [_InFlight(f, s, at, _done((avg.clone(), list(rows))), *base)
+                           for f, s, at, avg, rows, *base in state["in_flight"]]
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
         if self._dense is not None:
@@ -344,11 +357,12 @@ class OuterLoop(Strategy):
         counts are rank 0's) and whatever subclasses add (:meth:`_reshard_extra`). The step
         counter, the synchronisation log and the reductions in flight are rank 0's: an
         in-flight fragment holds the rank average already (the all-reduce completed when the
-        checkpoint was written), so it lands at its step on every new rank as it would have.
+        checkpoint was written), so it lands at its step on every new rank as it would have
+        (with ``merge = "add-local"`` its base, the fragment when sent, is averaged like the model).
         Compressor state (the pseudo-gradient's error feedback, the warm-up's) is reset.
         Inside a per-level policy the topology fixes the rank count: not resizable."""
         from ..errors import LowcommError
-        from .reshard import average_dicts, average_optimizer, reset_compressor
+        from .reshard import average, average_dicts, average_optimizer, reset_compressor
         if self._inner is not None:
             raise LowcommError(f"{self.name} is a level of a per-level policy, whose topology "
                                "fixes the number of ranks: resume it on the same number of ranks")
@@ -366,6 +380,9 @@ class OuterLoop(Strategy):
                 self._dense.compressor is not None else {}
             state["warmup_compressor"] = reset_compressor(
                 [s["strategy"]["warmup_compressor"] for s in old], fresh, self.name + " warm-up")
+        state["in_flight"] = [(*item[:5], average([s["strategy"]["in_flight"][i][5] for s in old]))
+                              if len(item) > 5 and item[5] is not None else item
+                              for i, item in enumerate(first["in_flight"])]   # add-local's bases
         state.update(self._reshard_extra([s["strategy"] for s in old]))
         return {"model": average_dicts([s["model"] for s in old]), "strategy": state}
 
@@ -448,6 +465,19 @@ class OuterSettings(SyncDPSettings):
         del warmup["algorithm"]                      # the outer loop's own
         return dict(period=self.period, warmup_steps=self.warmup_steps, algorithm=self.algorithm,
                     warmup_options=warmup, nest=ctx.nest, levels=ctx.levels)
+
+
+MERGES = ("mix", "add-local")
+
+
+def check_merge(merge: str, alpha: float, prefix: str = "strategy.") -> None:
+    """A streaming fragment's merge rule (:class:`~lowcomm.strategies.diloco.StreamingDiLoCo`)."""
+    if merge not in MERGES:
+        raise ConfigError(prefix + "merge", f"unknown value {merge!r}; known: {', '.join(MERGES)}")
+    if merge == "add-local" and alpha != 0:
+        raise ConfigError(prefix + "alpha", f"merge = \"add-local\" keeps all the local progress "
+                          f"on top of the synchronised fragment; α mixes instead: use alpha = 0 "
+                          f"with it, got {alpha}")
 
 
 def check_run(s: OuterSettings, cfg, prefix: str) -> None:

@@ -96,26 +96,31 @@ def agree(t):
     return all(torch.equal(seen[k], seen[0]) for k in range(K))
 
 
-def simulate(steps, inner, period, fragments, delay, alpha, lr=0.7, mu=0.9, nesterov=True):
+def simulate(steps, inner, period, fragments, delay, alpha, lr=0.7, mu=0.9, nesterov=True,
+             merge="mix"):
     """K workers in one process, from the papers: inner steps, then per fragment p at local step
     s with s % H == offset_p: Δ_p = mean_k(θ_p − θ_{k,p}); after step s + τ: Nesterov (or plain)
-    SGD on θ_p with Δ_p, and θ_{k,p} ← α θ_{k,p} + (1 − α) θ_p. Returns worker r's model."""
+    SGD on θ_p with Δ_p, and θ_{k,p} ← α θ_{k,p} + (1 − α) θ_p (merge "mix", Douillard et al.)
+    or θ_{k,p} ← θ_p + θ_{k,p} − θ_{k,p}(s) (merge "add-local", DaSGD). Returns worker r's model."""
     models = [make(perturb=False) for _ in range(K)]
     opts = [inner(m.parameters()) for m in models]
     names = [n for n, _ in models[0].named_parameters()]
     outer = {n: p.detach().clone() for n, p in models[0].named_parameters()}
     buf = {}
-    pending = []                                  # (apply_at, members, {name: Δ})
+    pending = []                                  # (apply_at, members, {name: Δ}, [{name: θ_k(s)}])
 
     def apply(item):
-        _, members, delta = item
+        _, members, delta, sent = item
         for n in members:
             buf[n] = mu * buf[n] + delta[n] if n in buf else delta[n].clone()
             outer[n] = outer[n] - lr * (delta[n] + mu * buf[n] if nesterov else buf[n])
             with torch.no_grad():
-                for m in models:
+                for k, m in enumerate(models):
                     p = dict(m.named_parameters())[n]
-                    p.copy_(alpha * p + (1 - alpha) * outer[n])
+                    if merge == "add-local":
+                        p.copy_(outer[n] + (p - sent[k][n]))
+                    else:
+                        p.copy_(alpha * p + (1 - alpha) * outer[n])
 
     for step in range(steps):
         for k in range(K):
@@ -133,7 +138,9 @@ def simulate(steps, inner, period, fragments, delay, alpha, lr=0.7, mu=0.9, nest
                     if s % period == offset:
                         delta = {n: sum(outer[n] - dict(m.named_parameters())[n].detach()
                                         for m in models) / K for n in members}
-                        pending.append((s + delay, members, delta))
+                        sent = [{n: dict(m.named_parameters())[n].detach().clone() for n in members}
+                                for m in models]
+                        pending.append((s + delay, members, delta, sent))
     assert set(names) == {n for f, _ in fragments for n in f}
     return models[r]
 
@@ -181,12 +188,22 @@ if SECTION == "equivalence":
                    mu=0.5, nesterov=False)
     ok.models_close(run(DiLoCo, 8, period=3, outer_optimizer="sgd", outer_lr=0.5, outer_momentum=0.5), sim,
           "diloco (heavy-ball outer) vs simulation")
-    for P, delay, alpha, inner in ((3, 1, 0.5, sgd), (2, 3, 0.0, adamw), (N_TENSORS, 2, 0.25, sgd)):
-        model, st = train(StreamingDiLoCo, 11, inner, period=4, fragments=P, delay=delay, alpha=alpha)
+    for P, delay, alpha, merge, inner in ((3, 1, 0.5, "mix", sgd), (2, 3, 0.0, "mix", adamw),
+                                          (N_TENSORS, 2, 0.25, "mix", sgd), (2, 3, 0.0, "add-local", adamw),
+                                          (N_TENSORS, 1, 0.0, "add-local", sgd)):
+        model, st = train(StreamingDiLoCo, 11, inner, period=4, fragments=P, delay=delay, alpha=alpha,
+                          merge=merge)
         st.close()
         ok(len({f.offset for f in st.fragments}) == min(P, 4), f"staggered offsets {layout(st)}")
-        sim = simulate(11, inner, 4, layout(st), delay, alpha)
-        ok.models_close(model, sim, f"streaming P={P} τ={delay} α={alpha} vs simulation")
+        sim = simulate(11, inner, 4, layout(st), delay, alpha, merge=merge)
+        ok.models_close(model, sim, f"streaming P={P} τ={delay} α={alpha} {merge} vs simulation")
+    # the sensitivity: add-local keeps the τ steps' progress, mix (α = 0) drops it
+    far = flat(run(StreamingDiLoCo, 11, period=4, fragments=2, delay=3, merge="add-local")) - \
+        flat(run(StreamingDiLoCo, 11, period=4, fragments=2, delay=3))
+    ok(float(far.abs().max()) > 1e-4, "add-local should differ from mix at τ > 0")
+    # at τ = 0 there is no local progress to keep: add-local == mix, bit for bit
+    equal(run(StreamingDiLoCo, 8, period=3, fragments=2, delay=0, merge="add-local"),
+          run(StreamingDiLoCo, 8, period=3, fragments=2, delay=0), "add-local at τ = 0 vs mix")
 
     # compressed pseudo-gradient: the Compressor.reduce path with the identity == dense
     ok.models_close(run(StreamingDiLoCo, 8, period=3, fragments=2, delay=1, compressor=Compressor()),
@@ -238,6 +255,8 @@ elif SECTION == "resume":
     cases = [
         ("streaming, in flight", StreamingDiLoCo, adamw, 7,
          dict(period=4, fragments=2, delay=2, alpha=0.5, warmup_steps=2)),
+        ("streaming add-local, in flight", StreamingDiLoCo, adamw, 6,
+         dict(period=4, fragments=2, delay=3, merge="add-local")),
         ("streaming, in warm-up", StreamingDiLoCo, adamw, 1,
          dict(period=4, fragments=2, delay=2, alpha=0.5, warmup_steps=2)),
         ("localsgd momentum, in warm-up", LocalSGD, lambda ps: sgd(ps, 0.9), 2,
@@ -291,6 +310,9 @@ elif SECTION == "errors":
            f"only {N_TENSORS} trainable parameter tensors")
     raises("strategy.delay", lambda: StreamingDiLoCo(m, o, comm, period=4, fragments=2, delay=4), "period=4")
     raises("strategy.alpha", lambda: StreamingDiLoCo(m, o, comm, period=4, alpha=1.5))
+    raises("strategy.merge", lambda: StreamingDiLoCo(m, o, comm, period=4, merge="average"), "add-local")
+    raises("strategy.alpha", lambda: StreamingDiLoCo(m, o, comm, period=4, merge="add-local", alpha=0.5),
+           "alpha = 0")
     raises("strategy.outer_momentum", lambda: DiLoCo(m, o, comm, period=4, outer_momentum=0.0), "Nesterov")
     raises("strategy.outer_optimizer", lambda: DiLoCo(m, o, comm, period=4, outer_optimizer="adam"))
     # the job goes on after a refused construction: communication is still in step
