@@ -165,6 +165,8 @@ def _time_size(ctl: Comm, bench: Comm, fns: dict, size: int, iters: int, warmup:
             dt = _slowest(ctl, time.perf_counter() - t0)
             if i >= warmup:
                 times[alg].append(dt)
+            # checked after every call, outside the timed region: a race (shm's double
+            # buffering, a segment reused too early) may show in one call of many
             wrong[alg] = max(wrong[alg], int((buf != expected).sum()))
     rows = []
     for alg in names:

@@ -303,10 +303,7 @@ def up(spec: WanSpec, faults: list[Fault] = ()) -> dict:
     ``faults`` (times relative to the moment the WAN is up: :func:`lowcomm.wan_faults.parse_spec`)
     are scheduled once it is."""
     require_root("lowcomm wan up")
-    for f in faults:
-        for a, b in f.directions(spec.dcs):
-            if not (0 <= a < spec.dcs and 0 <= b < spec.dcs):
-                raise WanError(f"fault on link {f.link}: the WAN has datacenters 0..{spec.dcs - 1}")
+    _check_links(faults, spec.dcs)
     if state() is not None or ours()["namespaces"]:
         raise WanError("an emulated WAN is already up (lowcomm wan down first)")
     STATE_DIR.mkdir(parents=True, exist_ok=True)
@@ -351,6 +348,13 @@ def up(spec: WanSpec, faults: list[Fault] = ()) -> dict:
     return st
 
 
+def _check_links(faults: list[Fault], dcs: int) -> None:
+    """Every fault's link joins datacenters this WAN has (a fault may have been made for more)."""
+    for f in faults:
+        if any(not (0 <= a < dcs and 0 <= b < dcs) for a, b in f.directions(dcs)):
+            raise WanError(f"fault on link {f.link}: the WAN has datacenters 0..{dcs - 1}")
+
+
 def fault(faults: list[Fault], clear: bool = False) -> list[Fault]:
     """Schedule ``faults`` (times relative to now) on the running WAN; ``clear`` first ends
     every earlier fault. Returns the faults added, numbered. The forwarder picks them up within
@@ -361,10 +365,7 @@ def fault(faults: list[Fault], clear: bool = False) -> list[Fault]:
         raise WanError("no emulated WAN is up (lowcomm wan up first)" if s is None else
                        f"the WAN's forwarder (pid {s.get('pid')}) is not running; "
                        "lowcomm wan down, then up again")
-    for f in faults:
-        for a, b in f.directions(s["dcs"]):
-            if not (0 <= a < s["dcs"] and 0 <= b < s["dcs"]):
-                raise WanError(f"fault on link {f.link}: the WAN has datacenters 0..{s['dcs'] - 1}")
+    _check_links(faults, s["dcs"])
     now = time.time()
     return add_faults(STATE_DIR, [f.at(now) for f in faults], clear=clear)
 

@@ -94,7 +94,7 @@ def wan_fault(link, down_for, hold, loss, seed, loss_for, at, clear):
     import math
 
     from .wan import WanError, fault, state
-    from .wan_faults import FaultError, make, parse_duration, parse_link, parse_rate
+    from .wan_faults import FaultError, make, parse_duration, parse_rate
     if not (down_for or loss or clear):
         raise FaultError("give --down DURATION, --loss RATE or --clear")
     if hold and not down_for:
@@ -110,12 +110,13 @@ def wan_fault(link, down_for, hold, loss, seed, loss_for, at, clear):
     st = state()
     if st is None:
         raise WanError("no emulated WAN is up (lowcomm wan up first)")
-    link = parse_link(link, st["dcs"], "--link")
     new = []
     if down_s is not None:
-        new.append(make("down", link, st["dcs"], at=start, duration=down_s, hold=hold))
+        new.append(make("down", link, st["dcs"], at=start, duration=down_s, hold=hold,
+                        what="--link"))
     if rate is not None:
-        new.append(make("loss", link, st["dcs"], at=start, rate=rate, seed=seed or 0, duration=loss_s))
+        new.append(make("loss", link, st["dcs"], at=start, rate=rate, seed=seed or 0,
+                        duration=loss_s, what="--link"))
     added = fault(new, clear=clear)
     if clear:
         click.echo("earlier faults ended")

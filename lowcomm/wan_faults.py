@@ -122,11 +122,12 @@ class Fault:
 
 
 def make(kind: str, link: str, dcs: int, *, at: float = 0.0, duration: float = math.inf,
-         rate: float = 0.0, seed: int = 0, hold: bool = False) -> Fault:
-    """A checked fault with times relative to an origin (``Fault.at`` fixes it)."""
+         rate: float = 0.0, seed: int = 0, hold: bool = False, what: str = "link") -> Fault:
+    """A checked fault with times relative to an origin (``Fault.at`` fixes it); ``what`` names
+    the link's option in an error."""
     if kind not in KINDS:
         raise FaultError(f"fault kind {kind!r}: use one of {', '.join(KINDS)}")
-    link = parse_link(link, dcs)
+    link = parse_link(link, dcs, what)
     if at < 0 or math.isnan(at):
         raise FaultError(f"at={at:g}: a fault cannot start before now")
     if not duration > 0:

@@ -127,7 +127,7 @@ def test_diloco_rides_out_an_outage_and_loss_bit_exactly_and_a_long_outage_ends_
 
 
 def test_fault_arguments_are_checked_with_clear_errors():
-    from lowcomm.wan_faults import FaultError, make, parse_duration, parse_rate, parse_spec
+    from lowcomm.wan_faults import FaultError, parse_duration, parse_rate, parse_spec
     f = parse_spec("down:0-1:at=20s:for=10s", 2)
     assert (f.kind, f.link, f.start, f.end, f.hold) == ("down", "0-1", 20, 30, False)
     assert f.at(100.0).start == 120 and f.directions(2) == [(0, 1), (1, 0)]

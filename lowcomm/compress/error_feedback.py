@@ -99,12 +99,9 @@ class ErrorFeedback(Compressor):
         segments = segments or whole(key, x)
         e, p = self._buffers(key, x, segments)
         result = encode(p, segments, x, e)          # 1.–3.; the inner compressor checks p for NaN/Inf
-        covered = sum(s.stop - s.start for s in segments)
-        if covered != x.numel():                    # bytes no parameter owns keep no error
-            mask = torch.ones(x.numel(), dtype=torch.bool, device=x.device)
-            for s in segments:
-                mask[s.start:s.stop] = False
-            p[mask] = 0
+        if sum(s.stop - s.start for s in segments) != x.numel():
+            for a, b in _gaps(segments, x.numel()):  # bytes no parameter owns keep no error
+                p[a:b].zero_()
         self._keep(key, p, e, segments, self._flat[key][3])    # the error is the next e
         return result
 
@@ -137,3 +134,13 @@ class ErrorFeedback(Compressor):
         self.residuals = {n: e.clone() for n, e in state["residuals"].items()}
         self._flat = {}
         self.inner.load_state_dict(state["inner"])
+
+
+def _gaps(segments: list[Segment], n: int) -> list[tuple[int, int]]:
+    """The ranges of ``[0, n)`` that no segment covers."""
+    out, at = [], 0
+    for seg in sorted(segments, key=lambda seg: seg.start):
+        if seg.start > at:
+            out.append((at, seg.start))
+        at = max(at, seg.stop)
+    return out + [(at, n)] if at < n else out

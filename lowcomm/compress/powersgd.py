@@ -118,17 +118,22 @@ class PowerSGD(Seeded, Compressor):
             return M
         return e.view(n, m).add_(M)
 
-    def _remember(self, s: Segment, M: torch.Tensor, P: torch.Tensor, Qt: torch.Tensor) -> None:
-        """Keep ``Q`` (given as Qᵀ, (r, m)) and ``E ← M − P Qᵀ`` (in place where M is the
-        memory: one fused pass)."""
+    def _remember(self, s: Segment, M: torch.Tensor, Qt: torch.Tensor, P: torch.Tensor | None = None,
+                  approx: torch.Tensor | None = None) -> None:
+        """Keep ``Q`` (given as Qᵀ, (r, m)) and ``E ← M − P Qᵀ`` (``approx`` when ``P Qᵀ`` is
+        already built; in place where M is the memory: one fused pass)."""
         self.q[s.name] = Qt.T.contiguous()
         if not self.error_feedback:
             return
         e = self.error.get(s.name)
-        if e is not None and M.data_ptr() == e.data_ptr():
-            low_rank_(M, P, Qt, subtract=True)
+        in_place = e is not None and M.data_ptr() == e.data_ptr()
+        E = M if in_place else M.clone()
+        if approx is None:
+            low_rank_(E, P, Qt, subtract=True)
         else:
-            self.error[s.name] = low_rank_(M.clone(), P, Qt, subtract=True).reshape(-1)
+            E.sub_(approx)
+        if not in_place:
+            self.error[s.name] = E.reshape(-1)
 
     def _step(self, key: str) -> int:
         it = self.iters.get(key, 0)
@@ -172,19 +177,8 @@ class PowerSGD(Seeded, Compressor):
             Qt = part.view(r, m)
             approx = out[s.start:s.stop].view(n, m)
             low_rank_(approx, P, Qt)
-            self._remember_approx(s, M, approx, Qt)
+            self._remember(s, M, Qt, approx=approx)
         return out
-
-    def _remember_approx(self, s: Segment, M: torch.Tensor, approx: torch.Tensor, Qt: torch.Tensor) -> None:
-        """:meth:`_remember` where ``P Qᵀ`` is already built (``approx``)."""
-        self.q[s.name] = Qt.T.contiguous()
-        if not self.error_feedback:
-            return
-        e = self.error.get(s.name)
-        if e is not None and M.data_ptr() == e.data_ptr():
-            M.sub_(approx)
-        else:
-            self.error[s.name] = (M - approx).reshape(-1)
 
     # one rank on its own (compress -> decompress; e.g. gossip) --------------------------------
     def _compress(self, x, key, segments):
@@ -197,7 +191,7 @@ class PowerSGD(Seeded, Compressor):
             M = self._matrix(x, s, n, m)
             P = torch.linalg.qr(torch.matmul(self._q(s.name, m, x.device, x.dtype).T, M.T).T).Q
             Qt = torch.matmul(P.T, M)                          # Qᵀ = P̂ᵀ M, (r, m)
-            self._remember(s, M, P, Qt)
+            self._remember(s, M, Qt, P)
             ps.append(P.reshape(-1))
             qs.append(Qt.reshape(-1))
         ps += [x[s.start:s.stop] for s in dense]

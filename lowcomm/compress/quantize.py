@@ -190,22 +190,19 @@ class QSGD(Seeded, Compressor):
     def decompress(self, payload, ctx):
         q, norms = payload
         n, dtype = ctx
-        bs, full = self.bucket_size, n // self.bucket_size
-        out = torch.empty(n, dtype=dtype, device=q.device).copy_(q)
-        step = (norms.to(dtype) / self.levels)
-        if full:
-            out[:full * bs].view(full, bs).mul_(step[:full, None])
-        if n > full * bs:
-            out[full * bs:].mul_(step[full])
-        return out
+        return self._decode(q[None], norms[None], n, dtype)[0]
 
     def _decode(self, q, norms, n, dtype):
-        K, bs = q.shape[0], self.bucket_size
-        nbk = norms.shape[1]
-        full = torch.zeros(K, nbk * bs, dtype=dtype, device=q.device)
-        full[:, :n] = q
-        full = full.view(K, nbk, bs).mul_((norms.to(dtype) / self.levels).unsqueeze(-1))
-        return full.view(K, -1)[:, :n]
+        """Rows of levels ``q`` (K, n) times their bucket's step ‖v‖/s (``norms`` (K, buckets)),
+        in place in one new (K, n) tensor (the last bucket may be short: no padding)."""
+        bs, full = self.bucket_size, n // self.bucket_size
+        out = torch.empty(q.shape, dtype=dtype, device=q.device).copy_(q)
+        step = norms.to(dtype) / self.levels
+        if full:
+            out[:, :full * bs].view(-1, full, bs).mul_(step[:, :full, None])
+        if n > full * bs:
+            out[:, full * bs:].mul_(step[:, full, None])
+        return out
 
     def decompress_mean(self, gathered, ctx, K):
         q, norms = gathered

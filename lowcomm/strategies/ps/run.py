@@ -173,10 +173,7 @@ def run_async_ps(cfg, task, model, ps: AsyncPS, comm: Comm, ctl: Comm, out: Path
     first = 1
     if resume:
         step, loop = restore(resume, cfg, comm, ctl, model, ps, out)
-        (lg if ps.is_server else wloop).update(loop)
-        if ps.is_server and len(lg["traffic"]) != W:     # resumed on another number of workers
-            from .protocol import fold
-            lg.update(traffic=fold(lg["traffic"], W), gradients=step * W)
+        (lg if ps.is_server else wloop).update(loop)   # on W workers (Server.reshard folds it)
         first = (step if ps.is_server else wloop.get("step", step)) + 1   # a worker's own steps
     every = cfg.checkpoint.every if ckpt else 0
 

@@ -372,7 +372,8 @@ class ParameterServer:
         gradients taken toward the budget become ``step × W`` (step-equivalents, so the rest of
         the budget is the remaining steps on W workers); every worker's clock restarts at 0 and
         its read version is the current version (each new worker starts from the servers'
-        parameters); per-worker counters are folded (old worker w's onto w mod W)."""
+        parameters); per-worker counters are folded (old worker w's onto w mod W), those of the
+        run's log (``loop``) included."""
         from .protocol import fold, reshard_model
         W_old = len(old) - self.S
         mine = dict(old[self.index]["strategy"])
@@ -383,7 +384,10 @@ class ParameterServer:
                     backup=[flat.clone() for _ in range(self.W)] if self.backup is not None else None,
                     applied=fold(mine["applied"], self.W), skipped=fold(mine["skipped"], self.W),
                     recv_from=fold(mine["recv_from"], self.W))
-        return {"model": model, "strategy": mine}
+        loop = dict(old[self.index]["loop"])         # the run's log: per-worker traffic folds too
+        if "traffic" in loop:
+            loop.update(traffic=fold(loop["traffic"], self.W), gradients=step * self.W)
+        return {"model": model, "strategy": mine, "loop": loop}
 
     def load_shard(self, s: int, vals: torch.Tensor) -> None:
         """Copy server ``s``'s shard values ``vals`` into the model (rank 0 assembles the model
