@@ -27,6 +27,7 @@ from conftest import ROOT, WORKERS, cli, run_ranks, run_worker
 from lowcomm.compress import COMPRESSORS, Compressor, build_compressor
 from lowcomm.config import CompressorConfig
 from lowcomm.config import OPTIMIZERS
+from lowcomm.loop import STOP_VOTE_LAG
 from lowcomm.registry import STRATEGIES
 
 NP, STEPS, EVERY = 2, 12, 3
@@ -187,8 +188,9 @@ def test_sigterm_on_one_rank_checkpoints_all_and_exits_nonzero(tmp_path, referen
     ref, run = references / "plain-no-checkpoints", tmp_path / "run"
     r = train(run, "checkpoint.every=0", fault="term:1:5")
     assert r.returncode != 0, r.output
-    assert "stopped by SIGTERM after step 6" in r.stderr, r.output   # agreed one step later
-    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000006"]
+    at = 5 + STOP_VOTE_LAG                          # the vote started after step 5 is read then
+    assert at < STEPS and f"stopped by SIGTERM after step {at}" in r.stderr, r.output
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step-{at:08d}"]
     assert not (run / "summary.json").exists()
     r = train(run, "checkpoint.every=0", resume=run)
     assert r.returncode == 0, r.output
