@@ -44,8 +44,8 @@ _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bflo
                 torch.bool: 10}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 _META_LEN = 12          # dtype, numel, ndim, 6 dims, hash of further dims, op hash, root
-_HALF_OPS: dict = {}
-_SHM_SPINS, _SHM_YIELDS = 64, 256   # SharedWindow.sync: polls before yielding, then napping    # torch dtype -> MPI.Op summing 16-bit floats, created on first use
+_HALF_OPS: dict = {}                # torch dtype -> MPI.Op summing 16-bit floats, created on first use
+_SHM_SPINS, _SHM_YIELDS = 64, 256   # SharedWindow.sync: polls before yielding, then napping
 
 
 def mpi():
