@@ -237,8 +237,11 @@ STEP_COMPRESSORS = ("fp16", "powersgd")
 #: PowerSGD's dense steps before compressing, in both implementations (torch needs >= 2 with
 #: error feedback); the timed steps come after the warm-up, so all of them are compressed
 STEP_POWERSGD_START = 2
+#: ``local``: every rank steps on its own gradients, nothing sent -- the floor under every
+#: data-parallel row (same model, batches and optimizer; only the communication is missing)
+STEP_LOCAL = "local"
 STEP_STRATEGIES = ("syncdp", *[f"syncdp-{a}" for a in ALGORITHMS], "horovod", "ddp-gloo",
-                   *[f"{p}-{c}" for c in STEP_COMPRESSORS for p in ("syncdp", "ddp-gloo")])
+                   *[f"{p}-{c}" for c in STEP_COMPRESSORS for p in ("syncdp", "ddp-gloo")], STEP_LOCAL)
 
 
 def _ddp_hook(ddp, name: str, cfg) -> None:
@@ -270,9 +273,10 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
     """Median training-step time of ``cfg``'s model under each data-parallel implementation:
     lowcomm's SyncDP (``syncdp``: the configured algorithm, default ``auto``;
     ``syncdp-<algorithm>``; ``syncdp-fp16`` / ``syncdp-powersgd`` with lowcomm's compressor),
-    Horovod, and torch DDP over gloo (``ddp-gloo``; ``ddp-gloo-fp16`` / ``ddp-gloo-powersgd``
-    with torch's ``fp16_compress_hook`` / ``powerSGD_hook``). Same model, seed, batches and
-    optimizer for every row; DDP's bucket size is SyncDP's ``bucket_mb``."""
+    Horovod, torch DDP over gloo (``ddp-gloo``; ``ddp-gloo-fp16`` / ``ddp-gloo-powersgd``
+    with torch's ``fp16_compress_hook`` / ``powerSGD_hook``), and ``local`` (no communication:
+    the compute floor). Same model, seed, batches and optimizer for every row; DDP's bucket
+    size is SyncDP's ``bucket_mb``."""
     from .backends.horovod import HorovodDP
     from .loop import build_optimizer
     from .strategies.syncdp import SyncDP, SyncDPSettings
@@ -301,6 +305,8 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
                     _ddp_hook(ddp, name, cfg)
                 times = _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(ddp, b))
                 del ddp     # before baseline() destroys its process group (see there)
+            elif name == STEP_LOCAL:
+                times = _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(model, b))
             else:
                 if name == "horovod":
                     wrapped = HorovodDP(model, opt, run)
@@ -348,8 +354,11 @@ def _time_steps(ctl: Comm, task, cfg, opt, warmup: int, steps: int, loss,
 
 
 def step_peer(name: str) -> str | None:
-    """The torch DDP row a lowcomm row is compared with: ``syncdp``/``syncdp-<algorithm>`` ->
-    ``ddp-gloo``, ``syncdp-<c>`` -> ``ddp-gloo-<c>`` for a compressor c; others: None."""
+    """The torch DDP row a lowcomm row is compared with: ``syncdp``/``syncdp-<algorithm>`` and
+    ``local`` -> ``ddp-gloo``, ``syncdp-<c>`` -> ``ddp-gloo-<c>`` for a compressor c; others:
+    None."""
+    if name == STEP_LOCAL:
+        return "ddp-gloo"
     if not name.startswith("syncdp"):
         return None
     kind = name.split("-", 1)[1] if "-" in name else ""
@@ -358,7 +367,8 @@ def step_peer(name: str) -> str | None:
 
 def format_step(rows: list[dict]) -> str:
     """Step times; ``vs syncdp``: this row over plain SyncDP's; ``ours/ddp``: a lowcomm row's
-    median over its torch DDP peer's in the same run (< 1: ours is faster); ``sync(ms)``: a
+    median over its torch DDP peer's in the same run (< 1: ours is faster; on the ``local`` row
+    the floor: no data-parallel step of this model can be below it); ``sync(ms)``: a
     SyncDP row's median wait in ``step()`` for the buckets backward did not finish (plus the
     copies into ``p.grad``): the communication left exposed."""
     ref = {r["strategy"]: r["step_ms"] for r in rows}

@@ -207,12 +207,14 @@ def bench_allreduce(sizes, algorithms, iters, warmup, json_path, tune, tune_size
 @bench.command("step")
 @config_options
 @click.option("--strategies", default="syncdp,ddp-gloo,syncdp-fp16,ddp-gloo-fp16,syncdp-powersgd,"
-              "ddp-gloo-powersgd,horovod", show_default=True)
+              "ddp-gloo-powersgd,horovod,local", show_default=True,
+              help="Rows, in order; 'local' sends nothing: the compute floor under all of them.")
 @click.option("--steps", default=20, show_default=True)
 @click.option("--warmup", default=5, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
 def bench_step(config, overrides, strategies, steps, warmup, json_path):
-    """Median training-step time under lowcomm SyncDP, Horovod and torch DDP (gloo)."""
+    """Median training-step time under lowcomm SyncDP, Horovod and torch DDP (gloo), beside
+    a step with no communication at all (``local``, the floor)."""
     cfg = _config(config, overrides)
     from .bench import bench_step as run, format_step
     comm = _world()

@@ -69,9 +69,12 @@ def test_bench_step_runs_every_peer(tmp_path):
     assert r.returncode == 0, r.output
     rows = json.loads(out.read_text())
     assert [x["strategy"] for x in rows] == ["syncdp", "ddp-gloo", "syncdp-fp16", "ddp-gloo-fp16",
-                                              "syncdp-powersgd", "ddp-gloo-powersgd", "horovod"]
+                                              "syncdp-powersgd", "ddp-gloo-powersgd", "horovod", "local"]
     assert all(x["step_ms"] > 0 for x in rows) and len({x["params"] for x in rows}) == 1
     assert "ours/ddp" in r.stdout
+    local = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["local"])
+    ddp = next(x["step_ms"] for x in rows if x["strategy"] == "ddp-gloo")
+    assert f"{rows[-1]['step_ms'] / ddp:.2f}" in local.split()[5:], local   # its floor ratio
 
 
 def test_horovodrun_launcher_runs_lowcomm(tmp_path):
