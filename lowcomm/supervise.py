@@ -38,15 +38,48 @@ USER_STOPS = {128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal
 def cause(stderr_text: str, returncode: int) -> str:
     """One line on why a job failed, from its stderr: lowcomm's own one-line errors first
     (``lowcomm failed: ...``, the watchdog's ``waited ...``), else mpirun's note of a killed
-    process, else the exit status."""
+    process, else the exit status; followed by what Open MPI warned of on the way (its first
+    help message other than the abort itself: e.g. a TCP connection to a peer that failed,
+    which is why a rank waited until the watchdog fired)."""
     lines = [ln.strip() for ln in stderr_text.splitlines() if ln.strip()]
+    why = None
     for key in ("lowcomm failed", "watchdog", "CommError", "exited on signal", "killed"):
         hit = [ln for ln in lines if key in ln]
         if hit:
-            return hit[0][:400]
-    if returncode < 0:
-        return f"killed by {signal.Signals(-returncode).name}"
-    return f"exit status {returncode}" + (f": {lines[-1][:300]}" if lines else "")
+            why = hit[0][:400]
+            break
+    if why is None:
+        if returncode < 0:
+            why = f"killed by {signal.Signals(-returncode).name}"
+        else:
+            why = f"exit status {returncode}" + (f": {lines[-1][:300]}" if lines else "")
+    said = mpi_warning(stderr_text)
+    return f"{why} (Open MPI said: {said})" if said and said not in why else why
+
+
+#: Open MPI help messages that report the end of a job rather than a cause of it
+_MPI_CONSEQUENCES = ("MPI_ABORT was invoked", "exited on signal", "has exited due to",
+                     "Primary job", "terminated", "killed")
+
+
+def mpi_warning(stderr_text: str) -> str | None:
+    """The first of Open MPI's help messages (the text between its rules of dashes) that is
+    not about the job ending, on one line: its first paragraph and its ``Key: value`` lines."""
+    blocks, cur = [], None
+    for ln in stderr_text.splitlines():
+        if len(ln.strip()) >= 20 and set(ln.strip()) == {"-"}:
+            if cur is not None:
+                blocks.append(cur)
+            cur = [] if cur is None else None
+        elif cur is not None:
+            cur.append(ln.strip())
+    for b in blocks:
+        if not any(k in " ".join(b) for k in _MPI_CONSEQUENCES):
+            head = b[:b.index("")] if "" in b else b[:1]
+            keyed = [" ".join(ln.split()) for ln in b[len(head):]
+                     if ":" in ln and ln.split(":", 1)[0].replace(" ", "").isalpha()]
+            return " ".join(" ".join(head + keyed).split())[:400] or None
+    return None
 
 
 def has_checkpoint(out: Path) -> bool:

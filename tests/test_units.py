@@ -242,3 +242,25 @@ def test_watchdog_settings_come_from_the_environment_unless_the_config_says(monk
     monkeypatch.setenv("LOWCOMM_WATCHDOG_OUTAGE_S", "soon")
     with pytest.raises(LowcommError, match="LOWCOMM_WATCHDOG_OUTAGE_S='soon'"):
         load_config(None, [])
+
+
+def test_a_failed_jobs_cause_carries_what_open_mpi_warned_of_and_not_its_abort_banner():
+    from lowcomm.supervise import cause
+    rule = "-" * 74
+    stderr = "\n".join([
+        "lowcomm watchdog: rank 3 waited 60.6 s (timeout 60 s) in op allgather.shm (0 bytes) on level rank",
+        rule, "MPI_ABORT was invoked on rank 3 in communicator MPI_COMM_WORLD", "with errorcode 3.", rule,
+        rule, "WARNING: Open MPI failed to TCP connect to a peer MPI process.  This",
+        "should not happen.", "", "Your Open MPI job may now hang or fail.", "",
+        "  Local host: lowcomm-dc0", "  Message:    connect() to 10.77.0.2:1024 failed",
+        "  Error:      Operation now in progress (115)", rule,
+        "[rank 0] WARNING lowcomm.train: SIGTERM: stopping after this step"])
+    why = cause(stderr, 3)
+    assert why.startswith("lowcomm watchdog: rank 3 waited 60.6 s"), why
+    assert ("(Open MPI said: WARNING: Open MPI failed to TCP connect to a peer MPI process. This should "
+            "not happen. Local host: lowcomm-dc0 Message: connect() to 10.77.0.2:1024 failed "
+            "Error: Operation now in progress (115))") in why, why
+    assert "MPI_ABORT" not in why and "may now hang" not in why
+    # only the abort banner: nothing is added; no stderr at all: the exit status
+    assert cause("\n".join(stderr.splitlines()[:5]), 3) == stderr.splitlines()[0]
+    assert cause("", 3) == "exit status 3" and cause("", -9) == "killed by SIGKILL"
