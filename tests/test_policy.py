@@ -24,6 +24,12 @@ def test_policies_equal_their_single_process_references(np, spec):
     (["topology=dc:2,rank:2", "policy.dc=3"], "policy.dc"),
     (["topology=dc:2,rank:2", "compressor.name=fp16", "policy.rank=localsgd:period=2",
       "policy.dc=localsgd:period=4"], "compressor.name"),      # no syncdp level to use it
+    (["topology=dc:2,rank:2", "policy.rank=diloco:period=2", "policy.dc=diloco:period=4"],
+     "policy.rank"),                                        # an anchor below another outer loop
+    (["topology=dc:2,rank:2", "policy.rank=streaming-diloco:period=2",
+      "policy.dc=localsgd:period=4"], "policy.rank"),
+    (["topology=dc:2,rank:2", "policy.rank=localsgd:period=2",
+      "policy.dc=streaming-diloco:period=4,fragments=2,delay=1,merge=add-local"], "policy.dc.merge"),
 ])
 def test_bad_policy_names_the_key(overrides, key):
     with pytest.raises(ConfigError) as e:
@@ -38,3 +44,14 @@ def test_policy_from_toml_table(tmp_path):
     cfg = load_config(f)
     assert cfg.policy == {"rank": "syncdp", "dc": "diloco:period=50,compressor=int8"}
     assert cfg.method == "policy(rank=syncdp;dc=diloco:period=50,compressor=int8)"
+
+
+@pytest.mark.parametrize("below, above", [
+    ("localsgd:period=2", "diloco:period=4"),
+    ("localsgd:period=2", "streaming-diloco:period=4,fragments=2,delay=1,merge=mix"),
+    ("localsgd:period=2", "streaming-diloco:period=4,fragments=2,delay=0,merge=add-local"),
+    ("syncdp", "streaming-diloco:period=4,fragments=2,delay=1,merge=add-local"),
+])
+def test_the_outer_loop_nests_that_stay_allowed(below, above):
+    cfg = load_config(None, ["topology=dc:2,rank:2", f"policy.rank={below}", f"policy.dc={above}"])
+    assert cfg.policy == {"rank": below, "dc": above}

@@ -26,7 +26,10 @@ span. Each outer-loop level above wraps the strategy below it (which takes its i
 synchronises its units through their first ranks: average inside the unit (only when its ranks
 may differ, i.e. the level below is itself an outer loop), reduce across the units' leaders
 (dense or compressed; each unit counts once), broadcast the result inside the unit. So a
-datacenter sends one copy of its pseudo-gradient across, not one per rank.
+datacenter sends one copy of its pseudo-gradient across, not one per rank. An outer loop
+below another must be ``localsgd``, and the one above it cannot merge with ``add-local``
+(:func:`check_plan` says why): DiLoCo's anchor, outer optimizer and in-flight bases are the
+state of one level and would count the other level's synchronisations as progress.
 """
 from __future__ import annotations
 
@@ -60,6 +63,20 @@ def check_plan(plan: list[Level], gradient_compressor: str = "none") -> int:
             raise ConfigError(f"policy.{lvl.name}", f"{lvl.method.name} (every step) above "
                               f"policy.{below.name}={below.method.name} (every period): a level "
                               "cannot synchronise more often than the levels inside it")
+    for upper, lower in zip(plan[:first - 1], plan[1:first]):     # an outer loop over an outer loop
+        if lower.method.name != "localsgd":
+            raise ConfigError(f"policy.{lower.name}", f"{lower.method.name} under "
+                              f"policy.{upper.name}={upper.method.name}: an outer loop below "
+                              "another must be localsgd (plain averaging). DiLoCo keeps an anchor "
+                              "and an outer optimizer that would take the upper level's "
+                              "synchronisations for its own progress; use syncdp or localsgd "
+                              "below")
+        s = upper.settings
+        if getattr(s, "delay", 0) > 0 and getattr(s, "merge", "mix") == "add-local":
+            raise ConfigError(f"policy.{upper.name}.merge", "add-local over an outer loop "
+                              f"(policy.{lower.name}={lower.method.name}): the τ steps' local "
+                              "progress it adds back would count the lower level's averaging "
+                              "twice; use merge=mix, delay=0, or syncdp below")
     if first == len(plan) and gradient_compressor != "none":
         raise ConfigError("compressor.name", "compresses gradients, which only syncdp levels "
                           "exchange, and this policy has none; compress an outer loop's "
