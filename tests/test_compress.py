@@ -9,7 +9,7 @@ import torch
 
 from lowcomm.compress import COMPRESSORS, PowerSGD, build_compressor
 from lowcomm.compress.base import Segment
-from lowcomm.compress.bits import _SIGNED, pack_signs, pack_signs_torch, unpack_bits, unpack_signs
+from lowcomm.compress.bits import SIGNED_INTS, pack_signs, pack_signs_torch, unpack_bits, unpack_signs
 from lowcomm.config import CompressorConfig
 from lowcomm.registry import load_config
 from lowcomm.errors import ConfigError, LowcommError, NonFiniteError
@@ -44,7 +44,7 @@ def test_pack_unpack_match_numpy_and_the_device_generic_path(dtype):
         p = pack_signs(x)
         assert p.dtype == torch.uint8 and p.numel() == (n + 7) // 8
         assert np.array_equal(p.numpy(), np.packbits(torch.signbit(x).numpy(), bitorder="little"))
-        assert torch.equal(pack_signs_torch(x.view(_SIGNED[x.element_size()]), (n + 7) // 8), p)
+        assert torch.equal(pack_signs_torch(x.view(SIGNED_INTS[x.element_size()]), (n + 7) // 8), p)
         assert torch.equal(unpack_signs(p, n, dtype), sign_pm(x))
         assert torch.equal(unpack_signs(p, n, torch.float32, 0.25), 0.25 * sign_pm(x).float())
         assert torch.equal(unpack_bits(p, n), torch.signbit(x).to(torch.uint8))
@@ -430,3 +430,23 @@ def test_bench_compress_rows_and_packing_speed():
         pytest.approx(((1 << 14) - (1 << 9) - 4) * 8 / 1e9 * 1e3)
     with pytest.raises(ValueError, match="unknown method 'zip'"):
         bench_compress(["zip"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ef_sign_leaves_exactly_p_minus_its_decoded_payload(dtype):
+    """The blocked path of ef-sign subtracts s·sign(p) from p's own sign bits, not from the
+    decoded payload: it must be the same bits, zeros of either sign included."""
+    from lowcomm.compress.scratch import BLOCK
+    from lowcomm.compress.sign import ScaledSign
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3 * BLOCK + 64, generator=g).to(dtype)
+    x[::97] = 0.0
+    x[1::101] = -0.0
+    comp = ScaledSign("ef-sign")
+    p = x.clone()
+    payload, ctx = comp.compress_feedback_(p, "k")
+    plain, plain_ctx = comp._compress(x.clone(), "k", None)
+    assert ctx == plain_ctx and torch.equal(payload[1], plain[1])
+    assert torch.allclose(payload[0], plain[0], rtol=1e-6, atol=0)
+    bits = SIGNED_INTS[x.element_size()]
+    assert torch.equal(p.view(bits), (x - comp.decompress(payload, ctx)).view(bits))

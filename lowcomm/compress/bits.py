@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 _GATHER = 0x0102040810204080
-_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: the signed integer type of each float width (a float's sign bit is that integer's sign)
+SIGNED_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 _scratch = threading.local()
 
@@ -45,7 +46,7 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"pack_signs needs a floating-point tensor, got {x.dtype}")
     n = x.numel()
     nb = packed_size(n)
-    ints = x.view(_SIGNED[x.element_size()])
+    ints = x.view(SIGNED_INTS[x.element_size()])
     if x.device.type == "cpu":
         ws = _workspace(nb * 8)
         np.less(ints.numpy(), 0, out=ws[:n])

@@ -11,7 +11,7 @@ import torch
 
 from .base import Compressor, allgather_payload, check_finite
 from .scratch import BLOCK, blocks, l1_norm, scratch
-from .bits import pack_signs, sign_table, pack_trits, packed_size, trits_size, unpack_signs, unpack_trits
+from .bits import SIGNED_INTS, pack_signs, sign_table, pack_trits, packed_size, trits_size, unpack_signs, unpack_trits
 
 
 class ScaledSign(Compressor):
@@ -74,10 +74,11 @@ class ScaledSign(Compressor):
         if not bool(torch.isfinite(l1)):
             check_finite(p, key, segments, self.rank, self.name)
         scale = l1.div(n).float().reshape(1)
-        self.subtract_decoded_(p, [scale, packed], (n, p.dtype))
+        _subtract_own_signs_(p, scale)
         return [scale, packed], (n, p.dtype)
 
     def subtract_decoded_(self, p, payload, ctx):
+        """``p ← p − D(payload)``: the ±scale rows of the sign table gathered per packed byte."""
         scale, packed = payload
         n, _ = ctx
         if p.device.type != "cpu" or n % 8:
@@ -156,3 +157,20 @@ class SignMajorityVote(Compressor):
         packed = allgather_payload(comm, payload)[0]                 # (K, ⌈n/8⌉)
         votes = unpack_signs(packed, n, torch.int8).sum(0, dtype=torch.int32)
         return torch.sign(votes).to(like.dtype)
+
+
+def _subtract_own_signs_(p: torch.Tensor, scale: torch.Tensor) -> None:
+    """``p ← p − s·sign(p)`` for the signs :func:`pack_signs` takes from ``p`` itself (the sign
+    bit: −0.0 counts as negative), i.e. ``p − D(C(p))`` without decoding the payload: s·sign(p)
+    is the bit pattern of ``s`` with ``p``'s sign bit, two integer passes into a scratch block
+    (a gather from the sign table took 1.6× as long). Bit for bit the same as
+    :meth:`ScaledSign.subtract_decoded_` on ``p``'s own payload; ``s`` is finite and ≥ 0."""
+    ints = SIGNED_INTS[p.element_size()]
+    s_bits = int(scale.to(p.dtype).view(ints).item())
+    mask = -(1 << (8 * p.element_size() - 1))          # the sign bit, as a signed integer
+    pi = p.view(ints)
+    sent = scratch("sign.sent", min(p.numel(), BLOCK), ints, p.device)
+    for lo, hi in blocks(p.numel()):
+        m = sent[:hi - lo]
+        torch.bitwise_and(pi[lo:hi], mask, out=m).bitwise_or_(s_bits)
+        p[lo:hi].sub_(m.view(p.dtype))
