@@ -54,7 +54,7 @@ def cause(stderr_text: str, returncode: int) -> str:
         else:
             why = f"exit status {returncode}" + (f": {lines[-1][:300]}" if lines else "")
     said = mpi_warning(stderr_text)
-    return f"{why} (Open MPI said: {said})" if said and said not in why else why
+    return f"{why} (Open MPI said: {said})" if said else why
 
 
 #: Open MPI help messages that report the end of a job rather than a cause of it
@@ -66,13 +66,13 @@ def mpi_warning(stderr_text: str) -> str | None:
     """The first of Open MPI's help messages (the text between its rules of dashes) that is
     not about the job ending, on one line: its first paragraph and its ``Key: value`` lines."""
     blocks, cur = [], None
-    for ln in stderr_text.splitlines():
-        if len(ln.strip()) >= 20 and set(ln.strip()) == {"-"}:
+    for ln in (raw.strip() for raw in stderr_text.splitlines()):
+        if len(ln) >= 20 and set(ln) == {"-"}:      # a rule opens a message or closes one
             if cur is not None:
                 blocks.append(cur)
             cur = [] if cur is None else None
         elif cur is not None:
-            cur.append(ln.strip())
+            cur.append(ln)
     for b in blocks:
         if not any(k in " ".join(b) for k in _MPI_CONSEQUENCES):
             head = b[:b.index("")] if "" in b else b[:1]

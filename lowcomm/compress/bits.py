@@ -74,11 +74,6 @@ def _table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _TABLES[key]
 
 
-def sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The (256, 8) table of ±1 rows :func:`unpack_signs` gathers from (byte value -> 8 signs)."""
-    return _table(dtype, device)
-
-
 def unpack_signs(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float32,
                  scale: float | torch.Tensor | None = None) -> torch.Tensor:
     """The first ``n`` signs (±1, or ±``scale``) that ``packed`` holds in its last dimension: a

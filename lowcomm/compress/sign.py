@@ -11,7 +11,7 @@ import torch
 
 from .base import Compressor, allgather_payload, check_finite
 from .scratch import BLOCK, blocks, l1_norm, scratch
-from .bits import SIGNED_INTS, pack_signs, sign_table, pack_trits, packed_size, trits_size, unpack_signs, unpack_trits
+from .bits import SIGNED_INTS, pack_signs, pack_trits, packed_size, trits_size, unpack_signs, unpack_trits
 
 
 class ScaledSign(Compressor):
@@ -74,22 +74,25 @@ class ScaledSign(Compressor):
         if not bool(torch.isfinite(l1)):
             check_finite(p, key, segments, self.rank, self.name)
         scale = l1.div(n).float().reshape(1)
-        _subtract_own_signs_(p, scale)
+        self.subtract_decoded_(p, [scale, packed], (n, p.dtype))
         return [scale, packed], (n, p.dtype)
 
     def subtract_decoded_(self, p, payload, ctx):
-        """``p ← p − D(payload)``: the ±scale rows of the sign table gathered per packed byte."""
-        scale, packed = payload
-        n, _ = ctx
-        if p.device.type != "cpu" or n % 8:
-            return super().subtract_decoded_(p, payload, ctx)
-        step = BLOCK                           # a multiple of 8: whole bytes per block
-        table = sign_table(p.dtype, p.device) * scale.to(p.dtype)
-        idx = packed.to(torch.int32)
-        sent = scratch("sign.sent", min(n, step), p.dtype, p.device)
-        for lo, hi in blocks(n, step):         # p − s·sign, block by block: no full-size temporary
-            torch.index_select(table, 0, idx[lo // 8:hi // 8], out=sent[:hi - lo].view(-1, 8))
-            p[lo:hi].sub_(sent[:hi - lo])
+        """``p ← p − s·sign(p)``, which is ``p − D(payload)`` for the payload that encodes ``p``
+        (the method's contract): each sign is ``p``'s own sign bit (−0.0 negative, as
+        :func:`pack_signs` reads it), so nothing is decoded. s·sign(p) is the bit pattern of
+        ``s`` (finite, ≥ 0) with ``p``'s sign bit: an AND and an OR on the integer view into a
+        scratch block (a gather from the sign table per packed byte took 1.6× as long)."""
+        scale = payload[0]
+        ints = SIGNED_INTS[p.element_size()]
+        s_bits = int(scale.to(p.dtype).view(ints).item())
+        mask = -(1 << (8 * p.element_size() - 1))      # the sign bit, as a signed integer
+        pi = p.view(ints)
+        sent = scratch("sign.sent", min(p.numel(), BLOCK), ints, p.device)
+        for lo, hi in blocks(p.numel()):               # block by block: no full-size temporary
+            m = sent[:hi - lo]
+            torch.bitwise_and(pi[lo:hi], mask, out=m).bitwise_or_(s_bits)
+            p[lo:hi].sub_(m.view(p.dtype))
         return p
 
     def decompress_mean(self, gathered, ctx, K):
@@ -158,19 +161,3 @@ class SignMajorityVote(Compressor):
         votes = unpack_signs(packed, n, torch.int8).sum(0, dtype=torch.int32)
         return torch.sign(votes).to(like.dtype)
 
-
-def _subtract_own_signs_(p: torch.Tensor, scale: torch.Tensor) -> None:
-    """``p ← p − s·sign(p)`` for the signs :func:`pack_signs` takes from ``p`` itself (the sign
-    bit: −0.0 counts as negative), i.e. ``p − D(C(p))`` without decoding the payload: s·sign(p)
-    is the bit pattern of ``s`` with ``p``'s sign bit, two integer passes into a scratch block
-    (a gather from the sign table took 1.6× as long). Bit for bit the same as
-    :meth:`ScaledSign.subtract_decoded_` on ``p``'s own payload; ``s`` is finite and ≥ 0."""
-    ints = SIGNED_INTS[p.element_size()]
-    s_bits = int(scale.to(p.dtype).view(ints).item())
-    mask = -(1 << (8 * p.element_size() - 1))          # the sign bit, as a signed integer
-    pi = p.view(ints)
-    sent = scratch("sign.sent", min(p.numel(), BLOCK), ints, p.device)
-    for lo, hi in blocks(p.numel()):
-        m = sent[:hi - lo]
-        torch.bitwise_and(pi[lo:hi], mask, out=m).bitwise_or_(s_bits)
-        p[lo:hi].sub_(m.view(p.dtype))
