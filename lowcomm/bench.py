@@ -8,7 +8,6 @@ nccl-tests: ``algbw = bytes / time``, ``busbw = algbw · 2(K-1)/K`` for all-redu
 from __future__ import annotations
 
 import dataclasses
-import gc
 import socket
 import statistics
 import time
@@ -61,6 +60,10 @@ def _check_known(name: str, known, what: str = "algorithm") -> None:
         raise ValueError(f"unknown {what} {name!r}; known: {', '.join(known)}")
 
 
+#: gloo process groups of finished benchmark windows, kept alive to the end (see baseline())
+_RETIRED_GROUPS: list = []
+
+
 @contextmanager
 def baseline(name: str, comm: Comm):
     """Start Horovod (``horovod``) or a gloo process group (``gloo``, ``ddp-gloo*``) for one
@@ -78,11 +81,14 @@ def baseline(name: str, comm: Comm):
         try:
             yield dist
         finally:
-            # Free what still holds the group (a DDP reducer in a reference cycle) first: the
-            # last reference dropped after destroy_process_group() would run the group's
-            # destructor with the GIL held, joining gloo workers that need the GIL to free a
-            # finished work item — a deadlock (pytorch/pytorch#56297).
-            gc.collect()
+            # The group object outlives the window, to the end of the process (_RETIRED_GROUPS):
+            # whoever drops its last reference runs its destructor, which joins gloo's worker
+            # threads. Dropped in a worker (a finished work item's Python callback closes over
+            # the group, e.g. in torch's PowerSGD hook) the join is of itself: "Resource
+            # deadlock avoided", abort (seen once in CI); dropped by the main thread with the
+            # GIL held while a worker needs the GIL to free a work item: a deadlock
+            # (pytorch/pytorch#56297). Kept here, it goes at exit, its workers long idle.
+            _RETIRED_GROUPS.append(dist.group.WORLD)
             dist.destroy_process_group()
     else:
         yield None
@@ -304,7 +310,7 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
                 if name != "ddp-gloo":
                     _ddp_hook(ddp, name, cfg)
                 times = _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(ddp, b))
-                del ddp     # before baseline() destroys its process group (see there)
+                del ddp     # its hooks and buckets, before the next row
             elif name == STEP_LOCAL:
                 times = _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(model, b))
             else:
