@@ -6,7 +6,7 @@ model of the given settings (``--set``, as for ``lowcomm train``), a :class:`low
 with SyncDP's bucketing (``strategy.bucket_mb``), and reduces random gradients with each
 compressor (PowerSGD with ``start_iter = 0``: its compressed steps); the bytes are the ledger's
 (``bytes_sent`` of rank 0, one step after a first one), and the α–β time of that step is
-``Σ rounds·α + bytes/β`` over its ledger rows (:func:`lowcomm.ledger.alpha_beta_seconds`).
+``Σ rounds·α + bytes/β`` over its ledger rows (:func:`lowcomm.comm.ledger.alpha_beta_seconds`).
 ``auto`` marks the variant :func:`lowcomm.compress.twophase.choose` takes on that link
 (A: all-gather, 2: two-phase).
 
@@ -37,11 +37,11 @@ def worker(out: str, sets: list[str]) -> None:
     import torch
 
     import lowcomm
-    from lowcomm.reducer import Reducer
+    from lowcomm.strategies.reducer import Reducer
     from lowcomm.compress import build_compressor
-    from lowcomm.config import load_config
-    from lowcomm.ledger import Ledger
-    from lowcomm.models import build_model
+    from lowcomm.run.config import load_config
+    from lowcomm.comm.ledger import Ledger
+    from lowcomm.tasks.tinygpt import build_model
 
     torch.set_num_threads(1)
     comm = lowcomm.init()
@@ -92,7 +92,7 @@ def auto_pick(name: str, sets: list[str], buckets: list[int], K: int, link) -> s
 
     from lowcomm.compress import build_compressor
     from lowcomm.compress.twophase import predicted_seconds
-    from lowcomm.config import load_config
+    from lowcomm.run.config import load_config
     cfg = load_config(None, sets)
     comp = build_compressor(dataclasses.replace(cfg.compressor, name=name))
     if comp is None or not comp.two_phase:
@@ -105,7 +105,7 @@ def auto_pick(name: str, sets: list[str], buckets: list[int], K: int, link) -> s
 
 
 def table(results: list[dict], sets: list[str]) -> str:
-    from lowcomm.ledger import alpha_beta_seconds
+    from lowcomm.comm.ledger import alpha_beta_seconds
     head = ["compressor", "K", "all-gather B/rank", "two-phase B/rank", "dense ÷ two-phase",
             "8K ÷ 2K"] + [f"{lk} ms (A / 2; auto)" for lk in LINKS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -21,7 +21,7 @@ class AverageEvery(lowcomm.Strategy):
     def __init__(self, model, optimizer, comm=None, period=4):
         super().__init__(model, optimizer, comm)
         self.period, self.t = period, 0
-        lowcomm.collectives.broadcast_(self.comm, list(model.state_dict().values()))
+        lowcomm.comm.collectives.broadcast_(self.comm, list(model.state_dict().values()))
 
     def step(self, closure=None):
         loss = self.optimizer.step(closure)

@@ -15,7 +15,7 @@ is the run's ``batch_size``; held-out batches: the run's ``eval_batches``.
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lowcomm.data import Corpus
+from lowcomm.tasks.corpus import Corpus
 from lowcomm.tasks import dataset_batches
 
 DEFAULTS = {"path": "/usr/share/common-licenses", "seq_len": 64, "n_embd": 64, "n_layer": 2,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run COMMAND on N ranks spread over D emulated datacenters (network namespaces lowcomm-dc<i>
-# joined by lowcomm's delaying, rate-limiting forwarder; see lowcomm/wan.py). Ranks of one
+# joined by lowcomm's delaying, rate-limiting forwarder; see lowcomm/tools/wan.py). Ranks of one
 # datacenter share its namespace and hostname (so Open MPI uses shared memory inside it) and
 # talk TCP over the emulated WAN to the others. Datacenter i gets the ranks of block i
 # (N/D each, the first N%D one more); $LOWCOMM_TOPOLOGY is set to match unless already set.
@@ -59,7 +59,7 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-up_dcs=$(cd "$ROOT" && "$PY" -c 'import lowcomm.wan as w; s = w.state(); print(s["dcs"] if s else 0)')
+up_dcs=$(cd "$ROOT" && "$PY" -c 'import lowcomm.tools.wan as w; s = w.state(); print(s["dcs"] if s else 0)')
 if [ "$up_dcs" = 0 ]; then
     CREATED=1
     (cd "$ROOT" && "$PY" -m lowcomm.cli wan up --dcs "$D" "${UPARGS[@]}" >&2)

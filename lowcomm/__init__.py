@@ -15,10 +15,10 @@ Example (run with ``launchers/local.sh -n 4 python train.py``)::
 
     lowcomm.train("my_task.py", strategy="diloco:period=50", steps=500, out="runs/mine")
 """
-from .collectives import ALGORITHMS, allreduce_
-from .comm import Comm, Request, init
+from .comm.collectives import ALGORITHMS, allreduce_
+from .comm.comm import Comm, Request, init
 from .errors import CommError, ConfigError, LowcommError
-from .ledger import Ledger
+from .comm.ledger import Ledger
 
 __version__ = "0.2.0"
 
@@ -27,14 +27,14 @@ _LAZY = {
     "SyncDP": "strategies.syncdp", "LocalSGD": "strategies.localsgd", "DiLoCo": "strategies.diloco",
     "StreamingDiLoCo": "strategies.diloco", "Gossip": "strategies.gossip",
     "AsyncPS": "strategies.async_ps", "OneBitAdam": "strategies.onebit_adam",
-    "HorovodDP": "backends.horovod", "Strategy": "strategies.base", "Method": "strategies.base",
+    "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.base",
     "Context": "strategies.base", "Settings": "settings",
     "Compressor": "compress", "Cast": "compress", "Int8": "compress", "QSGD": "compress",
     "TopK": "compress", "RandomK": "compress", "ScaledSign": "compress",
     "SignMajorityVote": "compress", "PowerSGD": "compress", "ErrorFeedback": "compress",
     "CompressorSettings": "compress.settings",
-    "build": "registry", "policy": "registry", "register": "registry", "STRATEGIES": "registry",
-    "train": "trainer", "Task": "tasks", "load_task": "tasks", "dataset_batches": "tasks",
+    "build": "run.registry", "policy": "run.registry", "register": "run.registry", "STRATEGIES": "run.registry",
+    "train": "run.api", "Task": "tasks", "load_task": "tasks", "dataset_batches": "tasks",
     "dataset_eval_batches": "tasks", "from_functions": "tasks",
 }
 

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lowcomm"
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
 # Modules allowed to call mpi4py: the Comm itself, and the benchmarks' vendor baselines.
-MPI_MODULES = {"lowcomm.comm", "lowcomm.bench"}
+MPI_MODULES = {"lowcomm.comm.comm", "lowcomm.tools.bench"}
 RAW_MPI = re.compile(r"\.mpi\.|MPI\.COMM_WORLD\.|\b(Isend|Irecv|Iprobe|Improbe|issend|Issend)\(")
 
 
@@ -127,12 +127,12 @@ def test_cycle_finder_finds_cycles():
 
 def test_import_graph_reads_relative_and_late_imports_but_not_type_checking(tmp_path):
     known = modules()
-    assert "lowcomm.comm" in imports("lowcomm.collectives", known["lowcomm.collectives"], known)
+    assert "lowcomm.comm.comm" in imports("lowcomm.comm.collectives", known["lowcomm.comm.collectives"], known)
     # topology imports Comm only for annotations
-    assert "lowcomm.comm" not in imports("lowcomm.topology", known["lowcomm.topology"], known)
-    # a function-level import counts: ps/run.py's runtime helpers
-    assert "lowcomm.runtime" in imports("lowcomm.strategies.ps.run",
-                                        known["lowcomm.strategies.ps.run"], known)
+    assert "lowcomm.comm.comm" not in imports("lowcomm.comm.topology", known["lowcomm.comm.topology"], known)
+    # a function-level import counts: the PS run's snapshot helpers
+    assert "lowcomm.run.snapshot" in imports("lowcomm.run.ps",
+                                        known["lowcomm.run.ps"], known)
 
 
 def test_no_import_cycles():
@@ -150,7 +150,7 @@ def test_parameter_server_roles_depend_on_the_protocol_only():
     assert server not in g[worker] and worker not in g[server]
     assert "lowcomm.strategies.ps.protocol" in g[worker] & g[server]
     # the parameter server's bookkeeping is called by the loop, never the other way round
-    assert not {"lowcomm.loop", "lowcomm.trainer"} & g["lowcomm.strategies.ps.run"]
+    assert not {"lowcomm.run.loop", "lowcomm.run.api"} & g["lowcomm.run.ps"]
 
 
 def _code_lines(path: Path) -> list[tuple[int, str]]:
@@ -178,4 +178,36 @@ def test_only_comm_calls_mpi4py():
         for i, line in _code_lines(path):
             if RAW_MPI.search(line) or "sys.modules.get(\"mpi4py" in line:
                 bad.append(f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()}")
-    assert not bad, "mpi4py outside comm.py (add the call to lowcomm.comm.Comm):\n" + "\n".join(bad)
+    assert not bad, "mpi4py outside comm.py (add the call to lowcomm.comm.comm.Comm):\n" + "\n".join(bad)
+
+
+#: the layers, lowest first: a module imports only from its own layer or the ones below it
+#: (``lowcomm/__init__.py``, the public facade, may name anything)
+LAYERS = [
+    {"lowcomm.errors", "lowcomm.settings"},
+    {"lowcomm.comm"},
+    {"lowcomm.compress"},
+    {"lowcomm.strategies", "lowcomm.tasks"},
+    {"lowcomm.run"},
+    {"lowcomm.integrations", "lowcomm.tools"},
+    {"lowcomm.cli"},
+]
+
+
+def layer(module: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    raise AssertionError(f"{module} is in no layer of LAYERS: add its folder there")
+
+
+def test_layers_import_downwards_only():
+    bad = [f"{m} (layer {layer(m)}) imports {t} (layer {layer(t)})"
+           for m, targets in graph().items() if m != "lowcomm"
+           for t in sorted(targets) if t != "lowcomm" and layer(t) > layer(m)]
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_layer_check_catches_an_upward_import():
+    assert layer("lowcomm.strategies.syncdp") < layer("lowcomm.run.loop")
+    assert layer("lowcomm.comm.comm") < layer("lowcomm.compress.base")

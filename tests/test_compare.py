@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from lowcomm.compare import (METHODS, Link, default_topology, modelled_wall, needs_topology,
+from lowcomm.tools.compare import (METHODS, Link, default_topology, modelled_wall, needs_topology,
                              resolve_methods)
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",
@@ -37,7 +37,7 @@ def test_topology_aware_methods_get_the_launcher_s_datacenter_blocks():
 
 
 def test_modelled_wall_is_cpu_compute_plus_alpha_beta_never_wall_clock():
-    from lowcomm.compare import _line_modelled, table
+    from lowcomm.tools.compare import _line_modelled, table
     rows = [{"level": "world", "op": "allreduce.ring", "calls": 10, "bytes_sent": 1_000_000,
              "bytes_recv": 1_000_000, "seconds": 0.5}]
     s = {"method": "ddp", "ledger_rank0": rows, "wall_s": 9.0, "compute_cpu_s": 1.5, "ranks": 4}
@@ -62,7 +62,7 @@ def test_modelled_wall_is_cpu_compute_plus_alpha_beta_never_wall_clock():
 def test_compute_cpu_clock_counts_computation_not_waiting_or_communication():
     import time
 
-    from lowcomm.ledger import charge_comm_cpu, comm_cpu_seconds, compute_cpu_clock
+    from lowcomm.comm.ledger import charge_comm_cpu, comm_cpu_seconds, compute_cpu_clock
     c0 = compute_cpu_clock()
     time.sleep(0.3)                       # descheduled: no CPU time
     assert compute_cpu_clock() - c0 < 0.1

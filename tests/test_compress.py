@@ -10,8 +10,8 @@ import torch
 from lowcomm.compress import COMPRESSORS, PowerSGD, build_compressor
 from lowcomm.compress.base import Segment
 from lowcomm.compress.bits import SIGNED_INTS, pack_signs, pack_signs_torch, unpack_bits, unpack_signs
-from lowcomm.config import CompressorConfig
-from lowcomm.registry import load_config
+from lowcomm.run.config import CompressorConfig
+from lowcomm.run.registry import load_config
 from lowcomm.errors import ConfigError, LowcommError, NonFiniteError
 
 LOSSY = [n for n in COMPRESSORS if n != "none"]
@@ -399,7 +399,7 @@ def test_state_dict_round_trip_continues_identically(name):
 
 # Horovod adapter ---------------------------------------------------------------------------------
 def test_horovod_takes_summable_stateless_compressors_only():
-    from lowcomm.backends.horovod import HorovodCompression, check_compressor
+    from lowcomm.strategies.horovod import HorovodCompression, check_compressor
     check_compressor(None)
     h = HorovodCompression(build_compressor(cfg("fp16")))
     t = torch.randn(3, 4)
@@ -413,7 +413,7 @@ def test_horovod_takes_summable_stateless_compressors_only():
 
 # bench -------------------------------------------------------------------------------------------
 def test_bench_compress_rows_and_packing_speed():
-    from lowcomm.bench import bench_compress, format_compress
+    from lowcomm.tools.bench import bench_compress, format_compress
     rows = bench_compress(["pack", "sign", "topk", "powersgd"], numel=1 << 20, iters=5, warmup=1)
     by = {r["method"]: r for r in rows}
     assert by["sign"]["payload_bytes"] == (1 << 17) + 4 and by["memcpy"]["ratio"] == 1

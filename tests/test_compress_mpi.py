@@ -7,8 +7,8 @@ import pytest
 
 from conftest import run_ranks, run_worker
 from lowcomm.compress import COMPRESSORS
-from lowcomm.registry import load_config
-from lowcomm.ledger import wire_bytes
+from lowcomm.run.registry import load_config
+from lowcomm.comm.ledger import wire_bytes
 from lowcomm.tasks import bytelm
 
 N = len(COMPRESSORS)

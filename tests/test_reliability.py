@@ -25,10 +25,10 @@ import pytest
 
 from conftest import ROOT, WORKERS, cli, run_ranks, run_worker
 from lowcomm.compress import COMPRESSORS, Compressor, build_compressor
-from lowcomm.config import CompressorConfig
-from lowcomm.config import OPTIMIZERS
-from lowcomm.loop import STOP_VOTE_LAG
-from lowcomm.registry import STRATEGIES
+from lowcomm.run.config import CompressorConfig
+from lowcomm.run.config import OPTIMIZERS
+from lowcomm.run.loop import STOP_VOTE_LAG
+from lowcomm.run.registry import STRATEGIES
 
 NP, STEPS, EVERY = 2, 12, 3
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",

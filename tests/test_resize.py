@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import run_worker
-from lowcomm.checkpoint import CheckpointError
+from lowcomm.run.checkpoint import CheckpointError
 from lowcomm.errors import LowcommError
-from lowcomm.runtime import resized
+from lowcomm.run.snapshot import resized
 from lowcomm.strategies import reshard
 from lowcomm.strategies.outer import Nesting, OuterLoop
 from lowcomm.strategies.ps.protocol import fold

@@ -53,7 +53,7 @@ def test_a_rank_that_cannot_come_back_shrinks_the_run_down_to_min_ranks(tmp_path
 
 def test_the_supervisor_shrinks_only_after_a_relaunch_fails_and_not_below_min_ranks(tmp_path):
     """The rule alone, on a job that fails while it has more than one rank (no MPI)."""
-    from lowcomm.supervise import supervise
+    from lowcomm.run.supervise import supervise
     job = lambda n: ["sh", "-c", f"test {n} -le 1", "--"]     # noqa: E731
     r = supervise(job, [], tmp_path / "a", max_restarts=4, backoff_s=0, np=3, min_ranks=1)
     assert r["returncode"] == 0 and r["ranks_per_attempt"] == [3, 3, 2, 2, 1], r

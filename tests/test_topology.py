@@ -3,10 +3,10 @@ MPI_Allreduce under mpirun at 1–4 ranks over several topologies (tests/workers
 import pytest
 
 from conftest import run_worker
-from lowcomm.registry import load_config
+from lowcomm.run.registry import load_config
 from lowcomm.errors import ConfigError
-from lowcomm.topology import LinkModel, Topology
-from lowcomm.wan import model_seconds
+from lowcomm.comm.topology import LinkModel, Topology
+from lowcomm.tools.wan import model_seconds
 
 CHECKS = {1: 168, 2: 335, 3: 351, 4: 627}
 

@@ -4,8 +4,8 @@ import json
 import pytest
 
 from lowcomm.errors import LowcommError
-from lowcomm.topology import Topology
-from lowcomm.tuning import TABLE_ENV, Policy, load_table, table_path
+from lowcomm.comm.topology import Topology
+from lowcomm.comm.tuning import TABLE_ENV, Policy, load_table, table_path
 
 
 class FakeLevels:      # what Policy reads of the topology's communicators

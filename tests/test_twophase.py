@@ -13,7 +13,7 @@ from conftest import run_worker
 from lowcomm.compress import build_compressor
 from lowcomm.compress.bits import pack_trits, trits_size, unpack_trits
 from lowcomm.compress.twophase import DEFAULT_LINK, predicted_seconds
-from lowcomm.config import CompressorConfig, load_config
+from lowcomm.run.config import CompressorConfig, load_config
 from lowcomm.errors import ConfigError
 
 
@@ -72,7 +72,7 @@ def test_link_of_reads_the_communicators_link():
     from types import SimpleNamespace
 
     from lowcomm.compress.twophase import DEFAULT_LINK, link_of
-    from lowcomm.topology import Topology
+    from lowcomm.comm.topology import Topology
     topo = Topology.parse("dc:2@25ms/100mbit,rank:2")
     assert link_of(SimpleNamespace(link=topo.link("dc"))) == pytest.approx((25e-3, 100e6 / 8))
     rank = topo.link("rank")

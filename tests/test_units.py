@@ -5,14 +5,14 @@ import threading
 import pytest
 import torch
 
-from lowcomm.bench import parse_size
-from lowcomm.collectives import chunk_bounds
-from lowcomm.config import Config, ConfigError, parse_override
-from lowcomm.registry import load_config
-from lowcomm.data import Corpus
-from lowcomm.ledger import Ledger, busbw_factor, wire_bytes
-from lowcomm.models import TinyGPT
-from lowcomm.runtime import lr_at
+from lowcomm.tools.bench import parse_size
+from lowcomm.comm.collectives import chunk_bounds
+from lowcomm.run.config import Config, ConfigError, parse_override
+from lowcomm.run.registry import load_config
+from lowcomm.tasks.corpus import Corpus
+from lowcomm.comm.ledger import Ledger, busbw_factor, wire_bytes
+from lowcomm.tasks.tinygpt import TinyGPT
+from lowcomm.run.schedule import lr_at
 
 
 # config -----------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_tinygpt_is_causal():
 def test_watchdog_fires_only_on_a_call_past_its_timeout(capsys):
     import time
 
-    from lowcomm.watchdog import Watchdog
+    from lowcomm.comm.watchdog import Watchdog
     fired = threading.Event()
     dog = Watchdog(0.3, rank=5, abort=fired.set)
     describe = lambda: ("allreduce.ring (64 bytes)", "rank 4 of level world")  # noqa: E731
@@ -190,8 +190,8 @@ def test_watchdog_limit_scales_with_the_alpha_beta_prediction(capsys):
     a long transfer on a slow link is let finish, a hang on a fast link still ends the job."""
     import time
 
-    from lowcomm.topology import LinkModel
-    from lowcomm.watchdog import Watchdog
+    from lowcomm.comm.topology import LinkModel
+    from lowcomm.comm.watchdog import Watchdog
     wan = LinkModel(25e-3, 100e6 / 8)          # 25 ms, 100 Mbit/s: between datacenters
     lan = LinkModel(2e-6, 5e9)                 # inside a node
     dog = Watchdog(60, rank=2, factor=10, outage_s=30, abort=lambda: None)
@@ -229,7 +229,7 @@ def test_watchdog_limit_scales_with_the_alpha_beta_prediction(capsys):
 
 def test_watchdog_settings_come_from_the_environment_unless_the_config_says(monkeypatch):
     from lowcomm.errors import LowcommError
-    from lowcomm.watchdog import Watchdog
+    from lowcomm.comm.watchdog import Watchdog
     monkeypatch.setenv("LOWCOMM_TIMEOUT_S", "7")
     monkeypatch.setenv("LOWCOMM_WATCHDOG_FACTOR", "3")
     monkeypatch.setenv("LOWCOMM_WATCHDOG_OUTAGE_S", "11")
@@ -245,7 +245,7 @@ def test_watchdog_settings_come_from_the_environment_unless_the_config_says(monk
 
 
 def test_a_failed_jobs_cause_carries_what_open_mpi_warned_of_and_not_its_abort_banner():
-    from lowcomm.supervise import cause
+    from lowcomm.run.supervise import cause
     rule = "-" * 74
     stderr = "\n".join([
         "lowcomm watchdog: rank 3 waited 60.6 s (timeout 60 s) in op allgather.shm (0 bytes) on level rank",

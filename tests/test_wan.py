@@ -26,7 +26,7 @@ def lowcomm(*args, **kw):
 
 
 def nothing_left():
-    from lowcomm.wan import ours
+    from lowcomm.tools.wan import ours
     return ours() == {"namespaces": [], "devices": [], "forwarder": False, "state_file": False}
 
 
@@ -43,7 +43,7 @@ def clean():
 
 
 def test_wan_needs_root_and_says_so():
-    code = ("import os, lowcomm.wan as w\nos.geteuid = lambda: 1000\n"
+    code = ("import os, lowcomm.tools.wan as w\nos.geteuid = lambda: 1000\n"
             "try:\n    w.require_root('lowcomm wan up')\nexcept w.WanError as e:\n    print(e)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).stdout
     assert "needs root" in out and "--wan model" in out, out
@@ -59,12 +59,12 @@ def test_wan_launcher_refuses_a_bad_eager_limit_before_touching_the_network(clea
 
 @root_only
 def test_wan_up_and_down_leaves_nothing(clean):
-    from lowcomm.wan_faults import make
+    from lowcomm.tools.wan_faults import make
     r = lowcomm("wan", "up", "--dcs", "3", "--delay-ms", "5", "--rate-mbit", "50", "--link", "0,2,40,10",
                 "--fault", "down:0-2:for=60s")
     assert r.returncode == 0, r.stderr
     assert "dc0 -> dc2: 40 ms, 10 Mbit/s" in r.stdout and "dc0 -> dc1: 5 ms, 50 Mbit/s" in r.stdout, r.stdout
-    from lowcomm.wan import ours
+    from lowcomm.tools.wan import ours
     now = ours()
     assert sorted(now["namespaces"]) == ["lowcomm-dc0", "lowcomm-dc1", "lowcomm-dc2"] and now["forwarder"], now
     for i in range(3):
@@ -73,7 +73,7 @@ def test_wan_up_and_down_leaves_nothing(clean):
         assert f"10.77.0.{i + 1}/24" in addr, addr
     assert "fault #1 link 0-2: down (dropped) for 60 s; active" in r.stdout, r.stdout
     # faults on real packets: 0-2 is down (scheduled at up), 0-1 is not; then cleared
-    from lowcomm import wan
+    from lowcomm.tools import wan
     assert connects(0, 1) and not connects(0, 2)
     added = wan.fault([], clear=True) + wan.fault([make("loss", "1>0", 3, rate=0.01, seed=4)])
     assert connects(0, 2)
@@ -83,7 +83,7 @@ def test_wan_up_and_down_leaves_nothing(clean):
     assert now[added[0].id]["active"] and "loss 1 % (seed 4) until cleared" in now[added[0].id]["what"]
     from click.testing import CliRunner
 
-    from lowcomm.wan_cli import wan as wan_cli
+    from lowcomm.cli.wan import wan as wan_cli
     status = json.loads(CliRunner().invoke(wan_cli, ["status"]).output)
     assert [f["id"] for f in status["faults"]] == [1, added[0].id], status
     again = lowcomm("wan", "up", "--dcs", "2")
@@ -135,7 +135,7 @@ def test_diloco_rides_out_an_outage_and_loss_bit_exactly_and_a_long_outage_ends_
 
 
 def test_fault_arguments_are_checked_with_clear_errors():
-    from lowcomm.wan_faults import FaultError, parse_duration, parse_rate, parse_spec
+    from lowcomm.tools.wan_faults import FaultError, parse_duration, parse_rate, parse_spec
     f = parse_spec("down:0-1:at=20s:for=10s", 2)
     assert (f.kind, f.link, f.start, f.end, f.hold) == ("down", "0-1", 20, 30, False)
     assert f.at(100.0).start == 120 and f.directions(2) == [(0, 1), (1, 0)]
@@ -156,7 +156,7 @@ def test_fault_arguments_are_checked_with_clear_errors():
         assert repr(bad) in str(e.value), e.value
     from click.testing import CliRunner
 
-    from lowcomm.wan_cli import wan
+    from lowcomm.cli.wan import wan
     for args, says in [([], "give --down DURATION, --loss RATE or --clear"),
                        (["--hold", "--loss", "1%"], "--hold goes with --down"),
                        (["--loss", "1"], "write 1% for 1 percent"), (["--down", "soon"], "--down 'soon'"),
@@ -186,7 +186,7 @@ def test_fault_table_drops_holds_and_loses_packets_as_written(tmp_path):
     """The forwarder's side of the control file, in process: a down link drops (or holds until
     it is back), loss draws are seeded per direction and reproducible, faults outside their
     window or on other links do nothing, and a torn file keeps the faults in force."""
-    from lowcomm.wan_faults import FaultTable, add, make
+    from lowcomm.tools.wan_faults import FaultTable, add, make
     t0 = 1000.0
     add(tmp_path, [make("down", "0-1", 3, at=10, duration=5).at(t0),
                    make("down", "2>0", 3, at=0, duration=3, hold=True).at(t0),

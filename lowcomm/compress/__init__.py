@@ -1,7 +1,7 @@
 """Gradient compressors: what goes on the wire instead of a dense fp32 bucket.
 
 ``COMPRESSORS`` maps the config name to a factory taking the ``[compressor]`` config table
-(:class:`~lowcomm.config.CompressorConfig`) and returning the bare compression operator Q.
+(:class:`~lowcomm.run.config.CompressorConfig`) and returning the bare compression operator Q.
 :func:`build_compressor` returns the *gradient* compressor: Q wrapped in :class:`ErrorFeedback`
 where ``error_feedback`` (or the method's default: on for topk, randomk, ef-sign) asks for it.
 SyncDP and the outer loops use :func:`build_compressor`; CHOCO gossip takes the bare Q, since
@@ -103,7 +103,7 @@ COMPRESSORS = {
 
 
 def build_compressor(cfg) -> Compressor | None:
-    """The gradient compressor named by a :class:`~lowcomm.config.CompressorConfig` (None for
+    """The gradient compressor named by a :class:`~lowcomm.run.config.CompressorConfig` (None for
     "none"), wrapped in :class:`ErrorFeedback` where ``error_feedback`` or the method's default
     asks (SyncDP and the outer loops use this)."""
     check(cfg)

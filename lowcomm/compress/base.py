@@ -1,7 +1,7 @@
 """The compressor interface every gradient-compression method implements.
 
 A compressor turns one flat bucket of a gradient into a *payload* (a list of tensors, the only
-thing that goes on the wire) and back. The :class:`~lowcomm.reducer.Reducer` hands it whole
+thing that goes on the wire) and back. The :class:`~lowcomm.strategies.reducer.Reducer` hands it whole
 buckets together with the :class:`Segment` s (parameter name, shape, slice) they hold, so methods
 that work per matrix (PowerSGD) or keep state per parameter (error feedback) can.
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import Comm, world_rank
+from ..comm.comm import Comm, world_rank
 from ..errors import NonFiniteError
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
+from ..comm.comm import Comm
 from ..errors import LowcommError
 from .base import Compressor, Segment, nonfinite_segments
 

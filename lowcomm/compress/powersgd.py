@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from ..comm import Comm
+from ..comm.comm import Comm
 from .base import Compressor, Seeded, Segment, check_finite, whole
 
 

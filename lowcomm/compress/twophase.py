@@ -22,7 +22,7 @@ two-phase wins once ``P·(1 − 2/K) ≳ α·β``: on a LAN for buckets above a 
 25 ms / 100 Mbit/s WAN above ~300 kB. The choice depends only on n, dtype, K and the link, so
 every rank makes the same one.
 
-Every caller of ``Compressor.reduce`` gets it: the :class:`~lowcomm.reducer.Reducer` (SyncDP's
+Every caller of ``Compressor.reduce`` gets it: the :class:`~lowcomm.strategies.reducer.Reducer` (SyncDP's
 buckets, and the syncdp levels of per-level policies), the outer loops' compressed
 pseudo-gradients (DiLoCo, streaming DiLoCo: :mod:`lowcomm.strategies.outer`, on the
 communicator of their level, so ``auto`` sees that level's link).
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import chunk_bounds
+from ..comm.collectives import chunk_bounds
 
 COLLECTIVES = ("auto", "allgather", "two-phase")
 #: (α seconds per message, β bytes per second) used when no topology names the link: a LAN.
@@ -50,7 +50,7 @@ def check_collective(value: str) -> str:
 
 def link_of(comm) -> tuple[float, float]:
     """``(α, β)`` of the links ``comm``'s collectives cross: ``comm.link``, which
-    :meth:`lowcomm.topology.Topology.comms` sets from the topology (a world communicator: its
+    :meth:`lowcomm.comm.topology.Topology.comms` sets from the topology (a world communicator: its
     outermost level, which a world collective crosses), else :data:`DEFAULT_LINK`. Makes no
     MPI call."""
     link = getattr(comm, "link", None)
@@ -115,7 +115,7 @@ def two_phase_reduce(comp, x: torch.Tensor, key: str, comm, segments) -> torch.T
     al. 2019, arXiv 1810.05291).
 
     Update, on each of K ranks (rank r), x of n elements cut into chunks j = 0..K−1 by
-    :func:`~lowcomm.collectives.chunk_bounds` (sizes ⌈n/K⌉ or ⌊n/K⌋):
+    :func:`~lowcomm.comm.collectives.chunk_bounds` (sizes ⌈n/K⌉ or ⌊n/K⌋):
       1. compress every chunk on its own, ``C(x_j)`` (``comp.compress_chunks``: worker error
          feedback, if the compressor has it, on the whole of x first; top-k keeps
          ``max(1, ⌊ratio·|x_j|⌋)`` per chunk, so every block has a fixed size);

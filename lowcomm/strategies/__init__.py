@@ -1,7 +1,7 @@
 """Strategies decide when and what to communicate; each attaches to a plain torch optimizer.
 
 Each module owns its settings and builder (a :class:`~lowcomm.strategies.base.Method`);
-:mod:`lowcomm.registry` maps names to them.
+:mod:`lowcomm.run.registry` maps names to them.
 """
 from .async_ps import AsyncPS
 from .base import Context, Method, Strategy

@@ -64,7 +64,7 @@ Example::
 """
 from __future__ import annotations
 
-from ..comm import Comm, init
+from ..comm.comm import Comm, init
 from .ps import worker
 from .ps.protocol import (DROPPED, HEADER, OK, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE,
                           TAG_INIT, TAG_PULL, TAG_PUSH, Reply, ServerLost, Settings, Shard,

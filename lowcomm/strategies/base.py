@@ -4,7 +4,7 @@ The protocol is narrow: ``zero_grad``, ``step``, ``skip``, ``state_dict``,
 ``load_state_dict``, ``finish``, ``close``, an optional ``metrics`` and ``reshard`` (merge the
 checkpoints of another rank count; default: replicated state, rank 0's copy). A strategy module also
 owns a :class:`~lowcomm.settings.Settings` dataclass of its knobs and a builder, which it
-publishes as a :class:`Method`; :mod:`lowcomm.registry` maps names to methods.
+publishes as a :class:`Method`; :mod:`lowcomm.run.registry` maps names to methods.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..comm import Comm, init
+from ..comm.comm import Comm, init
 from ..compress.settings import CompressorSettings
 from ..errors import ConfigError
 
@@ -34,7 +34,7 @@ class Context:
     NaN policy (``"abort"``: never send a non-finite value; ``"skip"``: the loop skips such
     steps on all ranks),
     the run's step budget (None: open-ended), where a per-level policy nests the strategy, and
-    the topology's communicators (:class:`~lowcomm.topology.Levels`, built once by the caller:
+    the topology's communicators (:class:`~lowcomm.comm.topology.Levels`, built once by the caller:
     per-level policies and the ``hierarchical`` all-reduce need them; None without a topology)."""
     compressor: CompressorSettings = field(default_factory=CompressorSettings)
     nonfinite: str = "abort"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import Comm
+from ..comm.comm import Comm
 from ..compress.base import Compressor
 from ..errors import ConfigError
 from .base import Context, Method

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import broadcast_
-from ..comm import Comm
+from ..comm.collectives import broadcast_
+from ..comm.comm import Comm
 from ..errors import ConfigError
 from ..settings import Settings
 from .base import Context, Method, Strategy, check_compressor_name
@@ -504,7 +504,7 @@ class Gossip(Strategy):
         """Deliver the average of the ranks' models, x̄ = (1/K) Σ_i x_i (the model D-PSGD's
         analysis is about, and the one Lian et al. 2017 evaluate): one dense all-reduce of the
         model, charged to the run (K·model bytes once, against degree·model bytes per step)."""
-        from ..collectives import allreduce_
+        from ..comm.collectives import allreduce_
         flats = self._layout.flats()
         w = torch.tensor([self.w if self.mode != "dpsgd" else 1.0], dtype=torch.float64)
         for f in flats:   # push-sum: x̄ = Σ w_i z_i / Σ w_i (w_i = 1 for D-PSGD)

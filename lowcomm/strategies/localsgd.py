@@ -5,7 +5,7 @@ import torch
 
 from dataclasses import dataclass
 
-from ..comm import Comm
+from ..comm.comm import Comm
 from ..errors import ConfigError
 from .base import Context, Method
 from .outer import Fragment, Nesting, OuterLoop, OuterSettings, check_run

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from ..collectives import broadcast_
-from ..comm import Comm
+from ..comm.collectives import broadcast_
+from ..comm.comm import Comm
 from ..compress.base import Segment, nonfinite_segments
 from ..compress.bits import pack_signs, unpack_signs
 from ..errors import ConfigError, NonFiniteError

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import allreduce_, broadcast_, get_algorithm
-from ..comm import Comm
+from ..comm.collectives import allreduce_, broadcast_, get_algorithm
+from ..comm.comm import Comm
 from ..compress.base import Compressor, Segment
 from ..errors import CommError, ConfigError
-from ..ledger import Ledger
+from ..comm.ledger import Ledger
 from .base import Context, Strategy, balance, check_compressor_name
 from .syncdp import SyncDPSettings
 

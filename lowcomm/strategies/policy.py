@@ -1,6 +1,6 @@
 """Per-level policies: a different way of synchronising at each level of the topology.
 
-A policy names, for each level of the run's :class:`~lowcomm.topology.Topology`, how the units
+A policy names, for each level of the run's :class:`~lowcomm.comm.topology.Topology`, how the units
 of that level synchronise with each other inside their parent unit::
 
     topology = "dc:2,rank:2"
@@ -90,7 +90,7 @@ def check_plan(plan: list[Level], gradient_compressor: str = "none") -> int:
 
 def build_policy(plan: list[Level], model, optimizer, comm, ctx: Context):
     """The strategy of a per-level ``plan`` (outermost level first) on ``comm``. ``ctx.levels``:
-    the topology's communicators over ``comm`` (:meth:`lowcomm.topology.Topology.comms`), whose
+    the topology's communicators over ``comm`` (:meth:`lowcomm.comm.topology.Topology.comms`), whose
     levels must be exactly the plan's."""
     levels = ctx.levels
     if levels is None:

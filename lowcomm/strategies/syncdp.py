@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import ALGORITHM_NAMES, broadcast_
-from ..comm import Comm
+from ..comm.collectives import ALGORITHM_NAMES, broadcast_
+from ..comm.comm import Comm
 from ..errors import ConfigError, LowcommError
-from ..reducer import Reducer
+from .reducer import Reducer
 from ..settings import Settings
 from .base import Context, Method, Strategy, check_compressor_name
 
@@ -47,9 +47,9 @@ class SyncDPSettings(Settings):
 
 
 def build(s: SyncDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
-    """SyncDP, or :class:`~lowcomm.backends.horovod.HorovodDP` for ``backend = "horovod"``."""
+    """SyncDP, or :class:`~lowcomm.strategies.horovod.HorovodDP` for ``backend = "horovod"``."""
     if s.backend == "horovod":
-        from ..backends.horovod import HorovodDP    # refuses non-summable compressors
+        from .horovod import HorovodDP    # refuses non-summable compressors
         return HorovodDP(model, optimizer, comm, s.backward_passes_per_step,
                          ctx.gradient_compressor(s.compressor or None))
     return SyncDP(model, optimizer, comm, levels=ctx.levels, **s.kwargs(ctx))
@@ -75,7 +75,7 @@ class SyncDP(Strategy):
         model, optimizer: the user's torch objects.
         comm: communicator (default: world).
         algorithm: all-reduce algorithm ("auto": the fastest per bucket size, see
-            :mod:`lowcomm.tuning`; "mpi", "ring", "rabenseifner", "tree", "shm", "hierarchical").
+            :mod:`lowcomm.comm.tuning`; "mpi", "ring", "rabenseifner", "tree", "shm", "hierarchical").
         bucket_mb: bucket size in MiB.
         backward_passes_per_step: gradient accumulation factor N ≥ 1.
         overlap: reduce buckets during backward (True) or all at once in ``step()``.
@@ -83,7 +83,7 @@ class SyncDP(Strategy):
             dense all-reduce with ``algorithm``).
         nonfinite: "raise" (a NaN/Inf gradient is an error, never sent) or "zero" (the caller
             skips such steps with :meth:`skip`).
-        levels: the topology's communicators (:meth:`lowcomm.topology.Topology.comms`) for
+        levels: the topology's communicators (:meth:`lowcomm.comm.topology.Topology.comms`) for
             ``algorithm = "hierarchical"`` (and a candidate of ``"auto"``).
 
     Example::

@@ -9,7 +9,7 @@ A task is a Python file or an importable module that defines::
     def eval_batches(cfg)                             # optional: held-out batches, the same on
                                                       # every rank
 
-``cfg`` is the resolved :class:`~lowcomm.config.Config`; the ``[task]`` table's options are in
+``cfg`` is the resolved :class:`~lowcomm.run.config.Config`; the ``[task]`` table's options are in
 ``cfg.task.options``. A batch is whatever ``loss`` takes (a tensor, a tuple, a dict). Select a
 task with ``task = "path/to/task.py"`` or ``task = "package.module"``; the default is the
 built-in byte-level LM, :mod:`lowcomm.tasks.bytelm`. :func:`dataset_batches` turns a map-style

@@ -1,4 +1,4 @@
-"""The built-in task: byte-level language modelling with :class:`~lowcomm.models.TinyGPT` on
+"""The built-in task: byte-level language modelling with :class:`~lowcomm.tasks.tinygpt.TinyGPT` on
 text that every machine has (the Python standard library's sources, or ``data.path``).
 
 Its options are the config's ``[model]`` (``name``, ``d_model``, ``n_layers``, ``n_heads``) and
@@ -13,8 +13,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ..data import Corpus
-from ..models import MODELS
+from .corpus import Corpus
+from .tinygpt import MODELS
 
 log = logging.getLogger("lowcomm.tasks.bytelm")
 

@@ -19,8 +19,8 @@ from mpi4py import MPI
 
 import lowcomm
 from common import Checks
-import lowcomm.collectives as C
-from lowcomm.collectives import chunk_bounds
+import lowcomm.comm.collectives as C
+from lowcomm.comm.collectives import chunk_bounds
 
 comm = lowcomm.init()
 K, r = comm.size, comm.rank
@@ -150,7 +150,7 @@ if r == 0:
         "4096": {"mpi": 50.0, "tree": 10.0, "ring": 90.0},
         "1048576": {"mpi": 900.0, "ring": 500.0, "shm": 700.0}}}))
 # only rank 0 can read it: the others' path does not exist, yet all follow rank 0
-os.environ[lowcomm.tuning.TABLE_ENV] = str(table if r == 0 else tmp / f"missing-{r}.json")
+os.environ[lowcomm.comm.tuning.TABLE_ENV] = str(table if r == 0 else tmp / f"missing-{r}.json")
 tabled = comm.dup()
 tabled.auto_policy = None
 for nbytes, want in ((4096, "tree"), (64 << 10, "tree"), (300 << 10, "ring"), (64 << 20, "ring")):
@@ -180,7 +180,7 @@ if K > 1:
 else:
     ok(True, "one rank: no table needed")
 # no table: the α–β rule (the vendor here: the model never picks shm, only a table does)
-os.environ[lowcomm.tuning.TABLE_ENV] = str(tmp / "none.json")
+os.environ[lowcomm.comm.tuning.TABLE_ENV] = str(tmp / "none.json")
 model = comm.dup()
 model.auto_policy = None
 for nbytes in (4096, 16 << 20):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import lowcomm
 from common import Checks, random_batch, seeded_mlp
 from lowcomm.compress import COMPRESSORS, Compressor, build_compressor
-from lowcomm.config import CompressorConfig
+from lowcomm.run.config import CompressorConfig
 from lowcomm.strategies.async_ps import AsyncPS
 
 comm = lowcomm.init()

@@ -12,7 +12,7 @@ import signal
 import time
 
 from lowcomm.tasks import Task
-from lowcomm.cli import launcher_rank, main
+from lowcomm.cli.main import launcher_rank, main
 
 rank = launcher_rank()
 slow = os.environ.get("LOWCOMM_SLOW", "-1:0").split(":")

@@ -5,7 +5,7 @@ import torch
 
 import lowcomm
 from common import Checks
-from lowcomm.ledger import wire_bytes
+from lowcomm.comm.ledger import wire_bytes
 
 comm = lowcomm.init()
 K, r = comm.size, comm.rank

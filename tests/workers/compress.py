@@ -27,8 +27,8 @@ import lowcomm
 from common import Checks, seeded_mlp
 from lowcomm.compress import COMPRESSORS, PowerSGD, SignMajorityVote, build_compressor
 from lowcomm.compress.base import Segment
-from lowcomm.config import CompressorConfig
-from lowcomm.ledger import Ledger, wire_bytes
+from lowcomm.run.config import CompressorConfig
+from lowcomm.comm.ledger import Ledger, wire_bytes
 from lowcomm.strategies.onebit_adam import OneBitAdam
 
 COLLECTIVE = sys.argv[1] if len(sys.argv) > 1 else "allgather"

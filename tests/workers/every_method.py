@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from common import Checks, seeded_mlp
 
 import lowcomm
-from lowcomm.runtime import params_sha256
+from lowcomm.run.evaluate import params_sha256
 from lowcomm.tasks import dataset_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -12,7 +12,7 @@ import signal
 import torch
 
 from lowcomm.tasks import Task
-from lowcomm.cli import launcher_rank, main
+from lowcomm.cli.main import launcher_rank, main
 
 kind, fault_rank, fault_step = os.environ["LOWCOMM_FAULT"].split(":")
 fault_rank, fault_step = int(fault_rank), int(fault_step)

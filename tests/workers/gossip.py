@@ -21,8 +21,8 @@ import torch.nn.functional as F
 import lowcomm
 from common import Checks, seeded_mlp, random_batch
 from lowcomm.compress import COMPRESSORS, Compressor
-from lowcomm.config import CompressorConfig
-from lowcomm.ledger import Ledger
+from lowcomm.run.config import CompressorConfig
+from lowcomm.comm.ledger import Ledger
 from lowcomm.strategies.gossip import Gossip
 from lowcomm.strategies.graphs import GRAPHS, EdgeGraph, build_graph, second_eigenvalue
 

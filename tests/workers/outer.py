@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import lowcomm
 from common import Checks, seeded_mlp, random_batch
 from lowcomm.compress import COMPRESSORS, Compressor, build_compressor
-from lowcomm.config import CompressorConfig
+from lowcomm.run.config import CompressorConfig
 from lowcomm.strategies import DiLoCo, LocalSGD, StreamingDiLoCo, SyncDP
 
 comm = lowcomm.init()

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 import lowcomm
 from common import Checks, random_batch, seeded_mlp
-from lowcomm.registry import build_strategy, load_config
+from lowcomm.run.registry import build_strategy, load_config
 from lowcomm.errors import ConfigError
-from lowcomm.topology import Topology
+from lowcomm.comm.topology import Topology
 
 comm = lowcomm.init()
 K, r = comm.size, comm.rank

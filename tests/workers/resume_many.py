@@ -26,10 +26,10 @@ import torch
 from common import Checks
 
 import lowcomm
-from lowcomm.ledger import Ledger
-from lowcomm.registry import load_config
+from lowcomm.comm.ledger import Ledger
+from lowcomm.run.registry import load_config
 from lowcomm.tasks import Task
-from lowcomm.trainer import run
+from lowcomm.run.api import run
 
 TIMINGS = {"wall_s", "comm_s", "compute_cpu_s"}
 

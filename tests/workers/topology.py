@@ -15,8 +15,8 @@ from mpi4py import MPI
 
 import lowcomm
 from common import Checks
-from lowcomm.ledger import Ledger
-from lowcomm.topology import Topology
+from lowcomm.comm.ledger import Ledger
+from lowcomm.comm.topology import Topology
 
 world = lowcomm.init()
 K, r = world.size, world.rank

@@ -22,8 +22,8 @@ import torch
 import lowcomm
 from common import Checks
 from lowcomm.compress import build_compressor
-from lowcomm.config import CompressorConfig
-from lowcomm.ledger import Ledger, wire_bytes
+from lowcomm.run.config import CompressorConfig
+from lowcomm.comm.ledger import Ledger, wire_bytes
 
 comm = lowcomm.init()
 K, r = comm.size, comm.rank

@@ -24,11 +24,11 @@ from pathlib import Path
 from common import Checks
 
 import lowcomm
-from lowcomm import wan
-from lowcomm.ledger import Ledger
-from lowcomm.registry import load_config
-from lowcomm.trainer import run
-from lowcomm.wan_faults import make
+from lowcomm.tools import wan
+from lowcomm.comm.ledger import Ledger
+from lowcomm.run.registry import load_config
+from lowcomm.run.api import run
+from lowcomm.tools.wan_faults import make
 
 TINY = ["strategy.name=diloco", "strategy.period=3", "model.d_model=32", "model.n_layers=1",
         "model.n_heads=2", "batch_size=4", "data.seq_len=32", "data.max_bytes=300000",

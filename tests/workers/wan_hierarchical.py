@@ -17,9 +17,9 @@ from mpi4py import MPI
 
 import lowcomm
 from common import Checks
-from lowcomm.ledger import Ledger
-from lowcomm.topology import LinkModel, Topology
-from lowcomm.wan import state
+from lowcomm.comm.ledger import Ledger
+from lowcomm.comm.topology import LinkModel, Topology
+from lowcomm.tools.wan import state
 
 world = lowcomm.init()
 r = world.rank

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...comm import Comm
+from ...comm.comm import Comm
 from ...errors import ConfigError
 from ...settings import Settings
 from ..base import Context, Method

@@ -29,7 +29,7 @@ import torch
 
 from ...compress import Segment
 from ...errors import LowcommError
-from ...ledger import Ledger
+from ...comm.ledger import Ledger
 from ..base import balance
 
 TAG_PUSH, TAG_PULL, TAG_DONE, TAG_BEAT, TAG_INIT = 71, 72, 73, 74, 75

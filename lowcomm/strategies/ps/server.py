@@ -4,7 +4,7 @@ clocks, held replies, heartbeats and lost-worker detection (the update rules are
 
 A :class:`ParameterServer` is not a strategy: it does not wrap a training step, it serves
 (:meth:`ParameterServer.serve`) until every worker has finished or is lost. It talks to the
-workers through :class:`~lowcomm.comm.Comm` only (every call watched and charged), using what
+workers through :class:`~lowcomm.comm.comm.Comm` only (every call watched and charged), using what
 :mod:`.protocol` defines and nothing of the worker's code.
 
 The serving loop never blocks: pushes are matched with :meth:`Comm.improbe` (any worker, any
@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from ...comm import Comm, init
+from ...comm.comm import Comm, init
 from ...errors import LowcommError
 from .protocol import (DROPPED, OK, POLL_S, PUSH, STOP, TAG_BEAT, TAG_DONE, TAG_INIT, TAG_PULL,
                        TAG_PUSH, Reply, Settings, build_shards, channels,

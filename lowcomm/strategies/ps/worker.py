@@ -2,7 +2,7 @@
 each shard's gradient to its server and pulls the shard's parameters back (the papers and the
 update rules are in :mod:`lowcomm.strategies.async_ps`'s docstring).
 
-It talks to the servers through :class:`~lowcomm.comm.Comm` only (every call watched and charged)
+It talks to the servers through :class:`~lowcomm.comm.comm.Comm` only (every call watched and charged)
 and knows of them only what :mod:`.protocol` defines.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from ...comm import Comm
+from ...comm.comm import Comm
 from ...errors import LowcommError, NonFiniteError
 from ..base import Strategy
 from .protocol import (DROPPED, HEADER, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE, TAG_INIT,

@@ -1,1 +1,0 @@
-"""Other communication backends lowcomm can drive (Horovod)."""

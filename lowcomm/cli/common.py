@@ -1,0 +1,95 @@
+"""What every ``lowcomm`` command module shares: the launcher's rank before MPI starts, the
+``--config``/``--set`` options, config loading as a usage error, and the world communicator.
+
+It imports no command module, so ``cli.py`` (the group) and the command modules it registers
+(``wan_cli.py``, ``topo_cli.py``) all depend on it and never on each other.
+"""
+from __future__ import annotations
+
+import os
+
+import click
+
+from ..errors import ConfigError
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher tells it, before MPI is initialised (0 if none)."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+#: the environment variables lowcomm reads, each with a check of its value (None: any text)
+ENV = {
+    "LOWCOMM_NUM_THREADS": ("a whole number >= 1", lambda v: int(v) >= 1),
+    "LOWCOMM_TIMEOUT_S": ("seconds >= 0 (0 = no watchdog)", lambda v: 0 <= float(v) < float("inf")),
+    "LOWCOMM_WATCHDOG_FACTOR": ("a number >= 0", lambda v: 0 <= float(v) < float("inf")),
+    "LOWCOMM_WATCHDOG_OUTAGE_S": ("seconds >= 0", lambda v: 0 <= float(v) < float("inf")),
+    "LOWCOMM_DEBUG": ("0 or 1", lambda v: v in ("0", "1")),
+    "LOWCOMM_HOSTFILE": ("an existing hostfile", lambda v: os.path.isfile(v)),
+    "LOWCOMM_TOPOLOGY": ("a topology spec such as dc:2,rank:2", None),
+}
+
+
+def check_env() -> None:
+    """A usage error naming any ``LOWCOMM_*`` variable whose value lowcomm cannot use."""
+    for name, (what, ok) in ENV.items():
+        value = os.environ.get(name)
+        if value is None or ok is None:
+            continue
+        try:
+            good = ok(value)
+        except ValueError:
+            good = False
+        if not good:
+            raise click.UsageError(f"environment variable {name}={value!r}: expects {what}")
+    spec = os.environ.get("LOWCOMM_TOPOLOGY")
+    if spec:
+        from ..comm.topology import Topology
+        try:
+            Topology.parse(spec)
+        except ConfigError as e:
+            raise click.UsageError(f"environment variable LOWCOMM_TOPOLOGY={spec!r}: {e.reason}") from None
+
+
+def debug() -> bool:
+    """``LOWCOMM_DEBUG=1``: full tracebacks on every failing rank."""
+    return os.environ.get("LOWCOMM_DEBUG") == "1"
+
+
+def load_cfg(config, overrides, base=None):
+    """:func:`~lowcomm.run.registry.load_config`, a bad key reported as a click usage error."""
+    from ..run.registry import load_config   # late: the registry imports every strategy
+    try:
+        return load_config(config, overrides, base)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def set_threads() -> None:
+    """torch's intra-op threads: ``$LOWCOMM_NUM_THREADS`` (the launchers set 1 per rank)."""
+    import torch
+    torch.set_num_threads(int(os.environ.get("LOWCOMM_NUM_THREADS", torch.get_num_threads())))
+
+
+def world():
+    """Set torch's threads, initialise MPI and return the world :class:`~lowcomm.comm.comm.Comm`."""
+    from ..comm.comm import init
+    set_threads()
+    return init()
+
+
+_config_options = [
+    click.option("--config", "config", type=click.Path(dir_okay=False), help="TOML file."),
+    click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                 help="Override a config key, e.g. --set strategy.algorithm=ring (repeatable)."),
+]
+
+
+def config_options(f):
+    """Add ``--config FILE`` and repeatable ``--set KEY=VALUE`` to a click command."""
+    for opt in reversed(_config_options):
+        f = opt(f)
+    return f

@@ -1,0 +1,417 @@
+"""``lowcomm`` command line (one rank per process under mpirun).
+
+An uncaught exception on any rank aborts the whole MPI job (``MPI_Abort``) after printing the
+rank and the error, so a failure on one rank never leaves the others waiting in a collective.
+Configuration is read and validated before MPI starts, so a bad key fails every rank at once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+from .common import check_env, config_options, debug, launcher_rank, load_cfg as _config, \
+    world as _world
+from ..errors import LowcommError
+from .topo import topo as topo_command
+from .wan import wan as wan_command
+
+log = logging.getLogger("lowcomm")
+
+__all__ = ["cli", "config_options", "launcher_rank", "main"]
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
+def cli(verbose: bool) -> None:
+    """lowcomm: low-communication distributed training over MPI."""
+    check_env()
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format=f"[rank {launcher_rank()}] %(levelname)s %(name)s: %(message)s")
+
+
+@cli.command()
+@config_options
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Folder for config.json, metrics.jsonl, summary.json and checkpoints/ "
+                   "[default: runs/latest, or the --resume folder].")
+@click.option("--checkpoint-every", type=int, default=None, metavar="N",
+              help="Write a checkpoint every N steps (same as --set checkpoint.every=N).")
+@click.option("--resume", type=click.Path(file_okay=False, exists=True), default=None, metavar="DIR",
+              help="Continue the run in DIR (its config.json, then --config/--set) from its "
+                   "newest intact checkpoint.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace the run already in --out (its config, metrics, summary and "
+                   "checkpoints); without it such a folder is refused.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=None, metavar="N",
+              help="Supervise: launch the job (on --np ranks) and relaunch it from its newest "
+                   "checkpoint when it fails, up to N times (not a stop you asked for). Run this "
+                   "outside mpirun: it starts mpirun itself.")
+@click.option("--np", "np_", type=click.IntRange(min=1), default=None,
+              help="Ranks of the supervised job (with --max-restarts).")
+@click.option("--min-ranks", type=click.IntRange(min=1), default=None, metavar="M",
+              help="With --max-restarts: when a relaunch on n ranks fails too (a rank cannot "
+                   "come back), relaunch on n-1 ranks, down to M, resuming the checkpoint on "
+                   "fewer ranks [default: --np, never shrink].")
+@click.option("--restart-backoff", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              metavar="S", help="With --max-restarts: wait S·2^k seconds before the k-th relaunch.")
+@click.option("--launcher", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="With --max-restarts: a launcher taking '-n N COMMAND...' (default: mpirun "
+                   "with this machine's flags).")
+def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, max_restarts, np_,
+          min_ranks, restart_backoff, launcher):
+    """Train the configured task with the configured strategy on every rank.
+
+    \b
+    --resume DIR may run on another number of ranks than DIR's run: each method merges the old
+    ranks' checkpoints by its own rule (see the README's "Resume on another number of ranks")."""
+    if max_restarts is not None or np_ is not None:
+        _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwrite,
+                    max_restarts or 0, np_, launcher, min_ranks, restart_backoff)
+        return
+    if launcher or min_ranks is not None:
+        raise click.UsageError(f"{'--launcher' if launcher else '--min-ranks'} goes with "
+                               "--max-restarts (a supervised run)")
+    global _RUN_OUT
+    base = None
+    if resume:
+        saved = Path(resume) / "config.json"
+        if not saved.is_file():
+            raise click.BadParameter(f"{saved} not found: is {resume} the --out folder of a run?",
+                                     param_hint="--resume")
+        base = json.loads(saved.read_text())
+    if checkpoint_every is not None:
+        overrides = (*overrides, f"checkpoint.every={checkpoint_every}")
+    cfg = _config(config, overrides, base)
+    out = out or resume or "runs/latest"
+    from ..run.folder import refusal
+    why = refusal(Path(out), resume, overwrite)    # before MPI starts: every rank at once
+    if why:
+        raise click.UsageError(why)
+    _RUN_OUT = Path(out)
+    comm = _world()
+    from ..run.api import run
+    summary = run(cfg, out, comm, progress=not quiet, resume=resume, overwrite=overwrite)
+    if comm.rank == 0:
+        keys = ("method", "task", "ranks", "steps", "params", "final_loss", "eval_loss",
+                "bytes_total", "wall_s", "skipped_steps", "params_sha256", "ranks_agree")
+        click.echo(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
+        click.echo(f"wrote {Path(out) / 'summary.json'}")
+
+
+_RUN_OUT: Path | None = None     # the run folder, for the tracebacks of a failing rank
+
+
+def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwrite,
+                max_restarts, np_, launcher, min_ranks=None, backoff_s=2.0) -> None:
+    """``lowcomm train --np N --max-restarts R``: this process launches and watches the job."""
+    import os
+    import sys
+
+    from ..tools.compare import mpirun_command
+    from ..run.supervise import supervise
+    if any(v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
+        raise click.UsageError("--max-restarts supervises the job from outside: run 'lowcomm train "
+                               "--np N --max-restarts R ...' without mpirun (it starts mpirun)")
+    if np_ is None:
+        raise click.UsageError("--max-restarts needs --np (the ranks of the job it launches)")
+    if min_ranks is not None and min_ranks > np_:
+        raise click.UsageError(f"--min-ranks {min_ranks} is more than --np {np_}")
+    if resume and out and Path(out).resolve() != Path(resume).resolve():
+        raise click.UsageError("a supervised run resumes in place: give --resume DIR alone")
+    out = Path(out or resume or "runs/latest")
+    _config(config, (*overrides, *([f"checkpoint.every={checkpoint_every}"] if checkpoint_every
+                                   else [])), None if not resume else
+            json.loads((Path(resume) / "config.json").read_text()))   # a bad key fails here
+    args = [sys.executable, "-m", "lowcomm.cli", "train", *(["--quiet"] if quiet else []),
+            *(["--config", config] if config else []),
+            *[a for o in overrides for a in ("--set", o)],
+            *(["--checkpoint-every", str(checkpoint_every)] if checkpoint_every else [])]
+    result = supervise(lambda n: mpirun_command(n, launcher), args, out, max_restarts,
+                       backoff_s=backoff_s, np=np_, min_ranks=min_ranks,
+                       first=["--resume", str(out)] if resume else
+                       (["--overwrite"] if overwrite else []))
+    for f in result["failures"]:
+        click.echo(f"attempt {f['attempt']} failed on {f['ranks']} ranks (exit {f['exit']}): "
+                   f"{f['cause']}", err=True)
+    if result["returncode"]:
+        raise SystemExit(result["returncode"] if result["returncode"] > 0 else 1)
+    s = json.loads((out / "summary.json").read_text())
+    click.echo(json.dumps({k: s.get(k) for k in ("method", "ranks", "steps", "eval_loss",
+                                                  "params_sha256", "ranks_agree", "restarts",
+                                                  "ranks_per_attempt")},
+                          indent=2))
+    click.echo(f"wrote {out / 'summary.json'}")
+
+
+@cli.group()
+def bench():
+    """Benchmarks beside vendor MPI, Horovod and torch gloo, in one run."""
+
+
+def _write_json(path, rows):
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(rows, indent=2) + "\n")
+        click.echo(f"wrote {path}")
+
+
+@bench.command("allreduce")
+@click.option("--sizes", default="4K,1M,16M", show_default=True, help="Bytes per buffer (K, M, G).")
+@click.option("--algorithms", default="mpi,ring,rabenseifner,tree,shm,auto,horovod,gloo",
+              show_default=True)
+@click.option("--iters", default=20, show_default=True)
+@click.option("--warmup", default=3, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+@click.option("--autotune", "--tune", "tune", is_flag=True,
+              help="Measure every candidate of algorithm=auto at --tune-sizes and write the table "
+                   "auto reads (then the sizes/algorithms run as usual). Under mpirun write "
+                   "--autotune: Open MPI's mpirun takes '--tune FILE' for itself wherever it appears.")
+@click.option("--tune-sizes", default="4K,16K,64K,256K,1M,4M,16M,64M", show_default=True,
+              help="The sizes --tune measures.")
+@click.option("--table", "table", type=click.Path(dir_okay=False), default=None,
+              help="The auto table to write (--tune) and read [default: $LOWCOMM_ALLREDUCE_TABLE, "
+                   "else ~/.cache/lowcomm/allreduce-<host>-<ranks>.json].")
+def bench_allreduce(sizes, algorithms, iters, warmup, json_path, tune, tune_sizes, table):
+    """All-reduce time, algbw and busbw per size and algorithm (nccl-tests style); the auto row
+    says which algorithm it ran and its time against the fastest other row's."""
+    import os
+
+    from ..tools.bench import bench_allreduce as run, format_allreduce, parse_size, tune_allreduce
+    from ..comm.tuning import TABLE_ENV
+    try:
+        size_list = [parse_size(s) for s in sizes.split(",")]
+        tune_list = [parse_size(s) for s in tune_sizes.split(",")]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--sizes/--tune-sizes") from None
+    if table:
+        os.environ[TABLE_ENV] = table       # every rank parses the same command line
+    comm = _world()
+    if tune:
+        tuned, where = tune_allreduce(comm, tune_list, max(3, iters // 2), warmup)
+        if comm.rank == 0:
+            click.echo(f"tuned on {comm.size} ranks, median of {max(3, iters // 2)}; wrote {where}")
+            click.echo(format_allreduce(tuned))
+    rows = run(comm, size_list, algorithms.split(","), iters, warmup)
+    if comm.rank == 0:
+        click.echo(f"all-reduce, float32, {comm.size} ranks, median of {iters} iterations")
+        click.echo(format_allreduce(rows))
+        _write_json(json_path, rows)
+
+
+@bench.command("step")
+@config_options
+@click.option("--strategies", default="syncdp,ddp-gloo,syncdp-fp16,ddp-gloo-fp16,syncdp-powersgd,"
+              "ddp-gloo-powersgd,horovod,local", show_default=True,
+              help="Rows, in order; 'local' sends nothing: the compute floor under all of them.")
+@click.option("--steps", default=20, show_default=True)
+@click.option("--warmup", default=5, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+def bench_step(config, overrides, strategies, steps, warmup, json_path):
+    """Median training-step time under lowcomm SyncDP, Horovod and torch DDP (gloo), beside
+    a step with no communication at all (``local``, the floor)."""
+    cfg = _config(config, overrides)
+    from ..tools.bench import bench_step as run, format_step
+    comm = _world()
+    rows = run(comm, cfg, strategies.split(","), steps, warmup)
+    if comm.rank == 0:
+        click.echo(f"training step of {cfg.model.name} (batch {cfg.batch_size}x{cfg.data.seq_len} "
+                   f"per rank), {comm.size} ranks, median of {steps} steps")
+        click.echo(format_step(rows))
+        _write_json(json_path, rows)
+
+
+@bench.command("compress")
+@config_options
+@click.option("--size", default="16M", show_default=True, help="Gradient bytes (float32; K, M, G).")
+@click.option("--methods", default="pack,fp16,bf16,int8,qsgd,topk,randomk,sign,sign-mv,ef-sign,powersgd",
+              show_default=True, help="Compressor names; 'pack' times the bit packing alone.")
+@click.option("--iters", default=10, show_default=True)
+@click.option("--warmup", default=2, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch threads (one: a rank's share of a node).")
+@click.option("--link-gbit", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Link of the break-even column (Gbit/s).")
+@click.option("--clock", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True,
+              help="wall: perf_counter; cpu: the thread's CPU time (steadier on a busy machine).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+def bench_compress(config, overrides, size, methods, iters, warmup, threads, link_gbit, clock, json_path):
+    """Compress / decompress GB/s of each compressor beside a memcpy of the same bytes (one
+    process; the [compressor] keys of --config/--set give ratio, levels, approx_rank, ...), and
+    its break-even: compress + decompress time against the time the bytes it saves take on a
+    --link-gbit link."""
+    import torch
+
+    from ..tools.bench import bench_compress as run, format_compress, parse_size
+    cfg = _config(config, overrides)
+    try:
+        numel = parse_size(size) // 4
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--size") from None
+    if numel < 1:
+        raise click.BadParameter(f"{size!r} holds no float32 element", param_hint="--size")
+    torch.set_num_threads(threads)
+    try:
+        rows = run(methods.split(","), numel, iters, warmup, cfg.compressor, link_gbit, clock)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--methods") from None
+    click.echo(f"compress/decompress of a {numel * 4 / 2**20:.1f} MiB float32 gradient, "
+               f"{torch.get_num_threads()} thread(s), median of {iters} ({clock} clock, a memcpy timed "
+               f"before each call); GB/s of gradient bytes")
+    click.echo(format_compress(rows))
+    _write_json(json_path, rows)
+
+
+@cli.command()
+@config_options
+@click.option("--np", "np_", type=click.IntRange(min=1), default=None,
+              help="Ranks per run [default: compare.np of the config, 4].")
+@click.option("--methods", default=None,
+              help="Comma list of methods, 'main' or 'all' (see lowcomm.tools.compare.METHODS) "
+                   "[default: compare.methods of the config, 'main'].")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Steps per method [default: the config's steps, 300].")
+@click.option("--out", type=click.Path(file_okay=False), default="runs/compare", show_default=True)
+@click.option("--wan", default="model", show_default=True, metavar="model|DELAY_MS,RATE_MBIT",
+              help="'model': run on this machine and model the wall-clock on --link; "
+                   "DELAY_MS,RATE_MBIT: run every method over an emulated WAN of --dcs "
+                   "datacenters with that link (root; launchers/wan.sh), measured wall-clock.")
+@click.option("--dcs", type=click.IntRange(min=2), default=2, show_default=True,
+              help="Datacenters of the emulated WAN (--wan DELAY_MS,RATE_MBIT).")
+@click.option("--link", default=None, metavar="DELAY_MS,RATE_MBIT",
+              help="Link of the modelled wall-clock (α–β model) [default: compare.link, 25,100].")
+@click.option("--launcher", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Launcher script taking '-n N COMMAND...' (default: mpirun with local flags).")
+@click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per method.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Relaunch a failed method from its newest checkpoint up to N times "
+                   "(set checkpoint.every for a resume; without one it restarts from step 0).")
+def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launcher, timeout,
+            max_restarts):
+    """Train the same model under each method (one mpirun each); write results.json, plots and
+    a ranked table. An experiment TOML (--config) may hold a [compare] table: question, expect,
+    methods, np, link."""
+    from ..tools.compare import Link, compare as run, resolve_methods, table
+    if steps is not None:
+        overrides = (*overrides, f"steps={steps}")
+    cfg = _config(config, overrides)   # a bad key fails here, not in every run
+    steps, np_ = cfg.steps, np_ or cfg.compare.np
+    try:
+        names = resolve_methods(methods or cfg.compare.methods)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--methods") from None
+    try:
+        the_link = Link.parse(wan if wan != "model" else link or cfg.compare.link)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--wan/--link") from None
+    emulated = wan != "model"
+    if emulated and launcher:
+        raise click.BadParameter("--wan DELAY_MS,RATE_MBIT launches through launchers/wan.sh; "
+                                 "drop --launcher (or use --wan model)", param_hint="--launcher")
+    if cfg.compare.question:
+        click.echo(f"question: {cfg.compare.question}\nexpected: {cfg.compare.expect}")
+    if not cfg.eval_every:   # about ten points per eval-loss curve
+        overrides = (*overrides, f"eval_every={max(1, round(steps / 10 / cfg.log_every)) * cfg.log_every}")
+    if emulated:
+        from ..tools.compare import over_emulated_wan
+        with over_emulated_wan(np_, dcs, the_link) as wan_launcher:
+            results = run(names, np_, steps, out, config, overrides, the_link, wan_launcher,
+                          timeout, dcs=dcs, max_restarts=max_restarts)
+        where = f"over an emulated WAN of {dcs} datacenters, {the_link} (measured)"
+    else:
+        results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout,
+                      max_restarts=max_restarts,
+                      dcs=dcs)
+        where = f"on this machine; modelled link: {the_link}"
+    click.echo(f"\n{np_} ranks, {steps} steps per method, {where}\n")
+    click.echo(table(results, the_link))
+    click.echo(f"\nwrote {Path(out) / 'results.json'}, table.md and eval_loss_vs_*.png")
+    if any(r["status"] != "ok" for r in results):
+        raise SystemExit(1)
+
+
+@cli.command()
+def info():
+    """Versions, MPI library and thread level, Horovod build."""
+    import torch
+    comm = _world()
+    from ..comm.comm import mpi_library
+    version, level, multiple = mpi_library()
+    lines = [f"lowcomm ranks: {comm.size}", f"torch {torch.__version__}",
+             f"MPI: {version.splitlines()[0]}", f"thread level: {level} (multiple = {multiple})"]
+    try:
+        import horovod.torch as hvd
+        lines.append(f"horovod {hvd.__version__}: mpi={hvd.mpi_built()} gloo={hvd.gloo_built()}")
+    except ImportError:
+        lines.append("horovod: not installed")
+    if comm.rank == 0:
+        click.echo("\n".join(lines))
+
+
+cli.add_command(wan_command)
+cli.add_command(topo_command)
+
+
+def _abort(code: int) -> None:
+    """End every rank if MPI is running with more than one rank; otherwise just exit."""
+    from ..comm.comm import abort_world   # late: the CLI starts without torch or MPI
+    abort_world(code)
+    sys.exit(code)
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Exit as e:
+        if e.exit_code:
+            _abort(e.exit_code)
+    except LowcommError as e:
+        if getattr(e, "exit_code", None):   # every rank stopped together (a signal): no abort
+            if launcher_rank() == 0:
+                sys.stderr.write(f"lowcomm: {e}\n")
+            sys.exit(e.exit_code)
+        _fail(e)
+    except (click.ClickException, click.Abort) as e:
+        if launcher_rank() == 0:
+            if isinstance(e, click.ClickException):
+                e.show()
+            else:
+                click.echo("Aborted!", err=True)
+        _abort(getattr(e, "exit_code", 1))
+    except BaseException as e:  # noqa: BLE001 - any failure must end all ranks
+        if isinstance(e, SystemExit) and not e.code:
+            return
+        _fail(e)
+
+
+def _fail(e: BaseException) -> None:
+    """One line per failing rank; the traceback goes to the run's folder (or, with
+    ``LOWCOMM_DEBUG=1``, to stderr too)."""
+    rank = launcher_rank()
+    where = ""
+    trace = traceback.format_exc()
+    if debug():
+        sys.stderr.write(trace)
+    elif not isinstance(e, LowcommError) or e.__cause__ is not None:   # the user's code raised
+        if _RUN_OUT is not None:
+            try:
+                _RUN_OUT.mkdir(parents=True, exist_ok=True)
+                path = _RUN_OUT / f"rank{rank}.traceback.log"
+                path.write_text(trace)
+                where = f" (traceback: {path})"
+            except OSError:
+                where = " (LOWCOMM_DEBUG=1 prints the traceback)"
+        else:
+            where = " (LOWCOMM_DEBUG=1 prints the traceback)"
+    first = str(e).splitlines()[0] if str(e) else ""
+    sys.stderr.write(f"[rank {rank}] lowcomm failed: {type(e).__name__}: {first}{where}\n")
+    _abort(1)
+
+
+if __name__ == "__main__":
+    main()

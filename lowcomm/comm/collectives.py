@@ -1,0 +1,546 @@
+"""All-reduce algorithms as plain functions ``fn(comm, buf) -> buf``.
+
+Each algorithm sums a contiguous 1-D CPU tensor in place over ``comm`` using Comm's
+point-to-point calls, so the Ledger sees (and counts exactly) every message. Costs on K ranks
+for n bytes, with α the per-message latency and β the per-byte time (Thakur, Rabenseifner &
+Gropp 2005, "Optimization of Collective Communication Operations in MPICH"):
+
+==============  ==========================  =============================================
+algorithm       time                         bytes sent per rank
+==============  ==========================  =============================================
+ring            2(K-1)α + 2(K-1)/K·nβ        2(K-1)/K·n
+rabenseifner    2log₂K·α + 2(K-1)/K·nβ       2(K-1)/K·n (+n for the pairs folded in when
+                                             K is not a power of two)
+tree            2⌈log₂K⌉(α + nβ)             n to the parent + n per child
+mpi             vendor choice                charged 2(K-1)/K·n
+shm             2⌈n/S⌉ barriers + ~3n         2(K-1)/K·n read by the others (one node only;
+                memory traffic               S = SHM_SEGMENT_BYTES; 1 barrier when small)
+hierarchical    per level, see below         2(g-1)/g·n inside a group of g, 2(G-1)/G·n/g
+                                             across G groups
+==============  ==========================  =============================================
+
+Use :func:`allreduce_` for tensors of any shape, dtype and device; its default ``"auto"`` picks
+the fastest per size (:mod:`lowcomm.comm.tuning`).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .comm import Comm, _reduce_op, init
+from ..errors import CommError, LowcommError
+from .tuning import agree
+
+if TYPE_CHECKING:   # the topology's communicators are handed in, never looked up
+    from .topology import Hierarchy, Levels
+
+Algorithm = Callable[[Comm, torch.Tensor], torch.Tensor]
+
+
+def chunk_bounds(n: int, parts: int) -> list[int]:
+    """Offsets splitting ``n`` elements into ``parts`` near-equal chunks (the first ``n % parts``
+    chunks one longer): ``parts + 1`` offsets from 0 to n."""
+    q, r = divmod(n, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + q + (1 if i < r else 0))
+    return bounds
+
+
+#: The ring's reduce-scatter moves chunks larger than this in segments, pipelined.
+RING_SEGMENT_BYTES = 1 << 20
+
+
+def ring(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
+    """Ring all-reduce: reduce-scatter then all-gather around a ring (Patarasuk & Yuan 2009,
+    "Bandwidth optimal all-reduce algorithms for clusters of workstations"), the
+    reduce-scatter segmented and pipelined.
+
+    1. Split ``buf`` into K chunks. For s = 0..K-2, rank r sends chunk (r-s) mod K to r+1 and
+       adds the chunk (r-s-1) mod K received from r-1. Rank r now owns the sum of chunk r+1.
+       A chunk over ``RING_SEGMENT_BYTES`` goes in segments: all its sends are posted at once
+       (``Isend``), and the receive of segment i+1 (``Irecv``, into the other of two segment
+       buffers) is posted before segment i is added in place into the chunk.
+    2. For s = 0..K-2, rank r sends chunk (r+1-s) mod K to r+1 and receives chunk (r-s) mod K
+       from r-1 straight into ``buf``.
+    """
+    K, r = comm.size, comm.rank
+    if K == 1 or buf.numel() == 0:
+        return buf
+    b = chunk_bounds(buf.numel(), K)
+    seg = lambda i: buf[b[i]:b[i + 1]]  # noqa: E731
+    right, left = (r + 1) % K, (r - 1) % K
+    S = max(1, RING_SEGMENT_BYTES // buf.element_size())
+    tmp = torch.empty(2 * min(S, b[1] - b[0]), dtype=buf.dtype)
+    for s in range(K - 1):
+        out, into = seg((r - s) % K), seg((r - s - 1) % K)
+        if into.numel() <= S and out.numel() <= S:
+            got = tmp[:into.numel()]
+            comm.sendrecv_(out, right, got, left)
+            into.add_(got)
+            continue
+        sends = [comm.isend(out[a:a + S], right) for a in range(0, out.numel(), S)]
+        parts = list(range(0, into.numel(), S))
+
+        def post(j):
+            t = tmp[(j % 2) * S:(j % 2) * S + min(S, into.numel() - parts[j])]
+            return comm.irecv_(t, left), t
+        pending = post(0)
+        for j, a in enumerate(parts):
+            req, t = pending
+            req.wait()
+            if j + 1 < len(parts):
+                pending = post(j + 1)      # in flight while this segment is added
+            into[a:a + t.numel()].add_(t)
+        for q in sends:
+            q.wait()
+    for s in range(K - 1):
+        comm.sendrecv_(seg((r + 1 - s) % K), right, seg((r - s) % K), left)
+    return buf
+
+
+def rabenseifner(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
+    """Rabenseifner's all-reduce: recursive-halving reduce-scatter, recursive-doubling
+    all-gather (Rabenseifner 2004; Thakur et al. 2005).
+
+    With p = 2^⌊log₂K⌋ and q = K - p:
+    0. The first 2q ranks pair up; each even rank sends its whole vector to the odd one and
+       sits out (so p ranks remain, renumbered 0..p-1).
+    1. For d = p/2, p/4, ..., 1: exchange half of the current window with partner ``i xor d``
+       and add the half kept. Rank i ends owning the sum of segment i of p.
+    2. For d = 1, 2, ..., p/2: exchange windows with ``i xor d``, doubling the owned window.
+    3. Odd ranks of the first 2q send the result back to their even partner.
+    """
+    K, r = comm.size, comm.rank
+    n = buf.numel()
+    if K == 1 or n == 0:
+        return buf
+    p = 1 << (K.bit_length() - 1)
+    q = K - p
+    if r < 2 * q:
+        if r % 2 == 0:
+            comm.send(buf, r + 1)
+            comm.recv_(buf, r + 1)
+            return buf
+        tmp = torch.empty_like(buf)
+        buf.add_(comm.recv_(tmp, r - 1))
+        me = r // 2
+    else:
+        me = r - q
+    real = lambda i: 2 * i + 1 if i < q else i + q  # noqa: E731
+    b = chunk_bounds(n, p)
+    span = lambda lo, hi: buf[b[lo]:b[hi]]  # noqa: E731
+    tmp = torch.empty(b[p // 2] if p > 1 else 0, dtype=buf.dtype)
+    lo, hi, d = 0, p, p // 2
+    while d >= 1:
+        mid = (lo + hi) // 2
+        (klo, khi), (glo, ghi) = ((mid, hi), (lo, mid)) if me & d else ((lo, mid), (mid, hi))
+        keep = span(klo, khi)
+        comm.sendrecv_(span(glo, ghi), real(me ^ d), tmp[:keep.numel()], real(me ^ d))
+        keep.add_(tmp[:keep.numel()])
+        lo, hi, d = klo, khi, d // 2
+    d = 1
+    while d < p:
+        olo, ohi = (lo - d, lo) if me & d else (hi, hi + d)
+        comm.sendrecv_(span(lo, hi), real(me ^ d), span(olo, ohi), real(me ^ d))
+        lo, hi, d = min(lo, olo), max(hi, ohi), d * 2
+    if r < 2 * q:
+        comm.send(buf, r - 1)
+    return buf
+
+
+def tree(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
+    """Binomial-tree all-reduce: binomial reduce to rank 0, then binomial broadcast.
+
+    1. For m = 1, 2, 4, ...: a rank with bit m set sends its partial sum to rank - m and stops;
+       otherwise it adds what rank + m sends (if that rank exists).
+    2. Rank r receives the result from r - lowbit(r), then sends it to r + m for every power of
+       two m below lowbit(r) (rank 0: below K).
+    Latency-optimal (2⌈log₂K⌉ messages) but every message carries all n bytes.
+    """
+    K, r = comm.size, comm.rank
+    if K == 1 or buf.numel() == 0:
+        return buf
+    tmp = torch.empty_like(buf)
+    m = 1
+    while m < K:
+        if r & m:
+            comm.send(buf, r - m)
+            break
+        if r + m < K:
+            buf.add_(comm.recv_(tmp, r + m))
+        m <<= 1
+    m = 1
+    while m < K:
+        if r & m:
+            comm.recv_(buf, r - m)
+            break
+        m <<= 1
+    m >>= 1
+    while m > 0:
+        if r + m < K:
+            comm.send(buf, r + m)
+        m >>= 1
+    return buf
+
+
+#: Bytes of one shared-memory segment: each rank's window slot holds two (double buffering),
+#: so the window stays bounded (2·SHM_SEGMENT_BYTES per rank) whatever the message size.
+SHM_SEGMENT_BYTES = 16 << 20
+#: Up to this many bytes the shared-memory all-reduce takes one barrier instead of two: every
+#: rank sums the whole segment itself (K-1 passes over n instead of over n/K), which is cheaper
+#: than a second round of waiting for every rank while messages are small.
+SHM_ONE_SYNC_BYTES = 256 << 10
+
+
+def _shm_window(comm: Comm, nbytes: int):
+    """The communicator's window, two segments per rank: of ``SHM_SEGMENT_BYTES``, or of the
+    next power of two ≥ ``nbytes`` (at least 4 KiB) when that is smaller, so small buckets keep
+    a small window. Every rank passes the same ``nbytes``, so a (collective) reallocation for a
+    larger message happens on all ranks at the same call."""
+    half = min(SHM_SEGMENT_BYTES, 1 << max(12, (max(nbytes, 1) - 1).bit_length()))
+    return comm.shared_window(2 * half)
+
+
+def _shm_segments(win, n: int, es: int):
+    """``(start, length, offset into the slot in elements)`` of each segment of ``n`` elements
+    (a segment: half the window's slot), alternating between the two halves across segments
+    *and* calls (``win.turn``): a rank fills one half while slower ranks may still read the
+    other, and it can only come back to a half after a barrier that every rank reaches only
+    once done reading it."""
+    seg = max(1, min(SHM_SEGMENT_BYTES, win.slot_bytes // 2) // es)
+    for a in range(0, n, seg):
+        half = getattr(win, "turn", 0)
+        win.turn = 1 - half
+        yield a, min(seg, n - a), half * seg
+
+
+def shm(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
+    """Shared-memory all-reduce on one node through an MPI-3 shared window (the intra-node
+    reduce-scatter + all-gather through shared buffers of Graham & Shipman 2008, "MPI support
+    for multi-core architectures: optimized shared memory collectives"; Li, Hoefler & Snir
+    2013, "NUMA-aware shared-memory collective communication for MPI").
+
+    Per segment of at most ``SHM_SEGMENT_BYTES`` (double-buffered in each rank's slot), with
+    the buffer cut into K chunks:
+    1. rank r copies every chunk but its own into its slot; barrier;
+    2. rank r adds chunk r of the other K-1 slots into its own buffer (reading their slots
+       directly, no messages, no temporaries) and stores the sum in its slot; barrier;
+    3. rank r copies each chunk j ≠ r from rank j's slot into its buffer.
+    Up to ``SHM_ONE_SYNC_BYTES``: 1. every rank copies the whole segment in; barrier; 2. every
+    rank sums the K slots in rank order into its buffer (one barrier instead of two).
+    Each rank moves ~3n bytes through memory, where a ring moves 2(K-1)/K·n out and in through
+    the MPI library's transport plus the reduction. Sums are taken in the same order for the
+    same element whichever rank computes them, so all ranks end bit-identical. Needs a
+    node-local ``comm`` (:meth:`~lowcomm.comm.comm.Comm.node_local`; else a CommError names the
+    level). The ledger is charged, sent and received, what other ranks read of this rank's
+    slot: (K-1)/K·n of its copy and its sum K-1 times (the ring's 2(K-1)/K·n); small
+    messages: (K-1)·n.
+    """
+    K, r = comm.size, comm.rank
+    n = buf.numel()
+    if K == 1 or n == 0:
+        return buf
+    win = _shm_window(comm, buf.numel() * buf.element_size())
+    slots = [win.slot(j, buf.dtype) for j in range(K)]
+    t0 = time.perf_counter()
+    moved = 0
+    for a, L, off in _shm_segments(win, n, buf.element_size()):
+        mine, seg = slots[r][off:off + L], buf[a:a + L]
+        if L * buf.element_size() <= SHM_ONE_SYNC_BYTES:
+            mine.copy_(seg)
+            win.sync("allreduce.shm")
+            torch.add(slots[0][off:off + L], slots[1][off:off + L], out=seg)
+            for j in range(2, K):
+                seg.add_(slots[j][off:off + L])
+            moved += (K - 1) * L
+            continue
+        b = chunk_bounds(L, K)
+        lo, hi = b[r], b[r + 1]
+        mine[:lo].copy_(seg[:lo])
+        mine[hi:].copy_(seg[hi:])
+        win.sync("allreduce.shm")
+        own = seg[lo:hi]
+        for j in range(1, K):
+            own.add_(slots[(r + j) % K][off + lo:off + hi])
+        mine[lo:hi].copy_(own)
+        win.sync("allreduce.shm")
+        for j in range(K):
+            if j != r:
+                seg[b[j]:b[j + 1]].copy_(slots[j][off + b[j]:off + b[j + 1]])
+        moved += (L - (hi - lo)) + (K - 1) * (hi - lo)
+    moved *= buf.element_size()
+    comm.ledger.record("shm", comm.level, moved, moved, time.perf_counter() - t0)
+    return buf
+
+
+def mpi(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
+    """The vendor's ``MPI_Allreduce`` (its own choice of algorithm), as the reference."""
+    return comm.allreduce_(buf)
+
+
+def hierarchical(levels: "Levels", buf: torch.Tensor) -> torch.Tensor:
+    """Hierarchical all-reduce over the levels of a topology (Horovod's hierarchical
+    allreduce, Sergeev & Del Balso 2018, arXiv:1802.05799; BlueConnect, Cho et al. 2019), with
+    ring reduce-scatter / all-gather phases (Thakur, Rabenseifner & Gropp 2005).
+
+    ``levels``: the topology's communicators (:meth:`lowcomm.comm.topology.Topology.comms`), built
+    once and passed in; it runs on ``levels.hierarchy``. By name, ``get_algorithm("hierarchical",
+    levels=levels)`` gives the ``fn(comm, buf)`` form of the other algorithms.
+
+    1. Cut the buffer into S shards, S = the largest innermost group (e.g. ranks of a node). In
+       a group of s ranks, local rank l owns shards j ≡ l (mod s): unequal groups are allowed.
+    2. Reduce-scatter inside the group: each rank holds its shards summed over the group —
+       through the node's shared window when the group shares one node (as :func:`shm`),
+       else around a ring.
+    3. For each owned shard pattern, all-reduce the shards among their owners (one rank per
+       group) by applying steps 1–4 again one level up; at the outermost level, a ring.
+    4. All-gather inside the group (shared window or ring, as in step 2).
+
+    Each phase is filed in the ledger at its own level (``reduce_scatter.shm|ring`` and
+    ``allgather.shm|ring`` under the inner level, ``allreduce.ring`` under the outermost), so
+    ``Ledger.by_level()`` shows the bytes that crossed each kind of link. With equal groups of
+    g ranks, an n-byte all-reduce sends 2(g-1)/g·n inside and 2(G-1)/G·n/g across G groups.
+
+    Example::
+
+        comm = lowcomm.init()
+        levels = Topology.parse("dc:2,rank:2").comms(comm)
+        lowcomm.allreduce_(t, comm, "hierarchical", levels=levels)
+    """
+    if buf.numel() == 0:
+        return buf
+    return _hier_run(levels.hierarchy, buf)
+
+
+hierarchical.files_own_levels = True   # allreduce_ must not fold its phases into one row
+
+
+def _hier_run(h: "Hierarchy", buf: torch.Tensor) -> torch.Tensor:
+    """Steps 1–4 of :func:`hierarchical` on one step's communicators ``h``."""
+    if h.flat is not None:
+        f = h.flat
+        if f.size == 2:    # two parties: swap whole buffers and add: the ring's bytes, one round
+            with f.ledger.scope("allreduce.exchange", f.level):
+                tmp = torch.empty_like(buf)
+                f.sendrecv_(buf, 1 - f.rank, tmp, 1 - f.rank)
+                buf.add_(tmp)
+        else:
+            with f.ledger.scope("allreduce.ring", f.level):
+                ring(f, buf)
+        return buf
+    b = chunk_bounds(buf.numel(), h.shards)
+    blocks = [[(b[j], b[j + 1]) for j in owned] for owned in h.owned]
+    inner = h.inner
+    # ranks of one node reduce through their shared window (shm), others around a ring
+    local = inner.size > 1 and inner.node_local()
+    kind = "shm" if local else "ring"
+    if inner.size > 1:
+        with inner.ledger.scope(f"reduce_scatter.{kind}", inner.level):
+            (_shm_reduce_scatter if local else _ring_reduce_scatter)(inner, buf, blocks)
+    for shards, sub in h.cross:
+        ranges = [(b[j], b[j + 1]) for j in shards]
+        if len(ranges) == 1:
+            _hier_run(sub, buf[ranges[0][0]:ranges[0][1]])
+        else:
+            tmp = _gather(buf, ranges)
+            _hier_run(sub, tmp)
+            _scatter(buf, ranges, tmp)
+    if inner.size > 1:
+        with inner.ledger.scope(f"allgather.{kind}", inner.level):
+            (_shm_allgather if local else _ring_allgather)(inner, buf, blocks)
+    return buf
+
+
+def _clip(ranges, a: int, b: int):
+    """The parts of ``ranges`` inside [a, b)."""
+    return [(max(lo, a), min(hi, b)) for lo, hi in ranges if max(lo, a) < min(hi, b)]
+
+
+def _shm_reduce_scatter(comm: Comm, buf, blocks) -> None:
+    """Reduce-scatter through the node's shared window (see :func:`shm`): per segment, every
+    rank copies it into its slot; barrier; rank r adds the other slots' parts of its blocks
+    ``blocks[r]`` into its buffer. Charged what others read of my slot, (their blocks), and
+    what I read of theirs, (K-1)·(my blocks): the ring's bytes."""
+    K, r, es = comm.size, comm.rank, buf.element_size()
+    win = _shm_window(comm, buf.numel() * buf.element_size())
+    slots = [win.slot(j, buf.dtype) for j in range(K)]
+    t0 = time.perf_counter()
+    for a, L, off in _shm_segments(win, buf.numel(), es):
+        slots[r][off:off + L].copy_(buf[a:a + L])
+        win.sync("reduce_scatter.shm")
+        for lo, hi in _clip(blocks[r], a, a + L):
+            own = buf[lo:hi]
+            for j in range(1, K):
+                own.add_(slots[(r + j) % K][off + lo - a:off + hi - a])
+    mine = _count(blocks[r])
+    comm.ledger.record("shm", comm.level, (buf.numel() - mine) * es, (K - 1) * mine * es,
+                       time.perf_counter() - t0)
+
+
+def _shm_allgather(comm: Comm, buf, blocks) -> None:
+    """All-gather through the node's shared window: per segment, rank r copies its blocks into
+    its slot; barrier; it copies every other rank's blocks from that rank's slot."""
+    K, r, es = comm.size, comm.rank, buf.element_size()
+    win = _shm_window(comm, buf.numel() * buf.element_size())
+    slots = [win.slot(j, buf.dtype) for j in range(K)]
+    t0 = time.perf_counter()
+    for a, L, off in _shm_segments(win, buf.numel(), es):
+        for lo, hi in _clip(blocks[r], a, a + L):
+            slots[r][off + lo - a:off + hi - a].copy_(buf[lo:hi])
+        win.sync("allgather.shm")
+        for j in range(K):
+            if j != r:
+                for lo, hi in _clip(blocks[j], a, a + L):
+                    buf[lo:hi].copy_(slots[j][off + lo - a:off + hi - a])
+    mine = _count(blocks[r])
+    comm.ledger.record("shm", comm.level, (K - 1) * mine * es, (buf.numel() - mine) * es,
+                       time.perf_counter() - t0)
+
+
+def _gather(buf, ranges):
+    if len(ranges) == 1:
+        return buf[ranges[0][0]:ranges[0][1]]
+    return torch.cat([buf[lo:hi] for lo, hi in ranges]) if ranges else buf[:0]
+
+
+def _scatter(buf, ranges, src, add: bool = False) -> None:
+    off = 0
+    for lo, hi in ranges:
+        part = src[off:off + hi - lo]
+        buf[lo:hi].add_(part) if add else buf[lo:hi].copy_(part)
+        off += hi - lo
+
+
+def _count(ranges) -> int:
+    return sum(hi - lo for lo, hi in ranges)
+
+
+def _ring_reduce_scatter(comm: Comm, buf, blocks) -> None:
+    """Ring reduce-scatter over blocks of any sizes (Thakur, Rabenseifner & Gropp 2005 §4.5):
+    for s = 0..K-2 rank r sends block (r-s-1) mod K to r+1 and adds block (r-s-2) mod K from
+    r-1 into its own copy; rank r then holds the sum of block r."""
+    K, r = comm.size, comm.rank
+    right, left = (r + 1) % K, (r - 1) % K
+    tmp = torch.empty(max(_count(x) for x in blocks), dtype=buf.dtype)
+    for s in range(K - 1):
+        out = _gather(buf, blocks[(r - s - 1) % K]).contiguous()
+        into = blocks[(r - s - 2) % K]
+        got = tmp[:_count(into)]
+        comm.sendrecv_(out, right, got, left)
+        _scatter(buf, into, got, add=True)
+
+
+def _ring_allgather(comm: Comm, buf, blocks) -> None:
+    """Ring all-gather: for s = 0..K-2 rank r sends block (r-s) mod K to r+1 and stores block
+    (r-s-1) mod K from r-1."""
+    K, r = comm.size, comm.rank
+    right, left = (r + 1) % K, (r - 1) % K
+    tmp = torch.empty(max(_count(x) for x in blocks), dtype=buf.dtype)
+    for s in range(K - 1):
+        out = _gather(buf, blocks[(r - s) % K]).contiguous()
+        into = blocks[(r - s - 1) % K]
+        if len(into) == 1:
+            comm.sendrecv_(out, right, buf[into[0][0]:into[0][1]], left)
+        else:
+            got = tmp[:_count(into)]
+            comm.sendrecv_(out, right, got, left)
+            _scatter(buf, into, got)
+
+
+# by name; "hierarchical" takes the topology's communicators instead of a comm (get_algorithm)
+ALGORITHMS: dict[str, Algorithm] = {"mpi": mpi, "ring": ring, "rabenseifner": rabenseifner,
+                                    "tree": tree, "shm": shm, "hierarchical": hierarchical}
+
+
+#: every name an algorithm setting accepts: the algorithms and "auto"
+ALGORITHM_NAMES = ("auto", *ALGORITHMS)
+
+
+def choose(comm: Comm, nbytes: int, levels: "Levels | None" = None) -> str:
+    """The algorithm ``"auto"`` runs for an all-reduce of ``nbytes`` on ``comm`` (collective the
+    first time on a Comm: the ranks agree on the table; see :mod:`lowcomm.comm.tuning`)."""
+    policy = agree(comm, shm_segment_bytes=SHM_SEGMENT_BYTES, shm_one_sync_bytes=SHM_ONE_SYNC_BYTES)
+    return policy.choose(nbytes, levels)
+
+
+def get_algorithm(name: str, levels: "Levels | None" = None) -> Algorithm:
+    """The all-reduce ``fn(comm, buf)`` called ``name``. ``"hierarchical"`` needs ``levels``
+    (:meth:`lowcomm.comm.topology.Topology.comms`): it returns a function running
+    :func:`hierarchical` on them (its ``comm`` argument is only the caller's view).
+    ``"auto"`` returns a function choosing per call (:func:`choose`); it files each call under
+    the algorithm it ran."""
+    if name == "auto":
+        def auto(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
+            chosen = choose(comm, buf.numel() * buf.element_size(), levels)
+            return get_algorithm(chosen, levels)(comm, buf)
+        return auto
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown all-reduce algorithm {name!r}; known: {', '.join(ALGORITHM_NAMES)}")
+    if name != "hierarchical":
+        return ALGORITHMS[name]
+    if levels is None:
+        raise LowcommError("the hierarchical all-reduce needs the topology's communicators: pass "
+                           "levels=Topology.from_env(comm, spec).comms(comm) (lowcomm train builds "
+                           "them from the topology setting)")
+
+    def fn(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
+        if comm.size != levels.size:
+            raise CommError("allreduce.hierarchical", comm.rank, f"the topology's levels span "
+                            f"{levels.size} ranks, the communicator {comm.size}", buf.numel() * buf.element_size())
+        return hierarchical(levels, buf)
+    fn.files_own_levels = True
+    return fn
+
+
+def allreduce_(tensor: torch.Tensor, comm: Comm | None = None, algorithm: str = "auto",
+               op: str = "sum", levels: "Levels | None" = None) -> torch.Tensor:
+    """Sum (``op="sum"``) or average (``op="avg"``) ``tensor`` over ``comm`` in place.
+
+    Any shape, length (0 included), rank count, float dtype and device. ``algorithm="auto"``
+    (the default) runs the fastest algorithm for this size and rank count (:func:`choose`). The
+    traffic is filed in ``comm.ledger`` as one ``allreduce.<algorithm run>`` call at
+    ``comm.level`` (``hierarchical``:
+    one row per phase and level, in the ledger of ``levels``, the topology's communicators it
+    needs; see :func:`get_algorithm`).
+
+    Example::
+
+        comm = lowcomm.init()
+        g = torch.full((1000,), float(comm.rank))
+        lowcomm.allreduce_(g, algorithm="ring", op="avg")   # every element = (K-1)/2
+    """
+    comm = comm or init()
+    if algorithm == "auto":
+        get_algorithm(algorithm, levels)        # the name is checked before any collective
+        algorithm = choose(comm, tensor.numel() * tensor.element_size(), levels)
+    fn = get_algorithm(algorithm, levels)
+    avg = _reduce_op(op)
+    if algorithm == "mpi":
+        return comm.allreduce_(tensor, op)  # checks, stages and records itself
+    comm.check(f"allreduce.{algorithm}", tensor)
+    with comm.staged(tensor) as buf:
+        if getattr(fn, "files_own_levels", False):   # hierarchical: one row per level
+            fn(comm, buf)
+        else:
+            with comm.ledger.scope(f"allreduce.{algorithm}", comm.level):
+                fn(comm, buf)
+        if avg:
+            buf.div_(comm.size)
+    return tensor
+
+
+def broadcast_(comm: Comm, tensors: list[torch.Tensor], root: int = 0) -> None:
+    """Broadcast a list of tensors from ``root`` in place, one flat message per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for _, group in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+        flat = torch.cat([t.detach().reshape(-1) for t in group]) if group else torch.empty(0)
+        comm.bcast_(flat, root)
+        offset = 0
+        for t in group:
+            t.detach().copy_(flat[offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()

@@ -1,0 +1,86 @@
+"""``lowcomm.train`` (this module, :mod:`lowcomm.run.api`): the Python entry point of the one training loop (``lowcomm train`` is a
+thin shell around it).
+
+Example (``launchers/local.sh -n 4 python my_script.py``)::
+
+    import lowcomm
+    summary = lowcomm.train("my_task.py", strategy="diloco:period=50", steps=500,
+                            out="runs/mine", set=["optimizer.name=adamw", "compressor.name=none"])
+
+    # or the task's functions directly
+    summary = lowcomm.train(model=make_model, loss=loss_fn, batch=batch_fn, steps=100)
+
+Any config key can be given: top-level ones as keyword arguments (``steps``, ``lr``,
+``batch_size``, ``seed``, ...), any other as ``set=["table.key=value", ...]`` (or a dict), and a
+whole TOML file as ``config``. ``strategy`` takes a spec string ``NAME[:key=value,...]``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .loop import run as run_loop
+from .registry import build_strategy, load_config, parse_spec, topology_comms
+from ..comm.comm import Comm, init
+from .config import apply_comm_settings
+from .config import Config
+from ..errors import ConfigError
+from ..tasks import Task, from_functions, load_task
+
+
+
+def task_of(cfg: Config) -> Task:
+    return load_task(cfg.task.name)
+
+
+def run(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
+        progress: bool = True, resume: str | Path | None = None, task: Task | None = None,
+        overwrite: bool = False) -> dict:
+    """Train a resolved config (:func:`lowcomm.run.registry.load_config`) on ``comm`` (default: the
+    world): the task it names (or ``task``), the strategy it names."""
+    comm = comm or init()
+    task = task or task_of(cfg)
+    apply_comm_settings(cfg, comm)         # the watchdog's limits, before the first collective
+    levels = topology_comms(cfg, comm)     # the topology's communicators: hierarchical/policy
+    return run_loop(cfg, task, lambda m, o, c: build_strategy(cfg, m, o, c, levels), comm, out,
+                    progress, resume, overwrite)
+
+
+def train(task=None, *, model=None, loss=None, batch=None, eval_batches=None, strategy=None,
+          config: str | Path | None = None, set=(), out: str | Path | None = None,
+          comm: Comm | None = None, resume: str | Path | None = None, progress: bool = False,
+          overwrite: bool = False, **keys) -> dict:
+    """Train ``task`` (a file path, a module name, a :class:`~lowcomm.tasks.Task` or a module
+    object), or the functions ``model``, ``loss``, ``batch`` (and ``eval_batches``), under the
+    method and settings given; returns the summary (rank 0 writes it to ``out``, with
+    metrics.jsonl and checkpoints). Runs on every rank of ``comm`` (default: the world)."""
+    overrides = [set] if isinstance(set, str) else list(set.items() if isinstance(set, dict) else set)
+    overrides = [o if isinstance(o, str) else f"{o[0]}={_literal(o[1])}" for o in overrides]
+    overrides += [f"{k}={_literal(v)}" for k, v in keys.items()]
+    if strategy is not None:
+        m, opts = parse_spec(strategy, "strategy")
+        overrides += [f"strategy.name={_literal(m.name)}"]
+        overrides += [f"strategy.{k}={_literal(v)}" for k, v in opts.items()]
+    if isinstance(task, (str, Path)):
+        overrides.append(f"task={_literal(str(task))}")
+    cfg = load_config(config, overrides)
+    if task is None:
+        if model is None or loss is None or batch is None:
+            raise ConfigError("task", "give a task (file, module or Task) or model=, loss= and batch=")
+        task = from_functions(model, loss, batch, eval_batches)
+    elif isinstance(task, (str, Path)):
+        task = load_task(str(task))
+    elif not isinstance(task, Task):          # a module object
+        task = load_task(task.__name__) if hasattr(task, "__name__") else task
+    return run(cfg, out, comm, progress, resume, task, overwrite)
+
+
+def _literal(v) -> str:
+    """``v`` as a TOML literal for an override."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+__all__ = ["run", "train"]

@@ -1,0 +1,312 @@
+"""One validated configuration tree: defaults, then a TOML file, then ``--set a.b=value``.
+
+This module is generic: it knows the run's own keys (steps, lr, [optimizer], [checkpoint], ...)
+and keeps the method tables as the user wrote them. ``[strategy]`` (``name`` plus that
+strategy's options) and ``policy.<level>`` specs are checked against the settings that each
+strategy module owns by :func:`lowcomm.run.registry.load_config`, which also checks ``[compressor]``;
+this module imports no strategy.
+
+Unknown keys and values of the wrong type are :class:`~lowcomm.errors.ConfigError` naming the
+key. Values given with ``--set`` are read as TOML literals (``3``, ``0.5``, ``true``, ``"x"``);
+anything that is not a literal is taken as a string.
+
+Example::
+
+    cfg = load_config("run.toml", ["strategy.algorithm=ring", "steps=500"])
+    cfg.strategy["algorithm"]     # 'ring'
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..compress.settings import CompressorSettings as CompressorConfig
+from ..comm import watchdog
+from ..errors import ConfigError
+from ..settings import coerce
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "onebit-adam")
+LR_SCHEDULES = ("constant", "cosine")
+#: the task every run trains unless ``task`` says otherwise
+DEFAULT_TASK = "lowcomm.tasks.bytelm"
+
+
+@dataclass
+class DataConfig:
+    path: str = ""                 # text file or directory; "" = the Python standard library
+    glob: str = ""                 # files of a directory to read; "" = all (the stdlib: *.py)
+    seq_len: int = 64
+    max_bytes: int = 8_000_000     # read at most this much text (train + eval)
+    eval_fraction: float = 0.05    # share of files held out for evaluation
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tinygpt"
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    weight_decay: float = 0.0
+    momentum: float = 0.0          # sgd only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    freeze_step: int = 100         # onebit-adam: dense Adam warm-up steps
+    schedule: str = "constant"     # lr over the run: "constant" | "cosine" (to min_lr_ratio * lr)
+    warmup_steps: int = 0          # linear lr warm-up from lr/warmup_steps to lr
+    min_lr_ratio: float = 0.1      # cosine: the lr at the last step, as a fraction of lr
+
+
+@dataclass
+class CommConfig:
+    validate: bool = True          # per-call shape/dtype agreement check (one small all-gather)
+    # watchdog (lowcomm/watchdog.py): a call waiting longer than
+    #   max(timeout_s, watchdog_factor × its α–β prediction) + outage_s (wide-area links only)
+    # ends the job; defaults from $LOWCOMM_TIMEOUT_S, $LOWCOMM_WATCHDOG_FACTOR,
+    # $LOWCOMM_WATCHDOG_OUTAGE_S, else 60 s, 10, 30 s
+    timeout_s: float = field(default_factory=lambda: watchdog.default_timeout_s())   # floor; 0 = off
+    watchdog_factor: float = field(default_factory=lambda: watchdog.default_factor())
+    outage_s: float = field(default_factory=lambda: watchdog.default_outage_s())
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0                 # write a checkpoint every N steps (0 = never)
+    keep: int = 2                  # keep the newest N checkpoints
+    dir: str = ""                  # "" = <out>/checkpoints
+
+
+@dataclass
+class CompareConfig:
+    """What ``lowcomm compare --config FILE`` runs (``lowcomm train`` ignores this table)."""
+    question: str = ""             # what the experiment asks
+    expect: str = ""               # the outcome we expect, in words
+    methods: str = "main"          # comma list, "main" or "all"
+    np: int = 4
+    link: str = "25,100"           # DELAY_MS,RATE_MBIT of the modelled wall-clock
+
+
+@dataclass
+class TaskConfig:
+    """What to train (:mod:`lowcomm.tasks`): ``name`` is a Python file (``path/to/task.py``) or an
+    importable module (``package.module``); ``options`` is everything else of the ``[task]``
+    table, handed to the task as it is (``cfg.task.options``)."""
+    name: str = DEFAULT_TASK
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class Config:
+    steps: int = 300
+    seed: int = 0
+    batch_size: int = 16           # samples per rank per step
+    lr: float = 3e-3
+    log_every: int = 10
+    eval_batches: int = 16
+    eval_every: int = 0            # also evaluate every N steps (a multiple of log_every; 0 = end only)
+    topology: str = ""
+    policy: dict[str, str] = field(default_factory=dict)   # level -> "NAME[:key=value,...]"
+    on_nonfinite: str = "abort"    # NaN/Inf loss or gradient: "abort" or "skip" the step
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)       # the built-in bytelm task's data
+    model: ModelConfig = field(default_factory=ModelConfig)    # the built-in bytelm task's model
+    strategy: dict = field(default_factory=lambda: {"name": "syncdp"})  # name + its options
+    compressor: CompressorConfig = field(default_factory=CompressorConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def method(self) -> str:
+        """A short name of the method, e.g. ``syncdp(ring)+int8`` or ``diloco(mpi)[int8]``."""
+        if self.policy:
+            return "policy(" + ";".join(f"{k}={v}" for k, v in self.policy.items()) + ")"
+        s = self.strategy
+        name = s.get("name", "syncdp")
+        if self.optimizer.name == "onebit-adam":
+            return "onebit-adam"
+        name = "syncdp(horovod)" if s.get("backend") == "horovod" else f"{name}({s.get('algorithm', 'mpi')})"
+        if self.compressor.name != "none":
+            name += f"+{self.compressor.name}"
+        if s.get("compressor", "none") not in ("none", ""):
+            name += f"[{s['compressor']}]"
+        return name
+
+
+def _set(obj, dotted: str, value, prefix: str = "") -> None:
+    head, _, rest = dotted.partition(".")
+    key = prefix + head
+    hints = typing.get_type_hints(type(obj))
+    if head not in hints:
+        known = ", ".join(prefix + f.name for f in dataclasses.fields(obj))
+        raise ConfigError(key, f"unknown key; known here: {known}")
+    current = getattr(obj, head)
+    if isinstance(current, TaskConfig):
+        _set_task(current, key, rest, value)
+        return
+    if typing.get_origin(hints[head]) is dict or hints[head] is dict:   # policy, strategy
+        items = {rest: value} if rest else value
+        if not isinstance(items, dict):
+            raise ConfigError(key, f"is a table, got {value!r}")
+        for k, v in items.items():
+            if "." in k:
+                raise ConfigError(f"{key}.{k}", "options of this table are not tables")
+            current[k] = _policy_spec(f"{key}.{k}", v) if head == "policy" else v
+        return
+    if dataclasses.is_dataclass(current):
+        if rest:
+            _set(current, rest, value, key + ".")
+            return
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"is a table, got {value!r}")
+        for k, v in value.items():
+            _set(current, k, v, key + ".")
+        return
+    if rest:
+        raise ConfigError(key + "." + rest, f"'{key}' is a value, not a table")
+    setattr(obj, head, coerce(key, hints[head], value))
+
+
+def _set_task(task: TaskConfig, key: str, rest: str, value) -> None:
+    """``task = "x.py"`` or ``--set task=x.py`` names the task; ``[task]`` with ``name`` and
+    options, or ``task.<option> = value``, sets its options."""
+    if not rest:
+        if isinstance(value, str):
+            task.name = value
+            return
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"is a task file, a module or a table, got {value!r}")
+        for k, v in value.items():
+            _set_task(task, key, k, v)
+        return
+    if rest == "name":
+        task.name = coerce(f"{key}.name", str, value)
+    elif rest == "options" and isinstance(value, dict):   # a saved config.json
+        task.options.update(value)
+    else:
+        task.options[rest] = value
+
+
+def _policy_spec(key: str, value) -> str:
+    """A policy entry as its spec string: ``"diloco:period=50"`` or a TOML table
+    ``{name = "diloco", period = 50}`` (checked by :mod:`lowcomm.run.registry`)."""
+    if isinstance(value, dict):
+        value = dict(value)
+        name = value.pop("name", None)
+        if not isinstance(name, str):
+            raise ConfigError(key + ".name", "a policy table needs name = \"syncdp\" | \"localsgd\" | ...")
+        opts = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in value.items())
+        value = name + (":" + opts if opts else "")
+    if not isinstance(value, str):
+        raise ConfigError(key, f"expects a spec string like \"diloco:period=50,compressor=int8\", "
+                          f"got {type(value).__name__} {value!r}")
+    return value
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """``"a.b=value"`` -> ``("a.b", value)`` with value read as a TOML literal when it is one."""
+    key, eq, raw = text.partition("=")
+    key = key.strip()
+    if not eq or not key:
+        raise ConfigError(text, "an override must look like key=value")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key, value
+
+
+def _at_least(cfg: Config, low: int, *keys: str) -> None:
+    for key in keys:
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        if obj < low:
+            raise ConfigError(key, f"must be >= {low}, got {obj}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check the run's own keys (the method tables: :func:`lowcomm.run.registry.load_config`)."""
+    def one_of(key, value, known):
+        if value not in known:
+            raise ConfigError(key, f"unknown value {value!r}; known: {', '.join(known)}")
+
+    _at_least(cfg, 1, "steps", "batch_size", "log_every", "data.seq_len", "data.max_bytes",
+              "model.d_model", "model.n_layers", "model.n_heads", "checkpoint.keep",
+              "compressor.levels", "compressor.approx_rank")
+    _at_least(cfg, 0, "checkpoint.every", "compressor.start_iter", "optimizer.freeze_step",
+              "optimizer.warmup_steps", "eval_batches")
+    if "name" in cfg.strategy and not isinstance(cfg.strategy["name"], str):
+        raise ConfigError("strategy.name", f"expects str, got {cfg.strategy['name']!r}")
+    cfg.compressor.validate("compressor.")
+    for key in ("timeout_s", "watchdog_factor", "outage_s"):
+        v = getattr(cfg.comm, key)
+        if not 0 <= v < float("inf"):
+            raise ConfigError(f"comm.{key}", f"must be a number >= 0{' (0 = no watchdog)' if key == 'timeout_s' else ''}, got {v}")
+    if cfg.eval_every < 0 or (cfg.eval_every and cfg.eval_every % cfg.log_every):
+        raise ConfigError("eval_every", f"must be 0 or a multiple of log_every={cfg.log_every}, "
+                          f"got {cfg.eval_every}")
+    if not cfg.lr > 0:
+        raise ConfigError("lr", f"must be > 0, got {cfg.lr}")
+    if cfg.optimizer.warmup_steps >= cfg.steps:
+        raise ConfigError("optimizer.warmup_steps", f"must be < steps={cfg.steps}, "
+                          f"got {cfg.optimizer.warmup_steps}")
+    if not 0 <= cfg.optimizer.min_lr_ratio <= 1:
+        raise ConfigError("optimizer.min_lr_ratio", f"must be in [0, 1], got {cfg.optimizer.min_lr_ratio}")
+    if not 0 < cfg.data.eval_fraction < 1:
+        raise ConfigError("data.eval_fraction", f"must be in (0, 1), got {cfg.data.eval_fraction}")
+    if cfg.model.d_model % cfg.model.n_heads:
+        raise ConfigError("model.n_heads", f"must divide model.d_model={cfg.model.d_model}")
+    one_of("on_nonfinite", cfg.on_nonfinite, ("abort", "skip"))
+    one_of("optimizer.schedule", cfg.optimizer.schedule, LR_SCHEDULES)
+    one_of("optimizer.name", cfg.optimizer.name, OPTIMIZERS)
+    if not cfg.task.name:
+        raise ConfigError("task", "names no task (a file path.py or a module, e.g. "
+                          f"{DEFAULT_TASK!r})")
+    if cfg.topology:   # level spec, e.g. "dc:2,rank:2" (lowcomm/topology.py); ConfigError names it
+        from ..comm.topology import Topology
+        Topology.parse(cfg.topology)
+    if cfg.data.path and not Path(cfg.data.path).exists():
+        raise ConfigError("data.path", f"{cfg.data.path!r} does not exist")
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict | None = None) -> Config:
+    """Defaults (or ``base``, a saved ``Config.to_dict()``), updated by the TOML file at ``path``
+    and then by ``key=value`` overrides."""
+    cfg = Config()
+    for k, v in (base or {}).items():
+        _set(cfg, k, v)
+    if path:
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError("--config", f"file {str(path)!r} not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("--config", f"{path}: {e}") from None
+        for k, v in table.items():
+            _set(cfg, k, v)
+    for text in overrides:
+        _set(cfg, *parse_override(text))
+    return validate(cfg)
+
+
+def apply_comm_settings(cfg, comm) -> None:
+    """``cfg.comm`` on ``comm``: shape validation and the watchdog's floor, factor and outage
+    allowance. Before the run's first collective (the topology's communicators included), so
+    that none of them waits under another run's limits."""
+    comm.validate, comm.watchdog.timeout_s = cfg.comm.validate, cfg.comm.timeout_s
+    comm.watchdog.factor, comm.watchdog.outage_s = cfg.comm.watchdog_factor, cfg.comm.outage_s

@@ -1,0 +1,53 @@
+"""What the loop measures of the model: held-out loss, non-finite values, and the hash by which
+ranks and runs are compared; :func:`allsum` sums floats over the ranks of a communicator."""
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..comm.comm import Comm
+
+if TYPE_CHECKING:
+    from ..tasks import Task
+
+
+def params_sha256(model: torch.nn.Module) -> str:
+    """sha256 of the parameters' bytes in ``named_parameters`` order (to compare runs)."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def allsum(ctl: Comm, values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    ctl.allreduce_(t)
+    return t.tolist()
+
+
+def nonfinite(loss: torch.Tensor, model: torch.nn.Module) -> str | None:
+    """What holds NaN/Inf on this rank (``"the loss"``, ``"the gradient of 'w'"``) or None."""
+    if not bool(torch.isfinite(loss.detach()).all()):
+        return "the loss"
+    for name, p in model.named_parameters():
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return f"the gradient of {name!r}"
+    return None
+
+
+@torch.no_grad()
+def evaluate(model, task: Task, batches: list, ctl: Comm) -> float:
+    """Mean loss of ``task`` on the held-out ``batches``, split across the ranks of ``ctl``
+    (NaN when there are none)."""
+    model.eval()
+    total = count = 0.0
+    for i, b in enumerate(batches):
+        if i % ctl.size == ctl.rank:
+            total += task.loss(model, b).item()
+            count += 1
+    model.train()
+    total, count = allsum(ctl, [total, count])
+    return total / count if count else float("nan")

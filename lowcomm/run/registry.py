@@ -1,0 +1,258 @@
+"""Names → methods: the one place that knows every strategy.
+
+Each strategy module publishes a :class:`~lowcomm.strategies.base.Method` (its settings
+dataclass, its builder and an optional check against the run's other keys); adding a method is
+its module plus one line in :data:`STRATEGIES` (or :func:`register` from user code).
+
+A method is named by a spec string ``NAME[:key=value,...]`` — the same strings in
+``policy.<level>``, in ``--set strategy.name=...`` plus ``strategy.<key>`` keys, and from Python::
+
+    import lowcomm
+    opt = lowcomm.build("diloco:period=50,outer_lr=0.7", model, torch.optim.AdamW(model.parameters()))
+    opt = lowcomm.build("syncdp", model, optimizer, compressor="int8")      # gradient compressor
+    opt = lowcomm.policy({"dc": "diloco:period=50,compressor=int8", "rank": "syncdp"},
+                         model, optimizer, topology="dc:2,rank:2")
+
+Values in a spec are read as TOML literals where they are one (``50``, ``0.7``, ``true``), else
+as strings; unknown names and keys are :class:`~lowcomm.errors.ConfigError` naming them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from .config import Config, parse_override
+from .config import load_config as _load_config
+from ..compress.settings import CompressorSettings
+from ..errors import ConfigError
+from ..strategies import diloco, gossip, localsgd, onebit_adam, syncdp
+from ..strategies.ps import method as async_ps
+from ..strategies.base import Context, Method, Strategy
+from ..strategies.policy import Level, build_policy, check_plan
+from ..tasks import TaskError, load_task
+
+#: every strategy by name, one line each
+STRATEGIES: dict[str, Method] = {m.name: m for m in (
+    syncdp.METHOD,
+    localsgd.METHOD,
+    diloco.METHOD,
+    diloco.STREAMING_METHOD,
+    gossip.METHOD,
+    async_ps.METHOD,
+)}
+
+
+def register(method: Method) -> Method:
+    """Add a user's method (its name must be new); returns it, so it can decorate nothing and
+    stand as ``METHOD = register(Method(...))``."""
+    if not isinstance(method, Method):
+        raise TypeError(f"register() takes a lowcomm.Method, got {type(method).__name__}")
+    if method.name in STRATEGIES:
+        raise ValueError(f"a method named {method.name!r} is registered already")
+    STRATEGIES[method.name] = method
+    return method
+
+
+def method(name: str, key: str = "strategy.name") -> Method:
+    if name not in STRATEGIES:
+        raise ConfigError(key, f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def parse_spec(spec: str, key: str = "strategy") -> tuple[Method, dict]:
+    """``"diloco:period=50,compressor=int8"`` -> (the diloco method, ``{"period": 50, ...}``)."""
+    if not isinstance(spec, str):
+        raise ConfigError(key, f"expects a spec string like \"diloco:period=50\", got {spec!r}")
+    name, _, rest = spec.partition(":")
+    m = method(name.strip(), key)
+    opts: dict = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        k, eq, raw = item.partition("=")
+        if not eq:
+            raise ConfigError(key, f"option {item!r} in {spec!r} must look like key=value")
+        opts[k.strip()] = parse_override(f"v={raw}")[1]
+    return m, opts
+
+
+def _defaults(key: str) -> list:
+    return [f.default for m in STRATEGIES.values() for f in dataclasses.fields(m.settings)
+            if f.name == key]
+
+
+def settings(m: Method, options: dict, prefix: str = "strategy."):
+    """``m``'s settings from ``options``. A key of another method is accepted only at that
+    method's default value (it asks for nothing: e.g. a shared TOML's ``bucket_mb = 4.0`` under
+    gossip); set to anything else it is an error naming it, since this method would ignore it."""
+    own = m.settings.fields()
+    mine = {}
+    for k, v in options.items():
+        if k == "name":
+            continue
+        if k in own:
+            mine[k] = v
+            continue
+        defaults = _defaults(k)
+        if not defaults:
+            raise ConfigError(prefix + k, f"unknown key (an option of no strategy); {m.name} "
+                              f"takes: {', '.join(own) or '(none)'}")
+        if v not in defaults:
+            owners = sorted(n for n, o in STRATEGIES.items() if k in o.settings.fields())
+            raise ConfigError(prefix + k, f"is an option of {', '.join(owners)}, which {m.name} "
+                              f"would ignore (it takes: {', '.join(own) or '(none)'})")
+    return m.settings.from_options(mine, prefix, m.name)
+
+
+def strategy_settings(cfg) -> tuple[Method, object]:
+    """The run's method and its settings, from ``cfg.strategy`` (``name`` + options)."""
+    m = method(cfg.strategy.get("name", "syncdp"))
+    return m, settings(m, cfg.strategy)
+
+
+def policy_levels(cfg, names) -> list[Level]:
+    """``cfg.policy`` on the topology levels ``names`` (outermost first): every level's method
+    and settings (spec options over the run's ``[strategy]`` keys); errors name
+    ``policy.<level>.<key>``."""
+    unknown = sorted(set(cfg.policy) - set(names))
+    if unknown:
+        raise ConfigError(f"policy.{unknown[0]}", f"no such level in topology "
+                          f"{cfg.topology or '(from the environment)'}; levels: {', '.join(names)}")
+    plan = []
+    for lvl in names:
+        m, opts = parse_spec(cfg.policy.get(lvl, "syncdp"), f"policy.{lvl}")
+        if not m.level:
+            levels = ", ".join(n for n, o in STRATEGIES.items() if o.level)
+            raise ConfigError(f"policy.{lvl}", f"{m.name} cannot be a level of a per-level policy; "
+                              f"levels take: {levels}")
+        base = {k: v for k, v in cfg.strategy.items() if k in m.settings.fields()}
+        s = settings(m, {**base, **opts}, f"policy.{lvl}.")
+        if m.check is not None:
+            m.check(s, cfg, f"policy.{lvl}.")
+        plan.append(Level(lvl, m, s, opts))
+    return plan
+
+
+def check(cfg) -> None:
+    """Every method-level key of ``cfg``: the strategy and its options, each policy spec, the
+    combinations with the run's keys; raises ConfigError naming the key."""
+    try:
+        load_task(cfg.task.name)              # a missing file or function fails before MPI starts
+    except TaskError as e:
+        raise ConfigError("task", str(e)) from None
+    if cfg.optimizer.name == "onebit-adam":
+        onebit_adam.check_run(cfg)
+    if cfg.policy:
+        if cfg.strategy.get("name", "syncdp") != "syncdp":
+            raise ConfigError("policy", f"give either strategy.name ({cfg.strategy['name']!r}) or "
+                              "policy.<level>, not both")
+        if cfg.topology:       # else the levels come from the environment when the job starts
+            from ..comm.topology import Topology
+            names = Topology.parse(cfg.topology).names
+            check_plan(policy_levels(cfg, names), cfg.compressor.name)
+        else:                  # each spec on its own; the order is known at the start
+            policy_levels(cfg, list(cfg.policy))
+        return
+    m, s = strategy_settings(cfg)
+    if m.check is not None:
+        m.check(s, cfg, "strategy.")
+    own = m.settings.fields()        # keep what was given, as the settings typed it
+    cfg.strategy = {"name": m.name, **{k: getattr(s, k) if k in own else v
+                                       for k, v in cfg.strategy.items() if k != "name"}}
+
+
+def load_config(path=None, overrides=(), base: dict | None = None):
+    """:func:`lowcomm.run.config.load_config`, then every method-level check (:func:`check`)."""
+    cfg = _load_config(path, overrides, base)
+    check(cfg)
+    return cfg
+
+
+def context(cfg) -> Context:
+    """What builders take from the run's config."""
+    return Context(compressor=cfg.compressor, nonfinite="skip" if cfg.on_nonfinite == "skip"
+                   else "abort", steps=cfg.steps)
+
+
+def build_strategy(cfg, model, optimizer, comm, levels=None) -> Strategy:
+    """The run's strategy on ``comm``: 1-bit Adam, a per-level policy, or ``cfg.strategy``.
+    ``levels``: the topology's communicators over ``comm`` (:func:`topology_comms`), which a
+    policy and the hierarchical all-reduce need."""
+    if cfg.optimizer.name == "onebit-adam":   # 1-bit Adam owns both the update and the exchange
+        return onebit_adam.OneBitAdam(model, optimizer, comm, freeze_step=cfg.optimizer.freeze_step)
+    ctx = dataclasses.replace(context(cfg), levels=levels)
+    if cfg.policy:
+        return build_policy(policy_levels(cfg, levels.names), model, optimizer, comm, ctx)
+    m, s = strategy_settings(cfg)
+    return m.build(s, model, optimizer, comm, ctx)
+
+
+def topology_comms(cfg, comm):
+    """The topology's communicators over ``comm`` when the run needs them (a per-level policy,
+    or a ``hierarchical`` all-reduce), else None; the topology is read (and checked against the
+    job's size) whenever one is configured, and ``comm.link`` set to its outermost level's
+    links (which a world collective crosses: the watchdog's limits and the compressed
+    collective's choice read it). Collective over ``comm``."""
+    configured = bool(cfg.topology or os.environ.get("LOWCOMM_TOPOLOGY"))
+    algorithm = cfg.strategy.get("algorithm", "auto")
+    # "auto" may pick the hierarchical all-reduce where a topology is configured
+    needed = bool(cfg.policy) or algorithm == "hierarchical" or (algorithm == "auto" and configured)
+    if not (needed or configured):
+        return None
+    from ..comm.topology import Topology
+    topo = Topology.from_env(comm, cfg.topology)
+    if needed:
+        return topo.comms(comm)
+    topo.check_size(comm.size)
+    comm.link = topo.link(topo.names[0])    # a world collective crosses the outermost links
+    return None
+
+
+def _python_context(compressor, nonfinite: str, steps: int | None, levels=None) -> Context:
+    if isinstance(compressor, str):
+        compressor = CompressorSettings(name=compressor)
+    elif compressor is None:
+        compressor = CompressorSettings()
+    elif not isinstance(compressor, CompressorSettings):
+        raise TypeError("compressor must be a name, a CompressorSettings or None, got "
+                        f"{type(compressor).__name__}")
+    compressor.validate("compressor.")
+    return Context(compressor=compressor, nonfinite=nonfinite, steps=steps, levels=levels)
+
+
+def build(spec: str, model, optimizer, comm=None, *, compressor=None, nonfinite: str = "abort",
+          steps: int | None = None, levels=None, **options) -> Strategy:
+    """Any registered strategy from Python: ``spec`` is ``NAME[:key=value,...]`` and
+    ``options`` more keys (they win over the spec's). ``compressor``: the gradient
+    compressor's name or a :class:`~lowcomm.compress.settings.CompressorSettings` (its knobs
+    also serve a compressor a strategy option names). ``steps``: the run's step budget (the
+    parameter server needs it). ``comm``: default the world. ``levels``: the topology's
+    communicators (:meth:`lowcomm.comm.topology.Topology.comms`) for ``algorithm=hierarchical``.
+
+    Example::
+
+        opt = lowcomm.build("streaming-diloco:period=100,fragments=4,delay=5", model, inner)
+    """
+    from ..comm.comm import init
+    m, opts = parse_spec(spec, "spec")
+    s = settings(m, {**opts, **options}, "")
+    return m.build(s, model, optimizer, comm or init(),
+                   _python_context(compressor, nonfinite, steps, levels))
+
+
+def policy(levels: dict[str, str], model, optimizer, comm=None, *, topology: str = "",
+           compressor=None, nonfinite: str = "abort") -> Strategy:
+    """A per-level policy from Python: ``levels`` maps each topology level to a spec (levels
+    left out are ``syncdp``); ``topology`` a spec such as ``"dc:2,rank:2"`` (default: the
+    environment, as :meth:`lowcomm.comm.topology.Topology.from_env`)."""
+    from ..comm.comm import init
+    from ..comm.topology import Topology
+    comm = comm or init()
+    comms = Topology.from_env(comm, topology).comms(comm)
+    cfg = Config(topology=topology, policy=dict(levels))
+    plan = policy_levels(cfg, comms.names)
+    return build_policy(plan, model, optimizer, comm,
+                        _python_context(compressor, nonfinite, None, comms))
+
+
+__all__ = ["STRATEGIES", "build", "build_strategy", "check", "context", "load_config", "method",
+           "parse_spec", "policy", "policy_levels", "register", "settings", "strategy_settings",
+           "topology_comms"]

@@ -1,0 +1,48 @@
+"""Stopping a run on request: SIGINT/SIGTERM set a flag that the loop acts on at a step boundary,
+and :class:`Interrupted` is how a stopped run ends (exit status 128 + signal)."""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from ..errors import LowcommError
+
+log = logging.getLogger("lowcomm.train")
+
+
+class Interrupted(LowcommError):
+    """The run was stopped by a signal after writing a final checkpoint."""
+
+    def __init__(self, signum: int, step: int, where: Path | None):
+        self.signum, self.step, self.exit_code = signum, step, 128 + signum
+        saved = f"checkpoint written to {where}" if where else "no checkpoint folder configured"
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; {saved}")
+
+
+class StopFlag:
+    """SIGINT/SIGTERM set a flag (main thread only); the loop acts on it at a step boundary."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = 0
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum:             # a second signal: stop now, without the checkpoint
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        self.signum = signum
+        log.warning("%s: stopping after this step and writing a checkpoint (send it again to "
+                    "stop at once)", signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old)

@@ -1,0 +1,185 @@
+"""Reducer: bucketed all-reduce of named tensors, overlapped with the backward pass.
+
+Tensors are packed into flat buckets of about ``bucket_bytes`` (one dtype per bucket), in the
+order given (SyncDP gives parameters in reverse, the order autograd produces their gradients).
+As soon as every tensor of a bucket is marked ready the bucket is handed to one background
+thread that all-reduces it with the chosen algorithm on a duplicate of the communicator, while
+the caller goes on computing. Buckets are always launched in index order, so every rank issues
+the same collectives in the same sequence even when its gradients arrive in another order.
+
+mpi4py releases the GIL inside MPI calls and torch inside its kernels, so the thread overlaps
+for real; this is the design Horovod's background thread and PyTorch DDP's reducer share.
+"""
+from __future__ import annotations
+
+import functools
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from ..comm.collectives import allreduce_, get_algorithm
+from ..comm.comm import Comm
+from ..compress.base import Compressor, Segment, nonfinite_segments
+from ..errors import CommError, NonFiniteError
+
+
+@dataclass
+class Bucket:
+    index: int
+    names: list[str]
+    offsets: list[int]                    # len(names) + 1 offsets into ``flat``
+    shapes: list[torch.Size]
+    flat: torch.Tensor
+    pending: set[int] = field(default_factory=set)
+    future: Future | None = None
+
+    def view(self, i: int) -> torch.Tensor:
+        return self.flat[self.offsets[i]:self.offsets[i + 1]].view(self.shapes[i])
+
+    @functools.cached_property
+    def segments(self) -> list[Segment]:
+        """Its tensors as named segments of ``flat`` (built once)."""
+        return [Segment(n, s, self.offsets[i], self.offsets[i + 1])
+                for i, (n, s) in enumerate(zip(self.names, self.shapes))]
+
+
+class Reducer:
+    """Average (or sum) named tensors over ``comm``, bucket by bucket.
+
+    Args:
+        comm: the communicator.
+        named: ``(name, tensor)`` pairs fixing names, shapes, dtypes and bucket order; the same
+            on every rank (checked once, here, so the hot path needs no per-call check).
+        algorithm: an all-reduce algorithm name (:data:`lowcomm.comm.collectives.ALGORITHM_NAMES`;
+            "auto" chooses per bucket size).
+        levels: the topology's communicators (:meth:`lowcomm.comm.topology.Topology.comms`), needed by
+            ``algorithm = "hierarchical"`` (the Reducer runs it on a duplicate of them).
+        bucket_bytes: target bucket size; a tensor larger than this gets a bucket of its own.
+        op: "avg" or "sum".
+        overlap: reduce buckets on a background thread as they fill (else in :meth:`flush`).
+        compressor: reduce each bucket with this compressor (its payload on the wire) instead
+            of a dense all-reduce; ``op`` must then be "avg".
+        nonfinite: a bucket holding NaN/Inf is never sent: "raise" a NonFiniteError naming the
+            parameters, or "zero" them (the caller, checking its own gradients, skips the step).
+
+    Example::
+
+        red = Reducer(comm, [(n, p) for n, p in reversed(list(model.named_parameters()))])
+        for name, p in ...: red.ready(name, p.grad)
+        for name, g in red.flush(): ...   # averaged tensors, views into the buckets
+    """
+
+    def __init__(self, comm: Comm, named: list[tuple[str, torch.Tensor]], algorithm: str = "mpi",
+                 bucket_bytes: int = 4 << 20, op: str = "avg", overlap: bool = True,
+                 compressor: Compressor | None = None, nonfinite: str = "raise", levels=None):
+        get_algorithm(algorithm, levels)
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if nonfinite not in ("raise", "zero"):
+            raise ValueError(f"nonfinite must be 'raise' or 'zero', got {nonfinite!r}")
+        if compressor is not None and op != "avg":
+            raise ValueError(f"a compressor averages; op must be 'avg', got {op!r}")
+        self.comm, self.algorithm, self.op, self.overlap = comm, algorithm, op, overlap
+        self.compressor, self.nonfinite = compressor, nonfinite
+        self.buckets: list[Bucket] = []
+        self._where: dict[str, tuple[int, int]] = {}
+        for name, t in named:
+            nbytes = t.numel() * t.element_size()
+            b = self.buckets[-1] if self.buckets else None
+            fits = b is not None and b.flat.dtype == t.dtype and \
+                (b.offsets[-1] * t.element_size() + nbytes <= bucket_bytes or not b.names)
+            if not fits:
+                b = Bucket(len(self.buckets), [], [0], [], torch.empty(0, dtype=t.dtype))
+                self.buckets.append(b)
+            self._where[name] = (b.index, len(b.names))
+            b.names.append(name)
+            b.shapes.append(t.shape)
+            b.offsets.append(b.offsets[-1] + t.numel())
+        for b in self.buckets:
+            b.flat = torch.zeros(b.offsets[-1], dtype=b.flat.dtype, device=named[0][1].device)
+        self._check_layout()
+        self._thread_comm = comm.dup()   # own message space; shapes were checked just above
+        self._thread_comm.validate = False
+        # hierarchical: the topology's communicators, duplicated for the same reason
+        self._levels = levels.dup() if levels is not None and algorithm in ("hierarchical", "auto") \
+            else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-reducer") if overlap else None
+        self._next = 0          # the next bucket to launch; launches happen in index order
+        self.reset()
+
+    def _check_layout(self) -> None:
+        """All ranks must bucket the same tensors the same way, or collectives would mismatch."""
+        sig = repr([(b.names, [tuple(s) for s in b.shapes], str(b.flat.dtype)) for b in self.buckets])
+        bad = self.comm.disagreeing(sig, len(self.buckets))
+        if bad:
+            raise CommError("reducer.layout", self.comm.rank,
+                            f"ranks {bad} hold differently named or shaped tensors than rank 0 "
+                            f"(this rank: {sum(len(b.names) for b in self.buckets)} tensors in "
+                            f"{len(self.buckets)} buckets)")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
+
+    def reset(self) -> None:
+        for b in self.buckets:
+            b.pending = set(range(len(b.names)))
+            b.future = None
+        self._next = 0
+
+    def ready(self, name: str, tensor: torch.Tensor | None) -> None:
+        """Copy ``tensor`` (``None`` means zeros) into its bucket; launch full buckets in order."""
+        bi, i = self._where[name]
+        b = self.buckets[bi]
+        if i not in b.pending:
+            return
+        if tensor is None:
+            b.view(i).zero_()
+        else:
+            b.view(i).copy_(tensor)
+        b.pending.discard(i)
+        if self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and not self.buckets[self._next].pending:
+            b = self.buckets[self._next]
+            b.future = self._pool.submit(self._reduce, b)
+            self._next += 1
+
+    def _reduce(self, b: Bucket) -> None:
+        """Check, then reduce one bucket in place (dense all-reduce or the compressor)."""
+        bad = nonfinite_segments(b.flat, b.segments)
+        if bad and self.nonfinite == "raise":
+            raise NonFiniteError(self.comm.rank, "the gradient of " + ", ".join(repr(s.name) for s in bad))
+        for s in bad:
+            b.flat[s.start:s.stop].zero_()
+        if self.compressor is None:
+            allreduce_(b.flat, self._thread_comm, self.algorithm, self.op, levels=self._levels)
+        else:
+            b.flat.copy_(self.compressor.reduce(b.flat, f"bucket{b.index}", self._thread_comm, b.segments))
+
+    def is_pending(self, name: str) -> bool:
+        bi, i = self._where[name]
+        return i in self.buckets[bi].pending
+
+    def flush(self):
+        """Wait for all buckets and return ``[(name, reduced view)]``. Tensors never marked
+        ready are reduced as zeros (a parameter unused on this rank)."""
+        for b in self.buckets:
+            for i in sorted(b.pending):
+                self.ready(b.names[i], None)
+        for b in self.buckets:
+            if b.future is not None:
+                b.future.result()
+            else:
+                self._reduce(b)
+        out = [(name, b.view(i)) for b in self.buckets for i, name in enumerate(b.names)]
+        self.reset()
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

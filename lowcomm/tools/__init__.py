@@ -1,0 +1,1 @@
+"""Tools around runs: ``lowcomm compare``, the benchmarks and the emulated WAN."""

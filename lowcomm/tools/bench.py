@@ -1,0 +1,504 @@
+"""Benchmarks that measure lowcomm beside vendor MPI, Horovod and torch.distributed (gloo) in
+one run, on the same buffers, and print the figures side by side.
+
+Timing: every iteration starts after a barrier; its time is the slowest rank's; a row reports
+the median over iterations (robust on a shared, oversubscribed machine). Bandwidths follow
+nccl-tests: ``algbw = bytes / time``, ``busbw = algbw · 2(K-1)/K`` for all-reduce.
+"""
+from __future__ import annotations
+
+import dataclasses
+import socket
+import statistics
+import time
+from contextlib import ExitStack, contextmanager
+from datetime import timedelta
+
+import torch
+
+from ..comm.collectives import ALGORITHM_NAMES, ALGORITHMS, allreduce_, choose
+from ..comm.comm import Comm, mpi
+from ..comm.ledger import Ledger, busbw_factor
+from ..comm.watchdog import default_timeout_s
+
+SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+BASELINES = ("horovod", "gloo")
+
+
+def parse_size(text: str) -> int:
+    """``"4K"`` -> 4096, ``"16M"`` -> 16777216 (binary units)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1] if t and t[-1] in SIZE_UNITS else ""
+    number = t[:-1] if unit else t
+    try:
+        value = int(float(number) * SIZE_UNITS[unit])
+    except ValueError:
+        raise ValueError(f"cannot read size {text!r}; use e.g. 4K, 1M, 16M") from None
+    if value < 0:
+        raise ValueError(f"size {text!r} is negative")
+    return value
+
+
+def init_gloo(comm: Comm):
+    """A torch.distributed gloo process group over the same ranks (rendezvous on rank 0)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        addr = port = None
+        if comm.rank == 0:
+            addr = socket.gethostbyname(socket.gethostname())
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        addr, port = comm.bcast_object((addr, port))
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
+                                world_size=comm.size, timeout=timedelta(seconds=comm.watchdog.timeout_s or default_timeout_s()))
+    return dist
+
+
+def _check_known(name: str, known, what: str = "algorithm") -> None:
+    if name not in known:
+        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(known)}")
+
+
+#: gloo process groups of finished benchmark windows, kept alive to the end (see baseline())
+_RETIRED_GROUPS: list = []
+
+
+@contextmanager
+def baseline(name: str, comm: Comm):
+    """Start Horovod (``horovod``) or a gloo process group (``gloo``, ``ddp-gloo*``) for one
+    benchmark window, yield its module, and shut it down after: their polling threads would
+    otherwise slow every later row on a shared, oversubscribed machine. Others yield None."""
+    if name == "horovod":
+        from ..strategies.horovod import init
+        hvd = init(comm)
+        try:
+            yield hvd
+        finally:
+            hvd.shutdown()
+    elif name == "gloo" or name.startswith("ddp-gloo"):
+        dist = init_gloo(comm)
+        try:
+            yield dist
+        finally:
+            # The group object outlives the window, to the end of the process (_RETIRED_GROUPS):
+            # whoever drops its last reference runs its destructor, which joins gloo's worker
+            # threads. Dropped in a worker (a finished work item's Python callback closes over
+            # the group, e.g. in torch's PowerSGD hook) the join is of itself: "Resource
+            # deadlock avoided", abort (seen once in CI); dropped by the main thread with the
+            # GIL held while a worker needs the GIL to free a work item: a deadlock
+            # (pytorch/pytorch#56297). Kept here, it goes at exit, its workers long idle.
+            _RETIRED_GROUPS.append(dist.group.WORLD)
+            dist.destroy_process_group()
+    else:
+        yield None
+
+
+@contextmanager
+def reducer(name: str, comm: Comm):
+    """Yield a callable summing a float32 CPU tensor in place over all ranks with ``name``
+    (``auto``: with the topology's communicators when ``$LOWCOMM_TOPOLOGY`` names one)."""
+    _check_known(name, [*ALGORITHM_NAMES, *BASELINES])
+    with baseline(name, comm) as lib:
+        if name == "horovod":
+            yield lambda t: lib.allreduce_(t, op=lib.Sum, name="bench")
+        elif name == "gloo":
+            yield lambda t: lib.all_reduce(t)
+        elif name == "hierarchical" or (name == "auto" and _topology_given()):
+            from ..comm.topology import Topology     # the topology's communicators, built once
+            levels = Topology.from_env(comm).comms(comm)
+
+            def fn(t):
+                return allreduce_(t, comm, name, levels=levels)
+            fn.levels = levels
+            yield fn
+        else:
+            yield lambda t: allreduce_(t, comm, name)
+
+
+def _topology_given() -> bool:
+    import os
+    return bool(os.environ.get("LOWCOMM_TOPOLOGY"))
+
+
+def _slowest(ctl: Comm, seconds: float) -> float:
+    """The largest of the ranks' times (control plane, not charged to any method)."""
+    return ctl.mpi.allreduce(seconds, op=mpi().MAX)
+
+
+def bench_allreduce(comm: Comm, sizes: list[int], algorithms: list[str], iters: int = 20,
+                    warmup: int = 3) -> list[dict]:
+    """Time each algorithm on each float32 size; count wrong elements against the exact sum.
+
+    lowcomm's algorithms (``auto`` included) take turns iteration by iteration (the order
+    rotating), so a load that comes and goes on a shared machine falls on all of them alike
+    and their ratios hold; Horovod and gloo run in windows of their own (their threads would
+    slow the others)."""
+    ctl = comm.dup(Ledger(), "control")
+    bench = comm.dup(Ledger())
+    bench.validate = False
+    for alg in algorithms:   # fail on a bad name before measuring anything
+        _check_known(alg, [*ALGORITHM_NAMES, *BASELINES])
+    own = [a for a in algorithms if a not in BASELINES]
+    rows = []
+    with ExitStack() as stack:
+        fns = {a: stack.enter_context(reducer(a, bench)) for a in own}
+        for size in sizes:
+            rows += _time_size(ctl, bench, fns, size, iters, warmup)
+    for alg in [a for a in algorithms if a in BASELINES]:
+        with reducer(alg, bench) as fn:
+            for size in sizes:
+                rows += _time_size(ctl, bench, {alg: fn}, size, iters, warmup)
+    return sorted(rows, key=lambda row: (row["size"], algorithms.index(row["algorithm"])))
+
+
+def _time_size(ctl: Comm, bench: Comm, fns: dict, size: int, iters: int, warmup: int) -> list[dict]:
+    """One row per algorithm in ``fns`` at ``size`` bytes, the algorithms taking turns."""
+    K, n = bench.size, size // 4
+    base = (torch.arange(n, dtype=torch.float32) % 7) + bench.rank      # exact in float32
+    expected = (torch.arange(n, dtype=torch.float32) % 7) * K + K * (K - 1) / 2
+    bufs = {a: torch.empty(n, dtype=torch.float32) for a in fns}
+    times: dict[str, list[float]] = {a: [] for a in fns}
+    wrong = dict.fromkeys(fns, 0)
+    names = list(fns)
+    for i in range(warmup + iters):
+        for alg in names[i % len(names):] + names[:i % len(names)]:
+            buf = bufs[alg]
+            buf.copy_(base)
+            ctl.barrier()
+            t0 = time.perf_counter()
+            fns[alg](buf)
+            dt = _slowest(ctl, time.perf_counter() - t0)
+            if i >= warmup:
+                times[alg].append(dt)
+            # checked after every call, outside the timed region: a race (shm's double
+            # buffering, a segment reused too early) may show in one call of many
+            wrong[alg] = max(wrong[alg], int((buf != expected).sum()))
+    rows = []
+    for alg in names:
+        t = statistics.median(times[alg])
+        algbw = size / t / 1e9 if t > 0 else 0.0
+        row = {"size": size, "count": n, "dtype": "float32", "algorithm": alg,
+               "ranks": K, "time_us": t * 1e6, "algbw_GBps": algbw,
+               "busbw_GBps": algbw * busbw_factor("allreduce", K), "wrong": wrong[alg]}
+        if alg == "auto":
+            row["chose"] = choose(bench, size, getattr(fns[alg], "levels", None))
+        rows.append(row)
+    return rows
+
+
+def format_allreduce(rows: list[dict]) -> str:
+    """An nccl-tests style table with each row's busbw as a ratio of vendor MPI's; an ``auto``
+    row also says what it ran and ``best/auto``: the fastest other lowcomm row's time (of the
+    same size, same run) over auto's (>= 1: auto was at least as fast)."""
+    ref = {r["size"]: r["busbw_GBps"] for r in rows if r["algorithm"] == "mpi"}
+    best = {}
+    for r in rows:
+        if r["algorithm"] in ALGORITHMS:
+            best[r["size"]] = min(best.get(r["size"], float("inf")), r["time_us"])
+    lines = [f"{'size':>10} {'algorithm':>13} {'time(us)':>11} {'algbw(GB/s)':>12} "
+             f"{'busbw(GB/s)':>12} {'vs mpi':>7} {'#wrong':>7} {'best/auto':>10}"]
+    for r in rows:
+        ratio = f"{r['busbw_GBps'] / ref[r['size']]:.2f}" if ref.get(r["size"]) else "-"
+        name = f"auto={r['chose']}" if "chose" in r else r["algorithm"]
+        vs = f"{best[r['size']] / r['time_us']:.2f}" if "chose" in r and r["size"] in best else ""
+        lines.append(f"{r['size']:>10} {name:>13} {r['time_us']:>11.1f} "
+                     f"{r['algbw_GBps']:>12.3f} {r['busbw_GBps']:>12.3f} {ratio:>7} {r['wrong']:>7} {vs:>10}")
+    return "\n".join(lines)
+
+
+def tune_allreduce(comm: Comm, sizes=None, iters: int = 10, warmup: int = 2,
+                   path=None) -> tuple[list[dict], str]:
+    """``lowcomm bench allreduce --tune``: time every candidate of ``auto`` at ``sizes``
+    (default :data:`lowcomm.comm.tuning.TUNE_SIZES`) on this communicator (one node) and write the table
+    :mod:`lowcomm.comm.tuning` reads (rank 0 writes; returns the rows and the path)."""
+    import os
+    import platform
+    from pathlib import Path
+
+    from ..comm.tuning import TUNE_SIZES, save_table, table_path
+    if not comm.node_local():
+        raise ValueError("--tune measures the ranks of one node; these ranks span several "
+                         "(their links are the α–β model's business)")
+    algs = ["mpi", "ring", "rabenseifner", "tree", "shm"] + (["hierarchical"] if _topology_given() else [])
+    rows = bench_allreduce(comm, list(sizes or TUNE_SIZES), algs, iters, warmup)
+    bad = [r for r in rows if r["wrong"]]
+    if bad:
+        raise RuntimeError(f"--tune: {bad[0]['algorithm']} gave {bad[0]['wrong']} wrong elements "
+                           f"at {bad[0]['size']} bytes; no table written")
+    target = Path(path) if path else table_path(comm.size)
+    if comm.rank == 0:
+        times: dict[int, dict[str, float]] = {}
+        for r in rows:
+            times.setdefault(r["size"], {})[r["algorithm"]] = round(r["time_us"], 1)
+        save_table(target, comm.size, times, {
+            "host": platform.node(), "iters": iters, "dtype": "float32",
+            "loadavg": os.getloadavg(), "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "topology": os.environ.get("LOWCOMM_TOPOLOGY", "")})
+    return rows, str(target)
+
+
+#: compressed peers: lowcomm's ``syncdp-<c>`` beside torch DDP's communication hook ``ddp-gloo-<c>``
+STEP_COMPRESSORS = ("fp16", "powersgd")
+#: PowerSGD's dense steps before compressing, in both implementations (torch needs >= 2 with
+#: error feedback); the timed steps come after the warm-up, so all of them are compressed
+STEP_POWERSGD_START = 2
+#: ``local``: every rank steps on its own gradients, nothing sent -- the floor under every
+#: data-parallel row (same model, batches and optimizer; only the communication is missing)
+STEP_LOCAL = "local"
+STEP_STRATEGIES = ("syncdp", *[f"syncdp-{a}" for a in ALGORITHMS], "horovod", "ddp-gloo",
+                   *[f"{p}-{c}" for c in STEP_COMPRESSORS for p in ("syncdp", "ddp-gloo")], STEP_LOCAL)
+
+
+def _ddp_hook(ddp, name: str, cfg) -> None:
+    """torch's own communication hook for compressed peer ``name`` (``ddp-gloo-<c>``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    kind = name.rsplit("-", 1)[1]
+    if kind == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    else:
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=cfg.compressor.approx_rank,
+            start_powerSGD_iter=STEP_POWERSGD_START,
+            min_compression_rate=cfg.compressor.min_compression_rate,
+            use_error_feedback=True, warm_start=True, random_seed=cfg.compressor.seed)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def _step_compressor(name: str, cfg):
+    """lowcomm's compressor for ``syncdp-<c>`` (the run's [compressor] keys, PowerSGD starting
+    at :data:`STEP_POWERSGD_START` like torch's hook)."""
+    import dataclasses
+
+    from ..compress import build_compressor
+    kind = name.split("-", 1)[1]
+    return build_compressor(dataclasses.replace(cfg.compressor, name=kind, start_iter=STEP_POWERSGD_START))
+
+
+def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: int = 5) -> list[dict]:
+    """Median training-step time of ``cfg``'s model under each data-parallel implementation:
+    lowcomm's SyncDP (``syncdp``: the configured algorithm, default ``auto``;
+    ``syncdp-<algorithm>``; ``syncdp-fp16`` / ``syncdp-powersgd`` with lowcomm's compressor),
+    Horovod, torch DDP over gloo (``ddp-gloo``; ``ddp-gloo-fp16`` / ``ddp-gloo-powersgd``
+    with torch's ``fp16_compress_hook`` / ``powerSGD_hook``), and ``local`` (no communication:
+    the compute floor). Same model, seed, batches and optimizer for every row; DDP's bucket
+    size is SyncDP's ``bucket_mb``."""
+    from ..strategies.horovod import HorovodDP
+    from ..run.loop import build_optimizer
+    from ..strategies.syncdp import SyncDP, SyncDPSettings
+    from ..tasks import load_task
+
+    ctl = comm.dup(Ledger(), "control")
+    task = load_task(cfg.task.name)
+    s = SyncDPSettings.from_options({k: v for k, v in cfg.strategy.items()
+                                     if k in SyncDPSettings.fields()}, "strategy.")
+    for name in strategies:   # fail on a bad name before measuring anything
+        _check_known(name, STEP_STRATEGIES, "strategy")
+    rows = []
+    for name in strategies:
+        torch.manual_seed(cfg.seed)
+        model = task.model(cfg)
+        params = sum(p.numel() for p in model.parameters())
+        opt = build_optimizer(cfg, model.parameters())
+        run = comm.dup(Ledger())
+        run.validate = False
+        exposed = None
+        with baseline(name, comm):
+            if name.startswith("ddp-gloo"):
+                from torch.nn.parallel import DistributedDataParallel
+                ddp = DistributedDataParallel(model, bucket_cap_mb=s.bucket_mb)
+                if name != "ddp-gloo":
+                    _ddp_hook(ddp, name, cfg)
+                times = _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(ddp, b))
+                del ddp     # its hooks and buckets, before the next row
+            elif name == STEP_LOCAL:
+                times = _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(model, b))
+            else:
+                if name == "horovod":
+                    wrapped = HorovodDP(model, opt, run)
+                else:
+                    compressed = name.split("-", 1)[-1] in STEP_COMPRESSORS
+                    algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") and \
+                        not compressed else s.algorithm
+                    levels = None
+                    if algorithm == "hierarchical":
+                        from ..comm.topology import Topology
+                        levels = Topology.from_env(run, cfg.topology).comms(run)
+                    wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=s.bucket_mb,
+                                     overlap=s.overlap, levels=levels,
+                                     compressor=_step_compressor(name, cfg) if compressed else None)
+                exposed = [] if isinstance(wrapped, SyncDP) else None
+                times = _time_steps(ctl, task, cfg, wrapped, warmup, steps, lambda b: task.loss(model, b),
+                                    exposed=exposed)
+                wrapped.close()
+        rows.append({"strategy": name, "ranks": comm.size, "params": params,
+                     "grad_MB": params * 4 / 1e6, "step_ms": statistics.median(times) * 1e3,
+                     "step_ms_mean": statistics.fmean(times) * 1e3,
+                     "sync_ms": statistics.median(exposed) * 1e3 if exposed else None})
+    return rows
+
+
+def _time_steps(ctl: Comm, task, cfg, opt, warmup: int, steps: int, loss,
+                exposed: list | None = None) -> list[float]:
+    """The slowest rank's time of each of ``steps`` training steps after ``warmup`` ones;
+    ``exposed`` (SyncDP): gets the slowest rank's ``sync_s`` of each timed step (the wait for
+    the buckets after backward, and the copies into ``p.grad``)."""
+    times = []
+    for step in range(1, warmup + steps + 1):
+        b = task.batch(step, ctl.rank, ctl.size, cfg)
+        ctl.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss(b).backward()
+        opt.step()
+        dt = _slowest(ctl, time.perf_counter() - t0)
+        if step > warmup:
+            times.append(dt)
+            if exposed is not None:
+                exposed.append(_slowest(ctl, opt.sync_s))
+    return times
+
+
+def step_peer(name: str) -> str | None:
+    """The torch DDP row a lowcomm row is compared with: ``syncdp``/``syncdp-<algorithm>`` and
+    ``local`` -> ``ddp-gloo``, ``syncdp-<c>`` -> ``ddp-gloo-<c>`` for a compressor c; others:
+    None."""
+    if name == STEP_LOCAL:
+        return "ddp-gloo"
+    if not name.startswith("syncdp"):
+        return None
+    kind = name.split("-", 1)[1] if "-" in name else ""
+    return f"ddp-gloo-{kind}" if kind in STEP_COMPRESSORS else "ddp-gloo"
+
+
+def format_step(rows: list[dict]) -> str:
+    """Step times; ``vs syncdp``: this row over plain SyncDP's; ``ours/ddp``: a lowcomm row's
+    median over its torch DDP peer's in the same run (< 1: ours is faster; on the ``local`` row
+    the floor: no data-parallel step of this model can be below it); ``sync(ms)``: a
+    SyncDP row's median wait in ``step()`` for the buckets backward did not finish (plus the
+    copies into ``p.grad``): the communication left exposed."""
+    ref = {r["strategy"]: r["step_ms"] for r in rows}
+    base = ref.get("syncdp")
+    lines = [f"{'strategy':>22} {'params':>10} {'step(ms) median':>16} {'mean':>8} {'vs syncdp':>10} "
+             f"{'ours/ddp':>9} {'sync(ms)':>9}"]
+    for r in rows:
+        ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
+        peer = step_peer(r["strategy"])
+        vs = f"{r['step_ms'] / ref[peer]:.2f}" if peer in ref else ""
+        sync = f"{r['sync_ms']:.1f}" if r.get("sync_ms") is not None else ""
+        lines.append(f"{r['strategy']:>22} {r['params']:>10} {r['step_ms']:>16.1f} "
+                     f"{r['step_ms_mean']:>8.1f} {ratio:>10} {vs:>9} {sync:>9}")
+    return "\n".join(lines)
+
+
+#: the link of the break-even column of ``lowcomm bench compress``: 10 Gbit/s
+BREAK_EVEN_GBIT = 10.0
+
+
+def bench_compress(methods: list[str], numel: int = 2048 * 2048, iters: int = 10, warmup: int = 2,
+                   cfg=None, link_gbit: float = BREAK_EVEN_GBIT, clock: str = "wall") -> list[dict]:
+    """Single-process compress / decompress throughput of each method on one float32 gradient
+    of ``numel`` elements (a square-ish matrix), beside a memcpy of the same bytes timed in the
+    same run. GB/s = gradient bytes / median seconds; ``vs memcpy`` = memcpy's median seconds /
+    the method's, with a memcpy timed just before every timed call (interleaved: on a shared
+    machine both see the same load); the memcpy row: the median of all those copies.
+    Method ``pack`` times the bit packing and unpacking alone (sign methods and 1-bit Adam).
+    ``clock``: "wall" (``time.perf_counter``) or "cpu" (this thread's CPU time,
+    ``time.thread_time``: time spent descheduled by other processes does not count, so ratios
+    taken on a busy machine move less; memory contention still shows).
+
+    Break-even: ``cost_ms`` = compress + decompress (median each), ``saved_ms`` = the time the
+    bytes it saves (gradient − payload) take on a ``link_gbit`` link, ``cost_vs_saved`` =
+    cost / saved (below 1: it pays for itself on that link, for one rank's one send)."""
+    from ..compress import COMPRESSORS, build_compressor
+    from ..compress.base import Segment
+    from ..compress.bits import pack_signs, unpack_signs
+    from ..run.config import CompressorConfig
+
+    for m in methods:
+        _check_known(m, [*COMPRESSORS, "pack"], "method")
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"unknown clock {clock!r}; known: wall, cpu")
+    now = time.perf_counter if clock == "wall" else time.thread_time
+    rows_n = max(1, int(numel ** 0.5))
+    while numel % rows_n:
+        rows_n -= 1
+    shape = (rows_n, numel // rows_n)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=gen)
+    segs = [Segment("grad", torch.Size(shape), 0, numel)]
+    nbytes = numel * 4
+
+    dst = torch.empty_like(x)
+
+    def memcpy() -> None:
+        dst.copy_(x)
+
+    copies: list[float] = []
+
+    def median(fn) -> tuple[float, float]:
+        """Median seconds of ``fn`` and of a memcpy timed just before each of its iterations
+        (interleaved, so on a shared machine both see the same load)."""
+        for _ in range(warmup):
+            fn()
+        times, refs = [], []
+        for _ in range(iters):
+            t0 = now()
+            memcpy()
+            t1 = now()
+            fn()
+            times.append(now() - t1)
+            refs.append(t1 - t0)
+        copies.extend(refs)
+        return statistics.median(times), statistics.median(refs)
+
+    rows = []
+    base = cfg or CompressorConfig()
+    for m in methods:
+        if m == "pack":
+            (t, tm), p = median(lambda: pack_signs(x)), pack_signs(x)
+            u, um = median(lambda: unpack_signs(p, numel, torch.float32, 0.5))
+            name, payload_bytes = "pack/unpack", p.numel()
+        else:
+            c = build_compressor(dataclasses.replace(base, name=m, start_iter=0)) or COMPRESSORS["none"](base)
+            t, tm = median(lambda: c.compress(x, "bench", segs))
+            payload, ctx = c.compress(x, "bench", segs)
+            u, um = median(lambda: c.decompress(payload, ctx))
+            name, payload_bytes = m, sum(q.numel() * q.element_size() for q in payload)
+        rows.append({"method": name, "compress_GBps": nbytes / t / 1e9, "decompress_GBps": nbytes / u / 1e9,
+                     "payload_bytes": payload_bytes, "compress_vs_memcpy": tm / t,
+                     "decompress_vs_memcpy": um / u})
+    if not copies:
+        median(memcpy)
+    mc = nbytes / statistics.median(copies) / 1e9
+    rows.insert(0, {"method": "memcpy", "compress_GBps": mc, "decompress_GBps": mc,
+                    "payload_bytes": nbytes, "compress_vs_memcpy": 1.0, "decompress_vs_memcpy": 1.0})
+    if link_gbit <= 0:
+        raise ValueError(f"link_gbit must be > 0, got {link_gbit}")
+    for row in rows:
+        row["ratio"] = nbytes / row["payload_bytes"]
+        row["cost_ms"] = (nbytes / row["compress_GBps"] + nbytes / row["decompress_GBps"]) / 1e6
+        row["saved_ms"] = (nbytes - row["payload_bytes"]) * 8 / (link_gbit * 1e9) * 1e3
+        row["cost_vs_saved"] = row["cost_ms"] / row["saved_ms"] if row["saved_ms"] > 0 else None
+        row["link_gbit"] = link_gbit
+        row["clock"] = clock
+    rows[0]["cost_ms"] = rows[0]["cost_vs_saved"] = None      # memcpy: the reference, no method
+    return rows
+
+
+def format_compress(rows: list[dict]) -> str:
+    gbit = rows[0]["link_gbit"] if rows else BREAK_EVEN_GBIT
+    lines = [f"{'method':>12} {'payload(B)':>11} {'ratio':>7} {'compress GB/s':>14} {'vs memcpy':>10} "
+             f"{'decompress GB/s':>16} {'vs memcpy':>10} {'c+d ms':>8} {f'saved@{gbit:g}G ms':>15} "
+             f"{'cost/saved':>11}"]
+    for r in rows:
+        cost = f"{r['cost_ms']:8.2f}" if r["cost_ms"] is not None else f"{'-':>8}"
+        ratio = f"{r['cost_vs_saved']:11.2f}" if r["cost_vs_saved"] is not None else f"{'-':>11}"
+        lines.append(f"{r['method']:>12} {r['payload_bytes']:>11} {r['ratio']:>7.1f} "
+                     f"{r['compress_GBps']:>14.2f} {r['compress_vs_memcpy']:>10.2f} "
+                     f"{r['decompress_GBps']:>16.2f} {r['decompress_vs_memcpy']:>10.2f} "
+                     f"{cost} {r['saved_ms']:15.2f} {ratio}")
+    lines.append(f"c+d ms: compress + decompress; saved@{gbit:g}G: the time the bytes a method saves "
+                 f"(gradient - payload) take on a {gbit:g} Gbit/s link; cost/saved > 1: it costs "
+                 f"more time than it saves there")
+    return "\n".join(lines)

@@ -1,0 +1,338 @@
+"""``lowcomm compare``: every method on one model and one data order, one command.
+
+Each method is its own ``mpirun`` of ``lowcomm train`` with the same config, seed, data order
+and sample count, differing only in the method's overrides (:data:`METHODS`). The driver runs
+outside MPI, shows one progress bar over all steps, and writes into ``--out``:
+
+* ``<method>/``: each run's config.json, metrics.jsonl, summary.json, stdout/stderr logs;
+* ``results.json``: one object per method (failed ones with their error);
+* ``eval_loss_vs_bytes.png``, ``eval_loss_vs_wall.png``, ``eval_loss_vs_modelled_wall.png``,
+  ``eval_loss_vs_steps.png``.
+
+Modelled wall-clock answers "what would this cost on link L?": the run's computation plus the
+α–β time of its traffic on L (:func:`lowcomm.comm.ledger.alpha_beta_seconds`: message rounds·α +
+bytes/β, no overlap assumed). The computation is the run's ``compute_cpu_s``: CPU seconds of
+the training steps minus those spent inside communication calls
+(:func:`lowcomm.comm.ledger.compute_cpu_clock`, summed step by step; the slowest rank's). It is CPU
+time, not wall-clock, so other processes on a busy machine do not inflate it (they took cores
+from the run; they did not add work to it); only cache and memory-bandwidth contention still
+shows. The table's header and footnote say so. A run that did not record it (a summary from
+before) is an error, never replaced by wall-clock.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..comm.ledger import alpha_beta_seconds
+from ..run.supervise import supervise
+
+# Method name -> the config overrides that select it (on top of the shared config).
+METHODS: dict[str, list[str]] = {
+    "ddp": [],
+    "horovod": ["strategy.backend=horovod"],
+    **{name: [f"compressor.name={name}"] for name in
+       ("fp16", "bf16", "int8", "qsgd", "topk", "randomk", "sign", "sign-mv", "ef-sign", "powersgd")},
+    "onebit-adam": ["optimizer.name=onebit-adam"],
+    "localsgd": ["strategy.name=localsgd", "strategy.period=10"],
+    "diloco": ["strategy.name=diloco", "strategy.period=50"],
+    "streaming-diloco": ["strategy.name=streaming-diloco", "strategy.period=50",
+                         "strategy.fragments=4", "strategy.delay=5"],
+    "gossip": ["strategy.name=gossip", "strategy.graph=one-peer-exponential"],
+    "async-ps": ["strategy.name=async-ps"],
+    # the compute floor: every rank trains alone, one average at the end (one-shot averaging,
+    # Zinkevich et al. 2010) -- the seconds per step of a run that does not communicate
+    "no-comm": ["strategy.name=localsgd", "strategy.period=1000000000"],
+    # topology-aware (run on a dc:D,rank:… topology: see default_topology)
+    "ddp-hier": ["strategy.algorithm=hierarchical"],
+    "dc-diloco": ["policy.dc=diloco:period=50,compressor=int8"],
+    # SyncDP inside a datacenter (its buckets reduced after backward: with every core computing,
+    # a reducer thread only competes with it); across, streaming DiLoCo: one int8 fragment of 4
+    # per step, sent while the next step computes, its average landing a step later on top of
+    # that step's progress (merge = "add-local", DaSGD)
+    "dc-streaming": ["policy.rank=syncdp:overlap=false",
+                     "policy.dc=streaming-diloco:period=4,fragments=4,delay=1,merge=add-local,"
+                     "outer_optimizer=sgd,outer_lr=1.0,outer_momentum=0,compressor=int8"],
+}
+MAIN_METHODS = ("ddp", "fp16", "int8", "topk", "ef-sign", "powersgd", "localsgd", "diloco")
+
+
+def available(name: str) -> bool:
+    """True when every piece the method names is registered in this installation."""
+    from ..compress import COMPRESSORS
+    from ..run.config import OPTIMIZERS
+    from ..run.registry import STRATEGIES
+    for o in METHODS[name]:
+        key, _, value = o.partition("=")
+        if (key == "compressor.name" and value not in COMPRESSORS) or \
+           (key == "strategy.name" and value not in STRATEGIES) or \
+           (key == "optimizer.name" and value not in OPTIMIZERS):
+            return False
+    return True
+
+
+def resolve_methods(text: str) -> list[str]:
+    """``"all"``, ``"main"`` or a comma list -> method names; unknown names are a ValueError
+    listing the known ones."""
+    if text == "all":
+        return [m for m in METHODS if available(m)]
+    if text == "main":
+        return [m for m in MAIN_METHODS if available(m)]
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names:
+        raise ValueError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; known: "
+                         f"{', '.join(METHODS)} (or 'all', 'main')")
+    missing = [m for m in names if not available(m)]
+    if missing:
+        raise ValueError(f"method(s) {', '.join(missing)} are not available in this installation")
+    return names
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link for the α–β model: one-way latency and bandwidth."""
+    delay_ms: float
+    rate_mbit: float
+
+    @classmethod
+    def parse(cls, text: str) -> "Link":
+        try:
+            d, r = (float(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"a link is DELAY_MS,RATE_MBIT (e.g. 25,100), got {text!r}") from None
+        if d < 0 or r <= 0:
+            raise ValueError(f"link delay must be >= 0 and rate > 0, got {text!r}")
+        return cls(d, r)
+
+    def seconds(self, rows: list[dict], size: int) -> float:
+        return alpha_beta_seconds(rows, size, self.delay_ms / 1e3, self.rate_mbit * 1e6 / 8)
+
+    def __str__(self) -> str:
+        return f"{self.delay_ms:g} ms, {self.rate_mbit:g} Mbit/s"
+
+
+def _compute(record: dict, what: str) -> float:
+    c = record.get("compute_cpu_s")
+    if c is None or c != c:
+        raise ValueError(f"{what} has no compute_cpu_s (the CPU seconds of its computation, written "
+                         f"since lowcomm records them); rerun it to model its wall-clock")
+    return float(c)
+
+
+def modelled_wall(summary: dict, link: Link) -> float:
+    """The run's computation (``compute_cpu_s``, CPU seconds: see the module docstring) plus its
+    (rank 0) traffic's α–β time on ``link``. Measured wall-clock is not used."""
+    rows = summary["ledger_rank0"]
+    return _compute(summary, f"the summary of {summary.get('method', '?')!r}") + \
+        link.seconds(rows, summary["ranks"])
+
+
+def _line_modelled(line: dict, link: Link) -> float:
+    per_rank_bytes = line["bytes"]   # summed over ranks; rounds are per rank
+    ranks = line.get("ranks", 1)
+    return _compute(line, f"metrics line of step {line.get('step')}") + \
+        line["rounds"] * link.delay_ms / 1e3 + per_rank_bytes / ranks / (link.rate_mbit * 1e6 / 8)
+
+
+@contextlib.contextmanager
+def over_emulated_wan(np: int, dcs: int, link: Link):
+    """Bring up an emulated WAN of ``dcs`` datacenters joined by ``link`` (lowcomm/tools/wan.py, root),
+    yield the launch prefix that runs ``np`` ranks over it (launchers/wan.sh), take it down."""
+    from .wan import WanSpec, down, require_root, state, up
+    require_root("lowcomm compare --wan DELAY_MS,RATE_MBIT")
+    if state():
+        raise RuntimeError("an emulated WAN is already up; 'lowcomm wan down' first (compare "
+                           "brings up its own with the link it reports)")
+    up(WanSpec(dcs, link.delay_ms, link.rate_mbit))
+    try:
+        yield [str(Path(__file__).resolve().parents[1] / "launchers" / "wan.sh"), "--dcs", str(dcs)]
+    finally:
+        down(quiet=True)
+
+
+def default_topology(np: int, dcs: int = 2) -> str:
+    """``dc:D,rank:…`` with the ranks in D blocks as launchers/wan.sh places them."""
+    counts = [np // dcs + (i < np % dcs) for i in range(dcs)]
+    return f"dc:{dcs},rank:" + ("+".join(map(str, counts)) if len(set(counts)) > 1 else str(counts[0]))
+
+
+def needs_topology(method: str) -> bool:
+    return any(o.startswith("policy.") or o.endswith("=hierarchical") for o in METHODS[method])
+
+
+def mpirun_command(np: int, launcher: str | list[str] | None) -> list[str]:
+    """The launch prefix: ``launcher -n np`` when given (a path, or a list: the command and
+    its own options), else mpirun with this machine's flags."""
+    if launcher:
+        return [*([launcher] if isinstance(launcher, str) else launcher), "-n", str(np)]
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise RuntimeError("mpirun not found on PATH; run 'make setup' (Open MPI) first")
+    cmd = [mpirun, "-n", str(np), "--oversubscribe", "--bind-to", "none",
+           "-x", "OMP_NUM_THREADS=1", "-x", "LOWCOMM_NUM_THREADS=1", "-x", "PATH"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd
+
+
+def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
+               overrides: list[str], launcher: str | list[str] | None, timeout_s: float,
+               on_step=None, dcs: int = 2, max_restarts: int = 0) -> dict:
+    """One method's run, supervised (:func:`lowcomm.run.supervise.supervise`: relaunched from its
+    newest checkpoint up to ``max_restarts`` times); returns its summary (plus ``status``) or a
+    failure record."""
+    run_dir = out / method
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    sets = [*overrides, *METHODS[method], f"steps={steps}"]
+    launch = mpirun_command(np, launcher)
+    args = [sys.executable, "-m", "lowcomm.cli", "train", "--quiet",
+            *(["--config", config] if config else []), *[a for s in sets for a in ("--set", s)]]
+    cmd = [*launch, *args, "--out", str(run_dir)]
+    env, prefix = dict(os.environ), ""
+    if needs_topology(method):
+        env.setdefault("LOWCOMM_TOPOLOGY", default_topology(np, dcs))   # wan.sh sets the same
+        prefix = f"LOWCOMM_TOPOLOGY={env['LOWCOMM_TOPOLOGY']} "
+    (run_dir / "command.txt").write_text(prefix + " ".join(cmd) + "\n")
+    record = {"method": method, "overrides": METHODS[method]}
+    last = [0]
+
+    def poll():
+        last[0] = _progress(run_dir / "metrics.jsonl", last[0], on_step)
+
+    result = supervise(launch, args, run_dir, max_restarts, env=env, timeout_s=timeout_s, poll=poll)
+    poll()
+    summary_path = run_dir / "summary.json"
+    if result["returncode"] != 0 or not summary_path.exists():
+        f = result["failures"][-1] if result["failures"] else {"exit": result["returncode"],
+                                                               "cause": "no summary written"}
+        return {**record, "status": "failed", "restarts": result["restarts"],
+                "error": f"exit {f['exit']}: {f['cause']}"}
+    s = json.loads(summary_path.read_text())
+    return {**record, "status": "ok", **{k: s[k] for k in (
+        "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total", "bytes_by_level",
+        "wall_s", "skipped_steps", "params_sha256")}, "ranks_agree": s.get("ranks_agree"),
+        "restarts": result["restarts"], "summary": str(summary_path)}
+
+
+def _progress(metrics: Path, last: int, on_step) -> int:
+    if on_step is None or not metrics.exists():
+        return last
+    lines = metrics.read_text().splitlines()
+    if lines:
+        try:
+            step = json.loads(lines[-1])["step"]
+        except ValueError:   # a line being written
+            return last
+        if step > last:
+            on_step(step - last)
+            return step
+    return last
+
+
+def curves(out: Path, result: dict) -> list[dict]:
+    lines = [json.loads(x) for x in (out / result["method"] / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        line["ranks"] = result["ranks"]
+    return lines
+
+
+def plot(out: Path, results: list[dict], link: Link) -> list[Path]:
+    """Eval loss against bytes, measured and modelled wall-clock, and steps: one PNG each."""
+    import logging
+
+    import matplotlib
+    matplotlib.use("Agg")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r["status"] == "ok"]
+    axes = [("bytes", "bytes sent, all ranks", "eval_loss_vs_bytes.png", lambda ln: ln["bytes"], True),
+            ("wall", "wall-clock s (measured)", "eval_loss_vs_wall.png", lambda ln: ln["wall_s"], False),
+            ("modelled", f"wall-clock s (modelled, {link})", "eval_loss_vs_modelled_wall.png",
+             lambda ln: _line_modelled(ln, link), False),
+            ("steps", "step", "eval_loss_vs_steps.png", lambda ln: ln["step"], False)]
+    written = []
+    for _, xlabel, fname, x_of, logx in axes:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in ok:
+            lines = [ln for ln in curves(out, r) if "eval_loss" in ln]
+            if fname == "eval_loss_vs_modelled_wall.png":    # lines without a CPU clock (the
+                lines = [ln for ln in lines if "compute_cpu_s" in ln]   # parameter server's): no curve
+            pts = [(x_of(ln), ln["eval_loss"]) for ln in lines]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3, label=r["method"])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("eval loss")
+        if logx:
+            ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(f"{ok[0]['ranks'] if ok else '?'} ranks, {ok[0]['steps'] if ok else '?'} steps")
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        written.append(out / fname)
+    return written
+
+
+def table(results: list[dict], link: Link) -> str:
+    """Markdown table, best eval loss first; failed methods last with their error."""
+    ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["eval_loss"])
+    base = next((r for r in ok if r["method"] == "ddp"), None)
+    head = ("| # | method | eval loss | train loss | MB sent | ddp bytes ÷ bytes | wall s | compute CPU s | "
+            f"modelled s ({link})¹ |\n|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for i, r in enumerate(ok, 1):
+        ratio = f"{base['bytes_total'] / r['bytes_total']:.1f}×" if base and r["bytes_total"] else "–"
+        rows.append(f"| {i} | {r['method']} | {r['eval_loss']:.4f} | {r['final_loss']:.4f} | "
+                    f"{r['bytes_total'] / 1e6:.1f} | {ratio} | {r['wall_s']:.1f} | "
+                    f"{r['compute_cpu_s']:.1f} | {r['modelled_wall_s']:.1f} |")
+    rows += [f"| – | {r['method']} | failed: {r['error']} | | | | | | |"
+             for r in results if r["status"] != "ok"]
+    foot = (f"\n¹ modelled s = compute CPU s + the α–β time of the run's traffic on {link}. Compute "
+            "CPU s: the slowest rank's CPU seconds of computation in its training steps (process CPU "
+            "time minus the CPU time of its communication calls), which other processes on the "
+            "machine do not inflate; wall s is measured and does depend on the machine's load.")
+    return "\n".join([head, *rows]) + "\n" + foot
+
+
+def compare(methods: list[str], np: int, steps: int, out: str | Path, config: str | None = None,
+            overrides: tuple[str, ...] = (), link: Link = Link(25, 100), launcher: str | None = None,
+            timeout_s: float = 3600, progress: bool = True, dcs: int = 2,
+            max_restarts: int = 0) -> list[dict]:
+    """Run every method, write results.json, plots and table.md; return the results."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    bar = tqdm(total=steps * len(methods), unit="step", disable=not progress, dynamic_ncols=True)
+    try:
+        for method in methods:
+            bar.set_description(method)
+            done_before = bar.n
+            r = run_method(method, np, steps, out, config, list(overrides), launcher, timeout_s,
+                           on_step=bar.update, dcs=dcs, max_restarts=max_restarts)
+            bar.update(done_before + steps - bar.n)
+            if r["status"] == "ok":
+                s = json.loads(Path(r.pop("summary")).read_text())
+                r["modelled_wall_s"] = modelled_wall(s, link)
+                r["compute_cpu_s"] = s["compute_cpu_s"]
+                r["link"] = {"delay_ms": link.delay_ms, "rate_mbit": link.rate_mbit}
+            else:
+                bar.write(f"{method} failed: {r['error']}")
+            results.append(r)
+            (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")   # as we go
+    finally:
+        bar.close()
+    plot(out, results, link)
+    (out / "table.md").write_text(table(results, link) + "\n")
+    return results
