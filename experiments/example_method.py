@@ -23,17 +23,18 @@ class AverageEvery(lowcomm.Strategy):
         self.period, self.t = period, 0
         lowcomm.comm.collectives.broadcast_(self.comm, list(model.state_dict().values()))
 
-    def step(self, closure=None):
+    def _step(self, closure=None):        # Strategy.step() calls it: the optimizer contract stays
         loss = self.optimizer.step(closure)
         self.t += 1
         if self.t % self.period == 0:
-            self.finish()
+            self._finish()
         return loss
 
     @torch.no_grad()
-    def finish(self):                    # θ ← (1/K) Σ_k θ_k, so every rank ends with one model
+    def _finish(self):                    # θ ← (1/K) Σ_k θ_k, so every rank ends with one model
         for p in self.model.parameters():
             self.comm.allreduce_(p.data, op="avg")
+        lowcomm.average_buffers(self.comm, self.model)     # BatchNorm statistics too
 
 
 METHOD = lowcomm.register(lowcomm.Method(

@@ -11,7 +11,7 @@ Example (run with ``launchers/local.sh -n 4 python train.py``)::
     opt = lowcomm.build("syncdp:algorithm=ring", model, optimizer, compressor="int8")
     for x, y in batches:
         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
-    opt.close(); opt.finish()          # the same model on every rank
+    opt.finish()                       # the same model (and buffers) on every rank
 
     lowcomm.train("my_task.py", strategy="diloco:period=50", steps=500, out="runs/mine")
 """
@@ -29,6 +29,7 @@ _LAZY = {
     "AsyncPS": "strategies.async_ps", "OneBitAdam": "strategies.onebit_adam",
     "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.base",
     "Context": "strategies.base", "Settings": "settings",
+    "average_buffers": "strategies.buffers", "broadcast_buffers": "strategies.buffers",
     "Compressor": "compress", "Cast": "compress", "Int8": "compress", "QSGD": "compress",
     "TopK": "compress", "RandomK": "compress", "ScaledSign": "compress",
     "SignMajorityVote": "compress", "PowerSGD": "compress", "ErrorFeedback": "compress",

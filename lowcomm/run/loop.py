@@ -236,7 +236,7 @@ def train_step(cfg, task: Task, model, strategy, step: int, rank: int, world: in
     strategy.zero_grad()
     loss = task.loss(model, batch)
     loss.backward()
-    return loss, nonfinite(loss, model)
+    return loss, nonfinite(loss, model) or strategy.local_nonfinite()
 
 
 #: steps between starting a stop vote and reading it: an all-reduce of 4 ranks takes 2 rounds,

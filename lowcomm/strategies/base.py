@@ -1,14 +1,23 @@
-"""The shape every strategy shares: an optimizer wrapper that keeps the user's loop as it is.
+"""The shape every strategy shares: a ``torch.optim.Optimizer`` that wraps the user's optimizer.
 
-The protocol is narrow: ``zero_grad``, ``step``, ``skip``, ``state_dict``,
-``load_state_dict``, ``finish``, ``close``, an optional ``metrics`` and ``reshard`` (merge the
-checkpoints of another rank count; default: replicated state, rank 0's copy). A strategy module also
-owns a :class:`~lowcomm.settings.Settings` dataclass of its knobs and a builder, which it
-publishes as a :class:`Method`; :mod:`lowcomm.run.registry` maps names to methods.
+A method *is* an optimizer (the design of Horovod's ``DistributedOptimizer``): it shares the
+wrapped optimizer's ``param_groups``, ``state`` and ``defaults``, so torch's LR schedulers, AMP's
+``GradScaler``, gradient clipping and frameworks that check ``isinstance(opt, Optimizer)`` (the
+Hugging Face Trainer) drive it as they would the optimizer itself, while ``step()`` adds the
+method's communication. The wrapped optimizer's own ``step()`` refuses to run outside the
+method's, so a direct call can never skip the communication silently.
+
+The protocol: ``zero_grad``, ``step``, ``skip``, ``no_sync``, ``state_dict``, ``load_state_dict``,
+``finish`` (or leaving a ``with`` block), ``close``, an optional ``metrics`` and ``reshard`` (merge
+the checkpoints of another rank count; default: replicated state, rank 0's copy). A strategy
+module also owns a :class:`~lowcomm.settings.Settings` dataclass of its knobs and a builder, which
+it publishes as a :class:`Method`; :mod:`lowcomm.run.registry` maps names to methods.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -16,7 +25,7 @@ import torch
 
 from ..comm.comm import Comm, init
 from ..compress.settings import CompressorSettings
-from ..errors import ConfigError
+from ..errors import ConfigError, LowcommError
 
 
 def check_compressor_name(s, prefix: str, allow_empty: bool = False) -> None:
@@ -83,14 +92,98 @@ def balance(sizes: list[int], bins: int) -> list[int]:
     return out
 
 
-class Strategy:
-    """Wraps ``optimizer``; ``zero_grad()``, ``backward()``, ``step()`` keep their meaning.
+class BackwardPasses:
+    """When a method that exchanges gradients during backward does so (torch DDP's semantics).
 
-    Subclasses add communication around :meth:`step`. State that must survive a restart goes
-    in :meth:`state_dict` (never a Comm).
+    The exchange ``exchange()`` runs at the end of every ``per_step``-th backward pass (queued
+    on autograd's engine from the first gradient hook of the pass), so ``p.grad`` holds the
+    exchanged gradients when ``backward()`` returns. Passes inside :meth:`no_sync` accumulate
+    locally and do not count; :meth:`before_step` exchanges what they left."""
+
+    def __init__(self, per_step: int, exchange: Callable[[], None]):
+        self.per_step, self._exchange = per_step, exchange
+        self.done = 0            # counted passes since the last exchange
+        self.sync = True         # False inside no_sync()
+        self.local = False       # gradients accumulated since the last exchange
+        self._queued = False
+
+    def exchanging(self) -> bool:
+        """From a gradient hook: whether this pass ends with the exchange (so its gradients
+        may be sent as they come)."""
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+        return self.sync and self.done == self.per_step - 1
+
+    def _end(self) -> None:
+        self._queued = False
+        self.local = True
+        if self.sync:
+            self.done += 1
+            if self.done == self.per_step:
+                self.done, self.local = 0, False
+                self._exchange()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate local gradients only."""
+        old, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = old
+
+    def before_step(self) -> None:
+        """Before a step (or skip): exchange gradients left by passes under :meth:`no_sync`;
+        a step in the middle of N counted passes is an error."""
+        if self.done:
+            raise LowcommError(f"step() after {self.done} of {self.per_step} backward passes; set "
+                               "backward_passes_per_step to the number of backward() calls per "
+                               "step, or accumulate inside no_sync()")
+        if self.local:
+            self.local = False
+            self._exchange()
+
+
+# torch's GradScaler warns on every step that it will stop passing itself to optimizers that
+# handle scaling themselves; lowcomm's methods need it (to agree on a skipped step across ranks
+# and to record that agreement where the scaler's update() reads it), and torch is pinned.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself",
+                        category=FutureWarning)
+
+
+class Strategy(torch.optim.Optimizer):
+    """A method as a torch optimizer: wraps ``optimizer``, sharing its ``param_groups``, ``state``
+    and ``defaults``; ``zero_grad()``, ``backward()``, ``step()`` keep their meaning.
+
+    Subclasses add communication in :meth:`_step` (and, for data parallelism, in the backward
+    pass). State that must survive a restart goes in :meth:`state_dict` (never a Comm).
+
+    What every method guarantees:
+
+    * LR schedulers (``LambdaLR(method, ...)``) set ``param_groups[i]["lr"]``, which *is* the
+      wrapped optimizer's;
+    * the wrapped optimizer's ``step()`` called directly raises an error naming the method (it
+      would skip the method's communication);
+    * a ``torch.amp.GradScaler`` passes itself to :meth:`step`: the gradients are unscaled once,
+      and a step with non-finite gradients is skipped — by every rank together where the ranks'
+      gradients meet every step (:attr:`lockstep`), else by that rank alone, keeping the
+      method's schedule;
+    * :meth:`finish` (or leaving a ``with`` block) ends it: threads and hooks released, the same
+      model — parameters and buffers — on every rank.
     """
 
     name = "strategy"
+    #: a skipped step (AMP) must be agreed by every rank: their gradients meet every step
+    lockstep = False
+    _step_supports_amp_scaling = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for public, own in (("step", "_step"), ("finish", "_finish"), ("close", "_close")):
+            if public in cls.__dict__:
+                raise TypeError(f"{cls.__name__} overrides {public}(); override {own}() instead "
+                                f"(Strategy.{public}() keeps the optimizer contract around it)")
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None):
@@ -98,23 +191,118 @@ class Strategy:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, Strategy):
+            raise TypeError(f"optimizer is a lowcomm method already ({type(optimizer).__name__}); "
+                            "wrap the plain torch optimizer")
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+        self._share(optimizer)
         self.model, self.optimizer = model, optimizer
         self.comm = comm or init()
+        self._stepping = 0                 # > 0 while this method's own step() runs
+        self._closed = False
+        self._votes: Comm | None = None  # AMP skip votes (lockstep methods), made on first use
+        self._guard = optimizer.register_step_pre_hook(self._direct_step)
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
+    def _share(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer``'s groups, state and defaults this object's (the same objects)."""
+        self.param_groups, self.state, self.defaults = optimizer.param_groups, optimizer.state, \
+            optimizer.defaults
 
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "optimizer", None) is None:     # torch.optim.Optimizer.__init__
+            return super().add_param_group(param_group)
+        raise TypeError(f"{type(self).__name__} fixed its parameters when it was built (its "
+                        "buffers and messages are laid out for them); add the group to the torch "
+                        "optimizer before wrapping it")
+
+    def _direct_step(self, optimizer, args, kwargs):
+        if not self._stepping:
+            cls = type(self).__name__
+            raise LowcommError(
+                f"{type(optimizer).__name__}.step() was called directly, but it is wrapped by "
+                f"lowcomm's {cls} ({self.name}), whose communication it would skip: call step() "
+                f"on the {cls} object, and give that object to LR schedulers, GradScaler and "
+                "the Trainer in place of the optimizer")
+
+    @contextlib.contextmanager
+    def _own_step(self):
+        self._stepping += 1
+        try:
+            yield
+        finally:
+            self._stepping -= 1
+
+    # the optimizer interface ------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
+        """The wrapped optimizer's step with the method's communication around it. Given a
+        ``grad_scaler`` (``torch.amp.GradScaler.step(method)`` passes itself), the gradients
+        are unscaled first and a step whose gradients are not finite is skipped."""
+        if self._closed:
+            raise LowcommError(f"{type(self).__name__}.step() after finish()/close(): the method "
+                               "has ended")
+        with self._own_step():
+            if grad_scaler is not None and self._amp_skips(grad_scaler):
+                self._skip_step()
+                return None
+            return self._step(closure)
+
+    def _step(self, closure=None):
+        """One step of the method (subclasses add their communication)."""
         return self.optimizer.step(closure)
 
     def skip(self) -> None:
         """Abandon this step on every rank (all ranks call it together): finish whatever
         communication is in flight, discard the gradients, leave parameters as they are."""
         self.zero_grad()
+
+    def _skip_step(self) -> None:
+        """A step skipped for non-finite gradients under AMP: every rank together where
+        :attr:`lockstep` (:meth:`skip`); else this rank only, which must keep the method's
+        schedule with the others (methods with local steps override this)."""
+        self.skip()
+
+    def _amp_skips(self, scaler) -> bool:
+        """Unscale the gradients (once per step) and decide whether to skip this step: the
+        scaler's verdict on this rank, or — where :attr:`lockstep` — on any rank (a vote). The
+        decision is written where ``scaler.update()`` reads it, so the scale moves alike on
+        every rank that voted."""
+        from torch.amp.grad_scaler import OptState
+        st = scaler._per_optimizer_states[id(self)]
+        if st["stage"] is OptState.READY:
+            scaler.unscale_(self)
+        found = any(bool(v.item()) for v in st["found_inf_per_device"].values()) or \
+            self.local_nonfinite() is not None
+        if self.lockstep:
+            found = self._vote(found)
+        for v in st["found_inf_per_device"].values():
+            v.fill_(1.0 if found else 0.0)
+        return found
+
+    def _vote(self, mine: bool) -> bool:
+        """Whether any rank of this method says yes (one 4-byte all-reduce, charged)."""
+        if self.comm.size == 1:
+            return mine
+        if self._votes is None:
+            self._votes = self.comm.dup()
+        flag = torch.tensor([1.0 if mine else 0.0])
+        self._votes.allreduce_(flag, "sum")
+        return bool(flag.item() > 0)
+
+    def local_nonfinite(self) -> str | None:
+        """What was non-finite in this rank's own gradients before the method exchanged them
+        (e.g. ``"the gradient of 'w'"``), for methods that average gradients during backward
+        (their ``p.grad`` then holds the average, with nothing non-finite sent); else None."""
+        return None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate local gradients (torch DDP's ``no_sync``):
+        the next backward outside the block exchanges them. A no-op for methods that exchange
+        nothing during backward."""
+        yield
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}
@@ -143,10 +331,34 @@ class Strategy:
         ``ctl``, the uncharged control communicator."""
         return {}
 
+    # the end ------------------------------------------------------------------------------------
     def finish(self) -> None:
-        """After :meth:`close`: leave on every rank the model the run delivers (e.g. the
-        average of the ranks' local models), identical on every rank. Called on all ranks
-        together; traffic is charged to the method."""
+        """End the method on every rank together: :meth:`close`, then leave on every rank the
+        model the run delivers (e.g. the average of the ranks' local models, buffers included),
+        identical on every rank. Traffic is charged to the method."""
+        self.close()
+        self._finish()
+
+    def _finish(self) -> None:
+        """Deliver one model on every rank (after :meth:`close`); subclasses say how."""
 
     def close(self) -> None:
-        """Release threads and hooks; the strategy must not be used afterwards."""
+        """Release threads and hooks (idempotent); the method cannot step afterwards. Use
+        :meth:`finish` to end a run: it closes and delivers one model."""
+        if self._closed:
+            return
+        self._closed = True
+        self._guard.remove()
+        self._close()
+
+    def _close(self) -> None:
+        """Subclasses release their threads and hooks here."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.finish()
+        else:
+            self.close()

@@ -10,6 +10,7 @@ from ..comm.comm import Comm
 from ..errors import ConfigError
 from ..settings import Settings
 from .base import Context, Method, Strategy, check_compressor_name
+from .buffers import Buffers, persistent_buffers
 from .graphs import GRAPHS, Graph, build_graph
 from .outer import Fragment
 
@@ -120,7 +121,9 @@ class Gossip(Strategy):
       3. ``x_i ← x_i + γ (s_i − x̂_i)`` with ``γ = consensus_step``.
     With the identity compressor and γ = 1 this is plain D-PSGD.
 
-    Only parameters with ``requires_grad`` are gossiped (buffers stay local); initial parameters
+    Parameters with ``requires_grad`` and floating-point buffers (BatchNorm's running
+    statistics) are gossiped — buffers are mixed like parameters, the optimizer never touches
+    them; integer buffers are rank 0's at :meth:`finish`; initial parameters
     and buffers are broadcast from rank 0. Gossip traffic is charged in the ledger as one op
     ``gossip.<mode>`` (``gossip.choco``) call per round.
 
@@ -173,7 +176,8 @@ class Gossip(Strategy):
             raise ValueError("consensus_step is CHOCO's γ and needs a compressor")
         self.mode, self.order, self.compressor = mode, order, compressor
         self.consensus_step = float(consensus_step)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad] + \
+            [(n, b) for n, b in persistent_buffers(model) if b.is_floating_point()]
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self._g = self.comm.dup()           # own message space: tags cannot meet other traffic
         self.rank = self._g.rank
@@ -239,7 +243,7 @@ class Gossip(Strategy):
                 r.wait()
         self._pending["reqs"] = []
 
-    def _finish(self) -> None:
+    def _mix(self) -> None:
         """Wait for the round in flight and write the mixed parameters into the model."""
         self._wait()
         p, self._pending = self._pending, None
@@ -278,20 +282,29 @@ class Gossip(Strategy):
         if self.order == "cta" and self.mode != "async" and self._pending is None:
             self._post()
 
-    def step(self, closure=None):
+    def _step(self, closure=None, update: bool = True):
+        """One round; ``update=False``: the round without this rank's optimizer update (a step
+        skipped for non-finite gradients under AMP: the exchange goes on with the neighbours)."""
+        local = (lambda: self.optimizer.step(closure)) if update else self._drop_gradients
         if self.mode == "async":
-            loss = self._step_async(closure)
+            loss = self._step_async(local)
         elif self.order == "cta":
             if self._pending is None:          # the loop did not call zero_grad() first
                 self._post()
-            self._finish()
-            loss = self.optimizer.step(closure)
+            self._mix()
+            loss = local()
         else:
-            loss = self.optimizer.step(closure)
+            loss = local()
             self._post()
-            self._finish()
+            self._mix()
         self.steps += 1
         return loss
+
+    def _drop_gradients(self) -> None:
+        self.optimizer.zero_grad()
+
+    def _skip_step(self) -> None:
+        self._step(update=False)
 
     def skip(self) -> None:
         # every rank drops the round together: no one mixes, so push-sum mass and CHOCO's
@@ -351,13 +364,13 @@ class Gossip(Strategy):
         self.w = half                          # z = x/w is unchanged by giving half away
         self._tx[dst] = (buf, self._g.isend(buf, dst, TAG))
 
-    def _step_async(self, closure):
+    def _step_async(self, local):
         self._started = True
         with self._g.ledger.scope(self.op, self._g.level):
             self._ensure_rx()
             self._poll()
             self._absorb()
-            loss = self.optimizer.step(closure)
+            loss = local()
             self._send_async()
         self.t += 1
         return loss
@@ -500,7 +513,7 @@ class Gossip(Strategy):
             out["async_skipped_sends"] = self.skipped_sends
         return out
 
-    def finish(self) -> None:
+    def _finish(self) -> None:
         """Deliver the average of the ranks' models, x̄ = (1/K) Σ_i x_i (the model D-PSGD's
         analysis is about, and the one Lian et al. 2017 evaluate): one dense all-reduce of the
         model, charged to the run (K·model bytes once, against degree·model bytes per step)."""
@@ -511,8 +524,9 @@ class Gossip(Strategy):
             allreduce_(f.mul_(float(w)), self.comm, "mpi", op="sum")
         allreduce_(w, self.comm, "mpi", op="sum")
         self._layout.unpack([f.div_(float(w)) for f in flats])
+        Buffers(self.model).broadcast_other(self.comm)     # num_batches_tracked: rank 0's
 
-    def close(self) -> None:
+    def _close(self) -> None:
         if self._pending is not None:
             self._wait()
             self._pending = None

@@ -14,7 +14,8 @@ import torch
 from ..comm.comm import Comm
 from ..errors import LowcommError
 from ..comm.ledger import wire_bytes
-from .base import Strategy
+from .base import BackwardPasses, Strategy
+from .buffers import Buffers
 
 
 def hvd_module():
@@ -80,6 +81,7 @@ class HorovodDP(Strategy):
     """
 
     name = "syncdp(horovod)"
+    lockstep = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, backward_passes_per_step: int = 1, compressor=None):
@@ -88,7 +90,8 @@ class HorovodDP(Strategy):
         compression = HorovodCompression(compressor) if compressor is not None else None  # checks it
         hvd = init(comm)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        with self._own_step():     # Horovod steps the optimizer once to create its state
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         extra = {}
         if compressor is not None:
             extra = {"compression": compression,
@@ -96,6 +99,7 @@ class HorovodDP(Strategy):
         self._hvd = hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), op=hvd.Average,
             backward_passes_per_step=backward_passes_per_step, **extra)
+        self._share(self._hvd)                  # Horovod steps its own copy of the optimizer
         params = [p for p in model.parameters() if p.requires_grad]
         if compressor is None:
             self._grad_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -103,36 +107,47 @@ class HorovodDP(Strategy):
             self._grad_bytes = sum(t.numel() * t.element_size() for p in params
                                    for t in compressor.compress(torch.zeros(p.numel(), dtype=p.dtype),
                                                                 "horovod")[0])
+        self.buffers = Buffers(model)
+        self.passes = BackwardPasses(int(backward_passes_per_step), self.synchronize)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
-        def wrong_object(*_):
-            raise LowcommError("with backend='horovod', call step() on the strategy, not on "
-                               "the wrapped optimizer (Horovod works on its own copy of it)")
-        self._hook = optimizer.register_step_pre_hook(wrong_object)
+    def _hook(self, _param) -> None:
+        self.passes.exchanging()      # Horovod's own hooks send; this queues the pass's end
 
     def synchronize(self) -> None:
+        """Wait for Horovod's all-reduces (launched by its own gradient hooks) and write the
+        averages into ``p.grad``; at the end of every ``backward_passes_per_step``-th backward."""
         t0 = time.perf_counter()
         self._hvd.synchronize()
         self.comm.ledger.record("allreduce.horovod", self.comm.level,
                                 *wire_bytes("allreduce", self._grad_bytes, self.comm.size),
                                 seconds=time.perf_counter() - t0)
 
-    def step(self, closure=None):
-        self.synchronize()
+    def no_sync(self):
+        raise LowcommError("backend='horovod' accumulates gradients with "
+                           "backward_passes_per_step = N (Horovod has no no_sync); set it to the "
+                           "number of backward() calls per step")
+
+    def _step(self, closure=None):
+        self.passes.before_step()
         with self._hvd.skip_synchronize():
-            return self._hvd.step(closure)
+            loss = self._hvd.step(closure)
+        self.buffers.broadcast(self.comm)
+        return loss
 
     def skip(self) -> None:
-        self.synchronize()
+        self.passes.before_step()
         self.zero_grad()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._hvd.zero_grad()  # Horovod's checks that no all-reduce is still pending
 
-    def state_dict(self) -> dict:   # Horovod steps its own copy of the optimizer
+    def state_dict(self) -> dict:
         return {"optimizer": self._hvd.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self._hvd.load_state_dict(state["optimizer"])
 
-    def close(self) -> None:
-        self._hook.remove()
+    def _close(self) -> None:
+        for h in self._hooks:
+            h.remove()

@@ -12,6 +12,7 @@ from ..compress.base import Segment, nonfinite_segments
 from ..compress.bits import pack_signs, unpack_signs
 from ..errors import ConfigError, NonFiniteError
 from .base import Strategy
+from .buffers import Buffers
 
 
 class OneBitAdam(Strategy):
@@ -54,6 +55,7 @@ class OneBitAdam(Strategy):
     """
 
     name = "onebit-adam"
+    lockstep = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, freeze_step: int = 100):
@@ -90,12 +92,7 @@ class OneBitAdam(Strategy):
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self._comm = self.comm.dup()          # fixed shapes: no per-call agreement check
         self._comm.validate = False
-        self._inside = False
-        self._hook = optimizer.register_step_pre_hook(self._guard)
-
-    def _guard(self, *_):
-        if not self._inside:
-            raise RuntimeError("call step() on the OneBitAdam object, not on the wrapped Adam")
+        self.buffers = Buffers(model)
 
     # the step ---------------------------------------------------------------------------------
     def _grads(self) -> torch.Tensor:
@@ -108,7 +105,7 @@ class OneBitAdam(Strategy):
                                  self.t + 1)
         return flat
 
-    def step(self, closure=None):
+    def _step(self, closure=None):
         loss = closure() if closure is not None else None
         flat = self._grads()
         if self.t < self.freeze_step:
@@ -121,14 +118,11 @@ class OneBitAdam(Strategy):
                 else:
                     p.grad.copy_(g)
                 off += p.numel()
-            self._inside = True
-            try:
-                self.optimizer.step()
-            finally:
-                self._inside = False
+            self.optimizer.step()
         else:
             self._compressed_step(flat)
         self.t += 1
+        self.buffers.broadcast(self.comm)        # DDP's rule: rank 0's buffers
         return loss
 
     @torch.no_grad()
@@ -227,9 +221,6 @@ class OneBitAdam(Strategy):
         if not final:
             return {}
         return {"freeze_step": self.freeze_step, "compressed_steps": max(0, self.t - self.freeze_step)}
-
-    def close(self) -> None:
-        self._hook.remove()
 
 
 def check_run(cfg) -> None:

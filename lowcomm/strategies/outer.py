@@ -17,6 +17,7 @@ from ..compress.base import Compressor, Segment
 from ..errors import CommError, ConfigError
 from ..comm.ledger import Ledger
 from .base import Context, Strategy, balance, check_compressor_name
+from .buffers import Buffers
 from .syncdp import SyncDPSettings
 
 log = logging.getLogger("lowcomm.strategies.outer")
@@ -121,7 +122,8 @@ class OuterLoop(Strategy):
     and :class:`~lowcomm.strategies.diloco.StreamingDiLoCo`.
 
     Schedule, with W = ``warmup_steps``, H = ``period``, τ = ``delay``, after each inner step
-    t (counted from 1, skipped steps not counted) and s = t − W:
+    t (counted from 1; steps all ranks skip together are not counted, a step one rank skips
+    under AMP is) and s = t − W:
       1. t ≤ W: the step was a dense :class:`~lowcomm.strategies.syncdp.SyncDP` step
          (post-local SGD's warm-up); after step W the SyncDP hooks are removed;
       2. every fragment in flight whose ``apply_at == s`` is waited for and applied;
@@ -129,7 +131,10 @@ class OuterLoop(Strategy):
          averaged (dense all-reduce with ``algorithm``, or ``compressor.reduce``). With τ = 0
          this happens at once and the result is applied before ``step()`` returns; with τ > 0 it
          runs on a background thread (on a duplicate communicator) while the next τ inner steps
-         go on, and is applied after step s + τ.
+         go on, and is applied after step s + τ;
+      4. when s % H == 0, the floating-point buffers (BatchNorm's running statistics) are
+         averaged over the ranks and integer ones taken from rank 0 (one small blocking
+         all-reduce; nothing for a model without persistent buffers).
     Every rank issues the same reductions in the same order, so no per-call agreement is needed.
 
     The reductions run on a duplicate communicator with a ledger of its own; a reduction's
@@ -172,6 +177,7 @@ class OuterLoop(Strategy):
         if not named:
             raise ValueError("the model has no trainable parameters")
         self.fragments = partition(named, fragments, self.period)
+        self.buffers = Buffers(model)
         self.t = 0                                   # inner steps taken
         self._dirty: set[int] = set()                # fragments stepped locally since their sync
         self.syncs: list[list[int]] = []             # [local step, fragment, bytes sent here]
@@ -231,9 +237,34 @@ class OuterLoop(Strategy):
         None (the plain optimizer)."""
         return self._dense if self._dense is not None else self._inner
 
-    def step(self, closure=None):
+    def _step(self, closure=None):
         driver = self._driver
         loss = driver.step(closure) if driver is not None else self.optimizer.step(closure)
+        self._advance()
+        return loss
+
+    @property
+    def lockstep(self) -> bool:
+        """Only the warm-up's SyncDP (or a SyncDP level below) exchanges gradients every step."""
+        driver = self._driver
+        return driver is not None and driver.lockstep
+
+    def _vote(self, mine: bool) -> bool:
+        return self._driver._vote(mine)
+
+    def _skip_step(self) -> None:
+        """A step without this rank's update (non-finite gradients under AMP); the schedule
+        goes on with the other ranks."""
+        driver = self._driver
+        if driver is not None:
+            driver.skip()
+        else:
+            self.zero_grad()
+        self._advance()
+
+    def _advance(self) -> None:
+        """After inner step t: the warm-up's end, the reductions that land and those that start,
+        and, at the end of each period, the buffers' average."""
         self.t += 1
         s = self.t - self.warmup_steps
         if s == 0:
@@ -246,7 +277,8 @@ class OuterLoop(Strategy):
             for f in self.fragments:
                 if s % self.period == f.offset:
                     self._start(f, s)
-        return loss
+            if s % self.period == 0:
+                self.buffers.average(self.comm)
 
     def _end_warmup(self) -> None:
         if self._dense is not None:
@@ -409,18 +441,21 @@ class OuterLoop(Strategy):
             out["inner"] = {"strategy": self._inner.name, **self._inner.metrics(ctl, final=True)}
         return out
 
-    def finish(self) -> None:
+    def _finish(self) -> None:
         """Deliver one model on every rank. When local steps followed a fragment's last
         synchronisation (a partial last period, streaming fragments still in flight at the
         end, α > 0), the ranks' parameters of those fragments are averaged,
         θ ← (1/K) Σ_k θ_k: one dense all-reduce, charged to the run. Otherwise (the run ended on
-        a synchronisation) nothing is sent: the ranks are equal already."""
+        a synchronisation) nothing is sent: the ranks are equal already. Floating-point buffers
+        are averaged and integer ones taken from rank 0 (a model without persistent buffers sends
+        nothing)."""
         for f in self.fragments:
             if f.index in self._dirty:
                 f.unpack_(allreduce_(f.pack(), self.comm, "mpi", op="avg"))
         self._dirty.clear()
+        self.buffers.average(self.comm)
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Finish reductions still in flight (their traffic is charged, their updates, due after
         the last step, are not applied), stop the thread, remove the warm-up hooks."""
         self._drain()

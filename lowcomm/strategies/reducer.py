@@ -21,7 +21,7 @@ import torch
 from ..comm.collectives import allreduce_, get_algorithm
 from ..comm.comm import Comm
 from ..compress.base import Compressor, Segment, nonfinite_segments
-from ..errors import CommError, NonFiniteError
+from ..errors import CommError
 
 
 @dataclass
@@ -60,8 +60,10 @@ class Reducer:
         overlap: reduce buckets on a background thread as they fill (else in :meth:`flush`).
         compressor: reduce each bucket with this compressor (its payload on the wire) instead
             of a dense all-reduce; ``op`` must then be "avg".
-        nonfinite: a bucket holding NaN/Inf is never sent: "raise" a NonFiniteError naming the
-            parameters, or "zero" them (the caller, checking its own gradients, skips the step).
+
+    Non-finite values are never sent: a tensor holding NaN/Inf is reduced as zeros on this rank
+    and after :meth:`flush` its name is in :attr:`withheld` (the names of that round) for the
+    caller, who raises or skips the step.
 
     Example::
 
@@ -72,16 +74,16 @@ class Reducer:
 
     def __init__(self, comm: Comm, named: list[tuple[str, torch.Tensor]], algorithm: str = "mpi",
                  bucket_bytes: int = 4 << 20, op: str = "avg", overlap: bool = True,
-                 compressor: Compressor | None = None, nonfinite: str = "raise", levels=None):
+                 compressor: Compressor | None = None, levels=None):
         get_algorithm(algorithm, levels)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        if nonfinite not in ("raise", "zero"):
-            raise ValueError(f"nonfinite must be 'raise' or 'zero', got {nonfinite!r}")
         if compressor is not None and op != "avg":
             raise ValueError(f"a compressor averages; op must be 'avg', got {op!r}")
         self.comm, self.algorithm, self.op, self.overlap = comm, algorithm, op, overlap
-        self.compressor, self.nonfinite = compressor, nonfinite
+        self.compressor = compressor
+        self.withheld: list[str] = []     # tensors that held NaN/Inf in the last round (zeroed)
+        self._withholding: list[str] = []   # ... in the round in progress (the thread appends)
         self.buckets: list[Bucket] = []
         self._where: dict[str, tuple[int, int]] = {}
         for name, t in named:
@@ -150,11 +152,9 @@ class Reducer:
 
     def _reduce(self, b: Bucket) -> None:
         """Check, then reduce one bucket in place (dense all-reduce or the compressor)."""
-        bad = nonfinite_segments(b.flat, b.segments)
-        if bad and self.nonfinite == "raise":
-            raise NonFiniteError(self.comm.rank, "the gradient of " + ", ".join(repr(s.name) for s in bad))
-        for s in bad:
+        for s in nonfinite_segments(b.flat, b.segments):
             b.flat[s.start:s.stop].zero_()
+            self._withholding.append(s.name)
         if self.compressor is None:
             allreduce_(b.flat, self._thread_comm, self.algorithm, self.op, levels=self._levels)
         else:
@@ -166,7 +166,8 @@ class Reducer:
 
     def flush(self):
         """Wait for all buckets and return ``[(name, reduced view)]``. Tensors never marked
-        ready are reduced as zeros (a parameter unused on this rank)."""
+        ready are reduced as zeros (a parameter unused on this rank). :attr:`withheld` then
+        names the tensors of this round that were not finite here."""
         for b in self.buckets:
             for i in sorted(b.pending):
                 self.ready(b.names[i], None)
@@ -176,6 +177,7 @@ class Reducer:
             else:
                 self._reduce(b)
         out = [(name, b.view(i)) for b in self.buckets for i, name in enumerate(b.names)]
+        self.withheld, self._withholding = self._withholding, []
         self.reset()
         return out
 

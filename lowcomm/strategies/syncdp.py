@@ -8,10 +8,11 @@ import torch
 
 from ..comm.collectives import ALGORITHM_NAMES, broadcast_
 from ..comm.comm import Comm
-from ..errors import ConfigError, LowcommError
+from ..errors import ConfigError, NonFiniteError
 from .reducer import Reducer
 from ..settings import Settings
-from .base import Context, Method, Strategy, check_compressor_name
+from .base import BackwardPasses, Context, Method, Strategy, check_compressor_name
+from .buffers import Buffers
 
 BACKENDS = ("mpi", "horovod")
 
@@ -64,12 +65,21 @@ class SyncDP(Strategy):
     arXiv 1706.02677; Li et al. 2020, arXiv 2006.15704 for bucketing and overlap).
 
     Update, per step t, on every rank k with local gradient g_k:
-      1. ranks start from the same parameters (broadcast from rank 0 at construction);
+      1. ranks start from the same parameters and buffers (rank 0's, broadcast at construction);
       2. as autograd produces gradients, full buckets are all-reduced on a background thread;
-      3. ``step()`` waits for the buckets and sets ``p.grad = (1/K) Σ_k g_k``;
-      4. the wrapped optimizer applies its own update.
-    With ``backward_passes_per_step = N`` the reduction happens after every N-th backward
-    (local gradients accumulate by summation in between, as in Horovod).
+      3. when the backward pass ends, ``p.grad = (1/K) Σ_k g_k`` (as torch DDP: gradient
+         clipping, ``GradScaler.unscale_`` and anything else between ``backward()`` and
+         ``step()`` see the averaged gradients);
+      4. ``step()``: the wrapped optimizer applies its own update;
+      5. every persistent buffer (BatchNorm's running statistics) becomes rank 0's — DDP's
+         ``broadcast_buffers`` rule, applied after the step instead of before the next forward,
+         so the ranks end every step, and the run, with one identical model.
+    Gradient accumulation: with ``backward_passes_per_step = N`` the exchange happens at the end
+    of every N-th backward (local gradients accumulate by summation in between, as in
+    Horovod); backward passes inside :meth:`no_sync` accumulate locally and the next one outside
+    exchanges (as in DDP). A NaN/Inf gradient is never sent: it is reduced as zero on its rank,
+    :meth:`local_nonfinite` names it, and ``step()`` raises unless the step is skipped (the
+    loop's ``on_nonfinite = "skip"``, or a GradScaler, whose skip every rank then agrees on).
 
     Args:
         model, optimizer: the user's torch objects.
@@ -78,11 +88,11 @@ class SyncDP(Strategy):
             :mod:`lowcomm.comm.tuning`; "mpi", "ring", "rabenseifner", "tree", "shm", "hierarchical").
         bucket_mb: bucket size in MiB.
         backward_passes_per_step: gradient accumulation factor N ≥ 1.
-        overlap: reduce buckets during backward (True) or all at once in ``step()``.
+        overlap: reduce buckets during backward (True) or all at once when it ends.
         compressor: a :class:`~lowcomm.compress.Compressor` applied to every bucket (None:
             dense all-reduce with ``algorithm``).
-        nonfinite: "raise" (a NaN/Inf gradient is an error, never sent) or "zero" (the caller
-            skips such steps with :meth:`skip`).
+        nonfinite: "raise" (``step()`` after a non-finite gradient is an error naming it) or
+            "zero" (the caller skips such steps with :meth:`skip`).
         levels: the topology's communicators (:meth:`lowcomm.comm.topology.Topology.comms`) for
             ``algorithm = "hierarchical"`` (and a candidate of ``"auto"``).
 
@@ -93,6 +103,7 @@ class SyncDP(Strategy):
     """
 
     name = "syncdp"
+    lockstep = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, algorithm: str = "auto", bucket_mb: float = 4.0,
@@ -100,62 +111,67 @@ class SyncDP(Strategy):
                  compressor=None, nonfinite: str = "raise", levels=None):
         super().__init__(model, optimizer, comm)
         if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step}")
+            raise ConfigError("backward_passes_per_step", f"must be an integer >= 1, got "
+                              f"{backward_passes_per_step}")
         if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
-        self.algorithm, self.compressor = algorithm, compressor
-        self.passes = int(backward_passes_per_step)
+            raise ConfigError("bucket_mb", f"must be positive, got {bucket_mb}")
+        if nonfinite not in ("raise", "zero"):
+            raise ConfigError("nonfinite", f"must be 'raise' or 'zero', got {nonfinite!r}")
+        self.algorithm, self.compressor, self.nonfinite = algorithm, compressor, nonfinite
         self.sync_s = 0.0
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.buffers = Buffers(model)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self.reducer = Reducer(self.comm, self._named[::-1], algorithm, int(bucket_mb * (1 << 20)),
-                               op="avg", overlap=overlap, compressor=compressor,
-                               nonfinite=nonfinite, levels=levels)
-        self._count = {n: 0 for n, _ in self._named}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._named] \
-            if overlap else []
-        self._step_hook = optimizer.register_step_pre_hook(lambda *_: self.synchronize())
+                               op="avg", overlap=overlap, compressor=compressor, levels=levels)
+        self.passes = BackwardPasses(int(backward_passes_per_step), self.synchronize)
+        self._overlap = overlap
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._named]
 
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
-            self._count[name] += 1
-            if self._count[name] == self.passes:
+            if self.passes.exchanging() and self._overlap:
                 self.reducer.ready(name, p.grad)
         return hook
+
+    def no_sync(self):
+        return self.passes.no_sync()
 
     def synchronize(self) -> None:
         """Finish the gradient all-reduce and write the averages into ``p.grad``. Its duration
         (the communication backward did not hide, plus the copies) is kept in ``sync_s``."""
         t0 = time.perf_counter()
         try:
-            self._synchronize()
+            params = dict(self._named)
+            for name, p in self._named:
+                if self.reducer.is_pending(name) and p.grad is not None:
+                    self.reducer.ready(name, p.grad)
+            for name, avg in self.reducer.flush():
+                p = params[name]
+                if p.grad is None:
+                    p.grad = avg.clone()
+                else:
+                    p.grad.copy_(avg)
         finally:
             self.sync_s = time.perf_counter() - t0
 
-    def _synchronize(self) -> None:
-        partial = [n for n, c in self._count.items() if 0 < c < self.passes] if self._hooks else []
-        if partial:
-            raise LowcommError(f"step() after {self._count[partial[0]]} of {self.passes} backward "
-                               f"passes (parameter {partial[0]!r}); set backward_passes_per_step "
-                               f"to the number of backward() calls per step")
-        params = dict(self._named)
-        for name, p in self._named:
-            if self.reducer.is_pending(name) and p.grad is not None:
-                self.reducer.ready(name, p.grad)
-        for name, avg in self.reducer.flush():
-            p = params[name]
-            if p.grad is None:
-                p.grad = avg.clone()
-            else:
-                p.grad.copy_(avg)
-        for n in self._count:
-            self._count[n] = 0
+    def local_nonfinite(self) -> str | None:
+        withheld = self.reducer.withheld
+        return f"the gradient of {withheld[0]!r}" if withheld else None
 
-    def step(self, closure=None):
-        return self.optimizer.step(closure)  # the pre-hook synchronises first
+    def _step(self, closure=None):
+        self.passes.before_step()            # gradients accumulated unexchanged: exchange them
+        bad = self.local_nonfinite()
+        if bad is not None and self.nonfinite == "raise":
+            raise NonFiniteError(self.comm.rank, bad)
+        loss = self.optimizer.step(closure)
+        self.reducer.withheld = []
+        self.buffers.broadcast(self.comm)
+        return loss
 
     def skip(self) -> None:
-        self.synchronize()   # every rank takes part in the same reductions, then drops them
+        self.passes.before_step()   # every rank takes part in the same reductions, then drops them
+        self.reducer.withheld = []
         self.zero_grad()
 
     def state_dict(self) -> dict:
@@ -180,8 +196,7 @@ class SyncDP(Strategy):
                 self.name))
         return merged
 
-    def close(self) -> None:
+    def _close(self) -> None:
         for h in self._hooks:
             h.remove()
-        self._step_hook.remove()
         self.reducer.close()

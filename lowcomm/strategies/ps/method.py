@@ -29,9 +29,7 @@ class AsyncPSSettings(Settings):
         self.at_least(prefix, "dc_lambda", 0)
         self.within(prefix, "worker_timeout_s", 0, float("inf"), low_open=True)
         self.within(prefix, "server_timeout_s", 0, float("inf"), low_open=True)
-        if self.backward_passes_per_step != 1:
-            raise ConfigError(prefix + "backward_passes_per_step", "async-ps pushes after every "
-                              "backward pass; gradient accumulation is not supported")
+        self.at_least(prefix, "backward_passes_per_step", 1)
 
 
 def check_run(s: AsyncPSSettings, cfg, prefix: str) -> None:
@@ -65,6 +63,7 @@ def build(s: AsyncPSSettings, model, optimizer, comm: Comm, ctx: Context):
                    compressor=ctx.gradient_compressor(), worker_timeout_s=s.worker_timeout_s,
                    server_timeout_s=s.server_timeout_s, overlap=s.overlap,
                    nonfinite="skip" if ctx.nonfinite == "skip" else "raise",
+                   backward_passes_per_step=s.backward_passes_per_step,
                    budget=ctx.steps * (comm.size - s.servers) if ctx.steps else None)
 
 

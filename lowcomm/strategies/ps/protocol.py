@@ -68,6 +68,7 @@ class Settings:
     overlap: bool = True
     nonfinite: str = "raise"
     budget: int | None = None
+    backward_passes_per_step: int = 1
 
     def check(self, ranks: int) -> "Settings":
         if not 1 <= self.servers < ranks:
@@ -82,6 +83,10 @@ class Settings:
             raise ValueError("worker_timeout_s and server_timeout_s must be > 0")
         if self.budget is not None and self.budget < 1:
             raise ValueError(f"budget must be >= 1 gradients, got {self.budget}")
+        if int(self.backward_passes_per_step) != self.backward_passes_per_step or \
+                self.backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
+                             f"{self.backward_passes_per_step}")
         if self.nonfinite not in ("raise", "skip"):
             raise ValueError(f"nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
         return self

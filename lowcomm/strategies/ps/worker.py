@@ -14,7 +14,7 @@ import torch
 
 from ...comm.comm import Comm
 from ...errors import LowcommError, NonFiniteError
-from ..base import Strategy
+from ..base import BackwardPasses, Strategy
 from .protocol import (DROPPED, HEADER, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE, TAG_INIT,
                        TAG_PULL, TAG_PUSH, Reply, ServerLost, Settings, WorkerDropped,
                        build_shards, channels, load_shard, pack_push, trainable)
@@ -83,6 +83,7 @@ class AsyncPS(Strategy):
         self._shard_of = {seg.name: s for s, sh in enumerate(self.shards) for seg in sh.segments}
         self.lag_hist: dict[int, int] = {}
         self.wait_s = 0.0
+        self.passes = BackwardPasses(st.backward_passes_per_step, lambda: None)
         if st.overlap and st.nonfinite == "raise":
             self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._named]
         self._initial_pull()
@@ -103,6 +104,12 @@ class AsyncPS(Strategy):
         s = self._shard_of[name]
 
         def hook(p: torch.Tensor) -> None:
+            if not self.passes.exchanging():
+                return                       # an accumulating pass: nothing is pushed yet
+            if self._pushed[s]:
+                raise LowcommError(f"worker {self.index}: a backward pass after this step's "
+                                   "gradients were pushed; accumulate inside no_sync() or set "
+                                   "backward_passes_per_step to the backward() calls per step")
             self._pending[s] -= 1
             if self._pending[s] == 0:
                 self._gather(s)
@@ -143,18 +150,23 @@ class AsyncPS(Strategy):
         self._pull_req[s] = self.ps.irecv_(self._replies[s].raw, s, TAG_PULL, op="pull")
         self._pushed[s] = True
 
-    def step(self, closure=None):
+    def _step(self, closure=None):
         """Push the gradients not pushed yet, wait for every shard's reply, load the parameters."""
         if closure is not None:
             raise LowcommError("async-ps does not take a closure")
+        self.passes.before_step()
         for s in range(self.servers):
             if not self._pushed[s]:
                 self._gather(s)
                 self._push(s, PUSH)
         self._finish_step()
 
+    def no_sync(self):
+        return self.passes.no_sync()
+
     def skip(self) -> None:
         """Abandon this step on this worker: its clock advances, no gradient is applied."""
+        self.passes.before_step()
         if any(self._pushed):
             raise LowcommError("skip() after the backward pass pushed gradients (overlap); build "
                                "AsyncPS with nonfinite='skip' to push only in step()/skip()")
@@ -249,7 +261,7 @@ class AsyncPS(Strategy):
         return {"model": reshard_model(old, self.shards), "strategy": state,
                 "loop": src["loop"], "rng": src["rng"]}
 
-    def close(self) -> None:
+    def _close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
