@@ -5,7 +5,7 @@
 # Brings a WAN up, trains the same DiLoCo run twice through launchers/wan.sh — once untouched
 # ("ref"), once with the link 0-1 taken down for 10 s (`lowcomm wan fault --link 0-1 --down 10s`,
 # its packets dropped: TCP retransmits once it is back) as soon as the run's metrics reach step
-# FAULT_AT — and prints both runs' eval loss, wall-clock, params_sha256, the packets the outage
+# FAULT_AT — and prints both runs' eval loss, wall-clock, state_sha256, the packets the outage
 # dropped and `uptime`. Takes the WAN down at the end (also on failure or Ctrl-C). Root.
 #
 # usage: flock /tmp/lowcomm-wan-helper.lock experiments/wan_outage.sh [OUT] [--set KEY=VALUE]...
@@ -51,11 +51,11 @@ from pathlib import Path
 out = Path(sys.argv[1])
 ref, got = (json.loads((out / r / "summary.json").read_text()) for r in ("ref", "fault"))
 faults = json.loads((out / "wan_status.json").read_text())["faults"]
-print(f"{'run':6} {'eval loss':>10} {'wall s':>8} {'params_sha256':>16}")
+print(f"{'run':6} {'eval loss':>10} {'wall s':>8} {'state_sha256':>16}")
 for name, s in (("ref", ref), ("fault", got)):
-    print(f"{name:6} {s['eval_loss']:10.4f} {s['wall_s']:8.1f} {s['params_sha256'][:16]:>16}")
+    print(f"{name:6} {s['eval_loss']:10.4f} {s['wall_s']:8.1f} {s['state_sha256'][:16]:>16}")
 print(f"eval loss difference: {abs(got['eval_loss'] - ref['eval_loss']) / ref['eval_loss'] * 100:.3f} %; "
-      f"parameters {'identical' if got['params_sha256'] == ref['params_sha256'] else 'DIFFERENT'}; "
+      f"parameters {'identical' if got['state_sha256'] == ref['state_sha256'] else 'DIFFERENT'}; "
       f"outage: {faults[0]['what']}, {faults[0]['packets']} packets dropped")
 EOF
 cat "$OUT/uptime.txt"

@@ -76,3 +76,23 @@ def cli(*args: str, env: dict | None = None) -> Ran:
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return Ran(["lowcomm", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
+def run_mpi_suite(np: int, path: str, *pytest_args: str, timeout: float = 300) -> dict[str, str]:
+    """Run the pytest file ``tests/mpi/<path>`` on ``np`` ranks (see tests/mpi/conftest.py) and
+    require every case to pass on every rank. Returns ``{test name: outcome}``; a failure names
+    the case and the ranks it failed on."""
+    import json
+    with tempfile.TemporaryDirectory() as reports:
+        r = run_ranks(np, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                      "-o", "python_files=check_*.py", "-o", "addopts=", "--timeout=120",
+                      str(Path(__file__).parent / "mpi" / path), *pytest_args, timeout=timeout,
+                      env={"LOWCOMM_TEST_REPORTS": reports})
+        cases = {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(reports).glob("rank*.json")}
+    assert sorted(cases) == list(range(np)), f"reports from ranks {sorted(cases)}\n{r.output}"
+    failed = [f"{name} on rank {rank}: {out}" for rank, c in sorted(cases.items())
+              for name, out in c.items() if out.startswith("failed")]
+    assert not failed, "\n".join(failed)
+    assert r.returncode == 0, f"every case passed but the job exited {r.returncode}\n{r.output[-3000:]}"
+    assert len({frozenset(c) for c in cases.values()}) == 1, "ranks ran different cases"
+    return cases[0]

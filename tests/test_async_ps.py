@@ -67,8 +67,8 @@ def test_update_rules():
 def test_push_message_round_trip():
     header = np.arange(HEADER, dtype=np.float64)
     payload = [torch.randn(5), torch.arange(3, dtype=torch.int8).view(1, 3)]
-    h, out, ctx = unpack_push(pack_push(header.copy(), payload, {"k": (1, 2)}))
-    assert list(h[:5]) == [0, 1, 2, 3, 4] and ctx == {"k": (1, 2)}
+    h, out, ctx, lrs = unpack_push(pack_push(header.copy(), payload, {"k": (1, 2)}, [0.1, 0.02]))
+    assert list(h[:5]) == [0, 1, 2, 3, 4] and ctx == {"k": (1, 2)} and lrs == [0.1, 0.02]
     assert all(torch.equal(a, b) for a, b in zip(out, payload))
 
 

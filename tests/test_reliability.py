@@ -4,7 +4,7 @@ Resume is checked for every strategy in ``STRATEGIES`` (Local SGD and DiLoCo thr
 DiLoCo, whose state is theirs and more), one compressor of each kind of state (error-feedback
 residuals, a seeded generator, PowerSGD's warm start; the others keep the same kinds), 1-bit
 Adam, a per-level policy and a user's transformers task: a resumed run must end with the same
-``params_sha256`` (and the same logged losses and byte counts) as an uninterrupted one. All of
+``state_sha256`` (and the same logged losses and byte counts) as an uninterrupted one. All of
 that runs in one mpirun (tests/workers/resume_many.py: reference, interrupted at a random step,
 resumed in the same processes with their RNGs scrambled). A real SIGKILL of one rank, through
 the CLI, is tested for the kinds of loop that differ in what is in flight when a rank dies: a
@@ -151,7 +151,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, method, references):
     assert r.returncode == 0, f"killed at step {step}\n{r.output}"
     assert f"at step {(step - 1) // EVERY * EVERY}" in r.stderr, r.output
     a, b = summary(ref), summary(run)
-    assert a["params_sha256"] == b["params_sha256"], f"{method} killed at step {step}"
+    assert a["state_sha256"] == b["state_sha256"], f"{method} killed at step {step}"
     assert logged(ref) == logged(run)
     assert (a["bytes_total"], a["eval_loss"]) == (b["bytes_total"], b["eval_loss"])
 
@@ -177,7 +177,7 @@ def test_a_killed_rank_under_max_restarts_resumes_and_ends_bit_identical(tmp_pat
     assert b["restarts"] == 1 and b["steps"] == STEPS, b
     assert len(b["failures"]) == 1 and b["failures"][0]["exit"] != 0, b["failures"]
     assert "signal 9" in b["failures"][0]["cause"] or "Killed" in b["failures"][0]["cause"], b["failures"]
-    assert a["params_sha256"] == b["params_sha256"]
+    assert a["state_sha256"] == b["state_sha256"]
     # a run that keeps failing gives up after its restarts, exiting non-zero, naming the cause
     r = supervised(tmp_path / "again", env={"LOWCOMM_FAULT": "nan-loss:0:1"})
     assert r.returncode != 0 and r.stderr.count("non-finite values") >= 2, r.stdout + r.stderr
@@ -194,7 +194,7 @@ def test_sigterm_on_one_rank_checkpoints_all_and_exits_nonzero(tmp_path, referen
     assert not (run / "summary.json").exists()
     r = train(run, "checkpoint.every=0", resume=run)
     assert r.returncode == 0, r.output
-    assert summary(ref)["params_sha256"] == summary(run)["params_sha256"]
+    assert summary(ref)["state_sha256"] == summary(run)["state_sha256"]
 
 
 def test_truncated_checkpoint_falls_back_to_the_previous_one(tmp_path, references):
@@ -207,7 +207,7 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(tmp_path, reference
     assert r.returncode == 0, r.output
     assert f"{part} is corrupt or truncated" in r.stderr, r.output
     assert f"resumed from {run / 'checkpoints'} at step {STEPS - 2 * EVERY}" in r.stderr, r.output
-    assert summary(ref)["params_sha256"] == summary(run)["params_sha256"]
+    assert summary(ref)["state_sha256"] == summary(run)["state_sha256"]
 
 
 def digest(folder):

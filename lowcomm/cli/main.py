@@ -99,7 +99,7 @@ def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, ma
     summary = run(cfg, out, comm, progress=not quiet, resume=resume, overwrite=overwrite)
     if comm.rank == 0:
         keys = ("method", "task", "ranks", "steps", "params", "final_loss", "eval_loss",
-                "bytes_total", "wall_s", "skipped_steps", "params_sha256", "ranks_agree")
+                "bytes_total", "wall_s", "skipped_steps", "state_sha256", "ranks_agree")
         click.echo(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
         click.echo(f"wrote {Path(out) / 'summary.json'}")
 
@@ -143,7 +143,7 @@ def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwri
         raise SystemExit(result["returncode"] if result["returncode"] > 0 else 1)
     s = json.loads((out / "summary.json").read_text())
     click.echo(json.dumps({k: s.get(k) for k in ("method", "ranks", "steps", "eval_loss",
-                                                  "params_sha256", "ranks_agree", "restarts",
+                                                  "state_sha256", "ranks_agree", "restarts",
                                                   "ranks_per_attempt")},
                           indent=2))
     click.echo(f"wrote {out / 'summary.json'}")

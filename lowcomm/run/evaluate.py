@@ -13,12 +13,14 @@ if TYPE_CHECKING:
     from ..tasks import Task
 
 
-def params_sha256(model: torch.nn.Module) -> str:
-    """sha256 of the parameters' bytes in ``named_parameters`` order (to compare runs)."""
+def state_sha256(model: torch.nn.Module) -> str:
+    """sha256 of the model's whole state — parameters and persistent buffers (BatchNorm's
+    running statistics, ``num_batches_tracked``) — in ``state_dict`` order, names included: two
+    ranks or two runs with the same hash hold the same model."""
     h = hashlib.sha256()
-    for name, p in model.named_parameters():
+    for name, t in model.state_dict().items():
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -15,7 +15,7 @@ Reliability, per step boundary:
 * ``checkpoint.every = N``: every N-th step all ranks write a checkpoint holding model,
   optimizer and strategy state (compressor residuals, outer optimizer, …), every RNG state,
   the ledger and the loop's own counters; the task's batches are a pure function of the step,
-  so a resumed run replays exactly the batches it would have seen (``params_sha256`` in the
+  so a resumed run replays exactly the batches it would have seen (``state_sha256`` in the
   summary is identical to an uninterrupted run's).
 * SIGINT / SIGTERM: every rank finishes the step it is in, a final checkpoint is written, and
   the job exits with status 128 + signal. Ranks agree on the stop through non-blocking
@@ -36,7 +36,7 @@ summary the largest rank's), which other processes on the machine do not inflate
 ``lowcomm compare`` models wall-clock from it.
 
 At the end the strategy's :meth:`~lowcomm.strategies.base.Strategy.finish` leaves one model on
-every rank; the summary records its ``params_sha256`` and ``ranks_agree`` (every rank's hash
+every rank; the summary records its ``state_sha256`` and ``ranks_agree`` (every rank's hash
 equal).
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ from ..comm.comm import Comm
 from ..errors import NonFiniteError
 from ..errors import LowcommError
 from ..comm.ledger import compute_cpu_clock
-from .evaluate import allsum, evaluate, nonfinite, params_sha256
+from .evaluate import allsum, evaluate, nonfinite, state_sha256
 from .folder import close_run, open_run, write_text
 from .schedule import build_optimizer, lr_at, set_lr
 from .signals import Interrupted, StopFlag
@@ -66,8 +66,8 @@ log = logging.getLogger("lowcomm.train")
 
 
 def agree(ctl: Comm, model: torch.nn.Module) -> tuple[str, bool]:
-    """This rank's ``params_sha256`` and whether every rank's is the same."""
-    digest = params_sha256(model)
+    """This rank's ``state_sha256`` and whether every rank's is the same."""
+    digest = state_sha256(model)
     return digest, len(set(ctl.allgather_object(digest))) == 1
 
 
@@ -210,7 +210,7 @@ def _run(cfg, task: Task, build: Callable, comm: Comm, ctl: Comm, out: Path | No
         "resizes": resizes,             # [{"step", "from", "to"}]: resumed on another rank count
         "skipped_steps": skipped,
         **extra,
-        "params_sha256": digest,
+        "state_sha256": digest,
         "ranks_agree": same,
         "ledger_rank0": comm.ledger.rows(),
         "config": cfg.to_dict(),

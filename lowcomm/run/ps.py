@@ -52,12 +52,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 from ..comm.comm import Comm
 from ..errors import LowcommError, NonFiniteError
 from ..comm.ledger import compute_cpu_clock
-from .evaluate import evaluate, nonfinite, params_sha256
+from .evaluate import evaluate, nonfinite, state_sha256
 from .signals import Interrupted, StopFlag
 from .snapshot import restore, snapshot
 from ..strategies.async_ps import AsyncPS
@@ -113,28 +112,27 @@ def _report_to_rank0(ctl: Comm, report: dict, timeout_s: float) -> None:
 
 
 def _take_final_model(ctl: Comm, model, timeout_s: float) -> dict | None:
-    """Every live rank but 0: load the run's final parameters from rank 0, answer their hash;
+    """Every live rank but 0: load the run's final model from rank 0, answer its hash;
     or, when the run was stopped by a signal, return rank 0's notice (``{"signum", "step",
     "save"}``) instead."""
     final = _recv_from(ctl, 0, timeout_s, "parameter server 0", TAG_FINAL)
-    if isinstance(final, dict):
+    if "model" not in final:
         return final
-    with torch.no_grad():
-        for p, v in zip(model.parameters(), final, strict=True):
-            p.copy_(v)
-    _send_sync(ctl, params_sha256(model), 0, TAG_AGREE, timeout_s, "parameter server 0")
+    model.load_state_dict(final["model"])
+    _send_sync(ctl, state_sha256(model), 0, TAG_AGREE, timeout_s, "parameter server 0")
     return None
 
 
 def _deliver_final_model(ctl: Comm, model, ranks: list[int], timeout_s: float) -> tuple[bool, int]:
-    """Rank 0: send the final parameters to ``ranks`` (the live ones) and check that each now
-    holds them (its sha256 equals ours). Returns (every rank agrees, bytes sent)."""
-    final = [p.detach().cpu() for p in model.parameters()]
+    """Rank 0: send the final model (its whole state: parameters and buffers) to ``ranks`` (the
+    live ones) and check that each now holds it (its sha256 equals ours). Returns (every rank
+    agrees, bytes sent)."""
+    final = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     for r in ranks:
-        _send_sync(ctl, final, r, TAG_FINAL, timeout_s, f"rank {r}")
-    mine = params_sha256(model)
+        _send_sync(ctl, {"model": final}, r, TAG_FINAL, timeout_s, f"rank {r}")
+    mine = state_sha256(model)
     same = all(_recv_from(ctl, r, timeout_s, f"rank {r}", TAG_AGREE) == mine for r in ranks)
-    return same, len(ranks) * sum(t.numel() * t.element_size() for t in final)
+    return same, len(ranks) * sum(t.numel() * t.element_size() for t in final.values())
 
 
 def _skip_mpi_finalize(code: int) -> None:
@@ -412,7 +410,7 @@ def _summary(cfg, model, task, held_out, comm, ps, reports, lost, finished, n_pa
         "workers_lost": [lost[w] for w in sorted(lost)],
         "status": "ok" if not lost else f"{len(lost)} of {W} workers lost",
         "mpirun_recovery": recovery_enabled(),
-        "params_sha256": params_sha256(model),
+        "state_sha256": state_sha256(model),
         "ranks_agree": agree,                 # every live rank holds these parameters
         "final_model_bytes": delivered,       # rank 0 sent them there (control channel)
         "ledger_rank0": comm.ledger.rows(),

@@ -44,51 +44,131 @@ process dies unless launched with ``--enable-recovery``; rank 0 warns when it is
 waiting on a server that neither replies nor sends a heartbeat for ``server_timeout_s`` raises
 :class:`ServerLost` naming the server, which ends the job.
 
-Modules: :mod:`lowcomm.strategies.ps.protocol` (tags, messages, shards, errors),
-:mod:`lowcomm.strategies.ps.worker` (:class:`~lowcomm.strategies.ps.worker.AsyncPS`, the worker
-strategy), :mod:`lowcomm.strategies.ps.server` (:class:`ParameterServer`, not a strategy). This
-module is the entry users and the registry use: :class:`AsyncPS` here builds, on each rank, the
-role that rank plays, and re-exports the protocol's names.
+Buffers (BatchNorm's running statistics): servers never run a forward pass, so the workers'
+buffers are the model's: each push to server 0 carries the worker's buffers, server 0 serves the
+average of every live worker's latest (the lowest worker's for integer buffers) with its shard,
+and the model the run delivers holds it. Learning rates: each push carries the worker's
+``param_groups`` learning rates and the server steps with them (times the staleness factor), so
+an LR scheduler on the workers' method drives the servers.
+
+Modules: :mod:`lowcomm.strategies.ps.protocol` (tags, messages, shards, settings, errors),
+:mod:`lowcomm.strategies.ps.worker` (:class:`~lowcomm.strategies.ps.worker.Worker`, the worker's
+role), :mod:`lowcomm.strategies.ps.server` (:class:`ParameterServer`, the server's role). This
+module's :class:`AsyncPS` is the method on every rank: it builds the role the rank plays.
 
 Example::
 
     ps = AsyncPS(model, torch.optim.SGD(model.parameters(), lr=0.1), comm, servers=1,
-                 max_staleness=2)    # a ParameterServer on ranks < servers, a worker elsewhere
+                 max_staleness=2)    # ranks < servers serve, the others train
     if ps.is_server:
         ps.serve()                   # until every worker has finished or is lost
     else:
         for x, y in batches:
             ps.zero_grad(); loss = model.loss(x, y); ps.note_loss(loss.item())
             loss.backward(); ps.step()   # push gradients, pull parameters
-        ps.done()
+    ps.finish()                      # every rank: the servers' model, buffers included
 """
 from __future__ import annotations
 
-from ..comm.comm import Comm, init
-from .ps import worker
+import torch
+
+from ..comm.comm import Comm
+from ..errors import LowcommError
+from .base import Strategy
 from .ps.protocol import (DROPPED, HEADER, OK, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE,
-                          TAG_INIT, TAG_PULL, TAG_PUSH, Reply, ServerLost, Settings, Shard,
-                          WorkerDropped, WorkersLost, build_shards, dc_compensate, pack_push,
-                          recovery_enabled, staleness_lr, unpack_push)
+                          TAG_INIT, TAG_PULL, TAG_PUSH, BufferBlock, Reply, ServerLost, Settings, Shard,
+                          WorkerDropped, WorkersLost, build_shards, dc_compensate, load_shard,
+                          pack_push, recovery_enabled, staleness_lr, unpack_push)
 from .ps.server import ParameterServer
+from .ps.worker import Worker
 
 
-class AsyncPS(worker.AsyncPS):
-    """The asynchronous parameter server as the registry and users build it: on server ranks
-    (``comm.rank < servers``) constructing it returns a :class:`ParameterServer` (which serves
-    and is not a strategy), on worker ranks this worker strategy
-    (:class:`lowcomm.strategies.ps.worker.AsyncPS`). Same arguments on every rank; see the
-    worker class for them (:mod:`.ps.method` builds it from the run's settings)."""
+class AsyncPS(Strategy):
+    """The asynchronous parameter server as a method, on every rank: ranks
+    ``0 … servers-1`` serve (:meth:`serve`), the others train (:meth:`step`). The role's own
+    attributes (a worker's ``clock``, a server's ``server.stats()``, ``shards``, ...) are read
+    through this object. Same arguments on every rank; see
+    :class:`~lowcomm.strategies.ps.worker.Worker` for their meaning
+    (:mod:`lowcomm.strategies.ps.method` builds it from the run's settings)."""
 
-    def __new__(cls, model=None, optimizer=None, comm: Comm | None = None, *, compressor=None,
-                **settings):
-        comm = comm or init()
-        if comm.rank < settings.get("servers", 1):
-            return ParameterServer(model, optimizer, comm, compressor=compressor, **settings)
-        return super().__new__(cls)
+    name = "async-ps"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None, *, compressor=None, **settings):
+        super().__init__(model, optimizer, comm)
+        st = Settings(**settings).check(self.comm.size)
+        self.is_server = self.comm.rank < st.servers
+        role = ParameterServer if self.is_server else Worker
+        self.role = role(model, optimizer, self.comm, compressor=compressor, settings=st)
+
+    def __getattr__(self, name: str):
+        role = self.__dict__.get("role")
+        if role is None:
+            raise AttributeError(name)
+        return getattr(role, name)
+
+    def _worker(self, what: str) -> Worker:
+        if self.is_server:
+            raise LowcommError(f"rank {self.comm.rank} is a parameter server (ranks "
+                               f"0..{self.servers - 1} serve): call serve() there, not {what}")
+        return self.role
+
+    def serve(self, on_update=None, on_idle=None) -> None:
+        """A server rank: serve until every worker has finished or is lost (see
+        :meth:`ParameterServer.serve`)."""
+        if not self.is_server:
+            raise LowcommError(f"rank {self.comm.rank} is a worker: it steps; ranks "
+                               f"0..{self.servers - 1} serve")
+        with self._own_step():              # the server steps its shard with the optimizer
+            self.role.serve(on_update, on_idle)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _step(self, closure=None):
+        return self._worker("step()").step(closure)
+
+    def skip(self) -> None:
+        self._worker("skip()").skip()
+
+    def no_sync(self):
+        return self._worker("no_sync()").no_sync()
+
+    def done(self, signum: int = 0) -> None:
+        """A worker: tell every server it has finished (see :meth:`Worker.done`)."""
+        self._worker("done()").done(signum)
+
+    def state_dict(self) -> dict:
+        return self.role.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.role.load_state_dict(state)
+
+    def reshard(self, old: list[dict]) -> dict:
+        return self.role.reshard(old)
+
+    def _close(self) -> None:
+        self.role.close()
+
+    def _finish(self) -> None:
+        """Every rank ends with the servers' model: a worker that has not said so is done; then
+        each server broadcasts its shard (server 0 its served buffers too) to every rank. A
+        collective over every rank: with a lost worker, :func:`lowcomm.train` delivers the model
+        point to point instead."""
+        if not self.is_server and not self.role.finished:
+            self.role.done()
+        for s, shard in enumerate(self.shards):
+            flat = self.role.shard_values(s)
+            self.comm.bcast_(flat, root=s)
+            load_shard(self.role._params, shard, flat)
+        block = BufferBlock(self.model)
+        if block.nbytes:
+            data = block.pack()          # rank 0 (server 0) holds the served buffers
+            self.comm.bcast_(data, root=0)
+            block.unpack(data)
 
 
 __all__ = ["AsyncPS", "DROPPED", "HEADER", "OK", "POLL_S", "PUSH", "ParameterServer", "Reply",
            "SKIP", "STOP", "ServerLost", "Settings", "Shard", "TAG_BEAT", "TAG_DONE", "TAG_INIT",
-           "TAG_PULL", "TAG_PUSH", "WorkerDropped", "WorkersLost", "build_shards", "dc_compensate",
-           "pack_push", "recovery_enabled", "staleness_lr", "unpack_push"]
+           "TAG_PULL", "TAG_PUSH", "Worker", "WorkerDropped", "WorkersLost", "build_shards",
+           "dc_compensate", "pack_push", "recovery_enabled", "staleness_lr", "unpack_push"]

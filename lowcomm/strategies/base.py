@@ -215,6 +215,11 @@ class Strategy(torch.optim.Optimizer):
                         "buffers and messages are laid out for them); add the group to the torch "
                         "optimizer before wrapping it")
 
+    def release_guard(self) -> None:
+        """Stop refusing direct steps of the wrapped optimizer: a method that drives this one
+        (an outer loop over its warm-up or its level below) guards it instead."""
+        self._guard.remove()
+
     def _direct_step(self, optimizer, args, kwargs):
         if not self._stepping:
             cls = type(self).__name__

@@ -122,8 +122,9 @@ class Gossip(Strategy):
     With the identity compressor and γ = 1 this is plain D-PSGD.
 
     Parameters with ``requires_grad`` and floating-point buffers (BatchNorm's running
-    statistics) are gossiped — buffers are mixed like parameters, the optimizer never touches
-    them; integer buffers are rank 0's at :meth:`finish`; initial parameters
+    statistics) are gossiped — buffers are mixed like parameters, plus (``cta``) their own
+    update by the forward pass that ran while the exchange was in flight; integer buffers are
+    rank 0's at :meth:`finish`; initial parameters
     and buffers are broadcast from rank 0. Gossip traffic is charged in the ledger as one op
     ``gossip.<mode>`` (``gossip.choco``) call per round.
 
@@ -176,6 +177,7 @@ class Gossip(Strategy):
             raise ValueError("consensus_step is CHOCO's γ and needs a compressor")
         self.mode, self.order, self.compressor = mode, order, compressor
         self.consensus_step = float(consensus_step)
+        self._buffers = [b for _, b in persistent_buffers(model) if b.is_floating_point()]
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad] + \
             [(n, b) for n, b in persistent_buffers(model) if b.is_floating_point()]
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
@@ -218,7 +220,9 @@ class Gossip(Strategy):
         recvs = {j: self._layout.new() for j in ins}
         reqs = [self._g.irecv_(b, j, TAG) for j, b in recvs.items()]
         reqs += [self._g.isend(send, j, TAG) for j in outs]
-        self._pending = {"send": send, "recvs": recvs, "reqs": reqs}
+        # buffers change in the forward pass after this snapshot (cta): that progress is kept
+        base = [b.detach().clone() for b in self._buffers]
+        self._pending = {"send": send, "recvs": recvs, "reqs": reqs, "base": base}
 
     def _post_choco(self, outs, ins) -> None:
         payloads, ctxs, own = [], [], []
@@ -248,6 +252,7 @@ class Gossip(Strategy):
         self._wait()
         p, self._pending = self._pending, None
         L = self._layout
+        local = [b - base for b, base in zip(self._buffers, p.get("base", ()))]
         if self.compressor is not None:
             a = 1.0 / (len(p["recvs"]) + 1)
             x = L.flats()
@@ -274,6 +279,9 @@ class Gossip(Strategy):
                 w += L.get_weight(buf)
             self.w = w
             L.unpack([m.div_(w) for m in x])
+        with torch.no_grad():
+            for b, d in zip(self._buffers, local):   # the buffers' own update since the snapshot
+                b.add_(d)
         self.t += 1
 
     # the optimizer interface ------------------------------------------------------------------

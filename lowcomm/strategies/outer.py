@@ -195,6 +195,9 @@ class OuterLoop(Strategy):
         # hierarchical: the topology's communicators in the reductions' own space and ledger
         self._levels = levels.dup(self._red.ledger) if levels is not None and \
             algorithm in ("hierarchical", "auto") else None
+        for below in (self._dense, nest.inner if nest is not None else None):
+            if below is not None:                    # this method's guard names the right object
+                below.release_guard()
         self.nest, self._inside, self._leaders = nest, None, None
         if nest is not None:                         # same ledger: a sync's rows, all levels
             self._inside = nest.inside.dup(self._red.ledger) if nest.inside else None
@@ -251,6 +254,10 @@ class OuterLoop(Strategy):
 
     def _vote(self, mine: bool) -> bool:
         return self._driver._vote(mine)
+
+    def local_nonfinite(self) -> str | None:
+        driver = self._driver
+        return driver.local_nonfinite() if driver is not None else None
 
     def _skip_step(self) -> None:
         """A step without this rank's update (non-finite gradients under AMP); the schedule

@@ -218,7 +218,7 @@ def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
     s = json.loads(summary_path.read_text())
     return {**record, "status": "ok", **{k: s[k] for k in (
         "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total", "bytes_by_level",
-        "wall_s", "skipped_steps", "params_sha256")}, "ranks_agree": s.get("ranks_agree"),
+        "wall_s", "skipped_steps", "state_sha256")}, "ranks_agree": s.get("ranks_agree"),
         "restarts": result["restarts"], "summary": str(summary_path)}
 
 

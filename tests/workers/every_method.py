@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from common import Checks, seeded_mlp
 
 import lowcomm
-from lowcomm.run.evaluate import params_sha256
+from lowcomm.run.evaluate import state_sha256
 from lowcomm.tasks import dataset_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -75,12 +75,12 @@ with tempfile.TemporaryDirectory() as tmp:
         if name == "async-ps" and r != 0:     # servers and workers return their own counters
             summary = {**summary, **comm.bcast_object(None)}
         elif name == "async-ps":
-            comm.bcast_object({k: summary[k] for k in ("ranks_agree", "params_sha256",
+            comm.bcast_object({k: summary[k] for k in ("ranks_agree", "state_sha256",
                                                         "final_loss", "eval_loss", "bytes_total")})
         ok(summary["ranks_agree"] is True, f"{name}: ranks_agree is {summary['ranks_agree']}")
         m = built[-1]                # the delivered model: every rank's copy must be the same
-        digest = params_sha256(m)
-        ok(digest == summary["params_sha256"], f"{name}: summary hash is not this rank's model's")
+        digest = state_sha256(m)
+        ok(digest == summary["state_sha256"], f"{name}: summary hash is not this rank's model's")
         hashes = comm.allgather_object(digest)
         ok(len(set(hashes)) == 1, f"{name}: ranks hold different models: {hashes}")
         finals[name] = m

@@ -50,7 +50,7 @@ def train(comm, method, out, resume=None, steps=STEPS):
 
 
 def average_sha(run_dir: Path) -> tuple[str, int, bool]:
-    """sha256 (as params_sha256) of the old ranks' averaged parameters, from the files; the
+    """sha256 (as state_sha256) of the old ranks' averaged parameters, from the files; the
     number of files; whether the old ranks' parameters differ."""
     ck = run_dir / "checkpoints" / f"step-{LAST:08d}"
     states = [torch.load(f, weights_only=False)["model"] for f in sorted(ck.glob("rank-*.pt"))]
@@ -71,7 +71,7 @@ def check_resumed(comm, method, old: Path, new: Path, what: str, K_old: int):
     if "async-ps" not in method[0]:      # (its servers apply one round more: a budget of LAST
         # steps is spent, and in flight, when its workers first push)
         at = train(comm, method, new.with_name(new.name + "-at"), resume=old, steps=LAST)
-        ok(at["params_sha256"] == want, f"{what}: the merged parameters are not the average of "
+        ok(at["state_sha256"] == want, f"{what}: the merged parameters are not the average of "
            f"the {K_old} old ranks' parameters")
     s = train(comm, method, new, resume=old)
     if "async-ps" in method[0]:          # other ranks return their own counters: rank 0's

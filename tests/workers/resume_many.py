@@ -8,7 +8,7 @@ entry with ``stop`` is then trained into ``run`` and interrupted at that step's 
 every rank (an exception, as a crash would end it: the periodic checkpoints written so far are
 all that is left), the process's RNGs are scrambled, and the run is resumed from its folder
 with ``resume=run``. Every rank then compares the resumed run with the reference: its own
-``params_sha256``, the byte count and eval loss; rank 0 also the logged metrics (without the
+``state_sha256``, the byte count and eval loss; rank 0 also the logged metrics (without the
 timings). Mismatches are not raised at once (one method must not hide the others): every rank
 writes ``{name: [problems]}`` to ``<argv[2]>/rank<r>.json`` and the test asserts per method.
 
@@ -91,7 +91,7 @@ for entry in json.loads(Path(sys.argv[1]).read_text()):
     seed = random.SystemRandom().randrange(2**31)
     torch.manual_seed(seed), random.seed(seed), np.random.seed(seed)
     res = run(cfg, out, world.dup(Ledger(), "world"), progress=False, resume=out)
-    for key in ("params_sha256", "bytes_total", "eval_loss", "ranks_agree"):
+    for key in ("state_sha256", "bytes_total", "eval_loss", "ranks_agree"):
         if ref[key] != res[key]:
             bad.append(f"interrupted at step {stop}, resumed at {expect}: {key} "
                        f"{res[key]!r} != uninterrupted {ref[key]!r}")

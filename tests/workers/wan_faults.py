@@ -6,7 +6,7 @@ under launchers/wan.sh -n 4 --dcs 2): three runs of one tiny deterministic confi
      retransmits once it is back);
   C  5 % random loss each way on the inter-dc link (seeded) for the whole run;
 
-B's and C's final parameters (``params_sha256``) and eval losses equal A's on every rank (a
+B's and C's final parameters (``state_sha256``) and eval losses equal A's on every rank (a
 fault only delays bytes), and the forwarder counted packets that each fault dropped (so the
 fault hit the run's traffic). Every rank then writes its report, and
 
@@ -64,7 +64,7 @@ for name, fault in (("b", make("down", "0-1", 2, duration=2.5)),
                     ("c", make("loss", "0-1", 2, rate=0.05, seed=1))):
     got, dropped = train(name, fault)
     ok(dropped > 0, f"run {name}: the fault dropped no packet of the run")
-    ok(got["params_sha256"] == ref["params_sha256"] and got["ranks_agree"],
+    ok(got["state_sha256"] == ref["state_sha256"] and got["ranks_agree"],
        f"run {name} ({fault.kind}): final parameters differ from the run without the fault")
     ok(got["eval_loss"] == ref["eval_loss"], f"run {name}: eval loss {got['eval_loss']} != {ref['eval_loss']}")
     if world.rank == 0:

@@ -39,12 +39,6 @@ def check_run(s: AsyncPSSettings, cfg, prefix: str) -> None:
     if cfg.optimizer.name == "onebit-adam":
         raise ConfigError("optimizer.name", "onebit-adam owns its exchange; async-ps servers step "
                           "sgd, adam or adamw")
-    for key, value, constant in (("schedule", cfg.optimizer.schedule, "constant"),
-                                 ("warmup_steps", cfg.optimizer.warmup_steps, 0)):
-        if value != constant:
-            raise ConfigError(f"optimizer.{key}", "async-ps servers step at a constant lr (their "
-                              "updates are not numbered by one global step); use "
-                              "optimizer.schedule = \"constant\" and optimizer.warmup_steps = 0")
     if cfg.checkpoint.every and s.max_staleness != 0:
         raise ConfigError("checkpoint.every", "async-ps checkpoints every N steps only with "
                           "strategy.max_staleness = 0 (synchronous): asynchronous servers and "

@@ -9,9 +9,16 @@ Messages (on a duplicate of the world communicator, the *PS channel*, charged to
 
 * ``TAG_PUSH`` worker → server: :func:`pack_push` (``HEADER`` float64s: kind, clock, loss,
   cumulative bytes sent and received, meta length, payload length; then the pickled payload
-  layout and compressor context, then the payload bytes);
+  layout, compressor context and the worker's learning rates — one per parameter group, the
+  server steps with them, so the worker's LR schedule drives the servers — then the payload
+  bytes; to server 0, the worker's buffers last, as one :class:`BufferBlock`);
 * ``TAG_PULL`` / ``TAG_INIT`` server → worker: a :class:`Reply` (``HEADER`` float64s: version,
-  clock lag, status; then the shard's values).
+  clock lag, status; then the shard's values; from server 0, then the served buffers).
+
+Buffers (BatchNorm's running statistics) are the workers' (servers never run a forward pass):
+server 0 keeps every worker's latest buffers and serves their average (floating-point ones;
+the others are the lowest-numbered worker's), and holds it in its model, which is the model
+the run delivers.
 
 On a second duplicate, the *control channel* (its own ledger: not charged to the method, and
 heartbeats are timing-dependent): ``TAG_BEAT`` server → waiting worker (one float64, "I am
@@ -145,10 +152,12 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def pack_push(header: np.ndarray, payload: list[torch.Tensor], ctx) -> np.ndarray:
-    """One push message: ``HEADER`` float64s, the pickled payload layout and ``ctx`` (the decoder
-    needs it and, unlike inside an all-reduce, the server has no copy), then the payload bytes."""
-    meta = pickle.dumps(([(str(t.dtype).replace("torch.", ""), tuple(t.shape)) for t in payload], ctx))
+def pack_push(header: np.ndarray, payload: list[torch.Tensor], ctx, lrs: list[float]) -> np.ndarray:
+    """One push message: ``HEADER`` float64s, the pickled payload layout, ``ctx`` (the decoder
+    needs it and, unlike inside an all-reduce, the server has no copy) and the learning rates
+    ``lrs``, then the payload bytes."""
+    meta = pickle.dumps(([(str(t.dtype).replace("torch.", ""), tuple(t.shape)) for t in payload],
+                         ctx, list(lrs)))
     body = sum(t.numel() * t.element_size() for t in payload)
     header[5], header[6] = len(meta), body
     out = np.empty(HEADER * 8 + len(meta) + body, dtype=np.uint8)
@@ -162,29 +171,73 @@ def pack_push(header: np.ndarray, payload: list[torch.Tensor], ctx) -> np.ndarra
     return out
 
 
-def unpack_push(buf: np.ndarray) -> tuple[np.ndarray, list[torch.Tensor], object]:
-    """The inverse of :func:`pack_push`: ``(header, payload tensors, ctx)``."""
+def unpack_push(buf: np.ndarray) -> tuple[np.ndarray, list[torch.Tensor], object, list[float]]:
+    """The inverse of :func:`pack_push`: ``(header, payload tensors, ctx, lrs)``."""
     header = buf[:HEADER * 8].view(np.float64).copy()
     n_meta = int(header[5])
-    specs, ctx = pickle.loads(buf[HEADER * 8:HEADER * 8 + n_meta].tobytes())
+    specs, ctx, lrs = pickle.loads(buf[HEADER * 8:HEADER * 8 + n_meta].tobytes())
     at, payload = HEADER * 8 + n_meta, []
     for dtype, shape in specs:
         dt = getattr(torch, dtype)
         n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
         payload.append(torch.from_numpy(buf[at:at + n].copy()).view(dt).view(shape))
         at += n
-    return header, payload, ctx
+    return header, payload, ctx, lrs
 
 
 class Reply:
-    """A reply buffer: ``HEADER`` float64s (version, clock lag, status) then the shard's values."""
+    """A reply buffer: ``HEADER`` float64s (version, clock lag, status), the shard's values, then
+    ``extra`` bytes (server 0: the served buffers, a :class:`BufferBlock`)."""
 
-    def __init__(self, shard: Shard):
-        self.raw = torch.empty(HEADER * 8 + shard.numel * torch.empty((), dtype=shard.dtype).element_size(),
-                               dtype=torch.uint8)
+    def __init__(self, shard: Shard, extra: int = 0):
+        n = shard.numel * torch.empty((), dtype=shard.dtype).element_size()
+        self.raw = torch.empty(HEADER * 8 + n + extra, dtype=torch.uint8)
         self.header = self.raw[:HEADER * 8].view(torch.float64)
-        self.values = self.raw[HEADER * 8:].view(shard.dtype)
+        self.values = self.raw[HEADER * 8:HEADER * 8 + n].view(shard.dtype)
+        self.extra = self.raw[HEADER * 8 + n:]
         self.nbytes = self.raw.numel()
+
+
+class BufferBlock:
+    """A model's persistent buffers as one byte block (what a worker pushes to server 0 and
+    server 0 serves back): :meth:`pack` / :meth:`unpack` copy between the model and a block,
+    :meth:`average` merges several workers' blocks."""
+
+    def __init__(self, model: torch.nn.Module):
+        from ..buffers import persistent_buffers
+        self.named = persistent_buffers(model)
+        self.sizes = [b.numel() * b.element_size() for _, b in self.named]
+        self.nbytes = sum(self.sizes)
+
+    def _spans(self):
+        at = 0
+        for (_, b), n in zip(self.named, self.sizes):
+            yield b, at, at + n
+            at += n
+
+    @torch.no_grad()
+    def pack(self, block: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's buffers into ``block`` (a fresh uint8 tensor when None)."""
+        block = torch.empty(self.nbytes, dtype=torch.uint8) if block is None else block
+        for b, a, z in self._spans():
+            block[a:z].copy_(b.detach().cpu().reshape(-1).view(torch.uint8))
+        return block
+
+    @torch.no_grad()
+    def unpack(self, block: torch.Tensor) -> None:
+        """``block``'s values into the model's buffers."""
+        for b, a, z in self._spans():
+            b.copy_(block[a:z].clone().view(b.dtype).view(b.shape))
+
+    def average(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """One block: floating-point buffers averaged over ``blocks``, the others the first's."""
+        out = blocks[0].clone()
+        if len(blocks) > 1:
+            for b, a, z in self._spans():
+                if b.is_floating_point():
+                    mean = sum(blk[a:z].clone().view(b.dtype).double() for blk in blocks) / len(blocks)
+                    out[a:z].copy_(mean.to(b.dtype).view(torch.uint8))
+        return out
 
 
 def channels(comm):

@@ -2,7 +2,8 @@
 clocks, held replies, heartbeats and lost-worker detection (the update rules are in
 :mod:`lowcomm.strategies.async_ps`'s docstring).
 
-A :class:`ParameterServer` is not a strategy: it does not wrap a training step, it serves
+A :class:`ParameterServer` is the role a server rank of
+:class:`~lowcomm.strategies.async_ps.AsyncPS` plays: it does not take training steps, it serves
 (:meth:`ParameterServer.serve`) until every worker has finished or is lost. It talks to the
 workers through :class:`~lowcomm.comm.comm.Comm` only (every call watched and charged), using what
 :mod:`.protocol` defines and nothing of the worker's code.
@@ -20,10 +21,10 @@ import time
 import numpy as np
 import torch
 
-from ...comm.comm import Comm, init
+from ...comm.comm import Comm
 from ...errors import LowcommError
 from .protocol import (DROPPED, OK, POLL_S, PUSH, STOP, TAG_BEAT, TAG_DONE, TAG_INIT, TAG_PULL,
-                       TAG_PUSH, Reply, Settings, build_shards, channels,
+                       TAG_PUSH, BufferBlock, Reply, Settings, build_shards, channels,
                        dc_compensate, load_shard, staleness_lr, trainable, unpack_push)
 
 log = logging.getLogger("lowcomm.async_ps")
@@ -36,25 +37,19 @@ def _bump(hist: dict, key: int, n: int = 1) -> None:
 class ParameterServer:
     """Serves shard ``index = comm.rank`` of ``model``'s parameters to the worker ranks.
 
-    Built on server ranks (``comm.rank < servers``) with the same arguments as the workers'
-    :class:`~lowcomm.strategies.ps.worker.AsyncPS` (see it for their meaning); collective with
-    the workers' constructors. ``optimizer`` steps this server's shard; the shard's parameters
-    become views of one flat vector :attr:`flat`.
-
-    Example::
-
-        server = ParameterServer(model, torch.optim.SGD(model.parameters(), lr=0.1), comm,
-                                 servers=1, max_staleness=2)
-        server.serve()            # until every worker has finished or is lost
-        server.stats()            # staleness and clock-lag histograms, gradients per worker
+    Built on server ranks (``comm.rank < servers``) by
+    :class:`~lowcomm.strategies.async_ps.AsyncPS` with the same settings as the workers'
+    :class:`~lowcomm.strategies.ps.worker.Worker` (see it for their meaning); collective with
+    the workers' constructors. ``optimizer`` steps this server's shard, at the learning rates
+    each push carries; the shard's parameters become views of one flat vector :attr:`flat`.
+    Server 0 also serves the buffers: the average of every worker's latest ones.
     """
 
     is_server = True
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, compressor=None, **settings):
-        comm = comm or init()
-        self.settings = st = Settings(**settings).check(comm.size)
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, *,
+                 compressor, settings: Settings):
+        self.settings = st = settings
         if comm.rank >= st.servers:
             raise LowcommError(f"rank {comm.rank} is a worker (servers = ranks 0..{st.servers - 1}): "
                                "build AsyncPS there")
@@ -82,7 +77,11 @@ class ParameterServer:
         self.clock = [0] * self.W
         self.read_version = [0] * self.W
         self.backup = [self.flat.clone() for _ in range(self.W)] if st.dc_lambda > 0 else None
-        self.replies = [Reply(self.shard) for _ in range(self.W)]
+        # server 0 serves the buffers: every worker's latest, averaged into this model's
+        self.block = BufferBlock(model) if self.index == 0 else None
+        self.worker_buffers: dict[int, torch.Tensor] = {}
+        extra = self.block.nbytes if self.block is not None else 0
+        self.replies = [Reply(self.shard, extra) for _ in range(self.W)]
         self.reply_req: list = [None] * self.W
         self.staleness: dict[int, int] = {}     # σ per applied gradient
         self.lag: dict[int, int] = {}           # clock lag per reply
@@ -110,6 +109,8 @@ class ParameterServer:
             r = self.replies[w]
             r.header.zero_()
             r.values.copy_(self.flat)
+            if self.block is not None:
+                self.block.pack(r.extra)
             reqs.append(self.comm.isend(r.raw, self.rank_of(w), TAG_INIT, op="pull"))
         for req in reqs:
             req.wait()
@@ -124,15 +125,25 @@ class ParameterServer:
                                f"shard has {self.flat.numel()}")
         return g
 
-    def _step(self, grad: torch.Tensor, lr_scale: float) -> None:
-        """Steps 4–5: the optimizer steps the shard with ``grad`` at ``lr · lr_scale``."""
+    def _take_buffers(self, w: int, block: torch.Tensor) -> None:
+        """Server 0: worker ``w``'s buffers arrived; serve the average of every live worker's
+        latest (this server's model holds it)."""
+        self.worker_buffers[w] = block
+        self.block.unpack(self.block.average([self.worker_buffers[v] for v in sorted(self.worker_buffers)
+                                              if v not in self.lost]))
+
+    def _step(self, grad: torch.Tensor, lr_scale: float, lrs: list[float]) -> None:
+        """Steps 4–5: the optimizer steps the shard with ``grad`` at the pushing worker's
+        learning rates ``lrs`` (one per parameter group) times ``lr_scale``."""
         opt = self.optimizer
+        if len(lrs) != len(opt.param_groups):
+            raise LowcommError(f"server {self.index}: a push carried {len(lrs)} learning rates for "
+                               f"{len(opt.param_groups)} parameter groups")
         for seg in self.shard.segments:
             self._params[seg.name].grad = grad[seg.start:seg.stop].view(seg.shape)
         saved = [g["lr"] for g in opt.param_groups]
-        if lr_scale != 1.0:
-            for g in opt.param_groups:
-                g["lr"] = g["lr"] * lr_scale
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = lr * lr_scale
         opt.step()
         for g, lr in zip(opt.param_groups, saved):
             g["lr"] = lr
@@ -140,17 +151,18 @@ class ParameterServer:
             self._params[seg.name].grad = None
         self.version += 1
 
-    def _apply_one(self, w: int, g: torch.Tensor) -> int:
+    def _apply_one(self, w: int, g: torch.Tensor, lrs: list[float]) -> int:
         """Steps 2–5 for one gradient of worker ``w``; returns its staleness σ."""
         sigma = self.version - self.read_version[w]
         if self.backup is not None:
             g = dc_compensate(g, self.flat, self.backup[w], self.dc_lambda)
         scale = staleness_lr(1.0, sigma) if self.staleness_lr else 1.0
-        self._step(g, scale)
+        self._step(g, scale, lrs)
         return sigma
 
-    def _apply_round(self, grads: dict[int, torch.Tensor]) -> None:
-        """τ = 0: the mean of the round's gradients (worker order), one update (σ = 0)."""
+    def _apply_round(self, grads: dict[int, torch.Tensor], lrs: list[float]) -> None:
+        """τ = 0: the mean of the round's gradients (worker order), one update (σ = 0) at the
+        first worker's learning rates (the workers of a round are at the same step)."""
         if grads:
             acc = self._grad.zero_()
             for w in sorted(grads):
@@ -159,7 +171,7 @@ class ParameterServer:
                     g = dc_compensate(g, self.flat, self.backup[w], self.dc_lambda)
                 acc.add_(g)
             acc.div_(len(grads))
-            self._step(acc, 1.0)
+            self._step(acc, 1.0, lrs)
         else:
             self.version += 1
         _bump(self.staleness, 0, len(grads))
@@ -196,6 +208,8 @@ class ParameterServer:
         r.header.zero_()
         r.header[0], r.header[1], r.header[2] = self.version, lag, status
         r.values.copy_(self.flat)
+        if self.block is not None:
+            self.block.pack(r.extra)
         if self.backup is not None:
             self.backup[w].copy_(self.flat)
         self.read_version[w] = self.version
@@ -257,19 +271,21 @@ class ParameterServer:
                 if w in self.lost:        # declared lost, yet alive: tell it to stop
                     self._reply(w, DROPPED)
                     continue
-                header, payload, ctx = unpack_push(buf)
+                header, payload, ctx, lrs = unpack_push(buf)
+                if self.block is not None and self.block.nbytes:
+                    self._take_buffers(w, payload.pop())
                 if int(header[1]) != self.clock[w]:
                     raise LowcommError(f"server {self.index}: worker {w} pushed clock {int(header[1])}, "
                                        f"expected {self.clock[w]}")
                 g = self._decode(payload, ctx) if header[0] == PUSH else None
                 if self.tau == 0:
-                    stash[w] = (header, g)
+                    stash[w] = (header, g, lrs)
                     held.add(w)
                     continue
                 sigma = None
                 self.taken += 1
                 if g is not None:
-                    sigma = self._apply_one(w, g)
+                    sigma = self._apply_one(w, g, lrs)
                     _bump(self.staleness, sigma)
                     self.applied[w] += 1
                 else:
@@ -279,17 +295,17 @@ class ParameterServer:
                 updates.append([(w, header, sigma)])
             inflight = still
             if self.tau == 0 and stash and all(w in stash for w in self._active()):
-                grads = {w: g for w, (h, g) in stash.items() if g is not None}
-                self._apply_round(grads)
+                grads = {w: g for w, (h, g, _) in stash.items() if g is not None}
+                self._apply_round(grads, stash[min(stash)][2])
                 self.taken += len(stash)
-                for w, (h, g) in stash.items():
+                for w, (h, g, _) in stash.items():
                     self.clock[w] += 1
                     if g is None:
                         self.skipped[w] += 1
                     else:
                         self.applied[w] += 1
                 updates.append([(w, h, 0 if g is not None else None)
-                                for w, (h, g) in sorted(stash.items())])
+                                for w, (h, g, _) in sorted(stash.items())])
                 stash = {}
                 busy = True
             for w in sorted(held):        # step 6: release the replies SSP allows
@@ -345,7 +361,8 @@ class ParameterServer:
                 "clock": list(self.clock), "read_version": list(self.read_version),
                 "backup": self.backup, "staleness": dict(self.staleness), "lag": dict(self.lag),
                 "applied": list(self.applied), "skipped": list(self.skipped),
-                "recv_from": list(self.recv_from)}
+                "recv_from": list(self.recv_from),
+                "worker_buffers": {w: b.clone() for w, b in self.worker_buffers.items()}}
 
     def _bind_flat(self) -> None:
         """Copy the shard's parameters into ``flat`` and make them views of it."""
@@ -365,6 +382,7 @@ class ParameterServer:
         self.staleness, self.lag = dict(state["staleness"]), dict(state["lag"])
         self.applied, self.skipped = list(state["applied"]), list(state["skipped"])
         self.recv_from = list(state["recv_from"])
+        self.worker_buffers = {int(w): b.clone() for w, b in state.get("worker_buffers", {}).items()}
 
     def reshard(self, old: list[dict]) -> dict:
         """Resume on another number of ranks (the same ``servers``, so W_old → W workers): this
@@ -383,11 +401,17 @@ class ParameterServer:
         mine.update(taken=step * self.W, clock=[0] * self.W, read_version=[mine["version"]] * self.W,
                     backup=[flat.clone() for _ in range(self.W)] if self.backup is not None else None,
                     applied=fold(mine["applied"], self.W), skipped=fold(mine["skipped"], self.W),
-                    recv_from=fold(mine["recv_from"], self.W))
+                    recv_from=fold(mine["recv_from"], self.W), worker_buffers={})
         loop = dict(old[self.index]["loop"])         # the run's log: per-worker traffic folds too
         if "traffic" in loop:
             loop.update(traffic=fold(loop["traffic"], self.W), gradients=step * self.W)
         return {"model": model, "strategy": mine, "loop": loop}
+
+    def shard_values(self, s: int) -> torch.Tensor:
+        """Shard ``s``'s values: this server's own, else a buffer to receive them into."""
+        if s == self.index:
+            return self.flat.clone()
+        return torch.empty(self.shards[s].numel, dtype=self.shards[s].dtype)
 
     def load_shard(self, s: int, vals: torch.Tensor) -> None:
         """Copy server ``s``'s shard values ``vals`` into the model (rank 0 assembles the model

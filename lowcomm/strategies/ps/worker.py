@@ -1,6 +1,7 @@
-"""The worker side of the asynchronous parameter server: :class:`AsyncPS`, a strategy that pushes
-each shard's gradient to its server and pulls the shard's parameters back (the papers and the
-update rules are in :mod:`lowcomm.strategies.async_ps`'s docstring).
+"""The worker side of the asynchronous parameter server: :class:`Worker`, the role a worker rank
+of :class:`~lowcomm.strategies.async_ps.AsyncPS` plays — it pushes each shard's gradient to its
+server and pulls the shard's parameters back (the papers and the update rules are in
+:mod:`lowcomm.strategies.async_ps`'s docstring).
 
 It talks to the servers through :class:`~lowcomm.comm.comm.Comm` only (every call watched and charged)
 and knows of them only what :mod:`.protocol` defines.
@@ -14,19 +15,19 @@ import torch
 
 from ...comm.comm import Comm
 from ...errors import LowcommError, NonFiniteError
-from ..base import BackwardPasses, Strategy
+from ..base import BackwardPasses
 from .protocol import (DROPPED, HEADER, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE, TAG_INIT,
-                       TAG_PULL, TAG_PUSH, Reply, ServerLost, Settings, WorkerDropped,
+                       TAG_PULL, TAG_PUSH, BufferBlock, Reply, ServerLost, Settings, WorkerDropped,
                        build_shards, channels, load_shard, pack_push, trainable)
 
 
-class AsyncPS(Strategy):
+class Worker:
     """The worker of an asynchronous sharded parameter server with bounded staleness (see
     :mod:`lowcomm.strategies.async_ps` for the papers and the update as numbered steps).
 
-    Built on worker ranks (``comm.rank >= servers``), collectively with the servers'
-    :class:`~lowcomm.strategies.ps.server.ParameterServer` (same arguments);
-    :class:`lowcomm.strategies.async_ps.AsyncPS` builds whichever role a rank plays.
+    Built on worker ranks (``comm.rank >= servers``) by
+    :class:`lowcomm.strategies.async_ps.AsyncPS`, collectively with the servers'
+    :class:`~lowcomm.strategies.ps.server.ParameterServer` (same settings).
 
     Args:
         model, optimizer: the user's torch objects (the same code on every rank). On worker
@@ -50,13 +51,12 @@ class AsyncPS(Strategy):
             caller calls :meth:`skip`; the worker's clock advances without a gradient).
     """
 
-    name = "async-ps"
     is_server = False
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, compressor=None, **settings):
-        super().__init__(model, optimizer, comm)
-        self.settings = st = Settings(**settings).check(self.comm.size)
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, *,
+                 compressor, settings: Settings):
+        self.model, self.optimizer, self.comm = model, optimizer, comm
+        self.settings = st = settings
         if self.comm.rank < st.servers:
             raise LowcommError(f"rank {self.comm.rank} is a parameter server (ranks 0..{st.servers - 1}): "
                                "build ParameterServer there")
@@ -66,6 +66,7 @@ class AsyncPS(Strategy):
         self.worker_timeout_s, self.server_timeout_s = st.worker_timeout_s, st.server_timeout_s
         self.nonfinite, self.budget = st.nonfinite, st.budget
         self.stopped = False             # a server said the budget is spent
+        self.finished = False            # done() told the servers
         self.index = self.comm.rank - st.servers
         self._named = trainable(model)
         self._params = dict(self._named)
@@ -74,7 +75,9 @@ class AsyncPS(Strategy):
         self.clock = 0
         self.loss = float("nan")
         self._hooks = []
-        self._replies = [Reply(sh) for sh in self.shards]
+        self.block = BufferBlock(model)        # pushed to server 0, served back averaged
+        self._replies = [Reply(sh, self.block.nbytes if s == 0 else 0)
+                         for s, sh in enumerate(self.shards)]
         self._flat = [torch.zeros(sh.numel, dtype=sh.dtype) for sh in self.shards]
         self._pushed = [False] * self.servers
         self._push_req: list = [None] * self.servers
@@ -141,7 +144,9 @@ class AsyncPS(Strategy):
             payload, ctx = [self._flat[s]], None
         else:
             payload, ctx = self.compressor.compress(self._flat[s], f"shard{s}", self.shards[s].segments)
-        buf = pack_push(header, payload, ctx)
+        if s == 0 and self.block.nbytes:
+            payload = [*payload, self.block.pack()]
+        buf = pack_push(header, payload, ctx, [g["lr"] for g in self.optimizer.param_groups])
         tot = self.ps.ledger.totals()            # cumulative traffic, for the servers' log lines
         fields = buf[:HEADER * 8].view(np.float64)
         fields[3], fields[4] = tot["bytes_sent"] + buf.nbytes, tot["bytes_recv"]
@@ -150,7 +155,7 @@ class AsyncPS(Strategy):
         self._pull_req[s] = self.ps.irecv_(self._replies[s].raw, s, TAG_PULL, op="pull")
         self._pushed[s] = True
 
-    def _step(self, closure=None):
+    def step(self, closure=None):
         """Push the gradients not pushed yet, wait for every shard's reply, load the parameters."""
         if closure is not None:
             raise LowcommError("async-ps does not take a closure")
@@ -196,8 +201,11 @@ class AsyncPS(Strategy):
         self._pending = [len(sh.segments) for sh in self.shards]
 
     def _load(self, s: int, vals: torch.Tensor | None = None) -> None:
-        """Copy shard ``s``'s values (default: its last reply) into the model's parameters."""
+        """Copy shard ``s``'s values (default: its last reply) into the model's parameters (and
+        server 0's served buffers into the model's buffers)."""
         load_shard(self._params, self.shards[s], self._replies[s].values if vals is None else vals)
+        if s == 0 and vals is None and self.block.nbytes:
+            self.block.unpack(self._replies[0].extra)
 
     def _wait_all(self, reqs: list, what: str, servers: list[int]) -> None:
         """Poll ``reqs`` (``reqs[i]`` waits on server ``servers[i]``; each poll a watched
@@ -223,10 +231,15 @@ class AsyncPS(Strategy):
                                      f"{self.server_timeout_s:g}); it is gone, ending the job")
             time.sleep(POLL_S)
 
+    def shard_values(self, s: int) -> torch.Tensor:
+        """A buffer for shard ``s``'s values (the servers broadcast them at the end)."""
+        return torch.empty(self.shards[s].numel, dtype=self.shards[s].dtype)
+
     def done(self, signum: int = 0) -> None:
         """Tell every server this worker is done (servers end when all workers are done or
         lost); ``signum``: it stops because it was sent that signal (the servers then stop
         every worker)."""
+        self.finished = True
         done = torch.tensor([float(self.clock), float(signum)], dtype=torch.float64)
         reqs = [self.ctl.isend(done, s, TAG_DONE, op="done") for s in range(self.servers)]
         pushes = [s for s, r in enumerate(self._push_req) if r is not None]
@@ -261,7 +274,10 @@ class AsyncPS(Strategy):
         return {"model": reshard_model(old, self.shards), "strategy": state,
                 "loop": src["loop"], "rng": src["rng"]}
 
-    def _close(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []

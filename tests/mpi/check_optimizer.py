@@ -1,0 +1,272 @@
+"""Every registered method where a torch optimizer is expected, on 2 ranks: LR schedulers drive
+it, the wrapped optimizer cannot be stepped behind its back, clipping sees the gradients it will
+apply, AMP's GradScaler skips a step with an Inf (together where the ranks' gradients meet),
+gradient accumulation works, a ``with`` block ends it with one model — parameters and BatchNorm
+buffers — on every rank; SyncDP's buffers follow torch DDP's ``broadcast_buffers``."""
+import contextlib
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lowcomm
+from lowcomm.run.evaluate import state_sha256
+
+STEPS = 4
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.1),
+                         nn.Linear(16, 3))
+
+
+def batch(step: int, rank: int, n: int = 8):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 6, generator=g) * (1 + rank), torch.randint(0, 3, (n,), generator=g)
+
+
+def loss_of(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+# name -> how to build it on (model, inner optimizer, comm); every registered method appears
+METHODS = {
+    "syncdp": lambda m, o, c: lowcomm.build("syncdp", m, o, c),
+    "syncdp-int8": lambda m, o, c: lowcomm.build("syncdp", m, o, c, compressor="int8"),
+    "horovod": lambda m, o, c: lowcomm.build("syncdp:backend=horovod", m, o, c),
+    "localsgd": lambda m, o, c: lowcomm.build("localsgd:period=2", m, o, c),
+    "diloco": lambda m, o, c: lowcomm.build("diloco:period=2,compressor=int8", m, o, c),
+    "streaming-diloco": lambda m, o, c: lowcomm.build(
+        "streaming-diloco:period=4,fragments=2,delay=1,merge=add-local", m, o, c),
+    "gossip": lambda m, o, c: lowcomm.build("gossip", m, o, c),
+    "async-ps": lambda m, o, c: lowcomm.build("async-ps:max_staleness=0", m, o, c,
+                                              nonfinite="skip"),
+    "onebit-adam": lambda m, o, c: lowcomm.OneBitAdam(m, torch.optim.Adam(m.parameters(), lr=0.01),
+                                                      c, freeze_step=2),
+    "policy": lambda m, o, c: lowcomm.policy({"dc": "diloco:period=2"}, m, o, c,
+                                             topology="dc:2,rank:1"),
+}
+LOCKSTEP = {"syncdp", "syncdp-int8", "horovod", "onebit-adam"}   # gradients meet every step
+
+
+def build(name: str, comm, lr: float = 0.1):
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = METHODS[name](model, inner, comm)
+    return model, opt.optimizer, opt
+
+
+def run(opt, model, comm, steps=STEPS, *, each=None, scaler=None, inf_at=None, micro=1,
+        no_sync=True):
+    """The user's loop; ``each(step)`` after every step; ``inf_at``: rank 1's loss is Inf at
+    that step; ``micro`` backward passes per step, all but the last under ``opt.no_sync()``
+    (unless not ``no_sync``). Server ranks of the parameter server serve."""
+    if getattr(opt, "is_server", False):
+        opt.serve()
+        return
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        x, y = batch(step, comm.rank, 8 * micro)
+        for i in range(micro):
+            sl = slice(8 * i, 8 * (i + 1))
+            with (opt.no_sync() if no_sync and i < micro - 1 else contextlib.nullcontext()):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler is not None):
+                    loss = loss_of(model, x[sl], y[sl]) / micro
+                if inf_at == step and comm.rank == 1:
+                    loss = loss * float("inf")
+                (scaler.scale(loss) if scaler else loss).backward()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if each:
+            each(step)
+
+
+def hashes(comm, model) -> list[str]:
+    return comm.allgather_object(state_sha256(model))
+
+
+def test_every_registered_method_is_checked():
+    assert set(lowcomm.STRATEGIES) <= set(METHODS), \
+        f"add a builder for {sorted(set(lowcomm.STRATEGIES) - set(METHODS))}"
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before")
+@pytest.mark.parametrize("name", METHODS)
+def test_is_an_optimizer_that_lr_schedulers_drive(name, comm):
+    model, inner, opt = build(name, comm)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert all(a is b for a, b in zip(opt.param_groups, inner.param_groups))
+    for make in (lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10),
+                 lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=20)):
+        ref_opt = torch.optim.SGD(make_model().parameters(), lr=inner.param_groups[0]["lr"])
+        ours, ref = make(opt), make(ref_opt)
+        for _ in range(3):
+            ours.step()
+            ref.step()
+        assert inner.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+    opt.finish()
+    # LambdaLR at factor 0 must stop every method's update: the lr reaches what updates
+    model, inner, opt = build(name, comm)
+    before = copy.deepcopy(model.state_dict())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0)
+    run(opt, model, comm, each=lambda s: sched.step())
+    opt.finish()
+    assert inner.param_groups[0]["lr"] == 0.0
+    for k, v in model.named_parameters():
+        assert torch.equal(v.detach(), before[k]), f"{k} moved at lr 0"
+    # and at factor 1 they move
+    model, inner, opt = build(name, comm)
+    before = copy.deepcopy(model.state_dict())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    run(opt, model, comm, each=lambda s: sched.step())
+    opt.finish()
+    assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_the_wrapped_optimizer_cannot_step_behind_the_method(name, comm):
+    model, inner, opt = build(name, comm)
+    with pytest.raises(lowcomm.LowcommError, match=f"wrapped by lowcomm's {type(opt).__name__}"):
+        inner.step()
+    opt.finish()
+
+
+@pytest.mark.parametrize("name", [n for n in METHODS if n != "policy"])
+def test_clipping_between_backward_and_step_sees_the_gradients_applied(name, comm):
+    model, inner, opt = build(name, comm)
+    if getattr(opt, "is_server", False):
+        opt.serve()
+        opt.finish()
+        return
+    shadow = copy.deepcopy(model)            # the same parameters, no method: local gradients
+    x, y = batch(1, comm.rank)
+    rng = torch.get_rng_state()                # the same dropout masks in both
+    opt.zero_grad()
+    loss_of(model, x, y).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+    torch.set_rng_state(rng)
+    loss_of(shadow, x, y).backward()
+    local = [p.grad.clone() for p in shadow.parameters()]
+    if name in ("syncdp", "horovod"):         # the average of the ranks' gradients, on every rank
+        every = comm.allgather_object(local)
+        mean = [sum(g[i] for g in every) / comm.size for i in range(len(local))]
+        want = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in mean])))
+        assert norm == pytest.approx(want, rel=1e-5)
+        assert len(set(comm.allgather_object(round(norm, 6)))) == 1
+    elif name == "syncdp-int8":               # the average of the int8-coded gradients: near it
+        assert len(set(comm.allgather_object(round(norm, 6)))) == 1
+    else:                                     # local steps: the local gradients
+        want = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local])))
+        assert norm == pytest.approx(want, rel=1e-5)
+    opt.step()
+    opt.finish()
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_grad_scaler_skips_a_step_whose_gradients_are_not_finite(name, comm):
+    """Rank 1's loss is Inf at step 2. Where the ranks' gradients meet every step, every rank
+    skips that step and halves its scale; elsewhere rank 1 alone skips its update (its inner
+    optimizer steps once less) and the method's schedule goes on together."""
+    model, inner, opt = build(name, comm)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    inner_steps = [0]
+    inner.register_step_post_hook(lambda *_: inner_steps.__setitem__(0, inner_steps[0] + 1))
+    seen = {0: ({k: v.detach().clone() for k, v in model.named_parameters()}, scaler.get_scale())}
+
+    def each(step):
+        seen[step] = ({k: v.detach().clone() for k, v in model.named_parameters()}, scaler.get_scale())
+
+    run(opt, model, comm, scaler=scaler, inf_at=2, each=each)
+    opt.finish()
+    assert len(set(hashes(comm, model))) == 1, "ranks end with different models"
+    assert all(math.isfinite(float(v.abs().sum())) for v in model.state_dict().values()
+               if v.is_floating_point())
+    if getattr(opt, "is_server", False):
+        assert opt.server.stats()["skipped"] == [1]
+        return
+    skipped = comm.rank == 1 or name in LOCKSTEP
+    assert seen[2][1] == (seen[1][1] / 2 if skipped else seen[1][1])
+    if name in LOCKSTEP:
+        for k in seen[1][0]:
+            assert torch.equal(seen[1][0][k], seen[2][0][k]), f"{k} moved in a skipped step"
+    elif name != "async-ps":                  # a worker's optimizer is stepped by the servers
+        assert inner_steps[0] == STEPS - (comm.rank == 1)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_gradient_accumulation_under_no_sync(name, comm):
+    model, inner, opt = build(name, comm)
+    if name == "horovod":
+        with pytest.raises(lowcomm.LowcommError, match="backward_passes_per_step"):
+            opt.no_sync()
+        opt.finish()
+        return
+    torch.manual_seed(comm.rank)               # dropout: the same masks in the runs below
+    run(opt, model, comm, micro=2)
+    opt.finish()
+    assert len(set(hashes(comm, model))) == 1
+    if name != "syncdp":
+        return
+    # SyncDP: no_sync() over the first of two backward passes, an exchange after each (DDP
+    # without no_sync) and backward_passes_per_step=2 all give the same averaged sum
+    finals = [model]
+    for spec, sync_each in (("syncdp", False), ("syncdp:backward_passes_per_step=2", False)):
+        m = make_model()
+        o = lowcomm.build(spec, m, torch.optim.SGD(m.parameters(), lr=0.1), comm)
+        torch.manual_seed(comm.rank)
+        run(o, m, comm, micro=2, no_sync=sync_each)
+        o.finish()
+        finals.append(m)
+    for k, v in model.named_parameters():
+        for other in finals[1:]:
+            assert torch.allclose(v, dict(other.named_parameters())[k], rtol=1e-5, atol=1e-6), k
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_with_block_ends_it_with_one_model_and_moved_buffers(name, comm):
+    model = None
+    with build(name, comm)[2] as opt:
+        model = opt.model
+        run(opt, model, comm)
+    assert len(set(hashes(comm, model))) == 1, "the ranks' whole states differ"
+    bn = model[1]
+    assert not torch.equal(bn.running_mean, torch.zeros(16)), "BatchNorm statistics never moved"
+    assert int(bn.num_batches_tracked) > 0
+    with pytest.raises(lowcomm.LowcommError, match="has ended"):
+        opt.step()
+
+
+def test_syncdp_buffers_follow_torch_ddp_broadcast_buffers(comm):
+    from lowcomm.tools.bench import init_gloo
+    dist = init_gloo(comm)
+    ref = make_model()
+    ddp = nn.parallel.DistributedDataParallel(ref, broadcast_buffers=True)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    model = make_model()
+    opt = lowcomm.SyncDP(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm)
+    torch.manual_seed(comm.rank)                # dropout: the same masks in both models
+    for step in range(1, STEPS + 1):
+        x, y = batch(step, comm.rank)
+        state = torch.get_rng_state()
+        ref_opt.zero_grad()
+        loss_of(ddp, x, y).backward()
+        ref_opt.step()
+        torch.set_rng_state(state)
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+    opt.finish()
+    assert len(set(hashes(comm, model))) == 1
+    # DDP's rank 0 carries its own buffers forward; its other ranks' last forward moved theirs
+    want = comm.bcast_object({k: v.clone() for k, v in ref.state_dict().items()})
+    for k, v in model.state_dict().items():
+        assert torch.allclose(v.float(), want[k].float(), rtol=1e-5, atol=1e-6), k
+    dist.barrier()
+    dist.destroy_process_group()
