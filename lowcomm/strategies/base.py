@@ -195,8 +195,8 @@ class Strategy(torch.optim.Optimizer):
             raise TypeError(f"optimizer is a lowcomm method already ({type(optimizer).__name__}); "
                             "wrap the plain torch optimizer")
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
-        self._share(optimizer)
         self.model, self.optimizer = model, optimizer
+        self._share(optimizer)
         self.comm = comm or init()
         self._stepping = 0                 # > 0 while this method's own step() runs
         self._closed = False
@@ -204,9 +204,27 @@ class Strategy(torch.optim.Optimizer):
         self._guard = optimizer.register_step_pre_hook(self._direct_step)
 
     def _share(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer``'s groups, state and defaults this object's (the same objects)."""
-        self.param_groups, self.state, self.defaults = optimizer.param_groups, optimizer.state, \
-            optimizer.defaults
+        """From now on this object's ``param_groups``, ``state`` and ``defaults`` are
+        ``optimizer``'s — read through, so they stay its own even after its
+        ``load_state_dict`` replaces them (accelerate does that when it prepares an optimizer)."""
+        self.__dict__["_shared"] = optimizer
+
+    def _shared_attr(name: str):
+        def get(self):
+            shared = self.__dict__.get("_shared")
+            return getattr(shared, name) if shared is not None else self.__dict__["_own_" + name]
+
+        def set_(self, value):       # torch.optim.Optimizer.__init__ sets them before sharing
+            if self.__dict__.get("_shared") is not None:
+                setattr(self.__dict__["_shared"], name, value)
+            else:
+                self.__dict__["_own_" + name] = value
+        return property(get, set_)
+
+    param_groups = _shared_attr("param_groups")
+    state = _shared_attr("state")
+    defaults = _shared_attr("defaults")
+    del _shared_attr
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "optimizer", None) is None:     # torch.optim.Optimizer.__init__

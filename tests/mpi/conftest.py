@@ -18,8 +18,7 @@ import lowcomm
 torch.set_num_threads(1)
 
 
-def _rank() -> int:
-    return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +43,7 @@ def pytest_runtest_makereport(item, call):
         f"failed: {mine or report.longrepr}"
     reports = os.environ.get("LOWCOMM_TEST_REPORTS")
     if reports:
-        with open(os.path.join(reports, f"rank{_rank()}.json"), "w") as f:
+        with open(os.path.join(reports, f"rank{RANK}.json"), "w") as f:
             json.dump(_OUTCOMES, f)
 
 

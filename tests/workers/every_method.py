@@ -1,7 +1,8 @@
 """Every method through the one loop from Python (``lowcomm.train`` with model/loss/batch
 functions over a map-style Dataset), in one mpirun: each run must end with the same model on
-every rank (``ranks_agree``, and checked here against every rank's parameters), finite losses,
-and exactly the bytes the run's ledger says. Also: the README's example method, registered from
+every rank (``ranks_agree``, and checked here against every rank's whole state), finite losses,
+and exactly the bytes the run's ledger says; then every method again on a CNN with BatchNorm and
+dropout over real images (experiments/digits_cnn_task.py). Also: the README's example method, registered from
 its own file, equals Local SGD; ``lowcomm.build`` makes every registered method from a spec.
 
 Usage: every_method.py  (3 ranks: odd, so averages are not exact halves; partial last periods)
@@ -22,6 +23,7 @@ from lowcomm.tasks import dataset_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import digits_cnn_task as digits  # noqa: E402
 import example_method  # noqa: E402  (registers "average-every")
 
 comm = lowcomm.init()
@@ -90,6 +92,37 @@ with tempfile.TemporaryDirectory() as tmp:
     # the README's 30-line method equals Local SGD with the same period (SGD: the same update;
     # the averages are packed differently, so equal up to the sums' rounding)
     ok.models_close(finals["average-every"], finals["localsgd"], "average-every vs localsgd")
+
+# the same methods on a CNN with BatchNorm and dropout over real images (scikit-learn's digits):
+# the model each delivers — its BatchNorm statistics included — is the same on every rank, and
+# the statistics moved (a method that never carried them would evaluate with the initial ones)
+cnns = []
+
+
+def cnn(cfg):
+    cnns.append(digits.model(cfg))
+    return cnns[-1]
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    out = comm.bcast_object(tmp)
+    for name, (spec, extra) in METHODS.items():
+        summary = lowcomm.train(model=cnn, loss=digits.loss, batch=digits.batch,
+                                eval_batches=digits.eval_batches, strategy=spec, steps=STEPS,
+                                batch_size=16, log_every=7, lr=0.05,
+                                set=["optimizer.name=sgd", "eval_batches=4", *extra],
+                                out=os.path.join(out, "cnn-" + name), comm=comm)
+        if name == "async-ps":
+            summary = {**summary, **comm.bcast_object(
+                {k: summary[k] for k in ("ranks_agree", "state_sha256", "eval_loss")} if r == 0 else None)}
+        m = cnns[-1]
+        ok(summary["ranks_agree"] is True, f"cnn {name}: ranks_agree is {summary['ranks_agree']}")
+        hashes = comm.allgather_object(state_sha256(m))
+        ok(len(set(hashes)) == 1 and hashes[0] == summary["state_sha256"],
+           f"cnn {name}: the ranks' whole states differ or differ from the summary's hash")
+        ok(math.isfinite(summary["eval_loss"]), f"cnn {name}: eval loss {summary['eval_loss']}")
+        ok(int(m.bn1.num_batches_tracked) > 0 and float(m.bn1.running_mean.abs().sum()) > 0,
+           f"cnn {name}: BatchNorm statistics never moved")
 
 # 1-bit Adam accepts AdamW: during its warm-up it equals torch AdamW (decoupled weight decay) on
 # the averaged gradient, i.e. one process on the K ranks' batches together

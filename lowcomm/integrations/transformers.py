@@ -1,0 +1,172 @@
+"""The Hugging Face ``transformers.Trainer`` with any lowcomm method, launched with ``mpirun``.
+
+Under ``mpirun`` every rank runs the user's script; lowcomm's method (an optimizer) does the
+communication, so the Trainer must not start ``torch.distributed`` itself — accelerate would,
+having read Open MPI's environment (and fail: "MASTER_ADDR expected, but not set"). Two pieces:
+
+* :func:`init`, first (before ``TrainingArguments``): MPI up, and the launcher's world-size and
+  rank variables moved out of accelerate's sight (kept in :data:`LAUNCHER_ENV`), so each rank's
+  Trainer runs as a single process; with CUDA, each rank takes its node-local GPU.
+* :class:`Trainer`, a ``transformers.Trainer`` given ``optimizers=(method, None)``: it shards
+  the training data over the ranks (``DistributedSampler``: every rank takes the same number of
+  steps), runs gradient accumulation's early micro-batches under the method's ``no_sync()``,
+  evaluates each rank on its share of the evaluation set and averages the metrics over the ranks,
+  logs and saves from the first training rank only, and ends the method when ``train()`` returns — the same model,
+  buffers included, on every rank. The Trainer's own scheduler, gradient clipping, gradient
+  accumulation, evaluation and logging work as usual: the method *is* the optimizer.
+
+Example (``launchers/local.sh -n 2 python train.py``)::
+
+    import lowcomm, torch, transformers
+    from lowcomm.integrations import transformers as lt
+
+    lt.init()                                          # before TrainingArguments
+    args = transformers.TrainingArguments("out", max_steps=100, learning_rate=5e-4,
+                                          lr_scheduler_type="cosine", report_to="none")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64))
+    method = lowcomm.build("diloco:period=20", model, torch.optim.AdamW(model.parameters()))
+    trainer = lt.Trainer(model=model, args=args, train_dataset=data, optimizers=(method, None))
+    trainer.train()                                    # every rank ends with the same model
+
+With the parameter server (``async-ps``), server ranks serve inside ``train()`` and the data is
+sharded over the workers. Checkpoints the Trainer writes hold the first training rank's method
+state (``lowcomm.train`` writes every rank's).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import transformers
+from torch.utils.data import DistributedSampler
+
+from ..comm.comm import Comm, init as init_comm
+from ..comm.ledger import Ledger
+from ..errors import LowcommError
+from ..strategies.base import Strategy
+
+#: the launcher's variables that make accelerate and torch.distributed see a multi-process job
+LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_SIZE", "PMI_RANK", "MV2_COMM_WORLD_SIZE",
+                 "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE",
+                 "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                 "LOCAL_WORLD_SIZE")
+#: what :func:`init` moved out of ``os.environ``
+LAUNCHER_ENV: dict[str, str] = {}
+
+
+def init(comm: Comm | None = None) -> Comm:
+    """Start MPI (or take ``comm``) and keep accelerate to one process per rank; call it before
+    building ``TrainingArguments``. Idempotent. Returns the world communicator."""
+    comm = comm or init_comm()
+    _refuse_distributed_state()
+    for name in LAUNCHER_VARS:
+        if name in os.environ:
+            LAUNCHER_ENV[name] = os.environ.pop(name)
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        local = comm.split_shared().rank
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    return comm
+
+
+def _refuse_distributed_state() -> None:
+    from accelerate.state import PartialState
+    if PartialState._shared_state and PartialState().num_processes > 1:
+        raise LowcommError("accelerate set up a multi-process job before "
+                           "lowcomm.integrations.transformers.init() ran: call init() before "
+                           "building TrainingArguments (lowcomm's method does the communication)")
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` for a run launched with mpirun whose optimizer is a lowcomm
+    method (``optimizers=(method, None)``): see the module docstring for what it adds."""
+
+    def __init__(self, *args, **kwargs):
+        method = (kwargs.get("optimizers") or (None, None))[0]
+        if not isinstance(method, Strategy):
+            raise TypeError("lowcomm's Trainer takes optimizers=(a lowcomm method, None), e.g. "
+                            "lowcomm.build(\"syncdp\", model, torch.optim.AdamW(...)); got "
+                            f"{type(method).__name__}")
+        init(method.comm)
+        self.method, self.comm = method, method.comm
+        self.is_server = bool(getattr(method, "is_server", False))
+        # the ranks that train (all, or the parameter server's workers), for data and metrics
+        ctl = self.comm.dup(Ledger(), "control")        # metrics and bookkeeping: not charged
+        self._trainers = ctl.split(1 if self.is_server else 0) if hasattr(method, "is_server") \
+            else ctl
+        super().__init__(*args, **kwargs)
+        if not self._first:
+            for cb in list(self.callback_handler.callbacks):
+                if isinstance(cb, (transformers.trainer_callback.ProgressCallback,
+                                   transformers.trainer_callback.PrinterCallback)) or \
+                        type(cb).__module__.startswith("transformers.integrations"):
+                    self.remove_callback(cb)
+
+    @property
+    def _first(self) -> bool:
+        """This rank logs and writes: the first rank that trains."""
+        return not self.is_server and self._trainers.rank == 0
+
+    # data ---------------------------------------------------------------------------------------
+    def _sampler(self, dataset, shuffle: bool):
+        if dataset is None or not hasattr(dataset, "__len__"):
+            return None
+        t = self._trainers
+        return DistributedSampler(dataset, num_replicas=t.size, rank=t.rank, shuffle=shuffle,
+                                  seed=self.args.seed, drop_last=self.args.dataloader_drop_last)
+
+    def _get_train_sampler(self, train_dataset=None):
+        return self._sampler(train_dataset if train_dataset is not None else self.train_dataset, True)
+
+    def _get_eval_sampler(self, eval_dataset):
+        return self._sampler(eval_dataset, False)
+
+    # training ---------------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Early micro-batches of gradient accumulation exchange nothing (the method's
+        ``no_sync()``); the last one's backward exchanges the sum."""
+        if self.accelerator.sync_gradients:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with self.method.no_sync():
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def train(self, *args, **kwargs):
+        """Train, then end the method: every rank holds the same model (parameters and
+        buffers). Server ranks of the parameter server serve until the workers are done."""
+        if self.is_server:
+            self.method.serve()
+            self.method.finish()
+            return transformers.trainer_utils.TrainOutput(0, float("nan"), {})
+        out = super().train(*args, **kwargs)
+        self.method.finish()
+        return out
+
+    # evaluation -------------------------------------------------------------------------------
+    def evaluation_loop(self, *args, **kwargs):
+        """Each training rank evaluates its share; numeric metrics are averaged over them."""
+        out = super().evaluation_loop(*args, **kwargs)
+        keys = sorted(k for k, v in out.metrics.items()
+                      if isinstance(v, (int, float)) and math.isfinite(v))
+        if self._trainers.size > 1 and keys:
+            total = torch.tensor([float(out.metrics[k]) for k in keys], dtype=torch.float64)
+            self._trainers.allreduce_(total, "avg")
+            out.metrics.update({k: float(v) for k, v in zip(keys, total.tolist())})
+        return out
+
+    # saving -------------------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial):
+        """Rank 0 writes the checkpoint; every rank learns the best-model bookkeeping."""
+        if self._first:
+            super()._save_checkpoint(model, trial)
+        s = self._trainers.bcast_object((self.state.best_metric, self.state.best_model_checkpoint,
+                                         self.state.best_global_step))
+        self.state.best_metric, self.state.best_model_checkpoint, self.state.best_global_step = s
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Rank 0 writes the model (every rank holds the same one after ``train()``)."""
+        if self._first:
+            super().save_model(output_dir, _internal_call)
+
+
+__all__ = ["LAUNCHER_ENV", "LAUNCHER_VARS", "Trainer", "init"]

@@ -1,0 +1,91 @@
+"""The Hugging Face Trainer under mpirun with lowcomm methods (2 ranks): a transformers GPT-2
+built from a config, trained by ``lowcomm.integrations.transformers.Trainer`` with the Trainer's
+own cosine schedule with warm-up, gradient clipping, gradient accumulation, evaluation and
+logging; every rank must end with the same model and finite losses."""
+import math
+
+import pytest
+import torch
+
+import lowcomm
+from lowcomm.integrations import transformers as lt
+from lowcomm.run.evaluate import state_sha256
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 32
+
+
+class Windows(torch.utils.data.Dataset):
+    """Windows of real text's bytes (the licences every Debian machine ships) as LM examples."""
+
+    def __init__(self, text: bytes, n: int, offset: int = 0):
+        data = torch.tensor(list(text[offset:offset + n * SEQ]), dtype=torch.long)
+        self.x = data.view(n, SEQ)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def text() -> bytes:
+    from pathlib import Path
+    files = sorted(p for p in Path("/usr/share/common-licenses").iterdir() if p.is_file())
+    return b"".join(f.read_bytes() for f in files)[:200_000]
+
+
+def gpt2():
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=256, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+        eos_token_id=0))
+
+
+@pytest.mark.parametrize("spec,compressor", [("syncdp", None), ("diloco:period=2", None),
+                                             ("syncdp", "int8"), ("async-ps", None)])
+def test_trainer_trains_gpt2_under_a_method(spec, compressor, comm, tmp_path_factory):
+    lt.init(comm)
+    out = comm.bcast_object(str(tmp_path_factory.mktemp("trainer")))
+    args = transformers.TrainingArguments(
+        output_dir=out, max_steps=6, per_device_train_batch_size=4, per_device_eval_batch_size=8,
+        gradient_accumulation_steps=2, learning_rate=5e-3, lr_scheduler_type="cosine",
+        warmup_steps=2, max_grad_norm=0.5, logging_steps=2, eval_strategy="steps", eval_steps=3,
+        save_strategy="no", report_to="none", use_cpu=True, seed=1, disable_tqdm=True)
+    model = gpt2()
+    inner = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    method = lowcomm.build(spec, model, inner, comm, compressor=compressor)
+    corpus = text()
+    trainer = lt.Trainer(model=model, args=args, train_dataset=Windows(corpus, 96),
+                         eval_dataset=Windows(corpus, 16, offset=100_000),
+                         optimizers=(method, None))
+    result = trainer.train()
+    hashes = comm.allgather_object(state_sha256(model))
+    assert len(set(hashes)) == 1, "the ranks end with different models"
+    if getattr(method, "is_server", False):
+        return
+    assert result.global_step == 6 and math.isfinite(result.training_loss)
+    logs = trainer.state.log_history
+    losses = [e["loss"] for e in logs if "loss" in e]
+    evals = [e["eval_loss"] for e in logs if "eval_loss" in e]
+    if trainer._first:               # the first training rank logs
+        assert losses and all(math.isfinite(v) for v in losses), logs
+        assert evals and all(math.isfinite(v) for v in evals), logs
+        assert any("grad_norm" in e for e in logs), logs
+    # the Trainer's cosine schedule drove the inner optimizer: it decays to 0 at max_steps
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-9)
+    # evaluation metrics are averaged over the training ranks: the same number everywhere
+    if hasattr(method, "is_server"):
+        return
+    e = trainer.evaluate()
+    assert len(set(comm.allgather_object(round(e["eval_loss"], 6)))) == 1
+
+
+def test_a_plain_optimizer_is_refused(comm):
+    lt.init(comm)
+    model = gpt2()
+    with pytest.raises(TypeError, match="lowcomm method"):
+        lt.Trainer(model=model, args=transformers.TrainingArguments("unused", report_to="none",
+                                                                    use_cpu=True),
+                   optimizers=(torch.optim.AdamW(model.parameters()), None))

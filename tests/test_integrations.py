@@ -1,0 +1,33 @@
+"""lowcomm inside training code it did not write: the Hugging Face Trainer under mpirun
+(tests/mpi/check_transformers.py) and a plain torch DDP script ported in 10 lines."""
+import difflib
+import subprocess
+import sys
+
+from conftest import ROOT, run_mpi_suite, run_ranks
+
+PORT = ROOT / "experiments" / "ddp_port"
+
+
+def test_transformers_trainer_under_mpirun_with_lowcomm_methods():
+    cases = run_mpi_suite(2, "check_transformers.py", timeout=400)
+    assert any("async-ps" in name for name in cases) and any("int8" in name for name in cases)
+
+
+def test_a_ddp_script_ported_in_ten_lines_trains_the_same_model_as_ddp():
+    ddp, ours = (PORT / "train_ddp.py").read_text(), (PORT / "train_lowcomm.py").read_text()
+    changed = [line for line in difflib.unified_diff(ddp.splitlines(), ours.splitlines(), n=0)
+               if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+    assert len(changed) <= 10, "\n".join(changed)
+    r = run_ranks(2, sys.executable, PORT / "train_lowcomm.py", "syncdp", timeout=120)
+    assert r.returncode == 0, r.output
+    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2 and lines[0].split(":")[1] == lines[1].split(":")[1], lines
+    ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", str(PORT / "train_ddp.py")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert ref.returncode == 0, ref.stderr
+    ddp0 = next(line for line in ref.stdout.splitlines() if line.startswith("rank 0:"))
+    # SyncDP is DDP's update and DDP's buffer rule: rank 0's model is bit-identical
+    assert lines[0] == ddp0, (lines, ddp0)
