@@ -132,3 +132,15 @@ def open_run(cfg, comm: Comm, out: str | Path | None, resume: str | Path | None 
 
 def write_config(cfg, out: Path) -> None:
     write_text(out / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+
+def write_summary(r, fields: dict, write: bool) -> dict:
+    """The run's summary — the same head on every run (method, task, ranks, steps, parameter
+    count), then ``fields``, then the resolved config — written to ``<out>/summary.json`` where
+    ``write`` (one rank) and the run has a folder. The one writer of summary.json."""
+    summary = {"method": r.cfg.method, "task": r.task.where, "ranks": r.comm.size,
+               "steps": r.cfg.steps, "params": sum(p.numel() for p in r.model.parameters()),
+               **fields, "config": r.cfg.to_dict()}
+    if write and r.out:
+        write_text(r.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary

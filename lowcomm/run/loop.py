@@ -6,9 +6,10 @@ writes ``config.json`` (the resolved config), ``metrics.jsonl`` (one line per lo
 ``summary.json`` into the output folder from rank 0, and checkpoints into
 ``<out>/checkpoints`` (see :mod:`lowcomm.run.checkpoint`). Losses and byte counts are over all ranks;
 the reductions that gather them run on a separate control communicator whose traffic is not
-charged to the method. The asynchronous parameter server's server ranks serve from inside it
-(:mod:`lowcomm.run.ps` keeps their bookkeeping), its workers take the same steps as
-every other method's ranks.
+charged to the method. How the ranks keep step is a :mod:`~lowcomm.run.coordinate` object: every
+rank together (:class:`~lowcomm.run.coordinate.Lockstep`), or, for the asynchronous parameter
+server's workers, each on its own (:class:`~lowcomm.run.coordinate.Detached`) while its server
+ranks serve (:mod:`lowcomm.run.serve`).
 
 Reliability, per step boundary:
 
@@ -20,7 +21,7 @@ Reliability, per step boundary:
 * SIGINT / SIGTERM: every rank finishes the step it is in, a final checkpoint is written, and
   the job exits with status 128 + signal. Ranks agree on the stop through non-blocking
   all-reduces of their stop flags, one started after every step and read
-  :data:`STOP_VOTE_LAG` steps later (polled once per step meanwhile, which is what moves an
+  :data:`~lowcomm.run.coordinate.STOP_VOTE_LAG` steps later (polled once per step meanwhile, which is what moves an
   MPI non-blocking collective along), so a signal that reaches only some ranks stops all of
   them at the same step, at most ``STOP_VOTE_LAG + 1`` steps after it came, and a run without
   signals pays no waiting for it: not even over a WAN, where a vote read one step later cost
@@ -41,34 +42,25 @@ equal).
 """
 from __future__ import annotations
 
-import json
 import logging
-import signal
-import time
-from collections import deque
+import random
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..comm.comm import Comm
-from ..errors import NonFiniteError
-from ..errors import LowcommError
 from ..comm.ledger import compute_cpu_clock
-from .evaluate import allsum, evaluate, nonfinite, state_sha256
-from .folder import close_run, open_run, write_text
-from .schedule import build_optimizer, lr_at, set_lr
-from .signals import Interrupted, StopFlag
-from .snapshot import restore, snapshot
 from ..tasks import Task
+from .coordinate import STOP_VOTE_LAG, Detached, Lockstep
+from .evaluate import nonfinite
+from .folder import close_run, open_run
+from .schedule import build_optimizer, lr_at, set_lr
+from .signals import StopFlag
+from .state import LoopState, Run
 
 log = logging.getLogger("lowcomm.train")
-
-
-def agree(ctl: Comm, model: torch.nn.Module) -> tuple[str, bool]:
-    """This rank's ``state_sha256`` and whether every rank's is the same."""
-    digest = state_sha256(model)
-    return digest, len(set(ctl.allgather_object(digest))) == 1
 
 
 def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = None,
@@ -82,178 +74,76 @@ def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = N
     :func:`lowcomm.run.folder.open_run`)."""
     ctl, out, ckpt = open_run(cfg, comm, out, resume, overwrite)
     try:
-        return _run(cfg, task, build, comm, ctl, out, ckpt, progress, resume)
+        seed(cfg.seed)
+        model = task.model(cfg)
+        strategy = build(model, build_optimizer(cfg, model.parameters()), comm)
+        r = Run(cfg, task, model, strategy, comm, ctl, out, ckpt, progress, resume)
+        if getattr(strategy, "is_server", False):          # the parameter server's servers
+            from .serve import serve
+            return serve(r)
+        return train(r, Detached(r) if hasattr(strategy, "is_server") else Lockstep(r))
     finally:
         close_run(out)
 
 
-def _run(cfg, task: Task, build: Callable, comm: Comm, ctl: Comm, out: Path | None, ckpt,
-         progress: bool, resume: str | Path | None) -> dict:
-    rank, K = comm.rank, comm.size
-    torch.manual_seed(cfg.seed)
-    model = task.model(cfg)
-    optimizer = build_optimizer(cfg, model.parameters())
-    strategy = build(model, optimizer, comm)
-    if getattr(strategy, "is_server", None) is not None:   # the parameter server
-        from .ps import run_async_ps
-        return run_async_ps(cfg, task, model, strategy, comm, ctl, out, ckpt, progress, resume)
-    if rank == 0 and task.describe_fn is not None:
-        log.info("data: %s", task.describe_fn(cfg))
-    n_params = sum(p.numel() for p in model.parameters())
-    held_out = task.eval_batches(cfg) if cfg.eval_batches else []
+def seed(value: int) -> None:
+    """Seed torch, Python's ``random`` and NumPy (a task may draw from any of them)."""
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % 2**32)
 
-    first, skipped, wall_before, window, recent = 1, 0, 0.0, [], float("nan")
-    resizes, samples_before = [], 0        # rank-count changes at a resume; samples before it
-    compute = [0.0]                  # CPU seconds of computation in the steps (compute_cpu_clock)
-    if resume:
-        step, loop = restore(resume, cfg, comm, ctl, model, strategy, out)
-        skipped, wall_before, window, recent = loop["skipped"], loop["wall_s"], loop["window"], loop["recent"]
-        resizes = loop.get("resizes", [])
-        samples_before = loop.get("samples", step * cfg.batch_size * (resizes[-1]["from"] if resizes else K))
-        compute[0] = loop.get("compute_cpu_s", float("nan"))   # nan: a checkpoint from before it
-        first = step + 1
 
-    def save(step: int) -> Path:
-        loop = {"skipped": skipped, "wall_s": wall_before + time.perf_counter() - t0,
-                "window": list(window), "recent": recent, "resizes": resizes,
-                "samples": samples_before + (step - first + 1) * cfg.batch_size * K,
-                "compute_cpu_s": compute[0]}
-        return ckpt.save(step, snapshot(model, strategy, comm, loop), cfg.to_dict())
-
-    bar = None
-    if progress and rank == 0:
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.steps, initial=first - 1, desc=cfg.method, unit="step",
-                   dynamic_ncols=True, mininterval=1.0)
-    metrics = open(out / "metrics.jsonl", "a" if resume else "w") if out and rank == 0 else None
-    ctl.barrier()
-    t0 = time.perf_counter()
-    votes: deque = deque()           # (step to read it at, flags, request): the stop votes in flight
+def train(r: Run, coord) -> dict:
+    """The one step loop, for every method: steps until ``coord`` says the run is over, then
+    ``coord.finish`` delivers the model and the summary."""
+    state = coord.start()
     try:
-        with StopFlag() as stop:
-            for step in range(first, cfg.steps + 1):
-                c0 = compute_cpu_clock()
-                loss, bad = train_step(cfg, task, model, strategy, step, rank, K)
-                if cfg.on_nonfinite == "skip":
-                    if allsum(ctl, [1.0 if bad else 0.0])[0] > 0:
-                        if bad:
-                            log.warning("rank %d step %d: %s is not finite; all ranks skip the step",
-                                        rank, step, bad)
-                        strategy.skip()
-                        skipped += 1
-                        bad = "skipped"
-                elif bad:
-                    raise NonFiniteError(rank, bad, step)
-                if bad != "skipped":
-                    set_lr(optimizer, lr_at(cfg, step))
-                    strategy.step()
-                    window.append(loss.item())
-                compute[0] += compute_cpu_clock() - c0
-                if step % cfg.log_every == 0 or step == cfg.steps:
-                    tot = comm.ledger.totals()
-                    loss_sum, n, sent, comm_s, rounds, cpu = allsum(ctl, [
-                        sum(window), len(window), tot["bytes_sent"], tot["seconds"], comm.ledger.rounds(K),
-                        compute[0]])
-                    recent = loss_sum / n if n else float("nan")
-                    window = []
-                    line = {"step": step, "loss": recent, "bytes": int(sent),
-                            "wall_s": wall_before + time.perf_counter() - t0,
-                            "comm_s": comm_s / K, "rounds": rounds / K, "compute_cpu_s": cpu / K,
-                            "lr": optimizer.param_groups[0]["lr"]}
-                    line.update(strategy.metrics(ctl))
-                    if held_out and cfg.eval_every and step % cfg.eval_every == 0:
-                        line["eval_loss"] = evaluate(model, task, held_out, ctl)
-                    if metrics:
-                        _append(metrics, json.dumps(line) + "\n")
-                    if bar:
-                        bar.set_postfix(loss=f"{recent:.3f}", MB=f"{sent / 1e6:.1f}")
-                if bar:
-                    bar.update(1)
-                if ckpt and cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.steps:
-                    save(step)
-                for _, _, request in votes:   # a poll moves each vote on (MPI progresses in calls)
-                    request.test()
-                if votes and votes[0][0] == step:   # started STOP_VOTE_LAG steps ago: done by now
-                    _, flags, request = votes.popleft()
-                    request.wait()
-                    if flags.item() > 0:
-                        signum = stop.signum or signal.SIGTERM   # ranks the signal missed
-                        raise Interrupted(signum, step, save(step) if ckpt else None)
-                flags = torch.tensor([1 if stop.signum else 0], dtype=torch.int32)
-                votes.append((step + STOP_VOTE_LAG, flags, ctl.iallreduce_(flags) if K > 1 else _Done()))
-            for _, _, request in votes:
-                request.wait()
-        wall = wall_before + time.perf_counter() - t0
+        with StopFlag() as flag:
+            for step in coord.steps(state.step + 1):
+                take_step(r, coord, state, step)
+                coord.after_step(state)
+                if coord.checkpoint_due(step):
+                    coord.save(step)
+                if coord.stop(state, flag):
+                    break
+            coord.end_steps(flag.signum)
+        state.wall_s = coord.wall()
     except BaseException:
-        _ABANDONED.extend(votes)    # MPI may still write into their buffers: never free them
+        coord.abandon()
         raise
     finally:
-        if bar:
-            bar.close()
-        if metrics:
-            metrics.close()
-        strategy.close()
-    extra = strategy.metrics(ctl, final=True)
-    strategy.finish()
-    eval_loss = evaluate(model, task, held_out, ctl) if held_out else float("nan")
-    levels = sorted(set().union(*ctl.allgather_object(list(comm.ledger.by_level()))))
-    per_level = allsum(ctl, [comm.ledger.by_level().get(lv, 0) for lv in levels])
-    digest, same = agree(ctl, model)
-    summary = {
-        "method": cfg.method, "task": task.where, "ranks": K, "steps": cfg.steps, "params": n_params,
-        "final_loss": recent, "eval_loss": eval_loss,
-        "bytes_total": int(sum(per_level)), "bytes_by_level": {lv: int(b) for lv, b in zip(levels, per_level)},
-        "bytes_per_step_per_rank": sum(per_level) / K / cfg.steps,
-        "wall_s": max(ctl.allgather_object(wall)),
-        "compute_cpu_s": max(ctl.allgather_object(compute[0])),
-        "samples": samples_before + (cfg.steps - first + 1) * cfg.batch_size * K,
-        "resizes": resizes,             # [{"step", "from", "to"}]: resumed on another rank count
-        "skipped_steps": skipped,
-        **extra,
-        "state_sha256": digest,
-        "ranks_agree": same,
-        "ledger_rank0": comm.ledger.rows(),
-        "config": cfg.to_dict(),
-    }
-    if out and rank == 0:
-        write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    return summary
+        coord.close()
+        r.strategy.close()
+    return coord.finish(state)
 
 
-def _append(f, line: str) -> None:
-    """Append a metrics line; a full disk is an error naming the file."""
-    try:
-        f.write(line)
-        f.flush()
-    except OSError as e:
-        raise LowcommError(f"cannot write {f.name}: {e.strerror or e}") from e
+def take_step(r: Run, coord, state: LoopState, step: int) -> None:
+    """Step ``step``: forward/backward of this rank's batch, then the method's step — or a skip
+    where ``coord`` says so (a non-finite loss or gradient)."""
+    c0 = compute_cpu_clock()
+    loss, bad = train_step(r, coord, step)
+    if coord.skip_step(bad, step):
+        r.strategy.skip()
+        state.skipped += 1
+    else:
+        set_lr(r.strategy, lr_at(r.cfg, step))
+        r.strategy.step()
+        state.window.append(loss.item())
+    state.compute_cpu_s += compute_cpu_clock() - c0
+    state.step = step
+    state.samples += coord.samples_per_step
 
 
-def train_step(cfg, task: Task, model, strategy, step: int, rank: int, world: int):
-    """One forward/backward of ``rank``'s batch at ``step``: returns (loss, what is non-finite
+def train_step(r: Run, coord, step: int):
+    """One forward/backward of this rank's batch at ``step``: returns (loss, what is non-finite
     on this rank or None). The strategy's ``step()`` is the caller's."""
-    batch = task.batch(step, rank, world, cfg)
-    strategy.zero_grad()
-    loss = task.loss(model, batch)
+    batch = r.task.batch(step, coord.rank, coord.world, r.cfg)
+    r.strategy.zero_grad()
+    loss = r.task.loss(r.model, batch)
+    if hasattr(coord, "on_loss"):
+        coord.on_loss(loss)
     loss.backward()
-    return loss, nonfinite(loss, model) or strategy.local_nonfinite()
+    return loss, nonfinite(loss, r.model) or r.strategy.local_nonfinite()
 
 
-#: steps between starting a stop vote and reading it: an all-reduce of 4 ranks takes 2 rounds,
-#: each moved on by one poll per step, so over a link whose round trip is longer than a step a
-#: vote read one step later blocked (measured: 25 ms / 100 Mbit/s, 4 ranks, no-comm run)
-STOP_VOTE_LAG = 4
-
-#: stop votes still in flight when a run raised (a crash, an injected fault, a user's error in
-#: ``loss``): freeing their buffer while MPI may still write into it would corrupt the heap
-_ABANDONED: list = []
-
-
-class _Done:
-    """A completed request (one rank: nothing to agree with)."""
-
-    def wait(self) -> None:
-        pass
-
-    def test(self) -> bool:
-        return True
+__all__ = ["STOP_VOTE_LAG", "run", "seed", "take_step", "train", "train_step"]

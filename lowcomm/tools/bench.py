@@ -284,7 +284,7 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
     the compute floor). Same model, seed, batches and optimizer for every row; DDP's bucket
     size is SyncDP's ``bucket_mb``."""
     from ..strategies.horovod import HorovodDP
-    from ..run.loop import build_optimizer
+    from ..run.schedule import build_optimizer
     from ..strategies.syncdp import SyncDP, SyncDPSettings
     from ..tasks import load_task
 

@@ -1,6 +1,8 @@
-"""pytest under mpirun: every rank runs the same test functions, which take the world ``comm``.
+"""A pytest plugin for pytest under mpirun: every rank runs the same test functions, which take
+the world ``comm``.
 
-Launched by :func:`tests.conftest.run_mpi_suite` (``mpirun -n K python -m pytest ...``). After
+Loaded with ``-p under_mpi`` by :func:`tests.conftest.run_mpi_suite` (``mpirun -n K python -m
+pytest ...``; a plugin, not a conftest.py, so that the one-process suite never meets it). After
 each test the ranks exchange their outcomes, so a test that failed on any rank fails on every
 rank, naming the ranks and their first line of error; each rank keeps its outcomes, case by case,
 in ``$LOWCOMM_TEST_REPORTS/rank<r>.json`` (rewritten after every case, so a job that is killed

@@ -1,0 +1,290 @@
+"""How the ranks of a run keep step with each other around the one step loop
+(:func:`lowcomm.run.loop.train`): where a rank's batches come from, how a non-finite step is
+skipped, when to log, evaluate, checkpoint and stop, and how the run ends.
+
+* :class:`Lockstep` — every rank takes every step together (every method but the parameter
+  server's workers): losses, bytes and evaluations are reduced over the ranks on the uncharged
+  control communicator, a skip or a stop is agreed by every rank, rank 0 writes the metrics and
+  the summary.
+* :class:`Detached` — a parameter-server worker: its own batches (worker index of W workers),
+  its own skips, steps until a server says the budget is spent or a signal came; the servers
+  log (:mod:`lowcomm.run.serve`), and at the end it reports to rank 0 and takes the run's model.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import signal
+import time
+from collections import deque
+
+import torch
+
+from ..errors import LowcommError, NonFiniteError
+from .evaluate import allsum, evaluate, state_sha256
+from .folder import write_summary
+from .signals import Interrupted
+from .snapshot import restore, snapshot
+from .state import LoopState, Run
+
+log = logging.getLogger("lowcomm.train")
+
+#: steps between starting a stop vote and reading it: an all-reduce of 4 ranks takes 2 rounds,
+#: each moved on by one poll per step, so over a link whose round trip is longer than a step a
+#: vote read one step later blocked (measured: 25 ms / 100 Mbit/s, 4 ranks, no-comm run)
+STOP_VOTE_LAG = 4
+
+#: stop votes still in flight when a run raised (a crash, an injected fault, a user's error in
+#: ``loss``): freeing their buffer while MPI may still write into it would corrupt the heap
+_ABANDONED: list = []
+
+
+class Coordination:
+    """What both kinds share: the state, its checkpoints and the clock."""
+
+    def __init__(self, r: Run):
+        self.r = r
+        self.state = LoopState()
+        self.wall_before = 0.0
+        self.t0 = time.perf_counter()
+
+    def start(self) -> LoopState:
+        """A fresh state, or the resumed run's; then every rank starts the clock together."""
+        r = self.r
+        if r.resume:
+            step, loop = restore(r.resume, r.cfg, r.comm, r.ctl, r.model, r.strategy, r.out)
+            self.state = LoopState.from_dict(loop, step)
+        self.wall_before = self.state.wall_s
+        r.ctl.barrier()
+        self.t0 = time.perf_counter()
+        return self.state
+
+    def wall(self) -> float:
+        return self.wall_before + time.perf_counter() - self.t0
+
+    def save(self, step: int):
+        """Write this rank's checkpoint at ``step`` (collective); returns its folder."""
+        r = self.r
+        self.state.wall_s = self.wall()
+        return r.ckpt.save(step, snapshot(r.model, r.strategy, r.comm, self.state.to_dict()),
+                           r.cfg.to_dict())
+
+    def abandon(self) -> None:
+        """The run raised: keep whatever MPI may still write into."""
+
+    def close(self) -> None:
+        """Close the progress bar and the metrics file."""
+
+
+class Lockstep(Coordination):
+    """Every rank takes every step together (see the module docstring)."""
+
+    def __init__(self, r: Run):
+        super().__init__(r)
+        self.rank, self.world = r.comm.rank, r.comm.size
+        self.samples_per_step = r.cfg.batch_size * r.comm.size
+        self.votes: deque = deque()          # (step to read it at, flags, request)
+        self.bar = self.metrics = None
+
+    def start(self) -> LoopState:
+        r = self.r
+        if r.comm.rank == 0 and r.task.describe_fn is not None:
+            log.info("data: %s", r.task.describe_fn(r.cfg))
+        state = super().start()
+        if r.progress and r.comm.rank == 0:
+            from tqdm import tqdm
+            self.bar = tqdm(total=r.cfg.steps, initial=state.step, desc=r.cfg.method, unit="step",
+                            dynamic_ncols=True, mininterval=1.0)
+        if r.out and r.comm.rank == 0:
+            self.metrics = open(r.out / "metrics.jsonl", "a" if r.resume else "w")
+        return state
+
+    def steps(self, first: int):
+        return range(first, self.r.cfg.steps + 1)
+
+    def skip_step(self, bad: str | None, step: int) -> bool:
+        """``on_nonfinite = "skip"``: every rank skips when any rank's step is not finite (a
+        4-byte vote per step); else a non-finite value ends the job naming rank and step."""
+        r = self.r
+        if r.cfg.on_nonfinite != "skip":
+            if bad:
+                raise NonFiniteError(self.rank, bad, step)
+            return False
+        if allsum(r.ctl, [1.0 if bad else 0.0])[0] == 0:
+            return False
+        if bad:
+            log.warning("rank %d step %d: %s is not finite; all ranks skip the step", self.rank, step, bad)
+        return True
+
+    def after_step(self, state: LoopState) -> None:
+        cfg, step = self.r.cfg, state.step
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            self._log(state)
+        if self.bar:
+            self.bar.update(1)
+
+    def _log(self, state: LoopState) -> None:
+        """One metrics line: losses, bytes, seconds and rounds over every rank."""
+        r, K = self.r, self.world
+        tot = r.comm.ledger.totals()
+        loss_sum, n, sent, comm_s, rounds, cpu = allsum(r.ctl, [
+            sum(state.window), len(state.window), tot["bytes_sent"], tot["seconds"],
+            r.comm.ledger.rounds(K), state.compute_cpu_s])
+        state.recent = loss_sum / n if n else float("nan")
+        state.window = []
+        line = {"step": state.step, "loss": state.recent, "bytes": int(sent), "wall_s": self.wall(),
+                "comm_s": comm_s / K, "rounds": rounds / K, "compute_cpu_s": cpu / K,
+                "lr": r.strategy.param_groups[0]["lr"]}
+        line.update(r.strategy.metrics(r.ctl))
+        if r.held_out and r.cfg.eval_every and state.step % r.cfg.eval_every == 0:
+            line["eval_loss"] = evaluate(r.model, r.task, r.held_out, r.ctl)
+        if self.metrics:
+            _append(self.metrics, json.dumps(line) + "\n")
+        if self.bar:
+            self.bar.set_postfix(loss=f"{state.recent:.3f}", MB=f"{sent / 1e6:.1f}")
+
+    def checkpoint_due(self, step: int) -> bool:
+        cfg = self.r.cfg
+        return bool(self.r.ckpt and cfg.checkpoint.every and step % cfg.checkpoint.every == 0
+                    and step < cfg.steps)
+
+    def stop(self, state: LoopState, flag) -> bool:
+        """Start this step's stop vote, read the one started :data:`STOP_VOTE_LAG` steps ago;
+        a stop writes a checkpoint on every rank and raises :class:`Interrupted`."""
+        step = state.step
+        for _, _, request in self.votes:      # a poll moves each vote on (MPI progresses in calls)
+            request.test()
+        if self.votes and self.votes[0][0] == step:
+            _, flags, request = self.votes.popleft()
+            request.wait()
+            if flags.item() > 0:
+                signum = flag.signum or signal.SIGTERM   # ranks the signal missed
+                raise Interrupted(signum, step, self.save(step) if self.r.ckpt else None)
+        flags = torch.tensor([1 if flag.signum else 0], dtype=torch.int32)
+        self.votes.append((step + STOP_VOTE_LAG, flags,
+                           self.r.ctl.iallreduce_(flags) if self.world > 1 else _Done()))
+        return False
+
+    def end_steps(self, signum: int) -> None:
+        for _, _, request in self.votes:
+            request.wait()
+
+    def abandon(self) -> None:
+        _ABANDONED.extend(self.votes)         # MPI may still write into their buffers
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+        if self.metrics:
+            self.metrics.close()
+
+    def finish(self, state: LoopState) -> dict:
+        """Deliver one model on every rank and write the summary (rank 0)."""
+        r = self.r
+        wall = self.wall()
+        extra = r.strategy.metrics(r.ctl, final=True)
+        r.strategy.finish()
+        eval_loss = evaluate(r.model, r.task, r.held_out, r.ctl) if r.held_out else float("nan")
+        by_level = r.comm.ledger.by_level()
+        levels = sorted(set().union(*r.ctl.allgather_object(list(by_level))))
+        per_level = allsum(r.ctl, [by_level.get(lv, 0) for lv in levels])
+        digest = state_sha256(r.model)
+        return write_summary(r, {
+            "final_loss": state.recent, "eval_loss": eval_loss,
+            "bytes_total": int(sum(per_level)),
+            "bytes_by_level": {lv: int(b) for lv, b in zip(levels, per_level)},
+            "bytes_per_step_per_rank": sum(per_level) / self.world / r.cfg.steps,
+            "wall_s": max(r.ctl.allgather_object(wall)),
+            "compute_cpu_s": max(r.ctl.allgather_object(state.compute_cpu_s)),
+            "samples": state.samples, "resizes": state.resizes, "skipped_steps": state.skipped,
+            **extra,
+            "state_sha256": digest,
+            "ranks_agree": len(set(r.ctl.allgather_object(digest))) == 1,
+            "ledger_rank0": r.comm.ledger.rows()}, write=r.comm.rank == 0)
+
+
+class Detached(Coordination):
+    """A parameter-server worker (see the module docstring)."""
+
+    def __init__(self, r: Run):
+        super().__init__(r)
+        ps = r.strategy
+        self.rank, self.world = ps.index, ps.workers        # batches: worker w of W
+        self.samples_per_step = r.cfg.batch_size
+        self.signum = 0
+
+    def steps(self, first: int):
+        return itertools.count(first)              # until a server says the budget is spent
+
+    def on_loss(self, loss: torch.Tensor) -> None:
+        """The servers log the loss of every gradient; a non-finite loss with nothing to skip
+        ends the job before its gradient could be pushed from inside the backward pass."""
+        value = loss.item()
+        self.r.strategy.note_loss(value)
+        if value != value or value in (float("inf"), float("-inf")):
+            if self.r.cfg.on_nonfinite != "skip":
+                raise NonFiniteError(self.r.comm.rank, "the loss", self.state.step + 1)
+
+    def skip_step(self, bad: str | None, step: int) -> bool:
+        """This worker alone skips (its clock advances without a gradient)."""
+        if not bad:
+            return False
+        if self.r.cfg.on_nonfinite != "skip":
+            raise NonFiniteError(self.r.comm.rank, bad, step)
+        log.warning("rank %d step %d: %s is not finite; this worker skips the step",
+                    self.r.comm.rank, step, bad)
+        return True
+
+    def after_step(self, state: LoopState) -> None:
+        """Nothing: the servers log every gradient."""
+
+    def checkpoint_due(self, step: int) -> bool:
+        every = self.r.cfg.checkpoint.every if self.r.ckpt else 0
+        return bool(every and step % every == 0 and not self.r.strategy.stopped)
+
+    def stop(self, state: LoopState, flag) -> bool:
+        """After the step's exchange nothing is in flight: stop when a server said the budget
+        is spent or a signal came (the servers then stop every worker)."""
+        self.signum = flag.signum
+        return bool(self.r.strategy.stopped or flag.signum)
+
+    def end_steps(self, signum: int) -> None:
+        self.r.strategy.done(signum)
+
+    def finish(self, state: LoopState) -> dict:
+        """Report to rank 0, then take the run's final model (or its stop notice)."""
+        from .serve import report_to_rank0, skip_mpi_finalize, stopped, take_final_model
+        r, ps = self.r, self.r.strategy
+        wall = self.wall()
+        mine = {"worker": ps.index, "ledger": r.comm.ledger.rows(), "wall_s": wall,
+                "compute_cpu_s": state.compute_cpu_s, "skipped": state.skipped,
+                "clock_lag": dict(ps.lag_hist), "wait_s": ps.wait_s, "clock": ps.clock,
+                "signum": self.signum}
+        report_to_rank0(r.ctl, mine, ps.server_timeout_s + 30)
+        notice = take_final_model(r.ctl, r.model, ps.server_timeout_s + ps.worker_timeout_s + 30)
+        if notice:                    # this worker's own step: it resumes its own batch sequence
+            state.wall_s = wall
+            stopped(self, notice, state.to_dict())
+        skip_mpi_finalize(0)
+        return {"method": r.cfg.method, "rank": r.comm.rank, "role": "worker",
+                **{k: v for k, v in mine.items() if k != "ledger"}}
+
+
+def _append(f, line: str) -> None:
+    """Append a metrics line; a full disk is an error naming the file."""
+    try:
+        f.write(line)
+        f.flush()
+    except OSError as e:
+        raise LowcommError(f"cannot write {f.name}: {e.strerror or e}") from e
+
+
+class _Done:
+    """A completed request (one rank: nothing to agree with)."""
+
+    def wait(self) -> None:
+        pass
+
+    def test(self) -> bool:
+        return True
