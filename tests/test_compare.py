@@ -25,6 +25,8 @@ def test_unknown_method_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown method.*warp.*known: ddp, horovod"):
         resolve_methods("ddp,warp")
     assert resolve_methods("ddp,horovod") == ["ddp", "horovod"]
+    with pytest.raises(ValueError, match="method.s. ddp given more than once"):
+        resolve_methods("ddp,fp16,ddp")          # it ran twice and was listed twice
     assert "ddp" in resolve_methods("all") and set(resolve_methods("all")) <= set(METHODS)
 
 

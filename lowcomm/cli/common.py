@@ -10,7 +10,7 @@ import os
 
 import click
 
-from ..errors import ConfigError
+from ..errors import ConfigError, EnvError
 
 
 def launcher_rank() -> int:
@@ -44,14 +44,14 @@ def check_env() -> None:
         except ValueError:
             good = False
         if not good:
-            raise click.UsageError(f"environment variable {name}={value!r}: expects {what}")
+            raise click.UsageError(str(EnvError(name, value, f"expects {what}")))
     spec = os.environ.get("LOWCOMM_TOPOLOGY")
     if spec:
         from ..comm.topology import Topology
         try:
             Topology.parse(spec)
         except ConfigError as e:
-            raise click.UsageError(f"environment variable LOWCOMM_TOPOLOGY={spec!r}: {e.reason}") from None
+            raise click.UsageError(str(EnvError("LOWCOMM_TOPOLOGY", spec, e.reason))) from None
 
 
 def debug() -> bool:

@@ -59,7 +59,7 @@ from .evaluate import allsum, evaluate, nonfinite, params_sha256
 from .folder import close_run, open_run, write_text
 from .schedule import build_optimizer, lr_at, set_lr
 from .signals import Interrupted, StopFlag
-from .snapshot import restore, snapshot
+from .snapshot import restore, seed_all, snapshot
 from ..tasks import Task
 
 log = logging.getLogger("lowcomm.train")
@@ -90,7 +90,7 @@ def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = N
 def _run(cfg, task: Task, build: Callable, comm: Comm, ctl: Comm, out: Path | None, ckpt,
          progress: bool, resume: str | Path | None) -> dict:
     rank, K = comm.rank, comm.size
-    torch.manual_seed(cfg.seed)
+    seed_all(cfg.seed)
     model = task.model(cfg)
     optimizer = build_optimizer(cfg, model.parameters())
     strategy = build(model, optimizer, comm)

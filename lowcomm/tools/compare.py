@@ -84,6 +84,9 @@ def resolve_methods(text: str) -> list[str]:
     if text == "main":
         return [m for m in MAIN_METHODS if available(m)]
     names = [m.strip() for m in text.split(",") if m.strip()]
+    twice = sorted({m for m in names if names.count(m) > 1})
+    if twice:
+        raise ValueError(f"method(s) {', '.join(twice)} given more than once")
     unknown = [m for m in names if m not in METHODS]
     if unknown or not names:
         raise ValueError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; known: "
