@@ -40,3 +40,8 @@ class NonFiniteError(LowcommError, FloatingPointError):
         at = f" at step {step}" if step is not None else ""
         super().__init__(f"rank {rank}{at}: non-finite values (NaN/Inf) in {what}; "
                          f"not sent (set on_nonfinite = \"skip\" to skip such steps on all ranks)")
+
+
+class RunFolderError(LowcommError):
+    """A run may not use its folder (or its checkpoint folder): it holds another run, another
+    run holds its lock, or it cannot be written. A relaunch would meet the same."""

@@ -47,7 +47,8 @@ def cli(verbose: bool) -> None:
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--overwrite", is_flag=True,
               help="Replace the run already in --out (its config, metrics, summary and "
-                   "checkpoints); without it such a folder is refused.")
+                   "checkpoints: only what lowcomm wrote, in a folder it marked); without it "
+                   "such a folder is refused.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=None, metavar="N",
               help="Supervise: launch the job (on --np ranks) and relaunch it from its newest "
                    "checkpoint when it fails, up to N times (not a stop you asked for). Run this "

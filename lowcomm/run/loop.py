@@ -72,15 +72,16 @@ def agree(ctl: Comm, model: torch.nn.Module) -> tuple[str, bool]:
 
 
 def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = None,
-        progress: bool = True, resume: str | Path | None = None, overwrite: bool = False) -> dict:
+        progress: bool = True, resume: str | Path | None = None, overwrite: bool = False,
+        run_id: str | None = None) -> dict:
     """Train ``task`` under the strategy ``build(model, optimizer, comm)`` makes; return (and
     write) the run summary. ``cfg`` is a resolved :class:`~lowcomm.run.config.Config`.
 
     ``resume``: the output folder of an earlier run of this config; continue from the newest
     intact checkpoint in its checkpoint folder (an error if there is none). ``out`` must not
     hold another run unless it is the one resumed, or ``overwrite`` (see
-    :func:`lowcomm.run.folder.open_run`)."""
-    ctl, out, ckpt = open_run(cfg, comm, out, resume, overwrite)
+    :func:`lowcomm.run.folder.open_run`; ``run_id`` names the run there)."""
+    ctl, out, ckpt = open_run(cfg, comm, out, resume, overwrite, run_id)
     try:
         return _run(cfg, task, build, comm, ctl, out, ckpt, progress, resume)
     finally:

@@ -12,7 +12,7 @@ import torch
 from ..comm.comm import Comm
 from ..errors import LowcommError
 from .checkpoint import Checkpointer, CheckpointError
-from .folder import metrics_upto, write_config
+from .folder import metrics_upto, run_id_of, write_config
 
 log = logging.getLogger("lowcomm.train")
 
@@ -113,7 +113,7 @@ def restore(resume: str | Path, cfg, comm: Comm, ctl: Comm, model, strategy,
     `out`. Returns (step, loop state). Raises CheckpointError when none is intact."""
     resume = Path(resume)
     from_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else resume / "checkpoints"
-    state = Checkpointer(from_dir, ctl).load_latest(cfg.to_dict(), resize=True)
+    state = Checkpointer(from_dir, ctl, run=run_id_of(resume)).load_latest(cfg.to_dict(), resize=True)
     if state is None:
         raise CheckpointError(f"no intact checkpoint in {from_dir} to resume from")
     if state["step"] > cfg.steps:
