@@ -261,6 +261,17 @@ def test_overwrite_refuses_a_folder_lowcomm_did_not_write(tmp_path):
     assert digest(theirs) == before
 
 
+def test_a_garbage_config_json_on_resume_names_the_file(tmp_path):
+    saved = tmp_path / "config.json"
+    for text, what in (("{not json", "JSONDecodeError"), ("[1, 2]", "a JSON list, not an object"),
+                       ('{"steps": "many"}', "config key 'steps': expects int")):
+        saved.write_text(text)
+        for supervised in ((), ("--np", "2", "--max-restarts", "1")):
+            r = cli("train", *supervised, "--resume", tmp_path)
+            assert r.returncode != 0 and f"{saved}" in r.stderr and what in r.stderr, r.output
+            assert "Traceback" not in r.stderr, r.output
+
+
 def test_what_a_run_guards_once_its_ranks_are_up(tmp_path):
     """tests/workers/nothing_lost.py: seeds, a loss without grad_fn, another architecture on
     resume, a checkpoint.dir shared by two runs, a full disk while checkpointing."""

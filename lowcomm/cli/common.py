@@ -68,6 +68,34 @@ def load_cfg(config, overrides, base=None):
         raise click.UsageError(str(e)) from None
 
 
+def saved_config(folder) -> dict:
+    """The resolved config a run saved in ``folder/config.json`` (``--resume``), checked: a
+    missing, unreadable or garbled file is a usage error naming it."""
+    import json
+    from pathlib import Path
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise click.BadParameter(f"{path} not found: is {folder} the --out folder of a run?",
+                                 param_hint="--resume")
+    try:
+        base = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise click.BadParameter(f"{path} is not a config lowcomm wrote ({type(e).__name__}: {e})",
+                                 param_hint="--resume") from None
+    if not isinstance(base, dict):
+        raise click.BadParameter(f"{path} is not a config lowcomm wrote (a JSON "
+                                 f"{type(base).__name__}, not an object)", param_hint="--resume")
+    from ..run.config import load_config   # the saved config alone: its own errors name it
+    try:
+        load_config(None, (), base)
+    except ConfigError as e:
+        raise click.BadParameter(f"{path}: {e}", param_hint="--resume") from None
+    except (TypeError, AttributeError, ValueError) as e:
+        raise click.BadParameter(f"{path} is not a config lowcomm wrote ({type(e).__name__}: {e})",
+                                 param_hint="--resume") from None
+    return base
+
+
 def set_threads() -> None:
     """torch's intra-op threads: ``$LOWCOMM_NUM_THREADS`` (the launchers set 1 per rank)."""
     import torch

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from .common import check_env, config_options, debug, launcher_rank, load_cfg as _config, \
-    world as _world
+    saved_config, world as _world
 from ..errors import LowcommError
 from .topo import topo as topo_command
 from .wan import wan as wan_command
@@ -64,8 +64,13 @@ def cli(verbose: bool) -> None:
 @click.option("--launcher", type=click.Path(exists=True, dir_okay=False), default=None,
               help="With --max-restarts: a launcher taking '-n N COMMAND...' (default: mpirun "
                    "with this machine's flags).")
+@click.option("--run-id", default=None, hidden=True,
+              help="The run's id, from its supervisor: a folder marked with it holds this run's "
+                   "own earlier attempt, which it replaces.")
+@click.option("--report-dir", default=None, hidden=True,
+              help="Where each rank reports how it ended, for its supervisor (read by main()).")
 def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, max_restarts, np_,
-          min_ranks, restart_backoff, launcher):
+          min_ranks, restart_backoff, launcher, run_id, report_dir):
     """Train the configured task with the configured strategy on every rank.
 
     \b
@@ -79,25 +84,20 @@ def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, ma
         raise click.UsageError(f"{'--launcher' if launcher else '--min-ranks'} goes with "
                                "--max-restarts (a supervised run)")
     global _RUN_OUT
-    base = None
-    if resume:
-        saved = Path(resume) / "config.json"
-        if not saved.is_file():
-            raise click.BadParameter(f"{saved} not found: is {resume} the --out folder of a run?",
-                                     param_hint="--resume")
-        base = json.loads(saved.read_text())
+    base = saved_config(resume) if resume else None
     if checkpoint_every is not None:
         overrides = (*overrides, f"checkpoint.every={checkpoint_every}")
     cfg = _config(config, overrides, base)
     out = out or resume or "runs/latest"
     from ..run.folder import refusal
-    why = refusal(Path(out), resume, overwrite)    # before MPI starts: every rank at once
+    why = refusal(Path(out), resume, overwrite, run_id)   # before MPI starts: every rank at once
     if why:
         raise click.UsageError(why)
     _RUN_OUT = Path(out)
     comm = _world()
     from ..run.api import run
-    summary = run(cfg, out, comm, progress=not quiet, resume=resume, overwrite=overwrite)
+    summary = run(cfg, out, comm, progress=not quiet, resume=resume, overwrite=overwrite,
+                  run_id=run_id)
     if comm.rank == 0:
         keys = ("method", "task", "ranks", "steps", "params", "final_loss", "eval_loss",
                 "bytes_total", "wall_s", "skipped_steps", "params_sha256", "ranks_agree")
@@ -126,20 +126,26 @@ def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwri
     if resume and out and Path(out).resolve() != Path(resume).resolve():
         raise click.UsageError("a supervised run resumes in place: give --resume DIR alone")
     out = Path(out or resume or "runs/latest")
-    _config(config, (*overrides, *([f"checkpoint.every={checkpoint_every}"] if checkpoint_every
-                                   else [])), None if not resume else
-            json.loads((Path(resume) / "config.json").read_text()))   # a bad key fails here
+    cfg = _config(config, (*overrides, *([f"checkpoint.every={checkpoint_every}"] if checkpoint_every
+                                         else [])), saved_config(resume) if resume else None)
+    checkpoints = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    _refuse_before_launch(out, resume, overwrite, checkpoints)
     args = [sys.executable, "-m", "lowcomm.cli", "train", *(["--quiet"] if quiet else []),
             *(["--config", config] if config else []),
             *[a for o in overrides for a in ("--set", o)],
             *(["--checkpoint-every", str(checkpoint_every)] if checkpoint_every else [])]
     result = supervise(lambda n: mpirun_command(n, launcher), args, out, max_restarts,
-                       backoff_s=backoff_s, np=np_, min_ranks=min_ranks,
+                       backoff_s=backoff_s, np=np_, min_ranks=min_ranks, checkpoints=checkpoints,
                        first=["--resume", str(out)] if resume else
                        (["--overwrite"] if overwrite else []))
     for f in result["failures"]:
         click.echo(f"attempt {f['attempt']} failed on {f['ranks']} ranks (exit {f['exit']}): "
                    f"{f['cause']}", err=True)
+    if result["stopped"]:
+        click.echo(f"lowcomm: stopped by {result['stopped']}; not restarted (continue with "
+                   f"--resume {out})", err=True)
+    elif result["repeats"]:
+        click.echo("lowcomm: not restarted: a relaunch would fail the same way", err=True)
     if result["returncode"]:
         raise SystemExit(result["returncode"] if result["returncode"] > 0 else 1)
     s = json.loads((out / "summary.json").read_text())
@@ -148,6 +154,20 @@ def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwri
                                                   "ranks_per_attempt")},
                           indent=2))
     click.echo(f"wrote {out / 'summary.json'}")
+
+
+def _refuse_before_launch(out: Path, resume, overwrite: bool, checkpoints: Path) -> None:
+    """A supervisor's checks before it launches anything (each would fail every attempt the
+    same way): the folder holds another run, is locked by a live run or cannot be written; a
+    --resume without a checkpoint."""
+    from ..run.folder import refusal, usable
+    from ..run.supervise import has_checkpoint
+    if resume and not has_checkpoint(checkpoints):
+        raise click.UsageError(f"--resume {resume}: no checkpoint in {checkpoints} to resume from "
+                               "(nothing was changed)")
+    why = refusal(out, resume, overwrite) or usable(out)
+    if why:
+        raise click.UsageError(why)
 
 
 @cli.group()
@@ -366,6 +386,7 @@ def _abort(code: int) -> None:
 
 
 def main() -> None:
+    _report_to(_option_value(sys.argv, "--report-dir"))
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Exit as e:
@@ -375,6 +396,8 @@ def main() -> None:
         if getattr(e, "exit_code", None):   # every rank stopped together (a signal): no abort
             if launcher_rank() == 0:
                 sys.stderr.write(f"lowcomm: {e}\n")
+            if not getattr(e, "signum", None):          # a stop reported itself when it came
+                _report(f"{type(e).__name__}: {e}", False)
             sys.exit(e.exit_code)
         _fail(e)
     except (click.ClickException, click.Abort) as e:
@@ -383,11 +406,42 @@ def main() -> None:
                 e.show()
             else:
                 click.echo("Aborted!", err=True)
+        if isinstance(e, click.ClickException):       # bad input: a relaunch gets it again
+            _report(f"{type(e).__name__}: {e.format_message()}", True)
         _abort(getattr(e, "exit_code", 1))
+    except SystemExit as e:                 # a command's own exit status (compare, supervisor)
+        if e.code:
+            _abort(e.code if isinstance(e.code, int) else 1)
     except BaseException as e:  # noqa: BLE001 - any failure must end all ranks
-        if isinstance(e, SystemExit) and not e.code:
-            return
         _fail(e)
+
+
+def _option_value(argv: list[str], name: str) -> str | None:
+    """The value of ``name VALUE`` or ``name=VALUE`` in ``argv`` (read before click parses it,
+    so that an error in parsing is reported too)."""
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+_REPORTING = [False]
+
+
+def _report_to(folder: str | None) -> None:
+    """``--report-dir``: each rank reports how it ends there (:mod:`lowcomm.run.outcome`)."""
+    if folder:
+        from ..run import outcome
+        outcome.report_to(folder, launcher_rank())
+    _REPORTING[0] = bool(folder)
+
+
+def _report(message: str, repeats: bool) -> None:
+    if _REPORTING[0]:
+        from ..run import outcome
+        outcome.error(message, repeats)
 
 
 def _fail(e: BaseException) -> None:
@@ -411,6 +465,9 @@ def _fail(e: BaseException) -> None:
             where = " (LOWCOMM_DEBUG=1 prints the traceback)"
     first = str(e).splitlines()[0] if str(e) else ""
     sys.stderr.write(f"[rank {rank}] lowcomm failed: {type(e).__name__}: {first}{where}\n")
+    if _REPORTING[0]:
+        from ..run.outcome import repeats
+        _report(f"{type(e).__name__}: {first}", repeats(e))
     _abort(1)
 
 
