@@ -312,12 +312,19 @@ def bench_compress(config, overrides, size, methods, iters, warmup, threads, lin
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="Relaunch a failed method from its newest checkpoint up to N times "
                    "(set checkpoint.every for a resume; without one it restarts from step 0).")
+@click.option("--overwrite", is_flag=True,
+              help="Run again methods that --out holds results of (the others are kept), or "
+                   "replace a comparison with other settings; without it both are refused.")
 def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launcher, timeout,
-            max_restarts):
+            max_restarts, overwrite):
     """Train the same model under each method (one mpirun each); write results.json, plots and
     a ranked table. An experiment TOML (--config) may hold a [compare] table: question, expect,
-    methods, np, link."""
-    from ..tools.compare import Link, compare as run, resolve_methods, table
+    methods, np, link. Into an --out with an earlier comparison of the same settings, new
+    methods are added beside its results. Ctrl-C ends the comparison, keeping what finished."""
+    import os
+
+    from ..errors import RunFolderError
+    from ..tools.compare import Link, compare as run, needs_topology, resolve_methods, table
     if steps is not None:
         overrides = (*overrides, f"steps={steps}")
     cfg = _config(config, overrides)   # a bad key fails here, not in every run
@@ -326,6 +333,14 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
         names = resolve_methods(methods or cfg.compare.methods)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--methods") from None
+    placed = [m for m in names if needs_topology(m)]
+    if placed and np_ < dcs and not os.environ.get("LOWCOMM_TOPOLOGY"):
+        raise click.BadParameter(f"{', '.join(placed)} run on {dcs} datacenters (--dcs) of ranks: "
+                                 f"give --np >= {dcs}, or $LOWCOMM_TOPOLOGY", param_hint="--np")
+    if cfg.checkpoint.dir:
+        raise click.BadParameter("checkpoint.dir: each method keeps its checkpoints in its own "
+                                 f"folder ({out}/<method>/checkpoints); drop it",
+                                 param_hint="--set/--config")
     try:
         the_link = Link.parse(wan if wan != "model" else link or cfg.compare.link)
     except ValueError as e:
@@ -338,20 +353,29 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
         click.echo(f"question: {cfg.compare.question}\nexpected: {cfg.compare.expect}")
     if not cfg.eval_every:   # about ten points per eval-loss curve
         overrides = (*overrides, f"eval_every={max(1, round(steps / 10 / cfg.log_every)) * cfg.log_every}")
-    if emulated:
-        from ..tools.compare import over_emulated_wan
-        with over_emulated_wan(np_, dcs, the_link) as wan_launcher:
-            results = run(names, np_, steps, out, config, overrides, the_link, wan_launcher,
-                          timeout, dcs=dcs, max_restarts=max_restarts)
-        where = f"over an emulated WAN of {dcs} datacenters, {the_link} (measured)"
-    else:
-        results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout,
-                      max_restarts=max_restarts,
-                      dcs=dcs)
-        where = f"on this machine; modelled link: {the_link}"
+    try:
+        if emulated:
+            from ..tools.compare import over_emulated_wan
+            with over_emulated_wan(np_, dcs, the_link) as wan_launcher:
+                results = run(names, np_, steps, out, config, overrides, the_link, wan_launcher,
+                              timeout, dcs=dcs, max_restarts=max_restarts, overwrite=overwrite)
+            where = f"over an emulated WAN of {dcs} datacenters, {the_link} (measured)"
+        else:
+            results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout,
+                          max_restarts=max_restarts, dcs=dcs, overwrite=overwrite)
+            where = f"on this machine; modelled link: {the_link}"
+    except RunFolderError as e:
+        raise click.UsageError(str(e)) from None
     click.echo(f"\n{np_} ranks, {steps} steps per method, {where}\n")
     click.echo(table(results, the_link))
     click.echo(f"\nwrote {Path(out) / 'results.json'}, table.md and eval_loss_vs_*.png")
+    stopped = [r["method"] for r in results if r["status"] == "interrupted" and r["method"] in names]
+    not_run = [m for m in names if m not in {r["method"] for r in results}]
+    if stopped or not_run:
+        click.echo(f"stopped{' during ' + stopped[0] if stopped else ''}: the comparison ended; the "
+                   f"finished methods' results are kept{'; not run: ' + ', '.join(not_run) if not_run else ''}",
+                   err=True)
+        raise SystemExit(130)
     if any(r["status"] != "ok" for r in results):
         raise SystemExit(1)
 
