@@ -306,3 +306,24 @@ def test_the_job_ends_with_its_supervisor_and_sighup_stops_it_like_sigterm(tmp_p
     assert code == 128 + signal.SIGHUP and "stopped by SIGHUP; not restarted" in err, err
     log = (out / "stderr.log").read_text()
     assert log.count("--- attempt") == 2 and log.count("lowcomm: stopped by SIGTERM after") == 2, log
+
+
+def test_a_stop_is_what_every_rank_says_not_one_ranks_signal(tmp_path):
+    """When a rank dies, mpirun ends the others with SIGTERM: they report a signal, the dead rank
+    nothing; that is a failure to restart, not a stop the user asked for."""
+    from lowcomm.run import outcome
+
+    def job(*ranks):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        for r, report in enumerate(ranks):
+            (folder / f"rank{r}.json").write_text(json.dumps({"started": True, **report}))
+        return outcome.read(folder)
+
+    assert job({"signal": "SIGTERM"}, {"signal": "SIGTERM"})["stop"] == "SIGTERM"
+    assert job({"signal": "SIGINT"}, {"stopped": "SIGINT"})["stop"] == "SIGINT"  # missed, voted
+    killed = job({"signal": "SIGTERM"}, {})
+    assert killed["stop"] is None and killed["signalled"] and not killed["repeats"], killed
+    crash = job({"signal": "SIGTERM"}, {"error": "TaskError: t.py: batch() raised", "repeats": True})
+    assert crash == {"stop": None, "signalled": True, "error": "TaskError: t.py: batch() raised",
+                     "repeats": True}, crash

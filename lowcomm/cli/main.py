@@ -420,7 +420,11 @@ def main() -> None:
         if getattr(e, "exit_code", None):   # every rank stopped together (a signal): no abort
             if launcher_rank() == 0:
                 sys.stderr.write(f"lowcomm: {e}\n")
-            if not getattr(e, "signum", None):          # a stop reported itself when it came
+            if getattr(e, "signum", None):              # stopped on request
+                if _REPORTING[0]:
+                    from ..run import outcome
+                    outcome.stopped(e.signum)
+            else:
                 _report(f"{type(e).__name__}: {e}", False)
             sys.exit(e.exit_code)
         _fail(e)

@@ -43,7 +43,7 @@ class StopFlag:
         if self.signum:             # a second signal: stop now, without the checkpoint
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
         self.signum = signum
-        outcome.stop(signum)
+        outcome.stop_signal(signum)
         log.warning("%s: stopping after this step and writing a checkpoint (send it again to "
                     "stop at once)", signal.Signals(signum).name)
 

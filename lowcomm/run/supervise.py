@@ -159,7 +159,7 @@ def supervise(launch, args: list[str], out: str | Path, max_restarts: int,
         stop, pass it on again every few seconds (a rank that got it has reported it, so none
         gets it twice, which would mean "stop at once")."""
         if stop["signum"] and time.monotonic() - stop["sent"] > RESEND_S and \
-                not outcome.read(reports)["stop"]:
+                not outcome.read(reports)["signalled"]:
             forward(stop["signum"], None)
 
     def result(rc: int, **extra) -> dict:
