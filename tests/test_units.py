@@ -288,3 +288,10 @@ def test_a_failed_jobs_cause_carries_what_open_mpi_warned_of_and_not_its_abort_b
     # only the abort banner: nothing is added; no stderr at all: the exit status
     assert cause("\n".join(stderr.splitlines()[:5]), 3) == stderr.splitlines()[0]
     assert cause("", 3) == "exit status 3" and cause("", -9) == "killed by SIGKILL"
+    # a usage error (click's "Error: ..."), not the rule that ends mpirun's banner after it
+    refused = "\n".join(["Usage: python -m lowcomm.cli [OPTIONS] COMMAND [ARGS]...", "",
+                         "Error: runs/x holds another run (config.json); continue it with --resume",
+                         rule, "Primary job  terminated normally, but 1 process returned", rule])
+    assert cause(refused, 2) == "Error: runs/x holds another run (config.json); continue it with " \
+        "--resume", cause(refused, 2)
+    assert cause(f"no lowcomm line\n{rule}\n", 2) == "exit status 2: no lowcomm line"

@@ -57,18 +57,20 @@ log = logging.getLogger("lowcomm.run.supervise")
 
 def cause(stderr_text: str, returncode: int) -> str:
     """One line on why a job failed, from its stderr: lowcomm's own one-line errors first
-    (``lowcomm failed: ...``, the watchdog's ``waited ...``), else mpirun's note of a killed
-    process, else the exit status; followed by what Open MPI warned of on the way (its first
+    (``lowcomm failed: ...``, a usage error's ``Error: ...``, the watchdog's ``waited ...``),
+    else mpirun's note of a killed process, else the exit status (and the last line that is not
+    a rule of dashes); followed by what Open MPI warned of on the way (its first
     help message other than the abort itself: e.g. a TCP connection to a peer that failed,
     which is why a rank waited until the watchdog fired)."""
     lines = [ln.strip() for ln in stderr_text.splitlines()
              if ln.strip() and not (len(ln.strip()) >= 20 and set(ln.strip()) == {"-"})]
-    why = None
-    for key in ("lowcomm failed", "Error: ", "watchdog", "CommError", "exited on signal", "killed"):
+    usage = [ln for ln in stderr_text.splitlines() if ln.startswith("Error: ")]   # click's
+    ours = [ln for ln in lines if "lowcomm failed" in ln] or usage
+    why = ours[0].strip()[:400] if ours else None
+    for key in ("watchdog", "CommError", "exited on signal", "killed"):
         hit = [ln for ln in lines if key in ln]
-        if hit:
+        if why is None and hit:
             why = hit[0][:400]
-            break
     if why is None:
         if returncode < 0:
             why = f"killed by {signal.Signals(-returncode).name}"
