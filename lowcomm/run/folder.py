@@ -66,6 +66,7 @@ def write_text(path: Path, text: str) -> None:
 
 
 def new_run_id() -> str:
+    """A new run's id (random, 32 hex digits)."""
     return uuid.uuid4().hex
 
 
@@ -86,6 +87,7 @@ def run_id_of(folder: str | Path | None) -> str | None:
 
 
 def write_marker(folder: Path, run_id: str, out: Path | None) -> None:
+    """Mark ``folder`` as written by lowcomm for the run ``run_id`` whose folder is ``out``."""
     write_text(folder / MARKER, json.dumps({"written_by": "lowcomm", "run": run_id,
                                             "out": str(out.resolve()) if out else None}) + "\n")
 

@@ -50,7 +50,7 @@ from pathlib import Path
 from ..errors import RunFolderError
 from . import outcome
 from .checkpoint import checkpoint_steps
-from .folder import new_run_id
+from .folder import new_run_id, write_text
 
 log = logging.getLogger("lowcomm.run.supervise")
 
@@ -247,7 +247,7 @@ def supervise(launch, args: list[str], out: str | Path, max_restarts: int,
     if summary.exists():
         s = json.loads(summary.read_text())
         s.update(restarts=attempt, failures=failures, ranks_per_attempt=ranks)
-        summary.write_text(json.dumps(s, indent=2) + "\n")
+        write_text(summary, json.dumps(s, indent=2) + "\n")
     return result(0, stopped=signal.Signals(stop["signum"]).name if stop["signum"] else None)
 
 

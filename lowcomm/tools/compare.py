@@ -206,7 +206,7 @@ def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
     if needs_topology(method):
         env.setdefault("LOWCOMM_TOPOLOGY", default_topology(np, dcs))   # wan.sh sets the same
         prefix = f"LOWCOMM_TOPOLOGY={env['LOWCOMM_TOPOLOGY']} "
-    (run_dir / "command.txt").write_text(prefix + " ".join(cmd) + "\n")
+    write_text(run_dir / "command.txt", prefix + " ".join(cmd) + "\n")
     record = {"method": method, "overrides": METHODS[method]}
     last = [0]
 
