@@ -243,10 +243,10 @@ def _prepare(cfg, out: Path | None, resume, overwrite: bool, run_id: str | None)
         ck_root = ck or (out / "checkpoints" if out else None)
         for tmp in ck_root.glob(".step-*.tmp") if ck_root else ():
             shutil.rmtree(tmp, ignore_errors=True)  # a save cut short: it may hold the disk full
-        if out:
-            write_marker(out, rid, out)
-            if resume is None:
-                write_config(cfg, out)
+        if out and (not resuming_here or read_marker(out) is None):   # a resume changes
+            write_marker(out, rid, out)            # nothing before its checkpoint is accepted
+        if out and resume is None:
+            write_config(cfg, out)
     except LowcommError as e:
         return str(e), rid
     except OSError as e:
