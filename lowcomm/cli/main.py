@@ -141,7 +141,7 @@ def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwri
     for f in result["failures"]:
         click.echo(f"attempt {f['attempt']} failed on {f['ranks']} ranks (exit {f['exit']}): "
                    f"{f['cause']}", err=True)
-    if result["stopped"]:
+    if result["stopped"] and result["returncode"]:
         click.echo(f"lowcomm: stopped by {result['stopped']}; not restarted (continue with "
                    f"--resume {out})", err=True)
     elif result["repeats"]:

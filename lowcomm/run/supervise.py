@@ -119,12 +119,12 @@ def supervise(launch, args: list[str], out: str | Path, max_restarts: int,
     relaunching from the newest checkpoint in ``checkpoints`` (default ``out/checkpoints``) on
     failure; returns ``{"returncode", "restarts", "failures", "ranks_per_attempt", "stopped",
     "repeats"}`` (``stopped``: the signal's name when a stop was asked for, also of a job that
-    finished meanwhile; ``repeats``: the last failure would repeat). ``launch`` is a command prefix, or a function of the rank count
-    giving one (with ``np``, the first attempt's rank count, and ``min_ranks``: shrink down to it
-    when relaunches fail, see the module's notes). ``first``: the first attempt's own options
-    (the user's ``--resume OUT`` or ``--overwrite``). ``log_dir``: append each attempt's
-    stdout/stderr there (default ``out``). ``poll()`` is called about twice a second while a
-    job runs."""
+    finished meanwhile; ``repeats``: the last failure would repeat). ``launch`` is a command
+    prefix, or a function of the rank count giving one (with ``np``, the first attempt's rank
+    count, and ``min_ranks``: shrink down to it when relaunches fail, see the module's notes).
+    ``first``: the first attempt's own options (the user's ``--resume OUT`` or ``--overwrite``).
+    ``log_dir``: append each attempt's stdout/stderr there (default ``out``). ``poll()`` is
+    called about twice a second while a job runs."""
     out = Path(out)
     ck = Path(checkpoints) if checkpoints else out / "checkpoints"
     if callable(launch):
