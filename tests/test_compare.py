@@ -176,6 +176,7 @@ def test_ctrl_c_ends_the_comparison_and_a_later_one_adds_to_it(tmp_path):
 
 
 def test_compare_never_takes_over_a_folder_it_did_not_write(tmp_path):
+    """A results.json lowcomm compare did not mark, even with --overwrite; a run's folder."""
     (tmp_path / "results.json").write_text("[]")
     for extra in ((), ("--overwrite",)):
         r = cli("compare", "--np", "2", "--out", tmp_path, "--methods", "ddp", *extra)
@@ -183,3 +184,9 @@ def test_compare_never_takes_over_a_folder_it_did_not_write(tmp_path):
             in r.stderr, r.output
     assert {p.name for p in tmp_path.iterdir()} - {".lowcomm.lock"} == {"results.json"}
     assert (tmp_path / "results.json").read_text() == "[]"
+    run = tmp_path / "run"                     # a training run's folder is not a comparison's
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    r = cli("compare", "--np", "2", "--out", run, "--methods", "ddp")
+    assert r.returncode != 0 and f"{run} holds a training run (config.json)" in r.stderr, r.output
+    assert {p.name for p in run.iterdir()} - {".lowcomm.lock"} == {"config.json"}

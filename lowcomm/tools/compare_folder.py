@@ -9,7 +9,8 @@ an earlier comparison it runs only what loses nothing:
   refused unless ``--overwrite`` (then the earlier comparison is replaced);
 * a method that is there already is run again only with ``--overwrite`` (its record and run
   folder are replaced; the other methods' are kept);
-* a ``results.json`` without the marker was not written by ``lowcomm compare``: refused.
+* a ``results.json`` without the marker was not written by ``lowcomm compare``: refused, and so
+  is the folder of a training run.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import json
 from pathlib import Path
 
 from ..errors import RunFolderError
-from ..run.folder import read_marker, remove_run, write_text
+from ..run.folder import RUN_FILES, read_marker, remove_run, write_text
 
 MARKER = ".lowcomm-compare.json"
 #: what a comparison writes beside its methods' run folders
@@ -62,6 +63,10 @@ def prepare(out: Path, now: dict, methods: list[str], overwrite: bool) -> list[d
     the earlier results to keep. Raises RunFolderError (nothing changed) when it would lose
     results; see the module's notes."""
     out.mkdir(parents=True, exist_ok=True)
+    run = [f for f in RUN_FILES if (out / f).exists()]
+    if run:
+        raise RunFolderError(f"{out} holds a training run ({', '.join(run)}), not a comparison; "
+                             "choose another --out")
     marker, results = _marker(out), out / "results.json"
     earlier: list[dict] = []
     if results.exists():
