@@ -13,12 +13,13 @@ setup:
 
 DEMO_METHODS ?= main
 DEMO_STEPS ?= 300
+DEMO_ARGS ?=
 
 # The main job: every main method on the default workload (Python stdlib corpus), one mpirun
 # each, then results.json, table.md and eval-loss plots in $(DEMO_OUT).
 demo: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH lowcomm compare --np $(NP) --methods $(DEMO_METHODS) \
-		--steps $(DEMO_STEPS) --out $(DEMO_OUT)
+		--steps $(DEMO_STEPS) --out $(DEMO_OUT) $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -14,6 +14,15 @@ class ConfigError(LowcommError, ValueError):
         super().__init__(f"config key '{key}': {message}")
 
 
+class EnvError(ConfigError):
+    """A ``LOWCOMM_*`` environment variable's value is wrong; the message names the variable
+    (not a config key the user never set)."""
+
+    def __init__(self, name: str, value: str, message: str):
+        self.key, self.reason, self.value = name, message, value
+        LowcommError.__init__(self, f"environment variable {name}={value!r}: {message}")
+
+
 class CommError(LowcommError, RuntimeError):
     """A communication op cannot proceed; the message names the rank, the op and the bytes."""
 
@@ -31,3 +40,8 @@ class NonFiniteError(LowcommError, FloatingPointError):
         at = f" at step {step}" if step is not None else ""
         super().__init__(f"rank {rank}{at}: non-finite values (NaN/Inf) in {what}; "
                          f"not sent (set on_nonfinite = \"skip\" to skip such steps on all ranks)")
+
+
+class RunFolderError(LowcommError):
+    """A run may not use its folder (or its checkpoint folder): it holds another run, another
+    run holds its lock, or it cannot be written. A relaunch would meet the same."""

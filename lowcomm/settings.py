@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 
@@ -26,8 +27,8 @@ from .errors import ConfigError
 
 
 def coerce(key: str, kind, value):
-    """``value`` as ``kind`` (bool, int, float, str, ``T | None``; an int is a valid float), or
-    ConfigError naming ``key``. ``"none"``/``"auto"`` give None for ``T | None``."""
+    """``value`` as ``kind`` (bool, int, float, str, ``T | None``; an int is a valid float, inf and
+    NaN are not), or ConfigError naming ``key``. ``"none"``/``"auto"`` give None for ``T | None``."""
     if typing.get_origin(kind) in (typing.Union, types.UnionType):   # ``T | None``
         options = [k for k in typing.get_args(kind) if k is not type(None)]
         if len(options) == 1:
@@ -42,6 +43,8 @@ def coerce(key: str, kind, value):
             return value
     elif kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(key, f"must be a finite number, got {value}")
             return float(value)
     elif kind is str:
         if isinstance(value, str):

@@ -1,12 +1,15 @@
 """``lowcomm compare``: the same workload under several methods, results, plots and table."""
+import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, cli
 from lowcomm.tools.compare import (METHODS, Link, default_topology, modelled_wall, needs_topology,
                              resolve_methods)
 
@@ -25,6 +28,8 @@ def test_unknown_method_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown method.*warp.*known: ddp, horovod"):
         resolve_methods("ddp,warp")
     assert resolve_methods("ddp,horovod") == ["ddp", "horovod"]
+    with pytest.raises(ValueError, match="method.s. ddp given more than once"):
+        resolve_methods("ddp,fp16,ddp")          # it ran twice and was listed twice
     assert "ddp" in resolve_methods("all") and set(resolve_methods("all")) <= set(METHODS)
 
 
@@ -110,3 +115,78 @@ def test_compare_runs_methods_on_the_same_data_and_keeps_going_when_one_fails(tm
         assert all(0 < c for c in cpu) and cpu == sorted(cpu)
     assert "compute CPU s" in r.stdout and "do not inflate" in (tmp_path / "table.md").read_text()
     assert all("eval_loss" in x for x in curves[0][1::2])      # eval_every = 10 by default
+
+
+def digest(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lowcomm.lock"}
+
+
+def test_ctrl_c_ends_the_comparison_and_a_later_one_adds_to_it(tmp_path):
+    """Ctrl-C used to stop only the running method (recorded as 'failed: exit 1') and go on with
+    the next; a second comparison into the folder replaced the first's results. Now: the
+    finished results are kept, the stopped method is marked interrupted; a later comparison adds
+    methods beside them (the failed one's row carries its own error), and refuses to rerun one
+    or to mix other settings unless --overwrite, which removes only what lowcomm wrote."""
+    sets = [a for s in SMALL for a in ("--set", s)]
+    p = subprocess.Popen([sys.executable, "-m", "lowcomm.cli", "compare", "--np", "2", "--steps",
+                          "20", "--out", str(tmp_path), *sets, "--methods", "ddp,fp16,int8"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not (tmp_path / "fp16" / "command.txt").exists():
+        assert time.monotonic() - t0 < 120 and p.poll() is None, "fp16 never started"
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, out + err
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["method"], r["status"]) for r in results] == [("ddp", "ok"), ("fp16", "interrupted")]
+    assert results[1]["error"] == "stopped by SIGINT" and not (tmp_path / "int8").exists()
+    assert "| fp16 | interrupted: stopped by SIGINT |" in (tmp_path / "table.md").read_text()
+    before = digest(tmp_path)
+    r = cli("compare", "--np", "2", "--steps", "20", "--out", tmp_path, *sets, "--methods", "ddp")
+    assert r.returncode != 0 and f"{tmp_path} holds results of ddp already: --overwrite runs them " \
+        "again" in r.stderr, r.output
+    r = cli("compare", "--np", "2", "--steps", "30", "--out", tmp_path, *sets, "--methods", "int8")
+    assert r.returncode != 0 and "holds a comparison with other settings (steps: 20 then, 30 now" \
+        in r.stderr, r.output
+    assert digest(tmp_path) == before, "a refused comparison changed the earlier one"
+    # a new method joins; its own error (from its ranks) is in the table, not mpirun's last line
+    r = compare(tmp_path, "--methods", "dc-diloco", env={"LOWCOMM_TOPOLOGY": "dc:3,rank:1"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [(x["method"], x["status"]) for x in results] == [
+        ("ddp", "ok"), ("fp16", "interrupted"), ("dc-diloco", "failed")], results
+    error = "EnvError: environment variable LOWCOMM_TOPOLOGY='dc:3,rank:1': 'dc:3,rank:1' places " \
+        "3 ranks but the job has 2"
+    assert error in results[2]["error"] and f"dc-diloco | failed: exit 1: {error}" in r.stdout, r.stdout
+    assert "| 1 | ddp |" in r.stdout, r.stdout
+    # other settings on request: the earlier comparison goes, what lowcomm did not write stays
+    (tmp_path / "ddp" / "notes.txt").write_text("mine")
+    (tmp_path / "elsewhere.txt").write_text("mine")
+    r = cli("compare", "--np", "2", "--steps", "20", "--out", tmp_path, *sets, "--methods", "fp16",
+            "--overwrite", "--launcher", ROOT / "tests" / "launchers" / "fail_method.sh",
+            env={"LOWCOMM_TEST_FAIL_ARG": "compressor.name=fp16"})
+    assert r.returncode == 1 and "fp16 | failed: exit 7" in r.stdout, r.output
+    assert [x["method"] for x in json.loads((tmp_path / "results.json").read_text())] == ["fp16"]
+    assert not (tmp_path / "ddp" / "summary.json").exists() and \
+        not (tmp_path / "ddp" / "checkpoints").exists()
+    assert (tmp_path / "ddp" / "notes.txt").read_text() == "mine" == \
+        (tmp_path / "elsewhere.txt").read_text()
+
+
+def test_compare_never_takes_over_a_folder_it_did_not_write(tmp_path):
+    """A results.json lowcomm compare did not mark, even with --overwrite; a run's folder."""
+    (tmp_path / "results.json").write_text("[]")
+    for extra in ((), ("--overwrite",)):
+        r = cli("compare", "--np", "2", "--out", tmp_path, "--methods", "ddp", *extra)
+        assert r.returncode != 0 and f"{tmp_path} holds a results.json but no .lowcomm-compare.json"\
+            in r.stderr, r.output
+    assert {p.name for p in tmp_path.iterdir()} - {".lowcomm.lock"} == {"results.json"}
+    assert (tmp_path / "results.json").read_text() == "[]"
+    run = tmp_path / "run"                     # a training run's folder is not a comparison's
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    r = cli("compare", "--np", "2", "--out", run, "--methods", "ddp")
+    assert r.returncode != 0 and f"{run} holds a training run (config.json)" in r.stderr, r.output
+    assert {p.name for p in run.iterdir()} - {".lowcomm.lock"} == {"config.json"}

@@ -234,10 +234,49 @@ def test_a_finished_run_is_never_touched_and_a_resume_that_cannot_continue_chang
     (empty / "config.json").write_text((run / "config.json").read_text())
     r = train(empty, resume=empty)
     assert r.returncode != 0 and "no intact checkpoint" in r.stderr, r.output
+    theirs = run / "checkpoints" / "my_important_model" / "w.bin"     # not lowcomm's: it stays
+    theirs.parent.mkdir()
+    theirs.write_bytes(b"weights")
+    old_id = json.loads((run / ".lowcomm-run.json").read_text())["run"]
     r = run_ranks(1, "lowcomm", "train", "--quiet", "--out", run, "--overwrite",
                   *[a for o in (*SMALL, "lr=0.1") for a in ("--set", o)])
     assert r.returncode == 0, r.output                               # asked for: replaced
     assert json.loads((run / "config.json").read_text())["lr"] == 0.1
+    assert theirs.read_bytes() == b"weights" and "kept my_important_model" in r.stderr, r.output
+    new_id = json.loads((run / ".lowcomm-run.json").read_text())["run"]
+    assert new_id != old_id and {json.loads((p / "manifest.json").read_text())["run"]
+                                 for p in (run / "checkpoints").glob("step-*")} == {new_id}
+
+
+def test_overwrite_refuses_a_folder_lowcomm_did_not_write(tmp_path):
+    """It used to delete another tool's config.json and checkpoints/."""
+    theirs = tmp_path / "theirs"
+    (theirs / "checkpoints" / "my_important_model").mkdir(parents=True)
+    (theirs / "checkpoints" / "my_important_model" / "w.bin").write_bytes(b"weights")
+    (theirs / "config.json").write_text('{"their": "tool"}')
+    before = digest(theirs)
+    r = cli("train", "--out", theirs, "--overwrite", *[a for o in SMALL for a in ("--set", o)])
+    assert r.returncode != 0 and f"{theirs} holds config.json, checkpoints but no .lowcomm-run.json: " \
+        "lowcomm did not write them" in r.stderr, r.output
+    assert digest(theirs) == before
+
+
+def test_a_garbage_config_json_on_resume_names_the_file(tmp_path):
+    saved = tmp_path / "config.json"
+    for text, what in (("{not json", "JSONDecodeError"), ("[1, 2]", "a JSON list, not an object"),
+                       ('{"steps": "many"}', "config key 'steps': expects int")):
+        saved.write_text(text)
+        for supervised in ((), ("--np", "2", "--max-restarts", "1")):
+            r = cli("train", *supervised, "--resume", tmp_path)
+            assert r.returncode != 0 and f"{saved}" in r.stderr and what in r.stderr, r.output
+            assert "Traceback" not in r.stderr, r.output
+
+
+def test_what_a_run_guards_once_its_ranks_are_up(tmp_path):
+    """tests/workers/nothing_lost.py: seeds, a loss without grad_fn, another architecture on
+    resume, a checkpoint.dir shared by two runs, a full disk while checkpointing."""
+    oks = run_worker(NP, "nothing_lost.py", str(tmp_path), timeout=300)
+    assert oks[0] >= 16 and oks[1] >= 12, oks
 
 
 @pytest.mark.parametrize("kind,what", [("nan-loss", "the loss"),

@@ -8,8 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from conftest import ROOT, run_ranks
+import pytest
+
+from conftest import ROOT, cli, run_ranks
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",
          "data.seq_len=32", "data.max_bytes=300000", "eval_batches=2", "steps=9", "log_every=3",
@@ -106,3 +109,221 @@ def test_a_crash_is_one_line_per_rank_with_the_traceback_in_the_run_folder(tmp_p
     assert "Traceback" in r.stderr, r.stderr
     r = lowcomm("train", "--out", tmp_path / "x", env={"LOWCOMM_NUM_THREADS": "two"})
     assert r.returncode != 0 and "LOWCOMM_NUM_THREADS='two': expects a whole number" in r.stderr, r.stderr
+
+
+RECORD = ROOT / "tests" / "launchers" / "record.sh"
+
+
+def a_run(folder, checkpoint_at=None):
+    """A finished run's folder as lowcomm writes it (by hand: no ranks needed)."""
+    from lowcomm.run.folder import new_run_id, write_marker
+    from lowcomm.run.registry import load_config
+    folder.mkdir(parents=True)
+    write_marker(folder, new_run_id(), folder)
+    (folder / "config.json").write_text(json.dumps(load_config(None, SMALL).to_dict()))
+    (folder / "metrics.jsonl").write_text('{"step": 3, "loss": 3.0}\n')
+    (folder / "summary.json").write_text('{"steps": 9}\n')
+    if checkpoint_at is not None:
+        step = folder / "checkpoints" / f"step-{checkpoint_at:08d}"
+        step.mkdir(parents=True)
+        (step / "manifest.json").write_text("{}")
+    return folder
+
+
+def read_only(folder):
+    """Make ``folder`` unwritable even for root (chattr +i); the undo, or a skip."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return lambda: folder.chmod(0o755)
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode:
+        pytest.skip("no chattr +i on this file system: cannot make a folder read-only as root")
+    return lambda: subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def test_a_supervisor_refuses_at_once_what_every_attempt_would_fail_on(tmp_path):
+    """Nothing is launched and nothing changes: a --resume of a run without a checkpoint (whose
+    relaunch used to replace the run), the --out of another run (whose relaunch used to add
+    --overwrite), a folder a live run holds, a folder that cannot be written."""
+    from lowcomm.run.folder import close_run, lock
+    sup = ["train", "--np", "2", "--max-restarts", "2", "--restart-backoff", "0", "--quiet"]
+    bare = a_run(tmp_path / "bare")
+    done = a_run(tmp_path / "done", checkpoint_at=9)
+    before = {f: digest(f) for f in (bare, done)}
+    r = cli(*sup, "--resume", bare, "--set", "steps=40")
+    assert r.returncode != 0 and f"--resume {bare}: no checkpoint in {bare / 'checkpoints'} " \
+        "to resume from" in r.stderr, r.output
+    r = cli(*sup, "--out", done, *SETS)
+    assert r.returncode != 0 and f"{done} holds another run" in r.stderr, r.output
+    lock(done, "a live run")
+    try:
+        r = cli(*sup, "--resume", done, "--set", "steps=40")
+    finally:
+        close_run("a live run")
+    assert r.returncode != 0 and f"{done} is in use by another run (pid {os.getpid()}" in r.stderr, \
+        r.output
+    assert {f: digest(f) for f in (bare, done)} == before, "a refused supervisor changed a run"
+    assert not list(tmp_path.rglob("std*.log")), "a refused supervisor launched a job"
+    locked = tmp_path / "read-only"
+    locked.mkdir()
+    undo = read_only(locked)
+    try:
+        r = cli(*sup, "--out", locked, *SETS)
+    finally:
+        undo()
+    assert r.returncode != 0 and f"cannot use {locked} for the run: " in r.stderr, r.output
+    assert list(locked.iterdir()) == []
+
+
+def attempts(record):
+    return [line.split() for line in record.read_text().splitlines()]
+
+
+def test_the_supervisor_relaunches_without_overwrite_and_from_checkpoint_dir(tmp_path):
+    """What each attempt is given (tests/launchers/record.sh starts nothing and fails): the
+    same run id; never --overwrite; --resume once a checkpoint is in checkpoint.dir."""
+    record = tmp_path / "attempts.txt"
+    sup = ["train", "--np", "1", "--max-restarts", "1", "--restart-backoff", "0", "--quiet",
+           "--launcher", RECORD]
+    env = {"LOWCOMM_TEST_RECORD": str(record)}
+    r = cli(*sup, "--out", tmp_path / "fresh", *SETS, env=env)
+    assert r.returncode != 0 and "attempt 2 failed" in r.stderr, r.output
+    first, second = attempts(record)
+    assert "--overwrite" not in first + second and "--resume" not in first + second, (first, second)
+    assert first[first.index("--run-id") + 1] == second[second.index("--run-id") + 1], (first, second)
+    record.unlink()
+    ck = tmp_path / "elsewhere"
+    (ck / "step-00000006").mkdir(parents=True)
+    r = cli(*sup, "--out", tmp_path / "ck", *SETS, "--set", f"checkpoint.dir='{ck}'", env=env)
+    assert r.returncode != 0 and "attempt 2 failed" in r.stderr, r.output
+    first, second = attempts(record)
+    assert "--resume" not in first and second[second.index("--resume") + 1] == str(tmp_path / "ck"), \
+        (first, second)
+
+
+def test_sigint_during_the_restart_backoff_stops_the_supervisor(tmp_path):
+    """It used to launch the next attempt, which trained to the end."""
+    import threading
+
+    from lowcomm.run.supervise import supervise
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        r = supervise(["sh", "-c", "exit 3", "--"], [], tmp_path / "run", max_restarts=2,
+                      backoff_s=60)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 20, "the backoff went on after SIGINT"
+    assert r["stopped"] == "SIGINT" and r["returncode"] == 128 + signal.SIGINT, r
+    assert r["ranks_per_attempt"] == [None] and r["restarts"] == 0, r
+
+
+def a_supervisor(out, *extra):
+    """``lowcomm train --np 2 --max-restarts 2`` of a long run in the background."""
+    args = extra or (*SETS, "--set", "steps=1000000")
+    return subprocess.Popen([sys.executable, "-m", "lowcomm.cli", "train", "--np", "2",
+                             "--max-restarts", "2", "--restart-backoff", "0.1", "--quiet",
+                             "--out", str(out), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def job_of(supervisor):
+    """The pid of the supervisor's job (its mpirun)."""
+    return int(Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text().split()[0])
+
+
+def until(check, what, timeout=120):
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < timeout, f"{what} after {timeout} s"
+        time.sleep(0.3)
+
+
+def ended(p, timeout=120):
+    """The supervisor's exit status and stderr (killed, and failing, after ``timeout``)."""
+    try:
+        return p.returncode if p.wait(timeout) is not None else None, p.stderr.read()
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError(f"the supervisor did not end in {timeout} s")
+
+
+def lines(path):
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_a_supervisor_does_not_retry_a_failure_that_would_repeat(tmp_path):
+    """A task error ends the supervisor at once, with the error (not after every restart)."""
+    task = tmp_path / "broken.py"
+    task.write_text("import torch\ndef model(cfg): return torch.nn.Linear(2, 1)\n"
+                    "def loss(model, batch): return model(batch).sum()\n"
+                    "def batch(step, rank, world, cfg): return {}['no such key']\n")
+    r = lowcomm("train", "--np", "2", "--max-restarts", "3", "--restart-backoff", "0", "--quiet",
+                "--out", tmp_path / "run", *SETS, "--set", f"task={task}")
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "attempt 1 failed on 2 ranks (exit 1): TaskError: " in r.stderr and \
+        "broken.py: batch() raised KeyError: 'no such key'" in r.stderr, r.stderr
+    assert "attempt 2" not in r.stderr and "a relaunch would fail the same way" in r.stderr, r.stderr
+    assert (tmp_path / "run" / "stderr.log").read_text().count("--- attempt") == 1
+
+
+def test_sigterm_to_the_jobs_mpirun_is_a_stop_not_a_failure(tmp_path):
+    """mpirun exits 1 after its ranks stop on the SIGTERM it passed on, as after a crash: the
+    supervisor restarted the job. The ranks now report the stop themselves."""
+    out = tmp_path / "run"
+    sup = a_supervisor(out)
+    until(lambda: lines(out / "metrics.jsonl"), "the job did not start")
+    os.kill(job_of(sup), signal.SIGTERM)
+    code, err = ended(sup)
+    assert code == 128 + signal.SIGTERM and "stopped by SIGTERM; not restarted" in err, err
+    log = (out / "stderr.log").read_text()
+    assert log.count("--- attempt") == 1 and "lowcomm: stopped by SIGTERM after step" in log, log
+    assert list((out / "checkpoints").glob("step-*")), "no final checkpoint"
+
+
+def test_the_job_ends_with_its_supervisor_and_sighup_stops_it_like_sigterm(tmp_path):
+    """A SIGKILLed supervisor left mpirun and the ranks training unsupervised (and the next
+    supervisor spent its restarts on 'in use by another run'); SIGHUP (a closed terminal)."""
+    from lowcomm.run.folder import usable
+    out = tmp_path / "run"
+    sup = a_supervisor(out)
+    until(lambda: lines(out / "metrics.jsonl"), "the job did not start")
+    mpirun = job_of(sup)
+    os.kill(sup.pid, signal.SIGKILL)
+    sup.wait()
+    try:
+        until(lambda: "lowcomm: stopped by SIGTERM after step" in (out / "stderr.log").read_text(),
+              "the job trained on without its supervisor", timeout=60)
+    finally:
+        if Path(f"/proc/{mpirun}").exists():     # this test's job, should it live on
+            os.kill(mpirun, signal.SIGKILL)
+    until(lambda: usable(out) is None, "the stopped job still holds the folder", timeout=30)
+    sup = a_supervisor(out, "--resume", str(out))
+    seen = len(lines(out / "metrics.jsonl"))
+    until(lambda: len(lines(out / "metrics.jsonl")) > seen, "the resumed job did not train")
+    os.kill(sup.pid, signal.SIGHUP)
+    code, err = ended(sup)
+    assert code == 128 + signal.SIGHUP and "stopped by SIGHUP; not restarted" in err, err
+    log = (out / "stderr.log").read_text()
+    assert log.count("--- attempt") == 2 and log.count("lowcomm: stopped by SIGTERM after") == 2, log
+
+
+def test_a_stop_is_what_every_rank_says_not_one_ranks_signal(tmp_path):
+    """When a rank dies, mpirun ends the others with SIGTERM: they report a signal, the dead rank
+    nothing; that is a failure to restart, not a stop the user asked for."""
+    from lowcomm.run import outcome
+
+    def job(*ranks):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        for r, report in enumerate(ranks):
+            (folder / f"rank{r}.json").write_text(json.dumps({"started": True, **report}))
+        return outcome.read(folder)
+
+    assert job({"signal": "SIGTERM"}, {"signal": "SIGTERM"})["stop"] == "SIGTERM"
+    assert job({"signal": "SIGINT"}, {"stopped": "SIGINT"})["stop"] == "SIGINT"  # missed, voted
+    killed = job({"signal": "SIGTERM"}, {})
+    assert killed["stop"] is None and killed["signalled"] and not killed["repeats"], killed
+    crash = job({"signal": "SIGTERM"}, {"error": "TaskError: t.py: batch() raised", "repeats": True})
+    assert crash == {"stop": None, "signalled": True, "error": "TaskError: t.py: batch() raised",
+                     "repeats": True}, crash

@@ -58,6 +58,13 @@ def test_task_file_loads_and_errors_name_the_file_and_function(tmp_path):
     assert e.value.key == "task"
     with pytest.raises(TaskError, match="loss must be callable"):
         from_functions(lambda cfg: None, 3, lambda *a: None)
+    detached = load_task(write(tmp_path, GOOD.replace(".pow(2).mean()", ".pow(2).mean().detach()"),
+                               "detached.py"))
+    with pytest.raises(TaskError, match=r"detached\.py: loss\(model, batch\) returned a tensor "
+                                        "without grad_fn"):
+        detached.loss(m, detached.batch(1, 0, 1, cfg))       # training: backward needs one
+    with torch.no_grad():                                    # evaluating: it is fine
+        assert detached.loss(m, detached.batch(1, 0, 1, cfg)).shape == ()
 
 
 def test_task_table_options_reach_the_task(tmp_path):

@@ -76,3 +76,24 @@ def test_cli_hierarchical_on_the_environments_topology(tmp_path):
     assert r.returncode == 0, r.output
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["bytes_by_level"].get("dc", 0) > 0 and s["ranks_agree"] is True, s["bytes_by_level"]
+
+
+def test_a_wrong_lowcomm_topology_is_reported_as_that_variable(monkeypatch, tmp_path):
+    """Not as config key 'topology', which the user never set."""
+    class Job:                  # what from_env asks of the communicator here: its size
+        size = 2
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
+    monkeypatch.setenv("LOWCOMM_TOPOLOGY", "dc:3,rank:1")
+    with pytest.raises(ConfigError) as e:
+        Topology.from_env(Job())
+    assert str(e.value).startswith("environment variable LOWCOMM_TOPOLOGY='dc:3,rank:1': "
+                                   "'dc:3,rank:1' places 3 ranks but the job has 2"), str(e.value)
+    assert "config key" not in str(e.value)
+    with pytest.raises(ConfigError, match="^config key 'topology': 'dc:2,rank:2' places 4"):
+        Topology.from_env(Job(), "dc:2,rank:2")      # the config's key wins, and is named
+    monkeypatch.delenv("LOWCOMM_TOPOLOGY")
+    (tmp_path / "hosts").write_text("a slots=2\nb slots=2\n")
+    monkeypatch.setenv("LOWCOMM_HOSTFILE", str(tmp_path / "hosts"))
+    with pytest.raises(ConfigError, match=r"^environment variable LOWCOMM_HOSTFILE='.*hosts': .*"
+                                          "places 4 ranks but the job has 2"):
+        Topology.from_env(Job())

@@ -41,6 +41,30 @@ def test_bad_config_names_the_key(override, key):
     assert e.value.key == key and f"'{key}'" in str(e.value)
 
 
+@pytest.mark.parametrize("override,key", [
+    ("lr=inf", "lr"), ("lr=nan", "lr"), ("strategy.outer_lr=inf", "strategy.outer_lr"),
+    ("optimizer.momentum=-inf", "optimizer.momentum"),
+])
+def test_a_value_that_is_not_finite_is_refused_naming_the_key(override, key):
+    """inf passed the "> 0" checks and failed later, blaming the loss."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override, *(["strategy.name=diloco"] if "outer" in key else [])])
+    assert e.value.key == key and "finite" in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="'policy.dc.outer_lr': must be a finite number, got inf"):
+        load_config(None, ["topology=dc:2,rank:1", "policy.dc=diloco:outer_lr=inf"])
+
+
+def test_a_key_given_twice_in_a_spec_string_is_refused():
+    """As TOML refuses a duplicate key; the later value used to win silently."""
+    from lowcomm.run.registry import parse_spec
+    with pytest.raises(ConfigError, match=r"'strategy': option 'period' given twice in "
+                                          r"'diloco:period=4,period=8'"):
+        parse_spec("diloco:period=4,period=8")
+    with pytest.raises(ConfigError, match="'policy.dc': option 'period' given twice"):
+        load_config(None, ["topology=dc:2,rank:1", "policy.dc=diloco:period=4, period=8"])
+    assert parse_spec("diloco:period=4,outer_lr=0.5")[1] == {"period": 4, "outer_lr": 0.5}
+
+
 def test_lr_schedule_warmup_then_cosine_to_the_floor():
     cfg = load_config(None, ["steps=10", "lr=1.0", "optimizer.schedule=cosine",
                              "optimizer.warmup_steps=2", "optimizer.min_lr_ratio=0.1"])
@@ -266,3 +290,10 @@ def test_a_failed_jobs_cause_carries_what_open_mpi_warned_of_and_not_its_abort_b
     # only the abort banner: nothing is added; no stderr at all: the exit status
     assert cause("\n".join(stderr.splitlines()[:5]), 3) == stderr.splitlines()[0]
     assert cause("", 3) == "exit status 3" and cause("", -9) == "killed by SIGKILL"
+    # a usage error (click's "Error: ..."), not the rule that ends mpirun's banner after it
+    refused = "\n".join(["Usage: python -m lowcomm.cli [OPTIONS] COMMAND [ARGS]...", "",
+                         "Error: runs/x holds another run (config.json); continue it with --resume",
+                         rule, "Primary job  terminated normally, but 1 process returned", rule])
+    assert cause(refused, 2) == "Error: runs/x holds another run (config.json); continue it with " \
+        "--resume", cause(refused, 2)
+    assert cause(f"no lowcomm line\n{rule}\n", 2) == "exit status 2: no lowcomm line"

@@ -10,7 +10,7 @@ import os
 
 import click
 
-from ..errors import ConfigError
+from ..errors import ConfigError, EnvError
 
 
 def launcher_rank() -> int:
@@ -44,14 +44,14 @@ def check_env() -> None:
         except ValueError:
             good = False
         if not good:
-            raise click.UsageError(f"environment variable {name}={value!r}: expects {what}")
+            raise click.UsageError(str(EnvError(name, value, f"expects {what}")))
     spec = os.environ.get("LOWCOMM_TOPOLOGY")
     if spec:
         from ..comm.topology import Topology
         try:
             Topology.parse(spec)
         except ConfigError as e:
-            raise click.UsageError(f"environment variable LOWCOMM_TOPOLOGY={spec!r}: {e.reason}") from None
+            raise click.UsageError(str(EnvError("LOWCOMM_TOPOLOGY", spec, e.reason))) from None
 
 
 def debug() -> bool:
@@ -66,6 +66,34 @@ def load_cfg(config, overrides, base=None):
         return load_config(config, overrides, base)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
+
+
+def saved_config(folder) -> dict:
+    """The resolved config a run saved in ``folder/config.json`` (``--resume``), checked: a
+    missing, unreadable or garbled file is a usage error naming it."""
+    import json
+    from pathlib import Path
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise click.BadParameter(f"{path} not found: is {folder} the --out folder of a run?",
+                                 param_hint="--resume")
+    try:
+        base = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise click.BadParameter(f"{path} is not a config lowcomm wrote ({type(e).__name__}: {e})",
+                                 param_hint="--resume") from None
+    if not isinstance(base, dict):
+        raise click.BadParameter(f"{path} is not a config lowcomm wrote (a JSON "
+                                 f"{type(base).__name__}, not an object)", param_hint="--resume")
+    from ..run.config import load_config   # the saved config alone: its own errors name it
+    try:
+        load_config(None, (), base)
+    except ConfigError as e:
+        raise click.BadParameter(f"{path}: {e}", param_hint="--resume") from None
+    except (TypeError, AttributeError, ValueError) as e:
+        raise click.BadParameter(f"{path} is not a config lowcomm wrote ({type(e).__name__}: {e})",
+                                 param_hint="--resume") from None
+    return base
 
 
 def set_threads() -> None:

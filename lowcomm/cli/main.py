@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from .common import check_env, config_options, debug, launcher_rank, load_cfg as _config, \
-    world as _world
+    saved_config, world as _world
 from ..errors import LowcommError
 from .topo import topo as topo_command
 from .wan import wan as wan_command
@@ -47,7 +47,8 @@ def cli(verbose: bool) -> None:
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--overwrite", is_flag=True,
               help="Replace the run already in --out (its config, metrics, summary and "
-                   "checkpoints); without it such a folder is refused.")
+                   "checkpoints: only what lowcomm wrote, in a folder it marked); without it "
+                   "such a folder is refused.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=None, metavar="N",
               help="Supervise: launch the job (on --np ranks) and relaunch it from its newest "
                    "checkpoint when it fails, up to N times (not a stop you asked for). Run this "
@@ -63,8 +64,13 @@ def cli(verbose: bool) -> None:
 @click.option("--launcher", type=click.Path(exists=True, dir_okay=False), default=None,
               help="With --max-restarts: a launcher taking '-n N COMMAND...' (default: mpirun "
                    "with this machine's flags).")
+@click.option("--run-id", default=None, hidden=True,
+              help="The run's id, from its supervisor: a folder marked with it holds this run's "
+                   "own earlier attempt, which it replaces.")
+@click.option("--report-dir", default=None, hidden=True,
+              help="Where each rank reports how it ended, for its supervisor (read by main()).")
 def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, max_restarts, np_,
-          min_ranks, restart_backoff, launcher):
+          min_ranks, restart_backoff, launcher, run_id, report_dir):
     """Train the configured task with the configured strategy on every rank.
 
     \b
@@ -78,25 +84,20 @@ def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, ma
         raise click.UsageError(f"{'--launcher' if launcher else '--min-ranks'} goes with "
                                "--max-restarts (a supervised run)")
     global _RUN_OUT
-    base = None
-    if resume:
-        saved = Path(resume) / "config.json"
-        if not saved.is_file():
-            raise click.BadParameter(f"{saved} not found: is {resume} the --out folder of a run?",
-                                     param_hint="--resume")
-        base = json.loads(saved.read_text())
+    base = saved_config(resume) if resume else None
     if checkpoint_every is not None:
         overrides = (*overrides, f"checkpoint.every={checkpoint_every}")
     cfg = _config(config, overrides, base)
     out = out or resume or "runs/latest"
     from ..run.folder import refusal
-    why = refusal(Path(out), resume, overwrite)    # before MPI starts: every rank at once
+    why = refusal(Path(out), resume, overwrite, run_id)   # before MPI starts: every rank at once
     if why:
         raise click.UsageError(why)
     _RUN_OUT = Path(out)
     comm = _world()
     from ..run.api import run
-    summary = run(cfg, out, comm, progress=not quiet, resume=resume, overwrite=overwrite)
+    summary = run(cfg, out, comm, progress=not quiet, resume=resume, overwrite=overwrite,
+                  run_id=run_id)
     if comm.rank == 0:
         keys = ("method", "task", "ranks", "steps", "params", "final_loss", "eval_loss",
                 "bytes_total", "wall_s", "skipped_steps", "state_sha256", "ranks_agree")
@@ -125,20 +126,26 @@ def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwri
     if resume and out and Path(out).resolve() != Path(resume).resolve():
         raise click.UsageError("a supervised run resumes in place: give --resume DIR alone")
     out = Path(out or resume or "runs/latest")
-    _config(config, (*overrides, *([f"checkpoint.every={checkpoint_every}"] if checkpoint_every
-                                   else [])), None if not resume else
-            json.loads((Path(resume) / "config.json").read_text()))   # a bad key fails here
+    cfg = _config(config, (*overrides, *([f"checkpoint.every={checkpoint_every}"] if checkpoint_every
+                                         else [])), saved_config(resume) if resume else None)
+    checkpoints = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    _refuse_before_launch(out, resume, overwrite, checkpoints)
     args = [sys.executable, "-m", "lowcomm.cli", "train", *(["--quiet"] if quiet else []),
             *(["--config", config] if config else []),
             *[a for o in overrides for a in ("--set", o)],
             *(["--checkpoint-every", str(checkpoint_every)] if checkpoint_every else [])]
     result = supervise(lambda n: mpirun_command(n, launcher), args, out, max_restarts,
-                       backoff_s=backoff_s, np=np_, min_ranks=min_ranks,
+                       backoff_s=backoff_s, np=np_, min_ranks=min_ranks, checkpoints=checkpoints,
                        first=["--resume", str(out)] if resume else
                        (["--overwrite"] if overwrite else []))
     for f in result["failures"]:
         click.echo(f"attempt {f['attempt']} failed on {f['ranks']} ranks (exit {f['exit']}): "
                    f"{f['cause']}", err=True)
+    if result["stopped"] and result["returncode"]:
+        click.echo(f"lowcomm: stopped by {result['stopped']}; not restarted (continue with "
+                   f"--resume {out})", err=True)
+    elif result["repeats"]:
+        click.echo("lowcomm: not restarted: a relaunch would fail the same way", err=True)
     if result["returncode"]:
         raise SystemExit(result["returncode"] if result["returncode"] > 0 else 1)
     s = json.loads((out / "summary.json").read_text())
@@ -147,6 +154,20 @@ def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwri
                                                   "ranks_per_attempt")},
                           indent=2))
     click.echo(f"wrote {out / 'summary.json'}")
+
+
+def _refuse_before_launch(out: Path, resume, overwrite: bool, checkpoints: Path) -> None:
+    """A supervisor's checks before it launches anything (each would fail every attempt the
+    same way): the folder holds another run, is locked by a live run or cannot be written; a
+    --resume without a checkpoint."""
+    from ..run.folder import refusal, usable
+    from ..run.supervise import has_checkpoint
+    if resume and not has_checkpoint(checkpoints):
+        raise click.UsageError(f"--resume {resume}: no checkpoint in {checkpoints} to resume from "
+                               "(nothing was changed)")
+    why = refusal(out, resume, overwrite) or usable(out)
+    if why:
+        raise click.UsageError(why)
 
 
 @cli.group()
@@ -291,12 +312,19 @@ def bench_compress(config, overrides, size, methods, iters, warmup, threads, lin
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="Relaunch a failed method from its newest checkpoint up to N times "
                    "(set checkpoint.every for a resume; without one it restarts from step 0).")
+@click.option("--overwrite", is_flag=True,
+              help="Run again methods that --out holds results of (the others are kept), or "
+                   "replace a comparison with other settings; without it both are refused.")
 def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launcher, timeout,
-            max_restarts):
+            max_restarts, overwrite):
     """Train the same model under each method (one mpirun each); write results.json, plots and
     a ranked table. An experiment TOML (--config) may hold a [compare] table: question, expect,
-    methods, np, link."""
-    from ..tools.compare import Link, compare as run, resolve_methods, table
+    methods, np, link. Into an --out with an earlier comparison of the same settings, new
+    methods are added beside its results. Ctrl-C ends the comparison, keeping what finished."""
+    import os
+
+    from ..errors import RunFolderError
+    from ..tools.compare import Link, compare as run, needs_topology, resolve_methods, table
     if steps is not None:
         overrides = (*overrides, f"steps={steps}")
     cfg = _config(config, overrides)   # a bad key fails here, not in every run
@@ -305,6 +333,14 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
         names = resolve_methods(methods or cfg.compare.methods)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--methods") from None
+    placed = [m for m in names if needs_topology(m)]
+    if placed and np_ < dcs and not os.environ.get("LOWCOMM_TOPOLOGY"):
+        raise click.BadParameter(f"{', '.join(placed)} run on {dcs} datacenters (--dcs) of ranks: "
+                                 f"give --np >= {dcs}, or $LOWCOMM_TOPOLOGY", param_hint="--np")
+    if cfg.checkpoint.dir:
+        raise click.BadParameter("checkpoint.dir: each method keeps its checkpoints in its own "
+                                 f"folder ({out}/<method>/checkpoints); drop it",
+                                 param_hint="--set/--config")
     try:
         the_link = Link.parse(wan if wan != "model" else link or cfg.compare.link)
     except ValueError as e:
@@ -317,20 +353,29 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
         click.echo(f"question: {cfg.compare.question}\nexpected: {cfg.compare.expect}")
     if not cfg.eval_every:   # about ten points per eval-loss curve
         overrides = (*overrides, f"eval_every={max(1, round(steps / 10 / cfg.log_every)) * cfg.log_every}")
-    if emulated:
-        from ..tools.compare import over_emulated_wan
-        with over_emulated_wan(np_, dcs, the_link) as wan_launcher:
-            results = run(names, np_, steps, out, config, overrides, the_link, wan_launcher,
-                          timeout, dcs=dcs, max_restarts=max_restarts)
-        where = f"over an emulated WAN of {dcs} datacenters, {the_link} (measured)"
-    else:
-        results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout,
-                      max_restarts=max_restarts,
-                      dcs=dcs)
-        where = f"on this machine; modelled link: {the_link}"
+    try:
+        if emulated:
+            from ..tools.compare import over_emulated_wan
+            with over_emulated_wan(np_, dcs, the_link) as wan_launcher:
+                results = run(names, np_, steps, out, config, overrides, the_link, wan_launcher,
+                              timeout, dcs=dcs, max_restarts=max_restarts, overwrite=overwrite)
+            where = f"over an emulated WAN of {dcs} datacenters, {the_link} (measured)"
+        else:
+            results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout,
+                          max_restarts=max_restarts, dcs=dcs, overwrite=overwrite)
+            where = f"on this machine; modelled link: {the_link}"
+    except RunFolderError as e:
+        raise click.UsageError(str(e)) from None
     click.echo(f"\n{np_} ranks, {steps} steps per method, {where}\n")
     click.echo(table(results, the_link))
     click.echo(f"\nwrote {Path(out) / 'results.json'}, table.md and eval_loss_vs_*.png")
+    stopped = [r["method"] for r in results if r["status"] == "interrupted" and r["method"] in names]
+    not_run = [m for m in names if m not in {r["method"] for r in results}]
+    if stopped or not_run:
+        click.echo(f"stopped{' during ' + stopped[0] if stopped else ''}: the comparison ended; the "
+                   f"finished methods' results are kept{'; not run: ' + ', '.join(not_run) if not_run else ''}",
+                   err=True)
+        raise SystemExit(130)
     if any(r["status"] != "ok" for r in results):
         raise SystemExit(1)
 
@@ -365,6 +410,7 @@ def _abort(code: int) -> None:
 
 
 def main() -> None:
+    _report_to(_option_value(sys.argv, "--report-dir"))
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Exit as e:
@@ -374,6 +420,12 @@ def main() -> None:
         if getattr(e, "exit_code", None):   # every rank stopped together (a signal): no abort
             if launcher_rank() == 0:
                 sys.stderr.write(f"lowcomm: {e}\n")
+            if getattr(e, "signum", None):              # stopped on request
+                if _REPORTING[0]:
+                    from ..run import outcome
+                    outcome.stopped(e.signum)
+            else:
+                _report(f"{type(e).__name__}: {e}", False)
             sys.exit(e.exit_code)
         _fail(e)
     except (click.ClickException, click.Abort) as e:
@@ -382,11 +434,42 @@ def main() -> None:
                 e.show()
             else:
                 click.echo("Aborted!", err=True)
+        if isinstance(e, click.ClickException):       # bad input: a relaunch gets it again
+            _report(f"{type(e).__name__}: {e.format_message()}", True)
         _abort(getattr(e, "exit_code", 1))
+    except SystemExit as e:                 # a command's own exit status (compare, supervisor)
+        if e.code:
+            _abort(e.code if isinstance(e.code, int) else 1)
     except BaseException as e:  # noqa: BLE001 - any failure must end all ranks
-        if isinstance(e, SystemExit) and not e.code:
-            return
         _fail(e)
+
+
+def _option_value(argv: list[str], name: str) -> str | None:
+    """The value of ``name VALUE`` or ``name=VALUE`` in ``argv`` (read before click parses it,
+    so that an error in parsing is reported too)."""
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+_REPORTING = [False]
+
+
+def _report_to(folder: str | None) -> None:
+    """``--report-dir``: each rank reports how it ends there (:mod:`lowcomm.run.outcome`)."""
+    if folder:
+        from ..run import outcome
+        outcome.report_to(folder, launcher_rank())
+    _REPORTING[0] = bool(folder)
+
+
+def _report(message: str, repeats: bool) -> None:
+    if _REPORTING[0]:
+        from ..run import outcome
+        outcome.error(message, repeats)
 
 
 def _fail(e: BaseException) -> None:
@@ -410,6 +493,9 @@ def _fail(e: BaseException) -> None:
             where = " (LOWCOMM_DEBUG=1 prints the traceback)"
     first = str(e).splitlines()[0] if str(e) else ""
     sys.stderr.write(f"[rank {rank}] lowcomm failed: {type(e).__name__}: {first}{where}\n")
+    if _REPORTING[0]:
+        from ..run.outcome import repeats
+        _report(f"{type(e).__name__}: {first}", repeats(e))
     _abort(1)
 
 

@@ -41,7 +41,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
+from ..errors import ConfigError, EnvError
 from .ledger import latency_rounds, wire_bytes
 
 if TYPE_CHECKING:   # a topology is data; only Topology.comms touches communicators
@@ -168,20 +168,29 @@ class Topology:
     def from_env(cls, comm, spec: str = "") -> "Topology":
         """The run's topology: ``spec`` if given, else ``$LOWCOMM_TOPOLOGY``, else Slurm's
         ``SLURM_NODEID``, else the hostfile in ``$LOWCOMM_HOSTFILE``, else MPI's shared-memory
-        split. Collective over ``comm`` when it has to ask the other ranks."""
-        spec = spec or os.environ.get("LOWCOMM_TOPOLOGY", "")
-        if spec:
-            topo = cls.parse(spec)
-            if os.environ.get("LOWCOMM_TOPOLOGY") == spec:
-                topo.source = f"$LOWCOMM_TOPOLOGY={spec}"
-        elif "SLURM_NODEID" in os.environ:
-            topo = cls.from_keys(comm.allgather_object(int(os.environ["SLURM_NODEID"])),
-                                 source="SLURM_NODEID")
-        elif os.environ.get("LOWCOMM_HOSTFILE"):
-            topo = cls.from_hostfile(os.environ["LOWCOMM_HOSTFILE"])
-        else:
-            topo = cls.discover(comm)
-        topo.check_size(comm.size)
+        split. Collective over ``comm`` when it has to ask the other ranks. An error in what an
+        environment variable says names that variable (:class:`~lowcomm.errors.EnvError`)."""
+        from_env = "" if spec else os.environ.get("LOWCOMM_TOPOLOGY", "")
+        env = None                      # the environment variable the topology comes from
+        try:
+            if spec or from_env:
+                env = "LOWCOMM_TOPOLOGY" if from_env else None
+                topo = cls.parse(spec or from_env)
+                if from_env:
+                    topo.source = f"$LOWCOMM_TOPOLOGY={from_env}"
+            elif "SLURM_NODEID" in os.environ:
+                topo = cls.from_keys(comm.allgather_object(int(os.environ["SLURM_NODEID"])),
+                                     source="SLURM_NODEID")
+            elif os.environ.get("LOWCOMM_HOSTFILE"):
+                env = "LOWCOMM_HOSTFILE"
+                topo = cls.from_hostfile(os.environ["LOWCOMM_HOSTFILE"])
+            else:
+                topo = cls.discover(comm)
+            topo.check_size(comm.size)
+        except ConfigError as e:
+            if env is None:
+                raise
+            raise EnvError(env, os.environ[env], e.reason) from None
         return topo
 
     @classmethod

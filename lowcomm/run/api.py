@@ -34,7 +34,7 @@ def task_of(cfg: Config) -> Task:
 
 def run(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
         progress: bool = True, resume: str | Path | None = None, task: Task | None = None,
-        overwrite: bool = False) -> dict:
+        overwrite: bool = False, run_id: str | None = None) -> dict:
     """Train a resolved config (:func:`lowcomm.run.registry.load_config`) on ``comm`` (default: the
     world): the task it names (or ``task``), the strategy it names."""
     comm = comm or init()
@@ -42,7 +42,7 @@ def run(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
     apply_comm_settings(cfg, comm)         # the watchdog's limits, before the first collective
     levels = topology_comms(cfg, comm)     # the topology's communicators: hierarchical/policy
     return run_loop(cfg, task, lambda m, o, c: build_strategy(cfg, m, o, c, levels), comm, out,
-                    progress, resume, overwrite)
+                    progress, resume, overwrite, run_id)
 
 
 def train(task=None, *, model=None, loss=None, batch=None, eval_batches=None, strategy=None,

@@ -2,14 +2,18 @@
 
 Layout under the checkpoint folder::
 
-    step-00000400/manifest.json      step, world size, resolved config, sha256 and size of each file
+    step-00000400/manifest.json      step, world size, the run's id, resolved config, sha256 and
+                                     size of each file
     step-00000400/rank-00000.pt      everything rank 0 needs to continue exactly
     step-00000400/rank-00001.pt      ...
 
 Writing is atomic: every rank writes into ``.step-00000400.tmp/`` (write, flush, fsync), rank 0
 writes the manifest last, fsyncs it, renames the folder into place and fsyncs the parent. A
 folder named ``step-*`` is therefore complete or absent, never half-written; a crash leaves at
-most a ``.tmp`` folder, which the next save removes. Only the newest ``keep`` are kept.
+most a ``.tmp`` folder, which the next save (and the next run's start) removes; a write that
+fails (a full disk) removes it at once and names the file. Only the newest ``keep`` of the run's
+own checkpoints are kept; a checkpoint of another run (its manifest names another run id) is
+never overwritten, pruned or resumed from.
 
 Reading verifies each rank's file against the manifest's sha256 on that rank and agrees across
 ranks (a run resumed on another number of ranks reads and verifies every old rank's file on every
@@ -18,6 +22,7 @@ used. All ranks must see the same folder (one machine, or a shared file system).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -66,6 +71,14 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def checkpoint_steps(root: Path) -> list[int]:
+    """Steps of the complete checkpoints (``step-*`` folders) under ``root``, newest first."""
+    if not root.is_dir():
+        return []
+    found = [int(p.name[5:]) for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, reverse=True)
+
+
 def config_mismatch(saved: dict, current: dict) -> list[str]:
     """Keys whose values differ between two config dicts and that a resume may not change."""
     a, b = _flatten(saved), _flatten(current)
@@ -80,6 +93,8 @@ class Checkpointer:
         root: checkpoint folder (created on save).
         comm: the ranks taking part (a control communicator; its traffic is not the method's).
         keep: how many of the newest checkpoints to keep (≥ 1).
+        run: the id of the run (:mod:`lowcomm.run.folder`): written into each manifest; the
+            checkpoints of another run are skipped on load and never pruned (None: any).
 
     Example::
 
@@ -88,10 +103,10 @@ class Checkpointer:
         state = ck.load_latest(config=cfg.to_dict())      # None when there is none
     """
 
-    def __init__(self, root: str | Path, comm: Comm, keep: int = 2):
+    def __init__(self, root: str | Path, comm: Comm, keep: int = 2, run: str | None = None):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.root, self.comm, self.keep = Path(root), comm, keep
+        self.root, self.comm, self.keep, self.run = Path(root), comm, keep, run
         self.resize = False
 
     def _name(self, step: int) -> str:
@@ -99,11 +114,18 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints present, newest first."""
-        if not self.root.is_dir():
-            return []
-        found = [int(p.name[5:]) for p in self.root.glob("step-*")
-                 if p.is_dir() and p.name[5:].isdigit()]
-        return sorted(found, reverse=True)
+        return checkpoint_steps(self.root)
+
+    def _owner(self, step: int) -> str | None:
+        """The run id in the manifest of ``step`` (None: unreadable, or from before run ids)."""
+        try:
+            return json.loads((self.root / self._name(step) / "manifest.json").read_text()).get("run")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def _foreign(self, step: int) -> bool:
+        owner = self._owner(step)
+        return self.run is not None and owner is not None and owner != self.run
 
     def save(self, step: int, state: dict, config: dict) -> Path:
         """Write this rank's ``state`` for ``step``; returns the checkpoint folder."""
@@ -111,30 +133,48 @@ class Checkpointer:
         final = self.root / self._name(step)
         tmp = self.root / f".{self._name(step)}.tmp"
         if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".step-*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
+            with self._writing(tmp, self.root):
+                self.root.mkdir(parents=True, exist_ok=True)
+                for stale in self.root.glob(".step-*.tmp"):
+                    shutil.rmtree(stale, ignore_errors=True)
+                tmp.mkdir()
         self.comm.barrier()
         buf = io.BytesIO()
         torch.save(state, buf)
         data = buf.getvalue()
         fname = f"rank-{rank:05d}.pt"
-        _write(tmp / fname, data)
+        with self._writing(tmp, tmp / fname):
+            _write(tmp / fname, data)
         files = self.comm.allgather_object((fname, hashlib.sha256(data).hexdigest(), len(data)))
         if rank == 0:
-            manifest = {"step": step, "world_size": size, "config": config,
+            if final.exists() and self._foreign(step):
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(f"{final} is a checkpoint of another run ({self._owner(step)}); "
+                                      "not overwritten: give each run its own checkpoint.dir")
+            manifest = {"step": step, "world_size": size, "run": self.run, "config": config,
                         "files": {f: {"sha256": h, "bytes": n} for f, h, n in files}}
-            _write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
-            _fsync_dir(tmp)
-            if final.exists():          # a previous attempt at the same step
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            for old in self.steps()[self.keep:]:
+            with self._writing(tmp, tmp / "manifest.json"):
+                _write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+                _fsync_dir(tmp)
+                if final.exists():          # a previous attempt at the same step
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+                _fsync_dir(self.root)
+            for old in [s for s in self.steps() if not self._foreign(s)][self.keep:]:
                 shutil.rmtree(self.root / self._name(old), ignore_errors=True)
         self.comm.barrier()
         return final
+
+    @contextlib.contextmanager
+    def _writing(self, tmp: Path, what: Path):
+        """A write of ``what`` for the checkpoint in ``tmp``: an OSError (a full disk, a
+        read-only folder) removes the partial checkpoint and is an error naming the file."""
+        try:
+            yield
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise LowcommError(f"cannot write checkpoint file {what}: {e.strerror or e}; removed "
+                               f"the partial checkpoint {tmp}") from e
 
     def _check(self, step: int) -> tuple[str | None, dict | None, bytes | None]:
         """(problem, manifest, this rank's bytes) of one checkpoint; problem None when good."""
@@ -143,6 +183,9 @@ class Checkpointer:
             manifest = json.loads((folder / "manifest.json").read_text())
         except (OSError, ValueError) as e:
             return f"{folder}/manifest.json unreadable ({e})", None, None
+        owner = manifest.get("run") if isinstance(manifest, dict) else None
+        if self.run is not None and owner is not None and owner != self.run:
+            return f"{folder} is a checkpoint of another run ({owner})", None, None
         if manifest.get("world_size") != self.comm.size:
             if not self.resize:
                 return None, manifest, None   # a config problem, reported by the caller
@@ -174,10 +217,11 @@ class Checkpointer:
 
     def load_latest(self, config: dict | None = None, resize: bool = False) -> dict | None:
         """The newest checkpoint that is intact on every rank, as this rank's state dict (with
-        ``"step"``), or None if there is none. Corrupt ones are skipped with a warning naming
-        the file; a checkpoint of another config is a CheckpointError, and so is one of another
-        world size unless ``resize``: then every rank reads and verifies every old rank's file
-        and gets ``{"step", "world_size", "ranks": [old rank 0's state, ...]}`` to merge."""
+        ``"step"``), or None if there is none. Corrupt ones, and those of another run, are
+        skipped with a warning naming the file; a checkpoint of another config is a
+        CheckpointError, and so is one of another world size unless ``resize``: then every rank
+        reads and verifies every old rank's file and gets ``{"step", "world_size", "ranks":
+        [old rank 0's state, ...]}`` to merge."""
         self.resize = resize
         steps = self.comm.bcast_object(self.steps() if self.comm.rank == 0 else None)
         for step in steps:

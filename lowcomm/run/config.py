@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -257,8 +258,8 @@ def validate(cfg: Config) -> Config:
     if cfg.eval_every < 0 or (cfg.eval_every and cfg.eval_every % cfg.log_every):
         raise ConfigError("eval_every", f"must be 0 or a multiple of log_every={cfg.log_every}, "
                           f"got {cfg.eval_every}")
-    if not cfg.lr > 0:
-        raise ConfigError("lr", f"must be > 0, got {cfg.lr}")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise ConfigError("lr", f"must be a finite number > 0, got {cfg.lr}")
     if cfg.optimizer.warmup_steps >= cfg.steps:
         raise ConfigError("optimizer.warmup_steps", f"must be < steps={cfg.steps}, "
                           f"got {cfg.optimizer.warmup_steps}")

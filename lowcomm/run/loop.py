@@ -43,12 +43,8 @@ equal).
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 from typing import Callable
-
-import numpy as np
-import torch
 
 from ..comm.comm import Comm
 from ..comm.ledger import compute_cpu_clock
@@ -58,23 +54,25 @@ from .evaluate import nonfinite
 from .folder import close_run, open_run
 from .schedule import build_optimizer, lr_at, set_lr
 from .signals import StopFlag
+from .snapshot import seed_all
 from .state import LoopState, Run
 
 log = logging.getLogger("lowcomm.train")
 
 
 def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = None,
-        progress: bool = True, resume: str | Path | None = None, overwrite: bool = False) -> dict:
+        progress: bool = True, resume: str | Path | None = None, overwrite: bool = False,
+        run_id: str | None = None) -> dict:
     """Train ``task`` under the strategy ``build(model, optimizer, comm)`` makes; return (and
     write) the run summary. ``cfg`` is a resolved :class:`~lowcomm.run.config.Config`.
 
     ``resume``: the output folder of an earlier run of this config; continue from the newest
     intact checkpoint in its checkpoint folder (an error if there is none). ``out`` must not
     hold another run unless it is the one resumed, or ``overwrite`` (see
-    :func:`lowcomm.run.folder.open_run`)."""
-    ctl, out, ckpt = open_run(cfg, comm, out, resume, overwrite)
+    :func:`lowcomm.run.folder.open_run`; ``run_id`` names the run there)."""
+    ctl, out, ckpt = open_run(cfg, comm, out, resume, overwrite, run_id)
     try:
-        seed(cfg.seed)
+        seed_all(cfg.seed)
         model = task.model(cfg)
         strategy = build(model, build_optimizer(cfg, model.parameters()), comm)
         r = Run(cfg, task, model, strategy, comm, ctl, out, ckpt, progress, resume)
@@ -84,13 +82,6 @@ def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = N
         return train(r, Detached(r) if hasattr(strategy, "is_server") else Lockstep(r))
     finally:
         close_run(out)
-
-
-def seed(value: int) -> None:
-    """Seed torch, Python's ``random`` and NumPy (a task may draw from any of them)."""
-    torch.manual_seed(value)
-    random.seed(value)
-    np.random.seed(value % 2**32)
 
 
 def train(r: Run, coord) -> dict:
@@ -146,4 +137,4 @@ def train_step(r: Run, coord, step: int):
     return loss, nonfinite(loss, r.model) or r.strategy.local_nonfinite()
 
 
-__all__ = ["STOP_VOTE_LAG", "run", "seed", "take_step", "train", "train_step"]
+__all__ = ["STOP_VOTE_LAG", "run", "take_step", "train", "train_step"]

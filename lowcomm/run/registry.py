@@ -70,6 +70,8 @@ def parse_spec(spec: str, key: str = "strategy") -> tuple[Method, dict]:
         k, eq, raw = item.partition("=")
         if not eq:
             raise ConfigError(key, f"option {item!r} in {spec!r} must look like key=value")
+        if k.strip() in opts:
+            raise ConfigError(key, f"option {k.strip()!r} given twice in {spec!r}")
         opts[k.strip()] = parse_override(f"v={raw}")[1]
     return m, opts
 

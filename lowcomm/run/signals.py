@@ -1,5 +1,5 @@
-"""Stopping a run on request: SIGINT/SIGTERM set a flag that the loop acts on at a step boundary,
-and :class:`Interrupted` is how a stopped run ends (exit status 128 + signal)."""
+"""Stopping a run on request: SIGINT/SIGTERM/SIGHUP set a flag that the loop acts on at a step
+boundary, and :class:`Interrupted` is how a stopped run ends (exit status 128 + signal)."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 from ..errors import LowcommError
+from . import outcome
 
 log = logging.getLogger("lowcomm.train")
 
@@ -22,9 +23,10 @@ class Interrupted(LowcommError):
 
 
 class StopFlag:
-    """SIGINT/SIGTERM set a flag (main thread only); the loop acts on it at a step boundary."""
+    """SIGINT/SIGTERM/SIGHUP set a flag (main thread only); the loop acts on it at a step
+    boundary. SIGHUP (a closed terminal) is left alone where it is ignored (``nohup``)."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self):
         self.signum = 0
@@ -33,13 +35,15 @@ class StopFlag:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
-                self._old[s] = signal.signal(s, self._handle)
+                if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN:
+                    self._old[s] = signal.signal(s, self._handle)
         return self
 
     def _handle(self, signum, frame):
         if self.signum:             # a second signal: stop now, without the checkpoint
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
         self.signum = signum
+        outcome.stop_signal(signum)
         log.warning("%s: stopping after this step and writing a checkpoint (send it again to "
                     "stop at once)", signal.Signals(signum).name)
 

@@ -12,9 +12,17 @@ import torch
 from ..comm.comm import Comm
 from ..errors import LowcommError
 from .checkpoint import Checkpointer, CheckpointError
-from .folder import metrics_upto, write_config
+from .folder import metrics_upto, run_id_of, write_config
 
 log = logging.getLogger("lowcomm.train")
+
+
+def seed_all(seed: int) -> None:
+    """Seed every generator a task may draw from: torch's, Python's ``random`` and NumPy's
+    global one (the same seed on every rank, so that the ranks build the same model)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 def rng_state() -> dict:
@@ -76,6 +84,27 @@ def resized(state: dict, comm: Comm, strategy, where: Path) -> dict:
             "loop": loop}
 
 
+def check_model(model, saved: dict, where: Path) -> None:
+    """A CheckpointError naming ``where`` and the keys that differ when the checkpoint's model
+    ``saved`` (a state dict) is not the one ``model`` is (the task was edited in between)."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    shapes = [f"{k} {tuple(saved[k].shape)} in the checkpoint, {tuple(own[k].shape)} now"
+              for k in own if k in saved and hasattr(saved[k], "shape") and saved[k].shape != own[k].shape]
+    parts = [f"{what}: {_some(keys)}" for what, keys in (("keys the model has and the checkpoint "
+                                                           "lacks", missing),
+                                                          ("keys only the checkpoint has", unexpected),
+                                                          ("shapes differ", shapes)) if keys]
+    if parts:
+        raise CheckpointError(f"checkpoint {where} holds another model than the task builds now "
+                              f"(was the task changed?): " + "; ".join(parts))
+
+
+def _some(items: list[str], n: int = 5) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
 def restore(resume: str | Path, cfg, comm: Comm, ctl: Comm, model, strategy,
             out: Path | None) -> tuple[int, dict]:
     """Load the newest intact checkpoint of run `resume` (or of ``checkpoint.dir``) into
@@ -84,12 +113,14 @@ def restore(resume: str | Path, cfg, comm: Comm, ctl: Comm, model, strategy,
     `out`. Returns (step, loop state). Raises CheckpointError when none is intact."""
     resume = Path(resume)
     from_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else resume / "checkpoints"
-    state = Checkpointer(from_dir, ctl).load_latest(cfg.to_dict(), resize=True)
+    state = Checkpointer(from_dir, ctl, run=run_id_of(resume)).load_latest(cfg.to_dict(), resize=True)
     if state is None:
         raise CheckpointError(f"no intact checkpoint in {from_dir} to resume from")
     if state["step"] > cfg.steps:
         raise CheckpointError(f"the checkpoint in {from_dir} is at step {state['step']}, past "
                               f"steps={cfg.steps}: resume with steps >= {state['step']}")
+    where = from_dir / f"step-{state['step']:08d}"
+    check_model(model, state["ranks"][0]["model"] if "ranks" in state else state["model"], where)
     if "ranks" in state:
         state = resized(state, comm, strategy, from_dir)
     model.load_state_dict(state["model"])

@@ -2,12 +2,28 @@
 
 :func:`supervise` runs ``LAUNCH lowcomm train ARGS --out OUT`` (``LAUNCH`` is an mpirun
 prefix); when the job fails — a rank killed, a watchdog abort, a lost link — it waits a short
-backoff and relaunches with ``--resume OUT`` (``--overwrite`` when no checkpoint was written
-yet), up to ``max_restarts`` times. A stop the user asked for is not restarted: a job that ends
-on SIGINT/SIGTERM (status 128 + signal, after its final checkpoint), or a supervisor that is
-itself sent SIGINT/SIGTERM (it forwards the signal to the job and waits for it). On success
-``restarts``, each failure's exit status, cause and rank count, and the rank count of every
-attempt (``ranks_per_attempt``) are added to the run's summary.json.
+backoff and relaunches with ``--resume OUT`` (from the checkpoint folder it is given:
+``checkpoint.dir`` or ``OUT/checkpoints``), up to ``max_restarts`` times. Without a checkpoint
+yet, the relaunch starts again from step 0 in the folder of its own earlier attempt: every
+attempt carries the supervisor's run id (``--run-id``), and a run may replace only a folder
+marked with its own id (:mod:`lowcomm.run.folder`); the supervisor never adds ``--overwrite``.
+
+The job's ranks say how it ended (:mod:`lowcomm.run.outcome`, through ``--report-dir``);
+mpirun's exit status alone is never taken for a reason. Not restarted:
+
+* a stop the user asked for: SIGINT/SIGTERM/SIGHUP to the job (to mpirun or a rank; the ranks
+  report it), or to the supervisor (it forwards SIGINT/SIGTERM, and SIGTERM for SIGHUP, waits
+  for the job's final checkpoint and ends; during a backoff it ends at once);
+* a failure that a relaunch would meet again: a bad config or task, a checkpoint that cannot
+  continue the run, a run folder it may not use (another run's, locked by a live run,
+  unwritable). The supervisor ends at once with that error.
+
+The job dies with its supervisor: it is started in its own process group with Linux's
+parent-death signal set to SIGTERM, so a supervisor killed even by SIGKILL stops its job (which
+writes its final checkpoint) instead of leaving it training unsupervised.
+
+On success ``restarts``, each failure's exit status, cause and rank count, and the rank count
+of every attempt (``ranks_per_attempt``) are added to the run's summary.json.
 
 Shrinking (``min_ranks``): when a *relaunch* on n ranks fails too (a rank that cannot come
 back: its node is gone, its launch keeps failing), the next attempt runs on n − 1 ranks, down to
@@ -24,30 +40,37 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-log = logging.getLogger("lowcomm.run.supervise")
+from ..errors import RunFolderError
+from . import outcome
+from .checkpoint import checkpoint_steps
+from .folder import new_run_id, write_text
 
-#: exit statuses of a stop the user asked for (the job checkpointed and stopped on purpose)
-USER_STOPS = {128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM}
+log = logging.getLogger("lowcomm.run.supervise")
 
 
 def cause(stderr_text: str, returncode: int) -> str:
     """One line on why a job failed, from its stderr: lowcomm's own one-line errors first
-    (``lowcomm failed: ...``, the watchdog's ``waited ...``), else mpirun's note of a killed
-    process, else the exit status; followed by what Open MPI warned of on the way (its first
+    (``lowcomm failed: ...``, a usage error's ``Error: ...``, the watchdog's ``waited ...``),
+    else mpirun's note of a killed process, else the exit status (and the last line that is not
+    a rule of dashes); followed by what Open MPI warned of on the way (its first
     help message other than the abort itself: e.g. a TCP connection to a peer that failed,
     which is why a rank waited until the watchdog fired)."""
-    lines = [ln.strip() for ln in stderr_text.splitlines() if ln.strip()]
-    why = None
-    for key in ("lowcomm failed", "watchdog", "CommError", "exited on signal", "killed"):
+    lines = [ln.strip() for ln in stderr_text.splitlines()
+             if ln.strip() and not (len(ln.strip()) >= 20 and set(ln.strip()) == {"-"})]
+    usage = [ln for ln in stderr_text.splitlines() if ln.startswith("Error: ")]   # click's
+    ours = [ln for ln in lines if "lowcomm failed" in ln] or usage
+    why = ours[0].strip()[:400] if ours else None
+    for key in ("watchdog", "CommError", "exited on signal", "killed"):
         hit = [ln for ln in lines if key in ln]
-        if hit:
+        if why is None and hit:
             why = hit[0][:400]
-            break
     if why is None:
         if returncode < 0:
             why = f"killed by {signal.Signals(-returncode).name}"
@@ -82,23 +105,28 @@ def mpi_warning(stderr_text: str) -> str | None:
     return None
 
 
-def has_checkpoint(out: Path) -> bool:
-    ck = out / "checkpoints"
-    return ck.is_dir() and any(p.is_dir() and p.name.startswith("step-") for p in ck.iterdir())
+def has_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` (a checkpoint folder) holds a checkpoint to resume from."""
+    return bool(checkpoint_steps(Path(folder)))
 
 
 def supervise(launch, args: list[str], out: str | Path, max_restarts: int,
               backoff_s: float = 2.0, env: dict | None = None, log_dir: str | Path | None = None,
               timeout_s: float | None = None, poll=None, first: list[str] = (),
-              np: int | None = None, min_ranks: int | None = None) -> dict:
+              np: int | None = None, min_ranks: int | None = None,
+              checkpoints: str | Path | None = None) -> dict:
     """Run ``launch + args`` (``args`` is ``lowcomm train ...`` without ``--out``/``--resume``),
-    relaunching from the newest checkpoint in ``out`` on failure; returns ``{"returncode",
-    "restarts", "failures", "ranks_per_attempt"}``. ``launch`` is a command prefix, or a
-    function of the rank count giving one (with ``np``, the first attempt's rank count, and
-    ``min_ranks``: shrink down to it when relaunches fail, see the module's notes).
+    relaunching from the newest checkpoint in ``checkpoints`` (default ``out/checkpoints``) on
+    failure; returns ``{"returncode", "restarts", "failures", "ranks_per_attempt", "stopped",
+    "repeats"}`` (``stopped``: the signal's name when a stop was asked for, also of a job that
+    finished meanwhile; ``repeats``: the last failure would repeat). ``launch`` is a command
+    prefix, or a function of the rank count giving one (with ``np``, the first attempt's rank
+    count, and ``min_ranks``: shrink down to it when relaunches fail, see the module's notes).
+    ``first``: the first attempt's own options (the user's ``--resume OUT`` or ``--overwrite``).
     ``log_dir``: append each attempt's stdout/stderr there (default ``out``). ``poll()`` is
     called about twice a second while a job runs."""
     out = Path(out)
+    ck = Path(checkpoints) if checkpoints else out / "checkpoints"
     if callable(launch):
         if np is None:
             raise ValueError("supervise: a launch function needs np, the first rank count")
@@ -113,37 +141,65 @@ def supervise(launch, args: list[str], out: str | Path, max_restarts: int,
     n = np
     ranks: list = []
     logs = Path(log_dir) if log_dir else out
-    logs.mkdir(parents=True, exist_ok=True)
+    reports = logs / ".lowcomm-reports"
+    try:
+        reports.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunFolderError(f"cannot write the job's logs into {logs}: {e.strerror or e}") from e
+    run_id = new_run_id()
     failures: list[dict] = []
-    stop = {"signum": 0}
+    stop = {"signum": 0, "sent": 0.0}
     child: dict = {}
 
     def forward(signum, frame):
-        stop["signum"] = signum
+        stop.update(signum=signum, sent=time.monotonic())
         if child.get("p") is not None and child["p"].poll() is None:
-            os.killpg(child["p"].pid, signum)
+            os.killpg(child["p"].pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} \
+    def forward_again() -> None:
+        """mpirun drops a signal that comes while it starts the ranks: until a rank reports the
+        stop, pass it on again every few seconds (a rank that got it has reported it, so none
+        gets it twice, which would mean "stop at once")."""
+        if stop["signum"] and time.monotonic() - stop["sent"] > RESEND_S and \
+                not outcome.read(reports)["signalled"]:
+            forward(stop["signum"], None)
+
+    def result(rc: int, **extra) -> dict:
+        return {"returncode": rc, "restarts": attempt, "failures": failures,
+                "ranks_per_attempt": ranks, "stopped": None, "repeats": False, **extra}
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+           if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN} \
         if _main_thread() else {}
     t0 = time.monotonic()
+    attempt = 0
     try:
-        attempt = 0
         while True:
-            extra = ["--out", str(out)]
+            extra = ["--out", str(out), "--run-id", run_id, "--report-dir", str(reports)]
             if attempt == 0:
                 extra += list(first)
-            else:
-                extra += ["--resume", str(out)] if has_checkpoint(out) else ["--overwrite"]
+            elif has_checkpoint(ck):
+                extra += ["--resume", str(out)]
+            # else: from step 0 again, in the folder its own earlier attempt marked (--run-id)
             cmd = [*launch_for(n), *args, *extra]
             ranks.append(n)
-            with open(logs / "stdout.log", "a") as so, open(logs / "stderr.log", "a") as se:
+            for p in reports.glob("rank*"):
+                p.unlink()
+            try:
+                so, se = open(logs / "stdout.log", "a"), open(logs / "stderr.log", "a")
+            except OSError as e:
+                raise RunFolderError(f"cannot write the job's logs into {logs}: "
+                                     f"{e.strerror or e}") from e
+            with so, se:
                 se.write(f"--- attempt {attempt + 1}: {' '.join(cmd)}\n")
                 se.flush()
                 start = se.tell()
-                p = subprocess.Popen(cmd, stdout=so, stderr=se, start_new_session=True, env=env)
+                p = subprocess.Popen(cmd, stdout=so, stderr=se, start_new_session=True, env=env,
+                                     preexec_fn=_dies_with(os.getpid()))
                 child["p"] = p
                 while p.poll() is None:
                     time.sleep(0.5)
+                    forward_again()
                     if poll is not None:
                         poll()
                     if timeout_s is not None and time.monotonic() - t0 > timeout_s:
@@ -151,40 +207,88 @@ def supervise(launch, args: list[str], out: str | Path, max_restarts: int,
                         p.wait()
                         failures.append({"attempt": attempt + 1, "exit": p.returncode,
                                          "cause": f"timed out after {timeout_s:g} s", "ranks": n})
-                        return {"returncode": p.returncode, "restarts": attempt, "failures": failures,
-                                "ranks_per_attempt": ranks}
+                        return result(p.returncode)
             rc = p.returncode
             if rc == 0:
                 break
+            said = outcome.read(reports)
             with open(logs / "stderr.log") as se:
                 se.seek(start)
-                why = cause(se.read(), rc)
+                why = said["error"] or cause(se.read(), rc)
+            stopped = signal.Signals(stop["signum"]).name if stop["signum"] else said["stop"]
+            if stopped:
+                why = f"stopped by {stopped}" + (f" ({why})" if said["error"] else "")
             failures.append({"attempt": attempt + 1, "exit": rc, "cause": why, "ranks": n})
-            if stop["signum"] or rc in USER_STOPS:
-                log.warning("stopped on request (exit %d); not restarting", rc)
-                return {"returncode": rc, "restarts": attempt, "failures": failures,
-                        "ranks_per_attempt": ranks}
+            if stopped:
+                log.warning("stopped on request (%s); not restarting", stopped)
+                return result(128 + signal.Signals[stopped], stopped=stopped)
+            if said["repeats"]:
+                log.error("job failed (%s); not restarting: a relaunch would fail the same way", why)
+                return result(rc, repeats=True)
             if attempt >= max_restarts:
                 log.error("job failed (%s); %d restart(s) used, giving up", why, attempt)
-                return {"returncode": rc, "restarts": attempt, "failures": failures,
-                        "ranks_per_attempt": ranks}
+                return result(rc)
             if n is not None and attempt > 0 and ranks[-2] == n and n > min_ranks:
                 n -= 1             # a relaunch on n failed as well: a rank cannot come back
             wait = backoff_s * 2 ** attempt
             log.warning("job failed (%s); restarting %s%s in %.0f s (%d of %d)", why,
-                        "from the newest checkpoint" if has_checkpoint(out) else "from step 0",
+                        "from the newest checkpoint" if has_checkpoint(ck) else "from step 0",
                         f" on {n} ranks" if n is not None else "", wait, attempt + 1, max_restarts)
-            time.sleep(wait)
+            if _sleep_unless_stopped(wait, stop):
+                name = signal.Signals(stop["signum"]).name
+                log.warning("stopped on request (%s) before the next attempt", name)
+                return result(128 + stop["signum"], stopped=name)
             attempt += 1
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        shutil.rmtree(reports, ignore_errors=True)
     summary = out / "summary.json"
     if summary.exists():
         s = json.loads(summary.read_text())
         s.update(restarts=attempt, failures=failures, ranks_per_attempt=ranks)
-        summary.write_text(json.dumps(s, indent=2) + "\n")
-    return {"returncode": 0, "restarts": attempt, "failures": failures, "ranks_per_attempt": ranks}
+        write_text(summary, json.dumps(s, indent=2) + "\n")
+    return result(0, stopped=signal.Signals(stop["signum"]).name if stop["signum"] else None)
+
+
+#: seconds after which a stop signal that no rank reported is passed on to the job again
+RESEND_S = 2.0
+
+
+def _sleep_unless_stopped(seconds: float, stop: dict) -> bool:
+    """Sleep ``seconds``; True (at once) when a stop signal came before or meanwhile."""
+    end = time.monotonic() + seconds
+    while not stop["signum"] and time.monotonic() < end:
+        time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+    return bool(stop["signum"])
+
+
+#: prctl(2)'s PR_SET_PDEATHSIG (Linux)
+_PR_SET_PDEATHSIG = 1
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def _dies_with(parent: int):
+    """``preexec_fn`` of the job: SIGTERM it when ``parent`` (the supervisor) dies, however it
+    dies (Linux's parent-death signal; mpirun passes a SIGTERM on to the ranks, which stop)."""
+    def set_up() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:             # it died before the signal was set
+            os.kill(os.getpid(), signal.SIGTERM)
+    return set_up
 
 
 def _main_thread() -> bool:

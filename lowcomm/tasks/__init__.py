@@ -65,12 +65,19 @@ class Task:
         return m
 
     def loss(self, model: torch.nn.Module, batch) -> torch.Tensor:
+        """The task's loss; while gradients are on (training) it must be one that backward can
+        go through, i.e. computed from the model's parameters by autograd."""
         value = self._call("loss", self.loss_fn, model, batch)
         if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
             got = (f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
                    if isinstance(value, torch.Tensor) else type(value).__name__)
             raise TaskError(f"{self.where}: loss(model, batch) must return a floating-point "
                             f"scalar tensor, got {got}")
+        if torch.is_grad_enabled() and value.grad_fn is None and not value.requires_grad:
+            raise TaskError(f"{self.where}: loss(model, batch) returned a tensor without grad_fn: "
+                            "it is not computed from the model's parameters by autograd (detached, "
+                            "made under torch.no_grad(), or rebuilt from a number?), so training "
+                            "cannot take its gradient")
         return value.reshape(())
 
     def batch(self, step: int, rank: int, world: int, cfg):

@@ -29,7 +29,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import compare_folder
 from ..comm.ledger import alpha_beta_seconds
+from ..errors import RunFolderError
+from ..run.folder import close_run, lock, write_text
 from ..run.supervise import supervise
 
 # Method name -> the config overrides that select it (on top of the shared config).
@@ -84,6 +87,9 @@ def resolve_methods(text: str) -> list[str]:
     if text == "main":
         return [m for m in MAIN_METHODS if available(m)]
     names = [m.strip() for m in text.split(",") if m.strip()]
+    twice = sorted({m for m in names if names.count(m) > 1})
+    if twice:
+        raise ValueError(f"method(s) {', '.join(twice)} given more than once")
     unknown = [m for m in names if m not in METHODS]
     if unknown or not names:
         raise ValueError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; known: "
@@ -183,14 +189,14 @@ def mpirun_command(np: int, launcher: str | list[str] | None) -> list[str]:
 
 def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
                overrides: list[str], launcher: str | list[str] | None, timeout_s: float,
-               on_step=None, dcs: int = 2, max_restarts: int = 0) -> dict:
-    """One method's run, supervised (:func:`lowcomm.run.supervise.supervise`: relaunched from its
-    newest checkpoint up to ``max_restarts`` times); returns its summary (plus ``status``) or a
-    failure record."""
+               on_step=None, dcs: int = 2, max_restarts: int = 0, overwrite: bool = False) -> dict:
+    """One method's run in ``out/<method>``, supervised (:func:`lowcomm.run.supervise.supervise`:
+    relaunched from its newest checkpoint up to ``max_restarts`` times); returns its summary
+    (plus ``status``) or a record of its failure (``"failed"``, with the first line of the
+    method's own error) or of a stop (``"interrupted"``). ``overwrite``: replace a run already
+    in that folder (only a lowcomm run's files)."""
     run_dir = out / method
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     sets = [*overrides, *METHODS[method], f"steps={steps}"]
     launch = mpirun_command(np, launcher)
     args = [sys.executable, "-m", "lowcomm.cli", "train", "--quiet",
@@ -200,23 +206,27 @@ def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
     if needs_topology(method):
         env.setdefault("LOWCOMM_TOPOLOGY", default_topology(np, dcs))   # wan.sh sets the same
         prefix = f"LOWCOMM_TOPOLOGY={env['LOWCOMM_TOPOLOGY']} "
-    (run_dir / "command.txt").write_text(prefix + " ".join(cmd) + "\n")
+    write_text(run_dir / "command.txt", prefix + " ".join(cmd) + "\n")
     record = {"method": method, "overrides": METHODS[method]}
     last = [0]
 
     def poll():
         last[0] = _progress(run_dir / "metrics.jsonl", last[0], on_step)
 
-    result = supervise(launch, args, run_dir, max_restarts, env=env, timeout_s=timeout_s, poll=poll)
+    result = supervise(launch, args, run_dir, max_restarts, env=env, timeout_s=timeout_s, poll=poll,
+                       first=["--overwrite"] if overwrite else [])
     poll()
     summary_path = run_dir / "summary.json"
+    if result["stopped"]:
+        return {**record, "status": "interrupted", "restarts": result["restarts"],
+                "error": f"stopped by {result['stopped']}"}
     if result["returncode"] != 0 or not summary_path.exists():
         f = result["failures"][-1] if result["failures"] else {"exit": result["returncode"],
                                                                "cause": "no summary written"}
         return {**record, "status": "failed", "restarts": result["restarts"],
                 "error": f"exit {f['exit']}: {f['cause']}"}
     s = json.loads(summary_path.read_text())
-    return {**record, "status": "ok", **{k: s[k] for k in (
+    return {**record, "status": "ok", "stopped": result["stopped"], **{k: s[k] for k in (
         "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total", "bytes_by_level",
         "wall_s", "skipped_steps", "state_sha256")}, "ranks_agree": s.get("ranks_agree"),
         "restarts": result["restarts"], "summary": str(summary_path)}
@@ -274,7 +284,8 @@ def plot(out: Path, results: list[dict], link: Link) -> list[Path]:
         if logx:
             ax.set_xscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:     # no finished method: no legend to draw
+            ax.legend(fontsize=8)
         ax.set_title(f"{ok[0]['ranks'] if ok else '?'} ranks, {ok[0]['steps'] if ok else '?'} steps")
         fig.tight_layout()
         fig.savefig(out / fname, dpi=110)
@@ -284,7 +295,8 @@ def plot(out: Path, results: list[dict], link: Link) -> list[Path]:
 
 
 def table(results: list[dict], link: Link) -> str:
-    """Markdown table, best eval loss first; failed methods last with their error."""
+    """Markdown table, best eval loss first; failed and interrupted methods last with their
+    error."""
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["eval_loss"])
     base = next((r for r in ok if r["method"] == "ddp"), None)
     head = ("| # | method | eval loss | train loss | MB sent | ddp bytes ÷ bytes | wall s | compute CPU s | "
@@ -295,7 +307,7 @@ def table(results: list[dict], link: Link) -> str:
         rows.append(f"| {i} | {r['method']} | {r['eval_loss']:.4f} | {r['final_loss']:.4f} | "
                     f"{r['bytes_total'] / 1e6:.1f} | {ratio} | {r['wall_s']:.1f} | "
                     f"{r['compute_cpu_s']:.1f} | {r['modelled_wall_s']:.1f} |")
-    rows += [f"| – | {r['method']} | failed: {r['error']} | | | | | | |"
+    rows += [f"| – | {r['method']} | {r['status']}: {r['error']} | | | | | | |"
              for r in results if r["status"] != "ok"]
     foot = (f"\n¹ modelled s = compute CPU s + the α–β time of the run's traffic on {link}. Compute "
             "CPU s: the slowest rank's CPU seconds of computation in its training steps (process CPU "
@@ -307,32 +319,59 @@ def table(results: list[dict], link: Link) -> str:
 def compare(methods: list[str], np: int, steps: int, out: str | Path, config: str | None = None,
             overrides: tuple[str, ...] = (), link: Link = Link(25, 100), launcher: str | None = None,
             timeout_s: float = 3600, progress: bool = True, dcs: int = 2,
-            max_restarts: int = 0) -> list[dict]:
-    """Run every method, write results.json, plots and table.md; return the results."""
+            max_restarts: int = 0, overwrite: bool = False) -> list[dict]:
+    """Run every method, write results.json, plots and table.md; return the results (with the
+    earlier results kept in ``out``: :mod:`lowcomm.tools.compare_folder`, whose rules raise
+    RunFolderError before anything runs). A stop (SIGINT/SIGTERM) ends the comparison: the
+    finished methods' results are written, the method it stopped is marked ``interrupted``
+    and no further method starts (the CLI tells which did not run)."""
     from tqdm import tqdm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    results = []
-    bar = tqdm(total=steps * len(methods), unit="step", disable=not progress, dynamic_ncols=True)
+    busy = lock(out, f"compare:{out}", "choose another --out")
+    if busy:
+        raise RunFolderError(busy)
     try:
-        for method in methods:
-            bar.set_description(method)
-            done_before = bar.n
-            r = run_method(method, np, steps, out, config, list(overrides), launcher, timeout_s,
-                           on_step=bar.update, dcs=dcs, max_restarts=max_restarts)
-            bar.update(done_before + steps - bar.n)
-            if r["status"] == "ok":
-                s = json.loads(Path(r.pop("summary")).read_text())
-                r["modelled_wall_s"] = modelled_wall(s, link)
-                r["compute_cpu_s"] = s["compute_cpu_s"]
+        kept = compare_folder.prepare(out, compare_folder.settings(np, steps, config, overrides,
+                                                                   launcher, dcs),
+                                      methods, overwrite)
+        for r in kept:                      # the table's modelled column: this link
+            summary = out / r["method"] / "summary.json"
+            if r["status"] == "ok" and summary.exists():
+                r["modelled_wall_s"] = modelled_wall(json.loads(summary.read_text()), link)
                 r["link"] = {"delay_ms": link.delay_ms, "rate_mbit": link.rate_mbit}
-            else:
-                bar.write(f"{method} failed: {r['error']}")
-            results.append(r)
-            (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")   # as we go
+        results: list[dict] = []
+        bar = tqdm(total=steps * len(methods), unit="step", disable=not progress, dynamic_ncols=True)
+        try:
+            for method in methods:
+                bar.set_description(method)
+                done_before = bar.n
+                try:
+                    r = run_method(method, np, steps, out, config, list(overrides), launcher,
+                                   timeout_s, on_step=bar.update, dcs=dcs,
+                                   max_restarts=max_restarts, overwrite=overwrite)
+                except KeyboardInterrupt:   # SIGINT while no job ran (it had not started)
+                    r = {"method": method, "overrides": METHODS[method], "status": "interrupted",
+                         "error": "stopped by SIGINT"}
+                bar.update(done_before + steps - bar.n)
+                stopped = r.pop("stopped", None)         # it finished before the stop took
+                if r["status"] == "ok":
+                    s = json.loads(Path(r.pop("summary")).read_text())
+                    r["modelled_wall_s"] = modelled_wall(s, link)
+                    r["compute_cpu_s"] = s["compute_cpu_s"]
+                    r["link"] = {"delay_ms": link.delay_ms, "rate_mbit": link.rate_mbit}
+                else:
+                    bar.write(f"{method} {r['status']}: {r['error']}")
+                results.append(r)
+                write_text(out / "results.json", json.dumps(kept + results, indent=2) + "\n")
+                if r["status"] == "interrupted" or stopped:
+                    break
+        finally:
+            bar.close()
+        results = kept + results
+        plot(out, results, link)
+        write_text(out / "table.md", table(results, link) + "\n")
+        return results
     finally:
-        bar.close()
-    plot(out, results, link)
-    (out / "table.md").write_text(table(results, link) + "\n")
-    return results
+        close_run(f"compare:{out}")
