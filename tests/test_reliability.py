@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, WORKERS, cli, run_ranks, run_worker
-from lowcomm.compress import COMPRESSORS, Compressor, build_compressor
+from lowcomm.compress import COMPRESSORS, Codec, build_compressor
 from lowcomm.run.config import CompressorConfig
 from lowcomm.run.config import OPTIMIZERS
 from lowcomm.run.loop import STOP_VOTE_LAG
@@ -41,10 +41,11 @@ def state_kind(name: str) -> str | None:
     """The kind of state a compressor resumes (None for stateless ones: casts, int8, sign,
     which resume like SyncDP itself)."""
     c = build_compressor(CompressorConfig(name=name))
-    if type(c).state_dict is Compressor.state_dict:
-        return None
-    return type(c).__name__ if type(c).__name__ == "PowerSGD" else \
-        "ErrorFeedback" if hasattr(c, "inner") else "seeded"
+    if type(c.codec).__name__ == "PowerSGD":
+        return "PowerSGD"
+    if c.error_feedback:
+        return "ErrorFeedback"
+    return "seeded" if type(c.codec).state_dict is not Codec.state_dict else None
 
 
 def methods() -> dict[str, list[str]]:

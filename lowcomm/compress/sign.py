@@ -1,4 +1,4 @@
-"""1-bit methods: scaled signSGD, signSGD with majority vote, error-feedback signSGD.
+"""1-bit codecs: scaled signSGD, signSGD with majority vote, error-feedback signSGD.
 
 Signs travel bit-packed (8 per byte, :mod:`lowcomm.compress.bits`); a sign bit set means
 negative, so ``+0.0`` is sent as +1. sign-mv's vote is ternary (a tie is 0); where the
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, allgather_payload, check_finite
+from .base import Codec, check_finite
 from .scratch import BLOCK, blocks, l1_norm, scratch
 from .bits import SIGNED_INTS, pack_signs, pack_trits, packed_size, trits_size, unpack_signs, unpack_trits
 
 
-class ScaledSign(Compressor):
+class ScaledSign(Codec):
     """Scaled signSGD (Bernstein, Wang, Azizzadenesheli & Anandkumar 2018, arXiv 1802.04434):
     one bit per element plus one scale per bucket, the ℓ1 scale of Karimireddy et al. 2019
     (arXiv 1901.09847), ``C(x) = (‖x‖₁ / n) · sign(x)``.
@@ -27,27 +27,26 @@ class ScaledSign(Compressor):
     :class:`~lowcomm.compress.error_feedback.ErrorFeedback` it is ``ef-sign`` (Karimireddy et
     al.'s EF-SignSGD). Bytes per rank and bucket: an all-gather of ``⌈n/8⌉ + 4`` bytes.
 
-    Two-phase (:func:`~lowcomm.compress.twophase.two_phase_reduce`, 1-bit Adam's compressed
+    Two-phase (:class:`~lowcomm.compress.twophase.TwoPhase`, 1-bit Adam's compressed
     all-reduce, Tang et al. 2021, arXiv 2102.02888): one scale per chunk; the chunk's owner
     re-compresses the average, for ef-sign with its own (server) error fed back as 1-bit Adam
     does (plain sign has error feedback at neither end); each phase sends
     ``(K−1)·(⌈c/8⌉ + 4)`` bytes for chunks of c elements.
     """
 
-    name, summable, horovod, two_phase = "sign", False, False, True
+    name, summable = "sign", False
     finite_from_reduction = True
 
-    def payload_nbytes(self, n, dtype):
-        return packed_size(n) + 4
-
     def __init__(self, name: str = "sign"):
-        super().__init__()
         self.name = name
 
-    def _compress(self, x, key, segments):
+    def payload_layout(self, n, dtype):
+        return [(torch.float32, (1,)), (torch.uint8, (packed_size(n),))]
+
+    def encode(self, x, key, segments, rank=None):
         l1 = l1_norm(x)
         if not bool(torch.isfinite(l1)):           # NaN/Inf in x (or an overflowing sum)
-            check_finite(x, key, segments, self.rank, self.name)
+            check_finite(x, key, segments, rank, self.name)
         scale = l1.div(x.numel()).float().reshape(1)
         return [scale, pack_signs(x)], (x.numel(), x.dtype)
 
@@ -56,12 +55,12 @@ class ScaledSign(Compressor):
         n, dtype = ctx
         return unpack_signs(packed, n, dtype, scale)
 
-    def compress_feedback_(self, p, key, segments=None, x=None, e=None):
+    def compress_feedback_(self, p, key, segments=None, x=None, e=None, rank=None):
         """Block by block, each block used while in cache: ``p = x + e``, ‖p‖₁ and the packed
         signs; then ``p − s·sign(p)``."""
         n = p.numel()
         if p.device.type != "cpu" or n % 8 or n <= BLOCK:
-            return super().compress_feedback_(p, key, segments, x, e)
+            return super().compress_feedback_(p, key, segments, x, e, rank)
         p = p.detach().reshape(-1)
         buf = scratch("l1", BLOCK, p.dtype, p.device)
         packed = torch.empty(n // 8, dtype=torch.uint8)
@@ -72,7 +71,7 @@ class ScaledSign(Compressor):
             packed[lo // 8:hi // 8].copy_(pack_signs(pb))      # the signs need no scale
         l1 = torch.stack(parts).sum()
         if not bool(torch.isfinite(l1)):
-            check_finite(p, key, segments, self.rank, self.name)
+            check_finite(p, key, segments, rank, self.name)
         scale = l1.div(n).float().reshape(1)
         self.subtract_decoded_(p, [scale, packed], (n, p.dtype))
         return [scale, packed], (n, p.dtype)
@@ -102,7 +101,7 @@ class ScaledSign(Compressor):
         return (scales.view(1, K).to(dtype) @ signs).view(-1).div_(K)
 
 
-class SignMajorityVote(Compressor):
+class SignMajorityVote(Codec):
     """signSGD with majority vote (Bernstein, Zhao, Azizzadenesheli & Anandkumar 2019,
     arXiv 1810.05291): every rank sends only its signs; every rank takes the elementwise vote.
 
@@ -115,49 +114,55 @@ class SignMajorityVote(Compressor):
     (Signum: give that optimizer momentum, or apply the vote to momenta yourself).
     Bytes per rank and bucket: an all-gather of ``⌈n/8⌉`` bytes.
 
-    Two-phase (:func:`~lowcomm.compress.twophase.two_phase_reduce`; the paper's parameter
+    Two-phase (:class:`~lowcomm.compress.twophase.TwoPhase`; the paper's parameter
     server, sharded over the ranks): rank j receives the packed signs of chunk j from every
     rank, takes the vote on it, and all-gathers the voted chunk: 1 bit per element on odd K
     (no ties), base-3 digits (⌈c/5⌉ bytes, ties kept as 0) on even K. The result equals the
     all-gather path's bit for bit. Bytes per rank: ``(K−1)·(⌈c/8⌉ + ⌈c/8⌉ or ⌈c/5⌉)``.
     """
 
-    name, summable, horovod, two_phase = "sign-mv", False, False, True
+    name, summable = "sign-mv", False
 
-    def payload_nbytes(self, n, dtype):
-        return packed_size(n)
+    def payload_layout(self, n, dtype):
+        return [(torch.uint8, (packed_size(n),))]
 
-    def server_nbytes(self, n, dtype, K):
-        return packed_size(n) if K % 2 else trits_size(n)
-
-    def server_reduce(self, stacks, ctx, K, key, feedback=False):   # the vote is sent exactly
-        n, dtype = ctx
-        votes = torch.sign(unpack_signs(stacks[0], n, torch.int8).sum(0, dtype=torch.int32))
-        if K % 2:
-            return [pack_signs(votes.to(torch.float32))], ctx
-        return [pack_trits(votes)], ctx
-
-    def server_template(self, payload, ctx, K):
-        if not payload or K % 2:
-            return super().server_template(payload, ctx, K)
-        return [(torch.uint8, (trits_size(ctx[0]),))]
-
-    def server_decompress(self, payload, ctx, K):
-        n, dtype = ctx
-        if K % 2:
-            return unpack_signs(payload[0], n, dtype)
-        return unpack_trits(payload[0], n, dtype)
-
-    def _compress(self, x, key, segments):
+    def encode(self, x, key, segments, rank=None):
         return [pack_signs(x)], (x.numel(), x.dtype)
 
     def decompress(self, payload, ctx):
         n, dtype = ctx
         return unpack_signs(payload[0], n, dtype)
 
-    def exchange(self, payload, ctx, comm, like):
+    def decompress_mean(self, gathered, ctx, K):
+        """The vote ``sign(Σ_k sign_k)`` (int32; ties 0), not a mean."""
         n, dtype = ctx
-        packed = allgather_payload(comm, payload)[0]                 # (K, ⌈n/8⌉)
-        votes = unpack_signs(packed, n, torch.int8).sum(0, dtype=torch.int32)
-        return torch.sign(votes).to(like.dtype)
+        votes = unpack_signs(gathered[0], n, torch.int8).sum(0, dtype=torch.int32)
+        return torch.sign(votes)
 
+    def owner(self, K):
+        return Vote(K)
+
+
+class Vote(Codec):
+    """sign-mv's voted chunks in the two-phase exchange: values in {-1, 0, +1} sent exactly, as
+    packed signs on odd K (no ties) and as base-3 digits (5 per byte) on even K. Decoded with
+    the workers' ctx ``(n, dtype)``."""
+
+    name, summable = "sign-mv", False
+
+    def __init__(self, K: int):
+        self.K = K
+
+    def payload_layout(self, n, dtype):
+        return [(torch.uint8, (packed_size(n) if self.K % 2 else trits_size(n),))]
+
+    def encode(self, x, key, segments, rank=None):
+        if self.K % 2:
+            return [pack_signs(x.to(torch.float32))], (x.numel(), x.dtype)
+        return [pack_trits(x)], (x.numel(), x.dtype)
+
+    def decompress(self, payload, ctx):
+        n, dtype = ctx
+        if self.K % 2:
+            return unpack_signs(payload[0], n, dtype)
+        return unpack_trits(payload[0], n, dtype)

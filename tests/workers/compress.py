@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import lowcomm
 from common import Checks, seeded_mlp
-from lowcomm.compress import COMPRESSORS, PowerSGD, SignMajorityVote, build_compressor
+from lowcomm.compress import COMPRESSORS, Compressor, PowerSGD, SignMajorityVote, build_compressor
 from lowcomm.compress.base import Segment
 from lowcomm.run.config import CompressorConfig
 from lowcomm.comm.ledger import Ledger, wire_bytes
@@ -183,8 +183,7 @@ for name in COMPRESSORS:
 # 3. sign-mv: the vote and the tie rule; descends with one rank flipping --------------------
 x = torch.randn(101, generator=torch.Generator().manual_seed(7 + r))
 x[::10] = 0.0
-mv = SignMajorityVote()
-mv.collective = COLLECTIVE
+mv = Compressor(SignMajorityVote(), COLLECTIVE)
 vote = mv.reduce(x.clone(), "v", comm, [])
 signs = torch.where(torch.signbit(ctl.allgather(x)), -1.0, 1.0)
 ok(torch.equal(vote, torch.sign(signs.sum(0))), "sign-mv == sign(Σ_k sign(x_k))")
@@ -195,8 +194,8 @@ if K % 2 == 0:
 class Flipped(SignMajorityVote):
     """A faulty rank: sends the signs of −x."""
 
-    def _compress(self, x, key, segments):
-        return super()._compress(-x, key, segments)
+    def encode(self, x, key, segments, rank=None):
+        return super().encode(-x, key, segments, rank)
 
 
 if K == 3:
@@ -206,8 +205,7 @@ if K == 3:
     w = torch.nn.Linear(20, 1, bias=False)
     with torch.no_grad():
         w.weight.zero_()
-    comp = Flipped() if r == 2 else SignMajorityVote()
-    comp.collective = COLLECTIVE
+    comp = Compressor(Flipped() if r == 2 else SignMajorityVote(), COLLECTIVE)
     opt = lowcomm.SyncDP(w, torch.optim.SGD(w.parameters(), lr=0.01), comm, compressor=comp)
 
     @torch.no_grad()
@@ -236,11 +234,11 @@ if COLLECTIVE == "allgather":     # sections 4 and 5 do not use a compressor's c
     for step in range(4):
         g = torch.randn(off, generator=torch.Generator().manual_seed(50 * step + r), dtype=torch.float64)
         dense = ctl.allgather(g).mean(0)
-        approx = ps.reduce(g.clone(), "bucket0", comm, segs)
+        approx = Compressor(ps).reduce(g.clone(), "bucket0", comm, segs)
         ok(torch.allclose(approx, dense, rtol=0, atol=1e-10),
            f"PowerSGD full rank step {step}: {float((approx - dense).abs().max()):.3g}")
     try:
-        PowerSGD(approx_rank=6).reduce(g.clone(), "x", comm, segs)
+        Compressor(PowerSGD(approx_rank=6)).reduce(g.clone(), "x", comm, segs)
         ok(False, "approx_rank 6 > 5 accepted")
     except ValueError as e:
         ok("'w1'" in str(e) and "5×9" in str(e), str(e))
