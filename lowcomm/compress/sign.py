@@ -1,4 +1,5 @@
-"""1-bit codecs: scaled signSGD, signSGD with majority vote, error-feedback signSGD.
+"""1-bit codecs: scaled signSGD, signSGD with majority vote, error-feedback signSGD, and 1-bit
+Adam's momentum codec.
 
 Signs travel bit-packed (8 per byte, :mod:`lowcomm.compress.bits`); a sign bit set means
 negative, so ``+0.0`` is sent as +1. sign-mv's vote is ternary (a tie is 0); where the
@@ -7,9 +8,11 @@ two-phase collective broadcasts it and ties can happen (even K), it travels as b
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .base import Codec, check_finite
+from .base import Codec, Segment, check_finite, whole
 from .scratch import BLOCK, blocks, l1_norm, scratch
 from .bits import SIGNED_INTS, pack_signs, pack_trits, packed_size, trits_size, unpack_signs, unpack_trits
 
@@ -166,3 +169,50 @@ class Vote(Codec):
         if self.K % 2:
             return unpack_signs(payload[0], n, dtype)
         return unpack_trits(payload[0], n, dtype)
+
+
+class MomentumSign(ScaledSign):
+    """1-bit Adam's codec (Tang et al. 2021, arXiv 2102.02888, Section 4.2, with DeepSpeed's
+    scale ``‖·‖₂/√d``): ``C(x) = (‖x‖₂ / √d) · sign(x)``, d the elements the segments cover
+    (padding excluded), packed as :class:`ScaledSign`'s payload.
+
+    In the two-phase exchange the workers' scale is one for the whole momentum, sent with every
+    chunk (:meth:`compress_chunks`); the owners re-encode their chunk with its own scale.
+    """
+
+    name = "onebit-adam"
+
+    def __init__(self):
+        super().__init__("onebit-adam")
+
+    @staticmethod
+    def _covered(x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """The elements of flat ``x`` the segments cover, in order (a view for a prefix: an
+        owner's chunk before 1-bit Adam's padding)."""
+        segs = sorted(segments, key=lambda s: s.start)
+        if all(a.stop == b.start for a, b in zip(segs, segs[1:])) and (not segs or segs[0].start == 0):
+            return x[:segs[-1].stop] if segs else x[:0]
+        return torch.cat([x[s.start:s.stop] for s in segs])
+
+    def encode(self, x, key, segments, rank=None):
+        covered = self._covered(x, segments)
+        d = covered.numel()
+        scale = (torch.linalg.vector_norm(covered) / math.sqrt(d)).float().reshape(1) if d else \
+            torch.zeros(1, dtype=torch.float32, device=x.device)
+        if not bool(torch.isfinite(scale)):
+            check_finite(x, key, segments, rank, self.name)
+        return [scale, pack_signs(x)], (x.numel(), x.dtype)
+
+    compress_feedback_ = Codec.compress_feedback_
+
+    def compress_chunks(self, x, key, segments, bounds, rank=None):
+        """One worker scale ``‖x‖₂/√d`` for the whole of x (uncovered elements zero), the signs
+        of each chunk (whole bytes: 1-bit Adam pads to a multiple of 8K)."""
+        x = x.detach().reshape(-1)
+        segments = segments or whole(key, x)
+        d = sum(s.stop - s.start for s in segments)
+        scale = (torch.linalg.vector_norm(x) / math.sqrt(d)).float().reshape(1)
+        if not bool(torch.isfinite(scale)):
+            check_finite(x, key, segments, rank, self.name)
+        return [([scale, pack_signs(x[lo:hi])], (hi - lo, x.dtype)) if hi > lo else ([], None)
+                for lo, hi in zip(bounds, bounds[1:])]

@@ -27,7 +27,8 @@ every rank makes the same one.
 Every caller of ``Compressor.reduce`` gets it: the :class:`~lowcomm.strategies.reducer.Reducer`
 (SyncDP's buckets, and the syncdp levels of per-level policies), the outer loops' compressed
 pseudo-gradients (DiLoCo, streaming DiLoCo: :mod:`lowcomm.strategies.outer`, on the
-communicator of their level, so ``auto`` sees that level's link).
+communicator of their level, so ``auto`` sees that level's link), and 1-bit Adam's momentum
+(:mod:`lowcomm.strategies.onebit_adam`).
 
 Not used by CHOCO gossip (:mod:`lowcomm.strategies.gossip`): there each rank sends its own
 compressed difference to a few neighbours, a point-to-point exchange whose bytes per rank are

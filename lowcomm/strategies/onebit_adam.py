@@ -9,7 +9,10 @@ import torch
 from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
 from ..compress.base import Segment, nonfinite_segments
-from ..compress.bits import pack_signs, unpack_signs
+from ..compress.compressor import Compressor
+from ..compress.error_feedback import ErrorFeedback
+from ..compress.sign import MomentumSign
+from ..compress.twophase import TwoPhase
 from ..errors import ConfigError, NonFiniteError
 from .base import Strategy
 
@@ -26,7 +29,10 @@ class OneBitAdam(Strategy):
          L2 term), from the last agreed momentum ``m_{t-1}``;
       3. worker side, with error ``δ_k``: ``u = m_k + δ_k``, ``C(u) = (‖u‖₂/√d) sign(u)``,
          ``δ_k ← u − C(u)``; the packed signs are split in K chunks, and chunk j with the scale
-         goes to rank j (one all-to-all);
+         goes to rank j (one all-to-all; steps 3–5 are the shared two-phase exchange,
+         :class:`~lowcomm.compress.twophase.TwoPhase`, with
+         :class:`~lowcomm.compress.error_feedback.ErrorFeedback` around
+         :class:`~lowcomm.compress.sign.MomentumSign`);
       4. server side, rank j for its chunk, with error ``δ̄_j``: ``w = (1/K) Σ_k C(u_k)_j + δ̄_j``,
          ``C(w)`` with the chunk's own scale, ``δ̄_j ← w − C(w)``; the packed chunk and its scale
          go to every rank (one all-gather);
@@ -83,9 +89,7 @@ class OneBitAdam(Strategy):
         K = self.comm.size
         self.D = -(-self.d // (8 * K)) * 8 * K          # chunks of whole bytes, one per rank
         self.chunk = self.D // K
-        device = self._params[0][1].device
-        self.worker_error = torch.zeros(self.D, dtype=self.dtype, device=device)
-        self.server_error = torch.zeros(self.chunk, dtype=self.dtype, device=device)
+        self.exchange = Compressor(ErrorFeedback(MomentumSign()), TwoPhase())
         self.t = 0
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self._comm = self.comm.dup()          # fixed shapes: no per-call agreement check
@@ -164,32 +168,30 @@ class OneBitAdam(Strategy):
     def compressed_allreduce(self, u: torch.Tensor) -> torch.Tensor:
         """The error-compensated 1-bit average of ``u`` (D elements) over all ranks: steps 3–5
         above. Every rank returns the same tensor. Updates both error buffers."""
-        K, r, c, d = self._comm.size, self._comm.rank, self.chunk, self.d
-        cb = c // 8
-        v = u.add_(self.worker_error)
-        ws = (torch.linalg.vector_norm(v) / math.sqrt(d)).float().reshape(1)
-        packed = pack_signs(v)
-        self.worker_error.copy_(v).sub_(unpack_signs(packed, self.D, self.dtype, ws))
-        self.worker_error[d:] = 0
-        msg = torch.empty(K, 4 + cb, dtype=torch.uint8, device=u.device)
-        msg[:, :4] = ws.view(torch.uint8)
-        msg[:, 4:] = packed.view(K, cb)
-        got = self._comm.alltoall(msg)                                  # row k: rank k's chunk r
-        scales = got[:, :4].contiguous().view(torch.float32).to(self.dtype)        # (K, 1)
-        avg = (scales.view(1, K) @ unpack_signs(got[:, 4:], c, self.dtype)).view(-1).div_(K)
-        w = avg.add_(self.server_error)
-        real = max(0, min(c, d - r * c))                 # this chunk's elements that are not padding
-        ss = (torch.linalg.vector_norm(w[:real]) / math.sqrt(real) if real else w.new_zeros(())
-              ).float().reshape(1)
-        spacked = pack_signs(w)
-        self.server_error.copy_(w).sub_(unpack_signs(spacked, c, self.dtype, ss))
-        self.server_error[real:] = 0
-        out = torch.empty(4 + cb, dtype=torch.uint8, device=u.device)
-        out[:4] = ss.view(torch.uint8)
-        out[4:] = spacked
-        every = self._comm.allgather(out)                               # (K, 4 + cb)
-        s_all = every[:, :4].contiguous().view(torch.float32).view(-1)
-        return unpack_signs(every[:, 4:], c, self.dtype, s_all if K > 1 else s_all[0]).reshape(-1)
+        return self.exchange.reduce(u, "momentum", self._comm, self._segments)
+
+    @property
+    def worker_error(self) -> torch.Tensor:
+        """This rank's worker error ``δ_k`` as one flat tensor of D elements (zero in the
+        padding)."""
+        e = torch.zeros(self.D, dtype=self.dtype, device=self._params[0][1].device)
+        residuals = self.exchange.encoder.residuals
+        for s in self._segments:
+            if s.name in residuals:
+                e[s.start:s.stop] = residuals[s.name]
+        return e
+
+    @property
+    def server_error(self) -> torch.Tensor:
+        """This rank's server error ``δ̄_j`` of its chunk (D/K elements)."""
+        e = self.exchange.exchange.server_error.get("momentum")
+        return e.clone() if e is not None else \
+            torch.zeros(self.chunk, dtype=self.dtype, device=self._params[0][1].device)
+
+    def _load_errors(self, worker: torch.Tensor, server: torch.Tensor) -> None:
+        self.exchange.load_state_dict({
+            "encoder": {"residuals": {s.name: worker[s.start:s.stop].clone() for s in self._segments}},
+            "exchange": {"server_error": {"momentum": server.clone()}}})
 
     # state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -204,8 +206,7 @@ class OneBitAdam(Strategy):
             raise ValueError(f"1-bit Adam state is for another model or rank count (error buffers "
                              f"{tuple(state['worker_error'].shape)}/{tuple(state['server_error'].shape)}, "
                              f"here {tuple(self.worker_error.shape)}/{tuple(self.server_error.shape)})")
-        self.worker_error.copy_(state["worker_error"])
-        self.server_error.copy_(state["server_error"])
+        self._load_errors(state["worker_error"], state["server_error"])
 
     def reshard(self, old: list[dict]) -> dict:
         """Model, Adam's moments (the agreed momentum, the frozen variance) and ``t`` are
