@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -14,7 +15,38 @@ from ..compress.error_feedback import ErrorFeedback
 from ..compress.sign import MomentumSign
 from ..compress.twophase import TwoPhase
 from ..errors import ConfigError, NonFiniteError
-from .base import Strategy
+from ..settings import Settings
+from .base import Context, Method, Strategy
+
+
+@dataclass
+class OneBitAdamSettings(Settings):
+    """``[strategy]`` keys of ``onebit-adam`` (``strategy.name = "onebit-adam"``, or the spec
+    ``onebit-adam:freeze_step=100``)."""
+    freeze_step: int = 100         # dense Adam warm-up steps before the variance is frozen
+
+    def validate(self, prefix: str = "") -> None:
+        self.at_least(prefix, "freeze_step", 1)
+
+
+def build(s: OneBitAdamSettings, model, optimizer, comm: Comm, ctx: Context) -> "OneBitAdam":
+    return OneBitAdam(model, optimizer, comm, freeze_step=s.freeze_step)
+
+
+def check_run(s: OneBitAdamSettings, cfg, prefix: str) -> None:
+    """Combinations with the run's keys: 1-bit Adam steps a torch Adam/AdamW and compresses its
+    momentum itself."""
+    if cfg.optimizer.name not in ("adam", "adamw"):
+        raise ConfigError("optimizer.name", f"onebit-adam steps torch Adam or AdamW; use "
+                          f"optimizer.name = \"adam\" or \"adamw\", got {cfg.optimizer.name!r}")
+    if cfg.compressor.name != "none":
+        raise ConfigError("compressor.name", "onebit-adam compresses its momentum itself; "
+                          f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
+
+
+METHOD = Method("onebit-adam", OneBitAdamSettings, build,
+                "1-bit Adam: dense Adam warm-up, then the momentum exchanged with 1 bit per "
+                "element", check=check_run)
 
 
 class OneBitAdam(Strategy):
@@ -56,7 +88,10 @@ class OneBitAdam(Strategy):
     Example::
 
         opt = OneBitAdam(model, torch.optim.Adam(model.parameters(), lr=1e-3), freeze_step=100)
+        opt = lowcomm.build("onebit-adam:freeze_step=100", model, torch.optim.Adam(model.parameters()))
         opt.zero_grad(); loss.backward(); opt.step()
+
+    From a config: ``strategy.name = "onebit-adam"``, ``strategy.freeze_step = 100``.
     """
 
     name = "onebit-adam"
@@ -231,19 +266,3 @@ class OneBitAdam(Strategy):
 
     def close(self) -> None:
         self._hook.remove()
-
-
-def check_run(cfg) -> None:
-    """``optimizer.name = "onebit-adam"``: 1-bit Adam is its own data-parallel strategy."""
-    name = cfg.strategy.get("name", "syncdp")
-    if name != "syncdp" or cfg.policy:
-        raise ConfigError("strategy.name", f"optimizer.name=onebit-adam is its own data-parallel "
-                          f"strategy; leave strategy.name = \"syncdp\" and no policy, got {name!r}")
-    if cfg.strategy.get("backend", "mpi") != "mpi":
-        raise ConfigError("strategy.backend", "onebit-adam runs on the mpi backend only")
-    if cfg.compressor.name != "none":
-        raise ConfigError("compressor.name", "onebit-adam compresses its momentum itself; "
-                          f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
-    if cfg.optimizer.freeze_step < 1:
-        raise ConfigError("optimizer.freeze_step", f"must be >= 1 for onebit-adam (dense Adam "
-                          f"warm-up before the variance is frozen), got {cfg.optimizer.freeze_step}")

@@ -38,9 +38,6 @@ def check_run(s: AsyncPSSettings, cfg, prefix: str) -> None:
     """Combinations with the run's keys."""
     if prefix != "strategy.":
         raise ConfigError(prefix.rstrip("."), "async-ps cannot be a level of a per-level policy")
-    if cfg.optimizer.name == "onebit-adam":
-        raise ConfigError("optimizer.name", "onebit-adam owns its exchange; async-ps servers step "
-                          "sgd, adam or adamw")
     for key, value, constant in (("schedule", cfg.optimizer.schedule, "constant"),
                                  ("warmup_steps", cfg.optimizer.warmup_steps, 0)):
         if value != constant:
