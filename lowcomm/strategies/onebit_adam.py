@@ -53,33 +53,48 @@ class OneBitAdam(Strategy):
     """1-bit Adam (Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang & He 2021,
     arXiv 2102.02888, Algorithm 1) on a plain ``torch.optim.Adam``.
 
-    Warm-up, steps t = 1 … ``freeze_step``: the gradients are averaged with one dense
+    Warm-up, steps t = 1 … ``freeze_step`` = T_w: the gradients are averaged with one dense
     all-reduce and the wrapped ``torch.optim.Adam`` steps, so the run equals torch Adam on the
-    averaged gradient exactly. Compression stage, t > ``freeze_step``, on each of K ranks:
-      1. the variance is frozen: ``v = v_{freeze_step}``;
+    averaged gradient exactly. Compression stage, t > T_w, on each of K ranks:
+      1. the variance is frozen: ``v = v_{T_w}``, and with it Adam's denominator
+         ``δ = √v/√(1-β2^{T_w}) + ε`` (torch Adam's bias correction, frozen at the switch);
       2. local momentum ``m_k = β1 m_{t-1} + (1-β1) g_k`` (``g_k`` + weight decay · x, as Adam's
          L2 term), from the last agreed momentum ``m_{t-1}``;
-      3. worker side, with error ``δ_k``: ``u = m_k + δ_k``, ``C(u) = (‖u‖₂/√d) sign(u)``,
-         ``δ_k ← u − C(u)``; the packed signs are split in K chunks, and chunk j with the scale
-         goes to rank j (one all-to-all; steps 3–5 are the shared two-phase exchange,
+      3. preconditioned: ``u_k = clip(m_k / δ, ±B·(1-β1^t))``, ``B = max(1, (1-β1)/√(1-β2))``,
+         and ``u_k = 0`` where ``v = 0``;
+      4. worker side, with error ``e_k``: ``p = u_k + e_k``, ``C(p) = (‖p‖₂/√d) sign(p)``,
+         ``e_k ← p − C(p)``; the packed signs are split in K chunks, and chunk j with the scale
+         goes to rank j (one all-to-all; steps 4–6 are the shared two-phase exchange,
          :class:`~lowcomm.compress.twophase.TwoPhase`, with
          :class:`~lowcomm.compress.error_feedback.ErrorFeedback` around
          :class:`~lowcomm.compress.sign.MomentumSign`);
-      4. server side, rank j for its chunk, with error ``δ̄_j``: ``w = (1/K) Σ_k C(u_k)_j + δ̄_j``,
-         ``C(w)`` with the chunk's own scale, ``δ̄_j ← w − C(w)``; the packed chunk and its scale
+      5. server side, rank j for its chunk, with error ``ē_j``: ``w = (1/K) Σ_k C(p_k)_j + ē_j``,
+         ``C(w)`` with the chunk's own scale, ``ē_j ← w − C(w)``; the packed chunk and its scale
          go to every rank (one all-gather);
-      5. every rank decodes the same ``m_t``, stores it as Adam's ``exp_avg`` and steps
-         ``x ← x − lr/(1-β1^t) · m_t / (√v/√(1-β2^{T_w}) + ε)``: torch Adam's bias corrections
-         are kept, with v's frozen at the warm-up's end, so the update is continuous at the
-         switch (Tang et al. drop them; the difference vanishes for a long warm-up). The scale
-         ``‖·‖₂/√d`` is DeepSpeed's reference implementation's.
+      6. every rank decodes the same ``ū`` (0 where ``v = 0``), stores ``m_t = ū·δ`` as Adam's
+         ``exp_avg`` and steps ``x ← x − lr/(1-β1^t) · ū``.
+    Steps 4–5 are Tang et al.'s error-compensated compressed all-reduce, with DeepSpeed's scale
+    ``‖·‖₂/√d``. Where they compress ``m`` and divide the result by ``δ``, lowcomm compresses
+    ``m/δ``: the 1-bit error of a coordinate is about the scale of the whole vector, so divided
+    afterwards by a tiny ``δ_i`` (a coordinate whose gradient was numerically zero during the
+    warm-up, e.g. an attention key bias, whose gradient is zero up to rounding) it became a step
+    of thousands and a NaN; compressed after the division it stays in step units. As ``δ > 0``
+    the signs on the wire are the paper's, and where ``δ`` is the same for every coordinate the
+    update is the paper's (C is positively homogeneous; tested). Step 3's bound is Adam's own
+    bound on its step ``|m̂/√v̂|`` (Kingma & Ba 2015, arXiv 1412.6980, Section 2.1), which a
+    frozen ``v`` no longer enforces once a gradient outgrows its warm-up variance; the mask
+    where ``v = 0`` (no gradient at all during the warm-up: an unused layer) is DeepSpeed's
+    momentum mask (``exp_avg_mask``), found from ``v`` instead of given by the user: 1 bit
+    cannot say zero, and such a coordinate must not move. torch Adam's bias corrections are
+    kept, so the update is continuous at the switch (Tang et al. drop them; the difference
+    vanishes for a long warm-up).
     Bytes per rank and compressed step: the all-to-all and the all-gather each send
     ``(K-1)·(D/(8K) + 4)``, D = d rounded up to a multiple of 8K (d: parameter count); during
     warm-up a dense all-reduce of 4d.
 
     Args:
         model, optimizer: the user's model and a ``torch.optim.Adam`` or ``AdamW`` (decoupled
-            weight decay, Loshchilov & Hutter 2019: ``x ← x(1 − lr·λ)`` before step 5 instead
+            weight decay, Loshchilov & Hutter 2019: ``x ← x(1 − lr·λ)`` before step 6 instead
             of the L2 term of step 2) over its parameters
             (no amsgrad, no maximize).
         comm: communicator (default: world).
@@ -173,31 +188,32 @@ class OneBitAdam(Strategy):
     @torch.no_grad()
     def _compressed_step(self, grads: torch.Tensor) -> None:
         u = torch.zeros(self.D, dtype=self.dtype, device=grads.device)
-        off = 0
-        for _, p, g in self._params:
+        off, frozen = 0, []
+        for _, p, g in self._params:                     # steps 1-3
             n = p.numel()
             st = self.optimizer.state[p]
             grad = grads[off:off + n].view_as(p)
             if g["weight_decay"] and not self.decoupled:     # Adam: L2 term in the gradient
                 grad = grad.add(p, alpha=g["weight_decay"])
-            beta1 = g["betas"][0]
-            torch.add(st["exp_avg"].mul(beta1), grad, alpha=1 - beta1, out=u[off:off + n].view_as(p))
+            beta1, beta2 = g["betas"]
+            denom = (st["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** self.freeze_step)).add_(g["eps"])
+            moved = st["exp_avg_sq"] > 0
+            bound = max(1.0, (1 - beta1) / math.sqrt(1 - beta2)) * (1 - beta1 ** (float(st["step"]) + 1))
+            m = st["exp_avg"].mul(beta1).add_(grad, alpha=1 - beta1)
+            u[off:off + n].view_as(p).copy_(m.div_(denom).clamp_(-bound, bound).mul_(moved))
+            frozen.append((denom, moved))
             off += n
-        m = self.compressed_allreduce(u)
+        avg = self.compressed_allreduce(u)               # steps 4-5
         off = 0
-        for _, p, g in self._params:
+        for (_, p, g), (denom, moved) in zip(self._params, frozen):    # step 6
             n = p.numel()
             st = self.optimizer.state[p]
-            beta1, beta2 = g["betas"]
-            st["exp_avg"].copy_(m[off:off + n].view_as(p))
+            step = avg[off:off + n].view_as(p).mul(moved)
+            torch.mul(step, denom, out=st["exp_avg"])
             st["step"] += 1
-            step = float(st["step"])
-            c1 = 1 - beta1 ** step
-            c2 = 1 - beta2 ** self.freeze_step
-            denom = (st["exp_avg_sq"].sqrt() / math.sqrt(c2)).add_(g["eps"])
             if g["weight_decay"] and self.decoupled:         # AdamW: x ← x(1 − lr·λ) first
                 p.mul_(1 - g["lr"] * g["weight_decay"])
-            p.addcdiv_(st["exp_avg"], denom, value=-g["lr"] / c1)
+            p.add_(step, alpha=-g["lr"] / (1 - g["betas"][0] ** float(st["step"])))
             off += n
 
     def compressed_allreduce(self, u: torch.Tensor) -> torch.Tensor:
