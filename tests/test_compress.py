@@ -268,7 +268,7 @@ def test_sign_family():
         assert payload[1].numel() == 125 and payload[0].numel() == 1
         assert torch.allclose(y, X.abs().mean() * sign_pm(X), rtol=1e-6, atol=0)
     payload, y = roundtrip(COMPRESSORS["sign-mv"](cfg("sign-mv")))
-    assert [p.numel() for p in payload] == [125] and torch.equal(y, sign_pm(X))
+    assert [p.numel() for p in payload] == [125, 1] and torch.equal(y, sign_pm(X))   # + zero flags
 
 
 def test_error_feedback_keeps_what_was_not_sent_per_parameter():
@@ -415,7 +415,7 @@ def test_bench_compress_rows_and_packing_speed():
     from lowcomm.tools.bench import bench_compress, format_compress
     rows = bench_compress(["pack", "sign", "topk", "powersgd"], numel=1 << 20, iters=5, warmup=1)
     by = {r["method"]: r for r in rows}
-    assert by["sign"]["payload_bytes"] == (1 << 17) + 4 and by["memcpy"]["ratio"] == 1
+    assert by["sign"]["payload_bytes"] == (1 << 17) + 4 + 1 and by["memcpy"]["ratio"] == 1   # + zero flag
     assert by["powersgd"]["payload_bytes"] == 4 * 2 * (1024 + 1024)
     assert "vs memcpy" in format_compress(rows)
     for r in rows[1:]:   # break-even: compress + decompress against the saved bytes at 10 Gbit/s
@@ -426,7 +426,7 @@ def test_bench_compress_rows_and_packing_speed():
     table = format_compress(rows)
     assert "saved@10G ms" in table and "cost/saved" in table and "costs more time than it saves" in table
     assert bench_compress(["sign"], numel=1 << 12, iters=1, warmup=0, link_gbit=1)[1]["saved_ms"] == \
-        pytest.approx(((1 << 14) - (1 << 9) - 4) * 8 / 1e9 * 1e3)
+        pytest.approx(((1 << 14) - (1 << 9) - 4 - 1) * 8 / 1e9 * 1e3)
     with pytest.raises(ValueError, match="unknown method 'zip'"):
         bench_compress(["zip"])
 

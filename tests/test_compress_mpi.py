@@ -39,8 +39,9 @@ def train(out, np_, *extra):
 
 
 def test_cli_summary_bytes_equal_the_analytic_volume(tmp_path):
-    """One bucket holds the whole tiny model: per step sign sends ⌈d/8⌉ + 4 bytes to K-1 ranks,
-    PowerSGD (after start_iter dense steps) r·(n+m) floats per matrix plus the vectors."""
+    """One bucket holds the whole tiny model: per step sign sends ⌈d/8⌉ + 4 bytes and one bit
+    per parameter to K-1 ranks, PowerSGD (after start_iter dense steps) r·(n+m) floats per matrix
+    plus the vectors."""
     K, steps = 2, 6
     cfg = load_config(None, TINY)
     shapes = [tuple(p.shape) for p in bytelm.model(cfg).parameters()]
@@ -50,7 +51,7 @@ def test_cli_summary_bytes_equal_the_analytic_volume(tmp_path):
     setup = dense["bytes_total"] - K * steps * wire_bytes("allreduce", 4 * d, K)[0]
     assert 0 <= setup < 4 * d * K, setup       # the initial broadcast and layout checks
     sign = train(tmp_path / "sign", K, "compressor.name=sign", "compressor.collective=allgather")
-    assert sign["bytes_total"] - setup == K * steps * (K - 1) * (-(-d // 8) + 4)
+    assert sign["bytes_total"] - setup == K * steps * (K - 1) * (-(-d // 8) + 4 + -(-len(shapes) // 8))
     r, start = 2, 2
     p = q = 0
     for s in shapes:

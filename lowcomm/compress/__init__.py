@@ -22,14 +22,16 @@ int8          per-bucket scaled int8                     all-gather of n + 4
 qsgd          QSGD, ``levels`` s, norm per bucket_size   all-gather of n + 4⌈n/bucket_size⌉
 topk          top-k values + int32 indices (EF)          all-gather of k(4 + 4), k=⌊ratio·n⌋
 randomk       shared random indices, values only (EF)    all-reduce of 4k
-sign          (‖x‖₁/n)·sign(x), bit-packed               all-gather of ⌈n/8⌉ + 4
-sign-mv       majority vote of packed signs              all-gather of ⌈n/8⌉
-ef-sign       sign with error feedback                   all-gather of ⌈n/8⌉ + 4
+sign          (‖x‖₁/n)·sign(x), bit-packed               all-gather of ⌈n/8⌉ + 4 + ⌈S/8⌉
+sign-mv       majority vote of packed signs              all-gather of ⌈n/8⌉ + ⌈S/8⌉
+ef-sign       sign with error feedback                   all-gather of ⌈n/8⌉ + 4 + ⌈S/8⌉
 powersgd      rank-r power iteration, warm start, EF     all-reduces of 4(Σrn + dense), 4Σrm
 ============  =========================================  ====================================
 
-The all-gathers grow like K−1. ``compressor.collective`` ("auto" | "allgather" | "two-phase")
-lets every all-gathered method run the two-phase collective instead (all-to-all of compressed
+S is the number of parameters in the bucket: the 1-bit methods send one bit per parameter, set
+where it is all zero (decoded as 0: one bit per element cannot say zero, and an unused layer
+would otherwise move by the scale every step). The all-gathers grow like K−1.
+``compressor.collective`` ("auto" | "allgather" | "two-phase") lets every all-gathered method run the two-phase collective instead (all-to-all of compressed
 chunks, each owner reduces and re-compresses its chunk, all-gather of those: about
 2(K−1)/K × the payload, flat in K; :mod:`lowcomm.compress.twophase`), the default: bytes are
 what lowcomm's users pay for, and they stay flat in K; "auto" picks the variant with the smaller

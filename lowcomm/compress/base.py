@@ -65,6 +65,26 @@ def whole(key: str, x: torch.Tensor) -> list[Segment]:
     return [Segment(key, torch.Size([x.numel()]), 0, x.numel())]
 
 
+def pieces(segments: list[Segment], lo: int, hi: int) -> list[Segment]:
+    """The parts of ``segments`` inside ``[lo, hi)``, as segments of the chunk ``x[lo:hi]``."""
+    return [Segment(s.name, torch.Size([min(s.stop, hi) - max(s.start, lo)]),
+                    max(s.start, lo) - lo, min(s.stop, hi) - lo)
+            for s in segments if s.start < hi and s.stop > lo]
+
+
+def uncovered_(t: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    """Zero the elements of flat ``t`` that no segment covers (bytes no parameter owns keep no
+    error); returns ``t``."""
+    at = 0
+    for s in sorted(segments, key=lambda s: s.start):
+        if s.start > at:
+            t[at:s.start].zero_()
+        at = max(at, s.stop)
+    if at < t.numel():
+        t[at:].zero_()
+    return t
+
+
 def nonfinite_segments(x: torch.Tensor, segments: list[Segment]) -> list[Segment]:
     """The segments of flat ``x`` holding NaN/Inf. One sum decides the common case (NaN/Inf
     propagate into it); only then are segments inspected (a finite sum can overflow: then none)."""
@@ -139,14 +159,15 @@ class Codec:
             out.add_(self.decompress([g[k] for g in gathered], ctx))
         return out.div_(K)
 
-    def payload_layout(self, n: int, dtype: torch.dtype) -> list[tuple[torch.dtype, tuple]]:
-        """``(dtype, shape)`` of each payload tensor for ``n`` elements of ``dtype``."""
+    def payload_layout(self, n: int, dtype: torch.dtype, nseg: int = 1) -> list[tuple[torch.dtype, tuple]]:
+        """``(dtype, shape)`` of each payload tensor for ``n`` elements of ``dtype`` holding
+        ``nseg`` segments (parameters, or pieces of them in a two-phase chunk)."""
         return [(dtype, (n,))]
 
-    def payload_nbytes(self, n: int, dtype: torch.dtype) -> int:
+    def payload_nbytes(self, n: int, dtype: torch.dtype, nseg: int = 1) -> int:
         """Bytes of the payload of ``n`` elements of ``dtype`` (the α–β model's P(n))."""
         return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size()
-                   for dt, shape in self.payload_layout(n, dtype))
+                   for dt, shape in self.payload_layout(n, dtype, nseg))
 
     # error feedback (lowcomm.compress.error_feedback) -------------------------------------------
     def compress_feedback_(self, p: torch.Tensor, key: str, segments: list[Segment] | None = None,

@@ -47,5 +47,5 @@ class Cast(Codec):
     def decompress(self, payload: list[torch.Tensor], ctx) -> torch.Tensor:
         return payload[0].to(ctx)
 
-    def payload_layout(self, n, dtype):
+    def payload_layout(self, n, dtype, nseg=1):
         return [(self.dtype, (n,))]

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Segment, overlaps, whole
-from .twophase import uncovered_
+from .base import Segment, overlaps, uncovered_, whole
 
 
 class ErrorFeedback:

@@ -28,7 +28,7 @@ class Int8(Codec):
     name, summable = "int8", False
     finite_from_reduction = True
 
-    def payload_layout(self, n, dtype):
+    def payload_layout(self, n, dtype, nseg=1):
         return [(torch.int8, (n,)), (torch.float32, (1,))]
 
     def encode(self, x, key, segments, rank=None):
@@ -131,7 +131,7 @@ class QSGD(Seeded, Codec):
         self.levels, self.bucket_size = int(levels), int(bucket_size)
         self._init_rng(seed)
 
-    def payload_layout(self, n, dtype):
+    def payload_layout(self, n, dtype, nseg=1):
         return [(torch.int8, (n,)), (torch.float32, (-(-n // self.bucket_size),))]
 
     def block(self) -> int:

@@ -112,7 +112,7 @@ class TopK(Codec):
     def __init__(self, ratio: float = 0.01):
         self.ratio = _check_ratio(ratio)
 
-    def payload_layout(self, n, dtype):
+    def payload_layout(self, n, dtype, nseg=1):
         k = kept(n, self.ratio)
         return [(dtype, (k,)), (torch.int32, (k,))]
 
@@ -183,7 +183,7 @@ class RandomK(Seeded, Codec):
         self.ratio = _check_ratio(ratio)
         self._init_rng(seed)
 
-    def payload_layout(self, n, dtype):
+    def payload_layout(self, n, dtype, nseg=1):
         return [(dtype, (kept(n, self.ratio),))]
 
     def encode(self, x, key, segments, rank=None):

@@ -41,7 +41,7 @@ import math
 import torch
 
 from ..comm.collectives import chunk_bounds
-from .base import Exchange, Segment
+from .base import Exchange, Segment, pieces, uncovered_
 
 COLLECTIVES = ("auto", "allgather", "two-phase")
 #: (α seconds per message, β bytes per second) used when no topology names the link: a LAN.
@@ -100,26 +100,6 @@ def _unbytes(raw: torch.Tensor, layout, lead: tuple[int, ...] = ()) -> list[torc
     return out
 
 
-def pieces(segments: list[Segment], lo: int, hi: int) -> list[Segment]:
-    """The parts of ``segments`` inside ``[lo, hi)``, as segments of the chunk ``x[lo:hi]``."""
-    return [Segment(s.name, torch.Size([min(s.stop, hi) - max(s.start, lo)]),
-                    max(s.start, lo) - lo, min(s.stop, hi) - lo)
-            for s in segments if s.start < hi and s.stop > lo]
-
-
-def uncovered_(t: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-    """Zero the elements of flat ``t`` that no segment covers (bytes no parameter owns keep no
-    error); returns ``t``."""
-    at = 0
-    for s in sorted(segments, key=lambda s: s.start):
-        if s.start > at:
-            t[at:s.start].zero_()
-        at = max(at, s.stop)
-    if at < t.numel():
-        t[at:].zero_()
-    return t
-
-
 class TwoPhase(Exchange):
     """The average over ``comm`` of every rank's flat ``x`` by compressed reduce-scatter and
     compressed all-gather, bytes per rank ≈ 2(K−1)/K × payload (Tang et al. 2021, arXiv
@@ -173,11 +153,12 @@ class TwoPhase(Exchange):
             recv = comm.alltoallv([_bytes_of(p, x.device) for p, _ in chunks], [_nbytes(layout)] * K)
             stacks = _unbytes(torch.cat(recv).view(K, -1), layout, (K,)) if mine else []
         owner = comp.codec.owner(K)
+        segments = segments or [Segment(key, torch.Size([n]), 0, n)]
         reduced = []
         if b[r + 1] > b[r]:
-            own = pieces(segments or [Segment(key, torch.Size([n]), 0, n)], b[r], b[r + 1])
-            reduced = self._owner(comp, stacks, ctx, K, key, own, r)
-        layouts = [owner.payload_layout(hi - lo, x.dtype) if hi > lo else [] for lo, hi in zip(b, b[1:])]
+            reduced = self._owner(comp, stacks, ctx, K, key, pieces(segments, b[r], b[r + 1]), r)
+        layouts = [owner.payload_layout(hi - lo, x.dtype, len(pieces(segments, lo, hi))) if hi > lo else []
+                   for lo, hi in zip(b, b[1:])]
         if K == 1:
             blocks = [_bytes_of(reduced, x.device)]
         else:

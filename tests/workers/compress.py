@@ -85,38 +85,52 @@ def chunks(n):
     return [q + (j < rem) for j in range(K)]
 
 
+def pieces(j):
+    """Parameters of the bucket (NOW_SHAPES, in bucket order) with elements in chunk j."""
+    c = chunks(NOW)
+    lo, hi = sum(c[:j]), sum(c[:j + 1])
+    ends = [0]
+    for s in NOW_SHAPES:
+        ends.append(ends[-1] + math.prod(s))
+    return sum(1 for a, b in zip(ends, ends[1:]) if a < hi and b > lo)
+
+
 def allgather(nbytes, per=None, server=None):
-    """All-gather of ``nbytes``; with the two-phase collective ``per(m)`` is the payload of a
-    chunk of m elements and ``server(m)`` the owner's re-compressed one (default ``per``)."""
+    """All-gather of ``nbytes``; with the two-phase collective ``per(m, P)`` is the payload of
+    a chunk of m elements holding P pieces of parameters and ``server(m, P)`` the owner's
+    re-compressed one (default ``per``)."""
     if COLLECTIVE == "allgather" or per is None:
         return (K - 1) * nbytes
     c = chunks(NOW)
     server = server or per
-    return sum(per(c[j]) for j in range(K) if j != r and c[j]) + ((K - 1) * server(c[r]) if c[r] else 0)
+    return sum(per(c[j], pieces(j)) for j in range(K) if j != r and c[j]) + \
+        ((K - 1) * server(c[r], pieces(r)) if c[r] else 0)
 
 
 def bucket_bytes(name, shapes):
     """Analytic bytes sent per rank for one bucket holding ``shapes`` (in bucket order)."""
-    global NOW
+    global NOW, NOW_SHAPES
     n = NOW = sum(math.prod(s) for s in shapes)
+    NOW_SHAPES, S = shapes, len(shapes)
     k = max(1, int(RATIO * n))
     if name == "none":
         return allreduce(4 * n)
     if name in ("fp16", "bf16"):
         return allreduce(2 * n)
     if name == "int8":
-        return allgather(n + 4, lambda m: m + 4)
+        return allgather(n + 4, lambda m, P: m + 4)
     if name == "qsgd":
-        return allgather(n + 4 * -(-n // QBUCKET), lambda m: m + 4 * -(-m // QBUCKET))
+        return allgather(n + 4 * -(-n // QBUCKET), lambda m, P: m + 4 * -(-m // QBUCKET))
     if name == "topk":
-        return allgather(k * (4 + 4), lambda m: max(1, int(RATIO * m)) * 8)
+        return allgather(k * (4 + 4), lambda m, P: max(1, int(RATIO * m)) * 8)
     if name == "randomk":
         return allreduce(4 * k)
+    # the 1-bit methods: + one bit per parameter (per piece of one in a chunk), "all zero"
     if name in ("sign", "ef-sign"):
-        return allgather(-(-n // 8) + 4, lambda m: -(-m // 8) + 4)
+        return allgather(-(-n // 8) + 4 + -(-S // 8), lambda m, P: -(-m // 8) + 4 + -(-P // 8))
     if name == "sign-mv":     # the vote: 1 bit on odd K, a base-3 digit (5 per byte) on even K
-        return allgather(-(-n // 8), lambda m: -(-m // 8),
-                         (lambda m: -(-m // 8)) if K % 2 else (lambda m: -(-m // 5)))
+        return allgather(-(-n // 8) + -(-S // 8), lambda m, P: -(-m // 8) + -(-P // 8),
+                         (lambda m, P: -(-m // 8) + -(-P // 8)) if K % 2 else (lambda m, P: -(-m // 5)))
     if name == "powersgd":
         p = q = 0
         for s in shapes:
