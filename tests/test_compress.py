@@ -325,6 +325,22 @@ def test_powersgd_alone():
     assert torch.allclose(low.error["p0"], (M - y[:48].view(6, 8)).reshape(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_powersgd_on_a_16_bit_model_orthogonalises_in_float32(dtype):
+    """torch has no QR for 16-bit floats ("geqrf_cpu" not implemented for 'BFloat16'): P̂ is
+    computed in float32 and returned in the model's dtype; full rank is exact up to its rounding."""
+    segs, n = segments((6, 16), (12,), (6, 2, 3))
+    x = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(dtype)
+    full = PowerSGD(approx_rank=6, start_iter=0, min_compression_rate=0)
+    y = roundtrip(full, x, "b", segs)[1]
+    assert y.dtype == dtype and torch.allclose(y.float(), x.float(), rtol=0, atol=0.05)
+    low = PowerSGD(approx_rank=2, start_iter=0)
+    for _ in range(2):                                     # warm start and error memory
+        y = roundtrip(low, x, "b", segs)[1]
+    assert y.dtype == dtype and bool(torch.isfinite(y.float()).all())
+    assert low.q["p0"].dtype == dtype and low.error["p0"].dtype == dtype
+
+
 def test_low_rank_products_match_the_gemm_on_both_paths():
     from lowcomm.compress.powersgd import OUTER_MAX_RANK, low_rank_
     g = torch.Generator().manual_seed(6)

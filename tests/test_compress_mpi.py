@@ -13,10 +13,10 @@ from lowcomm.tasks import bytelm
 
 N = len(COMPRESSORS)
 # alltoall 3; per compressor 8 (bytes 2 layouts × 3 steps, loss, agreement); sign-mv vote 1
-# (+1 tie check on even K, +2 for the flipping rank on K = 3); PowerSGD 6; 1-bit Adam 9;
+# (+1 tie check on even K, +2 for the flipping rank on K = 3); PowerSGD 7; 1-bit Adam 9;
 # state round trips N. With the two-phase collective PowerSGD and 1-bit Adam (which do not use
 # it) are left out, and 1-bit Adam's state round trip with them.
-CHECKS = {(2, "allgather"): 3 + 8 * N + 2 + 6 + 9 + N, (3, "allgather"): 3 + 8 * N + 3 + 6 + 9 + N,
+CHECKS = {(2, "allgather"): 3 + 8 * N + 2 + 7 + 9 + N, (3, "allgather"): 3 + 8 * N + 3 + 7 + 9 + N,
           (2, "two-phase"): 3 + 8 * N + 2 + N - 1, (3, "two-phase"): 3 + 8 * N + 3 + N - 1}
 
 

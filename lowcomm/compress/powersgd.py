@@ -27,6 +27,14 @@ def low_rank_(out: torch.Tensor, P: torch.Tensor, Qt: torch.Tensor, subtract: bo
     return out
 
 
+def orthogonalize(P: torch.Tensor) -> torch.Tensor:
+    """The Q of P's reduced QR (step 4 of :class:`PowerSGD`), computed in float32 for a 16-bit P
+    (torch has no QR for bfloat16 or float16) and returned in P's dtype."""
+    if P.dtype in (torch.float32, torch.float64):
+        return torch.linalg.qr(P).Q
+    return torch.linalg.qr(P.float()).Q.to(P.dtype)
+
+
 class PowerIteration(Exchange):
     """PowerSGD's exchange (steps 0 and 2–6 of :class:`PowerSGD`): the dense all-reduce of the
     first ``start_iter`` steps, then the all-reduce of the P's (with the dense tensors) and of
@@ -60,7 +68,7 @@ class PowerIteration(Exchange):
             out[s.start:s.stop] = part
         if not mats:
             return out
-        Ps = [torch.linalg.qr(part.view(r, n).T).Q for (_, n, _), part in zip(mats, parts)]
+        Ps = [orthogonalize(part.view(r, n).T) for (_, n, _), part in zip(mats, parts)]
         q_sizes = [m * r for _, _, m in mats]
         qbuf = torch.empty(sum(q_sizes), dtype=x.dtype, device=x.device)
         qparts = list(qbuf.split(q_sizes))
@@ -87,7 +95,7 @@ class PowerSGD(Seeded, Codec):
       2. ``P ← M Q`` with Q the previous step's (warm start; at first N(0, 1) drawn alike on
          every rank from a generator seeded with ``seed``);
       3. all-reduce mean of [all P's, all dense tensors] (one message);
-      4. ``P̂ ← orthogonalize(P)`` (reduced QR);
+      4. ``P̂ ← orthogonalize(P)`` (reduced QR; in float32 for a 16-bit model);
       5. ``Q ← Mᵀ P̂``; all-reduce mean of all Q's (the second message);
       6. the average is ``P̂ Qᵀ`` (dense tensors: their mean); ``E ← M − P̂ Qᵀ`` (as the
          paper's code and torch's PowerSGD hook do), and Q is kept for the next step.
@@ -199,7 +207,7 @@ class PowerSGD(Seeded, Codec):
         ps, qs = [], []
         for s, n, m in mats:
             M = self._matrix(x, s, n, m)
-            P = torch.linalg.qr(torch.matmul(self._q(s.name, m, x.device, x.dtype).T, M.T).T).Q
+            P = orthogonalize(torch.matmul(self._q(s.name, m, x.device, x.dtype).T, M.T).T)
             Qt = torch.matmul(P.T, M)                          # Qᵀ = P̂ᵀ M, (r, m)
             self._remember(s, M, Qt, P)
             ps.append(P.reshape(-1))

@@ -256,6 +256,14 @@ if COLLECTIVE == "allgather":     # sections 4 and 5 do not use a compressor's c
         ok(False, "approx_rank 6 > 5 accepted")
     except ValueError as e:
         ok("'w1'" in str(e) and "5×9" in str(e), str(e))
+    # a bfloat16 model: the orthogonalisation runs in float32 (torch has no bfloat16 QR), the
+    # full-rank average equals the dense one up to bfloat16's rounding
+    ps = PowerSGD(approx_rank=5, start_iter=0, min_compression_rate=0.0)
+    g = torch.randn(off, generator=torch.Generator().manual_seed(60 + r)).to(torch.bfloat16)
+    approx = Compressor(ps).reduce(g.clone(), "bf16", comm, segs)
+    dense = ctl.allgather(g.float()).mean(0)
+    ok(approx.dtype == torch.bfloat16 and torch.allclose(approx.float(), dense, rtol=0, atol=0.05),
+       f"PowerSGD on bfloat16: {approx.dtype}, off by {float((approx.float() - dense).abs().max()):.3g}")
 
     # 5. 1-bit Adam ---------------------------------------------------------------------------------
     FREEZE, LR = 4, 0.01
