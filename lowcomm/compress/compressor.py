@@ -15,7 +15,8 @@ class Compressor:
 
     Args:
         encoder: a :class:`~lowcomm.compress.base.Codec`, or
-            :class:`~lowcomm.compress.error_feedback.ErrorFeedback` wrapped around one.
+            :class:`~lowcomm.compress.error_feedback.ErrorFeedback` wrapped around one
+            (default: the identity codec, a dense average).
         exchange: an :class:`~lowcomm.compress.base.Exchange`, or the name of the collective of
             a gathered codec ("two-phase" | "allgather" | "auto"; summable codecs are summed,
             PowerSGD runs its own).
@@ -27,7 +28,8 @@ class Compressor:
         payload, ctx = comp.compress(x, "w")          # one rank on its own (gossip, PS)
     """
 
-    def __init__(self, encoder, exchange: Exchange | str = "two-phase"):
+    def __init__(self, encoder=None, exchange: Exchange | str = "two-phase"):
+        encoder = Codec() if encoder is None else encoder
         self.encoder = encoder
         self.codec: Codec = encoder.codec
         self.exchange = exchange if isinstance(exchange, Exchange) else make_exchange(self.codec, exchange)
