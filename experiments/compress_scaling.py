@@ -31,6 +31,11 @@ NAMES = ["none", "fp16", "bf16", "int8", "qsgd", "topk", "randomk", "sign", "sig
 LINKS = {"25ms/100Mbit": (25e-3, 100e6 / 8), "20us/10Gbit": (20e-6, 10e9 / 8)}
 
 
+def gathered(comp) -> bool:
+    """Whether a compressor's payloads are gathered (so the two-phase exchange can run it)."""
+    return comp is not None and not comp.summable and comp.codec.own_exchange is None
+
+
 def worker(out: str, sets: list[str]) -> None:
     import dataclasses
 
@@ -54,7 +59,7 @@ def worker(out: str, sets: list[str]) -> None:
         for coll in ("allgather", "two-phase"):
             c = dataclasses.replace(cfg.compressor, name=name, collective=coll, start_iter=0)
             comp = build_compressor(c)
-            if coll == "two-phase" and (comp is None or not comp.two_phase):
+            if coll == "two-phase" and not gathered(comp):
                 continue
             run = comm.dup(Ledger())
             red = Reducer(run, named, bucket_bytes=int(cfg.strategy.bucket_mb * 2**20),
@@ -67,7 +72,7 @@ def worker(out: str, sets: list[str]) -> None:
                     red.ready(n, torch.randn(p.shape, generator=g))
                 red.flush()
             red.close()
-            rows.append({"name": name, "collective": coll if comp is not None and comp.two_phase
+            rows.append({"name": name, "collective": coll if gathered(comp)
                          else "all-reduce", "rows": run.ledger.rows(),
                          "bytes": sum(r["bytes_sent"] for r in run.ledger.rows()),
                          "buckets": [b.flat.numel() for b in red.buckets]})
@@ -95,7 +100,7 @@ def auto_pick(name: str, sets: list[str], buckets: list[int], K: int, link) -> s
     from lowcomm.run.config import load_config
     cfg = load_config(None, sets)
     comp = build_compressor(dataclasses.replace(cfg.compressor, name=name))
-    if comp is None or not comp.two_phase:
+    if not gathered(comp):
         return ""
     picks = set()
     for n in buckets:

@@ -86,8 +86,8 @@ def qsgd_levels(v, norms, u, s):
 
 
 def test_qsgd_definition_and_unbiasedness():
-    c = build_compressor(cfg("qsgd", levels=4, bucket_size=100, seed=3))
-    twin = build_compressor(cfg("qsgd", levels=4, bucket_size=100, seed=3))
+    c = COMPRESSORS["qsgd"](cfg("qsgd", levels=4, bucket_size=100, seed=3))
+    twin = COMPRESSORS["qsgd"](cfg("qsgd", levels=4, bucket_size=100, seed=3))
     payload, y = roundtrip(c)
     v = X.view(10, 100)
     norms = torch.linalg.vector_norm(v, dim=1, keepdim=True)
@@ -107,7 +107,7 @@ def test_qsgd_cheap_uniforms_are_uniform_fresh_per_block_and_across_ranks():
     from lowcomm.compress.quantize import UNIFORM_TABLE, uniform_table
     t = uniform_table(torch.float64, torch.device("cpu"))[:UNIFORM_TABLE]
     assert torch.equal(t.sort().values, (torch.arange(UNIFORM_TABLE, dtype=torch.float64) + 0.5) / UNIFORM_TABLE)
-    c = build_compressor(cfg("qsgd", levels=16, bucket_size=512, seed=5))
+    c = COMPRESSORS["qsgd"](cfg("qsgd", levels=16, bucket_size=512, seed=5))
     u = c.uniforms(3 * c.block() + 1000)
     assert u.min() > 0 and u.max() < 1 and abs(float(u.mean()) - 0.5) < 0.01
     blocks = u[:3 * c.block()].view(3, -1)
@@ -117,7 +117,7 @@ def test_qsgd_cheap_uniforms_are_uniform_fresh_per_block_and_across_ranks():
     assert (many.mean(0) - 0.5).abs().max() < 0.02 and (many.var(0) - 1 / 12).abs().max() < 0.01
     # the fused blocked pass == the definition with the same u, on several blocks and a short bucket
     x = torch.randn(3 * c.block() + 1000, generator=torch.Generator().manual_seed(9))
-    twin = build_compressor(cfg("qsgd", levels=16, bucket_size=512, seed=5))
+    twin = COMPRESSORS["qsgd"](cfg("qsgd", levels=16, bucket_size=512, seed=5))
     twin.load_state_dict(c.state_dict())
     q, norms = c.compress(x, "k")[0]
     u = twin.uniforms(x.numel())
@@ -141,8 +141,8 @@ def test_qsgd_cheap_uniforms_are_uniform_fresh_per_block_and_across_ranks():
     assert torch.allclose(norms, ref_norms.view(-1))
     # norm buckets larger than a block: blocks not aligned to buckets
     from lowcomm.compress.scratch import BLOCK
-    big = build_compressor(cfg("qsgd", levels=8, bucket_size=BLOCK + 5, seed=1))
-    twin = build_compressor(cfg("qsgd", levels=8, bucket_size=BLOCK + 5, seed=1))
+    big = COMPRESSORS["qsgd"](cfg("qsgd", levels=8, bucket_size=BLOCK + 5, seed=1))
+    twin = COMPRESSORS["qsgd"](cfg("qsgd", levels=8, bucket_size=BLOCK + 5, seed=1))
     x = torch.randn(2 * BLOCK + 100, generator=torch.Generator().manual_seed(3))
     q, norms = big.compress(x, "k")[0]
     u = twin.uniforms(x.numel())
@@ -151,9 +151,8 @@ def test_qsgd_cheap_uniforms_are_uniform_fresh_per_block_and_across_ranks():
     want = qsgd_levels(x, ref_norms[owner], u, 8)
     diff = (q.float() - want).abs()
     assert diff.max() <= 1 and int((diff > 0).sum()) <= 2 and torch.allclose(norms, ref_norms)
-    r0, r1 = (build_compressor(cfg("qsgd", seed=5)) for _ in range(2))
-    r0.rank, r1.rank = 0, 1
-    assert not torch.equal(r0.uniforms(1000), r1.uniforms(1000)), "ranks draw different u"
+    r0, r1 = (COMPRESSORS["qsgd"](cfg("qsgd", seed=5)) for _ in range(2))
+    assert not torch.equal(r0.uniforms(1000, rank=0), r1.uniforms(1000, rank=1)), "ranks draw different u"
 
 
 def test_topk_and_randomk():
@@ -190,15 +189,15 @@ def test_large_buckets_take_the_fused_blocked_paths_and_match_the_definitions():
     for xs in (x8, x):
         c = build_compressor(cfg("ef-sign"))
         payload, y = roundtrip(c, xs)
-        assert torch.equal(c.residuals["k"], xs - y)
+        assert torch.equal(c.encoder.residuals["k"], xs - y)
         payload2, y2 = roundtrip(c, xs)
-        assert torch.equal(c.residuals["k"], (xs + (xs - y)) - y2)
+        assert torch.equal(c.encoder.residuals["k"], (xs + (xs - y)) - y2)
     c = build_compressor(cfg("topk", ratio=0.01))
     k = int(0.01 * x.numel())
     payload, y = roundtrip(c, x)
     assert set(payload[1].tolist()) == set(x.abs().topk(k).indices.tolist())
-    assert torch.equal(c.residuals["k"][payload[1].long()], torch.zeros(k))
-    assert torch.equal(c.residuals["k"] + y, x)
+    assert torch.equal(c.encoder.residuals["k"][payload[1].long()], torch.zeros(k))
+    assert torch.equal(c.encoder.residuals["k"] + y, x)
 
 
 def test_top_indices_is_exact_whatever_the_sample_says():
@@ -260,7 +259,7 @@ def test_error_feedback_keeps_no_error_for_bytes_no_parameter_owns():
     p = x.clone()
     p[:10] += (x - y1)[:10]
     p[20:] += (x - y1)[20:]
-    assert torch.equal(torch.cat([c.residuals["a"], c.residuals["b"]]), torch.cat([(p - y2)[:10], (p - y2)[20:]]))
+    assert torch.equal(torch.cat([c.encoder.residuals["a"], c.encoder.residuals["b"]]), torch.cat([(p - y2)[:10], (p - y2)[20:]]))
 
 
 def test_sign_family():
@@ -269,7 +268,7 @@ def test_sign_family():
         assert payload[1].numel() == 125 and payload[0].numel() == 1
         assert torch.allclose(y, X.abs().mean() * sign_pm(X), rtol=1e-6, atol=0)
     payload, y = roundtrip(COMPRESSORS["sign-mv"](cfg("sign-mv")))
-    assert [p.numel() for p in payload] == [125] and torch.equal(y, sign_pm(X))
+    assert [p.numel() for p in payload] == [125, 1] and torch.equal(y, sign_pm(X))   # + zero flags
 
 
 def test_error_feedback_keeps_what_was_not_sent_per_parameter():
@@ -277,11 +276,11 @@ def test_error_feedback_keeps_what_was_not_sent_per_parameter():
     segs, n = segments((10, 50), (500,))
     x1, x2 = X.clone(), torch.randn(1000)
     _, y1 = roundtrip(c, x1, "b", segs)
-    assert torch.equal(c.residuals["p0"], (x1 - y1)[:500]) and torch.equal(c.residuals["p1"], (x1 - y1)[500:])
+    assert torch.equal(c.encoder.residuals["p0"], (x1 - y1)[:500]) and torch.equal(c.encoder.residuals["p1"], (x1 - y1)[500:])
     payload, y2 = roundtrip(c, x2, "b", segs)
     p = x2 + (x1 - y1)
     assert torch.equal(y2[y2 != 0], p[y2 != 0]) and set(payload[1].tolist()) == set(p.abs().topk(10).indices.tolist())
-    assert torch.equal(torch.cat([c.residuals["p0"], c.residuals["p1"]]), p - y2)
+    assert torch.equal(torch.cat([c.encoder.residuals["p0"], c.encoder.residuals["p1"]]), p - y2)
 
 
 def test_ef_sign_converges_on_the_karimireddy_counterexample_where_sign_does_not():
@@ -324,6 +323,22 @@ def test_powersgd_alone():
     M = x[:48].view(6, 8)
     assert torch.linalg.matrix_rank(y[:48].view(6, 8)) == 1 and torch.equal(y[48:56], x[48:56])
     assert torch.allclose(low.error["p0"], (M - y[:48].view(6, 8)).reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_powersgd_on_a_16_bit_model_orthogonalises_in_float32(dtype):
+    """torch has no QR for 16-bit floats ("geqrf_cpu" not implemented for 'BFloat16'): P̂ is
+    computed in float32 and returned in the model's dtype; full rank is exact up to its rounding."""
+    segs, n = segments((6, 16), (12,), (6, 2, 3))
+    x = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(dtype)
+    full = PowerSGD(approx_rank=6, start_iter=0, min_compression_rate=0)
+    y = roundtrip(full, x, "b", segs)[1]
+    assert y.dtype == dtype and torch.allclose(y.float(), x.float(), rtol=0, atol=0.05)
+    low = PowerSGD(approx_rank=2, start_iter=0)
+    for _ in range(2):                                     # warm start and error memory
+        y = roundtrip(low, x, "b", segs)[1]
+    assert y.dtype == dtype and bool(torch.isfinite(y.float()).all())
+    assert low.q["p0"].dtype == dtype and low.error["p0"].dtype == dtype
 
 
 def test_low_rank_products_match_the_gemm_on_both_paths():
@@ -416,7 +431,7 @@ def test_bench_compress_rows_and_packing_speed():
     from lowcomm.tools.bench import bench_compress, format_compress
     rows = bench_compress(["pack", "sign", "topk", "powersgd"], numel=1 << 20, iters=5, warmup=1)
     by = {r["method"]: r for r in rows}
-    assert by["sign"]["payload_bytes"] == (1 << 17) + 4 and by["memcpy"]["ratio"] == 1
+    assert by["sign"]["payload_bytes"] == (1 << 17) + 4 + 1 and by["memcpy"]["ratio"] == 1   # + zero flag
     assert by["powersgd"]["payload_bytes"] == 4 * 2 * (1024 + 1024)
     assert "vs memcpy" in format_compress(rows)
     for r in rows[1:]:   # break-even: compress + decompress against the saved bytes at 10 Gbit/s
@@ -427,7 +442,7 @@ def test_bench_compress_rows_and_packing_speed():
     table = format_compress(rows)
     assert "saved@10G ms" in table and "cost/saved" in table and "costs more time than it saves" in table
     assert bench_compress(["sign"], numel=1 << 12, iters=1, warmup=0, link_gbit=1)[1]["saved_ms"] == \
-        pytest.approx(((1 << 14) - (1 << 9) - 4) * 8 / 1e9 * 1e3)
+        pytest.approx(((1 << 14) - (1 << 9) - 4 - 1) * 8 / 1e9 * 1e3)
     with pytest.raises(ValueError, match="unknown method 'zip'"):
         bench_compress(["zip"])
 
@@ -445,8 +460,28 @@ def test_ef_sign_leaves_exactly_p_minus_its_decoded_payload(dtype):
     comp = ScaledSign("ef-sign")
     p = x.clone()
     payload, ctx = comp.compress_feedback_(p, "k")
-    plain, plain_ctx = comp._compress(x.clone(), "k", None)
+    plain, plain_ctx = comp.encode(x.clone(), "k", None)
     assert ctx == plain_ctx and torch.equal(payload[1], plain[1])
     assert torch.allclose(payload[0], plain[0], rtol=1e-6, atol=0)
     bits = SIGNED_INTS[x.element_size()]
     assert torch.equal(p.view(bits), (x - comp.decompress(payload, ctx)).view(bits))
+
+
+def test_readme_codec_example_composes_with_error_feedback():
+    """README's "Adding a compressor" example: a codec, error feedback around it, an exchange."""
+    import re
+    from pathlib import Path
+
+    from lowcomm.compress import TwoPhase
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Adding a compressor"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    env: dict = {}
+    exec(compile(code, "README.md", "exec"), env)
+    comp = env["comp"]
+    assert isinstance(comp.exchange, TwoPhase) and comp.error_feedback and comp.name == "every-other"
+    x = torch.arange(7, dtype=torch.float32)
+    payload, ctx = comp.compress(x, "b")
+    assert torch.equal(comp.decompress(payload, ctx), torch.tensor([0., 0, 2, 0, 4, 0, 6]))
+    assert torch.equal(comp.encoder.residuals["b"], torch.tensor([0., 1, 0, 3, 0, 5, 0]))
+    assert comp.codec.payload_nbytes(7, torch.float32) == 16

@@ -22,7 +22,7 @@ from lowcomm.strategies.ps.protocol import fold
 # DiLoCo's fragment 0, sent at step 3, is in flight)]
 METHODS = {
     "syncdp-ef-sign": ["syncdp", ["compressor.name=ef-sign"], False],
-    "onebit-adam": ["syncdp", ["optimizer.name=onebit-adam", "optimizer.freeze_step=2"], False],
+    "onebit-adam": ["onebit-adam:freeze_step=2", ["optimizer.name=adam"], False],
     "localsgd": ["localsgd:period=2", [], True],
     "diloco": ["diloco:period=2,compressor=ef-sign", [], True],
     "streaming-diloco": ["streaming-diloco:period=2,fragments=2,delay=1,merge=add-local", [], True],

@@ -65,6 +65,30 @@ def test_a_key_given_twice_in_a_spec_string_is_refused():
     assert parse_spec("diloco:period=4,outer_lr=0.5")[1] == {"period": 4, "outer_lr": 0.5}
 
 
+def test_onebit_adam_is_a_registered_strategy_and_its_old_keys_say_what_to_write():
+    from lowcomm.run.registry import STRATEGIES, parse_spec, strategy_settings
+    from lowcomm.strategies.onebit_adam import METHOD, OneBitAdamSettings
+    from lowcomm.tools.compare import METHODS, available
+    assert STRATEGIES["onebit-adam"] is METHOD
+    cfg = load_config(None, ["strategy.name=onebit-adam", "strategy.freeze_step=7", "optimizer.name=adam"])
+    assert strategy_settings(cfg) == (METHOD, OneBitAdamSettings(freeze_step=7))
+    assert parse_spec("onebit-adam:freeze_step=100") == (METHOD, {"freeze_step": 100})
+    assert METHODS["onebit-adam"] == ["strategy.name=onebit-adam"] and available("onebit-adam")
+    load_config(None, ["strategy.name=onebit-adam"])           # AdamW, the default optimizer
+    for overrides, key, says in [
+            (["optimizer.name=onebit-adam"], "optimizer.name", 'strategy.name = "onebit-adam"'),
+            (["optimizer.freeze_step=10"], "optimizer.freeze_step", "strategy.freeze_step = N"),
+            (["strategy.name=onebit-adam", "strategy.freeze_step=0"], "strategy.freeze_step", ">= 1"),
+            (["strategy.name=onebit-adam", "optimizer.name=sgd"], "optimizer.name", "Adam or AdamW"),
+            (["strategy.name=onebit-adam", "compressor.name=int8"], "compressor.name", "itself"),
+            (["strategy.name=onebit-adam", "strategy.backend=horovod"], "strategy.backend", "ignore"),
+            (["strategy.freeze_step=10"], "strategy.freeze_step", "onebit-adam, which syncdp would ignore"),
+            (["topology=dc:2,rank:2", "policy.dc=onebit-adam"], "policy.dc", "cannot be a level")]:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, overrides)
+        assert e.value.key == key and says in str(e.value), (overrides, str(e.value))
+
+
 def test_lr_schedule_warmup_then_cosine_to_the_floor():
     cfg = load_config(None, ["steps=10", "lr=1.0", "optimizer.schedule=cosine",
                              "optimizer.warmup_steps=2", "optimizer.min_lr_ratio=0.1"])

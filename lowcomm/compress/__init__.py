@@ -1,11 +1,17 @@
 """Gradient compressors: what goes on the wire instead of a dense fp32 bucket.
 
+A :class:`Compressor` is a codec (:class:`~lowcomm.compress.base.Codec`: ``compress`` /
+``decompress``, optionally a vectorised mean decoding) composed with an exchange
+(:mod:`lowcomm.compress.exchange`: summed on the wire, all-gathered, two-phase), with
+:class:`ErrorFeedback` as an optional wrapper of the codec's encoding.
+
 ``COMPRESSORS`` maps the config name to a factory taking the ``[compressor]`` config table
-(:class:`~lowcomm.run.config.CompressorConfig`) and returning the bare compression operator Q.
-:func:`build_compressor` returns the *gradient* compressor: Q wrapped in :class:`ErrorFeedback`
-where ``error_feedback`` (or the method's default: on for topk, randomk, ef-sign) asks for it.
-SyncDP and the outer loops use :func:`build_compressor`; CHOCO gossip takes the bare Q, since
-its x̂ already is an error memory (feeding the error back twice diverges).
+(:class:`~lowcomm.run.config.CompressorConfig`) and returning the codec, the bare compression
+operator Q. :func:`build_compressor` returns the *gradient* compressor: Q, wrapped in
+:class:`ErrorFeedback` where ``error_feedback`` (or the method's default: on for topk, randomk,
+ef-sign) asks for it, composed with the exchange ``collective`` names. SyncDP and the outer
+loops use :func:`build_compressor`; CHOCO gossip takes the bare Q, since its x̂ already is an
+error memory (feeding the error back twice diverges).
 
 ============  =========================================  ====================================
 name          method                                     bytes per rank, bucket of n elements
@@ -16,14 +22,16 @@ int8          per-bucket scaled int8                     all-gather of n + 4
 qsgd          QSGD, ``levels`` s, norm per bucket_size   all-gather of n + 4⌈n/bucket_size⌉
 topk          top-k values + int32 indices (EF)          all-gather of k(4 + 4), k=⌊ratio·n⌋
 randomk       shared random indices, values only (EF)    all-reduce of 4k
-sign          (‖x‖₁/n)·sign(x), bit-packed               all-gather of ⌈n/8⌉ + 4
-sign-mv       majority vote of packed signs              all-gather of ⌈n/8⌉
-ef-sign       sign with error feedback                   all-gather of ⌈n/8⌉ + 4
+sign          (‖x‖₁/n)·sign(x), bit-packed               all-gather of ⌈n/8⌉ + 4 + ⌈S/8⌉
+sign-mv       majority vote of packed signs              all-gather of ⌈n/8⌉ + ⌈S/8⌉
+ef-sign       sign with error feedback                   all-gather of ⌈n/8⌉ + 4 + ⌈S/8⌉
 powersgd      rank-r power iteration, warm start, EF     all-reduces of 4(Σrn + dense), 4Σrm
 ============  =========================================  ====================================
 
-The all-gathers grow like K−1. ``compressor.collective`` ("auto" | "allgather" | "two-phase")
-lets every all-gathered method run the two-phase collective instead (all-to-all of compressed
+S is the number of parameters in the bucket: the 1-bit methods send one bit per parameter, set
+where it is all zero (decoded as 0: one bit per element cannot say zero, and an unused layer
+would otherwise move by the scale every step). The all-gathers grow like K−1.
+``compressor.collective`` ("auto" | "allgather" | "two-phase") lets every all-gathered method run the two-phase collective instead (all-to-all of compressed
 chunks, each owner reduces and re-compresses its chunk, all-gather of those: about
 2(K−1)/K × the payload, flat in K; :mod:`lowcomm.compress.twophase`), the default: bytes are
 what lowcomm's users pay for, and they stay flat in K; "auto" picks the variant with the smaller
@@ -35,14 +43,16 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from .base import Compressor, Segment
+from .base import Codec, Exchange, Segment
 from .cast import Cast
+from .compressor import Compressor
 from .error_feedback import ErrorFeedback
+from .exchange import Auto, Gathered, Summed
 from .powersgd import PowerSGD
 from .quantize import QSGD, Int8
 from .sign import ScaledSign, SignMajorityVote
 from .sparsify import RandomK, TopK
-from .twophase import COLLECTIVES
+from .twophase import COLLECTIVES, TwoPhase
 
 #: methods whose error feedback is on unless ``error_feedback = false``
 EF_DEFAULT = {"topk", "randomk", "ef-sign"}
@@ -76,17 +86,15 @@ def check(cfg, prefix: str = "compressor.") -> None:
 
 
 def _method(make):
-    """A registry factory: check the config, build the bare operator (with its collective)."""
-    def factory(cfg) -> Compressor:
+    """A registry factory: check the config, build the codec."""
+    def factory(cfg) -> Codec:
         check(cfg)
-        comp = make(cfg)
-        comp.collective = getattr(cfg, "collective", "two-phase")
-        return comp
+        return make(cfg)
     return factory
 
 
 COMPRESSORS = {
-    "none": lambda cfg: Compressor(),
+    "none": lambda cfg: Codec(),
     "fp16": _method(lambda cfg: Cast(torch.float16)),
     "bf16": _method(lambda cfg: Cast(torch.bfloat16)),
     "int8": _method(lambda cfg: Int8()),
@@ -102,20 +110,21 @@ COMPRESSORS = {
 }
 
 
-def build_compressor(cfg) -> Compressor | None:
+def build_compressor(cfg, error_feedback: bool | None = None) -> Compressor | None:
     """The gradient compressor named by a :class:`~lowcomm.run.config.CompressorConfig` (None for
-    "none"), wrapped in :class:`ErrorFeedback` where ``error_feedback`` or the method's default
-    asks (SyncDP and the outer loops use this)."""
+    "none"): its codec, wrapped in :class:`ErrorFeedback` where ``error_feedback`` or the
+    method's default asks (``error_feedback=False`` here: the bare operator, as gossip takes
+    it), with the exchange of ``cfg.collective``. SyncDP and the outer loops use this."""
     check(cfg)
     if cfg.name == "none":
         return None
-    comp = COMPRESSORS[cfg.name](cfg)
-    if uses_error_feedback(cfg):
-        comp = ErrorFeedback(comp)
-        comp.collective = comp.inner.collective
-    return comp
+    codec = COMPRESSORS[cfg.name](cfg)
+    fed_back = uses_error_feedback(cfg) if error_feedback is None else error_feedback
+    return Compressor(ErrorFeedback(codec) if fed_back else codec,
+                      getattr(cfg, "collective", "two-phase"))
 
 
-__all__ = ["COMPRESSORS", "Cast", "Compressor", "ErrorFeedback", "Int8", "PowerSGD", "QSGD",
-           "RandomK", "ScaledSign", "Segment", "SignMajorityVote", "TopK", "build_compressor", "check",
+__all__ = ["COMPRESSORS", "Auto", "Cast", "Codec", "Compressor", "ErrorFeedback", "Exchange",
+           "Gathered", "Int8", "PowerSGD", "QSGD", "RandomK", "ScaledSign", "Segment",
+           "SignMajorityVote", "Summed", "TopK", "TwoPhase", "build_compressor", "check",
            "uses_error_feedback"]

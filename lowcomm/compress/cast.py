@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.comm import Comm
+from ..comm.comm import world_rank
 from ..errors import LowcommError
-from .base import Compressor, Segment, nonfinite_segments
+from .base import Codec, Segment, nonfinite_segments
 
 
-class Cast(Compressor):
+class Cast(Codec):
     """Cast to a 16-bit float for the wire (mixed-precision communication, e.g. Micikevicius et
     al. 2018, arXiv 1710.03740 for fp16; bf16: Kalamkar et al. 2019, arXiv 1905.12322).
 
@@ -24,32 +24,28 @@ class Cast(Compressor):
 
     Example::
 
-        avg = Cast(torch.float16).reduce(flat, "bucket0", comm, segments)
+        avg = Compressor(Cast(torch.float16)).reduce(flat, "bucket0", comm, segments)
     """
 
-    summable = True
+    summable, predivide = True, True
 
     def __init__(self, dtype: torch.dtype):
-        super().__init__()
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"Cast needs torch.float16 or torch.bfloat16, got {dtype}")
         self.dtype = dtype
         self.name = "fp16" if dtype == torch.float16 else "bf16"
-        self.horovod = dtype == torch.float16     # Horovod 0.28.1 cannot reduce bfloat16
 
-    def _compress(self, x: torch.Tensor, key: str, segments: list[Segment]):
+    def encode(self, x: torch.Tensor, key: str, segments: list[Segment], rank: int | None = None):
         h = x.to(self.dtype)
         big = [s.name for s in nonfinite_segments(h, segments)]
         if big:
             top = torch.finfo(self.dtype).max
-            raise LowcommError(f"rank {self.rank}: {', '.join(map(repr, big))} hold values beyond "
+            raise LowcommError(f"rank {world_rank() if rank is None else rank}: {', '.join(map(repr, big))} hold values beyond "
                                f"{self.name}'s range (|x| > {top:g}); not sent ({key})")
         return [h], x.dtype
 
     def decompress(self, payload: list[torch.Tensor], ctx) -> torch.Tensor:
         return payload[0].to(ctx)
 
-    def exchange(self, payload, ctx, comm: Comm, like: torch.Tensor) -> torch.Tensor:
-        h = payload[0].div(comm.size)     # not in place: a 16-bit input is its own payload
-        comm.allreduce_(h)
-        return h.to(like.dtype)
+    def payload_layout(self, n, dtype, nseg=1):
+        return [(self.dtype, (n,))]

@@ -3,62 +3,61 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, Segment, overlaps, whole
+from .base import Segment, overlaps, uncovered_, whole
 
 
-class ErrorFeedback(Compressor):
-    """Error feedback / error compensation around any compressor C (Seide et al. 2014, 1-bit
-    SGD; Stich, Cordonnier & Jaggi 2018, arXiv 1809.07599; Karimireddy, Rebjock, Stich & Jaggi
-    2019, arXiv 1901.09847).
+class ErrorFeedback:
+    """Error feedback / error compensation around any codec C (Seide et al. 2014, 1-bit SGD;
+    Stich, Cordonnier & Jaggi 2018, arXiv 1809.07599; Karimireddy, Rebjock, Stich & Jaggi 2019,
+    arXiv 1901.09847).
 
     Update, per bucket x on each rank, with residual e (zero at first), per parameter:
       1. ``p = x + e``;
-      2. send ``C(p)`` with the inner compressor's exchange;
+      2. send ``C(p)`` with the compressor's exchange;
       3. ``e ← p − D(C(p))``: the part of p this rank did not send, added back next step.
-    Residuals are kept per parameter name (``Segment.name``) and saved in ``state_dict()``.
-    In the two-phase collective (:mod:`lowcomm.compress.twophase`) step 2 compresses p chunk by
-    chunk and step 3 uses the chunks' decoded payloads: this is the *worker* error of 1-bit Adam
-    (Tang et al. 2021, arXiv 2102.02888), and the wrapper turns on the owner's *server* error
-    feedback too (kept in the inner compressor; not for unbiased ones): error feedback at both
-    ends, as 1-bit Adam's error-compensated compressed all-reduce.
+    Residuals are kept per parameter name (``Segment.name``), zero where no parameter lies, and
+    saved in ``state_dict()``. In the two-phase exchange (:mod:`lowcomm.compress.twophase`)
+    step 2 encodes p chunk by chunk and step 3 uses the chunks' decoded payloads: this is the
+    *worker* error of 1-bit Adam (Tang et al. 2021, arXiv 2102.02888), and the exchange keeps
+    the owners' *server* error too where the compressor has error feedback (not for unbiased
+    codecs): error feedback at both ends, as 1-bit Adam's error-compensated compressed
+    all-reduce.
+
+    It wraps the codec's encoding only (``compress``, ``compress_chunks``): what is sent is
+    decoded by ``codec`` itself, so nothing is forwarded.
 
     Args:
-        inner: the compressor whose error is fed back (its ``summable`` and exchange are used).
+        codec: the codec whose error is fed back.
 
     Example::
 
-        comp = ErrorFeedback(ScaledSign("ef-sign"))
+        comp = Compressor(ErrorFeedback(ScaledSign("ef-sign")), "two-phase")
         avg = comp.reduce(flat, "bucket0", comm, segments)
     """
 
-    horovod = False
-
-    def __init__(self, inner: Compressor):
-        super().__init__()
-        if isinstance(inner, ErrorFeedback):
-            raise ValueError("error feedback is already on for this compressor")
-        self.inner = inner
-        self.name, self.summable = inner.name, inner.summable
+    def __init__(self, codec):
+        if isinstance(codec, ErrorFeedback):
+            raise ValueError("error feedback is already on for this codec")
+        self.codec = codec
         self.residuals: dict[str, torch.Tensor] = {}
         self._flat: dict[str, tuple] = {}     # key -> (e, spare, residual views, layout)
 
-    @property
-    def two_phase(self) -> bool:
-        return self.inner.two_phase
-
-    def compress(self, x: torch.Tensor, key: str, segments: list[Segment] | None = None):
+    def compress(self, x: torch.Tensor, key: str, segments: list[Segment] | None = None,
+                 rank: int | None = None):
+        """Steps 1 and 3 around ``codec.compress``; returns its ``(payload, ctx)``."""
         def one(p, segments, x, e):
-            return self.inner.compress_feedback_(p, key, segments, x, e)
+            return self.codec.compress_feedback_(p, key, segments, x, e, rank)
         return self._fed_back(x, key, segments, one)
 
-    def compress_chunks(self, x, key, segments, bounds):
+    def compress_chunks(self, x, key, segments, bounds, rank=None):
+        """Steps 1 and 3 around ``codec.compress_chunks`` (the two-phase exchange's step 1)."""
         def chunked(p, segments, x, e):
             torch.add(x, e, out=p)
-            chunks = self.inner.compress_chunks(p, key, segments, bounds)
+            chunks = self.codec.compress_chunks(p, key, segments, bounds, rank)
             chunks = [([t.clone() if overlaps(t, p) else t for t in pl], ctx) for pl, ctx in chunks]
             for (pl, ctx), lo, hi in zip(chunks, bounds, bounds[1:]):
                 if hi > lo:
-                    self.inner.subtract_decoded_(p[lo:hi], pl, ctx)
+                    self.codec.subtract_decoded_(p[lo:hi], pl, ctx)
             return chunks
         return self._fed_back(x, key, segments, chunked)
 
@@ -95,52 +94,19 @@ class ErrorFeedback(Compressor):
         """Steps 1–3 by ``encode(p, segments, x, e)``, which writes ``x + e`` into p, returns its
         result and leaves ``p − D(C(p))`` in ``p``; returns the result."""
         x = x.detach().reshape(-1)
-        self.inner.rank = self.rank
         segments = segments or whole(key, x)
         e, p = self._buffers(key, x, segments)
-        result = encode(p, segments, x, e)          # 1.–3.; the inner compressor checks p for NaN/Inf
+        result = encode(p, segments, x, e)          # 1.–3.; the codec checks p for NaN/Inf
         if sum(s.stop - s.start for s in segments) != x.numel():
-            for a, b in _gaps(segments, x.numel()):  # bytes no parameter owns keep no error
-                p[a:b].zero_()
+            uncovered_(p, segments)                 # bytes no parameter owns keep no error
         self._keep(key, p, e, segments, self._flat[key][3])    # the error is the next e
         return result
 
-    def decompress(self, payload, ctx):
-        return self.inner.decompress(payload, ctx)
-
-    def exchange(self, payload, ctx, comm, like):
-        return self.inner.exchange(payload, ctx, comm, like)
-
-    def payload_nbytes(self, n, dtype):
-        return self.inner.payload_nbytes(n, dtype)
-
-    def server_nbytes(self, n, dtype, K):
-        return self.inner.server_nbytes(n, dtype, K)
-
-    def server_reduce(self, stacks, ctx, K, key, feedback=True):
-        return self.inner.server_reduce(stacks, ctx, K, key, feedback and not self.inner.unbiased)
-
-    def server_template(self, payload, ctx, K):
-        return self.inner.server_template(payload, ctx, K)
-
-    def server_decompress(self, payload, ctx, K):
-        return self.inner.server_decompress(payload, ctx, K)
-
     def state_dict(self) -> dict:
         return {"residuals": {n: e.clone() for n, e in self.residuals.items()},
-                "inner": self.inner.state_dict()}
+                "codec": self.codec.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.residuals = {n: e.clone() for n, e in state["residuals"].items()}
+        self.residuals = {n: e.clone() for n, e in state.get("residuals", {}).items()}
         self._flat = {}
-        self.inner.load_state_dict(state["inner"])
-
-
-def _gaps(segments: list[Segment], n: int) -> list[tuple[int, int]]:
-    """The ranges of ``[0, n)`` that no segment covers."""
-    out, at = [], 0
-    for seg in sorted(segments, key=lambda seg: seg.start):
-        if seg.start > at:
-            out.append((at, seg.start))
-        at = max(at, seg.stop)
-    return out + [(at, n)] if at < n else out
+        self.codec.load_state_dict(state.get("codec", {}))

@@ -6,7 +6,7 @@ import math
 import torch
 
 from ..comm.comm import Comm
-from .base import Compressor, Seeded, Segment, check_finite, whole
+from .base import Codec, Exchange, Seeded, Segment, check_finite, whole
 
 
 #: up to this rank, P Qᵀ is built as r rank-1 updates (r passes at memory speed; a GEMM with an
@@ -27,7 +27,63 @@ def low_rank_(out: torch.Tensor, P: torch.Tensor, Qt: torch.Tensor, subtract: bo
     return out
 
 
-class PowerSGD(Seeded, Compressor):
+def orthogonalize(P: torch.Tensor) -> torch.Tensor:
+    """The Q of P's reduced QR (step 4 of :class:`PowerSGD`), computed in float32 for a 16-bit P
+    (torch has no QR for bfloat16 or float16) and returned in P's dtype."""
+    if P.dtype in (torch.float32, torch.float64):
+        return torch.linalg.qr(P).Q
+    return torch.linalg.qr(P.float()).Q.to(P.dtype)
+
+
+class PowerIteration(Exchange):
+    """PowerSGD's exchange (steps 0 and 2–6 of :class:`PowerSGD`): the dense all-reduce of the
+    first ``start_iter`` steps, then the all-reduce of the P's (with the dense tensors) and of
+    the Q's, each followed by the computation that needs it. The codec keeps its own error
+    memory (the compressor's encoder is the codec itself)."""
+
+    name = "power-iteration"
+
+    def reduce(self, comp, flat: torch.Tensor, key: str, comm: Comm, segments: list[Segment]) -> torch.Tensor:
+        ps = comp.codec
+        x = flat.detach().reshape(-1)
+        check_finite(x, key, segments, comm.rank, ps.name)
+        segments = segments or whole(key, x)
+        mats, dense = ps.plan(segments)          # a rank too large fails at once, not later
+        if ps._step(key) < ps.start_iter:
+            return comm.allreduce_(x.clone(), "avg")
+        r = ps.r
+        Ms = [ps._matrix(x, s, n, m) for s, n, m in mats]
+        # P travels as Pᵀ (r, n) and Q as Qᵀ (r, m): (M Q)ᵀ = Qᵀ Mᵀ and Qᵀ = P̂ᵀ M are the fast
+        # products for a thin Q or P (M is read row by row), and the averages are the same
+        p_sizes = [n * r for _, n, _ in mats] + [s.stop - s.start for s in dense]
+        pbuf = torch.empty(sum(p_sizes), dtype=x.dtype, device=x.device)
+        parts = list(pbuf.split(p_sizes))
+        for (s, n, m), M, part in zip(mats, Ms, parts):
+            torch.matmul(ps._q(s.name, m, x.device, x.dtype).T, M.T, out=part.view(r, n))
+        for s, part in zip(dense, parts[len(mats):]):
+            part.copy_(x[s.start:s.stop])
+        comm.allreduce_(pbuf, "avg")
+        out = torch.empty_like(x)
+        for s, part in zip(dense, parts[len(mats):]):
+            out[s.start:s.stop] = part
+        if not mats:
+            return out
+        Ps = [orthogonalize(part.view(r, n).T) for (_, n, _), part in zip(mats, parts)]
+        q_sizes = [m * r for _, _, m in mats]
+        qbuf = torch.empty(sum(q_sizes), dtype=x.dtype, device=x.device)
+        qparts = list(qbuf.split(q_sizes))
+        for (_, n, m), M, P, part in zip(mats, Ms, Ps, qparts):
+            torch.matmul(P.T, M, out=part.view(r, m))
+        comm.allreduce_(qbuf, "avg")
+        for (s, n, m), M, P, part in zip(mats, Ms, Ps, qparts):
+            Qt = part.view(r, m)
+            approx = out[s.start:s.stop].view(n, m)
+            low_rank_(approx, P, Qt)
+            ps._remember(s, M, Qt, approx=approx)
+        return out
+
+
+class PowerSGD(Seeded, Codec):
     """Rank-r PowerSGD with warm start and error feedback (Vogels, Karimireddy & Jaggi 2019,
     arXiv 1905.13727, Algorithms 1 and 2).
 
@@ -39,12 +95,14 @@ class PowerSGD(Seeded, Compressor):
       2. ``P ← M Q`` with Q the previous step's (warm start; at first N(0, 1) drawn alike on
          every rank from a generator seeded with ``seed``);
       3. all-reduce mean of [all P's, all dense tensors] (one message);
-      4. ``P̂ ← orthogonalize(P)`` (reduced QR);
+      4. ``P̂ ← orthogonalize(P)`` (reduced QR; in float32 for a 16-bit model);
       5. ``Q ← Mᵀ P̂``; all-reduce mean of all Q's (the second message);
       6. the average is ``P̂ Qᵀ`` (dense tensors: their mean); ``E ← M − P̂ Qᵀ`` (as the
          paper's code and torch's PowerSGD hook do), and Q is kept for the next step.
     Bytes per rank and bucket: all-reduces of ``4·(Σ r·n + dense elements)`` and
-    ``4·Σ r·m`` bytes (float32), i.e. ``r·(n+m)`` elements per compressed matrix.
+    ``4·Σ r·m`` bytes (float32), i.e. ``r·(n+m)`` elements per compressed matrix. Steps 2–6 are
+    its own exchange (:class:`PowerIteration`: two all-reduces interleaved with the
+    computation); ``compress``/``decompress`` run them on one rank alone (gossip).
 
     Args:
         approx_rank: r ≥ 1; larger than a matrix's smaller side is an error naming it.
@@ -56,16 +114,16 @@ class PowerSGD(Seeded, Compressor):
 
     Example::
 
-        comp = PowerSGD(approx_rank=4, start_iter=10)
+        comp = Compressor(PowerSGD(approx_rank=4, start_iter=10))
         avg = comp.reduce(flat, "bucket0", comm, segments)
     """
 
-    name, summable, horovod = "powersgd", False, False
+    name, summable = "powersgd", False
     per_rank = False
+    own_exchange = PowerIteration
 
     def __init__(self, approx_rank: int = 2, start_iter: int = 10, error_feedback: bool = True,
                  min_compression_rate: float = 1.0, seed: int = 0):
-        super().__init__()
         if int(approx_rank) != approx_rank or approx_rank < 1:
             raise ValueError(f"approx_rank must be an integer >= 1, got {approx_rank}")
         if start_iter < 0:
@@ -140,48 +198,8 @@ class PowerSGD(Seeded, Compressor):
         self.iters[key] = it + 1
         return it
 
-    # the distributed algorithm ----------------------------------------------------------------
-    def reduce(self, flat: torch.Tensor, key: str, comm: Comm, segments: list[Segment]) -> torch.Tensor:
-        self.rank = comm.rank
-        x = flat.detach().reshape(-1)
-        check_finite(x, key, segments, comm.rank, self.name)
-        segments = segments or whole(key, x)
-        mats, dense = self.plan(segments)        # a rank too large fails at once, not later
-        if self._step(key) < self.start_iter:
-            return comm.allreduce_(x.clone(), "avg")
-        r = self.r
-        Ms = [self._matrix(x, s, n, m) for s, n, m in mats]
-        # P travels as Pᵀ (r, n) and Q as Qᵀ (r, m): (M Q)ᵀ = Qᵀ Mᵀ and Qᵀ = P̂ᵀ M are the fast
-        # products for a thin Q or P (M is read row by row), and the averages are the same
-        p_sizes = [n * r for _, n, _ in mats] + [s.stop - s.start for s in dense]
-        pbuf = torch.empty(sum(p_sizes), dtype=x.dtype, device=x.device)
-        parts = list(pbuf.split(p_sizes))
-        for (s, n, m), M, part in zip(mats, Ms, parts):
-            torch.matmul(self._q(s.name, m, x.device, x.dtype).T, M.T, out=part.view(r, n))
-        for s, part in zip(dense, parts[len(mats):]):
-            part.copy_(x[s.start:s.stop])
-        comm.allreduce_(pbuf, "avg")
-        out = torch.empty_like(x)
-        for s, part in zip(dense, parts[len(mats):]):
-            out[s.start:s.stop] = part
-        if not mats:
-            return out
-        Ps = [torch.linalg.qr(part.view(r, n).T).Q for (_, n, _), part in zip(mats, parts)]
-        q_sizes = [m * r for _, _, m in mats]
-        qbuf = torch.empty(sum(q_sizes), dtype=x.dtype, device=x.device)
-        qparts = list(qbuf.split(q_sizes))
-        for (_, n, m), M, P, part in zip(mats, Ms, Ps, qparts):
-            torch.matmul(P.T, M, out=part.view(r, m))
-        comm.allreduce_(qbuf, "avg")
-        for (s, n, m), M, P, part in zip(mats, Ms, Ps, qparts):
-            Qt = part.view(r, m)
-            approx = out[s.start:s.stop].view(n, m)
-            low_rank_(approx, P, Qt)
-            self._remember(s, M, Qt, approx=approx)
-        return out
-
     # one rank on its own (compress -> decompress; e.g. gossip) --------------------------------
-    def _compress(self, x, key, segments):
+    def encode(self, x, key, segments, rank=None):
         """The same power-iteration step without averaging: payload ``[P̂'s (n, r) and dense, Qᵀ's (r, m)]``."""
         mats, dense = self.plan(segments)
         if self._step(key) < self.start_iter:
@@ -189,7 +207,7 @@ class PowerSGD(Seeded, Compressor):
         ps, qs = [], []
         for s, n, m in mats:
             M = self._matrix(x, s, n, m)
-            P = torch.linalg.qr(torch.matmul(self._q(s.name, m, x.device, x.dtype).T, M.T).T).Q
+            P = orthogonalize(torch.matmul(self._q(s.name, m, x.device, x.dtype).T, M.T).T)
             Qt = torch.matmul(P.T, M)                          # Qᵀ = P̂ᵀ M, (r, m)
             self._remember(s, M, Qt, P)
             ps.append(P.reshape(-1))

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, Seeded, check_finite
+from .base import Codec, Seeded, check_finite
 from .scratch import BLOCK, blocks, scratch
 
 
-class Int8(Compressor):
+class Int8(Codec):
     """Per-bucket scaled int8: one float32 scale per bucket, one byte per element.
 
     Update, per bucket x (n elements) on each of K ranks:
@@ -15,26 +15,27 @@ class Int8(Compressor):
       2. ``q = round(x / s)`` (round half to even) as int8, in [-127, 127];
       3. all-gather ``(q, s)``; the average is ``(1/K) Σ_k s_k q_k``.
     Bytes per rank and bucket: an all-gather of ``n + 4`` bytes; with the two-phase collective
-    (:func:`~lowcomm.compress.twophase.two_phase_reduce`, one scale per chunk, the owner
+    (:class:`~lowcomm.compress.twophase.TwoPhase`, one scale per chunk, the owner
     re-quantises the chunk's average; its rounding error is fed back only under
     ``error_feedback = true``) ``(K−1)·2·(⌈n/K⌉ + 4)`` at most.
 
     Example::
 
         payload, ctx = Int8().compress(x, "w")     # [int8 q, float32 s]
+        avg = Compressor(Int8(), "two-phase").reduce(flat, "bucket0", comm, segments)
     """
 
-    name, summable, horovod, two_phase = "int8", False, False, True
+    name, summable = "int8", False
     finite_from_reduction = True
 
-    def payload_nbytes(self, n, dtype):
-        return n + 4
+    def payload_layout(self, n, dtype, nseg=1):
+        return [(torch.int8, (n,)), (torch.float32, (1,))]
 
-    def _compress(self, x, key, segments):
+    def encode(self, x, key, segments, rank=None):
         # max|x| = max(max x, −min x): one pass, no |x| temporary
         lo, hi = torch.aminmax(x)
         if not bool(torch.isfinite(hi - lo)):        # NaN/Inf in x (or an overflowing range)
-            check_finite(x, key, segments, self.rank, self.name)
+            check_finite(x, key, segments, rank, self.name)
         scale = (torch.maximum(hi, lo.neg()).float() / 127).reshape(1)
         wdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         denom = torch.where(scale > 0, scale, torch.ones_like(scale)).to(wdt)
@@ -81,7 +82,7 @@ def uniform_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _TABLES[key]
 
 
-class QSGD(Seeded, Compressor):
+class QSGD(Seeded, Codec):
     """QSGD stochastic quantisation (Alistarh, Grubic, Li, Tomioka & Vojnovic 2017,
     arXiv 1610.02132), with ``s = levels`` levels per norm bucket of ``bucket_size`` elements.
 
@@ -109,7 +110,7 @@ class QSGD(Seeded, Compressor):
     bound holds (y's float32 rounding adds at most 2^-16 of a level); the u_i of one block are
     not independent of each other (a window of one fixed permutation), which neither property
     needs. :meth:`uniforms` returns them.
-    Two-phase (:func:`~lowcomm.compress.twophase.two_phase_reduce`): every chunk quantised on its
+    Two-phase (:class:`~lowcomm.compress.twophase.TwoPhase`): every chunk quantised on its
     own, the owner re-quantises its chunk's average with fresh u (unbiased again: no server
     error), so each phase sends ``(K−1)·(c + 4⌈c/bucket_size⌉)`` for chunks of c elements.
 
@@ -119,11 +120,10 @@ class QSGD(Seeded, Compressor):
         seed: generator seed (mixed with the rank).
     """
 
-    name, summable, horovod, two_phase, unbiased = "qsgd", False, False, True, True
+    name, summable, unbiased = "qsgd", False, True
     finite_from_reduction = True
 
     def __init__(self, levels: int = 16, bucket_size: int = 512, seed: int = 0):
-        super().__init__()
         if not 1 <= int(levels) <= 127:
             raise ValueError(f"QSGD levels must be in [1, 127] (int8 levels), got {levels}")
         if int(bucket_size) < 1:
@@ -131,8 +131,8 @@ class QSGD(Seeded, Compressor):
         self.levels, self.bucket_size = int(levels), int(bucket_size)
         self._init_rng(seed)
 
-    def payload_nbytes(self, n, dtype):
-        return n + 4 * -(-n // self.bucket_size)
+    def payload_layout(self, n, dtype, nseg=1):
+        return [(torch.int8, (n,)), (torch.float32, (-(-n // self.bucket_size),))]
 
     def block(self) -> int:
         """Elements per block of the fused pass: whole norm buckets, about BLOCK elements (BLOCK
@@ -140,21 +140,21 @@ class QSGD(Seeded, Compressor):
         bs = self.bucket_size
         return bs * (BLOCK // bs) if bs <= BLOCK else BLOCK
 
-    def _offsets(self, n: int, device) -> list[int]:
+    def _offsets(self, n: int, device, rank: int | None) -> list[int]:
         """One table offset per block, from this rank's generator (state saved)."""
         nblocks = -(-n // self.block())
-        return torch.randint(0, UNIFORM_TABLE, (nblocks,), generator=self.generator(device),
+        return torch.randint(0, UNIFORM_TABLE, (nblocks,), generator=self.generator(device, rank),
                              device=device).tolist()
 
-    def uniforms(self, n: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
-        """The ``u`` of step 2 for ``n`` elements, drawn as :meth:`_compress` draws them (and
+    def uniforms(self, n: int, device="cpu", dtype=torch.float32, rank: int | None = None) -> torch.Tensor:
+        """The ``u`` of step 2 for ``n`` elements, drawn as :meth:`encode` draws them (and
         advancing the generator alike): ``u_{b,i} = T[o_b + i]``, T :func:`uniform_table`, one
-        offset ``o_b`` per block b of :meth:`block` elements."""
+        offset ``o_b`` per block b of :meth:`block` elements (``rank`` seeds a new generator)."""
         table = uniform_table(dtype, device)
         return torch.cat([table[o:o + hi - lo] for o, (lo, hi) in
-                          zip(self._offsets(n, device), blocks(n, self.block()))] or [table[:0]])
+                          zip(self._offsets(n, device, rank), blocks(n, self.block()))] or [table[:0]])
 
-    def _compress(self, x, key, segments):
+    def encode(self, x, key, segments, rank=None):
         n, bs, s = x.numel(), self.bucket_size, self.levels
         wdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         nbk, full = -(-n // bs), n // bs
@@ -164,13 +164,13 @@ class QSGD(Seeded, Compressor):
         if nbk > full:          # the last, short bucket (zero padding adds nothing to its norm)
             norms[full] = torch.linalg.vector_norm(x[full * bs:], dtype=wdt)
         if not bool(torch.isfinite(norms).all()):    # NaN/Inf in x (or an overflowing norm)
-            check_finite(x, key, segments, self.rank, self.name)
+            check_finite(x, key, segments, rank, self.name)
         mult = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
         C, K = self.block(), s + 1
         table = shifted_table(wdt, x.device, K)      # u + K: y = a + u + K ∈ (0, 2s + 2)
         q = torch.empty(n, dtype=torch.uint8, device=x.device)
         y = scratch("qsgd.y", min(C, n), wdt, x.device)
-        for o, (lo, hi) in zip(self._offsets(n, x.device), blocks(n, C)):
+        for o, (lo, hi) in zip(self._offsets(n, x.device, rank), blocks(n, C)):
             m = hi - lo
             v, yb, u = x[lo:hi], y[:hi - lo], table[o:o + hi - lo]
             w = m - m % bs if lo % bs == 0 else 0     # whole buckets: y = u + K + v·s/‖v‖, row by row

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import Compressor, Seeded
+from .base import Codec, Seeded
 from .scratch import BLOCK, blocks, scratch
 
 
@@ -79,7 +79,7 @@ def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.abs().topk(k, sorted=False).indices
 
 
-class TopK(Compressor):
+class TopK(Codec):
     """Top-k sparsification, as in Deep Gradient Compression (Lin, Han, Mao, Wang & Dally 2018,
     arXiv 1712.01887), per reducer bucket, with local accumulation of what is not sent (the
     :class:`~lowcomm.compress.error_feedback.ErrorFeedback` wrapper, on by default).
@@ -93,7 +93,7 @@ class TopK(Compressor):
     optimizer applies momentum to the averaged gradient).
     Bytes per rank and bucket: an all-gather of ``k · (value bytes + 4)``.
 
-    Two-phase (:func:`~lowcomm.compress.twophase.two_phase_reduce`), bytes ≈ 2·(K−1)/K·k·(value
+    Two-phase (:class:`~lowcomm.compress.twophase.TwoPhase`), bytes ≈ 2·(K−1)/K·k·(value
     bytes + 4) per rank, flat in K:
       1. each rank keeps the ``k_j = max(1, ⌊ratio·|x_j|⌋)`` largest of every chunk j (chunk-
          balanced selection, so every block has a fixed size, as Ok-Topk balances its
@@ -107,16 +107,16 @@ class TopK(Compressor):
         ratio: share of elements kept, in (0, 1].
     """
 
-    name, summable, horovod, two_phase = "topk", False, False, True
+    name, summable = "topk", False
 
     def __init__(self, ratio: float = 0.01):
-        super().__init__()
         self.ratio = _check_ratio(ratio)
 
-    def payload_nbytes(self, n, dtype):
-        return kept(n, self.ratio) * (torch.empty(0, dtype=dtype).element_size() + 4)
+    def payload_layout(self, n, dtype, nseg=1):
+        k = kept(n, self.ratio)
+        return [(dtype, (k,)), (torch.int32, (k,))]
 
-    def _compress(self, x, key, segments):
+    def encode(self, x, key, segments, rank=None):
         idx = top_indices(x, kept(x.numel(), self.ratio))
         return [x.index_select(0, idx), idx.to(torch.int32)], x.numel()
 
@@ -158,7 +158,7 @@ def distinct_sample(n: int, k: int, gen: torch.Generator, device) -> torch.Tenso
     return draws.index_select(0, first.sort().values[:k])
 
 
-class RandomK(Seeded, Compressor):
+class RandomK(Seeded, Codec):
     """Random-k sparsification (Stich, Cordonnier & Jaggi 2018, arXiv 1809.07599; used with
     error feedback as in Lin et al. 2018, arXiv 1712.01887), per reducer bucket.
 
@@ -176,17 +176,19 @@ class RandomK(Seeded, Compressor):
         seed: the shared generator's seed (equal on every rank).
     """
 
-    name, summable, horovod = "randomk", True, False
+    name, summable = "randomk", True
     per_rank = False
 
     def __init__(self, ratio: float = 0.01, seed: int = 0):
-        super().__init__()
         self.ratio = _check_ratio(ratio)
         self._init_rng(seed)
 
-    def _compress(self, x, key, segments):
+    def payload_layout(self, n, dtype, nseg=1):
+        return [(dtype, (kept(n, self.ratio),))]
+
+    def encode(self, x, key, segments, rank=None):
         n = x.numel()
-        idx = distinct_sample(n, kept(n, self.ratio), self.generator(x.device), x.device)
+        idx = distinct_sample(n, kept(n, self.ratio), self.generator(x.device, rank), x.device)
         return [x.index_select(0, idx)], (idx, n)
 
     def subtract_decoded_(self, p, payload, ctx):

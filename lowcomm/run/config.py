@@ -29,7 +29,7 @@ from ..comm import watchdog
 from ..errors import ConfigError
 from ..settings import coerce
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "onebit-adam")
+OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
 #: the task every run trains unless ``task`` says otherwise
 DEFAULT_TASK = "lowcomm.tasks.bytelm"
@@ -59,7 +59,6 @@ class OptimizerConfig:
     momentum: float = 0.0          # sgd only
     beta1: float = 0.9
     beta2: float = 0.95
-    freeze_step: int = 100         # onebit-adam: dense Adam warm-up steps
     schedule: str = "constant"     # lr over the run: "constant" | "cosine" (to min_lr_ratio * lr)
     warmup_steps: int = 0          # linear lr warm-up from lr/warmup_steps to lr
     min_lr_ratio: float = 0.1      # cosine: the lr at the last step, as a fraction of lr
@@ -135,8 +134,6 @@ class Config:
             return "policy(" + ";".join(f"{k}={v}" for k, v in self.policy.items()) + ")"
         s = self.strategy
         name = s.get("name", "syncdp")
-        if self.optimizer.name == "onebit-adam":
-            return "onebit-adam"
         name = "syncdp(horovod)" if s.get("backend") == "horovod" else f"{name}({s.get('algorithm', 'mpi')})"
         if self.compressor.name != "none":
             name += f"+{self.compressor.name}"
@@ -145,9 +142,22 @@ class Config:
         return name
 
 
+#: keys that moved, with what to write instead (read by :func:`_set`)
+MOVED = {
+    "optimizer.freeze_step": "1-bit Adam is a strategy: strategy.name = \"onebit-adam\" with "
+                             "strategy.freeze_step = N (or the spec \"onebit-adam:freeze_step=N\")",
+    "optimizer.name=onebit-adam": "1-bit Adam is a strategy: write strategy.name = \"onebit-adam\" "
+                                  "(strategy.freeze_step = N) with optimizer.name = \"adam\" or "
+                                  "\"adamw\"",
+}
+
+
 def _set(obj, dotted: str, value, prefix: str = "") -> None:
     head, _, rest = dotted.partition(".")
     key = prefix + head
+    for moved in (key, f"{key}={value}"):
+        if moved in MOVED and not rest:
+            raise ConfigError(key, MOVED[moved])
     hints = typing.get_type_hints(type(obj))
     if head not in hints:
         known = ", ".join(prefix + f.name for f in dataclasses.fields(obj))
@@ -246,8 +256,8 @@ def validate(cfg: Config) -> Config:
     _at_least(cfg, 1, "steps", "batch_size", "log_every", "data.seq_len", "data.max_bytes",
               "model.d_model", "model.n_layers", "model.n_heads", "checkpoint.keep",
               "compressor.levels", "compressor.approx_rank")
-    _at_least(cfg, 0, "checkpoint.every", "compressor.start_iter", "optimizer.freeze_step",
-              "optimizer.warmup_steps", "eval_batches")
+    _at_least(cfg, 0, "checkpoint.every", "compressor.start_iter", "optimizer.warmup_steps",
+              "eval_batches")
     if "name" in cfg.strategy and not isinstance(cfg.strategy["name"], str):
         raise ConfigError("strategy.name", f"expects str, got {cfg.strategy['name']!r}")
     cfg.compressor.validate("compressor.")

@@ -39,6 +39,7 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     diloco.STREAMING_METHOD,
     gossip.METHOD,
     async_ps.METHOD,
+    onebit_adam.METHOD,
 )}
 
 
@@ -140,8 +141,6 @@ def check(cfg) -> None:
         load_task(cfg.task.name)              # a missing file or function fails before MPI starts
     except TaskError as e:
         raise ConfigError("task", str(e)) from None
-    if cfg.optimizer.name == "onebit-adam":
-        onebit_adam.check_run(cfg)
     if cfg.policy:
         if cfg.strategy.get("name", "syncdp") != "syncdp":
             raise ConfigError("policy", f"give either strategy.name ({cfg.strategy['name']!r}) or "
@@ -175,11 +174,9 @@ def context(cfg) -> Context:
 
 
 def build_strategy(cfg, model, optimizer, comm, levels=None) -> Strategy:
-    """The run's strategy on ``comm``: 1-bit Adam, a per-level policy, or ``cfg.strategy``.
-    ``levels``: the topology's communicators over ``comm`` (:func:`topology_comms`), which a
-    policy and the hierarchical all-reduce need."""
-    if cfg.optimizer.name == "onebit-adam":   # 1-bit Adam owns both the update and the exchange
-        return onebit_adam.OneBitAdam(model, optimizer, comm, freeze_step=cfg.optimizer.freeze_step)
+    """The run's strategy on ``comm``: a per-level policy, or ``cfg.strategy``. ``levels``:
+    the topology's communicators over ``comm`` (:func:`topology_comms`), which a policy and the
+    hierarchical all-reduce need."""
     ctx = dataclasses.replace(context(cfg), levels=levels)
     if cfg.policy:
         return build_policy(policy_levels(cfg, levels.names), model, optimizer, comm, ctx)

@@ -10,7 +10,7 @@ def build_optimizer(cfg, params) -> torch.optim.Optimizer:
     o = cfg.optimizer
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "onebit-adam": torch.optim.Adam}[o.name]
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name]
     return cls(params, lr=cfg.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
 
 

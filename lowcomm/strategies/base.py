@@ -59,8 +59,8 @@ class Context:
 
     def bare_compressor(self, name: str):
         """The compression operator ``name`` with the run's knobs, without error feedback."""
-        from ..compress import COMPRESSORS
-        return COMPRESSORS[name](dataclasses.replace(self.compressor, name=name))
+        from ..compress import build_compressor
+        return build_compressor(dataclasses.replace(self.compressor, name=name), error_feedback=False)
 
 
 @dataclass(frozen=True)

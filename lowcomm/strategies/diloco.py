@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.comm import Comm
-from ..compress.base import Compressor
+from ..compress.compressor import Compressor
 from ..errors import ConfigError
 from .base import Context, Method
 from .outer import Fragment, Nesting, OuterLoop, OuterSettings, check_merge, check_run

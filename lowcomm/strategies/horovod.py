@@ -39,10 +39,24 @@ def init(comm: Comm):
 
 
 def check_compressor(compressor) -> None:
-    """Raise unless Horovod's ``compression=`` interface can run ``compressor`` (None: dense)."""
-    if compressor is not None and not getattr(compressor, "horovod", False):
-        why = "its payloads cannot be summed by an all-reduce" if not compressor.summable else \
-            "it keeps state or needs a dtype Horovod 0.28.1 cannot reduce (no bfloat16)"
+    """Raise unless Horovod's static ``compression=`` interface can run ``compressor`` (None:
+    dense): its payloads are summed on the wire, it keeps no state (no error feedback, no
+    generator: Horovod calls it without a key or a rank), and its payload is one tensor of a
+    dtype Horovod 0.28.1 reduces (no bfloat16)."""
+    if compressor is None:
+        return
+    why = None
+    if not compressor.summable:
+        why = "its payloads cannot be summed by an all-reduce"
+    elif compressor.state_dict():
+        why = "it keeps state (error feedback, a generator) that Horovod's interface cannot carry"
+    else:
+        payload, _ = compressor.compress(torch.zeros(8), "horovod")
+        if len(payload) != 1 or payload[0].numel() != 8:
+            why = "its payload is not one tensor shaped like the gradient"
+        elif payload[0].dtype == torch.bfloat16:
+            why = "it sends bfloat16, which Horovod 0.28.1 cannot reduce"
+    if why:
         raise LowcommError(f"compressor {compressor.name!r} cannot run on the horovod backend: {why}; "
                            f"use strategy.backend = \"mpi\" (or compressor.name = \"fp16\")")
 

@@ -3,46 +3,99 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
 from ..compress.base import Segment, nonfinite_segments
-from ..compress.bits import pack_signs, unpack_signs
+from ..compress.compressor import Compressor
+from ..compress.error_feedback import ErrorFeedback
+from ..compress.sign import MomentumSign
+from ..compress.twophase import TwoPhase
 from ..errors import ConfigError, NonFiniteError
-from .base import Strategy
+from ..settings import Settings
+from .base import Context, Method, Strategy
 from .buffers import Buffers
+
+
+@dataclass
+class OneBitAdamSettings(Settings):
+    """``[strategy]`` keys of ``onebit-adam`` (``strategy.name = "onebit-adam"``, or the spec
+    ``onebit-adam:freeze_step=100``)."""
+    freeze_step: int = 100         # dense Adam warm-up steps before the variance is frozen
+
+    def validate(self, prefix: str = "") -> None:
+        self.at_least(prefix, "freeze_step", 1)
+
+
+def build(s: OneBitAdamSettings, model, optimizer, comm: Comm, ctx: Context) -> "OneBitAdam":
+    return OneBitAdam(model, optimizer, comm, freeze_step=s.freeze_step)
+
+
+def check_run(s: OneBitAdamSettings, cfg, prefix: str) -> None:
+    """Combinations with the run's keys: 1-bit Adam steps a torch Adam/AdamW and compresses its
+    momentum itself."""
+    if cfg.optimizer.name not in ("adam", "adamw"):
+        raise ConfigError("optimizer.name", f"onebit-adam steps torch Adam or AdamW; use "
+                          f"optimizer.name = \"adam\" or \"adamw\", got {cfg.optimizer.name!r}")
+    if cfg.compressor.name != "none":
+        raise ConfigError("compressor.name", "onebit-adam compresses its momentum itself; "
+                          f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
+
+
+METHOD = Method("onebit-adam", OneBitAdamSettings, build,
+                "1-bit Adam: dense Adam warm-up, then the momentum exchanged with 1 bit per "
+                "element", check=check_run)
 
 
 class OneBitAdam(Strategy):
     """1-bit Adam (Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang & He 2021,
     arXiv 2102.02888, Algorithm 1) on a plain ``torch.optim.Adam``.
 
-    Warm-up, steps t = 1 … ``freeze_step``: the gradients are averaged with one dense
+    Warm-up, steps t = 1 … ``freeze_step`` = T_w: the gradients are averaged with one dense
     all-reduce and the wrapped ``torch.optim.Adam`` steps, so the run equals torch Adam on the
-    averaged gradient exactly. Compression stage, t > ``freeze_step``, on each of K ranks:
-      1. the variance is frozen: ``v = v_{freeze_step}``;
+    averaged gradient exactly. Compression stage, t > T_w, on each of K ranks:
+      1. the variance is frozen: ``v = v_{T_w}``, and with it Adam's denominator
+         ``δ = √v/√(1-β2^{T_w}) + ε`` (torch Adam's bias correction, frozen at the switch);
       2. local momentum ``m_k = β1 m_{t-1} + (1-β1) g_k`` (``g_k`` + weight decay · x, as Adam's
          L2 term), from the last agreed momentum ``m_{t-1}``;
-      3. worker side, with error ``δ_k``: ``u = m_k + δ_k``, ``C(u) = (‖u‖₂/√d) sign(u)``,
-         ``δ_k ← u − C(u)``; the packed signs are split in K chunks, and chunk j with the scale
-         goes to rank j (one all-to-all);
-      4. server side, rank j for its chunk, with error ``δ̄_j``: ``w = (1/K) Σ_k C(u_k)_j + δ̄_j``,
-         ``C(w)`` with the chunk's own scale, ``δ̄_j ← w − C(w)``; the packed chunk and its scale
+      3. preconditioned: ``u_k = clip(m_k / δ, ±B·(1-β1^t))``, ``B = max(1, (1-β1)/√(1-β2))``,
+         and ``u_k = 0`` where ``v = 0``;
+      4. worker side, with error ``e_k``: ``p = u_k + e_k``, ``C(p) = (‖p‖₂/√d) sign(p)``,
+         ``e_k ← p − C(p)``; the packed signs are split in K chunks, and chunk j with the scale
+         goes to rank j (one all-to-all; steps 4–6 are the shared two-phase exchange,
+         :class:`~lowcomm.compress.twophase.TwoPhase`, with
+         :class:`~lowcomm.compress.error_feedback.ErrorFeedback` around
+         :class:`~lowcomm.compress.sign.MomentumSign`);
+      5. server side, rank j for its chunk, with error ``ē_j``: ``w = (1/K) Σ_k C(p_k)_j + ē_j``,
+         ``C(w)`` with the chunk's own scale, ``ē_j ← w − C(w)``; the packed chunk and its scale
          go to every rank (one all-gather);
-      5. every rank decodes the same ``m_t``, stores it as Adam's ``exp_avg`` and steps
-         ``x ← x − lr/(1-β1^t) · m_t / (√v/√(1-β2^{T_w}) + ε)``: torch Adam's bias corrections
-         are kept, with v's frozen at the warm-up's end, so the update is continuous at the
-         switch (Tang et al. drop them; the difference vanishes for a long warm-up). The scale
-         ``‖·‖₂/√d`` is DeepSpeed's reference implementation's.
+      6. every rank decodes the same ``ū`` (0 where ``v = 0``), stores ``m_t = ū·δ`` as Adam's
+         ``exp_avg`` and steps ``x ← x − lr/(1-β1^t) · ū``.
+    Steps 4–5 are Tang et al.'s error-compensated compressed all-reduce, with DeepSpeed's scale
+    ``‖·‖₂/√d``. Where they compress ``m`` and divide the result by ``δ``, lowcomm compresses
+    ``m/δ``: the 1-bit error of a coordinate is about the scale of the whole vector, so divided
+    afterwards by a tiny ``δ_i`` (a coordinate whose gradient was numerically zero during the
+    warm-up, e.g. an attention key bias, whose gradient is zero up to rounding) it became a step
+    of thousands and a NaN; compressed after the division it stays in step units. As ``δ > 0``
+    the signs on the wire are the paper's, and where ``δ`` is the same for every coordinate the
+    update is the paper's (C is positively homogeneous; tested). Step 3's bound is Adam's own
+    bound on its step ``|m̂/√v̂|`` (Kingma & Ba 2015, arXiv 1412.6980, Section 2.1), which a
+    frozen ``v`` no longer enforces once a gradient outgrows its warm-up variance; the mask
+    where ``v = 0`` (no gradient at all during the warm-up: an unused layer) is DeepSpeed's
+    momentum mask (``exp_avg_mask``), found from ``v`` instead of given by the user: 1 bit
+    cannot say zero, and such a coordinate must not move. torch Adam's bias corrections are
+    kept, so the update is continuous at the switch (Tang et al. drop them; the difference
+    vanishes for a long warm-up).
     Bytes per rank and compressed step: the all-to-all and the all-gather each send
     ``(K-1)·(D/(8K) + 4)``, D = d rounded up to a multiple of 8K (d: parameter count); during
     warm-up a dense all-reduce of 4d.
 
     Args:
         model, optimizer: the user's model and a ``torch.optim.Adam`` or ``AdamW`` (decoupled
-            weight decay, Loshchilov & Hutter 2019: ``x ← x(1 − lr·λ)`` before step 5 instead
+            weight decay, Loshchilov & Hutter 2019: ``x ← x(1 − lr·λ)`` before step 6 instead
             of the L2 term of step 2) over its parameters
             (no amsgrad, no maximize).
         comm: communicator (default: world).
@@ -51,7 +104,10 @@ class OneBitAdam(Strategy):
     Example::
 
         opt = OneBitAdam(model, torch.optim.Adam(model.parameters(), lr=1e-3), freeze_step=100)
+        opt = lowcomm.build("onebit-adam:freeze_step=100", model, torch.optim.Adam(model.parameters()))
         opt.zero_grad(); loss.backward(); opt.step()
+
+    From a config: ``strategy.name = "onebit-adam"``, ``strategy.freeze_step = 100``.
     """
 
     name = "onebit-adam"
@@ -85,9 +141,7 @@ class OneBitAdam(Strategy):
         K = self.comm.size
         self.D = -(-self.d // (8 * K)) * 8 * K          # chunks of whole bytes, one per rank
         self.chunk = self.D // K
-        device = self._params[0][1].device
-        self.worker_error = torch.zeros(self.D, dtype=self.dtype, device=device)
-        self.server_error = torch.zeros(self.chunk, dtype=self.dtype, device=device)
+        self.exchange = Compressor(ErrorFeedback(MomentumSign()), TwoPhase())
         self.t = 0
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self._comm = self.comm.dup()          # fixed shapes: no per-call agreement check
@@ -128,62 +182,61 @@ class OneBitAdam(Strategy):
     @torch.no_grad()
     def _compressed_step(self, grads: torch.Tensor) -> None:
         u = torch.zeros(self.D, dtype=self.dtype, device=grads.device)
-        off = 0
-        for _, p, g in self._params:
+        off, frozen = 0, []
+        for _, p, g in self._params:                     # steps 1-3
             n = p.numel()
             st = self.optimizer.state[p]
             grad = grads[off:off + n].view_as(p)
             if g["weight_decay"] and not self.decoupled:     # Adam: L2 term in the gradient
                 grad = grad.add(p, alpha=g["weight_decay"])
-            beta1 = g["betas"][0]
-            torch.add(st["exp_avg"].mul(beta1), grad, alpha=1 - beta1, out=u[off:off + n].view_as(p))
+            beta1, beta2 = g["betas"]
+            denom = (st["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** self.freeze_step)).add_(g["eps"])
+            moved = st["exp_avg_sq"] > 0
+            bound = max(1.0, (1 - beta1) / math.sqrt(1 - beta2)) * (1 - beta1 ** (float(st["step"]) + 1))
+            m = st["exp_avg"].mul(beta1).add_(grad, alpha=1 - beta1)
+            u[off:off + n].view_as(p).copy_(m.div_(denom).clamp_(-bound, bound).mul_(moved))
+            frozen.append((denom, moved))
             off += n
-        m = self.compressed_allreduce(u)
+        avg = self.compressed_allreduce(u)               # steps 4-5
         off = 0
-        for _, p, g in self._params:
+        for (_, p, g), (denom, moved) in zip(self._params, frozen):    # step 6
             n = p.numel()
             st = self.optimizer.state[p]
-            beta1, beta2 = g["betas"]
-            st["exp_avg"].copy_(m[off:off + n].view_as(p))
+            step = avg[off:off + n].view_as(p).mul(moved)
+            torch.mul(step, denom, out=st["exp_avg"])
             st["step"] += 1
-            step = float(st["step"])
-            c1 = 1 - beta1 ** step
-            c2 = 1 - beta2 ** self.freeze_step
-            denom = (st["exp_avg_sq"].sqrt() / math.sqrt(c2)).add_(g["eps"])
             if g["weight_decay"] and self.decoupled:         # AdamW: x ← x(1 − lr·λ) first
                 p.mul_(1 - g["lr"] * g["weight_decay"])
-            p.addcdiv_(st["exp_avg"], denom, value=-g["lr"] / c1)
+            p.add_(step, alpha=-g["lr"] / (1 - g["betas"][0] ** float(st["step"])))
             off += n
 
     def compressed_allreduce(self, u: torch.Tensor) -> torch.Tensor:
         """The error-compensated 1-bit average of ``u`` (D elements) over all ranks: steps 3–5
         above. Every rank returns the same tensor. Updates both error buffers."""
-        K, r, c, d = self._comm.size, self._comm.rank, self.chunk, self.d
-        cb = c // 8
-        v = u.add_(self.worker_error)
-        ws = (torch.linalg.vector_norm(v) / math.sqrt(d)).float().reshape(1)
-        packed = pack_signs(v)
-        self.worker_error.copy_(v).sub_(unpack_signs(packed, self.D, self.dtype, ws))
-        self.worker_error[d:] = 0
-        msg = torch.empty(K, 4 + cb, dtype=torch.uint8, device=u.device)
-        msg[:, :4] = ws.view(torch.uint8)
-        msg[:, 4:] = packed.view(K, cb)
-        got = self._comm.alltoall(msg)                                  # row k: rank k's chunk r
-        scales = got[:, :4].contiguous().view(torch.float32).to(self.dtype)        # (K, 1)
-        avg = (scales.view(1, K) @ unpack_signs(got[:, 4:], c, self.dtype)).view(-1).div_(K)
-        w = avg.add_(self.server_error)
-        real = max(0, min(c, d - r * c))                 # this chunk's elements that are not padding
-        ss = (torch.linalg.vector_norm(w[:real]) / math.sqrt(real) if real else w.new_zeros(())
-              ).float().reshape(1)
-        spacked = pack_signs(w)
-        self.server_error.copy_(w).sub_(unpack_signs(spacked, c, self.dtype, ss))
-        self.server_error[real:] = 0
-        out = torch.empty(4 + cb, dtype=torch.uint8, device=u.device)
-        out[:4] = ss.view(torch.uint8)
-        out[4:] = spacked
-        every = self._comm.allgather(out)                               # (K, 4 + cb)
-        s_all = every[:, :4].contiguous().view(torch.float32).view(-1)
-        return unpack_signs(every[:, 4:], c, self.dtype, s_all if K > 1 else s_all[0]).reshape(-1)
+        return self.exchange.reduce(u, "momentum", self._comm, self._segments)
+
+    @property
+    def worker_error(self) -> torch.Tensor:
+        """This rank's worker error ``δ_k`` as one flat tensor of D elements (zero in the
+        padding)."""
+        e = torch.zeros(self.D, dtype=self.dtype, device=self._params[0][1].device)
+        residuals = self.exchange.encoder.residuals
+        for s in self._segments:
+            if s.name in residuals:
+                e[s.start:s.stop] = residuals[s.name]
+        return e
+
+    @property
+    def server_error(self) -> torch.Tensor:
+        """This rank's server error ``δ̄_j`` of its chunk (D/K elements)."""
+        e = self.exchange.exchange.server_error.get("momentum")
+        return e.clone() if e is not None else \
+            torch.zeros(self.chunk, dtype=self.dtype, device=self._params[0][1].device)
+
+    def _load_errors(self, worker: torch.Tensor, server: torch.Tensor) -> None:
+        self.exchange.load_state_dict({
+            "encoder": {"residuals": {s.name: worker[s.start:s.stop].clone() for s in self._segments}},
+            "exchange": {"server_error": {"momentum": server.clone()}}})
 
     # state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -198,8 +251,7 @@ class OneBitAdam(Strategy):
             raise ValueError(f"1-bit Adam state is for another model or rank count (error buffers "
                              f"{tuple(state['worker_error'].shape)}/{tuple(state['server_error'].shape)}, "
                              f"here {tuple(self.worker_error.shape)}/{tuple(self.server_error.shape)})")
-        self.worker_error.copy_(state["worker_error"])
-        self.server_error.copy_(state["server_error"])
+        self._load_errors(state["worker_error"], state["server_error"])
 
     def reshard(self, old: list[dict]) -> dict:
         """Model, Adam's moments (the agreed momentum, the frozen variance) and ``t`` are
@@ -222,18 +274,3 @@ class OneBitAdam(Strategy):
             return {}
         return {"freeze_step": self.freeze_step, "compressed_steps": max(0, self.t - self.freeze_step)}
 
-
-def check_run(cfg) -> None:
-    """``optimizer.name = "onebit-adam"``: 1-bit Adam is its own data-parallel strategy."""
-    name = cfg.strategy.get("name", "syncdp")
-    if name != "syncdp" or cfg.policy:
-        raise ConfigError("strategy.name", f"optimizer.name=onebit-adam is its own data-parallel "
-                          f"strategy; leave strategy.name = \"syncdp\" and no policy, got {name!r}")
-    if cfg.strategy.get("backend", "mpi") != "mpi":
-        raise ConfigError("strategy.backend", "onebit-adam runs on the mpi backend only")
-    if cfg.compressor.name != "none":
-        raise ConfigError("compressor.name", "onebit-adam compresses its momentum itself; "
-                          f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
-    if cfg.optimizer.freeze_step < 1:
-        raise ConfigError("optimizer.freeze_step", f"must be >= 1 for onebit-adam (dense Adam "
-                          f"warm-up before the variance is frozen), got {cfg.optimizer.freeze_step}")

@@ -13,7 +13,8 @@ import torch
 
 from ..comm.collectives import allreduce_, broadcast_, get_algorithm
 from ..comm.comm import Comm
-from ..compress.base import Compressor, Segment
+from ..compress.base import Segment
+from ..compress.compressor import Compressor
 from ..errors import CommError, ConfigError
 from ..comm.ledger import Ledger
 from .base import Context, Strategy, balance, check_compressor_name

@@ -20,7 +20,8 @@ import torch
 
 from ..comm.collectives import allreduce_, get_algorithm
 from ..comm.comm import Comm
-from ..compress.base import Compressor, Segment, nonfinite_segments
+from ..compress.base import Segment, nonfinite_segments
+from ..compress.compressor import Compressor
 from ..errors import CommError
 
 

@@ -41,7 +41,7 @@ METHODS: dict[str, list[str]] = {
     "horovod": ["strategy.backend=horovod"],
     **{name: [f"compressor.name={name}"] for name in
        ("fp16", "bf16", "int8", "qsgd", "topk", "randomk", "sign", "sign-mv", "ef-sign", "powersgd")},
-    "onebit-adam": ["optimizer.name=onebit-adam"],
+    "onebit-adam": ["strategy.name=onebit-adam"],
     "localsgd": ["strategy.name=localsgd", "strategy.period=10"],
     "diloco": ["strategy.name=diloco", "strategy.period=50"],
     "streaming-diloco": ["strategy.name=streaming-diloco", "strategy.period=50",

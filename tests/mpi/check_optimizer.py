@@ -45,8 +45,8 @@ METHODS = {
     "gossip": lambda m, o, c: lowcomm.build("gossip", m, o, c),
     "async-ps": lambda m, o, c: lowcomm.build("async-ps:max_staleness=0", m, o, c,
                                               nonfinite="skip"),
-    "onebit-adam": lambda m, o, c: lowcomm.OneBitAdam(m, torch.optim.Adam(m.parameters(), lr=0.01),
-                                                      c, freeze_step=2),
+    "onebit-adam": lambda m, o, c: lowcomm.build("onebit-adam:freeze_step=2", m,
+                                                 torch.optim.Adam(m.parameters(), lr=0.01), c),
     "policy": lambda m, o, c: lowcomm.policy({"dc": "diloco:period=2"}, m, o, c,
                                              topology="dc:2,rank:1"),
 }

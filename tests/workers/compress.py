@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import lowcomm
 from common import Checks, seeded_mlp
-from lowcomm.compress import COMPRESSORS, PowerSGD, SignMajorityVote, build_compressor
+from lowcomm.compress import COMPRESSORS, Compressor, PowerSGD, SignMajorityVote, build_compressor
 from lowcomm.compress.base import Segment
 from lowcomm.run.config import CompressorConfig
 from lowcomm.comm.ledger import Ledger, wire_bytes
@@ -85,38 +85,52 @@ def chunks(n):
     return [q + (j < rem) for j in range(K)]
 
 
+def pieces(j):
+    """Parameters of the bucket (NOW_SHAPES, in bucket order) with elements in chunk j."""
+    c = chunks(NOW)
+    lo, hi = sum(c[:j]), sum(c[:j + 1])
+    ends = [0]
+    for s in NOW_SHAPES:
+        ends.append(ends[-1] + math.prod(s))
+    return sum(1 for a, b in zip(ends, ends[1:]) if a < hi and b > lo)
+
+
 def allgather(nbytes, per=None, server=None):
-    """All-gather of ``nbytes``; with the two-phase collective ``per(m)`` is the payload of a
-    chunk of m elements and ``server(m)`` the owner's re-compressed one (default ``per``)."""
+    """All-gather of ``nbytes``; with the two-phase collective ``per(m, P)`` is the payload of
+    a chunk of m elements holding P pieces of parameters and ``server(m, P)`` the owner's
+    re-compressed one (default ``per``)."""
     if COLLECTIVE == "allgather" or per is None:
         return (K - 1) * nbytes
     c = chunks(NOW)
     server = server or per
-    return sum(per(c[j]) for j in range(K) if j != r and c[j]) + ((K - 1) * server(c[r]) if c[r] else 0)
+    return sum(per(c[j], pieces(j)) for j in range(K) if j != r and c[j]) + \
+        ((K - 1) * server(c[r], pieces(r)) if c[r] else 0)
 
 
 def bucket_bytes(name, shapes):
     """Analytic bytes sent per rank for one bucket holding ``shapes`` (in bucket order)."""
-    global NOW
+    global NOW, NOW_SHAPES
     n = NOW = sum(math.prod(s) for s in shapes)
+    NOW_SHAPES, S = shapes, len(shapes)
     k = max(1, int(RATIO * n))
     if name == "none":
         return allreduce(4 * n)
     if name in ("fp16", "bf16"):
         return allreduce(2 * n)
     if name == "int8":
-        return allgather(n + 4, lambda m: m + 4)
+        return allgather(n + 4, lambda m, P: m + 4)
     if name == "qsgd":
-        return allgather(n + 4 * -(-n // QBUCKET), lambda m: m + 4 * -(-m // QBUCKET))
+        return allgather(n + 4 * -(-n // QBUCKET), lambda m, P: m + 4 * -(-m // QBUCKET))
     if name == "topk":
-        return allgather(k * (4 + 4), lambda m: max(1, int(RATIO * m)) * 8)
+        return allgather(k * (4 + 4), lambda m, P: max(1, int(RATIO * m)) * 8)
     if name == "randomk":
         return allreduce(4 * k)
+    # the 1-bit methods: + one bit per parameter (per piece of one in a chunk), "all zero"
     if name in ("sign", "ef-sign"):
-        return allgather(-(-n // 8) + 4, lambda m: -(-m // 8) + 4)
+        return allgather(-(-n // 8) + 4 + -(-S // 8), lambda m, P: -(-m // 8) + 4 + -(-P // 8))
     if name == "sign-mv":     # the vote: 1 bit on odd K, a base-3 digit (5 per byte) on even K
-        return allgather(-(-n // 8), lambda m: -(-m // 8),
-                         (lambda m: -(-m // 8)) if K % 2 else (lambda m: -(-m // 5)))
+        return allgather(-(-n // 8) + -(-S // 8), lambda m, P: -(-m // 8) + -(-P // 8),
+                         (lambda m, P: -(-m // 8) + -(-P // 8)) if K % 2 else (lambda m, P: -(-m // 5)))
     if name == "powersgd":
         p = q = 0
         for s in shapes:
@@ -183,8 +197,7 @@ for name in COMPRESSORS:
 # 3. sign-mv: the vote and the tie rule; descends with one rank flipping --------------------
 x = torch.randn(101, generator=torch.Generator().manual_seed(7 + r))
 x[::10] = 0.0
-mv = SignMajorityVote()
-mv.collective = COLLECTIVE
+mv = Compressor(SignMajorityVote(), COLLECTIVE)
 vote = mv.reduce(x.clone(), "v", comm, [])
 signs = torch.where(torch.signbit(ctl.allgather(x)), -1.0, 1.0)
 ok(torch.equal(vote, torch.sign(signs.sum(0))), "sign-mv == sign(Σ_k sign(x_k))")
@@ -195,8 +208,8 @@ if K % 2 == 0:
 class Flipped(SignMajorityVote):
     """A faulty rank: sends the signs of −x."""
 
-    def _compress(self, x, key, segments):
-        return super()._compress(-x, key, segments)
+    def encode(self, x, key, segments, rank=None):
+        return super().encode(-x, key, segments, rank)
 
 
 if K == 3:
@@ -206,8 +219,7 @@ if K == 3:
     w = torch.nn.Linear(20, 1, bias=False)
     with torch.no_grad():
         w.weight.zero_()
-    comp = Flipped() if r == 2 else SignMajorityVote()
-    comp.collective = COLLECTIVE
+    comp = Compressor(Flipped() if r == 2 else SignMajorityVote(), COLLECTIVE)
     opt = lowcomm.SyncDP(w, torch.optim.SGD(w.parameters(), lr=0.01), comm, compressor=comp)
 
     @torch.no_grad()
@@ -236,14 +248,22 @@ if COLLECTIVE == "allgather":     # sections 4 and 5 do not use a compressor's c
     for step in range(4):
         g = torch.randn(off, generator=torch.Generator().manual_seed(50 * step + r), dtype=torch.float64)
         dense = ctl.allgather(g).mean(0)
-        approx = ps.reduce(g.clone(), "bucket0", comm, segs)
+        approx = Compressor(ps).reduce(g.clone(), "bucket0", comm, segs)
         ok(torch.allclose(approx, dense, rtol=0, atol=1e-10),
            f"PowerSGD full rank step {step}: {float((approx - dense).abs().max()):.3g}")
     try:
-        PowerSGD(approx_rank=6).reduce(g.clone(), "x", comm, segs)
+        Compressor(PowerSGD(approx_rank=6)).reduce(g.clone(), "x", comm, segs)
         ok(False, "approx_rank 6 > 5 accepted")
     except ValueError as e:
         ok("'w1'" in str(e) and "5×9" in str(e), str(e))
+    # a bfloat16 model: the orthogonalisation runs in float32 (torch has no bfloat16 QR), the
+    # full-rank average equals the dense one up to bfloat16's rounding
+    ps = PowerSGD(approx_rank=5, start_iter=0, min_compression_rate=0.0)
+    g = torch.randn(off, generator=torch.Generator().manual_seed(60 + r)).to(torch.bfloat16)
+    approx = Compressor(ps).reduce(g.clone(), "bf16", comm, segs)
+    dense = ctl.allgather(g.float()).mean(0)
+    ok(approx.dtype == torch.bfloat16 and torch.allclose(approx.float(), dense, rtol=0, atol=0.05),
+       f"PowerSGD on bfloat16: {approx.dtype}, off by {float((approx.float() - dense).abs().max()):.3g}")
 
     # 5. 1-bit Adam ---------------------------------------------------------------------------------
     FREEZE, LR = 4, 0.01

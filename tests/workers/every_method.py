@@ -61,7 +61,7 @@ METHODS = {
     "streaming-diloco": ("streaming-diloco:period=4,fragments=2,delay=2", []),
     "gossip": ("gossip:graph=ring", []),
     "gossip-push-sum": ("gossip:graph=one-peer-exponential,gossip_mode=push-sum", []),
-    "onebit-adam": ("syncdp", ["optimizer.name=onebit-adam", "optimizer.freeze_step=3"]),
+    "onebit-adam": ("onebit-adam:freeze_step=3", ["optimizer.name=adam"]),
     "average-every": ("average-every:period=3", []),
     "async-ps": ("async-ps:servers=1", []),
     "policy": ("syncdp", ["topology=dc:2,rank:2+1", "policy.dc=diloco:period=3,compressor=int8"]),
@@ -149,7 +149,8 @@ for name in lowcomm.STRATEGIES:
     if name == "async-ps":
         continue                    # needs the loop's serving side: see the CLI tests
     m = model(None)
-    opt = lowcomm.build(name, m, torch.optim.SGD(m.parameters(), lr=0.1), comm, steps=STEPS)
+    inner = (torch.optim.Adam if name == "onebit-adam" else torch.optim.SGD)(m.parameters(), lr=0.1)
+    opt = lowcomm.build(name, m, inner, comm, steps=STEPS)
     ok(isinstance(opt, lowcomm.Strategy), f"build({name!r}) gave {type(opt).__name__}")
     opt.close()
 try:

@@ -44,8 +44,9 @@ def P(name, n, ratio=RATIO, qb=QB):
     """Payload bytes of n elements (float32)."""
     if n == 0:
         return 0
+    # the 1-bit methods: + one byte of "all zero" bits (one segment, so one piece per chunk)
     return {"int8": n + 4, "qsgd": n + 4 * -(-n // qb), "topk": max(1, int(ratio * n)) * 8,
-            "sign": -(-n // 8) + 4, "ef-sign": -(-n // 8) + 4, "sign-mv": -(-n // 8)}[name]
+            "sign": -(-n // 8) + 4 + 1, "ef-sign": -(-n // 8) + 4 + 1, "sign-mv": -(-n // 8) + 1}[name]
 
 
 def S(name, n, **kw):

@@ -36,9 +36,6 @@ def check_run(s: AsyncPSSettings, cfg, prefix: str) -> None:
     """Combinations with the run's keys."""
     if prefix != "strategy.":
         raise ConfigError(prefix.rstrip("."), "async-ps cannot be a level of a per-level policy")
-    if cfg.optimizer.name == "onebit-adam":
-        raise ConfigError("optimizer.name", "onebit-adam owns its exchange; async-ps servers step "
-                          "sgd, adam or adamw")
     if cfg.checkpoint.every and s.max_staleness != 0:
         raise ConfigError("checkpoint.every", "async-ps checkpoints every N steps only with "
                           "strategy.max_staleness = 0 (synchronous): asynchronous servers and "
