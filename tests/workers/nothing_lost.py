@@ -101,7 +101,7 @@ for _ in range(2):
     scramble()
     sums.append(train(drawing, cfg("steps=2", "seed=7")))
 ok(sums[0]["ranks_agree"] and sums[1]["ranks_agree"], "a run of the seeded task: ranks disagree")
-ok(sums[0]["params_sha256"] == sums[1]["params_sha256"],
+ok(sums[0]["state_sha256"] == sums[1]["state_sha256"],
    "two fresh runs of a task drawing from random/numpy ended apart: seed does not seed them")
 
 # --- a loss without grad_fn ----------------------------------------------------------------------
