@@ -5,19 +5,19 @@ point-to-point calls, so the Ledger sees (and counts exactly) every message. Cos
 for n bytes, with α the per-message latency and β the per-byte time (Thakur, Rabenseifner &
 Gropp 2005, "Optimization of Collective Communication Operations in MPICH"):
 
-==============  ==========================  =============================================
-algorithm       time                         bytes sent per rank
-==============  ==========================  =============================================
-ring            2(K-1)α + 2(K-1)/K·nβ        2(K-1)/K·n
-rabenseifner    2log₂K·α + 2(K-1)/K·nβ       2(K-1)/K·n (+n for the pairs folded in when
-                                             K is not a power of two)
-tree            2⌈log₂K⌉(α + nβ)             n to the parent + n per child
-mpi             vendor choice                charged 2(K-1)/K·n
-shm             2⌈n/S⌉ barriers + ~3n         2(K-1)/K·n read by the others (one node only;
-                memory traffic               S = SHM_SEGMENT_BYTES; 1 barrier when small)
-hierarchical    per level, see below         2(g-1)/g·n inside a group of g, 2(G-1)/G·n/g
-                                             across G groups
-==============  ==========================  =============================================
+==============  ===============================  ================================================
+algorithm       time                             bytes sent per rank
+==============  ===============================  ================================================
+ring            2(K-1)α + 2(K-1)/K·nβ            2(K-1)/K·n
+rabenseifner    2log₂K·α + 2(K-1)/K·nβ           2(K-1)/K·n (+n for the pairs folded in when K
+                                                 is not a power of two)
+tree            2⌈log₂K⌉(α + nβ)                 n to the parent + n per child
+mpi             vendor choice                    charged 2(K-1)/K·n
+shm             2⌈n/S⌉ barriers + ~3n memory     2(K-1)/K·n read by the others (one node only;
+                traffic                          S = SHM_SEGMENT_BYTES; 1 barrier when small)
+hierarchical    per level, see below             2(g-1)/g·n inside a group of g, 2(G-1)/G·n/g
+                                                 across G groups
+==============  ===============================  ================================================
 
 Use :func:`allreduce_` for tensors of any shape, dtype and device; its default ``"auto"`` picks
 the fastest per size (:mod:`lowcomm.comm.tuning`).
@@ -106,12 +106,14 @@ def rabenseifner(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
     all-gather (Rabenseifner 2004; Thakur et al. 2005).
 
     With p = 2^⌊log₂K⌋ and q = K - p:
+
     0. The first 2q ranks pair up; each even rank sends its whole vector to the odd one and
        sits out (so p ranks remain, renumbered 0..p-1).
     1. For d = p/2, p/4, ..., 1: exchange half of the current window with partner ``i xor d``
        and add the half kept. Rank i ends owning the sum of segment i of p.
     2. For d = 1, 2, ..., p/2: exchange windows with ``i xor d``, doubling the owned window.
     3. Odd ranks of the first 2q send the result back to their even partner.
+
     """
     K, r = comm.size, comm.rank
     n = buf.numel()
@@ -158,6 +160,7 @@ def tree(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
        otherwise it adds what rank + m sends (if that rank exists).
     2. Rank r receives the result from r - lowbit(r), then sends it to r + m for every power of
        two m below lowbit(r) (rank 0: below K).
+
     Latency-optimal (2⌈log₂K⌉ messages) but every message carries all n bytes.
     """
     K, r = comm.size, comm.rank
@@ -225,10 +228,12 @@ def shm(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
 
     Per segment of at most ``SHM_SEGMENT_BYTES`` (double-buffered in each rank's slot), with
     the buffer cut into K chunks:
+
     1. rank r copies every chunk but its own into its slot; barrier;
     2. rank r adds chunk r of the other K-1 slots into its own buffer (reading their slots
        directly, no messages, no temporaries) and stores the sum in its slot; barrier;
     3. rank r copies each chunk j ≠ r from rank j's slot into its buffer.
+
     Up to ``SHM_ONE_SYNC_BYTES``: 1. every rank copies the whole segment in; barrier; 2. every
     rank sums the K slots in rank order into its buffer (one barrier instead of two).
     Each rank moves ~3n bytes through memory, where a ring moves 2(K-1)/K·n out and in through

@@ -17,6 +17,7 @@ class Cast(Codec):
          never sent as Inf;
       2. ``h ← h / K`` in the 16-bit format (so the sum cannot overflow), all-reduce (sum);
       3. the average is ``float(h)``.
+
     Bytes: an all-reduce of 2 bytes per element.
 
     Args:

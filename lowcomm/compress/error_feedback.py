@@ -15,6 +15,7 @@ class ErrorFeedback:
       1. ``p = x + e``;
       2. send ``C(p)`` with the compressor's exchange;
       3. ``e ← p − D(C(p))``: the part of p this rank did not send, added back next step.
+
     Residuals are kept per parameter name (``Segment.name``), zero where no parameter lies, and
     saved in ``state_dict()``. In the two-phase exchange (:mod:`lowcomm.compress.twophase`)
     step 2 encodes p chunk by chunk and step 3 uses the chunks' decoded payloads: this is the

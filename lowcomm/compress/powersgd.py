@@ -99,6 +99,7 @@ class PowerSGD(Seeded, Codec):
       5. ``Q ← Mᵀ P̂``; all-reduce mean of all Q's (the second message);
       6. the average is ``P̂ Qᵀ`` (dense tensors: their mean); ``E ← M − P̂ Qᵀ`` (as the
          paper's code and torch's PowerSGD hook do), and Q is kept for the next step.
+
     Bytes per rank and bucket: all-reduces of ``4·(Σ r·n + dense elements)`` and
     ``4·Σ r·m`` bytes (float32), i.e. ``r·(n+m)`` elements per compressed matrix. Steps 2–6 are
     its own exchange (:class:`PowerIteration`: two all-reduces interleaved with the

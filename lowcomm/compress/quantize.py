@@ -14,6 +14,7 @@ class Int8(Codec):
       1. ``s = max|x| / 127`` (``s = 0``: all zeros);
       2. ``q = round(x / s)`` (round half to even) as int8, in [-127, 127];
       3. all-gather ``(q, s)``; the average is ``(1/K) Σ_k s_k q_k``.
+
     Bytes per rank and bucket: an all-gather of ``n + 4`` bytes; with the two-phase collective
     (:class:`~lowcomm.compress.twophase.TwoPhase`, one scale per chunk, the owner
     re-quantises the chunk's average; its rounding error is fed back only under
@@ -96,6 +97,7 @@ class QSGD(Seeded, Codec):
          in (0, 2s + 2), ``q_i = trunc(y) − (s + 1)``;
       3. all-gather ``(q, ‖v‖₂ per norm bucket)``; decode ``Q(v)_i = ‖v‖₂ / s · q_i`` and
          average over ranks. ``E[Q(v)] = v``.
+
     The paper's Elias coding of the levels is replaced by fixed-width int8 (so ``levels`` ≤ 127).
     Bytes per rank and reducer bucket of n elements: an all-gather of
     ``n + 4·⌈n / bucket_size⌉`` bytes.

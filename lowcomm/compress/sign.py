@@ -102,6 +102,7 @@ class ScaledSign(Codec):
       2. all-gather ``(s, b, z)`` as one message;
       3. the average is ``(1/K) Σ_k s_k · sign_k``, each rank's flagged parameters counting 0
          (so a parameter whose gradient is zero on every rank does not move).
+
     Without error feedback this is ``sign``; wrapped in
     :class:`~lowcomm.compress.error_feedback.ErrorFeedback` it is ``ef-sign`` (Karimireddy et
     al.'s EF-SignSGD; a flagged parameter keeps its residual, zero). Bytes per rank and bucket:
@@ -201,6 +202,7 @@ class SignMajorityVote(Codec):
       3. the result is ``sign(Σ_k sign(x_k))`` ∈ {-1, 0, +1}, and 0 on a parameter flagged by
          every rank (its gradient is zero everywhere: it does not move). **Tie rule** (even K
          only): a coordinate with as many +1 as -1 votes gets 0, i.e. it does not move this step.
+
     The result has unit magnitude: the learning rate of the wrapped optimizer sets the step
     (Signum: give that optimizer momentum, or apply the vote to momenta yourself).
     Bytes per rank and bucket: an all-gather of ``⌈n/8⌉ + ⌈S/8⌉`` bytes.

@@ -49,6 +49,7 @@ def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
       3. if ``|C| ≥ k`` (then C holds every one of the k largest), exact top-k among C;
          otherwise (the estimate was too high; rare) the same with a lower t, and after two
          misses an exact ``topk`` of all of |x|.
+
     The sample only decides how fast this is, never which indices come out."""
     n = x.numel()
     if n < SAMPLED_MIN or k > SAMPLED_MAX_SHARE * n or x.device.type != "cpu" or \
@@ -89,6 +90,7 @@ class TopK(Codec):
          found through DGC's sampled threshold, :func:`top_indices`);
       2. all-gather ``(x_I, I)`` (values in x's dtype, indices int32);
       3. the average is ``(1/K) Σ_k scatter_add(I_k, x_{I_k})``.
+
     DGC's momentum correction, clipping and sparsity warm-up are not included (the wrapped
     optimizer applies momentum to the averaged gradient).
     Bytes per rank and bucket: an all-gather of ``k · (value bytes + 4)``.
@@ -168,6 +170,7 @@ class RandomK(Seeded, Codec):
          advanced alike (one draw per bucket, in bucket order), so every rank picks the same I
          without sending it;
       2. all-reduce (sum) ``x_I``; the average is ``scatter(I, Σ_k x_I / K)``.
+
     Not rescaled by n/k (biased, contractive; error feedback keeps what is not sent).
     Bytes per rank and bucket: an all-reduce of ``k`` values (no indices on the wire).
 

@@ -124,6 +124,7 @@ class TwoPhase(Exchange):
          is sent exactly: 1 bit on odd K, a base-3 digit (8/5 bits) where even K allows ties);
       4. all-gather (``Comm.allgatherv``) the re-encoded chunks; every rank decodes all K and
          returns their concatenation, the same tensor on every rank.
+
     Bytes sent per rank: ``Σ_{j≠r} P(|x_j|) + (K−1)·S(|x_r|)``, exactly (the ledger's
     ``alltoall.v`` and ``allgather.v`` rows). With K = 1 nothing is sent: the result is
     ``D(C(D(C(x))))`` (for sign and int8 equal to ``D(C(x))``).

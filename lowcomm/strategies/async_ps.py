@@ -17,6 +17,7 @@ Two counters, two kinds of staleness (both in the summary):
 * a server's *version* ``v`` counts the updates it has applied to its shard. The *staleness*
   of a gradient (Zhang et al.'s σ) is ``v`` when it is applied minus ``v`` when its worker read
   the parameters: how many other updates landed in between.
+
 * a worker's *clock* ``c_w`` counts the gradients it has pushed. SSP's bound is on clocks: a
   worker may compute gradient ``c_w`` only while ``c_w - min_live c ≤ τ`` (``max_staleness``);
   the *clock lag* ``c_w - min_live c`` at the moment its parameters are sent is therefore ≤ τ.
@@ -33,6 +34,7 @@ Update, per gradient ``g`` pushed by worker ``m`` (on every server, for its shar
   6. the reply (the shard's current parameters) goes to ``m`` as soon as ``c_m - min_live c ≤ τ``
      (``τ = -1``: at once); until then ``m`` waits. The server re-checks held replies after every
      update and whenever a worker finishes or is lost.
+
 With ``τ = 0`` the server instead waits for every live worker's gradient of the round and applies
 their mean once (``v`` counts rounds, ``σ = 0``): synchronous SGD, equal to :class:`SyncDP` for
 plain SGD.

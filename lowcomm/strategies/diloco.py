@@ -88,6 +88,7 @@ class DiLoCo(OuterLoop):
       4. outer step θ ← OuterOpt(θ, Δ): SGD with Nesterov momentum (``outer_lr`` 0.7,
          ``outer_momentum`` 0.9 in the paper) or SGD with heavy-ball momentum;
       5. θ_k ← θ on every rank; go to 2.
+
     With ``outer_optimizer="sgd"``, ``outer_lr=1``, ``outer_momentum=0`` step 4 gives
     θ = (1/K) Σ_k θ_k, i.e. :class:`~lowcomm.strategies.localsgd.LocalSGD`. The outer state
     (θ, momentum) lives on the CPU whatever the model's device.
@@ -187,6 +188,7 @@ class StreamingDiLoCo(DiLoCo):
          arXiv 2006.00441). With α = 0, "mix" drops those τ steps: at small H a large share of
          the inner work (τ/H of it); "add-local" keeps it, at one fragment copy per reduction
          in flight.
+
     With P = 1, τ = 0 and α = 0 this is :class:`DiLoCo` (either merge: with τ = 0 the local
     progress is zero). Each fragment is its own outer parameter, so momentum is kept per fragment.
 
@@ -195,7 +197,7 @@ class StreamingDiLoCo(DiLoCo):
         delay: τ in [0, period), inner steps between sending a fragment and applying it.
         alpha: α in [0, 1], the share of the local parameters kept when merging ("mix").
         merge: "mix" or "add-local" (α must be 0), see step 3.
-        (others as :class:`DiLoCo`.)
+        others: as :class:`DiLoCo`.
 
     Example::
 

@@ -87,6 +87,7 @@ class Gossip(Strategy):
          so the exchange runs while forward and backward compute ``g_i = ∇F_i(x_i)``;
       2. at ``step()``, wait and mix: ``x_i ← Σ_{j ∈ {i} ∪ N_in(i)} W_ij x_j``;
       3. ``x_i ← x_i − u(g_i)`` (the gradient of the pre-mix ``x_i``, as in the paper).
+
     ``order="atc"`` (adapt-then-combine): 1. ``x_i ← x_i − u(g_i)``; 2. exchange and mix; the
     exchange cannot overlap this step's compute. On the complete graph with (momentum) SGD this is
     exactly SyncDP.
@@ -97,6 +98,7 @@ class Gossip(Strategy):
       1. (atc) ``z_i ← z_i − u(∇F_i(z_i))``, ``x_i = w_i z_i``;
       2. send ``(x_i, w_i)/(d_out+1)`` to each out-peer, keep one share;
       3. ``x_i ← Σ received shares``, ``w_i ← Σ received weights``, ``z_i = x_i / w_i``.
+
     (``order="cta"`` sends at ``zero_grad()`` and steps after mixing, as for D-PSGD.) On regular
     graphs every ``w_i`` stays 1 and this is D-PSGD; messages carry 8 extra bytes for ``w``.
 
@@ -108,6 +110,7 @@ class Gossip(Strategy):
       3. if its previous message to this round's peer has been delivered, sends it half of its
          mass ``(w_i z_i/2, w_i/2)`` and keeps the other half (one peer per step, cycling
          through the graph's out-peers).
+
     Unlike AD-PSGD's atomic pairwise average (which needs a responder thread on the passive
     side), the push-sum weights keep the network average exact however messages are delayed.
     The trajectory depends on timing, so a resumed async run is not bit-identical to an
@@ -119,6 +122,7 @@ class Gossip(Strategy):
       1. ``q_i = Q(x_i − x̂_i)``, sent to the neighbours (the compressor's payload);
       2. ``x̂_i ← x̂_i + q_i``, ``s_i ← s_i + Σ_{j ∈ {i} ∪ N_in(i)} W_ij q_j``;
       3. ``x_i ← x_i + γ (s_i − x̂_i)`` with ``γ = consensus_step``.
+
     With the identity compressor and γ = 1 this is plain D-PSGD.
 
     Parameters with ``requires_grad`` and floating-point buffers (BatchNorm's running

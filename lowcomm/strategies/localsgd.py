@@ -40,6 +40,7 @@ class LocalSGD(OuterLoop):
       2. t ≤ W: synchronous data parallelism (gradients averaged every step, as SyncDP);
       3. t > W: θ_k ← θ_k − u_k(g_k), the wrapped optimizer's step on the local gradient only;
       4. when (t − W) is a multiple of H: θ_k ← (1/K) Σ_j θ_j (all-reduce of the parameters).
+
     The optimizer's own state (momentum, Adam moments) stays local and is never averaged.
     Floating-point buffers (BatchNorm's running statistics) are averaged with the parameters
     in step 4 and at the end of the run; integer ones (``num_batches_tracked``) are rank 0's. With plain SGD

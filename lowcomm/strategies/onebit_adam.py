@@ -74,6 +74,7 @@ class OneBitAdam(Strategy):
          go to every rank (one all-gather);
       6. every rank decodes the same ``ū`` (0 where ``v = 0``), stores ``m_t = ū·δ`` as Adam's
          ``exp_avg`` and steps ``x ← x − lr/(1-β1^t) · ū``.
+
     Steps 4–5 are Tang et al.'s error-compensated compressed all-reduce, with DeepSpeed's scale
     ``‖·‖₂/√d``. Where they compress ``m`` and divide the result by ``δ``, lowcomm compresses
     ``m/δ``: the 1-bit error of a coordinate is about the scale of the whole vector, so divided

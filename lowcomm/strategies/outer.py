@@ -136,6 +136,7 @@ class OuterLoop(Strategy):
       4. when s % H == 0, the floating-point buffers (BatchNorm's running statistics) are
          averaged over the ranks and integer ones taken from rank 0 (one small blocking
          all-reduce; nothing for a model without persistent buffers).
+
     Every rank issues the same reductions in the same order, so no per-call agreement is needed.
 
     The reductions run on a duplicate communicator with a ledger of its own; a reduction's

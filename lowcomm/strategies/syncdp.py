@@ -74,6 +74,7 @@ class SyncDP(Strategy):
       5. every persistent buffer (BatchNorm's running statistics) becomes rank 0's — DDP's
          ``broadcast_buffers`` rule, applied after the step instead of before the next forward,
          so the ranks end every step, and the run, with one identical model.
+
     Gradient accumulation: with ``backward_passes_per_step = N`` the exchange happens at the end
     of every N-th backward (local gradients accumulate by summation in between, as in
     Horovod); backward passes inside :meth:`no_sync` accumulate locally and the next one outside

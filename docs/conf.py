@@ -1,0 +1,24 @@
+"""Sphinx configuration: Markdown pages (MyST), the API from docstrings (autodoc + napoleon),
+the configuration reference generated from the settings dataclasses (_ext/lowcomm_config.py)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(".."))
+sys.path.insert(0, os.path.abspath("_ext"))
+
+project = "lowcomm"
+author = "the lowcomm developers"
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.mathjax",
+              "sphinx.ext.viewcode", "lowcomm_config"]
+source_suffix = {".md": "markdown"}
+myst_enable_extensions = ["dollarmath", "colon_fence", "deflist"]
+myst_heading_anchors = 3
+exclude_patterns = ["_build"]
+html_theme = "furo"
+html_title = "lowcomm"
+autodoc_member_order = "bysource"
+autodoc_default_options = {"members": True, "show-inheritance": False}
+autodoc_typehints = "none"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+suppress_warnings = ["myst.xref_missing"]
