@@ -6,7 +6,7 @@ PY    := $(VENV)/bin/python
 NP    ?= 4
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test test-slurm bench clean
+.PHONY: setup demo test test-slurm bench docs clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -29,6 +29,12 @@ test: setup
 # runs a 20-step job on $(NP) ranks, checks its summary.json, and stops the daemons again.
 test-slurm: setup
 	NP=$(NP) bash scripts/slurm_test.sh
+
+# The documentation site (Sphinx: MyST pages, the API from docstrings, the configuration reference
+# generated from the settings dataclasses), warnings as errors; the test suite builds it too.
+docs: setup
+	$(PY) -m sphinx -W --keep-going -E -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
 
 bench: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH launchers/local.sh -n $(NP) lowcomm bench allreduce --json runs/bench/allreduce.json

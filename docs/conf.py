@@ -21,4 +21,3 @@ autodoc_default_options = {"members": True, "show-inheritance": False}
 autodoc_typehints = "none"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
-suppress_warnings = ["myst.xref_missing"]

@@ -11,7 +11,7 @@ compressor (PowerSGD with ``start_iter = 0``: its compressed steps); the bytes a
 (A: all-gather, 2: two-phase).
 
     python experiments/compress_scaling.py --ranks 2,4,8,16 \\
-        --set model.d_model=32 --set model.n_layers=1
+        --set model.d_model=32 --set model.n_layers=1 --json docs/results/data/bytes-vs-ranks.json
 
 16 ranks on 2 cores are fine: only byte counts are measured, not seconds.
 """
@@ -62,7 +62,7 @@ def worker(out: str, sets: list[str]) -> None:
             if coll == "two-phase" and not gathered(comp):
                 continue
             run = comm.dup(Ledger())
-            red = Reducer(run, named, bucket_bytes=int(cfg.strategy.bucket_mb * 2**20),
+            red = Reducer(run, named, bucket_bytes=int(cfg.strategy.get("bucket_mb", 4.0) * 2**20),
                                   overlap=False, compressor=comp)
             red._thread_comm.validate = False
             for step in range(2):
@@ -146,12 +146,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="2,4,8,16")
     ap.add_argument("--set", action="append", default=[], dest="sets")
+    ap.add_argument("--json", help="also write the measurements here (for the results page's plot)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         worker(a.worker, a.sets)
         return
     results = [measure(int(k), a.sets) for k in a.ranks.split(",")]
+    if a.json:
+        Path(a.json).write_text(json.dumps({"kind": "bytes-vs-ranks", "settings": a.sets,
+                                            "results": results}, indent=1))
     print(f"parameters: {results[0]['params']:,} (float32), settings: {' '.join(a.sets) or 'defaults'}")
     print(table(results, a.sets))
 

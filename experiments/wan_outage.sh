@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 part 3: DiLoCo over 2 emulated datacenters x 2 ranks (25 ms one-way, 100 Mbit/s)
+# DiLoCo over 2 emulated datacenters x 2 ranks (25 ms one-way, 100 Mbit/s)
 # survives a 10 s outage of the inter-datacenter link mid-run with no person acting.
 #
 # Brings a WAN up, trains the same DiLoCo run twice through launchers/wan.sh — once untouched

@@ -76,7 +76,7 @@ if ! "$VENV/bin/python" -c "import horovod.torch" 2>/dev/null; then
 fi
 
 # 4. lowcomm -------------------------------------------------------------------------------------
-pipq install -e "$ROOT[test]"
+pipq install -e "$ROOT[test,docs]"
 "$VENV/bin/python" -c "import torch, mpi4py, horovod.torch, lowcomm" \
     || { log "installed packages do not import"; exit 1; }
 echo "$STAMP_KEY" > "$STAMP"

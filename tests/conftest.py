@@ -78,7 +78,8 @@ def cli(*args: str, env: dict | None = None) -> Ran:
     return Ran(["lowcomm", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
-def run_mpi_suite(np: int, path: str, *pytest_args: str, timeout: float = 300) -> dict[str, str]:
+def run_mpi_suite(np: int, path: str, *pytest_args: str, timeout: float = 300,
+                  env: dict | None = None) -> dict[str, str]:
     """Run the pytest file ``tests/mpi/<path>`` on ``np`` ranks (see tests/mpi/under_mpi.py) and
     require every case to pass on every rank. Returns ``{test name: outcome}``; a failure names
     the case and the ranks it failed on."""
@@ -88,7 +89,7 @@ def run_mpi_suite(np: int, path: str, *pytest_args: str, timeout: float = 300) -
         r = run_ranks(np, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                       "-p", "under_mpi", "-o", "python_files=check_*.py", "-o", "addopts=",
                       "--timeout=120", str(here / path), *pytest_args, timeout=timeout,
-                      env={"LOWCOMM_TEST_REPORTS": reports,
+                      env={**(env or {}), "LOWCOMM_TEST_REPORTS": reports,
                            "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])})
         cases = {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(reports).glob("rank*.json")}
     assert sorted(cases) == list(range(np)), f"reports from ranks {sorted(cases)}\n{r.output}"

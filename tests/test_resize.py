@@ -1,4 +1,4 @@
-"""Resume on another number of ranks (issue 16, part 2): every method, 4 → 2 and 2 → 4, in one
+"""Resume on another number of ranks: every method, 4 → 2 and 2 → 4, in one
 4-rank mpirun (tests/workers/resize.py): the merged parameters equal the average of the old
 ranks' parameters recomputed from the checkpoint files, and the resumed run finishes with a
 finite eval loss and one model on every rank. The merge rules' helpers, in one process."""

@@ -1,4 +1,4 @@
-"""Runs that need no person, and nothing lost whatever the user does (issue 16, parts 1 and 4):
+"""Runs that need no person, and nothing lost whatever the user does:
 a supervised run relaunches itself from its newest checkpoint; a run never overwrites another
 run's files; a resume that cannot continue changes nothing on disk; errors are one line a rank."""
 import hashlib

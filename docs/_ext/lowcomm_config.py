@@ -10,6 +10,7 @@ import io
 import textwrap
 import tokenize
 
+from docutils import nodes
 from docutils.parsers.rst import Directive
 from docutils.statemachine import StringList
 
@@ -54,47 +55,80 @@ def _cell(text: str) -> str:
 
 
 def table(title: str, cls, prefix: str, skip=()) -> list[str]:
-    """An RST list-table of ``cls``'s fields (nested dataclass fields are their own tables)."""
+    """A Markdown table of ``cls``'s fields (nested dataclass fields are their own tables)."""
     notes = field_comments(cls)
-    rows = []
+    lines = [f"**{title}**", "", "| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
-        if f.name in skip or dataclasses.is_dataclass(default_of(f)):
-            continue
         value = default_of(f)
+        if f.name in skip or dataclasses.is_dataclass(value):
+            continue
         shown = repr(value) if not isinstance(value, float) else f"{value:g}"
-        rows.append((f"``{prefix}{f.name}``", _type(f), f"``{shown}``", notes.get(f.name, "")))
-    lines = [f".. list-table:: {title}", "   :header-rows: 1", "   :widths: 22 12 16 50", "",
-             "   * - key", "     - type", "     - default", "     - meaning"]
-    for key, typ, default, note in rows:
-        lines += [f"   * - {_cell(key)}", f"     - {_cell(typ)}", f"     - {_cell(default)}",
-                  f"     - {_cell(note)}"]
+        lines.append(f"| `{prefix}{f.name}` | {_cell(_type(f))} | `{_cell(shown)}` | "
+                     f"{_cell(notes.get(f.name, ''))} |")
     return lines + [""]
 
 
+def summary_line(cls) -> str:
+    """The first line of ``cls``'s own docstring (not the one dataclasses makes up)."""
+    doc = " ".join((cls.__dict__.get("__doc__") or "").split())
+    if not doc or doc.startswith(cls.__name__ + "("):
+        return ""
+    return doc.split(". ")[0].rstrip(".") + "."
+
+
 class LowcommConfig(Directive):
-    """The whole reference: the run's tables, then one table per registered method."""
+    """The whole reference; with an argument, only the tables of the methods it names
+    (``{lowcomm-config} diloco streaming-diloco``)."""
+    optional_arguments = 20
 
     def run(self):
-        from lowcomm.run.config import Config
         from lowcomm.run.registry import STRATEGIES
-        lines = table("The run's own keys (top level)", Config, "",
-                      skip=("policy", "strategy", "task"))
-        lines += ["``policy.<level>``: a method's spec string for one topology level, e.g. "
-                  "``policy.dc = \"diloco:period=50\"``; ``strategy.name``: the method (below).", ""]
-        for f in dataclasses.fields(Config):
-            value = default_of(f)
-            if dataclasses.is_dataclass(value):
-                lines += table(f"``[{f.name}]``" + (f" — {inspect.getdoc(type(value)).splitlines()[0]}"
-                                                   if type(value).__doc__ else ""),
-                               type(value), f"{f.name}.")
-        for name, m in STRATEGIES.items():
-            lines += [f"``strategy.name = \"{name}\"`` — {m.summary}", ""]
-            lines += table(f"``[strategy]`` keys of ``{name}``", m.settings, "strategy.")
-        node_list = StringList(lines, source="lowcomm-config")
-        from docutils import nodes
+        if not self.arguments:
+            lines = run_tables()
+            for name, m in STRATEGIES.items():
+                lines += method_table(name, m)
+        else:
+            lines = []
+            tables = {f"[{k}]": v for k, v in run_subtables().items()}
+            for name in self.arguments:
+                if name in tables:
+                    lines += tables[name]
+                elif name in STRATEGIES:
+                    lines += method_table(name, STRATEGIES[name])
+                else:
+                    raise self.error(f"{name!r} is neither a registered method ({', '.join(STRATEGIES)}) "
+                                     f"nor a table ({', '.join(tables)})")
         container = nodes.container()
-        self.state.nested_parse(node_list, 0, container)
+        self.state.nested_parse(StringList(lines, source="lowcomm-config"), 0, container)
         return container.children
+
+
+def method_table(name: str, m) -> list[str]:
+    return table(f"[strategy] with name = \"{name}\" — {m.summary}", m.settings, "strategy.")
+
+
+def run_subtables() -> dict[str, list[str]]:
+    """``{table name: its lines}`` for the run's sub-tables ([optimizer], [compressor], ...)."""
+    from lowcomm.run.config import Config
+    out = {}
+    for f in dataclasses.fields(Config):
+        value = default_of(f)
+        if dataclasses.is_dataclass(value):
+            note = summary_line(type(value))
+            out[f.name] = table(f"[{f.name}]" + (f" — {note}" if note else ""), type(value), f"{f.name}.")
+    return out
+
+
+def run_tables() -> list[str]:
+    """The run's own keys and its sub-tables."""
+    from lowcomm.run.config import Config
+    lines = table("The run's own keys (top level)", Config, "", skip=("policy", "strategy", "task"))
+    lines += ["`policy.<level>`: a method's spec string for one level of the topology, e.g. "
+              "`policy.dc = \"diloco:period=50\"`; `strategy.name`: the method, whose keys "
+              "follow.", ""]
+    for lines_of_table in run_subtables().values():
+        lines += lines_of_table
+    return lines
 
 
 def setup(app):

@@ -390,8 +390,9 @@ def info():
     lines = [f"lowcomm ranks: {comm.size}", f"torch {torch.__version__}",
              f"MPI: {version.splitlines()[0]}", f"thread level: {level} (multiple = {multiple})"]
     try:
+        import horovod
         import horovod.torch as hvd
-        lines.append(f"horovod {hvd.__version__}: mpi={hvd.mpi_built()} gloo={hvd.gloo_built()}")
+        lines.append(f"horovod {horovod.__version__}: mpi={hvd.mpi_built()} gloo={hvd.gloo_built()}")
     except ImportError:
         lines.append("horovod: not installed")
     if comm.rank == 0:

@@ -13,7 +13,7 @@ class Cast(Codec):
     al. 2018, arXiv 1710.03740 for fp16; bf16: Kalamkar et al. 2019, arXiv 1905.12322).
 
     Update, per bucket x on each of K ranks:
-      1. ``h = fp16(x)`` (round to nearest even); an |x| beyond the format's range is an error,
+      1. ``h = fp16(x)`` (round to nearest even); an ``|x|`` beyond the format's range is an error,
          never sent as Inf;
       2. ``h ← h / K`` in the 16-bit format (so the sum cannot overflow), all-reduce (sum);
       3. the average is ``float(h)``.

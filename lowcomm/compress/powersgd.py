@@ -90,6 +90,7 @@ class PowerSGD(Seeded, Codec):
     Every parameter of two or more dimensions is a matrix ``M`` of n = shape[0] rows and
     m = the product of the other dimensions; vectors (and matrices that would not shrink,
     ``n·m ≤ min_compression_rate · r·(n+m)``) are sent dense. Per bucket and step on K ranks:
+
       0. for the first ``start_iter`` steps of a bucket: one dense all-reduce (mean), no memory;
       1. ``M ← G + E`` (E: this rank's error memory, zero at first);
       2. ``P ← M Q`` with Q the previous step's (warm start; at first N(0, 1) drawn alike on

@@ -11,6 +11,7 @@ class Int8(Codec):
     """Per-bucket scaled int8: one float32 scale per bucket, one byte per element.
 
     Update, per bucket x (n elements) on each of K ranks:
+
       1. ``s = max|x| / 127`` (``s = 0``: all zeros);
       2. ``q = round(x / s)`` (round half to even) as int8, in [-127, 127];
       3. all-gather ``(q, s)``; the average is ``(1/K) Σ_k s_k q_k``.
@@ -89,6 +90,7 @@ class QSGD(Seeded, Codec):
 
     Update, per reducer bucket split into norm buckets v of ``bucket_size`` elements (the last one
     zero-padded), on each of K ranks:
+
       1. ``a_i = |v_i| / ‖v‖₂ · s`` ∈ [0, s];
       2. ``ℓ_i = ⌊a_i + u_i⌋`` with ``u_i`` uniform on [0, 1) (so ℓ_i = ⌈a_i⌉ with probability
          a_i − ⌊a_i⌋: unbiased), and ``q_i = sign(v_i) ℓ_i`` as int8 — computed as

@@ -9,7 +9,7 @@ from ..settings import Settings
 @dataclass
 class CompressorSettings(Settings):
     """Which compressor and its knobs; :func:`lowcomm.compress.build_compressor` builds it."""
-    name: str = "none"
+    name: str = "none"             # a name of lowcomm.compress.COMPRESSORS; "none" = dense
     error_feedback: bool | None = None   # None: the method's own default (on for top-k)
     ratio: float = 0.01            # top-k / random-k: share of elements kept
     levels: int = 16               # QSGD quantisation levels s

@@ -42,6 +42,7 @@ def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     For a large x with a small k it selects as Deep Gradient Compression does (Lin et al. 2018,
     arXiv 1712.01887, Section 3: "sample only 0.1% to 1% of the gradients" to estimate the
     threshold), but stays exact:
+
       1. estimate the magnitude threshold t from a sample of about 2^16 elements (every
          stride-th, the stride a prime, so no row structure aligns with it) as the sample's
          j-th largest, j ≈ (k/n)·|sample| plus four standard deviations plus 10 %;
@@ -86,6 +87,7 @@ class TopK(Codec):
     :class:`~lowcomm.compress.error_feedback.ErrorFeedback` wrapper, on by default).
 
     Update, per bucket x (n elements) on each of K ranks (x already holds the residual):
+
       1. ``k = max(1, ⌊ratio · n⌋)``; ``I`` = indices of the k largest ``|x_i|`` (exactly;
          found through DGC's sampled threshold, :func:`top_indices`);
       2. all-gather ``(x_I, I)`` (values in x's dtype, indices int32);
@@ -97,6 +99,7 @@ class TopK(Codec):
 
     Two-phase (:class:`~lowcomm.compress.twophase.TwoPhase`), bytes ≈ 2·(K−1)/K·k·(value
     bytes + 4) per rank, flat in K:
+
       1. each rank keeps the ``k_j = max(1, ⌊ratio·|x_j|⌋)`` largest of every chunk j (chunk-
          balanced selection, so every block has a fixed size, as Ok-Topk balances its
          partitions: Li & Hoefler 2022, arXiv 2201.07598) and sends chunk j to rank j;
@@ -165,6 +168,7 @@ class RandomK(Seeded, Codec):
     error feedback as in Lin et al. 2018, arXiv 1712.01887), per reducer bucket.
 
     Update, per bucket x (n elements) on each of K ranks:
+
       1. ``k = max(1, ⌊ratio · n⌋)``; ``I`` = a uniformly random k-subset of range(n)
          (:func:`distinct_sample`) drawn from a generator seeded alike on every rank and
          advanced alike (one draw per bucket, in bucket order), so every rank picks the same I

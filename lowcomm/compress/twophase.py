@@ -111,6 +111,7 @@ class TwoPhase(Exchange):
 
     Update, on each of K ranks (rank r), x of n elements cut into chunks j = 0..K−1 by
     :func:`~lowcomm.comm.collectives.chunk_bounds` (sizes ⌈n/K⌉ or ⌊n/K⌋):
+
       1. encode every chunk, ``C(x_j)`` (``encoder.compress_chunks``: worker error feedback, if
          the compressor has it, on the whole of x first; top-k keeps ``max(1, ⌊ratio·|x_j|⌋)``
          per chunk, so every block has a fixed size);

@@ -39,26 +39,26 @@ DEFAULT_TASK = "lowcomm.tasks.bytelm"
 class DataConfig:
     path: str = ""                 # text file or directory; "" = the Python standard library
     glob: str = ""                 # files of a directory to read; "" = all (the stdlib: *.py)
-    seq_len: int = 64
+    seq_len: int = 64              # bytes per training window (the model's context)
     max_bytes: int = 8_000_000     # read at most this much text (train + eval)
     eval_fraction: float = 0.05    # share of files held out for evaluation
 
 
 @dataclass
 class ModelConfig:
-    name: str = "tinygpt"
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
+    name: str = "tinygpt"          # the built-in byte-level GPT (the only one)
+    d_model: int = 128             # width
+    n_layers: int = 2              # transformer blocks
+    n_heads: int = 4               # attention heads (a divisor of d_model)
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"
-    weight_decay: float = 0.0
+    name: str = "adamw"            # the inner optimizer: "adamw" | "adam" | "sgd"
+    weight_decay: float = 0.0      # L2 (sgd, adam) or decoupled (adamw) weight decay
     momentum: float = 0.0          # sgd only
-    beta1: float = 0.9
-    beta2: float = 0.95
+    beta1: float = 0.9             # adam, adamw: first-moment decay
+    beta2: float = 0.95            # adam, adamw: second-moment decay
     schedule: str = "constant"     # lr over the run: "constant" | "cosine" (to min_lr_ratio * lr)
     warmup_steps: int = 0          # linear lr warm-up from lr/warmup_steps to lr
     min_lr_ratio: float = 0.1      # cosine: the lr at the last step, as a fraction of lr
@@ -72,8 +72,8 @@ class CommConfig:
     # ends the job; defaults from $LOWCOMM_TIMEOUT_S, $LOWCOMM_WATCHDOG_FACTOR,
     # $LOWCOMM_WATCHDOG_OUTAGE_S, else 60 s, 10, 30 s
     timeout_s: float = field(default_factory=lambda: watchdog.default_timeout_s())   # floor; 0 = off
-    watchdog_factor: float = field(default_factory=lambda: watchdog.default_factor())
-    outage_s: float = field(default_factory=lambda: watchdog.default_outage_s())
+    watchdog_factor: float = field(default_factory=lambda: watchdog.default_factor())  # × α–β time
+    outage_s: float = field(default_factory=lambda: watchdog.default_outage_s())   # WAN links: extra wait
 
 
 @dataclass
@@ -89,7 +89,7 @@ class CompareConfig:
     question: str = ""             # what the experiment asks
     expect: str = ""               # the outcome we expect, in words
     methods: str = "main"          # comma list, "main" or "all"
-    np: int = 4
+    np: int = 4                    # ranks per method
     link: str = "25,100"           # DELAY_MS,RATE_MBIT of the modelled wall-clock
 
 
@@ -98,20 +98,20 @@ class TaskConfig:
     """What to train (:mod:`lowcomm.tasks`): ``name`` is a Python file (``path/to/task.py``) or an
     importable module (``package.module``); ``options`` is everything else of the ``[task]``
     table, handed to the task as it is (``cfg.task.options``)."""
-    name: str = DEFAULT_TASK
-    options: dict = field(default_factory=dict)
+    name: str = DEFAULT_TASK       # a task file (path/to/task.py) or module (package.module)
+    options: dict = field(default_factory=dict)   # the rest of [task], for the task (cfg.task.options)
 
 
 @dataclass
 class Config:
-    steps: int = 300
-    seed: int = 0
+    steps: int = 300               # training steps (the parameter server: step-equivalents)
+    seed: int = 0                  # seeds torch, Python's random and NumPy on every rank
     batch_size: int = 16           # samples per rank per step
-    lr: float = 3e-3
-    log_every: int = 10
-    eval_batches: int = 16
+    lr: float = 3e-3               # the inner optimizer's learning rate (peak, with a schedule)
+    log_every: int = 10            # a metrics.jsonl line every N steps
+    eval_batches: int = 16         # held-out batches evaluated (0 = none)
     eval_every: int = 0            # also evaluate every N steps (a multiple of log_every; 0 = end only)
-    topology: str = ""
+    topology: str = ""             # e.g. "dc:2,rank:2"; "" = $LOWCOMM_TOPOLOGY or one level
     policy: dict[str, str] = field(default_factory=dict)   # level -> "NAME[:key=value,...]"
     on_nonfinite: str = "abort"    # NaN/Inf loss or gradient: "abort" or "skip" the step
     task: TaskConfig = field(default_factory=TaskConfig)

@@ -19,8 +19,8 @@ OUTER_OPTIMIZERS = ("nesterov", "sgd")
 class DiLoCoSettings(OuterSettings):
     """``[strategy]`` keys of ``diloco``: the outer loop's keys and the outer optimizer."""
     outer_optimizer: str = "nesterov"   # "nesterov" | "sgd"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = 0.7          # the outer SGD's learning rate (the paper: 0.7)
+    outer_momentum: float = 0.9    # the outer SGD's momentum (the paper: 0.9, Nesterov)
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
@@ -79,6 +79,7 @@ class DiLoCo(OuterLoop):
 
     Update, with K ranks, H = ``period``, θ the outer parameters (a float32 copy on the CPU,
     shared by all ranks) and θ_k rank k's model:
+
       1. θ ← rank 0's parameters, broadcast; every θ_k ← θ (after W = ``warmup_steps`` dense
          SyncDP steps, if any);
       2. each rank takes H inner steps of the wrapped optimizer (AdamW in the paper) on its own
@@ -176,6 +177,7 @@ class StreamingDiLoCo(DiLoCo):
 
     Update, with H = ``period``, P = ``fragments``, τ = ``delay``, α = ``alpha``; parameter
     tensors are split into P fragments of near-equal size, fragment p with outer copy θ_p:
+
       1. as DiLoCo step 1; every rank takes inner steps all the time;
       2. at local step s with s mod H = ⌊(p+1)H/P⌋ mod H, fragment p's pseudo-gradient
          Δ_p = (1/K) Σ_k (θ_p − θ_{k,p}(s)) starts its (possibly compressed) all-reduce in the

@@ -83,6 +83,7 @@ class Gossip(Strategy):
     its in-peers and ``u(g)`` the wrapped optimizer's update for gradient g:
 
     ``mode="dpsgd"``, ``order="cta"`` (combine-then-adapt, Lian et al. 2017, the default):
+
       1. at ``zero_grad()``, post ``isend(x_i)`` to the out-peers and ``irecv`` from the in-peers,
          so the exchange runs while forward and backward compute ``g_i = ∇F_i(x_i)``;
       2. at ``step()``, wait and mix: ``x_i ← Σ_{j ∈ {i} ∪ N_in(i)} W_ij x_j``;
@@ -95,6 +96,7 @@ class Gossip(Strategy):
     ``mode="push-sum"`` (SGP; any strongly connected digraph, weights need no doubly stochastic W):
     each rank keeps a numerator ``x_i`` and a weight ``w_i`` (start 1), the model holds
     ``z_i = x_i / w_i``:
+
       1. (atc) ``z_i ← z_i − u(∇F_i(z_i))``, ``x_i = w_i z_i``;
       2. send ``(x_i, w_i)/(d_out+1)`` to each out-peer, keep one share;
       3. ``x_i ← Σ received shares``, ``w_i ← Σ received weights``, ``z_i = x_i / w_i``.
@@ -103,6 +105,7 @@ class Gossip(Strategy):
     graphs every ``w_i`` stays 1 and this is D-PSGD; messages carry 8 extra bytes for ``w``.
 
     ``mode="async"`` (never waits for a neighbour): rank i, each step,
+
       1. takes whatever ``(x_j, w_j)`` messages have arrived since the last step and adds them:
          ``x_i ← w_i z_i + Σ x_j``, ``w_i ← w_i + Σ w_j`` (the model it computed its gradient on
          is therefore stale by up to the messages absorbed, as in AD-PSGD);
@@ -119,6 +122,7 @@ class Gossip(Strategy):
     Compressed gossip (``compressor`` given; CHOCO-SGD, Koloskova et al. 2019; D-PSGD mode on a
     static graph): every rank keeps a public copy ``x̂_i`` that its neighbours track and
     ``s_i = Σ_j W_ij x̂_j``;
+
       1. ``q_i = Q(x_i − x̂_i)``, sent to the neighbours (the compressor's payload);
       2. ``x̂_i ← x̂_i + q_i``, ``s_i ← s_i + Σ_{j ∈ {i} ∪ N_in(i)} W_ij q_j``;
       3. ``x_i ← x_i + γ (s_i − x̂_i)`` with ``γ = consensus_step``.

@@ -57,6 +57,7 @@ class OneBitAdam(Strategy):
     Warm-up, steps t = 1 … ``freeze_step`` = T_w: the gradients are averaged with one dense
     all-reduce and the wrapped ``torch.optim.Adam`` steps, so the run equals torch Adam on the
     averaged gradient exactly. Compression stage, t > T_w, on each of K ranks:
+
       1. the variance is frozen: ``v = v_{T_w}``, and with it Adam's denominator
          ``δ = √v/√(1-β2^{T_w}) + ε`` (torch Adam's bias correction, frozen at the switch);
       2. local momentum ``m_k = β1 m_{t-1} + (1-β1) g_k`` (``g_k`` + weight decay · x, as Adam's

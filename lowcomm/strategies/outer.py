@@ -125,6 +125,7 @@ class OuterLoop(Strategy):
     Schedule, with W = ``warmup_steps``, H = ``period``, τ = ``delay``, after each inner step
     t (counted from 1; steps all ranks skip together are not counted, a step one rank skips
     under AMP is) and s = t − W:
+
       1. t ≤ W: the step was a dense :class:`~lowcomm.strategies.syncdp.SyncDP` step
          (post-local SGD's warm-up); after step W the SyncDP hooks are removed;
       2. every fragment in flight whose ``apply_at == s`` is waited for and applied;

@@ -19,7 +19,7 @@ class AsyncPSSettings(Settings):
     worker_timeout_s: float = 30.0  # a worker silent this long (owed nothing) is lost
     server_timeout_s: float = 10.0  # a server silent this long (owing a reply) ends the job
     overlap: bool = True           # push full shards from inside the backward pass
-    backward_passes_per_step: int = 1
+    backward_passes_per_step: int = 1   # gradient accumulation: push after every N-th backward
 
     def validate(self, prefix: str = "") -> None:
         self.at_least(prefix, "servers", 1)

@@ -1,0 +1,81 @@
+"""The documentation: it builds without a warning, the README stays short, no work-item numbers
+anywhere, and every example of the README and the guides runs (tests/doc_examples.py)."""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_mpi_suite
+from doc_examples import PRELUDES, all_examples, work_dir
+
+KINDS = ("python", "bash", "file", "skip")
+
+
+def test_every_example_is_marked_with_how_it_runs():
+    found = all_examples()
+    assert len(found) >= 20, f"only {len(found)} examples found: the parser is broken"
+    bad = [f"{e.id}: {e.kind}" for e in found if e.kind not in KINDS]
+    assert not bad, "examples without a known '<!-- test: ... -->' marker:\n" + "\n".join(bad)
+    assert all(e.options.get("reason") for e in found if e.kind == "skip"), "a skip needs its reason"
+    assert all(e.options.get("prelude", "toy") in PRELUDES for e in found)
+
+
+def test_readme_is_short_and_no_work_item_numbers_anywhere():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+    pattern = re.compile(r"\bissues? #?\d+\b", re.IGNORECASE)
+    hits = [f"{p.relative_to(ROOT)}:{i}" for base in ("README.md", "docs", "lowcomm", "tests",
+                                                      "experiments", "scripts")
+            for p in ([ROOT / base] if base.endswith(".md") else (ROOT / base).rglob("*"))
+            if p.is_file() and p.suffix in (".md", ".py", ".toml", ".sh")
+            for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+            if pattern.search(line)]
+    assert not hits, "work-item numbers in " + ", ".join(hits)
+
+
+def test_docs_build_without_a_warning(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b",
+                        "html", str(ROOT / "docs"), str(tmp_path / "html")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "html" / "configuration.html").exists()
+
+
+def run_local(example, folder: Path) -> None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(folder)}
+    if example.kind == "file":
+        (folder / example.options["name"]).write_text(example.code)
+        return
+    cmd = ["bash", "-euo", "pipefail", "-c", example.code] if example.kind == "bash" else \
+        [sys.executable, "-c", example.script()]
+    r = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{example.id} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+
+
+def test_every_example_runs():
+    """Page by page, in order, in one work folder per page: the files, the one-process scripts
+    and the shell commands here; then every 2-rank script in one mpirun."""
+    with tempfile.TemporaryDirectory() as base:
+        base = Path(base)
+        for page in {e.page for e in all_examples()}:
+            work_dir(page, base)             # made here, before the ranks need them
+        for e in all_examples():
+            if e.kind in ("file", "bash") or (e.kind == "python" and "np" not in e.options):
+                run_local(e, work_dir(e.page, base))
+        cases = run_mpi_suite(2, "check_docs.py", timeout=600,
+                              env={"LOWCOMM_DOCS_WORK": str(base)})
+    assert len(cases) == sum(e.kind == "python" and e.options.get("np") == "2"
+                             for e in all_examples())
+
+
+@pytest.mark.parametrize("text,kind,opts", [
+    ("python np=2 prelude=toy", "python", {"np": "2", "prelude": "toy"}),
+    ("file my_task.py", "file", {"name": "my_task.py"}),
+    ("skip: CI's own", "skip", {"reason": "CI's own"})])
+def test_markers_parse(text, kind, opts):
+    from doc_examples import parse_marker
+    assert parse_marker(text) == (kind, opts)
