@@ -9,9 +9,24 @@ class LowcommError(Exception):
 class ConfigError(LowcommError, ValueError):
     """A configuration key, value or type is wrong; the message names the key."""
 
+    what = "config key"
+
     def __init__(self, key: str, message: str):
         self.key, self.reason = key, message
-        super().__init__(f"config key '{key}': {message}")
+        super().__init__(f"{self.what} '{key}': {message}")
+
+    @staticmethod
+    def at(prefix: str, name: str, message: str) -> "ConfigError":
+        """The error for setting ``name`` read under ``prefix``: a config key
+        (``strategy.period``) where there is a prefix, else a Python argument (``period``)."""
+        return ConfigError(prefix + name, message) if prefix else ArgumentError(name, message)
+
+
+class ArgumentError(ConfigError):
+    """A Python argument of a lowcomm method or function is wrong; the message names it. A
+    :class:`ConfigError`, so one ``except`` catches both."""
+
+    what = "argument"
 
 
 class EnvError(ConfigError):

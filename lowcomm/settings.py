@@ -70,9 +70,12 @@ class Settings:
         kwargs = {}
         for key, value in options.items():
             if key not in hints:
-                raise ConfigError(prefix + key, f"not an option of {what or cls.__name__}; known: "
+                raise ConfigError.at(prefix, key, f"not an option of {what or cls.__name__}; known: "
                                   f"{', '.join(hints) or '(none)'}")
-            kwargs[key] = coerce(prefix + key, hints[key], value)
+            try:
+                kwargs[key] = coerce(key, hints[key], value)
+            except ConfigError as e:
+                raise ConfigError.at(prefix, key, e.reason) from None
         out = cls(**kwargs)
         out.validate(prefix)
         return out
@@ -89,7 +92,7 @@ class Settings:
     # checkers ---------------------------------------------------------------------------------
     def at_least(self, prefix: str, name: str, low: float) -> None:
         if getattr(self, name) < low:
-            raise ConfigError(prefix + name, f"must be >= {low:g}, got {getattr(self, name)}")
+            raise ConfigError.at(prefix, name, f"must be >= {low:g}, got {getattr(self, name)}")
 
     def within(self, prefix: str, name: str, low: float, high: float, *, low_open: bool = False,
                high_open: bool = False) -> None:
@@ -97,9 +100,9 @@ class Settings:
         ok = (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
         if not ok:
             lb, rb = "(" if low_open else "[", ")" if high_open else "]"
-            raise ConfigError(prefix + name, f"must be in {lb}{low:g}, {high:g}{rb}, got {v}")
+            raise ConfigError.at(prefix, name, f"must be in {lb}{low:g}, {high:g}{rb}, got {v}")
 
     def one_of(self, prefix: str, name: str, known) -> None:
         if getattr(self, name) not in known:
-            raise ConfigError(prefix + name, f"unknown value {getattr(self, name)!r}; known: "
+            raise ConfigError.at(prefix, name, f"unknown value {getattr(self, name)!r}; known: "
                               f"{', '.join(known)}")

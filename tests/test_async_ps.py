@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import WORKERS, run_ranks, run_worker
-from lowcomm.run.registry import load_config
+from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
 from lowcomm.strategies.async_ps import (HEADER, build_shards, dc_compensate, pack_push,
                                          staleness_lr, unpack_push)

@@ -11,7 +11,7 @@ from lowcomm.compress import COMPRESSORS, PowerSGD, build_compressor
 from lowcomm.compress.base import Segment
 from lowcomm.compress.bits import SIGNED_INTS, pack_signs, pack_signs_torch, unpack_bits, unpack_signs
 from lowcomm.run.config import CompressorConfig
-from lowcomm.run.registry import load_config
+from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError, LowcommError, NonFiniteError
 
 LOSSY = [n for n in COMPRESSORS if n != "none"]
@@ -467,17 +467,17 @@ def test_ef_sign_leaves_exactly_p_minus_its_decoded_payload(dtype):
     assert torch.equal(p.view(bits), (x - comp.decompress(payload, ctx)).view(bits))
 
 
-def test_readme_codec_example_composes_with_error_feedback():
-    """README's "Adding a compressor" example: a codec, error feedback around it, an exchange."""
+def test_the_docs_codec_example_composes_with_error_feedback():
+    """docs/extending.md's "A compressor" example: a codec, error feedback around it, an exchange."""
     import re
     from pathlib import Path
 
     from lowcomm.compress import TwoPhase
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Adding a compressor"):]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    section = page[page.index("## A compressor"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     env: dict = {}
-    exec(compile(code, "README.md", "exec"), env)
+    exec(compile(code, "docs/extending.md", "exec"), env)
     comp = env["comp"]
     assert isinstance(comp.exchange, TwoPhase) and comp.error_feedback and comp.name == "every-other"
     x = torch.arange(7, dtype=torch.float32)

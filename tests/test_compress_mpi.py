@@ -7,7 +7,7 @@ import pytest
 
 from conftest import run_ranks, run_worker
 from lowcomm.compress import COMPRESSORS
-from lowcomm.run.registry import load_config
+from lowcomm.run.api import load_config
 from lowcomm.comm.ledger import wire_bytes
 from lowcomm.tasks import bytelm
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import run_ranks, run_worker
 from lowcomm.compress import COMPRESSORS
-from lowcomm.run.registry import load_config
+from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
 from lowcomm.strategies.graphs import GRAPHS, EdgeGraph, Torus, build_graph, second_eigenvalue
 

@@ -3,7 +3,7 @@ import pytest
 
 from conftest import run_worker
 from lowcomm.compress import COMPRESSORS
-from lowcomm.run.registry import load_config
+from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
 
 

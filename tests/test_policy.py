@@ -2,7 +2,7 @@
 import pytest
 
 from conftest import run_worker
-from lowcomm.run.registry import load_config
+from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
 
 

@@ -117,7 +117,7 @@ RECORD = ROOT / "tests" / "launchers" / "record.sh"
 def a_run(folder, checkpoint_at=None):
     """A finished run's folder as lowcomm writes it (by hand: no ranks needed)."""
     from lowcomm.run.folder import new_run_id, write_marker
-    from lowcomm.run.registry import load_config
+    from lowcomm.run.api import load_config
     folder.mkdir(parents=True)
     write_marker(folder, new_run_id(), folder)
     (folder / "config.json").write_text(json.dumps(load_config(None, SMALL).to_dict()))

@@ -15,7 +15,7 @@ from conftest import ROOT, run_ranks, run_worker
 from lowcomm.run.config import load_config as load_generic
 from lowcomm.tasks.corpus import Corpus
 from lowcomm.errors import ConfigError
-from lowcomm.run.registry import load_config
+from lowcomm.run.api import load_config
 from lowcomm.tasks import TaskError, dataset_batches, from_functions, load_task
 
 HF_TASK = ROOT / "experiments" / "hf_gpt2_task.py"

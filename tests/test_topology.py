@@ -3,7 +3,7 @@ MPI_Allreduce under mpirun at 1–4 ranks over several topologies (tests/workers
 import pytest
 
 from conftest import run_worker
-from lowcomm.run.registry import load_config
+from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
 from lowcomm.comm.topology import LinkModel, Topology
 from lowcomm.tools.wan import model_seconds

@@ -8,7 +8,7 @@ import torch
 from lowcomm.tools.bench import parse_size
 from lowcomm.comm.collectives import chunk_bounds
 from lowcomm.run.config import Config, ConfigError, parse_override
-from lowcomm.run.registry import load_config
+from lowcomm.run.api import load_config
 from lowcomm.tasks.corpus import Corpus
 from lowcomm.comm.ledger import Ledger, busbw_factor, wire_bytes
 from lowcomm.tasks.tinygpt import TinyGPT

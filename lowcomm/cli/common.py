@@ -60,8 +60,8 @@ def debug() -> bool:
 
 
 def load_cfg(config, overrides, base=None):
-    """:func:`~lowcomm.run.registry.load_config`, a bad key reported as a click usage error."""
-    from ..run.registry import load_config   # late: the registry imports every strategy
+    """:func:`~lowcomm.run.api.load_config`, a bad key reported as a click usage error."""
+    from ..run.api import load_config   # late: it imports every strategy
     try:
         return load_config(config, overrides, base)
     except ConfigError as e:

@@ -72,16 +72,16 @@ def check(cfg, prefix: str = "compressor.") -> None:
     method accepts (:class:`~lowcomm.compress.settings.CompressorSettings` and
     :func:`build_compressor` both use it)."""
     if cfg.name not in COMPRESSORS:
-        raise ConfigError(prefix + "name", f"unknown compressor {cfg.name!r}; known: {', '.join(COMPRESSORS)}")
+        raise ConfigError.at(prefix, "name", f"unknown compressor {cfg.name!r}; known: {', '.join(COMPRESSORS)}")
     collective = getattr(cfg, "collective", "two-phase")
     if collective not in COLLECTIVES:
-        raise ConfigError(prefix + "collective", f"unknown value {collective!r}; known: "
+        raise ConfigError.at(prefix, "collective", f"unknown value {collective!r}; known: "
                           f"{', '.join(COLLECTIVES)}")
     if cfg.name == "none" and cfg.error_feedback:
-        raise ConfigError(prefix + "error_feedback", "needs a lossy compressor (compressor.name "
+        raise ConfigError.at(prefix, "error_feedback", "needs a lossy compressor (compressor.name "
                           "is 'none')")
     if cfg.name == "ef-sign" and cfg.error_feedback is False:
-        raise ConfigError(prefix + "error_feedback", "ef-sign is sign with error feedback; "
+        raise ConfigError.at(prefix, "error_feedback", "ef-sign is sign with error feedback; "
                           "error_feedback = false would make it 'sign'")
 
 

@@ -18,14 +18,50 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .loop import run as run_loop
-from .registry import build_strategy, load_config, parse_spec, topology_comms
-from ..comm.comm import Comm, init
-from .config import apply_comm_settings
-from .config import Config
-from ..errors import ConfigError
-from ..tasks import Task, from_functions, load_task
+import os
 
+from ..comm.comm import Comm, init
+from ..errors import ConfigError
+from ..tasks import Task, TaskError, from_functions, load_task
+from .config import Config, apply_comm_settings
+from .config import load_config as load_config_file
+from .loop import run as run_loop
+from .registry import build_strategy, check, parse_spec
+
+
+
+def load_config(path=None, overrides=(), base: dict | None = None) -> Config:
+    """A run's resolved config: :func:`lowcomm.run.config.load_config` (TOML, ``--set``), then
+    every method-level check (:func:`lowcomm.run.registry.check`) and the task (a missing file or
+    function fails here, before any rank starts); errors name the key."""
+    cfg = load_config_file(path, overrides, base)
+    check(cfg)
+    try:
+        load_task(cfg.task.name)
+    except TaskError as e:
+        raise ConfigError("task", str(e)) from None
+    return cfg
+
+
+def topology_comms(cfg, comm):
+    """The topology's communicators over ``comm`` when the run needs them (a per-level policy,
+    or a ``hierarchical`` all-reduce), else None; the topology is read (and checked against the
+    job's size) whenever one is configured, and ``comm.link`` set to its outermost level's
+    links (which a world collective crosses: the watchdog's limits and the compressed
+    collective's choice read it). Collective over ``comm``."""
+    configured = bool(cfg.topology or os.environ.get("LOWCOMM_TOPOLOGY"))
+    algorithm = cfg.strategy.get("algorithm", "auto")
+    # "auto" may pick the hierarchical all-reduce where a topology is configured
+    needed = bool(cfg.policy) or algorithm == "hierarchical" or (algorithm == "auto" and configured)
+    if not (needed or configured):
+        return None
+    from ..comm.topology import Topology
+    topo = Topology.from_env(comm, cfg.topology)
+    if needed:
+        return topo.comms(comm)
+    topo.check_size(comm.size)
+    comm.link = topo.link(topo.names[0])    # a world collective crosses the outermost links
+    return None
 
 
 def task_of(cfg: Config) -> Task:
@@ -35,7 +71,7 @@ def task_of(cfg: Config) -> Task:
 def run(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
         progress: bool = True, resume: str | Path | None = None, task: Task | None = None,
         overwrite: bool = False, run_id: str | None = None) -> dict:
-    """Train a resolved config (:func:`lowcomm.run.registry.load_config`) on ``comm`` (default: the
+    """Train a resolved config (:func:`lowcomm.run.api.load_config`) on ``comm`` (default: the
     world): the task it names (or ``task``), the strategy it names."""
     comm = comm or init()
     task = task or task_of(cfg)
@@ -83,4 +119,4 @@ def _literal(v) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-__all__ = ["run", "train"]
+__all__ = ["load_config", "run", "topology_comms", "train"]

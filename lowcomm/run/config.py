@@ -3,7 +3,7 @@
 This module is generic: it knows the run's own keys (steps, lr, [optimizer], [checkpoint], ...)
 and keeps the method tables as the user wrote them. ``[strategy]`` (``name`` plus that
 strategy's options) and ``policy.<level>`` specs are checked against the settings that each
-strategy module owns by :func:`lowcomm.run.registry.load_config`, which also checks ``[compressor]``;
+strategy module owns by :func:`lowcomm.run.api.load_config`, which also checks ``[compressor]``;
 this module imports no strategy.
 
 Unknown keys and values of the wrong type are :class:`~lowcomm.errors.ConfigError` naming the
@@ -248,7 +248,7 @@ def _at_least(cfg: Config, low: int, *keys: str) -> None:
 
 
 def validate(cfg: Config) -> Config:
-    """Check the run's own keys (the method tables: :func:`lowcomm.run.registry.load_config`)."""
+    """Check the run's own keys (the method tables: :func:`lowcomm.run.api.load_config`)."""
     def one_of(key, value, known):
         if value not in known:
             raise ConfigError(key, f"unknown value {value!r}; known: {', '.join(known)}")

@@ -19,17 +19,14 @@ as strings; unknown names and keys are :class:`~lowcomm.errors.ConfigError` nami
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from .config import Config, parse_override
-from .config import load_config as _load_config
 from ..compress.settings import CompressorSettings
 from ..errors import ConfigError
 from ..strategies import diloco, gossip, localsgd, onebit_adam, syncdp
 from ..strategies.ps import method as async_ps
 from ..strategies.base import Context, Method, Strategy
 from ..strategies.policy import Level, build_policy, check_plan
-from ..tasks import TaskError, load_task
 
 #: every strategy by name, one line each
 STRATEGIES: dict[str, Method] = {m.name: m for m in (
@@ -96,11 +93,11 @@ def settings(m: Method, options: dict, prefix: str = "strategy."):
             continue
         defaults = _defaults(k)
         if not defaults:
-            raise ConfigError(prefix + k, f"unknown key (an option of no strategy); {m.name} "
+            raise ConfigError.at(prefix, k, f"unknown key (an option of no strategy); {m.name} "
                               f"takes: {', '.join(own) or '(none)'}")
         if v not in defaults:
             owners = sorted(n for n, o in STRATEGIES.items() if k in o.settings.fields())
-            raise ConfigError(prefix + k, f"is an option of {', '.join(owners)}, which {m.name} "
+            raise ConfigError.at(prefix, k, f"is an option of {', '.join(owners)}, which {m.name} "
                               f"would ignore (it takes: {', '.join(own) or '(none)'})")
     return m.settings.from_options(mine, prefix, m.name)
 
@@ -137,10 +134,6 @@ def policy_levels(cfg, names) -> list[Level]:
 def check(cfg) -> None:
     """Every method-level key of ``cfg``: the strategy and its options, each policy spec, the
     combinations with the run's keys; raises ConfigError naming the key."""
-    try:
-        load_task(cfg.task.name)              # a missing file or function fails before MPI starts
-    except TaskError as e:
-        raise ConfigError("task", str(e)) from None
     if cfg.policy:
         if cfg.strategy.get("name", "syncdp") != "syncdp":
             raise ConfigError("policy", f"give either strategy.name ({cfg.strategy['name']!r}) or "
@@ -160,13 +153,6 @@ def check(cfg) -> None:
                                        for k, v in cfg.strategy.items() if k != "name"}}
 
 
-def load_config(path=None, overrides=(), base: dict | None = None):
-    """:func:`lowcomm.run.config.load_config`, then every method-level check (:func:`check`)."""
-    cfg = _load_config(path, overrides, base)
-    check(cfg)
-    return cfg
-
-
 def context(cfg) -> Context:
     """What builders take from the run's config."""
     return Context(compressor=cfg.compressor, nonfinite="skip" if cfg.on_nonfinite == "skip"
@@ -182,27 +168,6 @@ def build_strategy(cfg, model, optimizer, comm, levels=None) -> Strategy:
         return build_policy(policy_levels(cfg, levels.names), model, optimizer, comm, ctx)
     m, s = strategy_settings(cfg)
     return m.build(s, model, optimizer, comm, ctx)
-
-
-def topology_comms(cfg, comm):
-    """The topology's communicators over ``comm`` when the run needs them (a per-level policy,
-    or a ``hierarchical`` all-reduce), else None; the topology is read (and checked against the
-    job's size) whenever one is configured, and ``comm.link`` set to its outermost level's
-    links (which a world collective crosses: the watchdog's limits and the compressed
-    collective's choice read it). Collective over ``comm``."""
-    configured = bool(cfg.topology or os.environ.get("LOWCOMM_TOPOLOGY"))
-    algorithm = cfg.strategy.get("algorithm", "auto")
-    # "auto" may pick the hierarchical all-reduce where a topology is configured
-    needed = bool(cfg.policy) or algorithm == "hierarchical" or (algorithm == "auto" and configured)
-    if not (needed or configured):
-        return None
-    from ..comm.topology import Topology
-    topo = Topology.from_env(comm, cfg.topology)
-    if needed:
-        return topo.comms(comm)
-    topo.check_size(comm.size)
-    comm.link = topo.link(topo.names[0])    # a world collective crosses the outermost links
-    return None
 
 
 def _python_context(compressor, nonfinite: str, steps: int | None, levels=None) -> Context:
@@ -252,6 +217,5 @@ def policy(levels: dict[str, str], model, optimizer, comm=None, *, topology: str
                         _python_context(compressor, nonfinite, None, comms))
 
 
-__all__ = ["STRATEGIES", "build", "build_strategy", "check", "context", "load_config", "method",
-           "parse_spec", "policy", "policy_levels", "register", "settings", "strategy_settings",
-           "topology_comms"]
+__all__ = ["STRATEGIES", "build", "build_strategy", "check", "context", "method",
+           "parse_spec", "policy", "policy_levels", "register", "settings", "strategy_settings"]

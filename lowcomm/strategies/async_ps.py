@@ -75,10 +75,10 @@ from __future__ import annotations
 import torch
 
 from ..comm.comm import Comm
-from ..errors import LowcommError
+from ..errors import ArgumentError, LowcommError
 from .base import Strategy
 from .ps.protocol import (DROPPED, HEADER, OK, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE,
-                          TAG_INIT, TAG_PULL, TAG_PUSH, BufferBlock, Reply, ServerLost, Settings, Shard,
+                          TAG_INIT, TAG_PULL, TAG_PUSH, AsyncPSSettings, BufferBlock, Reply, ServerLost, Shard,
                           WorkerDropped, WorkersLost, build_shards, dc_compensate, load_shard,
                           pack_push, recovery_enabled, staleness_lr, unpack_push)
 from .ps.server import ParameterServer
@@ -94,14 +94,25 @@ class AsyncPS(Strategy):
     (:mod:`lowcomm.strategies.ps.method` builds it from the run's settings)."""
 
     name = "async-ps"
+    Settings = AsyncPSSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, compressor=None, **settings):
+                 comm: Comm | None = None, *, settings: AsyncPSSettings | None = None,
+                 compressor=None, nonfinite: str = "raise", budget: int | None = None, **options):
         super().__init__(model, optimizer, comm)
-        st = Settings(**settings).check(self.comm.size)
-        self.is_server = self.comm.rank < st.servers
+        st = settings if settings is not None else self.settings_from(options)
+        if not st.servers < self.comm.size:
+            raise ArgumentError("servers", f"async-ps needs 1 <= servers < ranks (strategy.servers "
+                                f"in a config) so that at least one rank trains; got "
+                                f"{st.servers} on {self.comm.size} ranks")
+        if nonfinite not in ("raise", "skip"):
+            raise ArgumentError("nonfinite", f"must be 'raise' or 'skip', got {nonfinite!r}")
+        if budget is not None and budget < 1:
+            raise ArgumentError("budget", f"must be >= 1 gradients, got {budget}")
+        self.settings, self.is_server = st, self.comm.rank < st.servers
         role = ParameterServer if self.is_server else Worker
-        self.role = role(model, optimizer, self.comm, compressor=compressor, settings=st)
+        self.role = role(model, optimizer, self.comm, compressor=compressor, settings=st,
+                         nonfinite=nonfinite, budget=budget)
 
     def __getattr__(self, name: str):
         role = self.__dict__.get("role")
@@ -170,7 +181,7 @@ class AsyncPS(Strategy):
             block.unpack(data)
 
 
-__all__ = ["AsyncPS", "DROPPED", "HEADER", "OK", "POLL_S", "PUSH", "ParameterServer", "Reply",
-           "SKIP", "STOP", "ServerLost", "Settings", "Shard", "TAG_BEAT", "TAG_DONE", "TAG_INIT",
+__all__ = ["AsyncPS", "AsyncPSSettings", "DROPPED", "HEADER", "OK", "POLL_S", "PUSH", "ParameterServer", "Reply",
+           "SKIP", "STOP", "ServerLost", "Shard", "TAG_BEAT", "TAG_DONE", "TAG_INIT",
            "TAG_PULL", "TAG_PUSH", "Worker", "WorkerDropped", "WorkersLost", "build_shards",
            "dc_compensate", "pack_push", "recovery_enabled", "staleness_lr", "unpack_push"]

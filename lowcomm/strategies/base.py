@@ -32,7 +32,7 @@ def check_compressor_name(s, prefix: str, allow_empty: bool = False) -> None:
     """``s.compressor`` names a registered compressor (``""`` too where ``allow_empty``)."""
     from ..compress import COMPRESSORS
     if not (allow_empty and s.compressor == "") and s.compressor not in COMPRESSORS:
-        raise ConfigError(prefix + "compressor", f"unknown compressor {s.compressor!r}; known: "
+        raise ConfigError.at(prefix, "compressor", f"unknown compressor {s.compressor!r}; known: "
                           f"{', '.join(COMPRESSORS)}")
 
 
@@ -176,6 +176,8 @@ class Strategy(torch.optim.Optimizer):
     name = "strategy"
     #: a skipped step (AMP) must be agreed by every rank: their gradients meet every step
     lockstep = False
+    #: the settings dataclass whose fields the constructor also takes as keyword arguments
+    Settings = None
     _step_supports_amp_scaling = True
 
     def __init_subclass__(cls, **kwargs):
@@ -202,6 +204,13 @@ class Strategy(torch.optim.Optimizer):
         self._closed = False
         self._votes: Comm | None = None  # AMP skip votes (lockstep methods), made on first use
         self._guard = optimizer.register_step_pre_hook(self._direct_step)
+
+    @classmethod
+    def settings_from(cls, options: dict, **defaults):
+        """Validated :attr:`Settings` from Python keyword arguments (``defaults`` under them):
+        a wrong one raises :class:`~lowcomm.errors.ArgumentError` naming it — the same checks
+        as a config's (:meth:`~lowcomm.settings.Settings.validate`), made once."""
+        return cls.Settings.from_options({**defaults, **options}, "", cls.name)
 
     def _share(self, optimizer: torch.optim.Optimizer) -> None:
         """From now on this object's ``param_groups``, ``state`` and ``defaults`` are

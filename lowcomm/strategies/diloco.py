@@ -7,10 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.comm import Comm
-from ..compress.compressor import Compressor
 from ..errors import ConfigError
 from .base import Context, Method
-from .outer import Fragment, Nesting, OuterLoop, OuterSettings, check_merge, check_run
+from .outer import Fragment, OuterLoop, OuterSettings, check_merge, check_run
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 
@@ -24,12 +23,15 @@ class DiLoCoSettings(OuterSettings):
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
-        _check_outer(self.outer_optimizer, self.outer_lr, self.outer_momentum, prefix)
+        self.one_of(prefix, "outer_optimizer", OUTER_OPTIMIZERS)
+        self.within(prefix, "outer_lr", 0, float("inf"), low_open=True)
+        self.within(prefix, "outer_momentum", 0, 1, high_open=True)
+        if self.outer_optimizer == "nesterov" and self.outer_momentum == 0:
+            raise ConfigError.at(prefix, "outer_momentum", "Nesterov needs a momentum > 0; for "
+                                 "none use outer_optimizer=\"sgd\"")
 
     def kwargs(self, ctx: Context) -> dict:
-        return dict(super().kwargs(ctx), outer_optimizer=self.outer_optimizer,
-                    outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
-                    compressor=ctx.gradient_compressor(self.compressor))
+        return dict(super().kwargs(ctx), compressor=ctx.gradient_compressor(self.compressor))
 
 
 @dataclass
@@ -46,32 +48,14 @@ class StreamingDiLoCoSettings(DiLoCoSettings):
         self.at_least(prefix, "delay", 0)
         self.within(prefix, "alpha", 0, 1)
         if self.delay >= self.period:
-            raise ConfigError(prefix + "delay", f"must be < period={self.period} (a fragment's "
+            raise ConfigError.at(prefix, "delay", f"must be < period={self.period} (a fragment's "
                               f"reduction has to land before its next synchronisation), got {self.delay}")
         check_merge(self.merge, self.alpha, prefix)
-
-    def kwargs(self, ctx: Context) -> dict:
-        return dict(super().kwargs(ctx), fragments=self.fragments, delay=self.delay, alpha=self.alpha,
-                    merge=self.merge)
 
 
 def build(s: DiLoCoSettings, model, optimizer, comm: Comm, ctx: Context) -> "DiLoCo":
     cls = StreamingDiLoCo if isinstance(s, StreamingDiLoCoSettings) else DiLoCo
     return cls(model, optimizer, comm, **s.kwargs(ctx))
-
-
-def _check_outer(outer_optimizer: str, outer_lr: float, outer_momentum: float,
-                 prefix: str = "strategy.") -> None:
-    if outer_optimizer not in OUTER_OPTIMIZERS:
-        raise ConfigError(prefix + "outer_optimizer", f"unknown value {outer_optimizer!r}; "
-                          f"known: {', '.join(OUTER_OPTIMIZERS)}")
-    if not outer_lr > 0:
-        raise ConfigError(prefix + "outer_lr", f"must be > 0, got {outer_lr}")
-    if not 0 <= outer_momentum < 1:
-        raise ConfigError(prefix + "outer_momentum", f"must be in [0, 1), got {outer_momentum}")
-    if outer_optimizer == "nesterov" and outer_momentum == 0:
-        raise ConfigError(prefix + "outer_momentum", "Nesterov needs a momentum > 0; for none "
-                          "use outer_optimizer=\"sgd\"")
 
 
 class DiLoCo(OuterLoop):
@@ -97,6 +81,10 @@ class DiLoCo(OuterLoop):
     Args:
         model, optimizer: the user's torch objects (``optimizer`` is the inner optimizer).
         comm: communicator (default: world).
+        settings: a validated :class:`DiLoCoSettings` (what the registry passes); otherwise the
+            keyword arguments are its fields — ``period``, ``outer_*``, ``warmup_steps``,
+            ``algorithm`` (default "mpi"), ... —, checked once by its ``validate`` (a wrong one
+            raises :class:`~lowcomm.errors.ArgumentError` naming it):
         period: H ≥ 1 inner steps per outer step.
         outer_optimizer: "nesterov" or "sgd".
         outer_lr, outer_momentum: the outer SGD's learning rate and momentum.
@@ -115,17 +103,13 @@ class DiLoCo(OuterLoop):
     """
 
     name = "diloco"
+    Settings = DiLoCoSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, period: int, outer_optimizer: str = "nesterov",
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, warmup_steps: int = 0,
-                 algorithm: str = "mpi", compressor: Compressor | None = None,
-                 warmup_options: dict | None = None, nest: Nesting | None = None, levels=None):
-        _check_outer(outer_optimizer, outer_lr, outer_momentum)   # before any communication
-        super().__init__(model, optimizer, comm, period=period, warmup_steps=warmup_steps,
-                         algorithm=algorithm, compressor=compressor, warmup_options=warmup_options,
-                         nest=nest, levels=levels)
-        self._init_outer(outer_optimizer, outer_lr, outer_momentum)
+                 comm: Comm | None = None, **arguments):
+        super().__init__(model, optimizer, comm, **arguments)
+        s = self.settings
+        self._init_outer(s.outer_optimizer, s.outer_lr, s.outer_momentum)
 
     def _init_outer(self, outer_optimizer: str, outer_lr: float, outer_momentum: float) -> None:
         self.outer_params = [torch.nn.Parameter(f.pack(), requires_grad=False)
@@ -209,20 +193,7 @@ class StreamingDiLoCo(DiLoCo):
     """
 
     name = "streaming-diloco"
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, period: int, fragments: int = 1, delay: int = 0,
-                 alpha: float = 0.0, merge: str = "mix", outer_optimizer: str = "nesterov",
-                 outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, warmup_steps: int = 0, algorithm: str = "mpi",
-                 compressor: Compressor | None = None, warmup_options: dict | None = None,
-                 nest: Nesting | None = None, levels=None):
-        _check_outer(outer_optimizer, outer_lr, outer_momentum)
-        OuterLoop.__init__(self, model, optimizer, comm, period=period, warmup_steps=warmup_steps,
-                           algorithm=algorithm, compressor=compressor, fragments=fragments,
-                           delay=delay, alpha=alpha, merge=merge, warmup_options=warmup_options,
-                           nest=nest, levels=levels)
-        self._init_outer(outer_optimizer, outer_lr, outer_momentum)
+    Settings = StreamingDiLoCoSettings
 
 
 METHOD = Method("diloco", DiLoCoSettings, build, "DiLoCo: H inner steps, then an outer "

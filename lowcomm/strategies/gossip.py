@@ -7,7 +7,7 @@ import torch
 
 from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
-from ..errors import ConfigError
+from ..errors import ArgumentError, ConfigError
 from ..settings import Settings
 from .base import Context, Method, Strategy, check_compressor_name
 from .buffers import Buffers, persistent_buffers
@@ -161,28 +161,28 @@ class Gossip(Strategy):
                  order: str = "cta", compressor=None, consensus_step: float = 1.0):
         super().__init__(model, optimizer, comm)
         if mode not in MODES:
-            raise ValueError(f"unknown gossip mode {mode!r}; known: {', '.join(MODES)}")
+            raise ArgumentError("mode", f"unknown gossip mode {mode!r}; known: {', '.join(MODES)}")
         if order not in ORDERS:
-            raise ValueError(f"unknown gossip order {order!r}; known: {', '.join(ORDERS)}")
+            raise ArgumentError("order", f"unknown gossip order {order!r}; known: {', '.join(ORDERS)}")
         self.graph = build_graph(graph, self.comm.size) if isinstance(graph, str) else graph
         if not isinstance(self.graph, Graph):
-            raise TypeError(f"graph must be a name ({', '.join(GRAPHS)}) or a Graph, got "
-                            f"{type(graph).__name__}")
+            raise ArgumentError("graph", f"must be a name ({', '.join(GRAPHS)}) or a Graph, got "
+                                f"{type(graph).__name__}")
         if self.graph.size != self.comm.size:
-            raise ValueError(f"graph {self.graph.name!r} is on {self.graph.size} ranks but the "
-                             f"communicator has {self.comm.size}")
+            raise ArgumentError("graph", f"{self.graph.name!r} is on {self.graph.size} ranks but the "
+                                f"communicator has {self.comm.size}")
         self.graph.check()
         if mode == "dpsgd" and not self.graph.regular:
-            raise ValueError(f"graph {self.graph.name!r} is not regular, so no uniform doubly "
-                             "stochastic mixing exists for D-PSGD; use mode='push-sum'")
+            raise ArgumentError("mode", f"graph {self.graph.name!r} is not regular, so no uniform "
+                                "doubly stochastic mixing exists for D-PSGD; use mode='push-sum'")
         if compressor is not None and (mode != "dpsgd" or self.graph.period != 1):
-            raise ValueError("compressed (CHOCO) gossip needs mode='dpsgd' on a static graph (every "
-                             "rank tracks its fixed neighbours' public copies); got mode="
-                             f"{mode!r} on {self.graph.name!r}")
+            raise ArgumentError("compressor", "compressed (CHOCO) gossip needs mode='dpsgd' on a "
+                                f"static graph (every rank tracks its fixed neighbours' public "
+                                f"copies); got mode={mode!r} on {self.graph.name!r}")
         if not 0 < consensus_step <= 1:
-            raise ValueError(f"consensus_step must be in (0, 1], got {consensus_step}")
+            raise ArgumentError("consensus_step", f"must be in (0, 1], got {consensus_step}")
         if compressor is None and consensus_step != 1:
-            raise ValueError("consensus_step is CHOCO's γ and needs a compressor")
+            raise ArgumentError("consensus_step", "is CHOCO's γ and needs a compressor")
         self.mode, self.order, self.compressor = mode, order, compressor
         self.consensus_step = float(consensus_step)
         self._buffers = [b for _, b in persistent_buffers(model) if b.is_floating_point()]
@@ -567,10 +567,10 @@ class GossipSettings(Settings):
         self.within(prefix, "consensus_step", 0, 1, low_open=True)
         check_compressor_name(self, prefix)
         if self.compressor != "none" and (self.gossip_mode != "dpsgd" or self.graph == "one-peer-exponential"):
-            raise ConfigError(prefix + "compressor", "compressed (CHOCO) gossip needs gossip_mode = "
+            raise ConfigError.at(prefix, "compressor", "compressed (CHOCO) gossip needs gossip_mode = "
                               "\"dpsgd\" on a static graph")
         if self.compressor == "none" and self.consensus_step != 1:
-            raise ConfigError(prefix + "consensus_step", "is CHOCO's γ: it needs a compressor")
+            raise ConfigError.at(prefix, "consensus_step", "is CHOCO's γ: it needs a compressor")
 
 
 def check_run(s: GossipSettings, cfg, prefix: str) -> None:
@@ -589,8 +589,9 @@ def build(s: GossipSettings, model, optimizer, comm: Comm, ctx: Context) -> Goss
     try:
         return Gossip(model, optimizer, comm, graph=graph, mode=s.gossip_mode, order=s.gossip_order,
                       compressor=compressor, consensus_step=s.consensus_step)
-    except ValueError as e:
-        raise ConfigError("strategy.gossip_mode", str(e)) from None
+    except ArgumentError as e:          # from a config: name the key the user wrote
+        key = {"mode": "gossip_mode", "order": "gossip_order"}.get(e.key, e.key)
+        raise ConfigError("strategy." + key, e.reason) from None
 
 
 METHOD = Method("gossip", GossipSettings, build, "decentralized gossip (D-PSGD, SGP, AD-PSGD, "

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..comm.comm import Comm
 from ..errors import ConfigError
 from .base import Context, Method
-from .outer import Fragment, Nesting, OuterLoop, OuterSettings, check_run
+from .outer import Fragment, OuterLoop, OuterSettings, check_run
 
 
 @dataclass
@@ -19,7 +19,7 @@ class LocalSGDSettings(OuterSettings):
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
         if self.compressor != "none":
-            raise ConfigError(prefix + "compressor", "localsgd averages parameters, which have no "
+            raise ConfigError.at(prefix, "compressor", "localsgd averages parameters, which have no "
                               "error to feed back; to compress, use strategy.name=\"diloco\" with "
                               "outer_optimizer=\"sgd\", outer_lr=1, outer_momentum=0 (the same "
                               "update on the compressed pseudo-gradient)")
@@ -49,6 +49,8 @@ class LocalSGD(OuterLoop):
     Args:
         model, optimizer: the user's torch objects (the optimizer makes the local steps).
         comm: communicator (default: world).
+        settings: a validated :class:`LocalSGDSettings` (the registry's); otherwise the keyword
+            arguments are its fields, checked once (errors name the argument):
         period: H ≥ 1, local steps between averagings.
         warmup_steps: W ≥ 0 dense SyncDP steps first.
         algorithm: all-reduce algorithm of the averaging and the warm-up.
@@ -64,14 +66,7 @@ class LocalSGD(OuterLoop):
     """
 
     name = "localsgd"
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, period: int, warmup_steps: int = 0,
-                 algorithm: str = "mpi", warmup_options: dict | None = None,
-                 nest: Nesting | None = None, levels=None):
-        super().__init__(model, optimizer, comm, period=period, warmup_steps=warmup_steps,
-                         algorithm=algorithm, warmup_options=warmup_options, nest=nest,
-                         levels=levels)
+    Settings = LocalSGDSettings
 
     def _outgoing(self, f: Fragment) -> torch.Tensor:
         return f.pack()

@@ -15,7 +15,7 @@ from ..comm.collectives import allreduce_, broadcast_, get_algorithm
 from ..comm.comm import Comm
 from ..compress.base import Segment
 from ..compress.compressor import Compressor
-from ..errors import CommError, ConfigError
+from ..errors import ArgumentError, CommError, ConfigError
 from ..comm.ledger import Ledger
 from .base import Context, Strategy, balance, check_compressor_name
 from .buffers import Buffers
@@ -68,11 +68,11 @@ def partition(named: list[tuple[str, torch.nn.Parameter]], fragments: int, perio
     ``s % period == ((p + 1) * period // P) % period``: the P fragments are spread evenly over
     the period and the last one (all of them when P = 1) at its end, as in DiLoCo."""
     if int(fragments) != fragments or fragments < 1:
-        raise ConfigError("strategy.fragments", f"must be an integer >= 1, got {fragments}")
+        raise ArgumentError("fragments", f"must be an integer >= 1, got {fragments}")
     if fragments > len(named):
-        raise ConfigError("strategy.fragments", f"{fragments} fragments but the model has only "
-                          f"{len(named)} trainable parameter tensors (a fragment holds whole "
-                          f"tensors); use at most {len(named)}")
+        raise ArgumentError("fragments", f"{fragments} fragments (strategy.fragments in a config) "
+                            f"but the model has only {len(named)} trainable parameter tensors (a "
+                            f"fragment holds whole tensors); use at most {len(named)}")
     owner = balance([p.numel() for _, p in named], fragments)
     out = []
     for f in range(fragments):
@@ -148,34 +148,23 @@ class OuterLoop(Strategy):
     """
 
     name = "outer"
+    Settings = None            # OuterSettings, set below where it is defined
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, period: int, warmup_steps: int = 0,
-                 algorithm: str = "mpi", compressor: Compressor | None = None, fragments: int = 1,
-                 delay: int = 0, alpha: float = 0.0, merge: str = "mix",
-                 warmup_options: dict | None = None, nest: Nesting | None = None, levels=None):
+                 comm: Comm | None = None, *, settings=None, compressor: Compressor | None = None,
+                 warmup_options: dict | None = None, nest: Nesting | None = None, levels=None,
+                 **options):
         super().__init__(model, optimizer, comm)
-        if nest is not None and warmup_steps:
-            raise ConfigError("strategy.warmup_steps", "a warm-up of dense steps is not "
-                              "supported inside a per-level policy (the level below already "
-                              "synchronises every step or on its own period); use 0")
-        if int(period) != period or period < 1:
-            raise ConfigError("strategy.period", f"must be an integer >= 1, got {period}")
-        if int(warmup_steps) != warmup_steps or warmup_steps < 0:
-            raise ConfigError("strategy.warmup_steps", f"must be an integer >= 0, got {warmup_steps}")
-        if int(delay) != delay or not 0 <= delay < period:
-            raise ConfigError("strategy.delay", f"must be an integer in [0, period={period}) (a "
-                              f"fragment's reduction has to land before its next "
-                              f"synchronisation), got {delay}")
-        if not 0 <= alpha <= 1:
-            raise ConfigError("strategy.alpha", f"must be in [0, 1], got {alpha}")
-        check_merge(merge, alpha)
-        get_algorithm(algorithm, levels)
+        s = settings if settings is not None else self.settings_from(options, algorithm="mpi")
+        get_algorithm(s.algorithm, levels)
         if compressor is not None and not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a lowcomm Compressor, got {type(compressor).__name__}")
-        self.period, self.warmup_steps, self.delay = int(period), int(warmup_steps), int(delay)
-        self.alpha, self.algorithm, self.compressor = float(alpha), algorithm, compressor
-        self.merge = merge
+            raise ArgumentError("compressor", f"must be a lowcomm Compressor, got "
+                                f"{type(compressor).__name__}")
+        self.settings = s
+        self.period, self.warmup_steps, self.algorithm = s.period, s.warmup_steps, s.algorithm
+        self.delay, self.alpha = getattr(s, "delay", 0), float(getattr(s, "alpha", 0.0))
+        self.merge, self.compressor = getattr(s, "merge", "mix"), compressor
+        algorithm, fragments = s.algorithm, getattr(s, "fragments", 1)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -496,31 +485,34 @@ class OuterSettings(SyncDPSettings):
         self.at_least(prefix, "period", 1)
         self.at_least(prefix, "warmup_steps", 0)
         check_compressor_name(self, prefix)
+        if self.warmup_steps and "policy." in prefix:
+            raise ConfigError.at(prefix, "warmup_steps", "a warm-up of dense steps is not supported "
+                                 "inside a per-level policy (the level below already "
+                                 "synchronises every step or on its own period); use 0")
         if self.backend != "mpi":
-            raise ConfigError(prefix + "backend", "outer loops send lowcomm's own messages; use "
+            raise ConfigError.at(prefix, "backend", "outer loops send lowcomm's own messages; use "
                               "backend = \"mpi\"")
         if self.algorithm == "hierarchical" and "policy." in prefix:
-            raise ConfigError(prefix + "algorithm", "an outer loop reduces among unit leaders; "
+            raise ConfigError.at(prefix, "algorithm", "an outer loop reduces among unit leaders; "
                               "use mpi, ring, rabenseifner or tree")
 
     def kwargs(self, ctx: Context) -> dict:
-        """Arguments every outer loop's constructor takes."""
+        """The constructor's arguments: these settings (validated) and the run's objects."""
         warmup = SyncDPSettings(**{k: getattr(self, k) for k in SyncDPSettings.fields()
                                    if k != "compressor"}).kwargs(ctx)
         del warmup["algorithm"]                      # the outer loop's own
-        return dict(period=self.period, warmup_steps=self.warmup_steps, algorithm=self.algorithm,
-                    warmup_options=warmup, nest=ctx.nest, levels=ctx.levels)
+        return dict(settings=self, warmup_options=warmup, nest=ctx.nest, levels=ctx.levels)
 
 
 MERGES = ("mix", "add-local")
 
 
-def check_merge(merge: str, alpha: float, prefix: str = "strategy.") -> None:
+def check_merge(merge: str, alpha: float, prefix: str = "") -> None:
     """A streaming fragment's merge rule (:class:`~lowcomm.strategies.diloco.StreamingDiLoCo`)."""
     if merge not in MERGES:
-        raise ConfigError(prefix + "merge", f"unknown value {merge!r}; known: {', '.join(MERGES)}")
+        raise ConfigError.at(prefix, "merge", f"unknown value {merge!r}; known: {', '.join(MERGES)}")
     if merge == "add-local" and alpha != 0:
-        raise ConfigError(prefix + "alpha", f"merge = \"add-local\" keeps all the local progress "
+        raise ConfigError.at(prefix, "alpha", f"merge = \"add-local\" keeps all the local progress "
                           f"on top of the synchronised fragment; α mixes instead: use alpha = 0 "
                           f"with it, got {alpha}")
 
@@ -531,3 +523,6 @@ def check_run(s: OuterSettings, cfg, prefix: str) -> None:
         raise ConfigError("compressor.name", "compresses gradients, which an outer loop exchanges "
                           "only during strategy.warmup_steps (0 here); the pseudo-gradient's "
                           "compressor is strategy.compressor")
+
+
+OuterLoop.Settings = OuterSettings

@@ -8,7 +8,7 @@ import torch
 
 from ..comm.collectives import ALGORITHM_NAMES, broadcast_
 from ..comm.comm import Comm
-from ..errors import ConfigError, NonFiniteError
+from ..errors import ArgumentError, ConfigError, NonFiniteError
 from .reducer import Reducer
 from ..settings import Settings
 from .base import BackwardPasses, Context, Method, Strategy, check_compressor_name
@@ -34,13 +34,13 @@ class SyncDPSettings(Settings):
         self.at_least(prefix, "backward_passes_per_step", 1)
         check_compressor_name(self, prefix, allow_empty=True)
         if self.backend == "horovod" and self.algorithm not in ("mpi", "auto"):
-            raise ConfigError(prefix + "algorithm", "Horovod chooses its own all-reduce; leave "
+            raise ConfigError.at(prefix, "algorithm", "Horovod chooses its own all-reduce; leave "
                               f"algorithm = \"auto\" or \"mpi\" with backend = \"horovod\", got "
                               f"{self.algorithm!r}")
 
     def kwargs(self, ctx: Context) -> dict:
         """The constructor's keyword arguments (also the outer loops' dense warm-up, which
-        drops ``algorithm`` and ``backend``)."""
+        drops ``algorithm``)."""
         return dict(algorithm=self.algorithm, bucket_mb=self.bucket_mb,
                     backward_passes_per_step=self.backward_passes_per_step, overlap=self.overlap,
                     compressor=ctx.gradient_compressor(self.compressor or None),
@@ -53,7 +53,9 @@ def build(s: SyncDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Stra
         from .horovod import HorovodDP    # refuses non-summable compressors
         return HorovodDP(model, optimizer, comm, s.backward_passes_per_step,
                          ctx.gradient_compressor(s.compressor or None))
-    return SyncDP(model, optimizer, comm, levels=ctx.levels, **s.kwargs(ctx))
+    return SyncDP(model, optimizer, comm, settings=s, levels=ctx.levels,
+                  compressor=ctx.gradient_compressor(s.compressor or None),
+                  nonfinite="zero" if ctx.nonfinite == "skip" else "raise")
 
 
 METHOD = Method("syncdp", SyncDPSettings, build,
@@ -85,6 +87,10 @@ class SyncDP(Strategy):
     Args:
         model, optimizer: the user's torch objects.
         comm: communicator (default: world).
+        settings: a validated :class:`SyncDPSettings` (what the registry passes); otherwise the
+            keyword arguments ``algorithm``, ``bucket_mb``, ``backward_passes_per_step`` and
+            ``overlap`` are its fields, checked once by its ``validate`` (a wrong one raises
+            :class:`~lowcomm.errors.ArgumentError` naming it):
         algorithm: all-reduce algorithm ("auto": the fastest per bucket size, see
             :mod:`lowcomm.comm.tuning`; "mpi", "ring", "rabenseifner", "tree", "shm", "hierarchical").
         bucket_mb: bucket size in MiB.
@@ -105,20 +111,22 @@ class SyncDP(Strategy):
 
     name = "syncdp"
     lockstep = True
+    Settings = SyncDPSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, algorithm: str = "auto", bucket_mb: float = 4.0,
-                 backward_passes_per_step: int = 1, overlap: bool = True,
-                 compressor=None, nonfinite: str = "raise", levels=None):
+                 comm: Comm | None = None, *, settings: SyncDPSettings | None = None,
+                 compressor=None, nonfinite: str = "raise", levels=None, **options):
         super().__init__(model, optimizer, comm)
-        if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:
-            raise ConfigError("backward_passes_per_step", f"must be an integer >= 1, got "
-                              f"{backward_passes_per_step}")
-        if not bucket_mb > 0:
-            raise ConfigError("bucket_mb", f"must be positive, got {bucket_mb}")
+        s = settings if settings is not None else self.settings_from(options)
         if nonfinite not in ("raise", "zero"):
-            raise ConfigError("nonfinite", f"must be 'raise' or 'zero', got {nonfinite!r}")
-        self.algorithm, self.compressor, self.nonfinite = algorithm, compressor, nonfinite
+            raise ArgumentError("nonfinite", f"must be 'raise' or 'zero', got {nonfinite!r}")
+        if s.backend != "mpi":
+            raise ArgumentError("backend", "SyncDP is lowcomm's own reducer; for Horovod's use "
+                                "lowcomm.HorovodDP (or the spec \"syncdp:backend=horovod\")")
+        self.settings = s
+        self.algorithm, self.compressor, self.nonfinite = s.algorithm, compressor, nonfinite
+        algorithm, bucket_mb, overlap = s.algorithm, s.bucket_mb, s.overlap
+        backward_passes_per_step = s.backward_passes_per_step
         self.sync_s = 0.0
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.buffers = Buffers(model)

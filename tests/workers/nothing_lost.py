@@ -34,7 +34,7 @@ from lowcomm.errors import LowcommError, RunFolderError
 from lowcomm.run import checkpoint, folder
 from lowcomm.run.api import run
 from lowcomm.run.checkpoint import CheckpointError
-from lowcomm.run.registry import load_config
+from lowcomm.run.api import load_config
 from lowcomm.tasks import TaskError, from_functions
 
 world = lowcomm.init()

@@ -292,29 +292,31 @@ elif SECTION == "resume":
         equal(fresh, ref, f"resume {what} at step {at}")
 
 elif SECTION == "errors":
-    from lowcomm.errors import ConfigError
+    from lowcomm.errors import ArgumentError
 
     def raises(key, fn, *words):
+        """A wrong Python argument is an ArgumentError naming the argument (not a config key)."""
         try:
             fn()
-        except ConfigError as e:
-            ok(e.key == key and all(w in str(e) for w in words), f"expected {key} {words}: {e}")
+        except ArgumentError as e:
+            ok(e.key == key and f"argument '{key}'" in str(e) and all(w in str(e) for w in words),
+               f"expected {key} {words}: {e}")
             return
-        ok(False, f"no ConfigError for {key}")
+        ok(False, f"no ArgumentError for {key}")
 
     m = make()
     o = sgd(m.parameters())
-    raises("strategy.period", lambda: LocalSGD(m, o, comm, period=0), ">= 1")
-    raises("strategy.period", lambda: DiLoCo(m, o, comm, period=0), ">= 1")
-    raises("strategy.fragments", lambda: StreamingDiLoCo(m, o, comm, period=20, fragments=N_TENSORS + 1),
+    raises("period", lambda: LocalSGD(m, o, comm, period=0), ">= 1")
+    raises("period", lambda: DiLoCo(m, o, comm, period=0), ">= 1")
+    raises("fragments", lambda: StreamingDiLoCo(m, o, comm, period=20, fragments=N_TENSORS + 1),
            f"only {N_TENSORS} trainable parameter tensors")
-    raises("strategy.delay", lambda: StreamingDiLoCo(m, o, comm, period=4, fragments=2, delay=4), "period=4")
-    raises("strategy.alpha", lambda: StreamingDiLoCo(m, o, comm, period=4, alpha=1.5))
-    raises("strategy.merge", lambda: StreamingDiLoCo(m, o, comm, period=4, merge="average"), "add-local")
-    raises("strategy.alpha", lambda: StreamingDiLoCo(m, o, comm, period=4, merge="add-local", alpha=0.5),
+    raises("delay", lambda: StreamingDiLoCo(m, o, comm, period=4, fragments=2, delay=4), "period=4")
+    raises("alpha", lambda: StreamingDiLoCo(m, o, comm, period=4, alpha=1.5))
+    raises("merge", lambda: StreamingDiLoCo(m, o, comm, period=4, merge="average"), "add-local")
+    raises("alpha", lambda: StreamingDiLoCo(m, o, comm, period=4, merge="add-local", alpha=0.5),
            "alpha = 0")
-    raises("strategy.outer_momentum", lambda: DiLoCo(m, o, comm, period=4, outer_momentum=0.0), "Nesterov")
-    raises("strategy.outer_optimizer", lambda: DiLoCo(m, o, comm, period=4, outer_optimizer="adam"))
+    raises("outer_momentum", lambda: DiLoCo(m, o, comm, period=4, outer_momentum=0.0), "Nesterov")
+    raises("outer_optimizer", lambda: DiLoCo(m, o, comm, period=4, outer_optimizer="adam"))
     # the job goes on after a refused construction: communication is still in step
     t = torch.ones(3)
     comm.allreduce_(t)

@@ -27,7 +27,7 @@ from common import Checks
 
 import lowcomm
 from lowcomm.comm.ledger import Ledger
-from lowcomm.run.registry import load_config
+from lowcomm.run.api import load_config
 from lowcomm.tasks import Task
 from lowcomm.run.api import run
 

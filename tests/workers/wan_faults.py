@@ -26,7 +26,7 @@ from common import Checks
 import lowcomm
 from lowcomm.tools import wan
 from lowcomm.comm.ledger import Ledger
-from lowcomm.run.registry import load_config
+from lowcomm.run.api import load_config
 from lowcomm.run.api import run
 from lowcomm.tools.wan_faults import make
 

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from ...compress import Segment
-from ...errors import LowcommError
+from ...errors import ConfigError, LowcommError
+from ...settings import Settings as SettingsBase
 from ...comm.ledger import Ledger
 from ..base import balance
 
@@ -63,40 +64,28 @@ class WorkersLost(LowcommError):
 
 
 @dataclass
-class Settings:
-    """The parameter server's settings, the same on every rank (see :class:`~.worker.AsyncPS`
-    for each one's meaning). :meth:`check` validates them for a job of ``ranks`` ranks."""
-    servers: int = 1
-    max_staleness: int = -1
-    staleness_lr: bool = False
-    dc_lambda: float = 0.0
-    worker_timeout_s: float = 30.0
-    server_timeout_s: float = 10.0
-    overlap: bool = True
-    nonfinite: str = "raise"
-    budget: int | None = None
-    backward_passes_per_step: int = 1
+class AsyncPSSettings(SettingsBase):
+    """``[strategy]`` keys of ``async-ps``, the same on every rank (see
+    :class:`~.worker.Worker` for each one's meaning); whether ``servers`` fits the rank count is
+    checked when the method is built."""
+    servers: int = 1               # S: ranks 0..S-1 serve parameter shards, the rest train
+    max_staleness: int = -1        # τ: -1 fully asynchronous, 0 synchronous, > 0 SSP
+    staleness_lr: bool = False     # lr / staleness (Zhang et al. 2016)
+    dc_lambda: float = 0.0         # DC-ASGD's λ (Zheng et al. 2017); 0 = off
+    worker_timeout_s: float = 30.0  # a worker silent this long (owed nothing) is lost
+    server_timeout_s: float = 10.0  # a server silent this long (owing a reply) ends the job
+    overlap: bool = True           # push full shards from inside the backward pass
+    backward_passes_per_step: int = 1   # gradient accumulation: push after every N-th backward
 
-    def check(self, ranks: int) -> "Settings":
-        if not 1 <= self.servers < ranks:
-            raise LowcommError(f"async-ps needs 1 <= strategy.servers < ranks so that at least one "
-                               f"rank trains; got servers={self.servers} on {ranks} ranks")
+    def validate(self, prefix: str = "") -> None:
+        self.at_least(prefix, "servers", 1)
         if self.max_staleness < -1:
-            raise ValueError(f"max_staleness must be >= -1 (-1 = fully asynchronous), got "
-                             f"{self.max_staleness}")
-        if self.dc_lambda < 0:
-            raise ValueError(f"dc_lambda must be >= 0, got {self.dc_lambda}")
-        if not (self.worker_timeout_s > 0 and self.server_timeout_s > 0):
-            raise ValueError("worker_timeout_s and server_timeout_s must be > 0")
-        if self.budget is not None and self.budget < 1:
-            raise ValueError(f"budget must be >= 1 gradients, got {self.budget}")
-        if int(self.backward_passes_per_step) != self.backward_passes_per_step or \
-                self.backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
-                             f"{self.backward_passes_per_step}")
-        if self.nonfinite not in ("raise", "skip"):
-            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
-        return self
+            raise ConfigError.at(prefix, "max_staleness", f"must be >= -1 (-1 = fully "
+                                 f"asynchronous), got {self.max_staleness}")
+        self.at_least(prefix, "dc_lambda", 0)
+        self.within(prefix, "worker_timeout_s", 0, float("inf"), low_open=True)
+        self.within(prefix, "server_timeout_s", 0, float("inf"), low_open=True)
+        self.at_least(prefix, "backward_passes_per_step", 1)
 
 
 @dataclass

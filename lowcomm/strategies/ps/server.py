@@ -24,7 +24,7 @@ import torch
 from ...comm.comm import Comm
 from ...errors import LowcommError
 from .protocol import (DROPPED, OK, POLL_S, PUSH, STOP, TAG_BEAT, TAG_DONE, TAG_INIT, TAG_PULL,
-                       TAG_PUSH, BufferBlock, Reply, Settings, build_shards, channels,
+                       TAG_PUSH, AsyncPSSettings, BufferBlock, Reply, build_shards, channels,
                        dc_compensate, load_shard, staleness_lr, trainable, unpack_push)
 
 log = logging.getLogger("lowcomm.async_ps")
@@ -48,7 +48,8 @@ class ParameterServer:
     is_server = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, *,
-                 compressor, settings: Settings):
+                 compressor, settings: AsyncPSSettings, nonfinite: str = "raise",
+                 budget: int | None = None):
         self.settings = st = settings
         if comm.rank >= st.servers:
             raise LowcommError(f"rank {comm.rank} is a worker (servers = ranks 0..{st.servers - 1}): "
@@ -58,7 +59,7 @@ class ParameterServer:
         self.index = comm.rank
         self.servers, self.workers = st.servers, comm.size - st.servers
         self.max_staleness, self.staleness_lr, self.dc_lambda = st.max_staleness, st.staleness_lr, st.dc_lambda
-        self.budget = st.budget
+        self.budget = budget
         self.interrupt = 0                      # a stop signal's number (here or a worker's)
         self.worker_timeout_s, self.server_timeout_s = st.worker_timeout_s, st.server_timeout_s
         self._params = dict(trainable(model))

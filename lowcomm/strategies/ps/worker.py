@@ -17,8 +17,8 @@ from ...comm.comm import Comm
 from ...errors import LowcommError, NonFiniteError
 from ..base import BackwardPasses
 from .protocol import (DROPPED, HEADER, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE, TAG_INIT,
-                       TAG_PULL, TAG_PUSH, BufferBlock, Reply, ServerLost, Settings, WorkerDropped,
-                       build_shards, channels, load_shard, pack_push, trainable)
+                       TAG_PULL, TAG_PUSH, AsyncPSSettings, BufferBlock, Reply, ServerLost,
+                       WorkerDropped, build_shards, channels, load_shard, pack_push, trainable)
 
 
 class Worker:
@@ -54,7 +54,8 @@ class Worker:
     is_server = False
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, *,
-                 compressor, settings: Settings):
+                 compressor, settings: AsyncPSSettings, nonfinite: str = "raise",
+                 budget: int | None = None):
         self.model, self.optimizer, self.comm = model, optimizer, comm
         self.settings = st = settings
         if self.comm.rank < st.servers:
@@ -64,7 +65,7 @@ class Worker:
         self.max_staleness, self.staleness_lr, self.dc_lambda = st.max_staleness, st.staleness_lr, st.dc_lambda
         self.compressor = compressor
         self.worker_timeout_s, self.server_timeout_s = st.worker_timeout_s, st.server_timeout_s
-        self.nonfinite, self.budget = st.nonfinite, st.budget
+        self.nonfinite, self.budget = nonfinite, budget
         self.stopped = False             # a server said the budget is spent
         self.finished = False            # done() told the servers
         self.index = self.comm.rank - st.servers
@@ -87,7 +88,7 @@ class Worker:
         self.lag_hist: dict[int, int] = {}
         self.wait_s = 0.0
         self.passes = BackwardPasses(st.backward_passes_per_step, lambda: None)
-        if st.overlap and st.nonfinite == "raise":
+        if st.overlap and nonfinite == "raise":
             self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._named]
         self._initial_pull()
 
