@@ -254,13 +254,11 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(key, f"unknown value {value!r}; known: {', '.join(known)}")
 
     _at_least(cfg, 1, "steps", "batch_size", "log_every", "data.seq_len", "data.max_bytes",
-              "model.d_model", "model.n_layers", "model.n_heads", "checkpoint.keep",
-              "compressor.levels", "compressor.approx_rank")
-    _at_least(cfg, 0, "checkpoint.every", "compressor.start_iter", "optimizer.warmup_steps",
-              "eval_batches")
+              "model.d_model", "model.n_layers", "model.n_heads", "checkpoint.keep")
+    _at_least(cfg, 0, "checkpoint.every", "optimizer.warmup_steps", "eval_batches")
     if "name" in cfg.strategy and not isinstance(cfg.strategy["name"], str):
         raise ConfigError("strategy.name", f"expects str, got {cfg.strategy['name']!r}")
-    cfg.compressor.validate("compressor.")
+    cfg.compressor.validate("compressor.")         # the [compressor] table checks itself
     for key in ("timeout_s", "watchdog_factor", "outage_s"):
         v = getattr(cfg.comm, key)
         if not 0 <= v < float("inf"):
