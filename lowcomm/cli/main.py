@@ -315,8 +315,13 @@ def bench_compress(config, overrides, size, methods, iters, warmup, threads, lin
 @click.option("--overwrite", is_flag=True,
               help="Run again methods that --out holds results of (the others are kept), or "
                    "replace a comparison with other settings; without it both are refused.")
+@click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS", help="Train every method for this many modelled seconds on the "
+              "link (--steps is then a cap) and rank them by eval loss at equal time.")
+@click.option("--target", type=float, default=None, metavar="EVAL_LOSS",
+              help="Eval loss of the time-to-target column [default: ddp's final one].")
 def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launcher, timeout,
-            max_restarts, overwrite):
+            max_restarts, overwrite, budget, target):
     """Train the same model under each method (one mpirun each); write results.json, plots and
     a ranked table. An experiment TOML (--config) may hold a [compare] table: question, expect,
     methods, np, link. Into an --out with an earlier comparison of the same settings, new
@@ -324,10 +329,15 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
     import os
 
     from ..errors import RunFolderError
-    from ..tools.compare import Link, compare as run, needs_topology, resolve_methods, table
+    from ..tools.compare import Link, budget_overrides, compare as run, needs_topology, resolve_methods
     if steps is not None:
         overrides = (*overrides, f"steps={steps}")
-    cfg = _config(config, overrides)   # a bad key fails here, not in every run
+    try:
+        the_link = Link.parse(wan if wan != "model" else link or _config(config, overrides).compare.link)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--wan/--link") from None
+    # a bad key (or a schedule a budget cannot keep) fails here, not in every run
+    cfg = _config(config, (*overrides, *(budget_overrides(budget, the_link) if budget else ())))
     steps, np_ = cfg.steps, np_ or cfg.compare.np
     try:
         names = resolve_methods(methods or cfg.compare.methods)
@@ -341,33 +351,33 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
         raise click.BadParameter("checkpoint.dir: each method keeps its checkpoints in its own "
                                  f"folder ({out}/<method>/checkpoints); drop it",
                                  param_hint="--set/--config")
-    try:
-        the_link = Link.parse(wan if wan != "model" else link or cfg.compare.link)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--wan/--link") from None
     emulated = wan != "model"
     if emulated and launcher:
         raise click.BadParameter("--wan DELAY_MS,RATE_MBIT launches through launchers/wan.sh; "
                                  "drop --launcher (or use --wan model)", param_hint="--launcher")
     if cfg.compare.question:
         click.echo(f"question: {cfg.compare.question}\nexpected: {cfg.compare.expect}")
-    if not cfg.eval_every:   # about ten points per eval-loss curve
+    if not cfg.eval_every and not budget:   # about ten points per eval-loss curve (a budget
+        # evaluates at every tenth of it: budget.evals)
         overrides = (*overrides, f"eval_every={max(1, round(steps / 10 / cfg.log_every)) * cfg.log_every}")
     try:
         if emulated:
             from ..tools.compare import over_emulated_wan
             with over_emulated_wan(np_, dcs, the_link) as wan_launcher:
                 results = run(names, np_, steps, out, config, overrides, the_link, wan_launcher,
-                              timeout, dcs=dcs, max_restarts=max_restarts, overwrite=overwrite)
+                              timeout, dcs=dcs, max_restarts=max_restarts, overwrite=overwrite,
+                              budget=budget or 0.0, target=target)
             where = f"over an emulated WAN of {dcs} datacenters, {the_link} (measured)"
         else:
             results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout,
-                          max_restarts=max_restarts, dcs=dcs, overwrite=overwrite)
+                          max_restarts=max_restarts, dcs=dcs, overwrite=overwrite,
+                          budget=budget or 0.0, target=target)
             where = f"on this machine; modelled link: {the_link}"
     except RunFolderError as e:
         raise click.UsageError(str(e)) from None
-    click.echo(f"\n{np_} ranks, {steps} steps per method, {where}\n")
-    click.echo(table(results, the_link))
+    span = f"{budget:g} modelled s (at most {steps} steps)" if budget else f"{steps} steps"
+    click.echo(f"\n{np_} ranks, {span} per method, {where}\n")
+    click.echo((Path(out) / "table.md").read_text().rstrip())
     click.echo(f"\nwrote {Path(out) / 'results.json'}, table.md and eval_loss_vs_*.png")
     stopped = [r["method"] for r in results if r["status"] == "interrupted" and r["method"] in names]
     not_run = [m for m in names if m not in {r["method"] for r in results}]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..compress.settings import CompressorSettings as CompressorConfig
 from ..comm import watchdog
+from ..comm.ledger import Link
 from ..errors import ConfigError
 from ..settings import coerce
 
@@ -94,6 +95,15 @@ class CompareConfig:
 
 
 @dataclass
+class BudgetConfig:
+    """A time budget: train until the run's modelled wall-clock on ``link`` — its computation's
+    CPU seconds plus the α–β time of its traffic — reaches ``seconds`` (``steps`` is then a cap)."""
+    seconds: float = 0.0           # modelled seconds to train for (0 = no budget: train `steps`)
+    link: str = "25,100"           # DELAY_MS,RATE_MBIT of the link the budget is spent on
+    evals: int = 10                # evaluations spread evenly over the budget (the curve to a target)
+
+
+@dataclass
 class TaskConfig:
     """What to train (:mod:`lowcomm.tasks`): ``name`` is a Python file (``path/to/task.py``) or an
     importable module (``package.module``); ``options`` is everything else of the ``[task]``
@@ -123,6 +133,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -278,6 +289,7 @@ def validate(cfg: Config) -> Config:
     if cfg.model.d_model % cfg.model.n_heads:
         raise ConfigError("model.n_heads", f"must divide model.d_model={cfg.model.d_model}")
     one_of("on_nonfinite", cfg.on_nonfinite, ("abort", "skip"))
+    _check_budget(cfg)
     one_of("optimizer.schedule", cfg.optimizer.schedule, LR_SCHEDULES)
     one_of("optimizer.name", cfg.optimizer.name, OPTIMIZERS)
     if not cfg.task.name:
@@ -289,6 +301,22 @@ def validate(cfg: Config) -> Config:
     if cfg.data.path and not Path(cfg.data.path).exists():
         raise ConfigError("data.path", f"{cfg.data.path!r} does not exist")
     return cfg
+
+
+def _check_budget(cfg: Config) -> None:
+    b = cfg.budget
+    if not 0 <= b.seconds < float("inf"):
+        raise ConfigError("budget.seconds", f"must be a number >= 0 (0 = no budget), got {b.seconds}")
+    try:
+        Link.parse(b.link)
+    except ValueError as e:
+        raise ConfigError("budget.link", str(e)) from None
+    _at_least(cfg, 1, "budget.evals")
+    if b.seconds and cfg.optimizer.schedule != "constant":
+        raise ConfigError("budget.seconds", f"needs optimizer.schedule = \"constant\", got "
+                          f"{cfg.optimizer.schedule!r}: under a time budget every method stops at "
+                          "its own step, so a schedule over `steps` would leave each at another "
+                          "point of it (warm-up steps are fine)")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
