@@ -29,7 +29,6 @@ from ..comm import watchdog
 from ..errors import ConfigError
 from ..settings import coerce
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
 #: the task every run trains unless ``task`` says otherwise
 DEFAULT_TASK = "lowcomm.tasks.bytelm"
@@ -54,14 +53,15 @@ class ModelConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"
+    name: str = "adamw"            # any torch.optim optimizer, lower case (run/optimizers.py)
     weight_decay: float = 0.0
-    momentum: float = 0.0          # sgd only
+    momentum: float | None = None  # None: the optimizer's own default (sgd: 0, muon: 0.95)
     beta1: float = 0.9
     beta2: float = 0.95
     schedule: str = "constant"     # lr over the run: "constant" | "cosine" (to min_lr_ratio * lr)
     warmup_steps: int = 0          # linear lr warm-up from lr/warmup_steps to lr
     min_lr_ratio: float = 0.1      # cosine: the lr at the last step, as a fraction of lr
+    options: dict = field(default_factory=dict)   # further constructor arguments of the optimizer
 
 
 @dataclass
@@ -281,7 +281,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("model.n_heads", f"must divide model.d_model={cfg.model.d_model}")
     one_of("on_nonfinite", cfg.on_nonfinite, ("abort", "skip"))
     one_of("optimizer.schedule", cfg.optimizer.schedule, LR_SCHEDULES)
-    one_of("optimizer.name", cfg.optimizer.name, OPTIMIZERS)
+    from .optimizers import check_optimizer      # imports torch: only when a config is checked
+    check_optimizer(cfg.optimizer)
     if not cfg.task.name:
         raise ConfigError("task", "names no task (a file path.py or a module, e.g. "
                           f"{DEFAULT_TASK!r})")

@@ -68,7 +68,7 @@ MAIN_METHODS = ("ddp", "fp16", "int8", "topk", "ef-sign", "powersgd", "localsgd"
 def available(name: str) -> bool:
     """True when every piece the method names is registered in this installation."""
     from ..compress import COMPRESSORS
-    from ..run.config import OPTIMIZERS
+    from ..run.optimizers import OPTIMIZERS
     from ..run.registry import STRATEGIES
     for o in METHODS[name]:
         key, _, value = o.partition("=")
