@@ -34,15 +34,20 @@ def build(s: OneBitAdamSettings, model, optimizer, comm: Comm, ctx: Context) -> 
     return OneBitAdam(model, optimizer, comm, freeze_step=s.freeze_step)
 
 
-def check_run(s: OneBitAdamSettings, cfg, prefix: str) -> None:
-    """Combinations with the run's keys: 1-bit Adam steps a torch Adam/AdamW and compresses its
-    momentum itself."""
-    if cfg.optimizer.name not in ("adam", "adamw"):
-        raise ConfigError("optimizer.name", f"onebit-adam steps torch Adam or AdamW; use "
-                          f"optimizer.name = \"adam\" or \"adamw\", got {cfg.optimizer.name!r}")
-    if cfg.compressor.name != "none":
-        raise ConfigError("compressor.name", "onebit-adam compresses its momentum itself; "
-                          f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
+def adam_only(method: str):
+    """The check of a method that steps a torch Adam/AdamW itself and compresses what it sends
+    itself (1-bit Adam, 0/1 Adam): its combinations with the run's keys."""
+    def check_run(s, cfg, prefix: str) -> None:
+        if cfg.optimizer.name not in ("adam", "adamw"):
+            raise ConfigError("optimizer.name", f"{method} steps torch Adam or AdamW; use "
+                              f"optimizer.name = \"adam\" or \"adamw\", got {cfg.optimizer.name!r}")
+        if cfg.compressor.name != "none":
+            raise ConfigError("compressor.name", f"{method} compresses what it sends itself; "
+                              f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
+    return check_run
+
+
+check_run = adam_only("onebit-adam")
 
 
 METHOD = Method("onebit-adam", OneBitAdamSettings, build,
