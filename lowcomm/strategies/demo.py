@@ -53,7 +53,7 @@ METHOD = Method("demo", DeMoSettings, build, "DeMo: local momentum, its top-k DC
 class _Bucket:
     """The parameters whose chunks have ``row`` elements: their coefficients travel together."""
     key: str
-    members: list[tuple[str, torch.nn.Parameter, dict, ChunkedDCT, int, int]]
+    members: list[tuple[str, torch.nn.Parameter, int, ChunkedDCT, int, int]]   # group index
     comp: Compressor
 
     @property
@@ -124,11 +124,11 @@ class DeMo(Strategy):
         self.exchange = exchange
         names = {p: n for n, p in model.named_parameters()}
         by_row: dict[int, list] = {}
-        for g in optimizer.param_groups:
+        for gi, g in enumerate(optimizer.param_groups):
             for i, p in enumerate(g["params"]):
                 if p.requires_grad:
                     t = ChunkedDCT(p.shape, self.chunk)
-                    by_row.setdefault(t.row, []).append((names.get(p, f"param{i}"), p, g, t))
+                    by_row.setdefault(t.row, []).append((names.get(p, f"param{i}"), p, gi, t))
         self.buckets = []
         for row, params in sorted(by_row.items()):
             members, at = [], 0
@@ -150,9 +150,10 @@ class DeMo(Strategy):
     @torch.no_grad()
     def _step(self, closure=None):
         loss = closure() if closure is not None else None
+        lrs = [g["lr"] for g in self.optimizer.param_groups]    # (its group dicts, as loaded)
         for b in self.buckets:
             x = torch.cat([t.encode(p.grad if p.grad is not None else torch.zeros_like(p))
-                           .reshape(-1).mul(g["lr"]) for _, p, g, t, _, _ in b.members])
+                           .reshape(-1).mul(lrs[gi]) for _, p, gi, t, _, _ in b.members])
             for e in b.comp.encoder.residuals.values():     # step 1: m ← βm (then + ηg)
                 e.mul_(self.decay)
             avg = b.comp.reduce(x, b.key, self._comm, b.segments)      # steps 2–4

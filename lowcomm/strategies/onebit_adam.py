@@ -248,8 +248,15 @@ class OneBitAdam(Strategy):
         return {"optimizer": self.optimizer.state_dict(), "t": self.t,
                 "worker_error": self.worker_error.clone(), "server_error": self.server_error.clone()}
 
+    def _regroup(self) -> None:
+        """Point every parameter at its group dict again: the wrapped optimizer's
+        ``load_state_dict`` replaces the dicts, and an LR schedule writes the new ones."""
+        group = {p: g for g in self.optimizer.param_groups for p in g["params"]}
+        self._params = [(n, p, group[p]) for n, p, _ in self._params]
+
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        self._regroup()
         self.t = int(state["t"])
         if state["worker_error"].shape != self.worker_error.shape or \
                 state["server_error"].shape != self.server_error.shape:

@@ -170,7 +170,8 @@ class ZeroOneAdam(OneBitAdam):
         self._anchor: list[torch.Tensor] | None = None   # x̄, from the freeze on
         self._decay = [1.0] * len(optimizer.param_groups)   # D per group
         self._lrs = [0.0] * len(optimizer.param_groups)     # Σ lr per group since x̄
-        self._groups = {id(g): i for i, g in enumerate(optimizer.param_groups)}
+        self._group_of = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"]
+                          if p.requires_grad]     # in the order of self._params
         self._frozen: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
@@ -272,13 +273,12 @@ class ZeroOneAdam(OneBitAdam):
     def _sync(self, t: int) -> None:
         """Step 4."""
         u = torch.zeros(self.D, dtype=self.dtype, device=self._anchor[0].device)
-        for s, (_, p, g), x, (_, moved) in zip(self._segments, self._params, self._anchor, self._frozen):
-            d = self._decay[self._groups[id(g)]]
-            u[s.start:s.stop].view_as(p).copy_((x * d - p) * moved)
+        for s, (_, p, _), x, (_, moved), i in zip(self._segments, self._params, self._anchor,
+                                                  self._frozen, self._group_of):
+            u[s.start:s.stop].view_as(p).copy_((x * self._decay[i] - p) * moved)
         avg = self.compressed_allreduce(u)
-        for s, (_, p, g), x, (denom, moved) in zip(self._segments, self._params, self._anchor,
-                                                  self._frozen):
-            i = self._groups[id(g)]
+        for s, (_, p, g), x, (denom, moved), i in zip(self._segments, self._params, self._anchor,
+                                                     self._frozen, self._group_of):
             ub = avg[s.start:s.stop].view_as(p) * moved
             p.copy_(x * self._decay[i] - ub)
             x.copy_(p)
@@ -315,6 +315,7 @@ class ZeroOneAdam(OneBitAdam):
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        self._regroup()
         self.t, self.n_v = int(state["t"]), int(state["n_v"])
         self.schedule.load_state_dict(state["schedule"])
         self.counts = dict(state["counts"])
