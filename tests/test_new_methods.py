@@ -3,15 +3,18 @@ transform and codec against the paper's equations written out here, 0/1 Adam's s
 its rule written out here), then the methods on 2 and 4 ranks under mpirun
 (tests/mpi/check_new_methods.py)."""
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import run_mpi_suite
+from lowcomm.compress import Compressor, ErrorFeedback
 from lowcomm.compress.demo import ChunkedDCT, ChunkTopK, chunk_side
 from lowcomm.errors import ConfigError
 from lowcomm.run.registry import build, load_config
+from lowcomm.strategies.demo import DeMo, _Bucket
 from lowcomm.strategies.zeroone_adam import schedule
 
 
@@ -69,6 +72,28 @@ def test_chunk_topk_at_full_k_is_exact_and_its_bytes_are_k_value_and_index_per_c
         top = orig.abs().topk(3).indices
         assert torch.equal(row[top], orig[top]) and int((row != 0).sum()) == 3
     assert sparse.bounds(6 * 16, 4) == [0, 32, 64, 80, 96]       # owners get whole chunks
+
+
+def test_demo_resized_keeps_the_mean_momentum_and_cuts_the_server_errors_again():
+    """2 old ranks → 3: each new rank's momentum is the old ranks' mean; the owners' server
+    errors (rows 0–1 on old rank 0, rows 2–3 on old rank 1) make the whole bucket, which the
+    3 new owners cut as their two-phase exchange does (rows 0–1, 2, 3)."""
+    loop = object.__new__(DeMo)
+    loop.name = "demo"
+    loop.buckets = [_Bucket("demo4", [("w", None, 0, None, 0, 16)],
+                            Compressor(ErrorFeedback(ChunkTopK(4, 2)), "two-phase"))]
+    err = torch.arange(1.0, 17.0)
+
+    def old(r):
+        return {"model": {"w": torch.zeros(4, 4)}, "strategy": {"t": 5, "compressors": {"demo4": {
+            "encoder": {"residuals": {"w": torch.full((16,), float(r + 1))}, "codec": {}},
+            "exchange": {"server_error": {"demo4": err[8 * r:8 * (r + 1)]}}}}}}
+    cuts = [(0, 8), (8, 12), (12, 16)]
+    for r in range(3):
+        loop.comm = SimpleNamespace(size=3, rank=r)
+        state = loop.reshard([old(0), old(1)])["strategy"]["compressors"]["demo4"]
+        assert torch.equal(state["encoder"]["residuals"]["w"], torch.full((16,), 1.5))
+        assert torch.equal(state["exchange"]["server_error"]["demo4"], err[cuts[r][0]:cuts[r][1]])
 
 
 # 0/1 Adam's schedule, written out from the rule ------------------------------------------------

@@ -74,20 +74,24 @@ def chunks(shape, s):
     return (side(shape[0]), side(int(np.prod(shape[1:])))) if len(shape) >= 2 else (side(shape[0]),)
 
 
+def top(coeff: np.ndarray, k: int) -> np.ndarray:
+    """The k largest magnitudes of every chunk (``coeff[j]``) kept, the rest zero."""
+    out = np.zeros_like(coeff)
+    for j, c in enumerate(coeff):
+        flat = c.reshape(-1)
+        idx = np.argsort(-np.abs(flat))[:min(k, flat.size)]
+        out[j].reshape(-1)[idx] = flat[idx]
+    return out
+
+
 def paper_q(m: np.ndarray, s: int, k: int) -> np.ndarray:
     """ExtractFastComponents: the orthonormal DCT-II of every chunk of m, the k largest
     magnitudes of each kept, as an array of the chunks' coefficients (chunk-major)."""
     sides = chunks(m.shape, s)
     m2 = m.reshape(m.shape[0], -1) if m.ndim >= 2 else m
-    out = []
-    for idx in np.ndindex(*[n // c for n, c in zip(m2.shape, sides)]):
-        block = m2[tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, sides))]
-        coeff = scipy.fft.dctn(block, type=2, norm="ortho").reshape(-1)
-        keep = np.zeros_like(coeff)
-        top = np.argsort(-np.abs(coeff))[:min(k, coeff.size)]
-        keep[top] = coeff[top]
-        out.append(keep.reshape(block.shape))
-    return np.stack(out)
+    return top(np.stack([scipy.fft.dctn(m2[tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, sides))],
+                                        type=2, norm="ortho")
+                         for idx in np.ndindex(*[n // c for n, c in zip(m2.shape, sides)])]), k)
 
 
 def paper_inverse(q: np.ndarray, shape, s: int) -> np.ndarray:
@@ -100,11 +104,18 @@ def paper_inverse(q: np.ndarray, shape, s: int) -> np.ndarray:
     return out.reshape(shape)
 
 
-def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int) -> list[list[np.ndarray]]:
-    """Algorithm 1 of Peng et al. 2024 on K simulated ranks: the parameters after every step."""
+def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int, wd: float = 0.0,
+               nesterov: float = 0.0, reselect: bool = False):
+    """Algorithm 1 of Peng et al. 2024 on K simulated ranks, with the reference implementation's
+    decoupled weight decay ``x ← x(1 − lr·wd)`` and, where ``nesterov`` = μ > 0, torch SGD's
+    Nesterov momentum on the synchronised sign; ``reselect``: the mean Q of the ranks' q is
+    re-sparsified to its k largest per chunk with an error E that carries the rest
+    (``A = Q + E``, ``Q ← top_k(A)``, ``E ← A − Q``: gTop-k with server error feedback). After
+    every step: the parameters and every rank's momentum."""
     model = mlp(torch.float64)
     x = [p.detach().numpy().copy() for p in model.parameters()]
     m = [[np.zeros_like(p) for p in x] for _ in range(K)]
+    buf, err = [None] * len(x), [0.0] * len(x)
     after = []
     for step in range(1, steps + 1):
         with torch.no_grad():
@@ -120,25 +131,43 @@ def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int) -> li
                 m[r][i] = m[r][i] - paper_inverse(q[-1], x[i].shape, s)
             qs.append(q)
         for i in range(len(x)):
-            u = paper_inverse(sum(q[i] for q in qs) / K, x[i].shape, s)
-            x[i] = x[i] - lr * np.sign(u)
-        after.append([v.copy() for v in x])
+            mean = sum(q[i] for q in qs) / K
+            if reselect:
+                mean, err[i] = top(mean + err[i], k), mean + err[i] - top(mean + err[i], k)
+            d = np.sign(paper_inverse(mean, x[i].shape, s))
+            if nesterov:
+                buf[i] = d if buf[i] is None else nesterov * buf[i] + d
+                d = d + nesterov * buf[i]
+            x[i] = x[i] * (1 - lr * wd) - lr * d
+        after.append(([v.copy() for v in x], [[v.copy() for v in mr] for mr in m]))
     return after
 
 
-@pytest.mark.parametrize("exchange,topk", [("allgather", 5), ("two-phase", 64)])
-def test_demo_equals_the_papers_equations(group, exchange, topk):
+@pytest.mark.parametrize("exchange,topk,wd,nesterov", [("allgather", 5, 0.1, 0.0),
+                                                       ("two-phase", 64, 0.0, 0.0),
+                                                       ("allgather", 5, 0.0, 0.9),
+                                                       ("two-phase", 5, 0.0, 0.0)])
+def test_demo_equals_the_papers_equations(group, exchange, topk, wd, nesterov):
     """With the all-gather at k = 5 of chunks up to 48 elements, and two-phase at full k (its
-    owners' re-selection keeps everything): the paper's update, step by step, to 1e-12."""
+    owners' re-selection keeps everything): the paper's update and each rank's momentum, step by
+    step, to 1e-12; SGD's weight decay is the reference's decoupled one, a Nesterov SGD adds
+    Nesterov momentum on the sign. Two-phase at k = 5: the paper's with the mean re-sparsified
+    per chunk, the rest carried by the owners' server error."""
     lr, beta, s, steps = 0.01, 0.9, 8, 4
-    want = paper_demo(group.size, steps, lr, beta, s, topk)
+    reselect = exchange == "two-phase" and topk < 48
+    want = paper_demo(group.size, steps, lr, beta, s, topk, wd, nesterov, reselect)
     model = mlp(torch.float64)
-    opt = lowcomm.DeMo(model, torch.optim.SGD(model.parameters(), lr=lr), group, topk=topk, chunk=s,
-                       decay=beta, exchange=exchange)
+    inner = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd, momentum=nesterov,
+                            nesterov=nesterov > 0)
+    opt = lowcomm.DeMo(model, inner, group, topk=topk, chunk=s, decay=beta, exchange=exchange)
+    names = [n for n, _ in model.named_parameters()]
 
     def check(step):
-        for p, w in zip(model.parameters(), want[step - 1]):
+        params, momenta = want[step - 1]
+        for p, w in zip(model.parameters(), params):
             assert np.allclose(p.detach().numpy(), w, rtol=0, atol=1e-12), f"step {step}"
+        for n, w in zip(names, momenta[group.rank]):
+            assert np.allclose(opt.momentum[n].numpy(), w, rtol=0, atol=1e-12), f"momentum, step {step}"
     train(opt, model, group, steps, check)
     opt.finish()
     assert len(set(group.allgather_object(state_sha256(model)))) == 1
