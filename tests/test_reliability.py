@@ -64,7 +64,16 @@ def methods() -> dict[str, list[str]]:
             kinds[kind] = name
             m[f"compressor-{name}"] = [f"compressor.name={name}", "compressor.start_iter=2"]
     if "onebit-adam" in STRATEGIES:   # past its warm-up within the run
-        m["onebit-adam"] = ["strategy.name=onebit-adam", "strategy.freeze_step=4", "optimizer.name=adam"]
+        m["onebit-adam"] = ["strategy.name=onebit-adam", "strategy.freeze_step=4", "optimizer.name=adam",
+                            "optimizer.schedule=cosine"]     # the lr a resumed step reads moves
+    if "zeroone-adam" in STRATEGIES:   # all four kinds of step: dense, 1-bit, local, sync
+        m["zeroone-adam"] = ["strategy.name=zeroone-adam", "strategy.var_freeze_step=5",
+                             "strategy.var_update_scaler=2", "strategy.local_step_scaler=2",
+                             "strategy.local_step_clipper=4", "optimizer.schedule=cosine"]
+    if "demo" in STRATEGIES:   # the paper's sign step; the lr its momentum reads moves
+        m["demo"] = ["strategy.name=demo", "optimizer.name=sgd", "optimizer.schedule=cosine"]
+    # MuLoCo: DiLoCo over torch's Muon and AdamW (the inner optimizer's two parts resume)
+    m["muloco"] = ["strategy.name=diloco", "strategy.period=4", "optimizer.name=muon"]
     if "async-ps" in STRATEGIES:   # checkpoints need its synchronous mode (1 server, 1 worker here)
         m["async-ps"] = ["strategy.name=async-ps", "strategy.max_staleness=0"]
     # a per-level policy: nested strategies (inner SyncDP state, outer loop, compressor) resume too

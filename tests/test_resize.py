@@ -23,6 +23,12 @@ from lowcomm.strategies.ps.protocol import fold
 METHODS = {
     "syncdp-ef-sign": ["syncdp", ["compressor.name=ef-sign"], False],
     "onebit-adam": ["onebit-adam:freeze_step=2", ["optimizer.name=adam"], False],
+    # local steps from step 3 on (synchronisations at 2 and 4)
+    "zeroone-adam": ["zeroone-adam:var_freeze_step=1,local_step_scaler=1,local_step_clipper=4",
+                     ["optimizer.name=adam"], True],
+    "demo": ["demo:topk=4,chunk=8", [], False],
+    "sparta": ["sparta:fraction=0.1", [], True],
+    "sparta-diloco": ["sparta-diloco:period=2,fraction=0.1", [], True],
     "localsgd": ["localsgd:period=2", [], True],
     "diloco": ["diloco:period=2,compressor=ef-sign", [], True],
     "streaming-diloco": ["streaming-diloco:period=2,fragments=2,delay=1,merge=add-local", [], True],

@@ -30,7 +30,6 @@ from ..comm.ledger import Link
 from ..errors import ConfigError
 from ..settings import coerce
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
 #: the task every run trains unless ``task`` says otherwise
 DEFAULT_TASK = "lowcomm.tasks.bytelm"
@@ -55,14 +54,15 @@ class ModelConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"            # the inner optimizer: "adamw" | "adam" | "sgd"
-    weight_decay: float = 0.0      # L2 (sgd, adam) or decoupled (adamw) weight decay
-    momentum: float = 0.0          # sgd only
-    beta1: float = 0.9             # adam, adamw: first-moment decay
-    beta2: float = 0.95            # adam, adamw: second-moment decay
+    name: str = "adamw"            # any torch.optim class, lower case ("sgd", "nadam", …); "muon": Muon + AdamW
+    weight_decay: float = 0.0      # L2 or decoupled weight decay, as the optimizer defines it
+    momentum: float | None = None  # unset: the optimizer's own default (sgd: 0, muon: 0.95)
+    beta1: float = 0.9             # Adam family: first-moment decay
+    beta2: float = 0.95            # Adam family: second-moment decay
     schedule: str = "constant"     # lr over the run: "constant" | "cosine" (to min_lr_ratio * lr)
     warmup_steps: int = 0          # linear lr warm-up from lr/warmup_steps to lr
     min_lr_ratio: float = 0.1      # cosine: the lr at the last step, as a fraction of lr
+    options: dict = field(default_factory=dict)   # further constructor arguments of the optimizer
 
 
 @dataclass
@@ -291,7 +291,8 @@ def validate(cfg: Config) -> Config:
     one_of("on_nonfinite", cfg.on_nonfinite, ("abort", "skip"))
     _check_budget(cfg)
     one_of("optimizer.schedule", cfg.optimizer.schedule, LR_SCHEDULES)
-    one_of("optimizer.name", cfg.optimizer.name, OPTIMIZERS)
+    from .optimizers import check_optimizer      # imports torch: only when a config is checked
+    check_optimizer(cfg.optimizer)
     if not cfg.task.name:
         raise ConfigError("task", "names no task (a file path.py or a module, e.g. "
                           f"{DEFAULT_TASK!r})")

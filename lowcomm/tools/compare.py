@@ -47,6 +47,12 @@ METHODS: dict[str, list[str]] = {
     **{name: [f"compressor.name={name}"] for name in
        ("fp16", "bf16", "int8", "qsgd", "topk", "randomk", "sign", "sign-mv", "ef-sign", "powersgd")},
     "onebit-adam": ["strategy.name=onebit-adam"],
+    "zeroone-adam": ["strategy.name=zeroone-adam", "strategy.local_step_scaler=20"],
+    # DeMo steps with sign(u) through plain SGD (the paper's update); lr is the sign step's size
+    "demo": ["strategy.name=demo", "optimizer.name=sgd", "lr=0.001"],
+    "sparta": ["strategy.name=sparta", "strategy.fraction=0.005"],
+    "sparta-diloco": ["strategy.name=sparta-diloco", "strategy.period=50", "strategy.fraction=0.005"],
+    "muloco": ["strategy.name=diloco", "strategy.period=50", "optimizer.name=muon"],
     "localsgd": ["strategy.name=localsgd", "strategy.period=10"],
     "diloco": ["strategy.name=diloco", "strategy.period=50"],
     "streaming-diloco": ["strategy.name=streaming-diloco", "strategy.period=50",
@@ -73,7 +79,7 @@ MAIN_METHODS = ("ddp", "fp16", "int8", "topk", "ef-sign", "powersgd", "localsgd"
 def available(name: str) -> bool:
     """True when every piece the method names is registered in this installation."""
     from ..compress import COMPRESSORS
-    from ..run.config import OPTIMIZERS
+    from ..run.optimizers import OPTIMIZERS
     from ..run.registry import STRATEGIES
     for o in METHODS[name]:
         key, _, value = o.partition("=")

@@ -62,6 +62,12 @@ METHODS = {
     "gossip": ("gossip:graph=ring", []),
     "gossip-push-sum": ("gossip:graph=one-peer-exponential,gossip_mode=push-sum", []),
     "onebit-adam": ("onebit-adam:freeze_step=3", ["optimizer.name=adam"]),
+    "zeroone-adam": ("zeroone-adam:var_freeze_step=2,local_step_scaler=1,local_step_clipper=2",
+                     ["optimizer.name=adam"]),
+    "demo": ("demo:topk=4,chunk=8", []),
+    "sparta": ("sparta:fraction=0.05", []),
+    "sparta-diloco": ("sparta-diloco:period=3,fraction=0.05", []),
+    "muloco": ("diloco:period=3", ["optimizer.name=muon"]),
     "average-every": ("average-every:period=3", []),
     "async-ps": ("async-ps:servers=1", []),
     "policy": ("syncdp", ["topology=dc:2,rank:2+1", "policy.dc=diloco:period=3,compressor=int8"]),
@@ -149,7 +155,8 @@ for name in lowcomm.STRATEGIES:
     if name == "async-ps":
         continue                    # needs the loop's serving side: see the CLI tests
     m = model(None)
-    inner = (torch.optim.Adam if name == "onebit-adam" else torch.optim.SGD)(m.parameters(), lr=0.1)
+    adam = name in ("onebit-adam", "zeroone-adam")
+    inner = (torch.optim.Adam if adam else torch.optim.SGD)(m.parameters(), lr=0.1)
     opt = lowcomm.build(name, m, inner, comm, steps=STEPS)
     ok(isinstance(opt, lowcomm.Strategy), f"build({name!r}) gave {type(opt).__name__}")
     opt.close()
