@@ -12,6 +12,8 @@ plot can be drawn again without the run. ``plot`` draws one PNG per data file by
   (``experiments/compress_scaling.py --json``);
 * ``allreduce`` — bus bandwidth against message size, one line per algorithm (``lowcomm bench
   allreduce --json``, several runs: the median of the runs, with their range as error bars);
+* ``projection`` — modelled seconds per step against the rank count, one line per method
+  (``lowcomm project --json``; the first link);
 * ``series`` — named lists of (x, y) points with axis labels, for measurements kept as tables.
 """
 from __future__ import annotations
@@ -39,12 +41,12 @@ def export_compare(folder: Path, dest: Path) -> None:
 
 
 def _modelled(line: dict, ranks: int, link: dict) -> float | None:
-    """A metrics line's modelled wall-clock: its CPU seconds plus its traffic's α–β time
-    (the same rule as ``lowcomm compare``)."""
+    """A metrics line's modelled wall-clock, by ``lowcomm compare``'s own rule."""
+    from lowcomm.comm.ledger import Link
+    from lowcomm.tools.compare import _line_modelled
     if "compute_cpu_s" not in line or "rounds" not in line:
         return None
-    alpha, beta = link["delay_ms"] / 1e3, link["rate_mbit"] * 1e6 / 8
-    return line["compute_cpu_s"] + line["rounds"] * alpha + line["bytes"] / ranks / beta
+    return _line_modelled({**line, "ranks": ranks}, Link(link["delay_ms"], link["rate_mbit"]))
 
 
 def plot_compare(data: dict, ax_pair) -> str:
@@ -103,6 +105,19 @@ def plot_allreduce(data: dict, ax) -> str:
     return f"{runs[0]['ranks']} ranks, {len(runs)} runs"
 
 
+def plot_projection(data: dict, ax) -> str:
+    link = data["projections"][0]["rows"][0]["link"]
+    for p in data["projections"]:
+        rows = [r for r in p["rows"] if r["link"] == link]
+        ax.plot([r["ranks"] for r in rows], [r["seconds_per_step"] for r in rows], marker="o",
+                label=p["name"])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks K")
+    ax.set_ylabel(f"modelled seconds per step ({link})")
+    return f"{data['projections'][0]['params']:,.0f} parameters, projected"
+
+
 def plot_series(data: dict, ax) -> str:
     for name, pts in data["series"].items():
         ax.plot(*zip(*pts), marker="o", label=name)
@@ -125,7 +140,7 @@ def plot_all() -> list[Path]:
         fig, axes = plt.subplots(1, 2 if kind == "compare" else 1,
                                  figsize=(12 if kind == "compare" else 7, 4.5))
         title = {"compare": plot_compare, "bytes-vs-ranks": plot_bytes, "allreduce": plot_allreduce,
-                 "series": plot_series}[kind](data, axes)
+                 "projection": plot_projection, "series": plot_series}[kind](data, axes)
         for ax in (axes if kind == "compare" else [axes]):
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:

@@ -161,6 +161,18 @@ def test_compare_by_time_budget_gives_every_method_the_same_modelled_seconds(tmp
     assert 0 < by["ddp"]["time_to_target_s"] <= by["ddp"]["modelled_wall_s"]
     assert f"eval loss at {budget:g} s" in r.stdout and "modelled s to eval ≤" in r.stdout
     assert f"{budget:g} modelled s (at most 5000 steps) per method" in r.stdout
+    # projected to the measured rank count, a run's bytes per step are its own ledger's
+    p = subprocess.run([sys.executable, "-m", "lowcomm.cli", "project", str(tmp_path), "--ranks", "2,4096",
+                        "--json", str(tmp_path / "projection.json")], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    done = {x["name"]: x for x in json.loads((tmp_path / "projection.json").read_text())["projections"]}
+    assert set(done) == {"ddp", "localsgd"} and "assumptions: every rank's traffic" in p.stdout
+    for m in done:
+        summary = json.loads((tmp_path / m / "summary.json").read_text())
+        at2 = next(r for r in done[m]["rows"] if r["ranks"] == 2 and r["link"] == "25 ms, 100 Mbit/s")
+        assert at2["bytes_per_rank_per_step"] == pytest.approx(
+            sum(r["bytes_sent"] for r in summary["ledger_rank0"]) / summary["steps_done"])
+        assert done[m]["compute_s"] == pytest.approx(summary["compute_cpu_s"] / summary["steps_done"])
 
 
 def test_a_budget_refuses_what_it_cannot_keep():
@@ -248,3 +260,41 @@ def test_compare_never_takes_over_a_folder_it_did_not_write(tmp_path):
     r = cli("compare", "--np", "2", "--out", run, "--methods", "ddp")
     assert r.returncode != 0 and f"{run} holds a training run (config.json)" in r.stderr, r.output
     assert {p.name for p in run.iterdir()} - {".lowcomm.lock"} == {"config.json"}
+
+
+def _summary(rows, ranks=4, steps=10, params=1000, cpu=2.0):
+    return {"method": "m", "ranks": ranks, "steps": steps, "steps_done": steps, "params": params,
+            "compute_cpu_s": cpu, "ledger_rank0": [{"level": "world", "bytes_recv": 0, "seconds": 0,
+                                                    **r} for r in rows]}
+
+
+def test_projection_recosts_each_op_by_its_algorithm_s_formula():
+    from lowcomm.comm.ledger import wire_bytes
+    from lowcomm.tools.project import project
+    n = 4000                                    # bytes per all-reduce; 10 steps, one call each
+    s = _summary([{"op": "allreduce.mpi", "calls": 10, "bytes_sent": 10 * wire_bytes("allreduce", n, 4)[0]},
+                  {"op": "allreduce.ring", "calls": 5, "bytes_sent": 5 * 2 * 3 * n // 4},
+                  {"op": "alltoall.v", "calls": 10, "bytes_sent": 10 * 3 * 400 // 4},
+                  {"op": "allgather.v", "calls": 10, "bytes_sent": 10 * 3 * 400 // 4},
+                  {"op": "sendrecv", "calls": 20, "bytes_sent": 20 * 100}])
+    link = Link(10, 8)                          # 10 ms, 1 MB/s
+    at = {r["ranks"]: r for r in project(s, [4, 8, 1024], [link])["rows"]}
+    # at the measured K the bytes per step are the ledger's own
+    assert at[4]["bytes_per_rank_per_step"] == pytest.approx(sum(r["bytes_sent"] for r in s["ledger_rank0"]) / 10)
+    per_step_8 = (2 * 7 / 8 * n) + 0.5 * (2 * 7 / 8 * n) + 2 * (7 / 8 * 400) + 2 * 100
+    assert at[8]["bytes_per_rank_per_step"] == pytest.approx(per_step_8)
+    rounds_8 = 2 * 3 + 0.5 * 2 * 7 + 2 * 7 + 2 * 1     # Rabenseifner, ring, two-phase, p2p
+    assert at[8]["seconds_per_step"] == pytest.approx(0.2 + rounds_8 * 0.01 + per_step_8 / 1e6)
+    # at 1024 ranks: the all-reduces' bytes tend to 2n, the two-phase exchange's K-1 rounds dominate
+    rounds_1024 = 2 * 10 + 0.5 * 2 * 1023 + 2 * 1023 + 2
+    assert at[1024]["seconds_per_step"] == pytest.approx(
+        0.2 + rounds_1024 * 0.01 + at[1024]["bytes_per_rank_per_step"] / 1e6)
+    big = project(s, [8], [link], params=1e6)["rows"][0]      # 1000x the parameters
+    assert big["bytes_per_rank_per_step"] == pytest.approx(1000 * per_step_8)
+    assert project(s, [8], [link], params=1e6)["compute_s"] == pytest.approx(200.0)
+    assert project(s, [8], [link], step_compute_s=0.5)["compute_s"] == 0.5
+    lone = _summary([{"op": "allgather.v", "calls": 10, "bytes_sent": 10 * 3 * 400}])
+    assert project(lone, [8], [link])["rows"][0]["bytes_per_rank_per_step"] == 7 * 400   # every rank's block
+    with pytest.raises(ValueError, match="levels dc, world"):
+        project(_summary([{"op": "allreduce.mpi", "calls": 1, "bytes_sent": 1},
+                          {"op": "allreduce.mpi", "calls": 1, "bytes_sent": 1, "level": "dc"}]), [8], [link])

@@ -8,7 +8,7 @@ import torch
 
 from lowcomm.errors import ConfigError
 from lowcomm.run.optimizers import MuonAdamW, OPTIMIZERS
-from lowcomm.run.registry import load_config
+from lowcomm.run.api import load_config
 from lowcomm.run.schedule import build_optimizer
 
 

@@ -13,7 +13,8 @@ from conftest import run_mpi_suite
 from lowcomm.compress import Compressor, ErrorFeedback
 from lowcomm.compress.demo import ChunkedDCT, ChunkTopK, chunk_side
 from lowcomm.errors import ConfigError
-from lowcomm.run.registry import build, load_config
+from lowcomm.run.api import load_config
+from lowcomm.run.registry import build
 from lowcomm.strategies.demo import DeMo, _Bucket
 from lowcomm.strategies.zeroone_adam import schedule
 

@@ -391,6 +391,44 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
 
 
 @cli.command()
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.option("--ranks", default=",".join(map(str, (8, 64, 512, 4096))), show_default=True,
+              help="Comma list of rank counts to project to.")
+@click.option("--link", "links", multiple=True, metavar="DELAY_MS,RATE_MBIT",
+              help="A link to project over (repeat for several) [default: 25,100 and 1,10000].")
+@click.option("--params", type=click.FloatRange(min=1), default=None,
+              help="Project a model of this many parameters (messages and computation scale "
+                   "with params / the run's).")
+@click.option("--step-compute-s", type=click.FloatRange(min=0), default=None,
+              help="Computation seconds per step to assume (e.g. a GPU's) instead of the run's.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the projections as JSON.")
+def project(folder, ranks, links, params, step_compute_s, json_path):
+    """Project a measured run (or every method of a comparison) to thousands of ranks: each
+    method's modelled seconds per step and bytes per rank per step at each K over each link,
+    from its ledger's ops re-costed by their algorithms' α–β formulas."""
+    from ..comm.ledger import Link
+    from ..tools.project import projections, table
+    try:
+        ks = [int(k) for k in ranks.split(",")]
+        if any(k < 2 for k in ks):
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(f"a comma list of rank counts >= 2, got {ranks!r}",
+                                 param_hint="--ranks") from None
+    try:
+        the_links = [Link.parse(x) for x in links] or [Link(25, 100), Link(1, 10_000)]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--link") from None
+    try:
+        done, skipped = projections(folder, ks, the_links, params, step_compute_s)
+    except FileNotFoundError as e:
+        raise click.BadParameter(str(e), param_hint="FOLDER") from None
+    click.echo(table(done, skipped, ks, the_links))
+    _write_json(json_path, {"kind": "projection", "projections": done, "not_projected": skipped})
+
+
+@cli.command()
 def info():
     """Versions, MPI library and thread level, Horovod build."""
     import torch

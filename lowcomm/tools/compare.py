@@ -333,13 +333,14 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
     of the time-to-target column (``time_to_target_s`` of each result)."""
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["eval_loss"])
     base = next((r for r in ok if r["method"] == "ddp"), None)
+    per_step = lambda r: r["bytes_total"] / r.get("steps_done", r["steps"])   # noqa: E731
     to = f" | modelled s to eval ≤ {target:.4f}²" if target is not None else ""
     head = (f"| # | method | eval loss{f' at {budget:g} s' if budget else ''} | train loss | steps | "
-            f"MB sent | ddp bytes ÷ bytes | wall s | compute CPU s | modelled s ({link})¹{to} |\n"
+            f"MB sent | ddp bytes/step ÷ bytes/step | wall s | compute CPU s | modelled s ({link})¹{to} |\n"
             + "|---" * (10 + bool(to)) + "|")
     rows = []
     for i, r in enumerate(ok, 1):
-        ratio = f"{base['bytes_total'] / r['bytes_total']:.1f}×" if base and r["bytes_total"] else "–"
+        ratio = f"{per_step(base) / per_step(r):.1f}×" if base and r["bytes_total"] else "–"
         reach = r.get("time_to_target_s")
         reach = (f" | {reach:.1f}" if reach is not None else " | not reached") if to else ""
         rows.append(f"| {i} | {r['method']} | {r['eval_loss']:.4f} | {r['final_loss']:.4f} | "
