@@ -38,9 +38,11 @@ docs: setup
 	$(PY) -m sphinx -W --keep-going -E -q -b html docs docs/_build/html
 	@echo "docs: docs/_build/html/index.html"
 
+# The speed benchmarks (scripts/bench.sh): all-reduce, training step and compressors beside their
+# references in one run each, 3 runs at 2 ranks (one core per rank: the reference) and at 4, with
+# each run's load; runs/bench/*.json and one data file per bench in runs/bench/data.
 bench: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH launchers/local.sh -n $(NP) lowcomm bench allreduce --json runs/bench/allreduce.json
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH launchers/local.sh -n $(NP) lowcomm bench step --json runs/bench/step.json
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/bench.sh
 
 clean:
 	rm -rf runs .pytest_cache
