@@ -78,23 +78,31 @@ def cli(*args: str, env: dict | None = None) -> Ran:
     return Ran(["lowcomm", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
-def run_mpi_suite(np: int, path: str, *pytest_args: str, timeout: float = 300) -> dict[str, str]:
-    """Run the pytest file ``tests/mpi/<path>`` on ``np`` ranks (see tests/mpi/under_mpi.py) and
-    require every case to pass on every rank. Returns ``{test name: outcome}``; a failure names
-    the case and the ranks it failed on."""
+MPI_CHECKS = Path(__file__).resolve().parent / "mpi"
+
+
+def run_mpi_suite(np: int, path: str | list[str], *pytest_args: str, timeout: float = 300,
+                  case_timeout: float = 120, env: dict | None = None) -> dict[str, str]:
+    """Run the pytest file ``tests/mpi/<path>`` (or several, in one mpirun) on ``np`` ranks
+    (see tests/mpi/under_mpi.py) and require every case collected to pass on every rank (a
+    skipped case is a check not made: it fails too). Returns ``{"check_x.py::test_y[case]":
+    outcome}``; a failure names the case and the ranks it failed on, and a job killed in a case
+    (after ``case_timeout`` seconds: a hang) names the case each rank was in. ``pytest_args``
+    select cases (``-k``); ``env`` is added to the ranks' environment."""
     import json
+    paths = [path] if isinstance(path, str) else path
     with tempfile.TemporaryDirectory() as reports:
-        here = Path(__file__).parent / "mpi"
         r = run_ranks(np, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                      "-p", "under_mpi", "-o", "python_files=check_*.py", "-o", "addopts=",
-                      "--timeout=120", str(here / path), *pytest_args, timeout=timeout,
-                      env={"LOWCOMM_TEST_REPORTS": reports,
-                           "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])})
+                      "-p", "no:anyio", "-p", "under_mpi", "-o", "python_files=check_*.py",
+                      "-o", "addopts=", f"--timeout={case_timeout:g}", "-o", "timeout_method=thread",
+                      *[str(MPI_CHECKS / p) for p in paths], *pytest_args, timeout=timeout,
+                      env={**(env or {}), "LOWCOMM_TEST_REPORTS": reports, "PYTHONPATH": os.pathsep.join(
+                          [str(MPI_CHECKS), os.environ.get("PYTHONPATH", "")])})
         cases = {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(reports).glob("rank*.json")}
     assert sorted(cases) == list(range(np)), f"reports from ranks {sorted(cases)}\n{r.output}"
-    failed = [f"{name} on rank {rank}: {out}" for rank, c in sorted(cases.items())
-              for name, out in c.items() if out.startswith("failed")]
-    assert not failed, "\n".join(failed)
+    bad = [f"{name} on rank {rank}: {out}" for rank, c in sorted(cases.items())
+           for name, out in c.items() if out != "passed"]
+    assert not bad, "\n".join(bad) + f"\n{r.output[-3000:]}"
     assert r.returncode == 0, f"every case passed but the job exited {r.returncode}\n{r.output[-3000:]}"
     assert len({frozenset(c) for c in cases.values()}) == 1, "ranks ran different cases"
     return cases[0]

@@ -1,19 +1,12 @@
-"""Topology specs, the α–β model, config validation, and the hierarchical all-reduce against
-MPI_Allreduce under mpirun at 1–4 ranks over several topologies (tests/workers/topology.py)."""
+"""Topology specs, the α–β model and config validation (the hierarchical all-reduce against
+MPI_Allreduce under mpirun at 1–4 ranks over several topologies: tests/mpi/check_topology.py,
+run by tests/test_collectives.py)."""
 import pytest
 
-from conftest import run_worker
 from lowcomm.run.registry import load_config
 from lowcomm.errors import ConfigError
 from lowcomm.comm.topology import LinkModel, Topology
 from lowcomm.tools.wan import model_seconds
-
-CHECKS = {1: 168, 2: 335, 3: 351, 4: 627}
-
-
-@pytest.mark.parametrize("np", [1, 2, 3, 4])
-def test_hierarchical_matches_mpi_allreduce(np):
-    assert set(run_worker(np, "topology.py", timeout=150).values()) == {CHECKS[np]}
 
 
 def test_parse_levels_and_unequal_groups():

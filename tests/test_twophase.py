@@ -68,7 +68,7 @@ def test_the_alpha_beta_rule():
 
 def test_link_of_reads_the_communicators_link():
     """Topology.comms sets each communicator's link (checked under mpirun in
-    tests/workers/topology.py); link_of reads it, or assumes the default LAN."""
+    tests/mpi/check_topology.py); link_of reads it, or assumes the default LAN."""
     from types import SimpleNamespace
 
     from lowcomm.compress.twophase import DEFAULT_LINK, link_of
