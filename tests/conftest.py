@@ -79,6 +79,10 @@ def cli(*args: str, env: dict | None = None) -> Ran:
 
 
 MPI_CHECKS = Path(__file__).resolve().parent / "mpi"
+#: plugins a check run does not need, each a fraction of a second of every rank's start or end
+#: (unraisableexception's end collects the garbage of torch's import graph several times)
+UNUSED_PLUGINS = [a for p in ("cacheprovider", "anyio", "unraisableexception", "threadexception")
+                  for a in ("-p", f"no:{p}")]
 
 
 def run_mpi_suite(np: int, path: str | list[str], *pytest_args: str, timeout: float = 300,
@@ -92,9 +96,9 @@ def run_mpi_suite(np: int, path: str | list[str], *pytest_args: str, timeout: fl
     import json
     paths = [path] if isinstance(path, str) else path
     with tempfile.TemporaryDirectory() as reports:
-        r = run_ranks(np, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                      "-p", "no:anyio", "-p", "under_mpi", "-o", "python_files=check_*.py",
-                      "-o", "addopts=", f"--timeout={case_timeout:g}", "-o", "timeout_method=thread",
+        r = run_ranks(np, sys.executable, "-m", "pytest", "-q", *UNUSED_PLUGINS, "-p", "under_mpi",
+                      "-o", "python_files=check_*.py", "-o", "addopts=",
+                      f"--timeout={case_timeout:g}", "-o", "timeout_method=thread",
                       *[str(MPI_CHECKS / p) for p in paths], *pytest_args, timeout=timeout,
                       env={**(env or {}), "LOWCOMM_TEST_REPORTS": reports, "PYTHONPATH": os.pathsep.join(
                           [str(MPI_CHECKS), os.environ.get("PYTHONPATH", "")])})
