@@ -102,7 +102,8 @@ def run_mpi_suite(np: int, path: str | list[str], *pytest_args: str, timeout: fl
                       *[str(MPI_CHECKS / p) for p in paths], *pytest_args, timeout=timeout,
                       env={**(env or {}), "LOWCOMM_TEST_REPORTS": reports, "PYTHONPATH": os.pathsep.join(
                           [str(MPI_CHECKS), os.environ.get("PYTHONPATH", "")])})
-        cases = {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(reports).glob("rank*.json")}
+        cases = {int(f.stem[4:]): {x["case"]: x["outcome"] for x in map(json.loads, f.read_text().splitlines())}
+                 for f in Path(reports).glob("rank*.jsonl")}
     assert sorted(cases) == list(range(np)), f"reports from ranks {sorted(cases)}\n{r.output}"
     bad = [f"{name} on rank {rank}: {out}" for rank, c in sorted(cases.items())
            for name, out in c.items() if out != "passed"]

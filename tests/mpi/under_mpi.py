@@ -4,11 +4,11 @@ the world ``comm``.
 Loaded with ``-p under_mpi`` by :func:`tests.conftest.run_mpi_suite` (``mpirun -n K python -m
 pytest ...``; a plugin, not a conftest.py, so that the one-process suite never meets it). After
 each test the ranks exchange their outcomes, so a test that failed on any rank fails on every
-rank, naming the ranks and their first line of error; each rank keeps its outcomes, case by case,
-in ``$LOWCOMM_TEST_REPORTS/rank<r>.json``, which the launching test reads. The file is rewritten
-when a case starts (``unfinished``), when this rank's outcome is known and after the exchange,
-so a job that is killed (a hang: one rank failed between two collectives the others still wait
-in) still says which case each rank was in and which rank failed first.
+rank, naming the ranks and their first line of error; each rank logs its outcomes, case by case,
+to ``$LOWCOMM_TEST_REPORTS/rank<r>.jsonl``, which the launching test reads: a line when a case
+starts (``unfinished``), when this rank's outcome is known and after the exchange, so a job that
+is killed (a hang: one rank failed between two collectives the others still wait in) still says
+which case each rank was in and which rank failed first.
 
 ``SIZE`` and ``RANK`` are known at import (from the launcher's environment, without an MPI
 call), so a check file can parametrize its cases by the world size; a case that applies to some
@@ -64,11 +64,15 @@ def comm():
 
 
 def _record(name: str, outcome: str) -> None:
-    _OUTCOMES[name] = outcome
+    """One line ``{"case": name, "outcome": outcome}`` more in this rank's report (the last line
+    of a case says how it ended); flushed, so a killed job leaves it behind."""
+    global _REPORT
     reports = os.environ.get("LOWCOMM_TEST_REPORTS")
     if reports:
-        with open(os.path.join(reports, f"rank{RANK}.json"), "w") as f:
-            json.dump(_OUTCOMES, f)
+        if _REPORT is None:
+            _REPORT = open(os.path.join(reports, f"rank{RANK}.jsonl"), "a")
+        _REPORT.write(json.dumps({"case": name, "outcome": outcome}) + "\n")
+        _REPORT.flush()
 
 
 def _name(item) -> str:
@@ -104,4 +108,4 @@ def pytest_runtest_makereport(item, call):
             f"failed: {mine or report.longrepr}")
 
 
-_OUTCOMES: dict[str, str] = {}
+_REPORT = None
