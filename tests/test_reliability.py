@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, WORKERS, cli, run_ranks, run_worker
+from conftest import ROOT, WORKERS, cli, run_mpi_suite, run_ranks, run_worker
 from lowcomm.compress import COMPRESSORS, Codec, build_compressor
 from lowcomm.run.config import CompressorConfig
 from lowcomm.run.loop import STOP_VOTE_LAG
@@ -272,11 +272,12 @@ def test_a_garbage_config_json_on_resume_names_the_file(tmp_path):
             assert "Traceback" not in r.stderr, r.output
 
 
-def test_what_a_run_guards_once_its_ranks_are_up(tmp_path):
-    """tests/workers/nothing_lost.py: seeds, a loss without grad_fn, another architecture on
-    resume, a checkpoint.dir shared by two runs, a full disk while checkpointing."""
-    oks = run_worker(NP, "nothing_lost.py", str(tmp_path), timeout=300)
-    assert oks[0] >= 16 and oks[1] >= 12, oks
+def test_what_a_run_guards_once_its_ranks_are_up():
+    """tests/mpi/check_nothing_lost.py, each case asserted on every rank: seeds, a loss without
+    grad_fn, another architecture on resume, a checkpoint.dir shared by two runs, a full disk
+    while checkpointing."""
+    cases = run_mpi_suite(NP, "check_nothing_lost.py", timeout=300)
+    assert any("full_disk" in name for name in cases) and any("checkpoint_dir" in name for name in cases)
 
 
 @pytest.mark.parametrize("kind,what", [("nan-loss", "the loss"),
