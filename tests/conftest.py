@@ -1,9 +1,15 @@
 """Helpers to run multi-rank checks under real mpirun, each with a time bound.
 
-A worker script (tests/workers/*.py) runs on every rank, asserts on every rank and ends by
-writing its count of checks made to ``$LOWCOMM_TEST_REPORTS/rank<r>`` (files, because the
-ranks' stdout lines interleave). A failing assert raises, and ``python -m mpi4py``
-turns that into MPI_Abort, so the job ends at once with a non-zero status.
+Multi-rank checks are pytest files, tests/mpi/check_*.py, run under mpirun by
+:func:`run_mpi_suite`: every rank runs the same test functions (a ``comm`` fixture gives the
+world), a failure on any rank fails the case on every rank, and the launching test gets each
+case's outcome, so a failure names the case and the rank, and a case can be selected with ``-k``
+(see tests/mpi/under_mpi.py). What a pytest run would not survive stays a script
+(tests/workers/*.py: a rank killed, stopped or signalled, a job the watchdog ends, the WAN
+emulator's jobs), run by :func:`run_ranks`, or by :func:`run_worker` when it counts its checks
+(``$LOWCOMM_TEST_REPORTS/rank<r>``; files, because the ranks' stdout lines interleave). In a
+script a failing assert raises, and ``python -m mpi4py`` turns that into MPI_Abort, so the job
+ends at once with a non-zero status.
 """
 from __future__ import annotations
 
@@ -86,13 +92,16 @@ UNUSED_PLUGINS = [a for p in ("cacheprovider", "anyio", "unraisableexception", "
 
 
 def run_mpi_suite(np: int, path: str | list[str], *pytest_args: str, timeout: float = 300,
-                  case_timeout: float = 120, env: dict | None = None) -> dict[str, str]:
+                  case_timeout: float = 120, env: dict | None = None,
+                  each_case: bool = False) -> dict[str, str]:
     """Run the pytest file ``tests/mpi/<path>`` (or several, in one mpirun) on ``np`` ranks
     (see tests/mpi/under_mpi.py) and require every case collected to pass on every rank (a
     skipped case is a check not made: it fails too). Returns ``{"check_x.py::test_y[case]":
     outcome}``; a failure names the case and the ranks it failed on, and a job killed in a case
     (after ``case_timeout`` seconds: a hang) names the case each rank was in. ``pytest_args``
-    select cases (``-k``); ``env`` is added to the ranks' environment."""
+    select cases (``-k``); ``env`` is added to the ranks' environment. ``each_case``: the caller
+    asserts case by case (one test of its own per case): the outcomes are returned as they are,
+    rank 0's (which name the other ranks' failures too)."""
     import json
     paths = [path] if isinstance(path, str) else path
     with tempfile.TemporaryDirectory() as reports:
@@ -107,7 +116,7 @@ def run_mpi_suite(np: int, path: str | list[str], *pytest_args: str, timeout: fl
     assert sorted(cases) == list(range(np)), f"reports from ranks {sorted(cases)}\n{r.output}"
     bad = [f"{name} on rank {rank}: {out}" for rank, c in sorted(cases.items())
            for name, out in c.items() if out != "passed"]
-    assert not bad, "\n".join(bad) + f"\n{r.output[-3000:]}"
-    assert r.returncode == 0, f"every case passed but the job exited {r.returncode}\n{r.output[-3000:]}"
+    assert each_case or not bad, "\n".join(bad) + f"\n{r.output[-3000:]}"
+    assert bad or r.returncode == 0, f"every case passed but the job exited {r.returncode}\n{r.output[-3000:]}"
     assert len({frozenset(c) for c in cases.values()}) == 1, "ranks ran different cases"
     return cases[0]
