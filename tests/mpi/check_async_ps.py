@@ -1,5 +1,7 @@
-"""AsyncPS on 4 ranks: the first ``S = 2`` serve (sharded), the other two train; every rank
-asserts (a server on its shard and its counters, a worker on its model).
+"""The asynchronous parameter server against trusted references, on 4 ranks.
+
+The first ``S = 2`` ranks serve (sharded), the other two train; every rank asserts (a server on
+its shard and its counters, a worker on its model).
 
 * ``max_staleness = 0`` with plain SGD equals one process doing large-batch SGD over the W
   workers' batches, and equals SyncDP on the workers' communicator; with momentum too (the

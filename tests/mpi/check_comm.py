@@ -1,6 +1,8 @@
-"""Comm's own calls on every rank: point-to-point, non-blocking, bcast, allgather, split, the
-ledger's per-level accounting, and the metadata check that turns mismatched tensors into a
-CommError on every rank instead of a hang or corrupt memory."""
+"""Comm's own calls, on every rank.
+
+Point-to-point, non-blocking, bcast, allgather, split, the ledger's per-level accounting, and the
+metadata check that turns mismatched tensors into a CommError on every rank instead of a hang or
+corrupt memory."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Gradient compressors and 1-bit Adam on K ranks, every rank asserting:
+"""Gradient compressors and 1-bit Adam against their definitions, every rank asserting.
 
 * Comm.alltoall == the block transpose, ledger charged (K-1)·block;
 * bytes: for every method, through SyncDP on a small model (one bucket, and one bucket per

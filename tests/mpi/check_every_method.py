@@ -1,6 +1,7 @@
-"""Every method through the one loop from Python (``lowcomm.train`` with model/loss/batch
-functions over a map-style Dataset), on 3 ranks (odd, so averages are not exact halves; partial
-last periods): each run must end with the same model on every rank (``ranks_agree``, and
+"""Every method through the one loop from Python, on 3 ranks.
+
+``lowcomm.train`` with model/loss/batch functions over a map-style Dataset, on 3 ranks (odd, so
+averages are not exact halves; partial last periods): each run must end with the same model on every rank (``ranks_agree``, and
 checked here against every rank's whole state), finite losses, and bytes counted; then every
 method again on a CNN with BatchNorm and dropout over real images
 (experiments/digits_cnn_task.py). Also: the README's example method, registered from its own

@@ -1,4 +1,4 @@
-"""Gossip SGD on K ranks against trusted references, every rank asserting:
+"""Gossip SGD on K ranks against trusted references, every rank asserting.
 
 * complete graph, adapt-then-combine, SGD with momentum == SyncDP (D-PSGD and push-sum);
 * D-PSGD (combine-then-adapt, overlapped) == a single-process simulation with the dense mixing

@@ -1,5 +1,6 @@
-"""What a run guards against once its ranks are up, on 2 ranks, every rank asserting (rank 0
-also on the files, in a folder every rank sees):
+"""What a run guards against once its ranks are up, on 2 ranks.
+
+Every rank asserts (rank 0 also on the files, in a folder every rank sees):
 
 * ``seed`` seeds Python's ``random`` and NumPy too: two fresh runs of a task that draws from
   them agree (the process's generators scrambled in between).

@@ -1,5 +1,4 @@
-"""Local SGD / DiLoCo / streaming DiLoCo on K ranks against trusted references, every rank
-asserting.
+"""Local SGD, DiLoCo and streaming DiLoCo against trusted references, every rank asserting.
 
 equivalence (2 and 3 ranks)
   * ``LocalSGD(period=1) == SyncDP`` for SGD and momentum SGD; ``warmup_steps`` steps of LocalSGD

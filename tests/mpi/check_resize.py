@@ -1,4 +1,4 @@
-"""Resume on another number of ranks, 4 → 2 and 2 → 4, one case per method, on 4 ranks:
+"""Resume on another number of ranks, 4 → 2 and 2 → 4, one case per method, on 4 ranks.
 
 1. the 4 ranks train the method on 4 ranks (``<m>/four``, a checkpoint at step 3);
 2. ranks 0–1 resume it on 2 ranks; meanwhile ranks 2–3 train it on 2 ranks (``two``);

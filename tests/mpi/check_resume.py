@@ -1,5 +1,7 @@
-"""Many ``lowcomm train`` runs in one mpirun (one start-up for what would be dozens), every rank
-asserting. ``$LOWCOMM_RESUME_JOBS`` names a JSON list of ``{"name", "ref": DIR, "overrides":
+"""Interrupted-then-resumed runs against uninterrupted ones, every rank asserting.
+
+Many ``lowcomm train`` runs in one mpirun (one start-up for what would be dozens).
+``$LOWCOMM_RESUME_JOBS`` names a JSON list of ``{"name", "ref": DIR, "overrides":
 [...], "stop": STEP|null, "run": DIR|null}``, one case per entry (two for one with ``stop``):
 
 * every entry is trained uninterrupted into ``ref``, exactly as ``lowcomm train --set ... --out

@@ -1,6 +1,8 @@
-"""SyncDP on K ranks with batch B equals one process with batch K·B (plain torch, same seed),
-for every algorithm, with and without overlap, with gradient accumulation, with a parameter
-unused on some ranks, and through the Horovod backend."""
+"""SyncDP on K ranks with batch B equals one process with batch K·B, on every rank.
+
+The reference is plain torch with the same seed; SyncDP runs with every algorithm, with and
+without overlap, with gradient accumulation, with a parameter unused on some ranks, and through
+the Horovod backend."""
 import pytest
 import torch
 import torch.nn.functional as F

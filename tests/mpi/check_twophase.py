@@ -1,4 +1,4 @@
-"""The two-phase compressed all-reduce on K ranks, every rank asserting:
+"""The two-phase compressed all-reduce on K ranks, every rank asserting.
 
 1. bytes: the ledger's bytes per rank == the analytic payload computed here from the chunk sizes
    (independently of the compressors' code), for both collectives, divisible and non-divisible

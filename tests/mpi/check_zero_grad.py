@@ -1,5 +1,4 @@
-"""Parameters whose gradient is zero on every rank, and 1-bit Adam against its equations, on K
-ranks, every rank asserting:
+"""Zero-gradient parameters stay put, and 1-bit Adam equals its equations, on every rank.
 
 * a model with an unused layer (gradients None) and a dead layer (behind a ReLU that never
   fires: weight and bias get gradients of exactly zero) trains under SyncDP with every

@@ -1,7 +1,6 @@
-"""A pytest plugin for pytest under mpirun: every rank runs the same test functions, which take
-the world ``comm``.
+"""A pytest plugin for pytest under mpirun, where every rank runs the same test functions.
 
-Loaded with ``-p under_mpi`` by :func:`tests.conftest.run_mpi_suite` (``mpirun -n K python -m
+The test functions take the world ``comm``. Loaded with ``-p under_mpi`` by :func:`tests.conftest.run_mpi_suite` (``mpirun -n K python -m
 pytest ...``; a plugin, not a conftest.py, so that the one-process suite never meets it). After
 each test the ranks exchange their outcomes, so a test that failed on any rank fails on every
 rank, naming the ranks and their first line of error; each rank logs its outcomes, case by case,
