@@ -1,9 +1,9 @@
 """Every method through the one loop from Python, on 3 ranks.
 
 ``lowcomm.train`` with model/loss/batch functions over a map-style Dataset, on 3 ranks (odd, so
-averages are not exact halves; partial last periods): each run must end with the same model on every rank (``ranks_agree``, and
-checked here against every rank's whole state), finite losses, and bytes counted; then every
-method again on a CNN with BatchNorm and dropout over real images
+averages are not exact halves; partial last periods): each run must end with the same model on
+every rank (``ranks_agree``, and checked here against every rank's whole state), finite losses,
+and bytes counted; then every method again on a CNN with BatchNorm and dropout over real images
 (experiments/digits_cnn_task.py). Also: the README's example method, registered from its own
 file, equals Local SGD; ``lowcomm.build`` makes every registered method from a spec.
 """
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import lowcomm
-from helpers import assert_models_close, seeded_mlp
+from helpers import assert_models_close, seeded_mlp, toy_dataset
 from lowcomm.run.evaluate import state_sha256
 from lowcomm.tasks import dataset_batches
 from under_mpi import RANK, SIZE
@@ -28,9 +28,7 @@ import digits_cnn_task as digits  # noqa: E402
 
 importlib.import_module("example_method")     # the README's method registers "average-every"
 
-g = torch.Generator().manual_seed(7)
-X = torch.randn(600, 10, generator=g)
-DATA = torch.utils.data.TensorDataset(X, (X[:, 0] > 0).long() + (X[:, 1] > 0).long())
+DATA = toy_dataset()
 STEPS = 7        # not a multiple of any period below: every outer loop ends between syncs
 METHODS = {
     "syncdp": ("syncdp", []),
@@ -63,12 +61,7 @@ def rank_0s(comm, summary, keys):
 
 
 @pytest.fixture(scope="module")
-def out(comm, tmp_path_factory):
-    return comm.bcast_object(tmp_path_factory.mktemp("every-method") if RANK == 0 else None)
-
-
-@pytest.fixture(scope="module")
-def trained(comm, out):
+def trained(comm, shared_dir):
     """``trained(name)``: (summary, the delivered model) of the method's run on the MLP task."""
     cache = {}
 
@@ -83,7 +76,7 @@ def trained(comm, out):
             summary = lowcomm.train(model=model, loss=loss, batch=dataset_batches(DATA),
                                     eval_batches=evals, strategy=spec, steps=STEPS, batch_size=8,
                                     log_every=2, lr=0.05, set=["optimizer.name=sgd", *extra],
-                                    out=str(out / name), comm=comm)
+                                    out=str(shared_dir / name), comm=comm)
             if name == "async-ps":
                 summary = rank_0s(comm, summary, ("ranks_agree", "state_sha256", "final_loss",
                                                   "eval_loss", "bytes_total"))
@@ -112,7 +105,7 @@ def test_the_readmes_example_method_equals_localsgd(trained):
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_a_cnn_with_batchnorm_ends_with_one_whole_state_whose_statistics_moved(name, comm, out):
+def test_a_cnn_with_batchnorm_ends_with_one_whole_state_whose_statistics_moved(name, comm, shared_dir):
     """Real images (scikit-learn's digits): the model each method delivers, its BatchNorm
     statistics included, is the same on every rank, and the statistics moved (a method that
     never carried them would evaluate with the initial ones)."""
@@ -126,7 +119,7 @@ def test_a_cnn_with_batchnorm_ends_with_one_whole_state_whose_statistics_moved(n
                             eval_batches=digits.eval_batches, strategy=spec, steps=STEPS,
                             batch_size=16, log_every=7, lr=0.05,
                             set=["optimizer.name=sgd", "eval_batches=4", *extra],
-                            out=str(out / ("cnn-" + name)), comm=comm)
+                            out=str(shared_dir / ("cnn-" + name)), comm=comm)
     if name == "async-ps":
         summary = rank_0s(comm, summary, ("ranks_agree", "state_sha256", "eval_loss"))
     m = cnns[-1]

@@ -39,12 +39,6 @@ from under_mpi import RANK
 BASE = ["batch_size=2", "eval_batches=0", "log_every=1", "comm.timeout_s=30"]
 
 
-@pytest.fixture(scope="module")
-def root(comm, tmp_path_factory) -> Path:
-    """A folder every rank sees (rank 0's)."""
-    return comm.bcast_object(tmp_path_factory.mktemp("nothing-lost") if RANK == 0 else None)
-
-
 def cfg(*overrides):
     return load_config(None, [*BASE, *overrides])
 
@@ -113,8 +107,8 @@ def test_a_loss_without_grad_fn_is_a_task_error_naming_loss(comm):
         in str(e), f"{type(e).__name__}: {e}"
 
 
-def test_resuming_another_architecture_names_the_checkpoint_and_shapes_and_changes_nothing(comm, root):
-    arch = root / "arch"
+def test_resuming_another_architecture_names_the_checkpoint_and_shapes_and_changes_nothing(comm, shared_dir):
+    arch = shared_dir / "arch"
     train(comm, from_functions(linear(2), mse, batch), cfg("steps=6", "checkpoint.every=3"), arch)
     before = digest(arch) if RANK == 0 else None
     e = failure(comm, lambda: train(comm, from_functions(linear(3), mse, batch),
@@ -130,31 +124,31 @@ TASK = from_functions(linear(2), mse, batch)
 
 
 @pytest.fixture(scope="module")
-def run_a(comm, root):
+def run_a(comm, shared_dir):
     """Run a, 7 steps, its checkpoints in the folder ``ck`` outside its run folder."""
-    ck = root / "ck"
-    train(comm, TASK, cfg("steps=7", "checkpoint.every=3", f"checkpoint.dir='{ck}'"), root / "a")
+    ck = shared_dir / "ck"
+    train(comm, TASK, cfg("steps=7", "checkpoint.every=3", f"checkpoint.dir='{ck}'"), shared_dir / "a")
     return ck
 
 
-def test_a_checkpoint_dir_of_another_run_is_refused_and_left_as_it_was(comm, root, run_a):
+def test_a_checkpoint_dir_of_another_run_is_refused_and_left_as_it_was(comm, shared_dir, run_a):
     ck = run_a
     mine = digest(ck) if RANK == 0 else None
     e = failure(comm, lambda: train(comm, TASK, cfg("steps=7", "checkpoint.every=3", "lr=0.01",
-                                                    f"checkpoint.dir='{ck}'"), root / "b"))
+                                                    f"checkpoint.dir='{ck}'"), shared_dir / "b"))
     assert isinstance(e, RunFolderError) and f"checkpoint.dir {ck} holds the checkpoints of another " \
-        f"run (the run in {(root / 'a').resolve()})" in str(e), f"a second run on a checkpoint.dir: {e}"
+        f"run (the run in {(shared_dir / 'a').resolve()})" in str(e), f"a second run on a checkpoint.dir: {e}"
     assert RANK != 0 or digest(ck) == mine, "the refused run changed the other run's checkpoints"
 
 
-def test_a_checkpoint_dir_a_live_run_holds_is_refused(comm, root, run_a):
+def test_a_checkpoint_dir_a_live_run_holds_is_refused(comm, shared_dir, run_a):
     ck = run_a
     if RANK == 0:
         folder.lock(ck, "a live run elsewhere")
     try:
         e = failure(comm, lambda: train(comm, TASK, cfg("steps=7", "checkpoint.every=3",
                                                         f"checkpoint.dir='{ck}'"),
-                                        root / "a", resume=root / "a"))
+                                        shared_dir / "a", resume=shared_dir / "a"))
     finally:
         folder.close_run("a live run elsewhere")
     assert isinstance(e, RunFolderError) and f"{ck} is in use by another run" in str(e), \
@@ -178,21 +172,21 @@ def said():
         lg.setLevel(level)
 
 
-def test_a_resume_skips_another_runs_checkpoint_and_neither_overwrites_nor_prunes_it(comm, root, run_a, said):
-    ck, ckx = run_a, root / "ckx"
+def test_a_resume_skips_another_runs_checkpoint_and_neither_overwrites_nor_prunes_it(comm, shared_dir, run_a, said):
+    ck, ckx = run_a, shared_dir / "ckx"
     # another run's newer checkpoint in it (copied by hand)
-    train(comm, TASK, cfg("steps=9", "checkpoint.every=4", f"checkpoint.dir='{ckx}'"), root / "x")
+    train(comm, TASK, cfg("steps=9", "checkpoint.every=4", f"checkpoint.dir='{ckx}'"), shared_dir / "x")
     if RANK == 0:
         shutil.copytree(ckx / "step-00000008", ck / "step-00000008")
     comm.barrier()
-    res = train(comm, TASK, cfg("steps=13", "checkpoint.every=3", f"checkpoint.dir='{ck}'"), root / "a",
-                resume=root / "a")
+    res = train(comm, TASK, cfg("steps=13", "checkpoint.every=3", f"checkpoint.dir='{ck}'"), shared_dir / "a",
+                resume=shared_dir / "a")
     assert res["ranks_agree"] and res["steps"] == 13, f"the resumed run: {res}"
     if RANK == 0:
         assert any(f"{ck / 'step-00000008'} is a checkpoint of another run" in m for m in said), \
             f"the other run's checkpoint was not skipped by name: {said}"
         assert f"resumed from {ck} at step 6" in said, f"resumed from the wrong checkpoint: {said}"
-        x_id = json.loads((root / "x" / ".lowcomm-run.json").read_text())["run"]
+        x_id = json.loads((shared_dir / "x" / ".lowcomm-run.json").read_text())["run"]
         steps = sorted(p.name for p in ck.glob("step-*"))
         assert steps == ["step-00000008", "step-00000009", "step-00000012"], \
             f"pruning touched another run's checkpoint: {steps}"
@@ -204,11 +198,11 @@ def full(path, data):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))    # as write(2) says it: no file name
 
 
-def test_a_full_disk_while_checkpointing_names_the_file_and_leaves_no_partial_checkpoint(comm, root):
+def test_a_full_disk_while_checkpointing_names_the_file_and_leaves_no_partial_checkpoint(comm, shared_dir):
     with mock.patch.object(checkpoint, "_write", full):
-        e = failure(comm, lambda: train(comm, TASK, cfg("steps=4", "checkpoint.every=2"), root / "full"))
-    tmp = root / "full" / "checkpoints" / ".step-00000002.tmp"
+        e = failure(comm, lambda: train(comm, TASK, cfg("steps=4", "checkpoint.every=2"), shared_dir / "full"))
+    tmp = shared_dir / "full" / "checkpoints" / ".step-00000002.tmp"
     assert isinstance(e, LowcommError) and f"cannot write checkpoint file {tmp / f'rank-{RANK:05d}.pt'}: " \
         "No space left on device" in str(e) and f"removed the partial checkpoint {tmp}" in str(e), \
         f"{type(e).__name__}: {e}"
-    assert not list((root / "full" / "checkpoints").glob(".step-*")), "the partial checkpoint was left"
+    assert not list((shared_dir / "full" / "checkpoints").glob(".step-*")), "the partial checkpoint was left"

@@ -20,16 +20,14 @@ import torch
 import torch.nn.functional as F
 
 import lowcomm
-from helpers import seeded_mlp
+from helpers import seeded_mlp, toy_dataset
 from lowcomm.tasks import dataset_batches
 from under_mpi import RANK
 
 pytestmark = pytest.mark.mpi(sizes=(4,))
 STEPS, EVERY = 5, 3
 LAST = 3                       # the newest checkpoint of a 5-step run saved every 3 steps
-g = torch.Generator().manual_seed(7)
-X = torch.randn(600, 10, generator=g)
-DATA = torch.utils.data.TensorDataset(X, (X[:, 0] > 0).long() + (X[:, 1] > 0).long())
+DATA = toy_dataset()
 NAMES = [n for n, _ in seeded_mlp(10, 16, 3).named_parameters()]
 # name: [strategy spec, extra overrides, whether the ranks' parameters differ at the checkpoint
 # (step 3: periods of 2 end at 2 and 4, so an outer loop's replicas have drifted; streaming
@@ -44,12 +42,6 @@ METHODS = {
     # 1 server + 3 workers <-> 1 server + 1 worker (checkpoints every N steps need τ = 0)
     "async-ps": ["async-ps:servers=1,max_staleness=0", [], False],
 }
-
-
-@pytest.fixture(scope="module")
-def root(comm, tmp_path_factory) -> Path:
-    """A folder every rank sees (rank 0's)."""
-    return comm.bcast_object(tmp_path_factory.mktemp("resize") if RANK == 0 else None)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +105,8 @@ def resumed(comm, method, old: Path, new: Path, K_old: int) -> list[str]:
 
 
 @pytest.mark.parametrize("m", METHODS)
-def test_resumes_on_half_and_on_twice_the_ranks(m, comm, half, root):
-    method, d = METHODS[m], root / m
+def test_resumes_on_half_and_on_twice_the_ranks(m, comm, half, shared_dir):
+    method, d = METHODS[m], shared_dir / m
     problems = []
     s4 = train(comm, method, d / "four")
     if s4["ranks_agree"] is not True:

@@ -36,6 +36,13 @@ def random_batch(step: int, n: int, features: int = 10, classes: int = 3):
     return torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)
 
 
+def toy_dataset() -> torch.utils.data.TensorDataset:
+    """600 Gaussian points in 10-D, labelled by the signs of their first two coordinates (3
+    classes)."""
+    X = torch.randn(600, 10, generator=torch.Generator().manual_seed(7))
+    return torch.utils.data.TensorDataset(X, (X[:, 0] > 0).long() + (X[:, 1] > 0).long())
+
+
 def flat(tensors) -> torch.Tensor:
     """The tensors (or a model's parameters) as one detached vector."""
     if isinstance(tensors, torch.nn.Module):

@@ -1,10 +1,11 @@
 """A pytest plugin for pytest under mpirun, where every rank runs the same test functions.
 
-The test functions take the world ``comm``. Loaded with ``-p under_mpi`` by :func:`tests.conftest.run_mpi_suite` (``mpirun -n K python -m
-pytest ...``; a plugin, not a conftest.py, so that the one-process suite never meets it). After
-each test the ranks exchange their outcomes, so a test that failed on any rank fails on every
-rank, naming the ranks and their first line of error; each rank logs its outcomes, case by case,
-to ``$LOWCOMM_TEST_REPORTS/rank<r>.jsonl``, which the launching test reads: a line when a case
+The test functions take the world ``comm``. The plugin is loaded with ``-p under_mpi`` by
+:func:`tests.conftest.run_mpi_suite` (``mpirun -n K python -m pytest ...``; a plugin, not a
+conftest.py, so that the one-process suite never meets it). After each test the ranks exchange
+their outcomes, so a test that failed on any rank fails on every rank, naming the ranks and their
+first line of error; each rank logs its outcomes, case by case, to
+``$LOWCOMM_TEST_REPORTS/rank<r>.jsonl``, which the launching test reads: a line when a case
 starts (``unfinished``), when this rank's outcome is known and after the exchange, so a job that
 is killed (a hang: one rank failed between two collectives the others still wait in) still says
 which case each rank was in and which rank failed first.
@@ -12,13 +13,12 @@ which case each rank was in and which rank failed first.
 ``SIZE`` and ``RANK`` are known at import (from the launcher's environment, without an MPI
 call), so a check file can parametrize its cases by the world size; a case that applies to some
 sizes only is marked ``@pytest.mark.mpi(min_size=2)`` or ``@pytest.mark.mpi(sizes=(2, 3))`` and
-is not collected at the others. Every case collected applies, and none needs to skip. Files here are named ``check_*.py`` so that the
-outer suite (one process) never collects them. To run one file, or some of its cases, by hand::
+is not collected at the others. Every case collected applies, and none needs to skip. Files here
+are named ``check_*.py`` so that the outer suite (one process) never collects them. To run one
+file, or some of its cases, by hand::
 
-    launchers/local.sh -n 3 .venv/bin/python -m pytest -p under_mpi -o python_files='check_*.py' \\
-        -p no:cacheprovider tests/mpi/check_allreduce.py -k 'ring and float16'
-
-(with ``tests/mpi`` on ``PYTHONPATH``).
+    PYTHONPATH=tests/mpi launchers/local.sh -n 3 .venv/bin/python -m pytest -p under_mpi \\
+        -o python_files='check_*.py' -p no:cacheprovider tests/mpi/check_allreduce.py -k 'ring and float16'
 """
 import json
 import os
@@ -60,6 +60,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def comm():
     return lowcomm.init()
+
+
+@pytest.fixture(scope="module")
+def shared_dir(comm, tmp_path_factory, request):
+    """A folder every rank sees, one per check file: rank 0's (each rank's ``tmp_path`` is its
+    own)."""
+    return comm.bcast_object(tmp_path_factory.mktemp(request.module.__name__) if RANK == 0 else None)
 
 
 def _record(name: str, outcome: str) -> None:
