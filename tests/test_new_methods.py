@@ -144,4 +144,4 @@ def test_python_constructors_check_their_arguments():
 
 def test_new_methods_under_mpirun():
     cases = run_mpi_suite(4, "check_new_methods.py", timeout=500)
-    assert any(n.startswith("test_demo_") for n in cases) and any("sparta" in n for n in cases)
+    assert any("::test_demo_" in n for n in cases) and any("sparta" in n for n in cases)
