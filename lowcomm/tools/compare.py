@@ -379,8 +379,6 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
     and no further method starts (the CLI tells which did not run). ``budget``: modelled
     seconds on ``link`` per method (``steps`` is then a cap); ``target``: the eval loss of the
     time-to-target column (default: ddp's final one)."""
-    from tqdm import tqdm
-
     out = Path(out)
     if budget:
         overrides = (*overrides, *budget_overrides(budget, link))
@@ -395,37 +393,9 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
         for r in kept:                      # the table's modelled column: this link
             summary = out / r["method"] / "summary.json"
             if r["status"] == "ok" and summary.exists():
-                r["modelled_wall_s"] = modelled_wall(json.loads(summary.read_text()), link)
-                r["link"] = {"delay_ms": link.delay_ms, "rate_mbit": link.rate_mbit}
-        results: list[dict] = []
-        bar = tqdm(total=steps * len(methods), unit="step", disable=not progress, dynamic_ncols=True)
-        try:
-            for method in methods:
-                bar.set_description(method)
-                done_before = bar.n
-                try:
-                    r = run_method(method, np, steps, out, config, list(overrides), launcher,
-                                   timeout_s, on_step=bar.update, dcs=dcs,
-                                   max_restarts=max_restarts, overwrite=overwrite)
-                except KeyboardInterrupt:   # SIGINT while no job ran (it had not started)
-                    r = {"method": method, "overrides": METHODS[method], "status": "interrupted",
-                         "error": "stopped by SIGINT"}
-                bar.update(done_before + steps - bar.n)
-                stopped = r.pop("stopped", None)         # it finished before the stop took
-                if r["status"] == "ok":
-                    s = json.loads(Path(r.pop("summary")).read_text())
-                    r["modelled_wall_s"] = modelled_wall(s, link)
-                    r["compute_cpu_s"] = s["compute_cpu_s"]
-                    r["link"] = {"delay_ms": link.delay_ms, "rate_mbit": link.rate_mbit}
-                else:
-                    bar.write(f"{method} {r['status']}: {r['error']}")
-                results.append(r)
-                write_text(out / "results.json", json.dumps(kept + results, indent=2) + "\n")
-                if r["status"] == "interrupted" or stopped:
-                    break
-        finally:
-            bar.close()
-        results = kept + results
+                _costed(r, json.loads(summary.read_text()), link)
+        results = kept + _run_methods(methods, kept, np, steps, out, config, overrides, link,
+                                      launcher, timeout_s, progress, dcs, max_restarts, overwrite)
         target = add_time_to_target(out, results, link, target)
         write_text(out / "results.json", json.dumps(results, indent=2) + "\n")
         plot(out, results, link, budget, target)
@@ -433,3 +403,45 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
         return results
     finally:
         close_run(f"compare:{out}")
+
+
+def _costed(r: dict, summary: dict, link: Link) -> None:
+    """A finished method's result gets its modelled wall-clock on ``link``."""
+    r["modelled_wall_s"] = modelled_wall(summary, link)
+    r["link"] = {"delay_ms": link.delay_ms, "rate_mbit": link.rate_mbit}
+
+
+def _run_methods(methods, kept, np, steps, out, config, overrides, link, launcher, timeout_s,
+                 progress, dcs, max_restarts, overwrite) -> list[dict]:
+    """Run the methods one after another under one progress bar, results.json rewritten after
+    each; a stop ends the loop after the method it came in."""
+    from tqdm import tqdm
+
+    results: list[dict] = []
+    bar = tqdm(total=steps * len(methods), unit="step", disable=not progress, dynamic_ncols=True)
+    try:
+        for method in methods:
+            bar.set_description(method)
+            done_before = bar.n
+            try:
+                r = run_method(method, np, steps, out, config, list(overrides), launcher,
+                               timeout_s, on_step=bar.update, dcs=dcs,
+                               max_restarts=max_restarts, overwrite=overwrite)
+            except KeyboardInterrupt:   # SIGINT while no job ran (it had not started)
+                r = {"method": method, "overrides": METHODS[method], "status": "interrupted",
+                     "error": "stopped by SIGINT"}
+            bar.update(done_before + steps - bar.n)
+            stopped = r.pop("stopped", None)         # it finished before the stop took
+            if r["status"] == "ok":
+                s = json.loads(Path(r.pop("summary")).read_text())
+                _costed(r, s, link)
+                r["compute_cpu_s"] = s["compute_cpu_s"]
+            else:
+                bar.write(f"{method} {r['status']}: {r['error']}")
+            results.append(r)
+            write_text(out / "results.json", json.dumps(kept + results, indent=2) + "\n")
+            if r["status"] == "interrupted" or stopped:
+                break
+    finally:
+        bar.close()
+    return results
