@@ -60,6 +60,15 @@ def _refuse(out: Path, overwrite: bool) -> None:
                 p.unlink(missing_ok=True)
 
 
+def refuse_outside(cfg) -> None:
+    """``fleet.dcs`` in a job that no fleet started: a usage error before MPI starts."""
+    from ..run.member import identity
+    if cfg.fleet.dcs and identity() is None:
+        raise click.UsageError(f"config key 'fleet.dcs': a fleet is launched from outside mpirun "
+                               f"by 'lowcomm train --dcs {cfg.fleet.dcs} --np N', which starts "
+                               "one job per datacenter")
+
+
 def run_fleet(config, overrides, out, np_, dcs, hostfiles, host, launcher, max_restarts,
               quiet, overwrite, checkpoint_every) -> None:
     """Launch and watch the fleet; print its summary's head."""
@@ -93,4 +102,4 @@ def run_fleet(config, overrides, out, np_, dcs, hostfiles, host, launcher, max_r
         sys.exit(1)
 
 
-__all__ = ["fleet_options", "run_fleet"]
+__all__ = ["fleet_options", "refuse_outside", "run_fleet"]

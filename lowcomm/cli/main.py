@@ -17,7 +17,7 @@ import click
 from .common import check_env, config_options, debug, launcher_rank, load_cfg as _config, \
     saved_config, world as _world
 from ..errors import LowcommError
-from .fleet import fleet_options, run_fleet
+from .fleet import fleet_options, refuse_outside, run_fleet
 from .topo import topo as topo_command
 from .wan import wan as wan_command
 
@@ -95,6 +95,7 @@ def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, ma
     if checkpoint_every is not None:
         overrides = (*overrides, f"checkpoint.every={checkpoint_every}")
     cfg = _config(config, overrides, base)
+    refuse_outside(cfg)
     out = out or resume or "runs/latest"
     from ..run.folder import refusal
     why = refusal(Path(out), resume, overwrite, run_id)   # before MPI starts: every rank at once

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import queue
 import sys
 import threading
@@ -66,6 +67,7 @@ class Coordinator:
     def serve(self, commands) -> int:
         """Run until ``stop``; the exit status (3 when the membership gave up)."""
         threading.Thread(target=self._read, args=(commands,), daemon=True).start()
+        self.m.events.append({"event": "start", "t": time.time(), "port": self.store.port})
         next_hb = 0.0
         try:
             while not self.stopping:
@@ -178,4 +180,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)     # not through the store's destructors: its waiting threads would abort

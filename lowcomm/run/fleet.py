@@ -154,11 +154,10 @@ class Fleet:
         folder = resume or self._folder(dc, inc)
         folder.mkdir(parents=True, exist_ok=True)
         n = self.np // self.dcs
-        cmd = [*self.launch(dc, n), sys.executable, "-m", "lowcomm.cli", "train", *self.args,
+        args = self.args if resume is None else ["--resume", str(folder)]   # its saved config
+        cmd = [*self.launch(dc, n), sys.executable, "-m", "lowcomm.cli", "train", *args,
                "--quiet", "--out", str(folder), "--run-id", new_run_id() if resume is None
                else _run_id(folder), "--report-dir", str(folder / ".reports")]
-        if resume is not None:
-            cmd += ["--resume", str(folder)]
         env = {**os.environ, **self.env(dc), "TORCH_CPP_LOG_LEVEL": "ERROR",
                "LOWCOMM_FLEET": f"{self.host}:{self.port}", "LOWCOMM_FLEET_DC": str(dc),
                "LOWCOMM_FLEET_INC": str(inc), "LOWCOMM_FLEET_JOIN": "1" if joining else "0",

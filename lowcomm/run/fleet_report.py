@@ -63,6 +63,20 @@ def _metrics(folder: Path) -> list[dict]:
     return out
 
 
+def numbered(events: list[dict]) -> list[dict]:
+    """The log's events with rounds numbered across the coordinator's lifetimes (one that
+    replaced a lost coordinator counts its rounds from 0 again)."""
+    out, base, seen = [], 0, 0
+    for e in events:
+        if e["event"] == "start":
+            base = seen
+        elif "round" in e:
+            e = dict(e, round=e["round"] + base)
+            seen = max(seen, e["round"] + (e["event"] == "commit"))
+        out.append(e)
+    return out
+
+
 def rounds(events: list[dict]) -> list[dict]:
     """The committed rounds, in order, with the decision each committed."""
     decided, out = {}, []
@@ -159,7 +173,7 @@ def _bytes(fleet, finished: list[dict]) -> tuple[int, dict]:
 
 def write_report(fleet, wall_s: float) -> dict:
     """Write ``OUT/summary.json`` and ``OUT/metrics.jsonl``; return the summary."""
-    events = _events(fleet.out / "membership.jsonl")
+    events = numbered(_events(fleet.out / "membership.jsonl"))
     committed = rounds(events)
     failures, heals = failures_and_heals(events, committed)
     head, finished = _result(fleet)
@@ -198,4 +212,4 @@ def _merged(fleet, committed: list[dict], failures: list[dict], heals: list[dict
                                         "event" in x, x.get("t", 0)))
 
 
-__all__ = ["failures_and_heals", "rounds", "steps_lost", "write_report"]
+__all__ = ["failures_and_heals", "numbered", "rounds", "steps_lost", "write_report"]

@@ -168,10 +168,10 @@ class Membership:
     def tick(self, now: float) -> None:
         """Count silent sites out, then decide, commit or retry what can be."""
         self._silent(now)
-        if self.phase == "collect":
-            self._collect(now)
         if self.phase == "reduce":
             self._settle(now)
+        if self.phase == "collect":
+            self._collect(now)
         if not self.over and not any(s.state in ("expected", "active") for s in self.sites.values()):
             if not any(s.state == "finished" for s in self.sites.values()):
                 raise NoQuorum("no datacenter is left to take part in rounds or to hand its "
@@ -195,7 +195,8 @@ class Membership:
         if self.sites and any(s.state == "expected" for s in self.sites.values()):
             return                                     # founders still starting
         if not active or any(d not in self.readies for d in active):
-            self._quorum(now, len(active))
+            heard = [d for d in active if now - self.sites[d].seen <= self.limit_s]
+            self._quorum(now, len(heard))         # silent ones kept only for want of a quorum
             return
         admit = any(r.get("admit") for r in self.readies.values())
         joiners = sorted(d for d, s in self.sites.items() if s.state == "joining") if admit else []
