@@ -45,9 +45,9 @@ class Run:
         return json.loads((self.out / "summary.json").read_text())
 
 
-def fleet(out: Path, *extra: str, dcs: int = 3, np: int = 3) -> Run:
+def fleet(out: Path, *extra: str, dcs: int = 3, np: int = 3, place: str = "auto") -> Run:
     return Run(out, [sys.executable, "-m", "lowcomm.cli", "train", "--dcs", str(dcs), "--np",
-                     str(np), "--out", str(out), *sets(*extra)])
+                     str(np), "--place", place, "--out", str(out), *sets(*extra)])
 
 
 def single_job(out: Path, *extra: str, np: int = 3) -> Run:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from ..errors import LowcommError
 from .common import load_cfg
 
 
@@ -24,6 +25,11 @@ def fleet_options(f):
                           "live. On the emulated WAN when one of D datacenters is up."),
         click.option("--hostfiles", default=None, metavar="FILE,...",
                      help="With --dcs: one mpirun hostfile per datacenter (real machines)."),
+        click.option("--place", type=click.Choice(["auto", "local", "wan"]), default="auto",
+                     show_default=True,
+                     help="With --dcs: where the datacenters run: 'wan', the emulated WAN's "
+                          "namespaces; 'local', this machine; 'auto', the WAN when one of D "
+                          "datacenters is up (root), else this machine."),
         click.option("--coordinator-host", default=None, metavar="ADDR",
                      help="With --hostfiles: the address of this machine that every "
                           "datacenter reaches [default: its hostname's]."),
@@ -32,7 +38,7 @@ def fleet_options(f):
     return f
 
 
-def _placement(dcs: int, hostfiles: str | None, host: str | None, launcher):
+def _placement(dcs: int, hostfiles: str | None, host: str | None, launcher, place: str):
     from ..tools import fleet_launch, wan
     if hostfiles:
         files = hostfiles.split(",")
@@ -40,7 +46,8 @@ def _placement(dcs: int, hostfiles: str | None, host: str | None, launcher):
             raise click.BadParameter(f"{len(files)} hostfiles for --dcs {dcs}",
                                      param_hint="--hostfiles")
         return fleet_launch.hostfiles(files, host)
-    if os.geteuid() == 0 and (wan.state() or {}).get("dcs") == dcs:
+    if place == "wan" or (place == "auto" and os.geteuid() == 0 and
+                          (wan.state() or {}).get("dcs") == dcs):
         return fleet_launch.emulated_wan(dcs)
     return fleet_launch.local(launcher)
 
@@ -70,7 +77,7 @@ def refuse_outside(cfg) -> None:
 
 
 def run_fleet(config, overrides, out, np_, dcs, hostfiles, host, launcher, max_restarts,
-              quiet, overwrite, checkpoint_every) -> None:
+              quiet, overwrite, checkpoint_every, place="auto") -> None:
     """Launch and watch the fleet; print its summary's head."""
     from ..run.fleet import Fleet
     from ..run.member import as_policy
@@ -89,7 +96,10 @@ def run_fleet(config, overrides, out, np_, dcs, hostfiles, host, launcher, max_r
     out = Path(out or "runs/latest")
     _refuse(out, overwrite)
     args = [*(["--config", config] if config else []), *[a for o in overrides for a in ("--set", o)]]
-    launch, coordinator, where, env = _placement(dcs, hostfiles, host, launcher)
+    try:
+        launch, coordinator, where, env = _placement(dcs, hostfiles, host, launcher, place)
+    except (OSError, LowcommError) as e:
+        raise click.UsageError(str(e)) from None
     summary = Fleet(cfg, args, out, np_, launch, coordinator, where, env,
                     max_restarts=1 if max_restarts is None else max_restarts).run()
     keys = ("method", "ranks", "dcs", "steps", "eval_loss", "state_sha256", "dcs_agree",

@@ -72,7 +72,7 @@ def cli(verbose: bool) -> None:
               help="Where each rank reports how it ended, for its supervisor (read by main()).")
 @fleet_options
 def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, max_restarts, np_,
-          min_ranks, restart_backoff, launcher, run_id, report_dir, dcs, hostfiles,
+          min_ranks, restart_backoff, launcher, run_id, report_dir, dcs, hostfiles, place,
           coordinator_host):
     """Train the configured task with the configured strategy on every rank.
 
@@ -81,7 +81,7 @@ def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, ma
     ranks' checkpoints by its own rule (see the README's "Resume on another number of ranks")."""
     if dcs is not None:                        # a fleet: one MPI job per datacenter
         run_fleet(config, overrides, out, np_, dcs, hostfiles, coordinator_host, launcher,
-                  max_restarts, quiet, overwrite, checkpoint_every)
+                  max_restarts, quiet, overwrite, checkpoint_every, place)
         return
     if max_restarts is not None or np_ is not None:
         _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwrite,
