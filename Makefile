@@ -12,14 +12,16 @@ setup:
 	@bash scripts/bootstrap.sh
 
 DEMO_METHODS ?= main
-DEMO_STEPS ?= 300
+DEMO_BUDGET ?= 30
+DEMO_STEPS ?= 3000
 DEMO_ARGS ?=
 
 # The main job: every main method on the default workload (Python stdlib corpus), one mpirun
-# each, then results.json, table.md and eval-loss plots in $(DEMO_OUT).
+# each, each for $(DEMO_BUDGET) modelled seconds on a 25 ms / 100 Mbit/s link (at most
+# $(DEMO_STEPS) steps), then results.json, table.md and eval-loss plots in $(DEMO_OUT).
 demo: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH lowcomm compare --np $(NP) --methods $(DEMO_METHODS) \
-		--steps $(DEMO_STEPS) --out $(DEMO_OUT) $(DEMO_ARGS)
+		--budget $(DEMO_BUDGET) --steps $(DEMO_STEPS) --out $(DEMO_OUT) $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m pytest -q tests
@@ -36,9 +38,11 @@ docs: setup
 	$(PY) -m sphinx -W --keep-going -E -q -b html docs docs/_build/html
 	@echo "docs: docs/_build/html/index.html"
 
+# The speed benchmarks (scripts/bench.sh): all-reduce, training step and compressors beside their
+# references in one run each, 3 runs at 2 ranks (one core per rank: the reference) and at 4, with
+# each run's load; runs/bench/*.json and one data file per bench in runs/bench/data.
 bench: setup
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH launchers/local.sh -n $(NP) lowcomm bench allreduce --json runs/bench/allreduce.json
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH launchers/local.sh -n $(NP) lowcomm bench step --json runs/bench/step.json
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/bench.sh
 
 clean:
 	rm -rf runs .pytest_cache

@@ -12,6 +12,10 @@ plot can be drawn again without the run. ``plot`` draws one PNG per data file by
   (``experiments/compress_scaling.py --json``);
 * ``allreduce`` — bus bandwidth against message size, one line per algorithm (``lowcomm bench
   allreduce --json``, several runs: the median of the runs, with their range as error bars);
+* ``step``, ``compress`` — median step time per method, compressor cost ÷ the time its bytes
+  save (``scripts/bench.sh``'s runs, bundled by ``bundle-bench``: medians and ranges);
+* ``projection`` — modelled seconds per step against the rank count, one line per method
+  (``lowcomm project --json``; the first link);
 * ``series`` — named lists of (x, y) points with axis labels, for measurements kept as tables.
 """
 from __future__ import annotations
@@ -39,12 +43,12 @@ def export_compare(folder: Path, dest: Path) -> None:
 
 
 def _modelled(line: dict, ranks: int, link: dict) -> float | None:
-    """A metrics line's modelled wall-clock: its CPU seconds plus its traffic's α–β time
-    (the same rule as ``lowcomm compare``)."""
+    """A metrics line's modelled wall-clock, by ``lowcomm compare``'s own rule."""
+    from lowcomm.comm.ledger import Link
+    from lowcomm.tools.compare import _line_modelled
     if "compute_cpu_s" not in line or "rounds" not in line:
         return None
-    alpha, beta = link["delay_ms"] / 1e3, link["rate_mbit"] * 1e6 / 8
-    return line["compute_cpu_s"] + line["rounds"] * alpha + line["bytes"] / ranks / beta
+    return _line_modelled({**line, "ranks": ranks}, Link(link["delay_ms"], link["rate_mbit"]))
 
 
 def plot_compare(data: dict, ax_pair) -> str:
@@ -85,12 +89,67 @@ def plot_bytes(data: dict, ax) -> str:
     return f"{data['results'][0]['params']:,} parameters"
 
 
+def bundle_bench(folder: Path, dest: Path) -> list[Path]:
+    """``scripts/bench.sh``'s runs (``<bench>-np<N>-run<I>.json`` and ``load.txt``) as one data
+    file per bench and rank count: ``{"kind": bench, "ranks": N, "runs": [{"load", "rows"}]}``."""
+    loads = {}
+    for line in (folder / "load.txt").read_text().splitlines():
+        head, _, up = line.partition(": ")
+        loads[head] = up.split("load average:")[-1].strip()
+    written = []
+    for first in sorted(folder.glob("*-run1.json")):
+        bench, np_ = first.stem.rsplit("-", 1)[0].split("-np")
+        runs = []
+        for f in sorted(folder.glob(f"{bench}-np{np_}-run*.json")):
+            i = f.stem.rsplit("run", 1)[1]
+            runs.append({"load": loads.get(f"np={np_} run={i} {bench}", "?"),
+                         "rows": json.loads(f.read_text())})
+        out = dest / f"bench-{bench}-np{np_}.json"
+        out.write_text(json.dumps({"kind": bench, "ranks": int(np_), "runs": runs}, indent=1))
+        written.append(out)
+    return written
+
+
+def _median_range(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def plot_step(data: dict, ax) -> str:
+    by: dict[str, list[float]] = {}
+    for run in data["runs"]:
+        for row in run["rows"]:
+            by.setdefault(row["strategy"], []).append(row["step_ms"])
+    names = list(by)
+    med, lo, hi = zip(*(_median_range(by[n]) for n in names))
+    ax.barh(names, med, xerr=[[m - a for m, a in zip(med, lo)], [b - m for m, b in zip(med, hi)]],
+            capsize=3)
+    ax.invert_yaxis()
+    ax.set_xlabel("median step ms (bars: median of the runs, whiskers: their range)")
+    return f"{data['ranks']} ranks, {len(data['runs'])} runs"
+
+
+def plot_compress(data: dict, ax) -> str:
+    by: dict[str, list[float]] = {}
+    for run in data["runs"]:
+        for row in run["rows"]:
+            if row.get("cost_vs_saved") is not None:
+                by.setdefault(row["method"], []).append(row["cost_vs_saved"])
+    names = list(by)
+    med, lo, hi = zip(*(_median_range(by[n]) for n in names))
+    ax.barh(names, med, xerr=[[m - a for m, a in zip(med, lo)], [b - m for m, b in zip(med, hi)]],
+            capsize=3)
+    ax.axvline(1.0, color="grey", linestyle="--", label="costs what it saves")
+    ax.invert_yaxis()
+    ax.set_xlabel("compress + decompress time ÷ the time its saved bytes take at 10 Gbit/s")
+    return f"one process, {len(data['runs'])} runs"
+
+
 def plot_allreduce(data: dict, ax) -> str:
     runs = data["runs"]
     series: dict[str, dict[int, list[float]]] = {}
     for run in runs:
         for row in run["rows"]:
-            series.setdefault(row["algorithm"], {}).setdefault(row["bytes"], []).append(row["busbw_gbps"])
+            series.setdefault(row["algorithm"], {}).setdefault(row["size"], []).append(row["busbw_GBps"])
     for alg, pts in series.items():
         sizes = sorted(pts)
         med = [statistics.median(pts[s]) for s in sizes]
@@ -100,7 +159,20 @@ def plot_allreduce(data: dict, ax) -> str:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size, bytes")
     ax.set_ylabel("bus bandwidth, GB/s (median and range of the runs)")
-    return f"{runs[0]['ranks']} ranks, {len(runs)} runs"
+    return f"{data['ranks']} ranks, {len(runs)} runs"
+
+
+def plot_projection(data: dict, ax) -> str:
+    link = data["projections"][0]["rows"][0]["link"]
+    for p in data["projections"]:
+        rows = [r for r in p["rows"] if r["link"] == link]
+        ax.plot([r["ranks"] for r in rows], [r["seconds_per_step"] for r in rows], marker="o",
+                label=p["name"])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks K")
+    ax.set_ylabel(f"modelled seconds per step ({link})")
+    return f"{data['projections'][0]['params']:,.0f} parameters, projected"
 
 
 def plot_series(data: dict, ax) -> str:
@@ -125,7 +197,8 @@ def plot_all() -> list[Path]:
         fig, axes = plt.subplots(1, 2 if kind == "compare" else 1,
                                  figsize=(12 if kind == "compare" else 7, 4.5))
         title = {"compare": plot_compare, "bytes-vs-ranks": plot_bytes, "allreduce": plot_allreduce,
-                 "series": plot_series}[kind](data, axes)
+                 "projection": plot_projection, "series": plot_series, "step": plot_step,
+                 "compress": plot_compress}[kind](data, axes)
         for ax in (axes if kind == "compare" else [axes]):
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
@@ -146,9 +219,15 @@ def main(argv=None) -> None:
     ex.add_argument("folder", type=Path)
     ex.add_argument("dest", type=Path)
     sub.add_parser("plot")
+    bb = sub.add_parser("bundle-bench")
+    bb.add_argument("folder", type=Path)
+    bb.add_argument("dest", type=Path)
     a = ap.parse_args(argv)
     if a.cmd == "export-compare":
         export_compare(a.folder, a.dest)
+    elif a.cmd == "bundle-bench":
+        for p in bundle_bench(a.folder, a.dest):
+            print(p)
     else:
         for p in plot_all():
             print(p.relative_to(ROOT))

@@ -27,6 +27,8 @@ _LAZY = {
     "SyncDP": "strategies.syncdp", "LocalSGD": "strategies.localsgd", "DiLoCo": "strategies.diloco",
     "StreamingDiLoCo": "strategies.diloco", "Gossip": "strategies.gossip",
     "AsyncPS": "strategies.async_ps", "OneBitAdam": "strategies.onebit_adam",
+    "ZeroOneAdam": "strategies.zeroone_adam", "DeMo": "strategies.demo", "Sparta": "strategies.sparta",
+    "SpartaDiLoCo": "strategies.sparta", "MuonAdamW": "run.optimizers",
     "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.base",
     "Context": "strategies.base", "Settings": "settings",
     "average_buffers": "strategies.buffers", "broadcast_buffers": "strategies.buffers",

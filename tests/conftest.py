@@ -1,9 +1,15 @@
 """Helpers to run multi-rank checks under real mpirun, each with a time bound.
 
-A worker script (tests/workers/*.py) runs on every rank, asserts on every rank and ends by
-writing its count of checks made to ``$LOWCOMM_TEST_REPORTS/rank<r>`` (files, because the
-ranks' stdout lines interleave). A failing assert raises, and ``python -m mpi4py``
-turns that into MPI_Abort, so the job ends at once with a non-zero status.
+Multi-rank checks are pytest files, tests/mpi/check_*.py, run under mpirun by
+:func:`run_mpi_suite`: every rank runs the same test functions (a ``comm`` fixture gives the
+world), a failure on any rank fails the case on every rank, and the launching test gets each
+case's outcome, so a failure names the case and the rank, and a case can be selected with ``-k``
+(see tests/mpi/under_mpi.py). What a pytest run would not survive stays a script
+(tests/workers/*.py: a rank killed, stopped or signalled, a job the watchdog ends, the WAN
+emulator's jobs), run by :func:`run_ranks`, or by :func:`run_worker` when it counts its checks
+(``$LOWCOMM_TEST_REPORTS/rank<r>``; files, because the ranks' stdout lines interleave). In a
+script a failing assert raises, and ``python -m mpi4py`` turns that into MPI_Abort, so the job
+ends at once with a non-zero status.
 """
 from __future__ import annotations
 
@@ -78,24 +84,39 @@ def cli(*args: str, env: dict | None = None) -> Ran:
     return Ran(["lowcomm", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
-def run_mpi_suite(np: int, path: str, *pytest_args: str, timeout: float = 300,
-                  env: dict | None = None) -> dict[str, str]:
-    """Run the pytest file ``tests/mpi/<path>`` on ``np`` ranks (see tests/mpi/under_mpi.py) and
-    require every case to pass on every rank. Returns ``{test name: outcome}``; a failure names
-    the case and the ranks it failed on."""
+MPI_CHECKS = Path(__file__).resolve().parent / "mpi"
+#: plugins a check run does not need, each a fraction of a second of every rank's start or end
+#: (unraisableexception's end collects the garbage of torch's import graph several times)
+UNUSED_PLUGINS = [a for p in ("cacheprovider", "anyio", "unraisableexception", "threadexception")
+                  for a in ("-p", f"no:{p}")]
+
+
+def run_mpi_suite(np: int, path: str | list[str], *pytest_args: str, timeout: float = 300,
+                  case_timeout: float = 120, env: dict | None = None,
+                  each_case: bool = False) -> dict[str, str]:
+    """Run the pytest file ``tests/mpi/<path>`` (or several, in one mpirun) on ``np`` ranks
+    (see tests/mpi/under_mpi.py) and require every case collected to pass on every rank (a
+    skipped case is a check not made: it fails too). Returns ``{"check_x.py::test_y[case]":
+    outcome}``; a failure names the case and the ranks it failed on, and a job killed in a case
+    (after ``case_timeout`` seconds: a hang) names the case each rank was in. ``pytest_args``
+    select cases (``-k``); ``env`` is added to the ranks' environment. ``each_case``: the caller
+    asserts case by case (one test of its own per case): the outcomes are returned as they are,
+    rank 0's (which name the other ranks' failures too)."""
     import json
+    paths = [path] if isinstance(path, str) else path
     with tempfile.TemporaryDirectory() as reports:
-        here = Path(__file__).parent / "mpi"
-        r = run_ranks(np, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                      "-p", "under_mpi", "-o", "python_files=check_*.py", "-o", "addopts=",
-                      "--timeout=120", str(here / path), *pytest_args, timeout=timeout,
-                      env={**(env or {}), "LOWCOMM_TEST_REPORTS": reports,
-                           "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])})
-        cases = {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(reports).glob("rank*.json")}
+        r = run_ranks(np, sys.executable, "-m", "pytest", "-q", *UNUSED_PLUGINS, "-p", "under_mpi",
+                      "-o", "python_files=check_*.py", "-o", "addopts=",
+                      f"--timeout={case_timeout:g}", "-o", "timeout_method=thread",
+                      *[str(MPI_CHECKS / p) for p in paths], *pytest_args, timeout=timeout,
+                      env={**(env or {}), "LOWCOMM_TEST_REPORTS": reports, "PYTHONPATH": os.pathsep.join(
+                          [str(MPI_CHECKS), os.environ.get("PYTHONPATH", "")])})
+        cases = {int(f.stem[4:]): {x["case"]: x["outcome"] for x in map(json.loads, f.read_text().splitlines())}
+                 for f in Path(reports).glob("rank*.jsonl")}
     assert sorted(cases) == list(range(np)), f"reports from ranks {sorted(cases)}\n{r.output}"
-    failed = [f"{name} on rank {rank}: {out}" for rank, c in sorted(cases.items())
-              for name, out in c.items() if out.startswith("failed")]
-    assert not failed, "\n".join(failed)
-    assert r.returncode == 0, f"every case passed but the job exited {r.returncode}\n{r.output[-3000:]}"
+    bad = [f"{name} on rank {rank}: {out}" for rank, c in sorted(cases.items())
+           for name, out in c.items() if out != "passed"]
+    assert each_case or not bad, "\n".join(bad) + f"\n{r.output[-3000:]}"
+    assert bad or r.returncode == 0, f"every case passed but the job exited {r.returncode}\n{r.output[-3000:]}"
     assert len({frozenset(c) for c in cases.values()}) == 1, "ranks ran different cases"
     return cases[0]

@@ -1,5 +1,6 @@
-"""The package's shape (DESIGN.md): no import cycle among lowcomm's modules, and mpi4py called
-from comm.py alone (and bench.py, whose vendor rows are baselines by definition).
+"""The package's shape (DESIGN.md): no import cycle among lowcomm's modules, mpi4py called
+from comm.py alone (and bench.py, whose vendor rows are baselines by definition), and no
+function over 60 lines.
 
 Imports are read with ``ast``, not executed: an import inside a function counts (it is a
 dependency all the same, only a late one); one under ``if TYPE_CHECKING:`` does not (it exists
@@ -210,3 +211,30 @@ def test_layers_import_downwards_only():
 def test_layer_check_catches_an_upward_import():
     assert layer("lowcomm.strategies.syncdp") < layer("lowcomm.run.loop")
     assert layer("lowcomm.comm.comm") < layer("lowcomm.compress.base")
+
+
+#: the longest function the package may have, in lines (decorators excluded)
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(source: str, name: str) -> list[str]:
+    """``name:line function (N lines)`` of each function in ``source`` longer than the limit."""
+    return [f"{name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_function_is_longer_than_60_lines():
+    """Long functions hide their steps: split them into named helpers or a small class."""
+    bad = [line for f in sorted(PACKAGE.rglob("*.py"))
+           for line in long_functions(f.read_text(), str(f.relative_to(PACKAGE.parent)))]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_length_check_counts_a_functions_lines():
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES - 1))
+    source = f"def short():\n    pass\n\n\nclass C:\n    def long(self):\n{body}\n"
+    assert long_functions(source, "m.py") == []
+    assert long_functions(source + "        return x0\n", "m.py") == \
+        [f"m.py:6 long ({MAX_FUNCTION_LINES + 1} lines)"]

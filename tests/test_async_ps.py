@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import WORKERS, run_ranks, run_worker
+from conftest import WORKERS, run_mpi_suite, run_ranks
+from lowcomm.compress import COMPRESSORS
 from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
 from lowcomm.strategies.async_ps import (HEADER, build_shards, dc_compensate, pack_push,
@@ -84,7 +85,11 @@ def test_config_errors_name_the_key(override, key):
 
 # under mpirun ---------------------------------------------------------------------------------
 def test_synchronous_ps_equals_syncdp_and_large_batch_sgd():
-    run_worker(4, "async_ps.py", "2", timeout=150)   # 2 servers (sharded), 2 workers
+    """tests/mpi/check_async_ps.py: 2 servers (sharded), 2 workers, each case asserted on every
+    rank; also the messages' bytes, every compressor's payloads, and SSP's bound on the lag."""
+    cases = run_mpi_suite(4, "check_async_ps.py", timeout=200)
+    for name in (n for n in COMPRESSORS if n != "none"):
+        assert f"check_async_ps.py::test_every_compressors_payloads_and_context_travel[{name}]" in cases
 
 
 def test_straggler_staleness_stays_within_tau_and_training_converges(tmp_path):

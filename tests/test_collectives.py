@@ -1,13 +1,23 @@
+"""Comm, the all-reduce algorithms, the hierarchical all-reduce over topologies and SyncDP under
+real mpirun, one mpirun per rank count for the four check files (each case asserted on every
+rank): tests/mpi/check_comm.py, check_allreduce.py (against vendor MPI_Allreduce),
+check_topology.py (against vendor MPI_Allreduce, bytes per level) and check_syncdp.py (against
+one process on the whole batch)."""
 import pytest
 
-from conftest import run_worker
+import lowcomm
+from conftest import run_mpi_suite
 
-# 5 algorithms x (5 sizes x 4 dtypes x 5 checks + 2 random + 2 shape) + shm segmented (5 sizes
-# x 2 dtypes x 2) + auto (4 table choices x 2, 4 runs x 2, wrong table, 2 model choices)
-# + 2 closing checks
-CHECKS = 5 * (5 * 4 * 5 + 2 + 2) + 5 * 2 * 2 + (4 * 2 + 4 * 2 + 1 + 2) + 2
+FILES = ["check_comm.py", "check_allreduce.py", "check_topology.py", "check_syncdp.py"]
 
 
-@pytest.mark.parametrize("np", [1, 2, 3, 4])
-def test_allreduce_algorithms_match_mpi_allreduce(np):
-    assert set(run_worker(np, "allreduce.py").values()) == {CHECKS}
+@pytest.mark.parametrize("np", [1, 2, 3, 4])   # 3: uneven chunks, 4: a power of two
+def test_comm_collectives_topologies_and_syncdp_under_mpirun(np):
+    cases = run_mpi_suite(np, FILES, timeout=400)
+    ran = {name.split("::")[0] for name in cases}
+    assert ran == set(FILES) - ({"check_syncdp.py"} if np == 2 else set()), ran
+    for alg in lowcomm.ALGORITHMS:      # every algorithm, against the vendor's
+        assert any(f"[{alg}-" in name or f"-{alg}]" in name or alg == "hierarchical"
+                   and name.startswith("check_topology.py::test_equals_vendor") for name in cases), alg
+    assert any("mismatched" in name for name in cases) == (np > 1)
+    assert any("horovod" in name for name in cases) == (np == 3)

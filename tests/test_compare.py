@@ -59,7 +59,7 @@ def test_modelled_wall_is_cpu_compute_plus_alpha_beta_never_wall_clock():
     with pytest.raises(ValueError, match="step 5 has no compute_cpu_s"):
         _line_modelled({k: v for k, v in line.items() if k != "compute_cpu_s"}, Link(10, 8))
     md = table([{"method": "ddp", "status": "ok", "eval_loss": 1.0, "final_loss": 1.0, "bytes_total": 1,
-                 "wall_s": 9.0, "compute_cpu_s": 1.5, "modelled_wall_s": 3.1}], Link(10, 8))
+                 "wall_s": 9.0, "compute_cpu_s": 1.5, "modelled_wall_s": 3.1, "steps": 20}], Link(10, 8))
     assert "| compute CPU s | modelled s (10 ms, 8 Mbit/s)¹ |" in md and "| 9.0 | 1.5 | 3.1 |" in md
     assert "¹ modelled s = compute CPU s + the α–β time" in md and "do not inflate" in md
 
@@ -115,6 +115,76 @@ def test_compare_runs_methods_on_the_same_data_and_keeps_going_when_one_fails(tm
         assert all(0 < c for c in cpu) and cpu == sorted(cpu)
     assert "compute CPU s" in r.stdout and "do not inflate" in (tmp_path / "table.md").read_text()
     assert all("eval_loss" in x for x in curves[0][1::2])      # eval_every = 10 by default
+
+
+def test_time_to_target_reads_the_first_crossing_of_the_eval_curve():
+    from lowcomm.tools.compare import table, time_to_target
+    curve = [(1.0, 4.0), (2.0, 3.0), (4.0, 2.0), (5.0, 2.5), (6.0, 1.0)]
+    assert time_to_target(curve, 3.0) == 2.0            # at an evaluation
+    assert time_to_target(curve, 2.5) == pytest.approx(3.0)   # halfway from 3.0 at 2 s to 2.0 at 4 s
+    assert time_to_target(curve, 4.5) == 1.0            # already below at the first evaluation
+    assert time_to_target(curve, 0.5) is None            # never
+    rows = [{"method": m, "status": "ok", "eval_loss": e, "final_loss": e, "bytes_total": b,
+             "wall_s": 1.0, "compute_cpu_s": 1.0, "modelled_wall_s": 30.0, "steps": 9000,
+             "steps_done": n, "time_to_target_s": t}
+            for m, e, b, n, t in (("ddp", 2.5, 100, 80, 30.0), ("diloco", 2.1, 2, 600, 7.25))]
+    md = table(rows, Link(25, 100), budget=30, target=2.5)
+    assert "| eval loss at 30 s |" in md and "modelled s to eval ≤ 2.5000² |" in md
+    assert "| 1 | diloco | 2.1000 | 2.1000 | 600 |" in md and md.rstrip().count("| 7.2") == 1
+    assert "| 2 | ddp | 2.5000 | 2.5000 | 80 |" in md and "ddp’s final eval loss" in md
+    assert "budget of 30 s" in md
+
+
+def test_compare_by_time_budget_gives_every_method_the_same_modelled_seconds(tmp_path):
+    budget = 4.0
+    r = compare(tmp_path, "--methods", "ddp,localsgd", "--budget", budget, "--steps", "5000")
+    assert r.returncode == 0, r.stdout + r.stderr
+    by = {x["method"]: x for x in json.loads((tmp_path / "results.json").read_text())}
+    for m, x in by.items():
+        lines = [json.loads(v) for v in (tmp_path / m / "metrics.jsonl").read_text().splitlines()]
+        spent = [ln["modelled_s"] for ln in lines]
+        assert spent == sorted(spent) and spent[-1] >= budget > spent[-2], (m, spent)
+        # the budget's model is the table's: CPU seconds plus the α–β time of the traffic
+        assert spent[-1] == pytest.approx(lines[-1]["compute_cpu_s"] + Link(25, 100).traffic_seconds(
+            lines[-1]["rounds"], lines[-1]["bytes"] / 2))
+        assert x["steps_done"] == lines[-1]["step"] < 5000 and x["steps"] == 5000
+        summary = json.loads((tmp_path / m / "summary.json").read_text())
+        assert summary["steps_done"] == x["steps_done"] and summary["ranks_agree"] is True
+        assert summary["budget"] == {"seconds": budget, "link": "25 ms, 100 Mbit/s", "spent_s": spent[-1]}
+        # an evaluation where each tenth of the budget was crossed (the last one at the budget)
+        marks = [int(ln["modelled_s"] / budget * 10) for ln in lines if "eval_loss" in ln]
+        assert marks == list(range(1, 11)), (m, marks)
+        assert x["time_to_target_s"] is None or x["time_to_target_s"] <= x["modelled_wall_s"]
+    # Local SGD sends far less per step: in the same modelled time it takes more steps
+    assert by["localsgd"]["steps_done"] > 2 * by["ddp"]["steps_done"], by
+    # the target is ddp's final eval loss: ddp reaches it, at the latest with its final model
+    assert 0 < by["ddp"]["time_to_target_s"] <= by["ddp"]["modelled_wall_s"]
+    assert f"eval loss at {budget:g} s" in r.stdout and "modelled s to eval ≤" in r.stdout
+    assert f"{budget:g} modelled s (at most 5000 steps) per method" in r.stdout
+    # projected to the measured rank count, a run's bytes per step are its own ledger's
+    p = subprocess.run([sys.executable, "-m", "lowcomm.cli", "project", str(tmp_path), "--ranks", "2,4096",
+                        "--json", str(tmp_path / "projection.json")], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    done = {x["name"]: x for x in json.loads((tmp_path / "projection.json").read_text())["projections"]}
+    assert set(done) == {"ddp", "localsgd"} and "assumptions: every rank's traffic" in p.stdout
+    for m in done:
+        summary = json.loads((tmp_path / m / "summary.json").read_text())
+        at2 = next(r for r in done[m]["rows"] if r["ranks"] == 2 and r["link"] == "25 ms, 100 Mbit/s")
+        assert at2["bytes_per_rank_per_step"] == pytest.approx(
+            sum(r["bytes_sent"] for r in summary["ledger_rank0"]) / summary["steps_done"])
+        assert done[m]["compute_s"] == pytest.approx(summary["compute_cpu_s"] / summary["steps_done"])
+
+
+def test_a_budget_refuses_what_it_cannot_keep():
+    from lowcomm.errors import ConfigError
+    from lowcomm.run.config import load_config
+    with pytest.raises(ConfigError, match="budget.seconds.*schedule = \"constant\".*'cosine'"):
+        load_config(None, ["budget.seconds=10", "optimizer.schedule=cosine"])
+    with pytest.raises(ConfigError, match="budget.link.*DELAY_MS,RATE_MBIT"):
+        load_config(None, ["budget.seconds=10", "budget.link=fast"])
+    with pytest.raises(ConfigError, match="budget.seconds.*>= 0"):
+        load_config(None, ["budget.seconds=-1"])
+    assert load_config(None, ["budget.seconds=10", "optimizer.warmup_steps=5"]).budget.seconds == 10
 
 
 def digest(folder):
@@ -190,3 +260,41 @@ def test_compare_never_takes_over_a_folder_it_did_not_write(tmp_path):
     r = cli("compare", "--np", "2", "--out", run, "--methods", "ddp")
     assert r.returncode != 0 and f"{run} holds a training run (config.json)" in r.stderr, r.output
     assert {p.name for p in run.iterdir()} - {".lowcomm.lock"} == {"config.json"}
+
+
+def _summary(rows, ranks=4, steps=10, params=1000, cpu=2.0):
+    return {"method": "m", "ranks": ranks, "steps": steps, "steps_done": steps, "params": params,
+            "compute_cpu_s": cpu, "ledger_rank0": [{"level": "world", "bytes_recv": 0, "seconds": 0,
+                                                    **r} for r in rows]}
+
+
+def test_projection_recosts_each_op_by_its_algorithm_s_formula():
+    from lowcomm.comm.ledger import wire_bytes
+    from lowcomm.tools.project import project
+    n = 4000                                    # bytes per all-reduce; 10 steps, one call each
+    s = _summary([{"op": "allreduce.mpi", "calls": 10, "bytes_sent": 10 * wire_bytes("allreduce", n, 4)[0]},
+                  {"op": "allreduce.ring", "calls": 5, "bytes_sent": 5 * 2 * 3 * n // 4},
+                  {"op": "alltoall.v", "calls": 10, "bytes_sent": 10 * 3 * 400 // 4},
+                  {"op": "allgather.v", "calls": 10, "bytes_sent": 10 * 3 * 400 // 4},
+                  {"op": "sendrecv", "calls": 20, "bytes_sent": 20 * 100}])
+    link = Link(10, 8)                          # 10 ms, 1 MB/s
+    at = {r["ranks"]: r for r in project(s, [4, 8, 1024], [link])["rows"]}
+    # at the measured K the bytes per step are the ledger's own
+    assert at[4]["bytes_per_rank_per_step"] == pytest.approx(sum(r["bytes_sent"] for r in s["ledger_rank0"]) / 10)
+    per_step_8 = (2 * 7 / 8 * n) + 0.5 * (2 * 7 / 8 * n) + 2 * (7 / 8 * 400) + 2 * 100
+    assert at[8]["bytes_per_rank_per_step"] == pytest.approx(per_step_8)
+    rounds_8 = 2 * 3 + 0.5 * 2 * 7 + 2 * 7 + 2 * 1     # Rabenseifner, ring, two-phase, p2p
+    assert at[8]["seconds_per_step"] == pytest.approx(0.2 + rounds_8 * 0.01 + per_step_8 / 1e6)
+    # at 1024 ranks: the all-reduces' bytes tend to 2n, the two-phase exchange's K-1 rounds dominate
+    rounds_1024 = 2 * 10 + 0.5 * 2 * 1023 + 2 * 1023 + 2
+    assert at[1024]["seconds_per_step"] == pytest.approx(
+        0.2 + rounds_1024 * 0.01 + at[1024]["bytes_per_rank_per_step"] / 1e6)
+    big = project(s, [8], [link], params=1e6)["rows"][0]      # 1000x the parameters
+    assert big["bytes_per_rank_per_step"] == pytest.approx(1000 * per_step_8)
+    assert project(s, [8], [link], params=1e6)["compute_s"] == pytest.approx(200.0)
+    assert project(s, [8], [link], step_compute_s=0.5)["compute_s"] == 0.5
+    lone = _summary([{"op": "allgather.v", "calls": 10, "bytes_sent": 10 * 3 * 400}])
+    assert project(lone, [8], [link])["rows"][0]["bytes_per_rank_per_step"] == 7 * 400   # every rank's block
+    with pytest.raises(ValueError, match="levels dc, world"):
+        project(_summary([{"op": "allreduce.mpi", "calls": 1, "bytes_sent": 1},
+                          {"op": "allreduce.mpi", "calls": 1, "bytes_sent": 1, "level": "dc"}]), [8], [link])

@@ -1,23 +1,16 @@
-"""Gossip SGD: graphs and config in-process; the strategy under real mpirun (tests/workers/gossip.py);
-the CLI on 2 and 4 ranks for the summary and the per-rank bytes."""
+"""Gossip SGD: graphs and config in-process; the strategy under real mpirun (tests/mpi/check_gossip.py,
+each case asserted on every rank); the CLI on 2 and 4 ranks for the summary and the per-rank bytes."""
 import json
 import math
 
 import numpy as np
 import pytest
 
-from conftest import run_ranks, run_worker
+from conftest import run_mpi_suite, run_ranks
 from lowcomm.compress import COMPRESSORS
 from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
 from lowcomm.strategies.graphs import GRAPHS, EdgeGraph, Torus, build_graph, second_eigenvalue
-
-CHECKS = {1: 63, 2: 65, 3: 74, 4: 81}   # checks the worker makes per rank count ...
-
-
-def checks(np_):   # ... plus two per registered lossy compressor (one on a single rank)
-    return CHECKS[np_] + (len(COMPRESSORS) - 1) * (2 if np_ > 1 else 1)
-
 
 def graphs_on(K):
     return [build_graph(n, K) for n in GRAPHS if n != "torus" or K in (4, 6, 8, 9, 12, 16)]
@@ -108,7 +101,12 @@ def test_config_accepts_gossip_keys():
 
 @pytest.mark.parametrize("np_", [2, 3, 4])   # 2: both ring neighbours are one rank
 def test_gossip_under_mpirun(np_):
-    assert set(run_worker(np_, "gossip.py", timeout=120).values()) == {checks(np_)}
+    cases = run_mpi_suite(np_, "check_gossip.py", timeout=200)
+    for name in (n for n in COMPRESSORS if n != "none"):      # CHOCO with every lossy one
+        assert f"check_gossip.py::test_choco_with_a_lossy_compressor_keeps_the_average_and_contracts[{name}]" \
+            in cases, name
+    for g in graphs_on(np_):                                  # averaging on every graph that fits
+        assert f"check_gossip.py::test_averaging_follows_w_t_x0_and_contracts_at_lambda_2[{g.name}]" in cases
 
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4", "data.seq_len=32",

@@ -1,15 +1,17 @@
-"""Per-level policies under real mpirun (tests/workers/policy.py) and their config errors."""
+"""Per-level policies under real mpirun (tests/mpi/check_policy.py, each case asserted on every
+rank) and their config errors."""
 import pytest
 
-from conftest import run_worker
+from conftest import run_mpi_suite
 from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
 
 
-@pytest.mark.parametrize("np, spec", [(4, "dc:2,rank:2"), (3, "dc:2,rank:2+1"), (4, "node:2,rank:2")])
-def test_policies_equal_their_single_process_references(np, spec):
-    oks = run_worker(np, "policy.py", spec, timeout=150)
-    assert len(set(oks.values())) == 1 and min(oks.values()) >= 14, oks
+@pytest.mark.parametrize("np, specs", [(4, ["dc:2,rank:2", "node:2,rank:2"]), (3, ["dc:2,rank:2+1"])])
+def test_policies_equal_their_single_process_references(np, specs):
+    cases = run_mpi_suite(np, "check_policy.py", timeout=300)
+    for spec in specs:
+        assert f"check_policy.py::test_syncdp_at_every_level_is_minibatch_sgd[{spec}]" in cases, spec
 
 
 @pytest.mark.parametrize("overrides, key", [

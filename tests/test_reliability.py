@@ -5,7 +5,7 @@ DiLoCo, whose state is theirs and more), one compressor of each kind of state (e
 residuals, a seeded generator, PowerSGD's warm start; the others keep the same kinds), 1-bit
 Adam, a per-level policy and a user's transformers task: a resumed run must end with the same
 ``state_sha256`` (and the same logged losses and byte counts) as an uninterrupted one. All of
-that runs in one mpirun (tests/workers/resume_many.py: reference, interrupted at a random step,
+that runs in one mpirun (tests/mpi/check_resume.py: reference, interrupted at a random step,
 resumed in the same processes with their RNGs scrambled). A real SIGKILL of one rank, through
 the CLI, is tested for the kinds of loop that differ in what is in flight when a rank dies: a
 blocking all-reduce, an outer loop's background fragments, and the parameter server (whose
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, WORKERS, cli, run_ranks, run_worker
+from conftest import ROOT, WORKERS, cli, run_mpi_suite, run_ranks
 from lowcomm.compress import COMPRESSORS, Codec, build_compressor
 from lowcomm.run.config import CompressorConfig
 from lowcomm.run.loop import STOP_VOTE_LAG
@@ -64,7 +64,16 @@ def methods() -> dict[str, list[str]]:
             kinds[kind] = name
             m[f"compressor-{name}"] = [f"compressor.name={name}", "compressor.start_iter=2"]
     if "onebit-adam" in STRATEGIES:   # past its warm-up within the run
-        m["onebit-adam"] = ["strategy.name=onebit-adam", "strategy.freeze_step=4", "optimizer.name=adam"]
+        m["onebit-adam"] = ["strategy.name=onebit-adam", "strategy.freeze_step=4", "optimizer.name=adam",
+                            "optimizer.schedule=cosine"]     # the lr a resumed step reads moves
+    if "zeroone-adam" in STRATEGIES:   # all four kinds of step: dense, 1-bit, local, sync
+        m["zeroone-adam"] = ["strategy.name=zeroone-adam", "strategy.var_freeze_step=5",
+                             "strategy.var_update_scaler=2", "strategy.local_step_scaler=2",
+                             "strategy.local_step_clipper=4", "optimizer.schedule=cosine"]
+    if "demo" in STRATEGIES:   # the paper's sign step; the lr its momentum reads moves
+        m["demo"] = ["strategy.name=demo", "optimizer.name=sgd", "optimizer.schedule=cosine"]
+    # MuLoCo: DiLoCo over torch's Muon and AdamW (the inner optimizer's two parts resume)
+    m["muloco"] = ["strategy.name=diloco", "strategy.period=4", "optimizer.name=muon"]
     if "async-ps" in STRATEGIES:   # checkpoints need its synchronous mode (1 server, 1 worker here)
         m["async-ps"] = ["strategy.name=async-ps", "strategy.max_staleness=0"]
     # a per-level policy: nested strategies (inner SyncDP state, outer loop, compressor) resume too
@@ -110,10 +119,11 @@ PLAIN = {"plain": [], "plain-no-checkpoints": ["checkpoint.every=0"]}   # for th
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> Path:
-    """One mpirun: every method's uninterrupted run (``<dir>/<method>``) and, for those that can
-    be interrupted in-process, an interrupted-then-resumed run checked against it (problems in
-    ``<dir>/problems/rank<r>.json``)."""
+def reference_runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """One mpirun (tests/mpi/check_resume.py): every method's uninterrupted run
+    (``<dir>/<method>``) and, for those that can be interrupted in-process, an
+    interrupted-then-resumed run checked against it; the folder and the cases' outcomes (each
+    interrupted method's own test asserts its own)."""
     root = tmp_path_factory.mktemp("references")
     rng = random.SystemRandom()
     jobs = [{"name": name, "ref": str(root / name), "overrides": [*SMALL, *extra],
@@ -122,18 +132,23 @@ def references(tmp_path_factory) -> Path:
              "run": str(root / "resumed" / name)}
             for name, extra in {**methods(), **PLAIN}.items()]
     (root / "jobs.json").write_text(json.dumps(jobs))
-    (root / "problems").mkdir()
-    run_worker(NP, "resume_many.py", str(root / "jobs.json"), str(root / "problems"), timeout=600)
-    return root
+    cases = run_mpi_suite(NP, "check_resume.py", timeout=600, case_timeout=300, each_case=True,
+                          env={"LOWCOMM_RESUME_JOBS": str(root / "jobs.json")})
+    refs = [f"check_resume.py::test_the_uninterrupted_run_writes_its_summary[{job['name']}]" for job in jobs]
+    bad = {case: cases.get(case, "not run") for case in refs if cases.get(case) != "passed"}
+    assert not bad, bad
+    return root, cases
+
+
+@pytest.fixture(scope="module")
+def references(reference_runs) -> Path:
+    return reference_runs[0]
 
 
 @pytest.mark.parametrize("method", [m for m in methods() if m not in NOT_IN_PROCESS])
-def test_interrupted_then_resumed_is_bit_identical(method, references):
-    reports = [json.loads(p.read_text()) for p in sorted((references / "problems").glob("rank*.json"))]
-    assert len(reports) == NP, reports
-    for r, problems in enumerate(reports):
-        assert method in problems, f"rank {r} did not resume {method}"
-        assert problems[method] == [], f"rank {r}, {method}: {problems[method]}"
+def test_interrupted_then_resumed_is_bit_identical(method, reference_runs):
+    case = f"check_resume.py::test_interrupted_then_resumed_is_bit_identical[{method}]"
+    assert reference_runs[1].get(case) == "passed", f"{method}: {reference_runs[1].get(case, 'not run')}"
 
 
 @pytest.mark.parametrize("method", KILLED)
@@ -272,11 +287,12 @@ def test_a_garbage_config_json_on_resume_names_the_file(tmp_path):
             assert "Traceback" not in r.stderr, r.output
 
 
-def test_what_a_run_guards_once_its_ranks_are_up(tmp_path):
-    """tests/workers/nothing_lost.py: seeds, a loss without grad_fn, another architecture on
-    resume, a checkpoint.dir shared by two runs, a full disk while checkpointing."""
-    oks = run_worker(NP, "nothing_lost.py", str(tmp_path), timeout=300)
-    assert oks[0] >= 16 and oks[1] >= 12, oks
+def test_what_a_run_guards_once_its_ranks_are_up():
+    """tests/mpi/check_nothing_lost.py, each case asserted on every rank: seeds, a loss without
+    grad_fn, another architecture on resume, a checkpoint.dir shared by two runs, a full disk
+    while checkpointing."""
+    cases = run_mpi_suite(NP, "check_nothing_lost.py", timeout=300)
+    assert any("full_disk" in name for name in cases) and any("checkpoint_dir" in name for name in cases)
 
 
 @pytest.mark.parametrize("kind,what", [("nan-loss", "the loss"),

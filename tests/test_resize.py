@@ -1,15 +1,15 @@
 """Resume on another number of ranks: every method, 4 → 2 and 2 → 4, in one
-4-rank mpirun (tests/workers/resize.py): the merged parameters equal the average of the old
-ranks' parameters recomputed from the checkpoint files, and the resumed run finishes with a
-finite eval loss and one model on every rank. The merge rules' helpers, in one process."""
-import json
+4-rank mpirun (tests/mpi/check_resize.py, one case per method asserted on every rank): the merged
+parameters equal the average of the old ranks' parameters recomputed from the checkpoint files,
+and the resumed run finishes with a finite eval loss and one model on every rank. The merge
+rules' helpers, in one process."""
 import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import run_worker
+from conftest import run_mpi_suite
 from lowcomm.run.checkpoint import CheckpointError
 from lowcomm.errors import LowcommError
 from lowcomm.run.snapshot import resized
@@ -17,23 +17,10 @@ from lowcomm.strategies import reshard
 from lowcomm.strategies.outer import Nesting, OuterLoop
 from lowcomm.strategies.ps.protocol import fold
 
-# name: [strategy spec, extra overrides, whether the ranks' parameters differ at the checkpoint
-# (step 3: periods of 2 end at 2 and 4, so an outer loop's replicas have drifted; streaming
-# DiLoCo's fragment 0, sent at step 3, is in flight)]
-METHODS = {
-    "syncdp-ef-sign": ["syncdp", ["compressor.name=ef-sign"], False],
-    "onebit-adam": ["onebit-adam:freeze_step=2", ["optimizer.name=adam"], False],
-    "localsgd": ["localsgd:period=2", [], True],
-    "diloco": ["diloco:period=2,compressor=ef-sign", [], True],
-    "streaming-diloco": ["streaming-diloco:period=2,fragments=2,delay=1,merge=add-local", [], True],
-    "gossip": ["gossip:graph=ring", [], True],
-    # 1 server + 3 workers <-> 1 server + 1 worker (checkpoints every N steps need τ = 0)
-    "async-ps": ["async-ps:servers=1,max_staleness=0", [], False],
-}
 
-
-def test_every_method_resumes_on_half_and_on_twice_the_ranks(tmp_path):
-    run_worker(4, "resize.py", str(tmp_path), json.dumps(METHODS), timeout=400)
+def test_every_method_resumes_on_half_and_on_twice_the_ranks():
+    cases = run_mpi_suite(4, "check_resize.py", timeout=400, case_timeout=200)
+    assert "check_resize.py::test_resumes_on_half_and_on_twice_the_ranks[async-ps]" in cases
 
 
 # the merge rules themselves, in one process -----------------------------------------------------

@@ -1,19 +1,12 @@
-"""Topology specs, the α–β model, config validation, and the hierarchical all-reduce against
-MPI_Allreduce under mpirun at 1–4 ranks over several topologies (tests/workers/topology.py)."""
+"""Topology specs, the α–β model and config validation (the hierarchical all-reduce against
+MPI_Allreduce under mpirun at 1–4 ranks over several topologies: tests/mpi/check_topology.py,
+run by tests/test_collectives.py)."""
 import pytest
 
-from conftest import run_worker
 from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
 from lowcomm.comm.topology import LinkModel, Topology
 from lowcomm.tools.wan import model_seconds
-
-CHECKS = {1: 168, 2: 335, 3: 351, 4: 627}
-
-
-@pytest.mark.parametrize("np", [1, 2, 3, 4])
-def test_hierarchical_matches_mpi_allreduce(np):
-    assert set(run_worker(np, "topology.py", timeout=150).values()) == {CHECKS[np]}
 
 
 def test_parse_levels_and_unequal_groups():
@@ -75,7 +68,9 @@ def test_cli_hierarchical_on_the_environments_topology(tmp_path):
                   "--set", "eval_batches=1", env={"LOWCOMM_TOPOLOGY": "dc:2,rank:1"}, timeout=120)
     assert r.returncode == 0, r.output
     s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["bytes_by_level"].get("dc", 0) > 0 and s["ranks_agree"] is True, s["bytes_by_level"]
+    # across 2 datacenters of one rank each: every step, each rank sends its whole gradient once
+    assert s["bytes_by_level"]["dc"] == 3 * 2 * 4 * s["params"], s["bytes_by_level"]
+    assert s["ranks_agree"] is True
 
 
 def test_a_wrong_lowcomm_topology_is_reported_as_that_variable(monkeypatch, tmp_path):

@@ -323,20 +323,58 @@ def bench_compress(config, overrides, size, methods, iters, warmup, threads, lin
 @click.option("--overwrite", is_flag=True,
               help="Run again methods that --out holds results of (the others are kept), or "
                    "replace a comparison with other settings; without it both are refused.")
+@click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS", help="Train every method for this many modelled seconds on the "
+              "link (--steps is then a cap) and rank them by eval loss at equal time.")
+@click.option("--target", type=float, default=None, metavar="EVAL_LOSS",
+              help="Eval loss of the time-to-target column [default: ddp's final one].")
 def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launcher, timeout,
-            max_restarts, overwrite):
+            max_restarts, overwrite, budget, target):
     """Train the same model under each method (one mpirun each); write results.json, plots and
     a ranked table. An experiment TOML (--config) may hold a [compare] table: question, expect,
     methods, np, link. Into an --out with an earlier comparison of the same settings, new
     methods are added beside its results. Ctrl-C ends the comparison, keeping what finished."""
-    import os
-
     from ..errors import RunFolderError
-    from ..tools.compare import Link, compare as run, needs_topology, resolve_methods, table
+    from ..tools.compare import budget_overrides
     if steps is not None:
         overrides = (*overrides, f"steps={steps}")
-    cfg = _config(config, overrides)   # a bad key fails here, not in every run
+    the_link = _compare_link(config, overrides, wan, link)
+    # a bad key (or a schedule a budget cannot keep) fails here, not in every run
+    cfg = _config(config, (*overrides, *(budget_overrides(budget, the_link) if budget else ())))
     steps, np_ = cfg.steps, np_ or cfg.compare.np
+    names = _compare_plan(cfg, methods, np_, out, wan, dcs, launcher)
+    if cfg.compare.question:
+        click.echo(f"question: {cfg.compare.question}\nexpected: {cfg.compare.expect}")
+    if not cfg.eval_every and not budget:   # about ten points per eval-loss curve (a budget
+        # evaluates at every tenth of it: budget.evals)
+        overrides = (*overrides, f"eval_every={max(1, round(steps / 10 / cfg.log_every)) * cfg.log_every}")
+    try:
+        results, where = _compare_run(names, np_, steps, out, config, overrides, the_link, wan, dcs,
+                                      launcher, timeout, max_restarts, overwrite,
+                                      budget=budget or 0.0, target=target)
+    except RunFolderError as e:
+        raise click.UsageError(str(e)) from None
+    span = f"{budget:g} modelled s (at most {steps} steps)" if budget else f"{steps} steps"
+    click.echo(f"\n{np_} ranks, {span} per method, {where}\n")
+    click.echo((Path(out) / "table.md").read_text().rstrip())
+    click.echo(f"\nwrote {Path(out) / 'results.json'}, table.md and eval_loss_vs_*.png")
+    _compare_end(results, names)
+
+
+def _compare_link(config, overrides, wan, link):
+    """The link of ``compare``'s modelled (or emulated) wall-clock, a bad one a usage error."""
+    from ..tools.compare import Link
+    try:
+        return Link.parse(wan if wan != "model" else link or _config(config, overrides).compare.link)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--wan/--link") from None
+
+
+def _compare_plan(cfg, methods, np_, out, wan, dcs, launcher):
+    """``compare``'s methods, every option checked before anything runs."""
+    import os
+
+    from ..tools.compare import needs_topology, resolve_methods
     try:
         names = resolve_methods(methods or cfg.compare.methods)
     except ValueError as e:
@@ -349,34 +387,30 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
         raise click.BadParameter("checkpoint.dir: each method keeps its checkpoints in its own "
                                  f"folder ({out}/<method>/checkpoints); drop it",
                                  param_hint="--set/--config")
-    try:
-        the_link = Link.parse(wan if wan != "model" else link or cfg.compare.link)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--wan/--link") from None
-    emulated = wan != "model"
-    if emulated and launcher:
+    if wan != "model" and launcher:
         raise click.BadParameter("--wan DELAY_MS,RATE_MBIT launches through launchers/wan.sh; "
                                  "drop --launcher (or use --wan model)", param_hint="--launcher")
-    if cfg.compare.question:
-        click.echo(f"question: {cfg.compare.question}\nexpected: {cfg.compare.expect}")
-    if not cfg.eval_every:   # about ten points per eval-loss curve
-        overrides = (*overrides, f"eval_every={max(1, round(steps / 10 / cfg.log_every)) * cfg.log_every}")
-    try:
-        if emulated:
-            from ..tools.compare import over_emulated_wan
-            with over_emulated_wan(np_, dcs, the_link) as wan_launcher:
-                results = run(names, np_, steps, out, config, overrides, the_link, wan_launcher,
-                              timeout, dcs=dcs, max_restarts=max_restarts, overwrite=overwrite)
-            where = f"over an emulated WAN of {dcs} datacenters, {the_link} (measured)"
-        else:
-            results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout,
-                          max_restarts=max_restarts, dcs=dcs, overwrite=overwrite)
-            where = f"on this machine; modelled link: {the_link}"
-    except RunFolderError as e:
-        raise click.UsageError(str(e)) from None
-    click.echo(f"\n{np_} ranks, {steps} steps per method, {where}\n")
-    click.echo(table(results, the_link))
-    click.echo(f"\nwrote {Path(out) / 'results.json'}, table.md and eval_loss_vs_*.png")
+    return names
+
+
+def _compare_run(names, np_, steps, out, config, overrides, the_link, wan, dcs, launcher, timeout,
+                 max_restarts, overwrite, **by):
+    """Every method's run, on this machine or over an emulated WAN: (results, where); ``by``
+    holds the budget and the target."""
+    from ..tools.compare import compare as run
+    if wan != "model":
+        from ..tools.compare import over_emulated_wan
+        with over_emulated_wan(np_, dcs, the_link) as wan_launcher:
+            results = run(names, np_, steps, out, config, overrides, the_link, wan_launcher,
+                          timeout, dcs=dcs, max_restarts=max_restarts, overwrite=overwrite, **by)
+        return results, f"over an emulated WAN of {dcs} datacenters, {the_link} (measured)"
+    results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout,
+                  max_restarts=max_restarts, dcs=dcs, overwrite=overwrite, **by)
+    return results, f"on this machine; modelled link: {the_link}"
+
+
+def _compare_end(results, names) -> None:
+    """Exit 130 when the comparison was stopped (saying what finished), 1 when a method failed."""
     stopped = [r["method"] for r in results if r["status"] == "interrupted" and r["method"] in names]
     not_run = [m for m in names if m not in {r["method"] for r in results}]
     if stopped or not_run:
@@ -386,6 +420,44 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
         raise SystemExit(130)
     if any(r["status"] != "ok" for r in results):
         raise SystemExit(1)
+
+
+@cli.command()
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.option("--ranks", default=",".join(map(str, (8, 64, 512, 4096))), show_default=True,
+              help="Comma list of rank counts to project to.")
+@click.option("--link", "links", multiple=True, metavar="DELAY_MS,RATE_MBIT",
+              help="A link to project over (repeat for several) [default: 25,100 and 1,10000].")
+@click.option("--params", type=click.FloatRange(min=1), default=None,
+              help="Project a model of this many parameters (messages and computation scale "
+                   "with params / the run's).")
+@click.option("--step-compute-s", type=click.FloatRange(min=0), default=None,
+              help="Computation seconds per step to assume (e.g. a GPU's) instead of the run's.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the projections as JSON.")
+def project(folder, ranks, links, params, step_compute_s, json_path):
+    """Project a measured run (or every method of a comparison) to thousands of ranks: each
+    method's modelled seconds per step and bytes per rank per step at each K over each link,
+    from its ledger's ops re-costed by their algorithms' α–β formulas."""
+    from ..comm.ledger import Link
+    from ..tools.project import projections, table
+    try:
+        ks = [int(k) for k in ranks.split(",")]
+        if any(k < 2 for k in ks):
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(f"a comma list of rank counts >= 2, got {ranks!r}",
+                                 param_hint="--ranks") from None
+    try:
+        the_links = [Link.parse(x) for x in links] or [Link(25, 100), Link(1, 10_000)]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--link") from None
+    try:
+        done, skipped = projections(folder, ks, the_links, params, step_compute_s)
+    except FileNotFoundError as e:
+        raise click.BadParameter(str(e), param_hint="FOLDER") from None
+    click.echo(table(done, skipped, ks, the_links))
+    _write_json(json_path, {"kind": "projection", "projections": done, "not_projected": skipped})
 
 
 @cli.command()

@@ -78,6 +78,40 @@ def alpha_beta_seconds(rows: list[dict], size: int, alpha_s: float, bytes_per_s:
                for r in rows if levels is None or r["level"] in levels)
 
 
+@dataclass(frozen=True)
+class Link:
+    """A network link of the α–β model: one-way latency ``delay_ms`` (α) and bandwidth
+    ``rate_mbit`` (β, Mbit/s)."""
+    delay_ms: float
+    rate_mbit: float
+
+    @classmethod
+    def parse(cls, text: str) -> "Link":
+        """``DELAY_MS,RATE_MBIT``, e.g. ``25,100``; a ValueError names what was wrong."""
+        try:
+            d, r = (float(x) for x in str(text).split(","))
+        except ValueError:
+            raise ValueError(f"a link is DELAY_MS,RATE_MBIT (e.g. 25,100), got {text!r}") from None
+        if not (0 <= d < float("inf") and 0 < r < float("inf")):
+            raise ValueError(f"link delay must be >= 0 and rate > 0, got {text!r}")
+        return cls(d, r)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.rate_mbit * 1e6 / 8
+
+    def seconds(self, rows: list[dict], size: int) -> float:
+        """The α–β time of ledger ``rows`` (one rank's) on ``size`` ranks over this link."""
+        return alpha_beta_seconds(rows, size, self.delay_ms / 1e3, self.bytes_per_s)
+
+    def traffic_seconds(self, rounds: float, nbytes: float) -> float:
+        """The α–β time of ``rounds`` message rounds carrying ``nbytes`` bytes."""
+        return rounds * self.delay_ms / 1e3 + nbytes / self.bytes_per_s
+
+    def __str__(self) -> str:
+        return f"{self.delay_ms:g} ms, {self.rate_mbit:g} Mbit/s"
+
+
 _comm_cpu = [0.0]
 _comm_cpu_lock = threading.Lock()
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comm.collectives import chunk_bounds
 from ..comm.comm import Comm, world_rank
 from ..errors import NonFiniteError
 
@@ -205,6 +206,12 @@ class Codec:
             ck = f"{key}[{j}]"
             out.append(self.encode(x[lo:hi], ck, whole(ck, x[lo:hi]), rank) if hi > lo else ([], None))
         return out
+
+    def bounds(self, n: int, K: int) -> list[int]:
+        """Its cut of a bucket of ``n`` elements into K owner chunks (``K + 1`` offsets):
+        near-equal chunks; a codec that encodes blocks of elements together cuts between
+        blocks."""
+        return chunk_bounds(n, K)
 
     def owner(self, K: int) -> "Codec":
         """The codec of the two-phase owners' re-encoded chunks on K ranks (decoded with the

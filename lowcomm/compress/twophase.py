@@ -40,7 +40,6 @@ import math
 
 import torch
 
-from ..comm.collectives import chunk_bounds
 from .base import Exchange, Segment, pieces, uncovered_
 
 COLLECTIVES = ("auto", "allgather", "two-phase")
@@ -110,7 +109,8 @@ class TwoPhase(Exchange):
     al. 2019, arXiv 1810.05291).
 
     Update, on each of K ranks (rank r), x of n elements cut into chunks j = 0..K−1 by
-    :func:`~lowcomm.comm.collectives.chunk_bounds` (sizes ⌈n/K⌉ or ⌊n/K⌋):
+    the codec's ``bounds`` (:func:`~lowcomm.comm.collectives.chunk_bounds`: sizes ⌈n/K⌉ or
+    ⌊n/K⌋; DeMo's chunked top-k cuts between its rows):
 
       1. encode every chunk, ``C(x_j)`` (``encoder.compress_chunks``: worker error feedback, if
          the compressor has it, on the whole of x first; top-k keeps ``max(1, ⌊ratio·|x_j|⌋)``
@@ -145,7 +145,7 @@ class TwoPhase(Exchange):
     def reduce(self, comp, x: torch.Tensor, key: str, comm, segments: list[Segment]) -> torch.Tensor:
         x = x.detach().reshape(-1)
         n, K, r = x.numel(), comm.size, comm.rank
-        b = chunk_bounds(n, K)
+        b = comp.codec.bounds(n, K)
         chunks = comp.encoder.compress_chunks(x, key, segments, b, r)   # [(payload, ctx)] per chunk
         mine, ctx = chunks[r]
         if K == 1:

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from ..compress.settings import CompressorSettings as CompressorConfig
 from ..comm import watchdog
+from ..comm.ledger import Link
 from ..errors import ConfigError
 from ..settings import coerce
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
 #: the task every run trains unless ``task`` says otherwise
 DEFAULT_TASK = "lowcomm.tasks.bytelm"
@@ -54,14 +54,15 @@ class ModelConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"            # the inner optimizer: "adamw" | "adam" | "sgd"
-    weight_decay: float = 0.0      # L2 (sgd, adam) or decoupled (adamw) weight decay
-    momentum: float = 0.0          # sgd only
-    beta1: float = 0.9             # adam, adamw: first-moment decay
-    beta2: float = 0.95            # adam, adamw: second-moment decay
+    name: str = "adamw"            # any torch.optim class, lower case ("sgd", "nadam", …); "muon": Muon + AdamW
+    weight_decay: float = 0.0      # L2 or decoupled weight decay, as the optimizer defines it
+    momentum: float | None = None  # unset: the optimizer's own default (sgd: 0, muon: 0.95)
+    beta1: float = 0.9             # Adam family: first-moment decay
+    beta2: float = 0.95            # Adam family: second-moment decay
     schedule: str = "constant"     # lr over the run: "constant" | "cosine" (to min_lr_ratio * lr)
     warmup_steps: int = 0          # linear lr warm-up from lr/warmup_steps to lr
     min_lr_ratio: float = 0.1      # cosine: the lr at the last step, as a fraction of lr
+    options: dict = field(default_factory=dict)   # further constructor arguments of the optimizer
 
 
 @dataclass
@@ -107,6 +108,15 @@ class FleetConfig:
 
 
 @dataclass
+class BudgetConfig:
+    """A time budget: train until the run's modelled wall-clock on ``link`` — its computation's
+    CPU seconds plus the α–β time of its traffic — reaches ``seconds`` (``steps`` is then a cap)."""
+    seconds: float = 0.0           # modelled seconds to train for (0 = no budget: train `steps`)
+    link: str = "25,100"           # DELAY_MS,RATE_MBIT of the link the budget is spent on
+    evals: int = 10                # evaluations spread evenly over the budget (the curve to a target)
+
+
+@dataclass
 class TaskConfig:
     """What to train (:mod:`lowcomm.tasks`): ``name`` is a Python file (``path/to/task.py``) or an
     importable module (``package.module``); ``options`` is everything else of the ``[task]``
@@ -137,6 +147,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -293,8 +304,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("model.n_heads", f"must divide model.d_model={cfg.model.d_model}")
     one_of("on_nonfinite", cfg.on_nonfinite, ("abort", "skip"))
     _check_fleet(cfg.fleet)
+    _check_budget(cfg)
     one_of("optimizer.schedule", cfg.optimizer.schedule, LR_SCHEDULES)
-    one_of("optimizer.name", cfg.optimizer.name, OPTIMIZERS)
+    from .optimizers import check_optimizer      # imports torch: only when a config is checked
+    check_optimizer(cfg.optimizer)
     if not cfg.task.name:
         raise ConfigError("task", "names no task (a file path.py or a module, e.g. "
                           f"{DEFAULT_TASK!r})")
@@ -321,6 +334,22 @@ def _check_fleet(f: FleetConfig) -> None:
         raise ConfigError("fleet.max_failures", f"must be >= 0, got {f.max_failures}")
     if f.heal_inner not in ("copy", "reset"):
         raise ConfigError("fleet.heal_inner", f"unknown value {f.heal_inner!r}; known: copy, reset")
+
+
+def _check_budget(cfg: Config) -> None:
+    b = cfg.budget
+    if not 0 <= b.seconds < float("inf"):
+        raise ConfigError("budget.seconds", f"must be a number >= 0 (0 = no budget), got {b.seconds}")
+    try:
+        Link.parse(b.link)
+    except ValueError as e:
+        raise ConfigError("budget.link", str(e)) from None
+    _at_least(cfg, 1, "budget.evals")
+    if b.seconds and cfg.optimizer.schedule != "constant":
+        raise ConfigError("budget.seconds", f"needs optimizer.schedule = \"constant\", got "
+                          f"{cfg.optimizer.schedule!r}: under a time budget every method stops at "
+                          "its own step, so a schedule over `steps` would leave each at another "
+                          "point of it (warm-up steps are fine)")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),

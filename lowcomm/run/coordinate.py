@@ -21,7 +21,8 @@ from collections import deque
 
 import torch
 
-from ..errors import LowcommError, NonFiniteError
+from ..comm.ledger import Link
+from ..errors import ConfigError, LowcommError, NonFiniteError
 from .evaluate import allsum, evaluate, state_sha256
 from .folder import write_summary
 from .signals import Interrupted
@@ -86,12 +87,15 @@ class Lockstep(Coordination):
         self.samples_per_step = r.cfg.batch_size * r.comm.size
         self.votes: deque = deque()          # (step to read it at, flags, request)
         self.bar = self.metrics = None
+        self.budget = Budget(r) if r.cfg.budget.seconds else None
 
     def start(self) -> LoopState:
         r = self.r
         if r.comm.rank == 0 and r.task.describe_fn is not None:
             log.info("data: %s", r.task.describe_fn(r.cfg))
         state = super().start()
+        if self.budget:
+            self.budget.start(state)
         if r.progress and r.comm.rank == 0:
             from tqdm import tqdm
             self.bar = tqdm(total=r.cfg.steps, initial=state.step, desc=r.cfg.method, unit="step",
@@ -101,7 +105,11 @@ class Lockstep(Coordination):
         return state
 
     def steps(self, first: int):
-        return range(first, self.r.cfg.steps + 1)
+        """Up to ``steps``, or until the time budget is spent."""
+        step = first
+        while step <= self.r.cfg.steps and not (self.budget and self.budget.spent):
+            yield step
+            step += 1
 
     def skip_step(self, bad: str | None, step: int) -> bool:
         """``on_nonfinite = "skip"``: every rank skips when any rank's step is not finite (a
@@ -119,13 +127,15 @@ class Lockstep(Coordination):
 
     def after_step(self, state: LoopState) -> None:
         cfg, step = self.r.cfg, state.step
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            self._log(state)
+        mark = self.budget.advance(state) if self.budget else False
+        if mark or step % cfg.log_every == 0 or step == cfg.steps:
+            self._log(state, at_mark=mark)
         if self.bar:
             self.bar.update(1)
 
-    def _log(self, state: LoopState) -> None:
-        """One metrics line: losses, bytes, seconds and rounds over every rank."""
+    def _log(self, state: LoopState, at_mark: bool = False) -> None:
+        """One metrics line: losses, bytes, seconds and rounds over every rank (and the eval
+        loss every ``eval_every`` steps and ``at_mark`` of a time budget)."""
         r, K = self.r, self.world
         tot = r.comm.ledger.totals()
         loss_sum, n, sent, comm_s, rounds, cpu = allsum(r.ctl, [
@@ -136,9 +146,11 @@ class Lockstep(Coordination):
         line = {"step": state.step, "loss": state.recent, "bytes": int(sent), "wall_s": self.wall(),
                 "comm_s": comm_s / K, "rounds": rounds / K, "compute_cpu_s": cpu / K,
                 "lr": r.strategy.param_groups[0]["lr"]}
+        if self.budget:
+            line["modelled_s"] = self.budget.spent_s
         line.update(r.strategy.metrics(r.ctl))
         line.update(self.line_extra())
-        if r.held_out and r.cfg.eval_every and state.step % r.cfg.eval_every == 0:
+        if r.held_out and (at_mark or r.cfg.eval_every and state.step % r.cfg.eval_every == 0):
             line["eval_loss"] = evaluate(r.model, r.task, r.held_out, r.ctl)
         if self.metrics:
             _append(self.metrics, json.dumps(line) + "\n")
@@ -203,7 +215,9 @@ class Lockstep(Coordination):
             "final_loss": state.recent, "eval_loss": eval_loss,
             "bytes_total": int(sum(per_level)),
             "bytes_by_level": {lv: int(b) for lv, b in zip(levels, per_level)},
-            "bytes_per_step_per_rank": sum(per_level) / self.world / r.cfg.steps,
+            "bytes_per_step_per_rank": sum(per_level) / self.world / max(state.step, 1),
+            "steps_done": state.step,
+            **({"budget": self.budget.summary()} if self.budget else {}),
             "wall_s": max(r.ctl.allgather_object(wall)),
             "compute_cpu_s": max(r.ctl.allgather_object(state.compute_cpu_s)),
             "samples": state.samples, "resizes": state.resizes, "skipped_steps": state.skipped,
@@ -218,6 +232,9 @@ class Detached(Coordination):
 
     def __init__(self, r: Run):
         super().__init__(r)
+        if r.cfg.budget.seconds:
+            raise ConfigError("budget.seconds", "the parameter server's workers keep no common "
+                              "clock to spend a time budget on; give it steps")
         ps = r.strategy
         self.rank, self.world = ps.index, ps.workers        # batches: worker w of W
         self.samples_per_step = r.cfg.batch_size
@@ -278,6 +295,47 @@ class Detached(Coordination):
         skip_mpi_finalize(0)
         return {"method": r.cfg.method, "rank": r.comm.rank, "role": "worker",
                 **{k: v for k, v in mine.items() if k != "ledger"}}
+
+
+class Budget:
+    """A time budget (``[budget]``): the run's modelled wall-clock after every step — the mean
+    over ranks of the computation's CPU seconds plus the α–β time of the mean rank's traffic
+    (its message rounds and bytes) on ``budget.link`` — agreed by every rank in one small
+    all-reduce on the control communicator. The run stops at the first step that reaches
+    ``budget.seconds`` and evaluates where it crosses each of ``budget.evals`` even marks."""
+
+    def __init__(self, r: Run):
+        b = r.cfg.budget
+        self.r, self.seconds, self.evals, self.link = r, b.seconds, b.evals, Link.parse(b.link)
+        self.spent_s, self.marks = 0.0, 0
+
+    @property
+    def spent(self) -> bool:
+        return self.spent_s >= self.seconds
+
+    def measure(self, state: LoopState) -> float:
+        """The modelled seconds so far (collective)."""
+        r, K = self.r, self.r.comm.size
+        cpu, rounds, sent = allsum(r.ctl, [state.compute_cpu_s, r.comm.ledger.rounds(K),
+                                           r.comm.ledger.totals()["bytes_sent"]])
+        self.spent_s = cpu / K + self.link.traffic_seconds(rounds / K, sent / K)
+        return self.spent_s
+
+    def start(self, state: LoopState) -> None:
+        """Where a resumed run stands in its budget."""
+        self.marks = self._mark(self.measure(state))
+
+    def advance(self, state: LoopState) -> bool:
+        """After a step: True where it crossed one of the marks (the budget's end included)."""
+        mark = self._mark(self.measure(state))
+        crossed, self.marks = mark > self.marks, max(mark, self.marks)
+        return crossed
+
+    def _mark(self, t: float) -> int:
+        return min(int(t / self.seconds * self.evals), self.evals)
+
+    def summary(self) -> dict:
+        return {"seconds": self.seconds, "link": str(self.link), "spent_s": self.spent_s}
 
 
 def _append(f, line: str) -> None:

@@ -23,7 +23,7 @@ import dataclasses
 from .config import Config, parse_override
 from ..compress.settings import CompressorSettings
 from ..errors import ConfigError
-from ..strategies import diloco, gossip, localsgd, onebit_adam, syncdp
+from ..strategies import demo, diloco, gossip, localsgd, onebit_adam, sparta, syncdp, zeroone_adam
 from ..strategies.ps import method as async_ps
 from ..strategies.base import Context, Method, Strategy
 from ..strategies.policy import Level, build_policy, check_plan
@@ -37,6 +37,10 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     gossip.METHOD,
     async_ps.METHOD,
     onebit_adam.METHOD,
+    zeroone_adam.METHOD,
+    demo.METHOD,
+    sparta.METHOD,
+    sparta.DILOCO_METHOD,
 )}
 
 

@@ -5,13 +5,7 @@ import math
 
 import torch
 
-
-def build_optimizer(cfg, params) -> torch.optim.Optimizer:
-    o = cfg.optimizer
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name]
-    return cls(params, lr=cfg.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+from .optimizers import build_optimizer
 
 
 def lr_at(cfg, step: int) -> float:
@@ -34,3 +28,6 @@ def lr_at(cfg, step: int) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+__all__ = ["build_optimizer", "lr_at", "set_lr"]

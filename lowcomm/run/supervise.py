@@ -125,130 +125,185 @@ def supervise(launch, args: list[str], out: str | Path, max_restarts: int,
     ``first``: the first attempt's own options (the user's ``--resume OUT`` or ``--overwrite``).
     ``log_dir``: append each attempt's stdout/stderr there (default ``out``). ``poll()`` is
     called about twice a second while a job runs."""
-    out = Path(out)
-    ck = Path(checkpoints) if checkpoints else out / "checkpoints"
-    if callable(launch):
-        if np is None:
-            raise ValueError("supervise: a launch function needs np, the first rank count")
-        min_ranks = np if min_ranks is None else min_ranks
-        if not 1 <= min_ranks <= np:
-            raise ValueError(f"min_ranks must be in [1, np={np}], got {min_ranks}")
-        launch_for = launch
-    else:
+    return _Supervisor(launch, args, out, max_restarts, backoff_s, env, log_dir, timeout_s, poll,
+                       first, np, min_ranks, checkpoints).run()
+
+
+class _Supervisor:
+    """One :func:`supervise` call: its attempts, their failures, and the stop signals it
+    forwards to the job."""
+
+    def __init__(self, launch, args, out, max_restarts, backoff_s, env, log_dir, timeout_s, poll,
+                 first, np, min_ranks, checkpoints):
+        self.out = Path(out)
+        self.ck = Path(checkpoints) if checkpoints else self.out / "checkpoints"
+        self.launch_for, self.min_ranks = self._launcher(launch, np, min_ranks)
+        self.args, self.max_restarts, self.backoff_s, self.env = args, max_restarts, backoff_s, env
+        self.timeout_s, self.poll, self.first = timeout_s, poll, first
+        self.n = np
+        self.ranks: list = []
+        self.logs = Path(log_dir) if log_dir else self.out
+        self.reports = self.logs / ".lowcomm-reports"
+        try:
+            self.reports.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunFolderError(f"cannot write the job's logs into {self.logs}: {e.strerror or e}") from e
+        self.run_id = new_run_id()
+        self.failures: list[dict] = []
+        self.stop = {"signum": 0, "sent": 0.0}
+        self.child = None
+        self.attempt = 0
+        self.t0 = 0.0
+
+    @staticmethod
+    def _launcher(launch, np, min_ranks):
+        """(the command prefix as a function of the rank count, the smallest rank count)."""
+        if callable(launch):
+            if np is None:
+                raise ValueError("supervise: a launch function needs np, the first rank count")
+            min_ranks = np if min_ranks is None else min_ranks
+            if not 1 <= min_ranks <= np:
+                raise ValueError(f"min_ranks must be in [1, np={np}], got {min_ranks}")
+            return launch, min_ranks
         if min_ranks is not None:
             raise ValueError("supervise: min_ranks needs a launch function of the rank count")
-        launch_for = (lambda n, prefix=list(launch): prefix)
-    n = np
-    ranks: list = []
-    logs = Path(log_dir) if log_dir else out
-    reports = logs / ".lowcomm-reports"
-    try:
-        reports.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RunFolderError(f"cannot write the job's logs into {logs}: {e.strerror or e}") from e
-    run_id = new_run_id()
-    failures: list[dict] = []
-    stop = {"signum": 0, "sent": 0.0}
-    child: dict = {}
+        return (lambda n, prefix=list(launch): prefix), min_ranks
 
-    def forward(signum, frame):
-        stop.update(signum=signum, sent=time.monotonic())
-        if child.get("p") is not None and child["p"].poll() is None:
-            os.killpg(child["p"].pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
+    # signals ----------------------------------------------------------------------------------
+    def forward(self, signum, frame) -> None:
+        self.stop.update(signum=signum, sent=time.monotonic())
+        if self.child is not None and self.child.poll() is None:
+            os.killpg(self.child.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    def forward_again() -> None:
+    def forward_again(self) -> None:
         """mpirun drops a signal that comes while it starts the ranks: until a rank reports the
         stop, pass it on again every few seconds (a rank that got it has reported it, so none
         gets it twice, which would mean "stop at once")."""
-        if stop["signum"] and time.monotonic() - stop["sent"] > RESEND_S and \
-                not outcome.read(reports)["signalled"]:
-            forward(stop["signum"], None)
+        if self.stop["signum"] and time.monotonic() - self.stop["sent"] > RESEND_S and \
+                not outcome.read(self.reports)["signalled"]:
+            self.forward(self.stop["signum"], None)
 
-    def result(rc: int, **extra) -> dict:
-        return {"returncode": rc, "restarts": attempt, "failures": failures,
-                "ranks_per_attempt": ranks, "stopped": None, "repeats": False, **extra}
+    def _handle_signals(self) -> dict:
+        """Install :meth:`forward` (in the main thread only); the handlers it replaced."""
+        if not _main_thread():
+            return {}
+        return {s: signal.signal(s, self.forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN}
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-           if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN} \
-        if _main_thread() else {}
-    t0 = time.monotonic()
-    attempt = 0
-    try:
+    # attempts ---------------------------------------------------------------------------------
+    def result(self, rc: int, **extra) -> dict:
+        return {"returncode": rc, "restarts": self.attempt, "failures": self.failures,
+                "ranks_per_attempt": self.ranks, "stopped": None, "repeats": False, **extra}
+
+    def command(self) -> list[str]:
+        """This attempt's command line."""
+        extra = ["--out", str(self.out), "--run-id", self.run_id, "--report-dir", str(self.reports)]
+        if self.attempt == 0:
+            extra += list(self.first)
+        elif has_checkpoint(self.ck):
+            extra += ["--resume", str(self.out)]
+        # else: from step 0 again, in the folder its own earlier attempt marked (--run-id)
+        return [*self.launch_for(self.n), *self.args, *extra]
+
+    def launch(self, cmd: list[str]) -> tuple[subprocess.Popen, int, bool]:
+        """Run one attempt to its end: (the process, where its stderr begins in stderr.log,
+        whether it ran out of time and was killed)."""
+        self.ranks.append(self.n)
+        for p in self.reports.glob("rank*"):
+            p.unlink()
+        try:
+            so, se = open(self.logs / "stdout.log", "a"), open(self.logs / "stderr.log", "a")
+        except OSError as e:
+            raise RunFolderError(f"cannot write the job's logs into {self.logs}: "
+                                 f"{e.strerror or e}") from e
+        with so, se:
+            se.write(f"--- attempt {self.attempt + 1}: {' '.join(cmd)}\n")
+            se.flush()
+            start = se.tell()
+            p = subprocess.Popen(cmd, stdout=so, stderr=se, start_new_session=True, env=self.env,
+                                 preexec_fn=_dies_with(os.getpid()))
+            self.child = p
+            while p.poll() is None:
+                time.sleep(0.5)
+                self.forward_again()
+                if self.poll is not None:
+                    self.poll()
+                if self.timeout_s is not None and time.monotonic() - self.t0 > self.timeout_s:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                    return p, start, True
+        return p, start, False
+
+    def failed(self, rc: int, start: int) -> dict | None:
+        """After a failed attempt: the result to return (a stop, a failure that would repeat,
+        the restarts used up), or None once the backoff before the next attempt is over."""
+        said = outcome.read(self.reports)
+        with open(self.logs / "stderr.log") as se:
+            se.seek(start)
+            why = said["error"] or cause(se.read(), rc)
+        stopped = signal.Signals(self.stop["signum"]).name if self.stop["signum"] else said["stop"]
+        if stopped:
+            why = f"stopped by {stopped}" + (f" ({why})" if said["error"] else "")
+        self.failures.append({"attempt": self.attempt + 1, "exit": rc, "cause": why, "ranks": self.n})
+        if stopped:
+            log.warning("stopped on request (%s); not restarting", stopped)
+            return self.result(128 + signal.Signals[stopped], stopped=stopped)
+        if said["repeats"]:
+            log.error("job failed (%s); not restarting: a relaunch would fail the same way", why)
+            return self.result(rc, repeats=True)
+        if self.attempt >= self.max_restarts:
+            log.error("job failed (%s); %d restart(s) used, giving up", why, self.attempt)
+            return self.result(rc)
+        return self._back_off(why)
+
+    def _back_off(self, why: str) -> dict | None:
+        """Wait before the next attempt (on one rank fewer when a relaunch failed as well: a
+        rank cannot come back); the result to return when a stop comes meanwhile."""
+        if self.n is not None and self.attempt > 0 and self.ranks[-2] == self.n and self.n > self.min_ranks:
+            self.n -= 1
+        wait = self.backoff_s * 2 ** self.attempt
+        log.warning("job failed (%s); restarting %s%s in %.0f s (%d of %d)", why,
+                    "from the newest checkpoint" if has_checkpoint(self.ck) else "from step 0",
+                    f" on {self.n} ranks" if self.n is not None else "", wait, self.attempt + 1,
+                    self.max_restarts)
+        if _sleep_unless_stopped(wait, self.stop):
+            name = signal.Signals(self.stop["signum"]).name
+            log.warning("stopped on request (%s) before the next attempt", name)
+            return self.result(128 + self.stop["signum"], stopped=name)
+        return None
+
+    def _attempts(self) -> dict | None:
+        """Attempts until one succeeds (None) or the supervisor gives up (its result)."""
         while True:
-            extra = ["--out", str(out), "--run-id", run_id, "--report-dir", str(reports)]
-            if attempt == 0:
-                extra += list(first)
-            elif has_checkpoint(ck):
-                extra += ["--resume", str(out)]
-            # else: from step 0 again, in the folder its own earlier attempt marked (--run-id)
-            cmd = [*launch_for(n), *args, *extra]
-            ranks.append(n)
-            for p in reports.glob("rank*"):
-                p.unlink()
-            try:
-                so, se = open(logs / "stdout.log", "a"), open(logs / "stderr.log", "a")
-            except OSError as e:
-                raise RunFolderError(f"cannot write the job's logs into {logs}: "
-                                     f"{e.strerror or e}") from e
-            with so, se:
-                se.write(f"--- attempt {attempt + 1}: {' '.join(cmd)}\n")
-                se.flush()
-                start = se.tell()
-                p = subprocess.Popen(cmd, stdout=so, stderr=se, start_new_session=True, env=env,
-                                     preexec_fn=_dies_with(os.getpid()))
-                child["p"] = p
-                while p.poll() is None:
-                    time.sleep(0.5)
-                    forward_again()
-                    if poll is not None:
-                        poll()
-                    if timeout_s is not None and time.monotonic() - t0 > timeout_s:
-                        os.killpg(p.pid, signal.SIGKILL)
-                        p.wait()
-                        failures.append({"attempt": attempt + 1, "exit": p.returncode,
-                                         "cause": f"timed out after {timeout_s:g} s", "ranks": n})
-                        return result(p.returncode)
-            rc = p.returncode
-            if rc == 0:
-                break
-            said = outcome.read(reports)
-            with open(logs / "stderr.log") as se:
-                se.seek(start)
-                why = said["error"] or cause(se.read(), rc)
-            stopped = signal.Signals(stop["signum"]).name if stop["signum"] else said["stop"]
-            if stopped:
-                why = f"stopped by {stopped}" + (f" ({why})" if said["error"] else "")
-            failures.append({"attempt": attempt + 1, "exit": rc, "cause": why, "ranks": n})
-            if stopped:
-                log.warning("stopped on request (%s); not restarting", stopped)
-                return result(128 + signal.Signals[stopped], stopped=stopped)
-            if said["repeats"]:
-                log.error("job failed (%s); not restarting: a relaunch would fail the same way", why)
-                return result(rc, repeats=True)
-            if attempt >= max_restarts:
-                log.error("job failed (%s); %d restart(s) used, giving up", why, attempt)
-                return result(rc)
-            if n is not None and attempt > 0 and ranks[-2] == n and n > min_ranks:
-                n -= 1             # a relaunch on n failed as well: a rank cannot come back
-            wait = backoff_s * 2 ** attempt
-            log.warning("job failed (%s); restarting %s%s in %.0f s (%d of %d)", why,
-                        "from the newest checkpoint" if has_checkpoint(ck) else "from step 0",
-                        f" on {n} ranks" if n is not None else "", wait, attempt + 1, max_restarts)
-            if _sleep_unless_stopped(wait, stop):
-                name = signal.Signals(stop["signum"]).name
-                log.warning("stopped on request (%s) before the next attempt", name)
-                return result(128 + stop["signum"], stopped=name)
-            attempt += 1
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        shutil.rmtree(reports, ignore_errors=True)
-    summary = out / "summary.json"
-    if summary.exists():
-        s = json.loads(summary.read_text())
-        s.update(restarts=attempt, failures=failures, ranks_per_attempt=ranks)
-        write_text(summary, json.dumps(s, indent=2) + "\n")
-    return result(0, stopped=signal.Signals(stop["signum"]).name if stop["signum"] else None)
+            p, start, timed_out = self.launch(self.command())
+            if timed_out:
+                self.failures.append({"attempt": self.attempt + 1, "exit": p.returncode,
+                                      "cause": f"timed out after {self.timeout_s:g} s", "ranks": self.n})
+                return self.result(p.returncode)
+            if p.returncode == 0:
+                return None
+            ended = self.failed(p.returncode, start)
+            if ended is not None:
+                return ended
+            self.attempt += 1
+
+    def run(self) -> dict:
+        old = self._handle_signals()
+        self.t0 = time.monotonic()
+        try:
+            ended = self._attempts()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            shutil.rmtree(self.reports, ignore_errors=True)
+        if ended is not None:
+            return ended
+        summary = self.out / "summary.json"
+        if summary.exists():
+            s = json.loads(summary.read_text())
+            s.update(restarts=self.attempt, failures=self.failures, ranks_per_attempt=self.ranks)
+            write_text(summary, json.dumps(s, indent=2) + "\n")
+        return self.result(0, stopped=signal.Signals(self.stop["signum"]).name if self.stop["signum"] else None)
 
 
 #: seconds after which a stop signal that no rank reported is passed on to the job again

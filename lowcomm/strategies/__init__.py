@@ -5,11 +5,14 @@ Each module owns its settings and builder (a :class:`~lowcomm.strategies.base.Me
 """
 from .async_ps import AsyncPS
 from .base import Context, Method, Strategy
+from .demo import DeMo
 from .diloco import DiLoCo, StreamingDiLoCo
 from .gossip import Gossip
 from .localsgd import LocalSGD
 from .onebit_adam import OneBitAdam
+from .sparta import Sparta, SpartaDiLoCo
 from .syncdp import SyncDP
+from .zeroone_adam import ZeroOneAdam
 
-__all__ = ["AsyncPS", "Context", "DiLoCo", "Gossip", "LocalSGD", "Method", "OneBitAdam", "Strategy",
-           "StreamingDiLoCo", "SyncDP"]
+__all__ = ["AsyncPS", "Context", "DeMo", "DiLoCo", "Gossip", "LocalSGD", "Method", "OneBitAdam",
+           "Sparta", "SpartaDiLoCo", "Strategy", "StreamingDiLoCo", "SyncDP", "ZeroOneAdam"]

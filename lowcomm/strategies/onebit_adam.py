@@ -31,18 +31,23 @@ class OneBitAdamSettings(Settings):
 
 
 def build(s: OneBitAdamSettings, model, optimizer, comm: Comm, ctx: Context) -> "OneBitAdam":
-    return OneBitAdam(model, optimizer, comm, freeze_step=s.freeze_step)
+    return OneBitAdam(model, optimizer, comm, settings=s)
 
 
-def check_run(s: OneBitAdamSettings, cfg, prefix: str) -> None:
-    """Combinations with the run's keys: 1-bit Adam steps a torch Adam/AdamW and compresses its
-    momentum itself."""
-    if cfg.optimizer.name not in ("adam", "adamw"):
-        raise ConfigError("optimizer.name", f"onebit-adam steps torch Adam or AdamW; use "
-                          f"optimizer.name = \"adam\" or \"adamw\", got {cfg.optimizer.name!r}")
-    if cfg.compressor.name != "none":
-        raise ConfigError("compressor.name", "onebit-adam compresses its momentum itself; "
-                          f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
+def adam_only(method: str):
+    """The check of a method that steps a torch Adam/AdamW itself and compresses what it sends
+    itself (1-bit Adam, 0/1 Adam): its combinations with the run's keys."""
+    def check_run(s, cfg, prefix: str) -> None:
+        if cfg.optimizer.name not in ("adam", "adamw"):
+            raise ConfigError("optimizer.name", f"{method} steps torch Adam or AdamW; use "
+                              f"optimizer.name = \"adam\" or \"adamw\", got {cfg.optimizer.name!r}")
+        if cfg.compressor.name != "none":
+            raise ConfigError("compressor.name", f"{method} compresses what it sends itself; "
+                              f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
+    return check_run
+
+
+check_run = adam_only("onebit-adam")
 
 
 METHOD = Method("onebit-adam", OneBitAdamSettings, build,
@@ -114,10 +119,12 @@ class OneBitAdam(Strategy):
 
     name = "onebit-adam"
     lockstep = True
+    Settings = OneBitAdamSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, freeze_step: int = 100):
+                 comm: Comm | None = None, *, settings: OneBitAdamSettings | None = None, **options):
         super().__init__(model, optimizer, comm)
+        s = settings if settings is not None else self.settings_from(options)
         if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
             raise TypeError(f"1-bit Adam wraps torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
         self.decoupled = type(optimizer) is torch.optim.AdamW   # AdamW's weight decay
@@ -125,10 +132,7 @@ class OneBitAdam(Strategy):
             for opt in ("amsgrad", "maximize"):
                 if g.get(opt):
                     raise ValueError(f"1-bit Adam does not support {opt}=True (param group {i})")
-        if int(freeze_step) != freeze_step or freeze_step < 1:
-            raise ValueError(f"freeze_step must be an integer >= 1 (the variance is frozen after a "
-                             f"dense warm-up), got {freeze_step}")
-        self.freeze_step = int(freeze_step)
+        self.freeze_step = s.freeze_step
         names = {p: n for n, p in model.named_parameters()}
         self._params = [(names.get(p, f"param{i}"), p, g) for g in optimizer.param_groups
                         for i, p in enumerate(g["params"]) if p.requires_grad]
@@ -245,8 +249,15 @@ class OneBitAdam(Strategy):
         return {"optimizer": self.optimizer.state_dict(), "t": self.t,
                 "worker_error": self.worker_error.clone(), "server_error": self.server_error.clone()}
 
+    def _regroup(self) -> None:
+        """Point every parameter at its group dict again: the wrapped optimizer's
+        ``load_state_dict`` replaces the dicts, and an LR schedule writes the new ones."""
+        group = {p: g for g in self.optimizer.param_groups for p in g["params"]}
+        self._params = [(n, p, group[p]) for n, p, _ in self._params]
+
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        self._regroup()
         self.t = int(state["t"])
         if state["worker_error"].shape != self.worker_error.shape or \
                 state["server_error"].shape != self.server_error.shape:

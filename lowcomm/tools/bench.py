@@ -283,9 +283,8 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
     with torch's ``fp16_compress_hook`` / ``powerSGD_hook``), and ``local`` (no communication:
     the compute floor). Same model, seed, batches and optimizer for every row; DDP's bucket
     size is SyncDP's ``bucket_mb``."""
-    from ..strategies.horovod import HorovodDP
     from ..run.schedule import build_optimizer
-    from ..strategies.syncdp import SyncDP, SyncDPSettings
+    from ..strategies.syncdp import SyncDPSettings
     from ..tasks import load_task
 
     ctl = comm.dup(Ledger(), "control")
@@ -302,40 +301,53 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
         opt = build_optimizer(cfg, model.parameters())
         run = comm.dup(Ledger())
         run.validate = False
-        exposed = None
         with baseline(name, comm):
-            if name.startswith("ddp-gloo"):
-                from torch.nn.parallel import DistributedDataParallel
-                ddp = DistributedDataParallel(model, bucket_cap_mb=s.bucket_mb)
-                if name != "ddp-gloo":
-                    _ddp_hook(ddp, name, cfg)
-                times = _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(ddp, b))
-                del ddp     # its hooks and buckets, before the next row
-            elif name == STEP_LOCAL:
-                times = _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(model, b))
-            else:
-                if name == "horovod":
-                    wrapped = HorovodDP(model, opt, run)
-                else:
-                    compressed = name.split("-", 1)[-1] in STEP_COMPRESSORS
-                    algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") and \
-                        not compressed else s.algorithm
-                    levels = None
-                    if algorithm == "hierarchical":
-                        from ..comm.topology import Topology
-                        levels = Topology.from_env(run, cfg.topology).comms(run)
-                    wrapped = SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=s.bucket_mb,
-                                     overlap=s.overlap, levels=levels,
-                                     compressor=_step_compressor(name, cfg) if compressed else None)
-                exposed = [] if isinstance(wrapped, SyncDP) else None
-                times = _time_steps(ctl, task, cfg, wrapped, warmup, steps, lambda b: task.loss(model, b),
-                                    exposed=exposed)
-                wrapped.close()
+            times, exposed = _step_times(name, run, ctl, task, cfg, s, model, opt, warmup, steps)
         rows.append({"strategy": name, "ranks": comm.size, "params": params,
                      "grad_MB": params * 4 / 1e6, "step_ms": statistics.median(times) * 1e3,
                      "step_ms_mean": statistics.fmean(times) * 1e3,
                      "sync_ms": statistics.median(exposed) * 1e3 if exposed else None})
     return rows
+
+
+def _step_times(name: str, run: Comm, ctl: Comm, task, cfg, s, model, opt, warmup: int,
+                steps: int) -> tuple[list[float], list[float] | None]:
+    """Row ``name`` of :func:`bench_step` (a lowcomm method communicates on ``run``): the timed
+    steps' seconds and, for SyncDP, the exposed sync's (else None)."""
+    if name.startswith("ddp-gloo"):
+        from torch.nn.parallel import DistributedDataParallel
+        ddp = DistributedDataParallel(model, bucket_cap_mb=s.bucket_mb)
+        if name != "ddp-gloo":
+            _ddp_hook(ddp, name, cfg)
+        times = _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(ddp, b))
+        del ddp     # its hooks and buckets, before the next row
+        return times, None
+    if name == STEP_LOCAL:
+        return _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(model, b)), None
+    from ..strategies.syncdp import SyncDP
+    wrapped = _step_wrapped(name, run, cfg, s, model, opt)
+    exposed = [] if isinstance(wrapped, SyncDP) else None
+    times = _time_steps(ctl, task, cfg, wrapped, warmup, steps, lambda b: task.loss(model, b),
+                        exposed=exposed)
+    wrapped.close()
+    return times, exposed
+
+
+def _step_wrapped(name: str, run: Comm, cfg, s, model, opt):
+    """The lowcomm method of row ``name``: Horovod, or SyncDP with the row's algorithm or
+    compressor."""
+    from ..strategies.horovod import HorovodDP
+    from ..strategies.syncdp import SyncDP
+    if name == "horovod":
+        return HorovodDP(model, opt, run)
+    compressed = name.split("-", 1)[-1] in STEP_COMPRESSORS
+    algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") and not compressed else s.algorithm
+    levels = None
+    if algorithm == "hierarchical":
+        from ..comm.topology import Topology
+        levels = Topology.from_env(run, cfg.topology).comms(run)
+    return SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=s.bucket_mb, overlap=s.overlap,
+                  levels=levels, compressor=_step_compressor(name, cfg) if compressed else None)
 
 
 def _time_steps(ctl: Comm, task, cfg, opt, warmup: int, steps: int, loss,
@@ -410,16 +422,13 @@ def bench_compress(methods: list[str], numel: int = 2048 * 2048, iters: int = 10
     Break-even: ``cost_ms`` = compress + decompress (median each), ``saved_ms`` = the time the
     bytes it saves (gradient − payload) take on a ``link_gbit`` link, ``cost_vs_saved`` =
     cost / saved (below 1: it pays for itself on that link, for one rank's one send)."""
-    from ..compress import COMPRESSORS, build_compressor
+    from ..compress import COMPRESSORS
     from ..compress.base import Segment
-    from ..compress.bits import pack_signs, unpack_signs
-    from ..run.config import CompressorConfig
 
     for m in methods:
         _check_known(m, [*COMPRESSORS, "pack"], "method")
     if clock not in ("wall", "cpu"):
         raise ValueError(f"unknown clock {clock!r}; known: wall, cpu")
-    now = time.perf_counter if clock == "wall" else time.thread_time
     rows_n = max(1, int(numel ** 0.5))
     while numel % rows_n:
         rows_n -= 1
@@ -427,52 +436,75 @@ def bench_compress(methods: list[str], numel: int = 2048 * 2048, iters: int = 10
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(numel, generator=gen)
     segs = [Segment("grad", torch.Size(shape), 0, numel)]
-    nbytes = numel * 4
+    timer = _Interleaved(x, warmup, iters, time.perf_counter if clock == "wall" else time.thread_time)
+    rows = [_compress_row(m, x, segs, timer, cfg) for m in methods]
+    rows.insert(0, timer.memcpy_row())
+    return _break_even(rows, numel * 4, link_gbit, clock)
 
-    dst = torch.empty_like(x)
 
-    def memcpy() -> None:
-        dst.copy_(x)
+class _Interleaved:
+    """Times a function against a memcpy of ``x`` timed just before each of its iterations
+    (interleaved, so on a shared machine both see the same load); keeps every copy's time."""
 
-    copies: list[float] = []
+    def __init__(self, x: torch.Tensor, warmup: int, iters: int, now):
+        self.x, self.dst = x, torch.empty_like(x)
+        self.warmup, self.iters, self.now = warmup, iters, now
+        self.copies: list[float] = []
 
-    def median(fn) -> tuple[float, float]:
-        """Median seconds of ``fn`` and of a memcpy timed just before each of its iterations
-        (interleaved, so on a shared machine both see the same load)."""
-        for _ in range(warmup):
+    def memcpy(self) -> None:
+        self.dst.copy_(self.x)
+
+    def median(self, fn) -> tuple[float, float]:
+        """Median seconds of ``fn`` and of the memcpy before each of its iterations."""
+        for _ in range(self.warmup):
             fn()
         times, refs = [], []
-        for _ in range(iters):
-            t0 = now()
-            memcpy()
-            t1 = now()
+        for _ in range(self.iters):
+            t0 = self.now()
+            self.memcpy()
+            t1 = self.now()
             fn()
-            times.append(now() - t1)
+            times.append(self.now() - t1)
             refs.append(t1 - t0)
-        copies.extend(refs)
+        self.copies.extend(refs)
         return statistics.median(times), statistics.median(refs)
 
-    rows = []
-    base = cfg or CompressorConfig()
-    for m in methods:
-        if m == "pack":
-            (t, tm), p = median(lambda: pack_signs(x)), pack_signs(x)
-            u, um = median(lambda: unpack_signs(p, numel, torch.float32, 0.5))
-            name, payload_bytes = "pack/unpack", p.numel()
-        else:
-            c = build_compressor(dataclasses.replace(base, name=m, start_iter=0)) or COMPRESSORS["none"](base)
-            t, tm = median(lambda: c.compress(x, "bench", segs))
-            payload, ctx = c.compress(x, "bench", segs)
-            u, um = median(lambda: c.decompress(payload, ctx))
-            name, payload_bytes = m, sum(q.numel() * q.element_size() for q in payload)
-        rows.append({"method": name, "compress_GBps": nbytes / t / 1e9, "decompress_GBps": nbytes / u / 1e9,
-                     "payload_bytes": payload_bytes, "compress_vs_memcpy": tm / t,
-                     "decompress_vs_memcpy": um / u})
-    if not copies:
-        median(memcpy)
-    mc = nbytes / statistics.median(copies) / 1e9
-    rows.insert(0, {"method": "memcpy", "compress_GBps": mc, "decompress_GBps": mc,
-                    "payload_bytes": nbytes, "compress_vs_memcpy": 1.0, "decompress_vs_memcpy": 1.0})
+    def memcpy_row(self) -> dict:
+        """The memcpy row: the median of every copy timed (timed alone if none was)."""
+        if not self.copies:
+            self.median(self.memcpy)
+        nbytes = self.x.numel() * 4
+        mc = nbytes / statistics.median(self.copies) / 1e9
+        return {"method": "memcpy", "compress_GBps": mc, "decompress_GBps": mc,
+                "payload_bytes": nbytes, "compress_vs_memcpy": 1.0, "decompress_vs_memcpy": 1.0}
+
+
+def _compress_row(m: str, x: torch.Tensor, segs, timer: _Interleaved, cfg) -> dict:
+    """Method ``m``'s row of :func:`bench_compress` (``pack``: the bit packing alone)."""
+    from ..compress import COMPRESSORS, build_compressor
+    from ..compress.bits import pack_signs, unpack_signs
+    from ..run.config import CompressorConfig
+
+    numel = x.numel()
+    if m == "pack":
+        (t, tm), p = timer.median(lambda: pack_signs(x)), pack_signs(x)
+        u, um = timer.median(lambda: unpack_signs(p, numel, torch.float32, 0.5))
+        name, payload_bytes = "pack/unpack", p.numel()
+    else:
+        base = cfg or CompressorConfig()
+        c = build_compressor(dataclasses.replace(base, name=m, start_iter=0)) or COMPRESSORS["none"](base)
+        t, tm = timer.median(lambda: c.compress(x, "bench", segs))
+        payload, ctx = c.compress(x, "bench", segs)
+        u, um = timer.median(lambda: c.decompress(payload, ctx))
+        name, payload_bytes = m, sum(q.numel() * q.element_size() for q in payload)
+    nbytes = numel * 4
+    return {"method": name, "compress_GBps": nbytes / t / 1e9, "decompress_GBps": nbytes / u / 1e9,
+            "payload_bytes": payload_bytes, "compress_vs_memcpy": tm / t, "decompress_vs_memcpy": um / u}
+
+
+def _break_even(rows: list[dict], nbytes: int, link_gbit: float, clock: str) -> list[dict]:
+    """Each row's ratio, cost (compress + decompress) and the time the bytes it saves take on
+    a ``link_gbit`` link."""
     if link_gbit <= 0:
         raise ValueError(f"link_gbit must be > 0, got {link_gbit}")
     for row in rows:

@@ -18,6 +18,12 @@ time, not wall-clock, so other processes on a busy machine do not inflate it (th
 from the run; they did not add work to it); only cache and memory-bandwidth contention still
 shows. The table's header and footnote say so. A run that did not record it (a summary from
 before) is an error, never replaced by wall-clock.
+
+By time budget (``--budget SECONDS``): every method trains until its modelled wall-clock on
+the link reaches the budget (``[budget]``, :class:`lowcomm.run.coordinate.Budget`; ``--steps``
+is then a cap), so the table ranks the methods by eval loss at equal modelled time. Either way
+the table gives each method's modelled time to reach a target eval loss (``--target``, by
+default ddp's final one), read off its eval-loss curve (linear between evaluations).
 """
 from __future__ import annotations
 
@@ -26,11 +32,10 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import compare_folder
-from ..comm.ledger import alpha_beta_seconds
+from ..comm.ledger import Link
 from ..errors import RunFolderError
 from ..run.folder import close_run, lock, write_text
 from ..run.supervise import supervise
@@ -42,6 +47,12 @@ METHODS: dict[str, list[str]] = {
     **{name: [f"compressor.name={name}"] for name in
        ("fp16", "bf16", "int8", "qsgd", "topk", "randomk", "sign", "sign-mv", "ef-sign", "powersgd")},
     "onebit-adam": ["strategy.name=onebit-adam"],
+    "zeroone-adam": ["strategy.name=zeroone-adam", "strategy.local_step_scaler=20"],
+    # DeMo steps with sign(u) through plain SGD (the paper's update); lr is the sign step's size
+    "demo": ["strategy.name=demo", "optimizer.name=sgd", "lr=0.001"],
+    "sparta": ["strategy.name=sparta", "strategy.fraction=0.005"],
+    "sparta-diloco": ["strategy.name=sparta-diloco", "strategy.period=50", "strategy.fraction=0.005"],
+    "muloco": ["strategy.name=diloco", "strategy.period=50", "optimizer.name=muon"],
     "localsgd": ["strategy.name=localsgd", "strategy.period=10"],
     "diloco": ["strategy.name=diloco", "strategy.period=50"],
     "streaming-diloco": ["strategy.name=streaming-diloco", "strategy.period=50",
@@ -68,7 +79,7 @@ MAIN_METHODS = ("ddp", "fp16", "int8", "topk", "ef-sign", "powersgd", "localsgd"
 def available(name: str) -> bool:
     """True when every piece the method names is registered in this installation."""
     from ..compress import COMPRESSORS
-    from ..run.config import OPTIMIZERS
+    from ..run.optimizers import OPTIMIZERS
     from ..run.registry import STRATEGIES
     for o in METHODS[name]:
         key, _, value = o.partition("=")
@@ -100,29 +111,6 @@ def resolve_methods(text: str) -> list[str]:
     return names
 
 
-@dataclass(frozen=True)
-class Link:
-    """A network link for the α–β model: one-way latency and bandwidth."""
-    delay_ms: float
-    rate_mbit: float
-
-    @classmethod
-    def parse(cls, text: str) -> "Link":
-        try:
-            d, r = (float(x) for x in text.split(","))
-        except ValueError:
-            raise ValueError(f"a link is DELAY_MS,RATE_MBIT (e.g. 25,100), got {text!r}") from None
-        if d < 0 or r <= 0:
-            raise ValueError(f"link delay must be >= 0 and rate > 0, got {text!r}")
-        return cls(d, r)
-
-    def seconds(self, rows: list[dict], size: int) -> float:
-        return alpha_beta_seconds(rows, size, self.delay_ms / 1e3, self.rate_mbit * 1e6 / 8)
-
-    def __str__(self) -> str:
-        return f"{self.delay_ms:g} ms, {self.rate_mbit:g} Mbit/s"
-
-
 def _compute(record: dict, what: str) -> float:
     c = record.get("compute_cpu_s")
     if c is None or c != c:
@@ -140,10 +128,9 @@ def modelled_wall(summary: dict, link: Link) -> float:
 
 
 def _line_modelled(line: dict, link: Link) -> float:
-    per_rank_bytes = line["bytes"]   # summed over ranks; rounds are per rank
-    ranks = line.get("ranks", 1)
+    ranks = line.get("ranks", 1)     # bytes are summed over the ranks, rounds their mean
     return _compute(line, f"metrics line of step {line.get('step')}") + \
-        line["rounds"] * link.delay_ms / 1e3 + per_rank_bytes / ranks / (link.rate_mbit * 1e6 / 8)
+        link.traffic_seconds(line["rounds"], line["bytes"] / ranks)
 
 
 @contextlib.contextmanager
@@ -229,6 +216,7 @@ def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
     return {**record, "status": "ok", "stopped": result["stopped"], **{k: s[k] for k in (
         "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total", "bytes_by_level",
         "wall_s", "skipped_steps", "state_sha256")}, "ranks_agree": s.get("ranks_agree"),
+        "steps_done": s.get("steps_done", s["steps"]),
         "restarts": result["restarts"], "summary": str(summary_path)}
 
 
@@ -254,8 +242,45 @@ def curves(out: Path, result: dict) -> list[dict]:
     return lines
 
 
-def plot(out: Path, results: list[dict], link: Link) -> list[Path]:
-    """Eval loss against bytes, measured and modelled wall-clock, and steps: one PNG each."""
+def eval_curve(out: Path, result: dict, link: Link) -> list[tuple[float, float]]:
+    """(modelled seconds on ``link``, eval loss) at every evaluation of a finished method, its
+    final model's last."""
+    pts = [(_line_modelled(ln, link), ln["eval_loss"]) for ln in curves(out, result)
+           if "eval_loss" in ln and "compute_cpu_s" in ln]
+    end = result.get("modelled_wall_s")
+    if end is not None and result.get("eval_loss") == result.get("eval_loss"):
+        pts.append((max([end, *(t for t, _ in pts)]), result["eval_loss"]))
+    return pts
+
+
+def time_to_target(points: list[tuple[float, float]], target: float) -> float | None:
+    """The first modelled time at which the curve ``points`` reaches eval loss ``target``
+    (linear between evaluations); None where it never does."""
+    for i, (t, e) in enumerate(points):
+        if e <= target:
+            if i == 0 or points[i - 1][1] <= e:
+                return t
+            t0, e0 = points[i - 1]
+            return t0 + (t - t0) * (e0 - target) / (e0 - e)
+    return None
+
+
+def add_time_to_target(out: Path, results: list[dict], link: Link, target: float | None) -> float | None:
+    """Set ``time_to_target_s`` of every finished method (``target``: ddp's final eval loss
+    where None and ddp finished); returns the target used."""
+    ok = [r for r in results if r["status"] == "ok"]
+    if target is None:
+        target = next((r["eval_loss"] for r in ok if r["method"] == "ddp"), None)
+    for r in ok:
+        if target is not None and (out / r["method"] / "metrics.jsonl").exists():
+            r["time_to_target_s"] = time_to_target(eval_curve(out, r, link), target)
+    return target
+
+
+def plot(out: Path, results: list[dict], link: Link, budget: float = 0.0,
+         target: float | None = None) -> list[Path]:
+    """Eval loss against bytes, measured and modelled wall-clock, and steps: one PNG each (the
+    modelled one with the budget and the target drawn)."""
     import logging
 
     import matplotlib
@@ -272,13 +297,19 @@ def plot(out: Path, results: list[dict], link: Link) -> list[Path]:
     written = []
     for _, xlabel, fname, x_of, logx in axes:
         fig, ax = plt.subplots(figsize=(7, 4.5))
+        modelled = fname == "eval_loss_vs_modelled_wall.png"
         for r in ok:
-            lines = [ln for ln in curves(out, r) if "eval_loss" in ln]
-            if fname == "eval_loss_vs_modelled_wall.png":    # lines without a CPU clock (the
-                lines = [ln for ln in lines if "compute_cpu_s" in ln]   # parameter server's): no curve
-            pts = [(x_of(ln), ln["eval_loss"]) for ln in lines]
+            if modelled:            # the parameter server's lines have no CPU clock: no curve
+                pts = eval_curve(out, r, link)
+            else:
+                pts = [(x_of(ln), ln["eval_loss"]) for ln in curves(out, r) if "eval_loss" in ln]
             if pts:
                 ax.plot(*zip(*pts), marker="o", markersize=3, label=r["method"])
+        if modelled and budget:
+            ax.axvline(budget, color="grey", linestyle=":", label=f"budget {budget:g} s")
+        if modelled and target is not None:
+            ax.axhline(target, color="grey", linestyle="--", linewidth=0.8,
+                       label=f"target {target:.3f}")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("eval loss")
         if logx:
@@ -286,7 +317,9 @@ def plot(out: Path, results: list[dict], link: Link) -> list[Path]:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:     # no finished method: no legend to draw
             ax.legend(fontsize=8)
-        ax.set_title(f"{ok[0]['ranks'] if ok else '?'} ranks, {ok[0]['steps'] if ok else '?'} steps")
+        ax.set_title(f"{ok[0]['ranks'] if ok else '?'} ranks, " +
+                     (f"{budget:g} modelled s each" if budget else
+                      f"{ok[0]['steps'] if ok else '?'} steps"))
         fig.tight_layout()
         fig.savefig(out / fname, dpi=110)
         plt.close(fig)
@@ -294,40 +327,63 @@ def plot(out: Path, results: list[dict], link: Link) -> list[Path]:
     return written
 
 
-def table(results: list[dict], link: Link) -> str:
+def table(results: list[dict], link: Link, budget: float = 0.0, target: float | None = None) -> str:
     """Markdown table, best eval loss first; failed and interrupted methods last with their
-    error."""
+    error. ``budget``: the methods ran for that many modelled seconds; ``target``: the eval loss
+    of the time-to-target column (``time_to_target_s`` of each result)."""
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["eval_loss"])
     base = next((r for r in ok if r["method"] == "ddp"), None)
-    head = ("| # | method | eval loss | train loss | MB sent | ddp bytes ÷ bytes | wall s | compute CPU s | "
-            f"modelled s ({link})¹ |\n|---|---|---|---|---|---|---|---|---|")
+    per_step = lambda r: r["bytes_total"] / r.get("steps_done", r["steps"])   # noqa: E731
+    to = f" | modelled s to eval ≤ {target:.4f}²" if target is not None else ""
+    head = (f"| # | method | eval loss{f' at {budget:g} s' if budget else ''} | train loss | steps | "
+            f"MB sent | ddp bytes/step ÷ bytes/step | wall s | compute CPU s | modelled s ({link})¹{to} |\n"
+            + "|---" * (10 + bool(to)) + "|")
     rows = []
     for i, r in enumerate(ok, 1):
-        ratio = f"{base['bytes_total'] / r['bytes_total']:.1f}×" if base and r["bytes_total"] else "–"
+        ratio = f"{per_step(base) / per_step(r):.1f}×" if base and r["bytes_total"] else "–"
+        reach = r.get("time_to_target_s")
+        reach = (f" | {reach:.1f}" if reach is not None else " | not reached") if to else ""
         rows.append(f"| {i} | {r['method']} | {r['eval_loss']:.4f} | {r['final_loss']:.4f} | "
-                    f"{r['bytes_total'] / 1e6:.1f} | {ratio} | {r['wall_s']:.1f} | "
-                    f"{r['compute_cpu_s']:.1f} | {r['modelled_wall_s']:.1f} |")
-    rows += [f"| – | {r['method']} | {r['status']}: {r['error']} | | | | | | |"
+                    f"{r.get('steps_done', r['steps'])} | {r['bytes_total'] / 1e6:.1f} | {ratio} | "
+                    f"{r['wall_s']:.1f} | {r['compute_cpu_s']:.1f} | {r['modelled_wall_s']:.1f}{reach} |")
+    rows += [f"| – | {r['method']} | {r['status']}: {r['error']} |" + " |" * (7 + bool(to))
              for r in results if r["status"] != "ok"]
     foot = (f"\n¹ modelled s = compute CPU s + the α–β time of the run's traffic on {link}. Compute "
             "CPU s: the slowest rank's CPU seconds of computation in its training steps (process CPU "
             "time minus the CPU time of its communication calls), which other processes on the "
             "machine do not inflate; wall s is measured and does depend on the machine's load.")
+    if budget:
+        foot += (f" Every method trained until its modelled s reached the budget of {budget:g} s "
+                 "(the final synchronisation of an outer loop can pass it).")
+    if to:
+        foot += (f"\n² the modelled time at which the method's eval loss first reached {target:.4f}"
+                 f"{' (ddp’s final eval loss)' if base and base['eval_loss'] == target else ''}, "
+                 "linear between its evaluations.")
     return "\n".join([head, *rows]) + "\n" + foot
+
+
+def budget_overrides(budget: float, link: Link) -> tuple[str, str]:
+    """The ``--set`` overrides that give every method ``budget`` modelled seconds on ``link``."""
+    return f"budget.seconds={budget:g}", f"budget.link={link.delay_ms:g},{link.rate_mbit:g}"
 
 
 def compare(methods: list[str], np: int, steps: int, out: str | Path, config: str | None = None,
             overrides: tuple[str, ...] = (), link: Link = Link(25, 100), launcher: str | None = None,
             timeout_s: float = 3600, progress: bool = True, dcs: int = 2,
-            max_restarts: int = 0, overwrite: bool = False) -> list[dict]:
+            max_restarts: int = 0, overwrite: bool = False, budget: float = 0.0,
+            target: float | None = None) -> list[dict]:
     """Run every method, write results.json, plots and table.md; return the results (with the
     earlier results kept in ``out``: :mod:`lowcomm.tools.compare_folder`, whose rules raise
     RunFolderError before anything runs). A stop (SIGINT/SIGTERM) ends the comparison: the
     finished methods' results are written, the method it stopped is marked ``interrupted``
-    and no further method starts (the CLI tells which did not run)."""
+    and no further method starts (the CLI tells which did not run). ``budget``: modelled
+    seconds on ``link`` per method (``steps`` is then a cap); ``target``: the eval loss of the
+    time-to-target column (default: ddp's final one)."""
     from tqdm import tqdm
 
     out = Path(out)
+    if budget:
+        overrides = (*overrides, *budget_overrides(budget, link))
     out.mkdir(parents=True, exist_ok=True)
     busy = lock(out, f"compare:{out}", "choose another --out")
     if busy:
@@ -370,8 +426,10 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
         finally:
             bar.close()
         results = kept + results
-        plot(out, results, link)
-        write_text(out / "table.md", table(results, link) + "\n")
+        target = add_time_to_target(out, results, link, target)
+        write_text(out / "results.json", json.dumps(results, indent=2) + "\n")
+        plot(out, results, link, budget, target)
+        write_text(out / "table.md", table(results, link, budget, target) + "\n")
         return results
     finally:
         close_run(f"compare:{out}")

@@ -144,82 +144,107 @@ def forward(fds: list[int], spec: WanSpec, stats_path: Path | None = None,
     first: a link that is down drops the packet, or holds it (its serialisation starts when
     the link is back, the queue bound counted from then); a lossy link drops it at its rate.
     The counters go to ``stats_path`` about once a second and at the end."""
-    links = {(x.a, x.b): x for x in spec.links}
-    busy = {k: 0.0 for k in links}
-    heap: list = []
-    seq = 0
-    stats = {"packets": 0, "bytes": 0, "dropped": 0, "misrouted": 0, "fault_drops": 0,
-             "fault_holds": 0}
-    faults = FaultTable(state_dir, spec.dcs, log=lambda m: print(m, file=sys.stderr, flush=True)) \
-        if state_dir else None
+    forwarder = _Forwarder(fds, spec, stats_path, state_dir)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
-    poller = select.poll()
-    index = {}
-    for i, fd in enumerate(fds):
-        poller.register(fd, select.POLLIN)
-        index[fd] = i
-    prefix = bytes(map(int, SUBNET.split(".")))
-    next_poll = next_stats = 0.0
-    while not stop:
-        now = time.monotonic()
-        if faults and now >= next_poll:
-            faults.poll()
-            next_poll = now + 0.2
-        if stats_path and now >= next_stats:
-            _write_stats(stats_path, stats, faults)
-            next_stats = now + 1.0
-        while heap and heap[0][0] <= now:
-            _, _, b, pkt = heapq.heappop(heap)
+    forwarder.run(stop)
+
+
+class _Forwarder:
+    """:func:`forward`'s links, queues and counters."""
+
+    def __init__(self, fds: list[int], spec: WanSpec, stats_path: Path | None, state_dir: Path | None):
+        self.fds, self.stats_path = fds, stats_path
+        self.links = {(x.a, x.b): x for x in spec.links}
+        self.busy = {k: 0.0 for k in self.links}
+        self.heap: list = []               # (when to write, sequence, dc, packet)
+        self.seq = 0
+        self.stats = {"packets": 0, "bytes": 0, "dropped": 0, "misrouted": 0, "fault_drops": 0,
+                      "fault_holds": 0}
+        self.faults = FaultTable(state_dir, spec.dcs, log=lambda m: print(m, file=sys.stderr, flush=True)) \
+            if state_dir else None
+        self.poller = select.poll()
+        self.index = {}
+        for i, fd in enumerate(fds):
+            self.poller.register(fd, select.POLLIN)
+            self.index[fd] = i
+        self.prefix = bytes(map(int, SUBNET.split(".")))
+
+    def run(self, stop: list) -> None:
+        """Forward until ``stop`` is not empty; the counters last."""
+        next_poll = next_stats = 0.0
+        while not stop:
+            now = time.monotonic()
+            if self.faults and now >= next_poll:
+                self.faults.poll()
+                next_poll = now + 0.2
+            if self.stats_path and now >= next_stats:
+                _write_stats(self.stats_path, self.stats, self.faults)
+                next_stats = now + 1.0
+            self._deliver(now)
+            timeout = max(0, (self.heap[0][0] - time.monotonic()) * 1e3) if self.heap else 200
             try:
-                os.write(fds[b], pkt)
+                ready = self.poller.poll(min(timeout, 200))
+            except InterruptedError:
+                continue
+            for fd, _ in ready:
+                self._read(fd)
+        if self.stats_path:
+            _write_stats(self.stats_path, self.stats, self.faults)
+
+    def _deliver(self, now: float) -> None:
+        """Write every packet whose time has come to its datacenter."""
+        while self.heap and self.heap[0][0] <= now:
+            _, _, b, pkt = heapq.heappop(self.heap)
+            try:
+                os.write(self.fds[b], pkt)
             except OSError as e:
                 if e.errno not in (errno.EAGAIN, errno.EIO, errno.EINVAL):
                     raise
-                stats["dropped"] += 1
-        timeout = max(0, (heap[0][0] - time.monotonic()) * 1e3) if heap else 200
-        try:
-            ready = poller.poll(min(timeout, 200))
-        except InterruptedError:
-            continue
-        for fd, _ in ready:
-            a = index[fd]
-            while True:
-                try:
-                    pkt = os.read(fd, 65536)
-                except BlockingIOError:
-                    break
-                if len(pkt) < 20 or pkt[0] >> 4 != 4 or pkt[16:19] != prefix:
-                    stats["misrouted"] += 1      # not IPv4 to one of our dcs (e.g. IPv6 noise)
-                    continue
-                b = pkt[19] - 1
-                link = links.get((a, b))
-                if link is None:
-                    stats["misrouted"] += 1
-                    continue
-                now = time.monotonic()
-                ready_at = now
-                if faults and faults.faults:
-                    wall = time.time()
-                    verdict, until = faults.verdict(a, b, wall)
-                    if verdict == "drop":
-                        stats["fault_drops"] += 1
-                        continue
-                    if verdict == "hold":
-                        stats["fault_holds"] += 1
-                        ready_at = now + (until - wall)
-                start = max(ready_at, busy[(a, b)])
-                if (start - ready_at) * link.bytes_per_s + len(pkt) > link.queue_bytes:
-                    stats["dropped"] += 1
-                    continue
-                busy[(a, b)] = done = start + len(pkt) / link.bytes_per_s
-                seq += 1
-                heapq.heappush(heap, (done + link.delay_ms / 1e3, seq, b, pkt))
-                stats["packets"] += 1
-                stats["bytes"] += len(pkt)
-    if stats_path:
-        _write_stats(stats_path, stats, faults)
+                self.stats["dropped"] += 1
+
+    def _read(self, fd: int) -> None:
+        """Queue every packet waiting on ``fd`` for its datacenter (or drop it)."""
+        a = self.index[fd]
+        while True:
+            try:
+                pkt = os.read(fd, 65536)
+            except BlockingIOError:
+                break
+            if len(pkt) < 20 or pkt[0] >> 4 != 4 or pkt[16:19] != self.prefix:
+                self.stats["misrouted"] += 1      # not IPv4 to one of our dcs (e.g. IPv6 noise)
+                continue
+            b = pkt[19] - 1
+            link = self.links.get((a, b))
+            if link is None:
+                self.stats["misrouted"] += 1
+                continue
+            self._queue(a, b, link, pkt)
+
+    def _queue(self, a: int, b: int, link: Link, pkt: bytes) -> None:
+        """A packet from dc a to dc b: the faults first, then the link's queue bound, rate and
+        delay."""
+        now = time.monotonic()
+        ready_at = now
+        if self.faults and self.faults.faults:
+            wall = time.time()
+            verdict, until = self.faults.verdict(a, b, wall)
+            if verdict == "drop":
+                self.stats["fault_drops"] += 1
+                return
+            if verdict == "hold":
+                self.stats["fault_holds"] += 1
+                ready_at = now + (until - wall)
+        start = max(ready_at, self.busy[(a, b)])
+        if (start - ready_at) * link.bytes_per_s + len(pkt) > link.queue_bytes:
+            self.stats["dropped"] += 1
+            return
+        self.busy[(a, b)] = done = start + len(pkt) / link.bytes_per_s
+        self.seq += 1
+        heapq.heappush(self.heap, (done + link.delay_ms / 1e3, self.seq, b, pkt))
+        self.stats["packets"] += 1
+        self.stats["bytes"] += len(pkt)
 
 
 def _write_stats(stats_path: Path, stats: dict, faults) -> None:

@@ -47,10 +47,16 @@ METHODS = {
                                               nonfinite="skip"),
     "onebit-adam": lambda m, o, c: lowcomm.build("onebit-adam:freeze_step=2", m,
                                                  torch.optim.Adam(m.parameters(), lr=0.01), c),
+    "zeroone-adam": lambda m, o, c: lowcomm.build("zeroone-adam:var_freeze_step=8,var_update_scaler=2", m,
+                                                  torch.optim.Adam(m.parameters(), lr=0.01), c),
+    "demo": lambda m, o, c: lowcomm.build("demo:topk=4,chunk=8", m, o, c),
+    "sparta": lambda m, o, c: lowcomm.build("sparta:fraction=0.1", m, o, c),
+    "sparta-diloco": lambda m, o, c: lowcomm.build("sparta-diloco:period=2,fraction=0.1", m, o, c),
     "policy": lambda m, o, c: lowcomm.policy({"dc": "diloco:period=2"}, m, o, c,
                                              topology="dc:2,rank:1"),
 }
-LOCKSTEP = {"syncdp", "syncdp-int8", "horovod", "onebit-adam"}   # gradients meet every step
+LOCKSTEP = {"syncdp", "syncdp-int8", "horovod", "onebit-adam", "zeroone-adam",   # gradients meet
+            "demo"}                                                               # every step
 
 
 def build(name: str, comm, lr: float = 0.1):

@@ -225,119 +225,146 @@ class ParameterServer:
         """Serve until every worker has finished or is lost. ``on_update(entries)`` is called
         after every update (after its replies are sent) with one ``(worker, push header,
         staleness or None)`` per gradient; ``on_idle()`` once per poll."""
-        now = time.monotonic()
-        last = [now] * self.W             # last message from, or reply to, each worker
-        held: set[int] = set()            # workers owed a reply
-        stash: dict[int, tuple] = {}      # τ = 0: this round's pushes
-        inflight: list = []               # (worker, buffer, request) of pushes being received
-        beats: list = []
-        beat = torch.zeros(1, dtype=torch.float64)
-        done_buf = torch.zeros(2, dtype=torch.float64)     # the worker's clock, its stop signal
-        period = min(0.5, self.settings.server_timeout_s / 4)
-        next_beat = now + period
-        updates: list = []                # per update: [(worker, push header, σ or None)]
+        loop = _Loop(self.W, period=min(0.5, self.settings.server_timeout_s / 4))
         while len(self.done) + len(self.lost) < self.W:
-            busy = False
-            while True:                   # match every arrived push
-                msg = self.comm.improbe(Comm.ANY_SOURCE, Comm.ANY_TAG)
-                if msg is None:
-                    break
-                busy = True
-                w = msg.source - self.S
-                if msg.tag != TAG_PUSH:
-                    raise LowcommError(f"server {self.index}: unexpected message tag {msg.tag} "
-                                       f"from rank {msg.source}")
-                buf = np.empty(msg.nbytes, dtype=np.uint8)
-                inflight.append((w, buf, msg.irecv_(torch.from_numpy(buf), op="push")))
-                last[w] = time.monotonic()
-            while True:                   # workers that finished (sent after their last reply)
-                msg = self.ctl.improbe(Comm.ANY_SOURCE, TAG_DONE)
-                if msg is None:
-                    break
-                busy = True
-                msg.recv_(done_buf, op="done")
-                w = msg.source - self.S
-                self.done.add(w)
-                if done_buf[1] > 0:       # the worker was sent SIGINT/SIGTERM: stop them all
-                    self.stop(int(done_buf[1]))
-                last[w] = time.monotonic()
-            still = []
-            for w, buf, req in inflight:
-                if not req.test():
-                    still.append((w, buf, req))
-                    continue
-                busy = True
-                last[w] = time.monotonic()
-                self.recv_from[w] += buf.nbytes
-                if w in self.lost:        # declared lost, yet alive: tell it to stop
-                    self._reply(w, DROPPED)
-                    continue
-                header, payload, ctx, lrs = unpack_push(buf)
-                if self.block is not None and self.block.nbytes:
-                    self._take_buffers(w, payload.pop())
-                if int(header[1]) != self.clock[w]:
-                    raise LowcommError(f"server {self.index}: worker {w} pushed clock {int(header[1])}, "
-                                       f"expected {self.clock[w]}")
-                g = self._decode(payload, ctx) if header[0] == PUSH else None
-                if self.tau == 0:
-                    stash[w] = (header, g, lrs)
-                    held.add(w)
-                    continue
-                sigma = None
-                self.taken += 1
-                if g is not None:
-                    sigma = self._apply_one(w, g, lrs)
-                    _bump(self.staleness, sigma)
-                    self.applied[w] += 1
-                else:
-                    self.skipped[w] += 1
-                self.clock[w] += 1
-                held.add(w)
-                updates.append([(w, header, sigma)])
-            inflight = still
-            if self.tau == 0 and stash and all(w in stash for w in self._active()):
-                grads = {w: g for w, (h, g, _) in stash.items() if g is not None}
-                self._apply_round(grads, stash[min(stash)][2])
-                self.taken += len(stash)
-                for w, (h, g, _) in stash.items():
-                    self.clock[w] += 1
-                    if g is None:
-                        self.skipped[w] += 1
-                    else:
-                        self.applied[w] += 1
-                updates.append([(w, h, 0 if g is not None else None)
-                                for w, (h, g, _) in sorted(stash.items())])
-                stash = {}
-                busy = True
-            for w in sorted(held):        # step 6: release the replies SSP allows
-                if w in self.lost or w in self.done:
-                    held.discard(w)
-                elif (self.tau != 0 or w not in stash) and (self._spent() or self._may_proceed(w)):
-                    self._reply(w, STOP if self._spent() else OK)
-                    held.discard(w)
-                    last[w] = time.monotonic()
-                    busy = True
-            for entries in updates:       # after the replies: a callback may checkpoint (collective)
+            busy = self._match_pushes(loop)
+            busy = self._take_done(loop) or busy
+            busy = self._receive(loop) or busy
+            busy = self._close_round(loop) or busy
+            busy = self._release(loop) or busy
+            for entries in loop.updates:  # after the replies: a callback may checkpoint (collective)
                 on_update(entries) if on_update else None
-            updates = []
-            now = time.monotonic()
-            for w in self._active():      # lost: silent while owed nothing (or a push never lands)
-                if w not in held and now - last[w] > self.settings.worker_timeout_s:
-                    self._lose(w, now - last[w], stash)
-                    busy = True
-            if now >= next_beat:          # the workers we keep waiting know we are alive
-                beats = [b for b in beats if not b.test()]
-                for w in held:
-                    beats.append(self.ctl.isend(beat, self.rank_of(w), TAG_BEAT, op="beat"))
-                next_beat = now + period
+            loop.updates = []
+            busy = self._watch(loop) or busy
             if on_idle:
                 on_idle()
             if not busy:
                 time.sleep(POLL_S)
-        self._dead_reqs.extend(inflight)  # pushes of lost workers that never completed
+        self._dead_reqs.extend(loop.inflight)  # pushes of lost workers that never completed
         for w in range(self.W):           # the last replies to finished workers have landed
             if self.reply_req[w] is not None and w not in self.lost:
                 self.reply_req[w].wait()
+
+    def _match_pushes(self, loop: "_Loop") -> bool:
+        """Match every arrived push and start receiving it; whether one arrived."""
+        busy = False
+        while True:
+            msg = self.comm.improbe(Comm.ANY_SOURCE, Comm.ANY_TAG)
+            if msg is None:
+                return busy
+            busy = True
+            w = msg.source - self.S
+            if msg.tag != TAG_PUSH:
+                raise LowcommError(f"server {self.index}: unexpected message tag {msg.tag} "
+                                   f"from rank {msg.source}")
+            buf = np.empty(msg.nbytes, dtype=np.uint8)
+            loop.inflight.append((w, buf, msg.irecv_(torch.from_numpy(buf), op="push")))
+            loop.last[w] = time.monotonic()
+
+    def _take_done(self, loop: "_Loop") -> bool:
+        """Workers that finished (sent after their last reply); whether one did."""
+        busy = False
+        while True:
+            msg = self.ctl.improbe(Comm.ANY_SOURCE, TAG_DONE)
+            if msg is None:
+                return busy
+            busy = True
+            msg.recv_(loop.done_buf, op="done")
+            w = msg.source - self.S
+            self.done.add(w)
+            if loop.done_buf[1] > 0:      # the worker was sent SIGINT/SIGTERM: stop them all
+                self.stop(int(loop.done_buf[1]))
+            loop.last[w] = time.monotonic()
+
+    def _receive(self, loop: "_Loop") -> bool:
+        """Take every push whose receive completed (τ = 0: into the round's stash; else apply
+        it); whether one did."""
+        busy, still = False, []
+        for w, buf, req in loop.inflight:
+            if not req.test():
+                still.append((w, buf, req))
+                continue
+            busy = True
+            loop.last[w] = time.monotonic()
+            self.recv_from[w] += buf.nbytes
+            if w in self.lost:            # declared lost, yet alive: tell it to stop
+                self._reply(w, DROPPED)
+                continue
+            self._take_push(loop, w, buf)
+        loop.inflight = still
+        return busy
+
+    def _take_push(self, loop: "_Loop", w: int, buf: np.ndarray) -> None:
+        header, payload, ctx, lrs = unpack_push(buf)
+        if self.block is not None and self.block.nbytes:
+            self._take_buffers(w, payload.pop())
+        if int(header[1]) != self.clock[w]:
+            raise LowcommError(f"server {self.index}: worker {w} pushed clock {int(header[1])}, "
+                               f"expected {self.clock[w]}")
+        g = self._decode(payload, ctx) if header[0] == PUSH else None
+        if self.tau == 0:
+            loop.stash[w] = (header, g, lrs)
+            loop.held.add(w)
+            return
+        sigma = None
+        self.taken += 1
+        if g is not None:
+            sigma = self._apply_one(w, g, lrs)
+            _bump(self.staleness, sigma)
+            self.applied[w] += 1
+        else:
+            self.skipped[w] += 1
+        self.clock[w] += 1
+        loop.held.add(w)
+        loop.updates.append([(w, header, sigma)])
+
+    def _close_round(self, loop: "_Loop") -> bool:
+        """τ = 0: once every active worker pushed, one update with the round's mean; whether
+        it did."""
+        if not (self.tau == 0 and loop.stash and all(w in loop.stash for w in self._active())):
+            return False
+        stash = loop.stash
+        grads = {w: g for w, (h, g, _) in stash.items() if g is not None}
+        self._apply_round(grads, stash[min(stash)][2])
+        self.taken += len(stash)
+        for w, (h, g, _) in stash.items():
+            self.clock[w] += 1
+            if g is None:
+                self.skipped[w] += 1
+            else:
+                self.applied[w] += 1
+        loop.updates.append([(w, h, 0 if g is not None else None) for w, (h, g, _) in sorted(stash.items())])
+        loop.stash = {}
+        return True
+
+    def _release(self, loop: "_Loop") -> bool:
+        """Step 6: release the replies SSP allows; whether one was sent."""
+        busy = False
+        for w in sorted(loop.held):
+            if w in self.lost or w in self.done:
+                loop.held.discard(w)
+            elif (self.tau != 0 or w not in loop.stash) and (self._spent() or self._may_proceed(w)):
+                self._reply(w, STOP if self._spent() else OK)
+                loop.held.discard(w)
+                loop.last[w] = time.monotonic()
+                busy = True
+        return busy
+
+    def _watch(self, loop: "_Loop") -> bool:
+        """Declare lost the workers silent while owed nothing (or whose push never lands), and
+        send the workers kept waiting a heartbeat now and then; whether one was lost."""
+        busy = False
+        now = time.monotonic()
+        for w in self._active():
+            if w not in loop.held and now - loop.last[w] > self.settings.worker_timeout_s:
+                self._lose(w, now - loop.last[w], loop.stash)
+                busy = True
+        if now >= loop.next_beat:          # the workers we keep waiting know we are alive
+            loop.beats = [b for b in loop.beats if not b.test()]
+            for w in loop.held:
+                loop.beats.append(self.ctl.isend(loop.beat, self.rank_of(w), TAG_BEAT, op="beat"))
+            loop.next_beat = now + loop.period
+        return busy
 
     def _lose(self, w: int, silent_s: float, stash: dict) -> None:
         self.lost[w] = {"worker": w, "rank": self.rank_of(w), "clock": self.clock[w],
@@ -421,3 +448,20 @@ class ParameterServer:
 
     def close(self) -> None:
         """Nothing to release (no hooks, no threads); for symmetry with the workers."""
+
+
+class _Loop:
+    """What :meth:`ParameterServer.serve` keeps from one poll to the next."""
+
+    def __init__(self, workers: int, period: float):
+        now = time.monotonic()
+        self.last = [now] * workers       # last message from, or reply to, each worker
+        self.held: set[int] = set()       # workers owed a reply
+        self.stash: dict[int, tuple] = {}     # τ = 0: this round's pushes
+        self.inflight: list = []          # (worker, buffer, request) of pushes being received
+        self.beats: list = []
+        self.beat = torch.zeros(1, dtype=torch.float64)
+        self.done_buf = torch.zeros(2, dtype=torch.float64)     # the worker's clock, its stop signal
+        self.period = period
+        self.next_beat = now + period
+        self.updates: list = []           # per update: [(worker, push header, σ or None)]

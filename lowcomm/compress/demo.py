@@ -1,0 +1,146 @@
+"""DeMo's compression: an orthonormal DCT over fixed-size chunks of a tensor, and the top-k
+coefficients of every chunk (Peng, Quesnelle & Kingma 2024, arXiv 2411.19870).
+
+:class:`ChunkedDCT` maps a parameter-shaped tensor to its DCT-II coefficients, one row per chunk
+(a matrix is cut into n1×n2 blocks, each transformed in 2-D; anything else into chunks of n1
+elements), and back with the inverse, the DCT-III. The chunk sides are the largest divisors of
+the tensor's sides not above the target (the reference implementation's rule), so every chunk is
+whole; a tensor of more than two dimensions is treated as the matrix ``(shape[0], rest)``.
+
+:class:`ChunkTopK` is the codec of those rows: the k largest magnitudes of every row, sent as
+values and their indices inside the row (int16 while a row has at most 32767 elements). Its
+:meth:`ChunkTopK.bounds` cuts a bucket between rows, so the two-phase exchange gives every owner
+whole chunks to re-select.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..comm.collectives import chunk_bounds
+from .base import Codec
+
+
+def dct_matrix(n: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
+    """The orthonormal DCT-II matrix D (n×n): ``(D x)_f = a_f Σ_i x_i cos(π (2i+1) f / 2n)``,
+    ``a_0 = √(1/n)``, ``a_f = √(2/n)``; its inverse, the DCT-III, is ``Dᵀ``. Built in float64."""
+    i = torch.arange(n, dtype=torch.float64)
+    d = torch.cos(math.pi * (2 * i[None, :] + 1) * i[:, None] / (2 * n)) * math.sqrt(2.0 / n)
+    d[0] /= math.sqrt(2.0)
+    return d.to(dtype=dtype, device=device)
+
+
+def chunk_side(size: int, target: int) -> int:
+    """The largest divisor of ``size`` that is at most ``target`` (``size`` itself when it is
+    at most ``target``)."""
+    if size <= target:
+        return size
+    return max(d for d in range(1, target + 1) if size % d == 0)
+
+
+class ChunkedDCT:
+    """The chunked DCT-II of tensors of one shape, and its inverse.
+
+    Args:
+        shape: the tensor's shape.
+        target: the chunk side s (DeMo's ``compression_chunk``, 64 in the paper).
+    Attributes:
+        sides: ``(n1, n2)`` for a matrix, ``(n1,)`` otherwise; ``row`` = n1·n2 (or n1), the
+        elements of one chunk; ``rows``, the number of chunks.
+    """
+
+    def __init__(self, shape: torch.Size, target: int):
+        self.shape = torch.Size(shape)
+        numel = self.shape.numel()
+        if len(self.shape) >= 2:
+            self.matrix = (self.shape[0], numel // self.shape[0])
+            self.sides = (chunk_side(self.matrix[0], target), chunk_side(self.matrix[1], target))
+        else:
+            self.matrix = None
+            self.sides = (chunk_side(max(numel, 1), target),)
+        self.row = math.prod(self.sides)
+        self.rows = numel // self.row
+        self._bases: dict = {}
+
+    def _basis(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        key = (n, like.dtype, like.device)
+        if key not in self._bases:
+            self._bases[key] = dct_matrix(n, like.dtype, like.device)
+        return self._bases[key]
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The coefficients of ``x`` (of ``shape``), as ``(rows, row)``."""
+        if self.matrix is None:
+            d = self._basis(self.sides[0], x)
+            return x.reshape(self.rows, self.row) @ d.T
+        (r, c), (n1, n2) = self.matrix, self.sides
+        blocks = x.reshape(r // n1, n1, c // n2, n2)
+        d1, d2 = self._basis(n1, x), self._basis(n2, x)
+        return torch.einsum("yhxw,ah,bw->yxab", blocks, d1, d2).reshape(self.rows, self.row)
+
+    def decode(self, coeffs: torch.Tensor) -> torch.Tensor:
+        """The tensor (of ``shape``) whose coefficients are ``coeffs`` (``rows × row``)."""
+        if self.matrix is None:
+            d = self._basis(self.sides[0], coeffs)
+            return (coeffs.reshape(self.rows, self.row) @ d).reshape(self.shape)
+        (r, c), (n1, n2) = self.matrix, self.sides
+        blocks = coeffs.reshape(r // n1, c // n2, n1, n2)
+        d1, d2 = self._basis(n1, coeffs), self._basis(n2, coeffs)
+        return torch.einsum("yxab,ah,bw->yhxw", blocks, d1, d2).reshape(self.shape)
+
+
+class ChunkTopK(Codec):
+    """Top-k per row of a flat bucket of ``row``-element rows (DeMo's ``ExtractFastComponents``
+    after the transform).
+
+    Update, per bucket x of n = rows·row elements:
+      1. per row, the indices I of the ``k = min(topk, row)`` largest ``|x_i|`` (``torch.topk``);
+      2. send ``x_I`` (x's dtype) and I (int16 while row ≤ 32767, else int32);
+      3. the mean of K ranks' payloads is ``(1/K) Σ_k scatter_add(I_k, x_{I_k})``, row by row.
+    Bytes of a payload: ``rows · k · (value bytes + index bytes)``.
+
+    Args:
+        row: elements of one chunk.
+        topk: coefficients kept per chunk.
+    """
+
+    name, summable = "demo", False
+
+    def __init__(self, row: int, topk: int):
+        if row < 1 or topk < 1:
+            raise ValueError(f"row and topk must be >= 1, got {row}, {topk}")
+        self.row, self.k = int(row), min(int(topk), int(row))
+        self.index_dtype = torch.int16 if row <= torch.iinfo(torch.int16).max else torch.int32
+
+    def bounds(self, n: int, K: int) -> list[int]:
+        """Owner chunks of whole rows (the two-phase exchange's cut)."""
+        return [self.row * b for b in chunk_bounds(n // self.row, K)]
+
+    def payload_layout(self, n, dtype, nseg=1):
+        m = n // self.row * self.k
+        return [(dtype, (m,)), (self.index_dtype, (m,))]
+
+    def encode(self, x, key, segments, rank=None):
+        rows = x.reshape(-1, self.row)
+        idx = rows.abs().topk(self.k, dim=1, sorted=False).indices
+        return [rows.gather(1, idx).reshape(-1), idx.to(self.index_dtype).reshape(-1)], x.numel()
+
+    def decompress(self, payload, ctx):
+        values, idx = payload
+        out = torch.zeros(ctx // self.row, self.row, dtype=values.dtype, device=values.device)
+        return out.scatter_(1, idx.long().view(-1, self.k), values.view(-1, self.k)).view(-1)
+
+    def decompress_mean(self, gathered, ctx, K):
+        values, idx = gathered                  # (K, rows·k) each
+        rows = ctx // self.row
+        v = values.reshape(K, rows, self.k).permute(1, 0, 2).reshape(rows, K * self.k)
+        i = idx.reshape(K, rows, self.k).permute(1, 0, 2).reshape(rows, K * self.k).long()
+        out = torch.zeros(rows, self.row, dtype=values.dtype, device=values.device)
+        return out.scatter_add_(1, i, v).div_(K).view(-1)
+
+    def subtract_decoded_(self, p, payload, ctx):
+        values, idx = payload                   # only the k sent entries of each row change
+        p.view(-1, self.row).scatter_add_(1, idx.long().view(-1, self.k),
+                                          values.view(-1, self.k).neg().to(p.dtype))
+        return p

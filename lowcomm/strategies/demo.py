@@ -1,0 +1,229 @@
+"""DeMo: decoupled momentum; only the fast components of the local momenta are exchanged."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..comm.collectives import broadcast_
+from ..comm.comm import Comm
+from ..compress.base import Segment
+from ..compress.compressor import Compressor
+from ..compress.demo import ChunkedDCT, ChunkTopK
+from ..compress.error_feedback import ErrorFeedback
+from ..compress.twophase import COLLECTIVES
+from ..errors import CommError, ConfigError
+from ..settings import Settings
+from .base import Context, Method, Strategy
+from .buffers import Buffers
+
+
+@dataclass
+class DeMoSettings(Settings):
+    """``[strategy]`` keys of ``demo`` (the spec ``demo:topk=32,chunk=64``)."""
+    topk: int = 32                 # k: DCT coefficients sent per chunk
+    chunk: int = 64                # s: the chunk side (a matrix: s×s blocks)
+    decay: float = 0.999           # β: the local momentum's decay
+    sign: bool = True              # step with sign(u) (the paper's); false: with u itself
+    exchange: str = "two-phase"    # "two-phase" (bytes flat in K) | "allgather" (the paper's) | "auto"
+
+    def validate(self, prefix: str = "") -> None:
+        self.at_least(prefix, "topk", 1)
+        self.at_least(prefix, "chunk", 1)
+        self.within(prefix, "decay", 0, 1, high_open=True)
+        self.one_of(prefix, "exchange", COLLECTIVES)
+
+
+def build(s: DeMoSettings, model, optimizer, comm: Comm, ctx: Context) -> "DeMo":
+    return DeMo(model, optimizer, comm, settings=s)
+
+
+def check_run(s: DeMoSettings, cfg, prefix: str) -> None:
+    if cfg.compressor.name != "none":
+        raise ConfigError("compressor.name", "demo compresses its momentum itself; leave "
+                          f"compressor.name = \"none\", got {cfg.compressor.name!r}")
+
+
+METHOD = Method("demo", DeMoSettings, build, "DeMo: local momentum, its top-k DCT coefficients "
+                "per chunk exchanged and removed from it, a sign step", check=check_run)
+
+
+@dataclass
+class _Bucket:
+    """The parameters whose chunks have ``row`` elements: their coefficients travel together."""
+    key: str
+    members: list[tuple[str, torch.nn.Parameter, int, ChunkedDCT, int, int]]   # group index
+    comp: Compressor
+
+    @property
+    def numel(self) -> int:
+        return self.members[-1][5]
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [Segment(n, torch.Size([b - a]), a, b) for n, _, _, _, a, b in self.members]
+
+
+class DeMo(Strategy):
+    """DeMo, decoupled momentum optimization (Peng, Quesnelle & Kingma 2024, arXiv 2411.19870,
+    Algorithm 1; the reference implementation's ``DeMo`` optimizer).
+
+    Update, on each of K ranks, per step t, for every parameter x with local gradient g, the
+    group's learning rate η, decay β, chunk side s and k coefficients per chunk:
+      1. local momentum ``m ← β m + η g`` (never averaged: decoupled);
+      2. fast components: ``c = DCT(m)`` over chunks (a matrix: s×s blocks, 2-D DCT-II;
+         otherwise chunks of s; :class:`~lowcomm.compress.demo.ChunkedDCT`), and ``q`` = the k
+         largest magnitudes of c per chunk (:class:`~lowcomm.compress.demo.ChunkTopK`);
+      3. ``m ← m − IDCT(q)``: what is sent leaves the momentum;
+      4. the ranks' q are averaged, ``Q = (1/K) Σ_k q_k`` (``exchange = "allgather"``: every
+         rank's (value, index) pairs all-gathered, as the paper; ``"two-phase"``: each owner of
+         a range of chunks sums the K ranks' pairs and keeps the k largest of each chunk, with
+         a server error that carries what it drops to its next step, then an all-gather of the
+         owners' pairs: exact at ``k = s²``, bytes flat in K);
+      5. ``u = IDCT(Q)``; the wrapped optimizer steps with gradient ``sign(u)`` (``sign``, the
+         paper's update) or ``u``.
+    With ``torch.optim.SGD`` (no momentum) step 5 is the paper's ``x ← x − η sign(u)``, and
+    SGD's ``weight_decay`` λ then equals its decoupled decay ``x ← x(1 − ηλ)``; a Nesterov SGD
+    adds Nesterov momentum on top of the synchronised sign. Steps 1–3 are error feedback whose
+    memory decays by β (the momentum is the residual), kept in DCT space (the DCT is
+    orthonormal, so ``DCT(βm + ηg) = β DCT(m) + η DCT(g)``): :class:`~lowcomm.compress.
+    error_feedback.ErrorFeedback` around the chunked top-k, its residual scaled by β before each
+    step. Every rank applies the same u, so the model stays replicated; buffers are rank 0's
+    after every step (DDP's rule). The reference averages a coefficient over the ranks that sent
+    it (``scatter_reduce(mean)``); here over all K, the mean of the ranks' q.
+    Bytes per rank and step, P = Σ_chunks k·(value bytes + index bytes) (int16 indices while
+    s² ≤ 32767): ``(K−1)·P`` with the all-gather, ``≈ 2(K−1)/K·P`` two-phase.
+
+    Args:
+        model, optimizer: the user's model and the torch optimizer that applies step 5
+            (``torch.optim.SGD(lr=η)`` for the paper's update).
+        comm: communicator (default: world).
+        topk: k ≥ 1, coefficients kept per chunk (at most the chunk's size).
+        chunk: s ≥ 1, the chunk side.
+        decay: β in [0, 1).
+        sign: step with ``sign(u)`` (True) or ``u``.
+        exchange: "two-phase", "allgather" or "auto" (the faster by the α–β model).
+
+    Example::
+
+        opt = DeMo(model, torch.optim.SGD(model.parameters(), lr=1e-3), topk=32, chunk=64)
+        opt = lowcomm.build("demo:topk=32,chunk=64", model, torch.optim.SGD(model.parameters(), lr=1e-3))
+        opt.zero_grad(); loss.backward(); opt.step()
+    """
+
+    name = "demo"
+    lockstep = True
+    Settings = DeMoSettings
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None, *, settings: DeMoSettings | None = None, **options):
+        super().__init__(model, optimizer, comm)
+        s = settings if settings is not None else self.settings_from(options)
+        self.topk, self.chunk, self.decay, self.sign = s.topk, s.chunk, s.decay, s.sign
+        self.exchange = exchange = s.exchange
+        names = {p: n for n, p in model.named_parameters()}
+        by_row: dict[int, list] = {}
+        for gi, g in enumerate(optimizer.param_groups):
+            for i, p in enumerate(g["params"]):
+                if p.requires_grad:
+                    t = ChunkedDCT(p.shape, self.chunk)
+                    by_row.setdefault(t.row, []).append((names.get(p, f"param{i}"), p, gi, t))
+        self.buckets = []
+        for row, params in sorted(by_row.items()):
+            members, at = [], 0
+            for name, p, g, t in params:
+                members.append((name, p, g, t, at, at + p.numel()))
+                at += p.numel()
+            self.buckets.append(_Bucket(f"demo{row}", members, Compressor(
+                ErrorFeedback(ChunkTopK(row, self.topk)), exchange)))
+        broadcast_(self.comm, list(model.state_dict().values()), root=0)
+        self._comm = self.comm.dup()
+        bad = self._comm.disagreeing(repr([(b.key, b.numel) for b in self.buckets]), len(self.buckets))
+        if bad:
+            raise CommError("demo.layout", self.comm.rank, f"ranks {bad} hold differently "
+                            "shaped parameters than rank 0")
+        self._comm.validate = False                # fixed shapes from here on
+        self.buffers = Buffers(model)
+        self.t = 0
+
+    @torch.no_grad()
+    def _step(self, closure=None):
+        loss = closure() if closure is not None else None
+        lrs = [g["lr"] for g in self.optimizer.param_groups]    # (its group dicts, as loaded)
+        for b in self.buckets:
+            x = torch.cat([t.encode(p.grad if p.grad is not None else torch.zeros_like(p))
+                           .reshape(-1).mul(lrs[gi]) for _, p, gi, t, _, _ in b.members])
+            for e in b.comp.encoder.residuals.values():     # step 1: m ← βm (then + ηg)
+                e.mul_(self.decay)
+            avg = b.comp.reduce(x, b.key, self._comm, b.segments)      # steps 2–4
+            for _, p, _, t, lo, hi in b.members:                       # step 5
+                u = t.decode(avg[lo:hi])
+                u = u.sign() if self.sign else u
+                if p.grad is None:
+                    p.grad = u.to(p.dtype)
+                else:
+                    p.grad.copy_(u)
+        self.optimizer.step()
+        self.t += 1
+        self.buffers.broadcast(self.comm)
+        return loss
+
+    @property
+    def momentum(self) -> dict[str, torch.Tensor]:
+        """Each parameter's local momentum m (parameter-shaped; zero before the first step)."""
+        out = {}
+        for b in self.buckets:
+            residuals = b.comp.encoder.residuals
+            for name, p, _, t, lo, hi in b.members:
+                e = residuals.get(name)
+                out[name] = t.decode(e.view(t.rows, t.row)) if e is not None else torch.zeros_like(p)
+        return out
+
+    def payload_bytes(self) -> int:
+        """P: bytes of one rank's (value, index) pairs per step, Σ_chunks k·(value + index)."""
+        return sum(b.comp.codec.payload_nbytes(b.numel, b.members[0][1].dtype) for b in self.buckets)
+
+    # state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "t": self.t,
+                "compressors": {b.key: b.comp.state_dict() for b in self.buckets}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.t = int(state["t"])
+        for b in self.buckets:
+            b.comp.load_state_dict(state["compressors"][b.key])
+
+    def reshard(self, old: list[dict]) -> dict:
+        """Model and optimizer are replicas: rank 0's (checked equal). Each new rank's momentum
+        is the average of the old ranks' momenta (so the ranks' mean momentum, what the next
+        exchanges carry, is kept). The two-phase owners' server errors are cut by rank count:
+        the old owners' pieces, in rank order, make the whole bucket, which the new owners cut
+        again."""
+        from .reshard import average, replicated
+        merged = replicated(old, self.name)
+        K, r = self.comm.size, self.comm.rank
+        comps = {}
+        for b in self.buckets:
+            olds = [s["strategy"]["compressors"][b.key] for s in old]
+            residuals = {n: average([o["encoder"]["residuals"][n] for o in olds])
+                         for n in olds[0].get("encoder", {}).get("residuals", {})}
+            state = {"encoder": {"residuals": residuals, "codec": {}}} if residuals else {}
+            pieces = [o.get("exchange", {}).get("server_error", {}).get(b.key) for o in olds]
+            if any(x is not None for x in pieces):
+                whole = torch.cat([x if x is not None else torch.zeros(0) for x in pieces])
+                lo, hi = b.comp.codec.bounds(whole.numel(), K)[r:r + 2]
+                if hi > lo:
+                    state["exchange"] = {"server_error": {b.key: whole[lo:hi].clone()}}
+            comps[b.key] = state
+        merged["strategy"] = dict(merged["strategy"], compressors=comps)
+        return merged
+
+    def metrics(self, ctl: Comm, final: bool = False) -> dict:
+        if not final:
+            return {}
+        return {"topk": self.topk, "chunk": self.chunk, "decay": self.decay, "sign": self.sign,
+                "exchange": self.exchange, "payload_bytes_per_step": self.payload_bytes()}
+
+    def _finish(self) -> None:
+        self.buffers.broadcast(self.comm)

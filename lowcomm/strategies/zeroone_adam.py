@@ -1,0 +1,361 @@
+"""0/1 Adam: Adam whose variance is updated on ever fewer steps, with 1-bit exchanges between,
+then frozen, with local steps between ever rarer 1-bit synchronisations."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..comm.collectives import allreduce_
+from ..comm.comm import Comm
+from ..compress.compressor import Compressor
+from ..compress.error_feedback import ErrorFeedback
+from ..compress.sign import MomentumSign
+from ..compress.twophase import TwoPhase
+from ..settings import Settings
+from .base import Context, Method
+from .onebit_adam import OneBitAdam, OneBitAdamSettings, adam_only
+from .outer import partition
+
+
+@dataclass
+class ZeroOneAdamSettings(Settings):
+    """``[strategy]`` keys of ``zeroone-adam`` (DeepSpeed's names; the spec
+    ``zeroone-adam:var_freeze_step=100,local_step_scaler=20``)."""
+    var_freeze_step: int = 100       # the last step whose variance may be updated (max T_v)
+    var_update_scaler: int = 16      # κ: variance updates per interval before it doubles
+    local_step_scaler: int = 32678   # steps per local-step interval before it doubles
+    local_step_clipper: int = 16     # H: the longest local-step interval
+
+    def validate(self, prefix: str = "") -> None:
+        for key in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
+            self.at_least(prefix, key, 1)
+
+
+def build(s: ZeroOneAdamSettings, model, optimizer, comm: Comm, ctx: Context) -> "ZeroOneAdam":
+    return ZeroOneAdam(model, optimizer, comm, settings=s)
+
+
+METHOD = Method("zeroone-adam", ZeroOneAdamSettings, build,
+                "0/1 Adam: variance updated on ever fewer steps with 1-bit steps between, then "
+                "frozen, with local steps between 1-bit synchronisations",
+                check=adam_only("zeroone-adam"))
+
+
+class Schedule:
+    """Which step of 0/1 Adam step t is (Lu et al. 2022, Section 4; DeepSpeed's ``ZeroOneAdam``):
+
+    * t ≤ ``var_freeze_step``: ``"dense"`` when t ∈ T_v (the variance is updated: t is a
+      multiple of the current interval, which starts at 1 and doubles after every κ =
+      ``var_update_scaler`` variance updates), else ``"onebit"``;
+    * t > ``var_freeze_step``: ``"sync"`` when t is a multiple of the local-step interval
+      (starting at 1, doubling after every ``local_step_scaler`` such steps, at most H =
+      ``local_step_clipper``), else ``"local"``.
+    Its counters are all its state (``state_dict``)."""
+
+    def __init__(self, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
+                 local_step_clipper: int):
+        self.freeze, self.kappa = var_freeze_step, var_update_scaler
+        self.scaler, self.clipper = local_step_scaler, local_step_clipper
+        self.var_interval, self.var_counter = 1, 0
+        self.local_interval, self.local_counter = 1, 0
+
+    def kind(self, t: int) -> str:
+        if t <= self.freeze:
+            return "dense" if t % self.var_interval == 0 else "onebit"
+        return "sync" if t % self.local_interval == 0 else "local"
+
+    def advance(self, t: int) -> None:
+        """After step t (whatever its kind): the intervals' counters."""
+        if t <= self.freeze:
+            if t % self.var_interval == 0:
+                self.var_counter += 1
+                if self.var_counter == self.kappa:
+                    self.var_counter, self.var_interval = 0, 2 * self.var_interval
+        else:
+            self.local_counter += 1
+            if self.local_counter == self.scaler:
+                self.local_counter = 0
+                self.local_interval = min(self.clipper, 2 * self.local_interval)
+
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("var_interval", "var_counter", "local_interval",
+                                              "local_counter")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, int(v))
+
+
+def schedule(steps: int, var_freeze_step: int, var_update_scaler: int = 16,
+             local_step_scaler: int = 32678, local_step_clipper: int = 16) -> list[str]:
+    """The kinds of steps 1..``steps`` (:class:`Schedule`)."""
+    s = Schedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
+    out = []
+    for t in range(1, steps + 1):
+        out.append(s.kind(t))
+        s.advance(t)
+    return out
+
+
+class ZeroOneAdam(OneBitAdam):
+    """0/1 Adam (Lu, Li, Zhang, De Sa & He 2022, arXiv 2202.06009, Algorithm 1; DeepSpeed's
+    ``ZeroOneAdam``): 1-bit Adam without a dense warm-up stage, on a plain ``torch.optim.Adam``
+    or ``AdamW``.
+
+    Update at step t on each of K ranks, with Adam's moments m, v, n_v the number of variance
+    updates so far, ``δ = √(v / (1 − β2^{n_v})) + ε`` and the kinds of :class:`Schedule`:
+      1. ``dense`` (t ∈ T_v, t ≤ ``var_freeze_step``): ``g = (1/K) Σ_k g_k`` (dense all-reduce);
+         ``m ← β1 m + (1−β1) g``, ``v ← β2 v + (1−β2) g²``, n_v += 1; Adam's step
+         ``x ← x − lr/(1−β1^t) · m/δ``. While every step so far was dense (t ≤ κ) this is
+         torch Adam on the averaged gradient, bit for bit;
+      2. ``onebit`` (t ∉ T_v, t ≤ ``var_freeze_step``): the preconditioned gradients ``g_k/δ``
+         are averaged by the error-compensated 1-bit all-reduce (:class:`~lowcomm.compress.
+         twophase.TwoPhase` around :class:`~lowcomm.compress.sign.MomentumSign`, worker and
+         server errors, as 1-bit Adam's), ``g = avg · δ``; m updated with g, v kept; Adam's step;
+      3. from ``var_freeze_step`` on, v and δ are frozen (the errors start afresh: they now
+         carry another quantity); ``local``: ``m ← β1 m + (1−β1) g_k`` from the local gradient,
+         ``x ← x − lr/(1−β1^t) · m/δ``, no communication;
+      4. ``sync`` (t a multiple of the local-step interval): the local progress since the last
+         synchronisation point x̄, ``u_k = x̄·D − x_k`` (D: the decoupled weight decay's factor
+         over the interval, 1 for Adam), is averaged by the 1-bit all-reduce: ū; then
+         ``x ← x̄·D − ū`` (the same on every rank) and ``m ← ū·δ·(1−β1^t) / Σ lr`` (the
+         momentum that, applied with the interval's learning rates, gives ū: the paper's
+         ``m = ū / Σγ``); x̄ ← x.
+    Where v = 0 (a coordinate that had no gradient on any dense step) nothing is sent or moved:
+    1 bit cannot say zero (DeepSpeed's momentum mask). DeepSpeed compresses g and ``u·δ`` and
+    divides by δ afterwards; here g/δ and u are compressed (step units), so that a coordinate
+    whose gradient was numerically zero (δ ≈ ε) is not moved by the compression error of the
+    others (see :class:`~lowcomm.strategies.onebit_adam.OneBitAdam`); as δ > 0 the signs on the
+    wire are the paper's. Bias corrections are torch Adam's, with n_v for v (DeepSpeed drops
+    them; the difference vanishes with t). DeepSpeed also discards the first step's gradient
+    (an initialisation step); here step 1 is a dense Adam step. The ranks' parameters are equal
+    after every dense, 1-bit and sync step; a run that ends after local steps averages them
+    (one dense all-reduce). Buffers are rank 0's after every step (DDP's rule).
+    Bytes per rank: dense steps an all-reduce of 4d, 1-bit and sync steps ``2(K−1)·(D/(8K) + 4)``
+    (D = d rounded up to a multiple of 8K), local steps nothing.
+
+    Args:
+        model, optimizer: the user's model and a ``torch.optim.Adam`` or ``AdamW`` over its
+            parameters (no amsgrad, no maximize).
+        comm: communicator (default: world).
+        var_freeze_step: the last step whose variance may be updated (DeepSpeed's default
+            100000, "usually the end of the learning rate warm-up").
+        var_update_scaler: κ, variance updates per interval before the interval doubles.
+        local_step_scaler: steps per local-step interval before it doubles (DeepSpeed: 32678).
+        local_step_clipper: H, the longest local-step interval.
+
+    Example::
+
+        opt = ZeroOneAdam(model, torch.optim.Adam(model.parameters(), lr=1e-3), var_freeze_step=100)
+        opt.zero_grad(); loss.backward(); opt.step()
+    """
+
+    name = "zeroone-adam"
+    Settings = ZeroOneAdamSettings
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None, *, settings: ZeroOneAdamSettings | None = None,
+                 **options):
+        s = settings if settings is not None else self.settings_from(options)
+        super().__init__(model, optimizer, comm,
+                         settings=OneBitAdamSettings(freeze_step=s.var_freeze_step))
+        self.settings = s
+        self.schedule = Schedule(s.var_freeze_step, s.var_update_scaler, s.local_step_scaler,
+                                 s.local_step_clipper)
+        self.grad_exchange = Compressor(ErrorFeedback(MomentumSign()), TwoPhase())
+        self.n_v = 0
+        self.counts = {"dense": 0, "onebit": 0, "local": 0, "sync": 0}
+        self._anchor: list[torch.Tensor] | None = None   # x̄, from the freeze on
+        self._decay = [1.0] * len(optimizer.param_groups)   # D per group
+        self._lrs = [0.0] * len(optimizer.param_groups)     # Σ lr per group since x̄
+        self._group_of = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"]
+                          if p.requires_grad]     # in the order of self._params
+        self._frozen: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def lockstep(self) -> bool:
+        """The ranks' gradients meet every step until the variance is frozen."""
+        return self.t + 1 <= self.freeze_step
+
+    # Adam's arithmetic ------------------------------------------------------------------------
+    def _state(self, p: torch.Tensor) -> dict:
+        st = self.optimizer.state[p]
+        if "step" not in st:                     # as torch Adam initialises it
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return st
+
+    def _denom(self, st: dict, g: dict) -> torch.Tensor:
+        """δ = √(v / (1 − β2^{n_v})) + ε, as torch Adam computes its denominator."""
+        return (st["exp_avg_sq"].sqrt() / (1 - g["betas"][1] ** self.n_v) ** 0.5).add_(g["eps"])
+
+    def _adam_(self, p, g: dict, grad: torch.Tensor, variance: bool, t: int,
+               denom: torch.Tensor | None = None) -> None:
+        """Steps 1–3's update of one parameter, in torch Adam's order of operations (``denom``:
+        the frozen δ)."""
+        st = self._state(p)
+        st["step"] += 1
+        lr, wd = g["lr"], g["weight_decay"]
+        if wd:
+            if self.decoupled:
+                p.mul_(1 - lr * wd)
+            else:
+                grad = grad.add(p, alpha=wd)
+        st["exp_avg"].lerp_(grad, 1 - g["betas"][0])
+        if variance:
+            st["exp_avg_sq"].mul_(g["betas"][1]).addcmul_(grad, grad, value=1 - g["betas"][1])
+        denom = self._denom(st, g) if denom is None else denom
+        p.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - g["betas"][0] ** t))
+
+    # the step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _step(self, closure=None):
+        loss = closure() if closure is not None else None
+        t = self.t + 1
+        kind = self.schedule.kind(t)
+        flat = self._grads()
+        if kind == "dense":
+            self._comm.allreduce_(flat, "avg")
+            self.n_v += 1
+        elif kind == "onebit":
+            flat = self._onebit_gradient(flat)
+        elif self._frozen is None:
+            self._freeze()
+        for i, (s, (_, p, g)) in enumerate(zip(self._segments, self._params)):
+            self._adam_(p, g, flat[s.start:s.stop].view_as(p), kind == "dense", t,
+                        self._frozen[i][0] if self._frozen else None)
+        if kind in ("local", "sync"):
+            self._local(t)
+        self._advance(t, kind)
+        return loss
+
+    def _advance(self, t: int, kind: str) -> None:
+        if kind == "sync":
+            self._sync(t)
+        self.counts[kind] += 1
+        self.schedule.advance(t)
+        self.t = t
+        self.buffers.broadcast(self.comm)        # DDP's rule: rank 0's buffers
+
+    def _onebit_gradient(self, flat: torch.Tensor) -> torch.Tensor:
+        """Step 2: the 1-bit average of g/δ, times δ (0 where v = 0)."""
+        x = torch.zeros(self.D, dtype=self.dtype, device=flat.device)
+        masks = []
+        for s, (_, p, g) in zip(self._segments, self._params):
+            st = self._state(p)
+            denom, moved = self._denom(st, g), st["exp_avg_sq"] > 0
+            x[s.start:s.stop].view_as(p).copy_(flat[s.start:s.stop].view_as(p) / denom * moved)
+            masks.append((denom, moved))
+        avg = self.grad_exchange.reduce(x, "gradient", self._comm, self._segments)
+        out = torch.empty_like(flat)
+        for s, (_, p, _), (denom, moved) in zip(self._segments, self._params, masks):
+            out[s.start:s.stop].view_as(p).copy_(avg[s.start:s.stop].view_as(p) * denom * moved)
+        return out
+
+    def _freeze(self) -> None:
+        """The first step after ``var_freeze_step`` (or after a resume past it): δ and the mask
+        are fixed, x̄ = x."""
+        self._frozen = [(self._denom(self._state(p), g), self._state(p)["exp_avg_sq"] > 0)
+                        for _, p, g in self._params]
+        if self._anchor is None:
+            self._anchor = [p.detach().clone() for _, p, _ in self._params]
+
+    def _local(self, t: int) -> None:
+        """After a local or sync step's update: the interval's decay factor and learning rates."""
+        for i, g in enumerate(self.optimizer.param_groups):
+            if g["weight_decay"] and self.decoupled:
+                self._decay[i] *= 1 - g["lr"] * g["weight_decay"]
+            self._lrs[i] += g["lr"]
+
+    def _sync(self, t: int) -> None:
+        """Step 4."""
+        u = torch.zeros(self.D, dtype=self.dtype, device=self._anchor[0].device)
+        for s, (_, p, _), x, (_, moved), i in zip(self._segments, self._params, self._anchor,
+                                                  self._frozen, self._group_of):
+            u[s.start:s.stop].view_as(p).copy_((x * self._decay[i] - p) * moved)
+        avg = self.compressed_allreduce(u)
+        for s, (_, p, g), x, (denom, moved), i in zip(self._segments, self._params, self._anchor,
+                                                     self._frozen, self._group_of):
+            ub = avg[s.start:s.stop].view_as(p) * moved
+            p.copy_(x * self._decay[i] - ub)
+            x.copy_(p)
+            if self._lrs[i] > 0:
+                self.optimizer.state[p]["exp_avg"].copy_(
+                    ub * denom * ((1 - g["betas"][0] ** t) / self._lrs[i]))
+        self._decay = [1.0] * len(self._decay)
+        self._lrs = [0.0] * len(self._lrs)
+
+    def _skip_step(self) -> None:
+        """AMP: before the freeze every rank skips together (:meth:`skip`); after it this rank
+        alone keeps its parameters and momentum, and synchronises with the others when due."""
+        if self.lockstep:
+            self.skip()
+            return
+        self.zero_grad()
+        t = self.t + 1
+        if self._frozen is None:
+            self._freeze()
+        for _, p, g in self._params:           # the decay every rank applies, so x̄·D agrees
+            if g["weight_decay"] and self.decoupled:
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+        self._local(t)
+        self._advance(t, self.schedule.kind(t))
+
+    # state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "t": self.t, "n_v": self.n_v,
+                "schedule": self.schedule.state_dict(), "counts": dict(self.counts),
+                "anchor": [x.clone() for x in self._anchor] if self._anchor is not None else None,
+                "decay": list(self._decay), "lrs": list(self._lrs),
+                "grad_exchange": self.grad_exchange.state_dict(),
+                "exchange": self.exchange.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._regroup()
+        self.t, self.n_v = int(state["t"]), int(state["n_v"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.counts = dict(state["counts"])
+        self._anchor = [x.clone() for x in state["anchor"]] if state["anchor"] is not None else None
+        self._decay, self._lrs = list(state["decay"]), list(state["lrs"])
+        self.grad_exchange.load_state_dict(state["grad_exchange"])
+        self.exchange.load_state_dict(state["exchange"])
+        self._frozen = None                      # recomputed from v and n_v at the next step
+
+    def reshard(self, old: list[dict]) -> dict:
+        """Before the freeze every rank holds the same model and moments: rank 0's (checked
+        equal). After it, local steps make the ranks differ: the models, the momenta and x̄
+        (equal on every rank) are averaged, so ``x̄·D − mean(x_k)``, the mean progress the next
+        synchronisation carries, is kept. The 1-bit exchanges' error buffers (per rank, sized
+        by the rank count) are reset, with a warning when they held anything."""
+        from .reshard import average, average_dicts, average_optimizer, log, replicated
+        first = old[0]["strategy"]
+        if any(s["strategy"][k] for s in old for k in ("grad_exchange", "exchange")):
+            log.warning("zeroone-adam: the 1-bit exchanges' error buffers of the %d old ranks are "
+                        "reset to zero", len(old))
+        if first["anchor"] is None:
+            merged = replicated(old, self.name)
+            return dict(merged, strategy=dict(merged["strategy"], grad_exchange={}, exchange={}))
+        state = dict(first, optimizer=average_optimizer([s["strategy"]["optimizer"] for s in old]),
+                     grad_exchange={}, exchange={},
+                     anchor=[average([s["strategy"]["anchor"][i] for s in old])
+                             for i in range(len(first["anchor"]))])
+        return {"model": average_dicts([s["model"] for s in old]), "strategy": state}
+
+    def metrics(self, ctl: Comm, final: bool = False) -> dict:
+        if not final:
+            return {}
+        return {"var_freeze_step": self.freeze_step, "variance_updates": self.n_v,
+                **{f"{k}_steps": v for k, v in self.counts.items()}}
+
+    def _finish(self) -> None:
+        """After local steps the ranks differ: their parameters are averaged (one dense
+        all-reduce per dtype); buffers are rank 0's."""
+        if any(self._lrs):                      # local steps since the last synchronisation
+            named = [(n, p) for n, p, _ in self._params]
+            for f in partition(named, 1, 1):
+                f.unpack_(allreduce_(f.pack(), self.comm, "mpi", op="avg"))
+        self.buffers.broadcast(self.comm)
+

@@ -1,0 +1,206 @@
+"""``lowcomm project``: a measured run's seconds per step and bytes per rank, projected to K ranks.
+
+From each method's ``summary.json`` (a comparison's folder, or one run's) the projection takes
+what the run measured on K₀ ranks — its ledger (calls, bytes and op of every collective, rank
+0's) and its computation's CPU seconds per step — and models one step on K ranks over a link of
+latency α and bandwidth β (Hockney's α–β model, as :class:`~lowcomm.comm.ledger.Link`):
+
+    seconds per step = compute + Σ over ops (calls per step) · (rounds(op, K) · α + bytes(op, K) / β)
+
+Each op's message size S is read back from its bytes at K₀ and re-costed at K by the formula of
+its algorithm (Thakur, Rabenseifner & Gropp 2005; bytes are what one rank sends):
+
+=====================================  ============================  ==================
+op                                     bytes per call at K           rounds per call
+=====================================  ============================  ==================
+``allreduce.ring``                     2(K−1)/K · S                  2(K−1)
+``allreduce.mpi``, ``.rabenseifner``   2(K−1)/K · S                  2⌈log₂K⌉
+``allreduce.tree``, ``.shm``           as measured per call          2⌈log₂K⌉
+two-phase exchange (``alltoall.v``     (K−1)/K · S each              K−1 each
+and ``allgather.v`` in pairs)
+``allgather.v`` alone                  (K−1) · S (every rank's       K−1
+                                       block to every other)
+``allgather``, ``check`` (small)       (K−1) · S                     ⌈log₂K⌉ (Bruck)
+``reduce_scatter.*``                   (K−1)/K · S                   K−1
+``bcast``                              S                             ⌈log₂K⌉
+``send``, ``recv``, ``sendrecv``       as measured per call          1
+=====================================  ============================  ==================
+
+Assumptions, printed with every projection: every rank's traffic crosses the link (a flat world,
+as the comparison's modelled column: an upper bound where a topology would keep most traffic
+inside a datacenter; runs with per-level traffic are not projected); computation per step per
+rank is what was measured (weak scaling: the same batch per rank) — or ``params``/``P₀`` times
+it with ``--params P``, which also scales every message by ``P/P₀`` — or ``--step-compute-s``;
+no overlap of communication with computation; point-to-point methods (gossip, the parameter
+server) keep their measured messages per step (a fixed-degree graph, a fixed number of servers).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..comm.ledger import Link
+
+#: the rank counts projected unless told otherwise
+DEFAULT_RANKS = (8, 64, 512, 4096)
+
+ASSUMPTIONS = ("every rank's traffic crosses the link (a flat world: an upper bound where a "
+               "topology keeps traffic inside a datacenter); the computation per step per rank "
+               "is the measured one (the same batch per rank), scaled by params/P₀ with --params "
+               "or given by --step-compute-s; messages scale by params/P₀; no overlap of "
+               "communication and computation; point-to-point traffic (gossip, parameter "
+               "server) keeps its measured messages per step; the shape checks of comm.validate "
+               "(small all-gathers, the 'check' rows) are included: comm.validate = false drops them")
+
+
+def _log2(k: int) -> int:
+    return max(1, (k - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Op:
+    """One ledger row, per training step: ``calls`` and the message size ``size`` (bytes) that
+    its algorithm's formula turns into bytes and rounds at any K."""
+    op: str
+    calls: float
+    size: float
+    kind: str
+
+    def bytes_at(self, k: int) -> float:
+        """Bytes one rank sends per call on ``k`` ranks."""
+        if k <= 1 and self.kind not in ("fixed", "p2p"):
+            return 0.0
+        return {"allreduce": 2 * (k - 1) / k * self.size, "pair": (k - 1) / k * self.size,
+                "gather": (k - 1) * self.size, "gather-small": (k - 1) * self.size,
+                "bcast": self.size}.get(self.kind, self.size)
+
+    def rounds_at(self, k: int) -> int:
+        """Message rounds per call on ``k`` ranks."""
+        if k <= 1:
+            return 0
+        if self.kind == "p2p":
+            return 1
+        if self.op == "allreduce.ring":
+            return 2 * (k - 1)
+        if self.kind in ("allreduce", "fixed"):
+            return 2 * _log2(k)
+        return _log2(k) if self.kind in ("bcast", "gather-small") else k - 1
+
+
+def ops_of(summary: dict, scale: float = 1.0) -> list[Op]:
+    """The per-step ops of a run's ``summary`` (its rank-0 ledger), message sizes times
+    ``scale``; a ValueError where the run is one this projection does not model."""
+    k0, steps = summary["ranks"], summary.get("steps_done", summary["steps"])
+    rows = summary["ledger_rank0"]
+    levels = {r["level"] for r in rows}
+    if levels - {"world"}:
+        raise ValueError(f"its traffic is on the levels {', '.join(sorted(levels))} of a "
+                         "topology; the projection models one flat world of ranks")
+    if k0 < 2:
+        raise ValueError("it ran on one rank: there is no traffic to read message sizes from")
+    paired = {r["op"] for r in rows} >= {"alltoall.v", "allgather.v"}
+    out = []
+    for r in rows:
+        op, b = r["op"], r["bytes_sent"] / max(r["calls"], 1)
+        family = op.split(".")[0]
+        if op in ("allreduce.tree", "allreduce.shm"):
+            kind, size = "fixed", b
+        elif family == "allreduce":
+            kind, size = "allreduce", b * k0 / (2 * (k0 - 1))
+        elif op == "alltoall.v" or (op == "allgather.v" and paired) or family == "reduce_scatter":
+            kind, size = "pair", b * k0 / (k0 - 1)
+        elif op in ("allgather", "check"):
+            kind, size = "gather-small", b / (k0 - 1)
+        elif family in ("allgather", "alltoall"):
+            kind, size = "gather", b / (k0 - 1)
+        elif family == "bcast":
+            kind, size = "bcast", b
+        elif family in ("send", "recv", "sendrecv"):
+            kind, size = "p2p", b
+        else:
+            raise ValueError(f"no projection for its op {op!r}")
+        out.append(Op(op, r["calls"] / steps, size * scale, kind))
+    return out
+
+
+def project(summary: dict, ranks, links, params: float | None = None,
+            step_compute_s: float | None = None) -> dict:
+    """One method's projection: ``{"method", "compute_s", "rows": [{"ranks", "link",
+    "seconds_per_step", "bytes_per_rank_per_step", "comm_share"}]}``."""
+    steps = summary.get("steps_done", summary["steps"])
+    scale = params / summary["params"] if params else 1.0
+    compute = step_compute_s if step_compute_s is not None else \
+        summary["compute_cpu_s"] / steps * scale
+    if not (compute >= 0 and math.isfinite(compute)):
+        raise ValueError(f"its compute_cpu_s is {summary.get('compute_cpu_s')!r}; rerun it")
+    ops = ops_of(summary, scale)
+    rows = []
+    for link in links:
+        for k in ranks:
+            comm = sum(o.calls * link.traffic_seconds(o.rounds_at(k), o.bytes_at(k)) for o in ops)
+            sent = sum(o.calls * o.bytes_at(k) for o in ops)
+            rows.append({"ranks": k, "link": str(link), "seconds_per_step": compute + comm,
+                         "bytes_per_rank_per_step": sent,
+                         "comm_share": comm / (compute + comm) if compute + comm else 0.0})
+    return {"method": summary["method"], "compute_s": compute, "rows": rows}
+
+
+def summaries(folder: str | Path) -> dict[str, dict]:
+    """Method name → summary: a comparison's folder (its results.json's finished methods) or
+    one run's folder (its summary.json)."""
+    folder = Path(folder)
+    if (folder / "summary.json").exists():
+        s = json.loads((folder / "summary.json").read_text())
+        return {s["method"]: s}
+    if not (folder / "results.json").exists():
+        raise FileNotFoundError(f"{folder} holds neither a run's summary.json nor a comparison's "
+                                "results.json")
+    out = {}
+    for r in json.loads((folder / "results.json").read_text()):
+        path = folder / r["method"] / "summary.json"
+        if r.get("status") == "ok" and path.exists():
+            out[r["method"]] = json.loads(path.read_text())
+    if not out:
+        raise FileNotFoundError(f"{folder}/results.json lists no finished method")
+    return out
+
+
+def projections(folder, ranks=DEFAULT_RANKS, links=(Link(25, 100),), params=None,
+                step_compute_s=None) -> tuple[list[dict], dict[str, str]]:
+    """Every method of ``folder`` projected; returns (projections, method → why it was not)."""
+    done, skipped = [], {}
+    for name, s in summaries(folder).items():
+        try:
+            done.append({**project(s, ranks, links, params, step_compute_s), "name": name,
+                         "measured_ranks": s["ranks"], "params": params or s["params"]})
+        except ValueError as e:
+            skipped[name] = str(e)
+    return done, skipped
+
+
+def _size(b: float) -> str:
+    for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= f:
+            return f"{b / f:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+def table(done: list[dict], skipped: dict[str, str], ranks, links) -> str:
+    """One Markdown table per link: methods × rank counts, seconds per step and bytes per rank
+    per step, then the methods not projected and the assumptions."""
+    parts = []
+    for link in links:
+        head = "| method | compute s/step | " + " | ".join(f"K={k}" for k in ranks) + " |"
+        rows = [head, "|---" * (len(ranks) + 2) + "|"]
+        for p in sorted(done, key=lambda p: next(r["seconds_per_step"] for r in p["rows"]
+                                                  if r["link"] == str(link) and r["ranks"] == ranks[-1])):
+            cells = [f"{r['seconds_per_step']:.3g} s, {_size(r['bytes_per_rank_per_step'])}"
+                     for r in p["rows"] if r["link"] == str(link)]
+            rows.append(f"| {p['name']} | {p['compute_s']:.3g} | " + " | ".join(cells) + " |")
+        parts.append(f"**{link}**: seconds per step, bytes sent per rank per step\n\n" + "\n".join(rows))
+    if skipped:
+        parts.append("not projected: " + "; ".join(f"{m} ({why})" for m, why in skipped.items()))
+    parts.append("assumptions: " + ASSUMPTIONS + ".")
+    return "\n\n".join(parts)

@@ -1,0 +1,337 @@
+"""DeMo, SPARTA, SPARTA under DiLoCo, 0/1 Adam and MuLoCo on 2 ranks (the world split in two
+halves, each running the case) and on 4, each against a reference computed here on every rank:
+
+* DeMo equals the paper's equations (scipy's orthonormal DCT, per-chunk top-k, momentum
+  subtraction, mean over the K ranks, sign step) with the all-gather, and with the two-phase
+  exchange at full k; its bytes per step are exactly k·(value + index) per chunk through the
+  exchange's formula, flat in K for the two-phase exchange;
+* SPARTA's averaged subset is the same on every rank and the mean of the ranks' values, the rest
+  untouched, its bytes an all-reduce of fraction × the parameters; under DiLoCo the period ends
+  with one model;
+* 0/1 Adam equals torch Adam on the averaged gradient while every step is dense; its variance
+  moves on T_v only and is frozen after ``var_freeze_step``; local steps send nothing and
+  synchronisations leave one model; a rank that skips a local step alone keeps the schedule;
+* MuLoCo's inner steps are MuonAdamW's (torch's Muon and AdamW) on each rank's own batches.
+"""
+import numpy as np
+import pytest
+import scipy.fft
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lowcomm
+from lowcomm.comm.ledger import Ledger, wire_bytes
+from lowcomm.run.evaluate import state_sha256
+from lowcomm.run.optimizers import MuonAdamW
+from lowcomm.strategies.sparta import SparseAverage
+from lowcomm.strategies.zeroone_adam import schedule
+
+
+@pytest.fixture(params=[2, 4], ids=["K2", "K4"])
+def group(request, comm):
+    """A communicator of K ranks with a ledger of its own: the world, or its half."""
+    c = comm if request.param == comm.size else comm.split(comm.rank * request.param // comm.size)
+    return c.dup(Ledger())
+
+
+def mlp(dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
+
+
+def batch(step: int, rank: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 12, generator=g).to(dtype), torch.randint(0, 4, (8,), generator=g)
+
+
+def grads(model, step, rank):
+    model.zero_grad()
+    x, y = batch(step, rank, next(model.parameters()).dtype)
+    F.cross_entropy(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def train(opt, model, comm, steps, each=None):
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        x, y = batch(step, comm.rank, next(model.parameters()).dtype)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if each:
+            each(step)
+
+
+def sent(comm) -> int:
+    return sum(r["bytes_sent"] for r in comm.ledger.rows())
+
+
+# DeMo ------------------------------------------------------------------------------------------
+def chunks(shape, s):
+    """The chunk sides of a tensor: the largest divisors of its sides within s."""
+    def side(n):
+        return n if n <= s else max(d for d in range(1, s + 1) if n % d == 0)
+    return (side(shape[0]), side(int(np.prod(shape[1:])))) if len(shape) >= 2 else (side(shape[0]),)
+
+
+def top(coeff: np.ndarray, k: int) -> np.ndarray:
+    """The k largest magnitudes of every chunk (``coeff[j]``) kept, the rest zero."""
+    out = np.zeros_like(coeff)
+    for j, c in enumerate(coeff):
+        flat = c.reshape(-1)
+        idx = np.argsort(-np.abs(flat))[:min(k, flat.size)]
+        out[j].reshape(-1)[idx] = flat[idx]
+    return out
+
+
+def paper_q(m: np.ndarray, s: int, k: int) -> np.ndarray:
+    """ExtractFastComponents: the orthonormal DCT-II of every chunk of m, the k largest
+    magnitudes of each kept, as an array of the chunks' coefficients (chunk-major)."""
+    sides = chunks(m.shape, s)
+    m2 = m.reshape(m.shape[0], -1) if m.ndim >= 2 else m
+    return top(np.stack([scipy.fft.dctn(m2[tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, sides))],
+                                        type=2, norm="ortho")
+                         for idx in np.ndindex(*[n // c for n, c in zip(m2.shape, sides)])]), k)
+
+
+def paper_inverse(q: np.ndarray, shape, s: int) -> np.ndarray:
+    sides = chunks(shape, s)
+    flat = (shape[0], int(np.prod(shape[1:]))) if len(shape) >= 2 else shape
+    out = np.zeros(flat)
+    for j, idx in enumerate(np.ndindex(*[n // c for n, c in zip(flat, sides)])):
+        out[tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, sides))] = \
+            scipy.fft.idctn(q[j], type=2, norm="ortho")
+    return out.reshape(shape)
+
+
+def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int, wd: float = 0.0,
+               nesterov: float = 0.0, reselect: bool = False):
+    """Algorithm 1 of Peng et al. 2024 on K simulated ranks, with the reference implementation's
+    decoupled weight decay ``x ← x(1 − lr·wd)`` and, where ``nesterov`` = μ > 0, torch SGD's
+    Nesterov momentum on the synchronised sign; ``reselect``: the mean Q of the ranks' q is
+    re-sparsified to its k largest per chunk with an error E that carries the rest
+    (``A = Q + E``, ``Q ← top_k(A)``, ``E ← A − Q``: gTop-k with server error feedback). After
+    every step: the parameters and every rank's momentum."""
+    model = mlp(torch.float64)
+    x = [p.detach().numpy().copy() for p in model.parameters()]
+    m = [[np.zeros_like(p) for p in x] for _ in range(K)]
+    buf, err = [None] * len(x), [0.0] * len(x)
+    after = []
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), x):
+                p.copy_(torch.from_numpy(v))
+        qs = []
+        for r in range(K):
+            g = [t.numpy() for t in grads(model, step, r)]
+            q = []
+            for i in range(len(x)):
+                m[r][i] = beta * m[r][i] + lr * g[i]
+                q.append(paper_q(m[r][i], s, k))
+                m[r][i] = m[r][i] - paper_inverse(q[-1], x[i].shape, s)
+            qs.append(q)
+        for i in range(len(x)):
+            mean = sum(q[i] for q in qs) / K
+            if reselect:
+                mean, err[i] = top(mean + err[i], k), mean + err[i] - top(mean + err[i], k)
+            d = np.sign(paper_inverse(mean, x[i].shape, s))
+            if nesterov:
+                buf[i] = d if buf[i] is None else nesterov * buf[i] + d
+                d = d + nesterov * buf[i]
+            x[i] = x[i] * (1 - lr * wd) - lr * d
+        after.append(([v.copy() for v in x], [[v.copy() for v in mr] for mr in m]))
+    return after
+
+
+@pytest.mark.parametrize("exchange,topk,wd,nesterov", [("allgather", 5, 0.1, 0.0),
+                                                       ("two-phase", 64, 0.0, 0.0),
+                                                       ("allgather", 5, 0.0, 0.9),
+                                                       ("two-phase", 5, 0.0, 0.0)])
+def test_demo_equals_the_papers_equations(group, exchange, topk, wd, nesterov):
+    """With the all-gather at k = 5 of chunks up to 48 elements, and two-phase at full k (its
+    owners' re-selection keeps everything): the paper's update and each rank's momentum, step by
+    step, to 1e-12; SGD's weight decay is the reference's decoupled one, a Nesterov SGD adds
+    Nesterov momentum on the sign. Two-phase at k = 5: the paper's with the mean re-sparsified
+    per chunk, the rest carried by the owners' server error."""
+    lr, beta, s, steps = 0.01, 0.9, 8, 4
+    reselect = exchange == "two-phase" and topk < 48
+    want = paper_demo(group.size, steps, lr, beta, s, topk, wd, nesterov, reselect)
+    model = mlp(torch.float64)
+    inner = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd, momentum=nesterov,
+                            nesterov=nesterov > 0)
+    opt = lowcomm.DeMo(model, inner, group, topk=topk, chunk=s, decay=beta, exchange=exchange)
+    names = [n for n, _ in model.named_parameters()]
+
+    def check(step):
+        params, momenta = want[step - 1]
+        for p, w in zip(model.parameters(), params):
+            assert np.allclose(p.detach().numpy(), w, rtol=0, atol=1e-12), f"step {step}"
+        for n, w in zip(names, momenta[group.rank]):
+            assert np.allclose(opt.momentum[n].numpy(), w, rtol=0, atol=1e-12), f"momentum, step {step}"
+    train(opt, model, group, steps, check)
+    opt.finish()
+    assert len(set(group.allgather_object(state_sha256(model)))) == 1
+
+
+@pytest.mark.parametrize("exchange", ["two-phase", "allgather"])
+def test_demo_bytes_are_k_value_and_index_per_chunk(group, exchange):
+    model = mlp()
+    opt = lowcomm.DeMo(model, torch.optim.SGD(model.parameters(), lr=0.01), group, topk=3, chunk=8,
+                       exchange=exchange)
+    # chunks: 16×12 → 8×6 blocks (4 of 48), 16 → 2 of 8, 4×16 → 4×8 blocks (2 of 32), 4 → 1 of 4
+    P = (4 + 2 + 2) * 3 * (4 + 2) + 1 * 3 * (4 + 2)
+    assert opt.payload_bytes() == P
+    K, r = group.size, group.rank
+    if exchange == "allgather":
+        want = (K - 1) * P
+    else:                        # owners' chunks are whole rows: P(rows of j) to each owner j ≠ r,
+        want = 0                 # then this owner's re-selected rows to the K − 1 others
+        for b in opt.buckets:
+            codec = b.comp.codec
+            cut = codec.bounds(b.numel, K)
+            mine = [codec.payload_nbytes(hi - lo, torch.float32) for lo, hi in zip(cut, cut[1:])]
+            want += sum(mine) - mine[r] + (K - 1) * mine[r]
+        assert want <= 2 * P                                    # flat in K
+    group.ledger.reset()
+    train(opt, model, group, 2)
+    assert sent(group) == 2 * want
+    opt.finish()
+
+
+# SPARTA ----------------------------------------------------------------------------------------
+def test_sparta_averages_one_subset_and_leaves_the_rest(group):
+    model = mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = lowcomm.Sparta(model, inner, group, fraction=0.05, seed=3)
+    twin = SparseAverage([torch.empty_like(p) for p in model.parameters()], 0.05, seed=3)
+    n = sum(p.numel() for p in model.parameters())
+    assert twin.k == round(0.05 * n) == opt.sparse.k
+    local = {}
+    inner.register_step_post_hook(lambda *_: local.__setitem__(
+        0, torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])))
+    for step in range(1, 4):
+        group.ledger.reset()
+        train(opt, model, group, 1)
+        idx = twin.indices()
+        now = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        mean = torch.stack(group.allgather_object(local[0])).sum(0) / group.size
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[idx] = False
+        assert torch.equal(now[rest], local[0][rest]), "an element outside the subset moved"
+        assert torch.allclose(now[idx], mean[idx], rtol=0, atol=1e-6)
+        assert len({tuple(t.tolist()) for t in group.allgather_object(now[idx])}) == 1
+        # bytes: an all-reduce of k of the n values, i.e. fraction × the dense all-reduce
+        assert sent(group) == wire_bytes("allreduce", 4 * twin.k, group.size)[0]
+    dense = wire_bytes("allreduce", 4 * n, group.size)[0]
+    assert abs(sent(group) / dense - 0.05) < 0.05 / twin.k + 4 / dense
+    opt.finish()
+    assert len(set(group.allgather_object(state_sha256(model)))) == 1
+
+
+def test_sparta_under_diloco_ends_each_period_with_one_model(group):
+    model = mlp()
+    opt = lowcomm.SpartaDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), group, period=3,
+                               fraction=0.05, outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0)
+    k = opt.sparse.k
+
+    def check(step):
+        same = len(set(group.allgather_object(state_sha256(model)))) == 1
+        assert same == (step % 3 == 0), f"step {step}"
+    group.ledger.reset()
+    train(opt, model, group, 2, check)
+    assert sent(group) == 2 * wire_bytes("allreduce", 4 * k, group.size)[0]
+    train(opt, model, group, 4, lambda s: check(s + 2))
+    opt.finish()
+
+
+# 0/1 Adam --------------------------------------------------------------------------------------
+def test_zeroone_adam_is_torch_adam_while_every_step_is_dense(group):
+    """κ = 5: steps 1–5 update the variance, so they are dense Adam steps on the averaged
+    gradient, here against torch Adam on the mean of the ranks' gradients (float rounding of the
+    sums apart: rtol 1e-6)."""
+    model, ref = mlp(), mlp()
+    opt = lowcomm.ZeroOneAdam(model, torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.01),
+                              group, var_freeze_step=100, var_update_scaler=5)
+    adam = torch.optim.Adam(ref.parameters(), lr=0.01, weight_decay=0.01)
+    for step in range(1, 6):
+        every = [grads(ref, step, r) for r in range(group.size)]
+        for p, *gs in zip(ref.parameters(), *every):
+            p.grad = torch.stack(gs).sum(0) / group.size
+        adam.step()
+        train_one(opt, model, group, step)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.allclose(p, q, rtol=1e-6, atol=1e-7), f"step {step}"
+    assert opt.counts["dense"] == 5
+    opt.finish()
+
+
+def train_one(opt, model, comm, step):
+    opt.zero_grad()
+    x, y = batch(step, comm.rank)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def test_zeroone_adam_freezes_the_variance_and_steps_locally_between_synchronisations(group):
+    kw = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+    kinds = schedule(15, **kw)
+    model = mlp()
+    opt = lowcomm.ZeroOneAdam(model, torch.optim.Adam(model.parameters(), lr=0.01), group, **kw)
+    d = sum(p.numel() for p in model.parameters())
+    K = group.size
+    D = -(-d // (8 * K)) * 8 * K
+    onebit = 2 * (K - 1) * (D // (8 * K) + 4)            # all-to-all + all-gather of 1-bit chunks
+    for step, kind in enumerate(kinds, 1):
+        v = [opt.optimizer.state[p]["exp_avg_sq"].clone() if p in opt.optimizer.state else None
+             for p in model.parameters()]
+        group.ledger.reset()
+        train_one(opt, model, group, step)
+        moved = any(w is None or not torch.equal(w, opt.optimizer.state[p]["exp_avg_sq"])
+                    for w, p in zip(v, model.parameters()))
+        assert moved == (kind == "dense"), f"step {step} ({kind}): the variance moved: {moved}"
+        want = {"dense": wire_bytes("allreduce", 4 * d, K)[0], "onebit": onebit, "sync": onebit,
+                "local": 0}[kind]
+        assert sent(group) == want, f"step {step} ({kind})"
+        same = len(set(group.allgather_object(state_sha256(model)))) == 1
+        assert same == (kind != "local"), f"step {step} ({kind})"
+    assert opt.counts == {k: kinds.count(k) for k in ("dense", "onebit", "local", "sync")}
+    assert kinds[-1] == "local"
+    opt.finish()                                 # ends after local steps: one dense average
+    assert len(set(group.allgather_object(state_sha256(model)))) == 1
+
+
+def test_zeroone_adam_rank_alone_skips_a_local_step_under_amp(group):
+    model = mlp()
+    opt = lowcomm.ZeroOneAdam(model, torch.optim.Adam(model.parameters(), lr=0.01), group,
+                              var_freeze_step=1, local_step_scaler=1, local_step_clipper=4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    for step in range(1, 9):                     # step 5 is local (interval 4 from step 4 on)
+        opt.zero_grad()
+        x, y = batch(step, group.rank)
+        loss = F.cross_entropy(model(x), y) * (float("inf") if step == 5 and group.rank == 1 else 1)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert opt.counts["sync"] == 3 and opt.t == 8            # steps 2, 4, 8
+    assert len(set(group.allgather_object(state_sha256(model)))) == 1     # step 8 synchronised
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    opt.finish()
+
+
+# MuLoCo ----------------------------------------------------------------------------------------
+def test_muloco_inner_steps_are_muon_adamw_steps(group):
+    model, alone = mlp(), mlp()
+    opt = lowcomm.DiLoCo(model, MuonAdamW(model.parameters(), lr=0.02, weight_decay=0.01), group,
+                         period=3)
+    ref = MuonAdamW(alone.parameters(), lr=0.02, weight_decay=0.01)
+    assert [g["algorithm"] for g in opt.param_groups] == ["muon", "adamw"]
+    for step in (1, 2):
+        train_one(opt, model, group, step)
+        train_one(ref, alone, group, step)
+        for p, q in zip(model.parameters(), alone.parameters()):
+            assert torch.equal(p, q), f"inner step {step}"
+    train_one(opt, model, group, 3)              # the outer step: one model, moved from the start
+    assert len(set(group.allgather_object(state_sha256(model)))) == 1
+    start = mlp().state_dict()
+    assert all(not torch.equal(p, start[k]) for k, p in model.state_dict().items())
+    opt.finish()

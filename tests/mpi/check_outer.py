@@ -1,0 +1,370 @@
+"""Local SGD, DiLoCo and streaming DiLoCo against trusted references, every rank asserting.
+
+equivalence (2 and 3 ranks)
+  * ``LocalSGD(period=1) == SyncDP`` for SGD and momentum SGD; ``warmup_steps`` steps of LocalSGD
+    are SyncDP steps; ranks agree after an averaging and differ inside a period;
+  * ``DiLoCo(outer SGD, lr 1, no momentum) == LocalSGD`` (same period) with SGD and AdamW inside;
+  * ``StreamingDiLoCo(1 fragment, delay 0, alpha 0) == DiLoCo`` (Nesterov outer);
+  * DiLoCo (Nesterov) and streaming DiLoCo (P fragments, τ > 0, α > 0) == a single-process
+    simulation of K workers written from the papers (hand-written Nesterov, no lowcomm code);
+  * the pseudo-gradient through ``Compressor.reduce`` (identity) == the dense path, and every
+    registered compressor runs (outer parameters equal on all ranks, finite);
+  * ledger: one DiLoCo sync moves one all-reduce of the model; P fragments ≈ 1/P each.
+resume (2 ranks)
+  * run N steps, save ``state_dict()``, rebuild fresh objects, load, continue == uninterrupted,
+    bit for bit (in-flight fragments, warm-up, compressor memory).
+errors (2 ranks)
+  * period < 1, fragments > parameter tensors, delay >= period, … raise ArgumentError naming the argument
+    before any communication.
+"""
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lowcomm
+from helpers import assert_models_close, assert_models_equal, flat, random_batch, seeded_mlp
+from lowcomm.compress import COMPRESSORS, Compressor, build_compressor
+from lowcomm.errors import ArgumentError
+from lowcomm.run.config import CompressorConfig
+from lowcomm.strategies import DiLoCo, LocalSGD, StreamingDiLoCo, SyncDP
+from under_mpi import RANK, SIZE
+
+pytestmark = pytest.mark.mpi(sizes=(2, 3))
+on_two = pytest.mark.mpi(sizes=(2,))
+K, B = SIZE, 4
+N_TENSORS = 8
+LOSSY = [name for name in COMPRESSORS if name != "none"]
+
+
+def make(perturb=True):
+    net = seeded_mlp(10, 32, 32, 3, unused=True)
+    if perturb:   # ranks start apart: the strategy's broadcast from rank 0 must fix that
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.01 * RANK)
+    return net
+
+
+def batch(step, k=RANK):
+    x, y = random_batch(step, K * B)
+    return x[k * B:(k + 1) * B], y[k * B:(k + 1) * B]
+
+
+def sgd(params, momentum=0.0):
+    return torch.optim.SGD(params, lr=0.1, momentum=momentum)
+
+
+def momentum_sgd(params):
+    return sgd(params, 0.9)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+INNER = {"sgd": sgd, "adamw": adamw}
+
+
+def train(cls, steps, inner=sgd, model=None, first=0, strategy=None, **kw):
+    """``steps`` steps of ``cls`` (a Strategy class) on the world; returns (model, strategy),
+    left open."""
+    model = model or make()
+    opt = strategy or cls(model, inner(model.parameters()), lowcomm.init(), **kw)
+    for step in range(first, first + steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+def run(cls, steps, inner=sgd, **kw):
+    model, opt = train(cls, steps, inner, **kw)
+    opt.close()
+    return model
+
+
+def agree(t):
+    """Whether every rank holds the same tensor."""
+    seen = lowcomm.init().allgather(t.contiguous())
+    return all(torch.equal(seen[k], seen[0]) for k in range(K))
+
+
+def simulate(steps, inner, period, fragments, delay, alpha, lr=0.7, mu=0.9, nesterov=True,
+             merge="mix"):
+    """K workers in one process, from the papers: inner steps, then per fragment p at local step
+    s with s % H == offset_p: Δ_p = mean_k(θ_p − θ_{k,p}); after step s + τ: Nesterov (or plain)
+    SGD on θ_p with Δ_p, and θ_{k,p} ← α θ_{k,p} + (1 − α) θ_p (merge "mix", Douillard et al.)
+    or θ_{k,p} ← θ_p + θ_{k,p} − θ_{k,p}(s) (merge "add-local", DaSGD). Returns this rank's model."""
+    models = [make(perturb=False) for _ in range(K)]
+    opts = [inner(m.parameters()) for m in models]
+    names = [n for n, _ in models[0].named_parameters()]
+    outer = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+    buf = {}
+    pending = []                                  # (apply_at, members, {name: Δ}, [{name: θ_k(s)}])
+
+    def apply(item):
+        _, members, delta, sent = item
+        for n in members:
+            buf[n] = mu * buf[n] + delta[n] if n in buf else delta[n].clone()
+            outer[n] = outer[n] - lr * (delta[n] + mu * buf[n] if nesterov else buf[n])
+            with torch.no_grad():
+                for k, m in enumerate(models):
+                    p = dict(m.named_parameters())[n]
+                    if merge == "add-local":
+                        p.copy_(outer[n] + (p - sent[k][n]))
+                    else:
+                        p.copy_(alpha * p + (1 - alpha) * outer[n])
+
+    for step in range(steps):
+        for k in range(K):
+            x, y = batch(step, k)
+            opts[k].zero_grad()
+            F.cross_entropy(models[k](x), y).backward()
+            opts[k].step()
+        s = step + 1
+        for late in (False, True):   # earlier starts land first; a τ = 0 start lands at once
+            for item in [i for i in pending if i[0] == s]:
+                pending.remove(item)
+                apply(item)
+            if not late:
+                for members, offset in fragments:
+                    if s % period == offset:
+                        delta = {n: sum(outer[n] - dict(m.named_parameters())[n].detach()
+                                        for m in models) / K for n in members}
+                        sent = [{n: dict(m.named_parameters())[n].detach().clone() for n in members}
+                                for m in models]
+                        pending.append((s + delay, members, delta, sent))
+    assert set(names) == {n for f, _ in fragments for n in f}
+    return models[RANK]
+
+
+def layout(strategy):
+    return [([n for n, _, _, _ in f.members], f.offset) for f in strategy.fragments]
+
+
+def whole_model():
+    return [([n for n, _ in make().named_parameters()], 0)]
+
+
+# equivalence ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_localsgd_period_1_equals_syncdp(momentum):
+    inner = lambda ps: sgd(ps, momentum)  # noqa: E731
+    assert_models_close(run(LocalSGD, 5, inner, period=1), run(SyncDP, 5, inner), "localsgd vs syncdp")
+
+
+def test_localsgd_warm_up_steps_are_syncdp_steps():
+    assert_models_close(run(LocalSGD, 3, period=4, warmup_steps=3), run(SyncDP, 3), "warm-up vs syncdp")
+
+
+def test_ranks_drift_inside_a_period_and_agree_after_an_averaging():
+    model, opt = train(LocalSGD, 2, period=3)
+    inside = agree(flat(model))
+    train(None, 1, model=model, first=2, strategy=opt)
+    after = agree(flat(model))
+    opt.close()
+    assert not inside, "ranks should differ inside a period (different data)"
+    assert after, "ranks should agree after an averaging"
+    assert opt.syncs and opt.syncs[-1][0] == 3, f"one sync at step 3, got {opt.syncs}"
+
+
+def test_localsgd_period_3_is_not_syncdp():
+    """The comparisons' sensitivity."""
+    far = flat(run(LocalSGD, 5, period=3)) - flat(run(SyncDP, 5))
+    assert float(far.abs().max()) > 1e-4
+
+
+PLAIN_OUTER = dict(outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0)
+
+
+@pytest.mark.parametrize("inner", INNER)
+def test_diloco_with_outer_sgd_lr_1_equals_localsgd(inner):
+    """7 steps: it ends mid-period."""
+    assert_models_close(run(DiLoCo, 7, INNER[inner], period=3, **PLAIN_OUTER),
+                        run(LocalSGD, 7, INNER[inner], period=3), f"diloco vs localsgd ({inner} inside)")
+
+
+def test_diloco_equals_localsgd_with_warm_up():
+    assert_models_close(run(DiLoCo, 7, period=3, warmup_steps=2, **PLAIN_OUTER),
+                        run(LocalSGD, 7, period=3, warmup_steps=2), "diloco vs localsgd with warm-up")
+
+
+@pytest.mark.parametrize("inner", INNER)
+def test_streaming_with_one_fragment_no_delay_and_alpha_0_equals_diloco(inner):
+    assert_models_equal(run(StreamingDiLoCo, 8, INNER[inner], period=3, fragments=1, delay=0, alpha=0.0),
+                        run(DiLoCo, 8, INNER[inner], period=3), f"streaming vs diloco ({inner} inside)")
+
+
+def test_diloco_nesterov_equals_the_simulation():
+    assert_models_close(run(DiLoCo, 8, period=3), simulate(8, sgd, 3, whole_model(), 0, 0.0),
+                        "diloco (nesterov) vs simulation")
+
+
+def test_diloco_heavy_ball_equals_the_simulation():
+    sim = simulate(8, sgd, 3, whole_model(), 0, 0.0, lr=0.5, mu=0.5, nesterov=False)
+    got = run(DiLoCo, 8, period=3, outer_optimizer="sgd", outer_lr=0.5, outer_momentum=0.5)
+    assert_models_close(got, sim, "diloco (heavy-ball outer) vs simulation")
+
+
+@pytest.mark.parametrize("P, delay, alpha, merge, inner", [
+    (3, 1, 0.5, "mix", "sgd"), (2, 3, 0.0, "mix", "adamw"), (N_TENSORS, 2, 0.25, "mix", "sgd"),
+    (2, 3, 0.0, "add-local", "adamw"), (N_TENSORS, 1, 0.0, "add-local", "sgd")])
+def test_streaming_equals_the_simulation(P, delay, alpha, merge, inner):
+    model, st = train(StreamingDiLoCo, 11, INNER[inner], period=4, fragments=P, delay=delay,
+                      alpha=alpha, merge=merge)
+    st.close()
+    assert len({f.offset for f in st.fragments}) == min(P, 4), f"staggered offsets {layout(st)}"
+    sim = simulate(11, INNER[inner], 4, layout(st), delay, alpha, merge=merge)
+    assert_models_close(model, sim, "streaming vs simulation")
+
+
+def test_add_local_keeps_the_delays_progress_that_mix_drops():
+    """The sensitivity: add-local differs from mix (α = 0) at τ > 0."""
+    far = flat(run(StreamingDiLoCo, 11, period=4, fragments=2, delay=3, merge="add-local")) - \
+        flat(run(StreamingDiLoCo, 11, period=4, fragments=2, delay=3))
+    assert float(far.abs().max()) > 1e-4
+
+
+def test_add_local_at_delay_0_equals_mix_bit_for_bit():
+    """At τ = 0 there is no local progress to keep."""
+    assert_models_equal(run(StreamingDiLoCo, 8, period=3, fragments=2, delay=0, merge="add-local"),
+                        run(StreamingDiLoCo, 8, period=3, fragments=2, delay=0), "add-local vs mix")
+
+
+def test_the_identity_compressor_equals_the_dense_pseudo_gradient():
+    """Through the Compressor.reduce path."""
+    assert_models_close(run(StreamingDiLoCo, 8, period=3, fragments=2, delay=1, compressor=Compressor()),
+                        run(StreamingDiLoCo, 8, period=3, fragments=2, delay=1), "identity vs dense")
+
+
+@pytest.mark.parametrize("cname", LOSSY)
+def test_every_compressor_compresses_the_pseudo_gradient(cname):
+    comp = build_compressor(CompressorConfig(name=cname, start_iter=0))
+    model, st = train(StreamingDiLoCo, 9, period=3, fragments=2, delay=1, compressor=comp)
+    state = st.state_dict()
+    st.close()
+    assert all(agree(p.detach()) for p in st.outer_params), "outer parameters differ across ranks"
+    assert all(bool(torch.isfinite(p).all()) for p in st.outer_params), "not finite"
+    assert "compressor" in state, "compressor state not saved"
+
+
+def test_int8_two_phase_moves_each_fragments_analytic_bytes():
+    """int8: chunks of c_j elements + one scale each."""
+    comp = build_compressor(CompressorConfig(name="int8", collective="two-phase"))
+    _, st = train(StreamingDiLoCo, 12, period=6, fragments=3, delay=2, compressor=comp)
+    st.close()
+    assert st.syncs, "no sync"
+    for _, f, b in st.syncs:
+        q, rem = divmod(st.fragments[f].numel, K)
+        c = [q + (j < rem) for j in range(K)]
+        want = sum(c[j] + 4 for j in range(K) if j != RANK) + (K - 1) * (c[RANK] + 4)
+        assert b == want, f"fragment {f}: {b} bytes, analytic {want}"
+    assert all(agree(p.detach()) for p in st.outer_params), "outer parameters differ across ranks"
+
+
+N_BYTES = 4 * sum(p.numel() for p in make(perturb=False).parameters())
+
+
+def test_a_diloco_sync_is_one_dense_allreduce_of_the_model():
+    _, st = train(DiLoCo, 6, period=3)
+    st.close()
+    assert [s for s, _, _ in st.syncs] == [3, 6], f"syncs {st.syncs}"
+    assert all(b == 2 * (K - 1) * N_BYTES // K for _, _, b in st.syncs), f"sync bytes {st.syncs}"
+
+
+def test_fragments_split_the_sync_staggered():
+    _, st = train(StreamingDiLoCo, 12, period=6, fragments=3, delay=2)
+    st.close()
+    numel = [f.numel for f in st.fragments]
+    assert sum(numel) == N_BYTES // 4, f"fragments must cover the model once: {numel}"
+    assert all(b == 2 * (K - 1) * 4 * numel[f] // K for _, f, b in st.syncs), f"fragment bytes {st.syncs}"
+    assert sorted(s for s, _, _ in st.syncs) == [2, 4, 6, 8, 10, 12], f"staggered syncs {st.syncs}"
+    assert [f for _, f, _ in st.syncs] == [0, 1, 2] * 2, f"fragment order {st.syncs}"
+
+
+# resume -----------------------------------------------------------------------------------------
+RESUME = {
+    "streaming-in-flight": (StreamingDiLoCo, adamw, 7,
+                            dict(period=4, fragments=2, delay=2, alpha=0.5, warmup_steps=2)),
+    "streaming-add-local-in-flight": (StreamingDiLoCo, adamw, 6,
+                                      dict(period=4, fragments=2, delay=3, merge="add-local")),
+    "streaming-in-warm-up": (StreamingDiLoCo, adamw, 1,
+                             dict(period=4, fragments=2, delay=2, alpha=0.5, warmup_steps=2)),
+    "localsgd-momentum-in-warm-up": (LocalSGD, momentum_sgd, 2, dict(period=3, warmup_steps=3)),
+    "diloco-nesterov": (DiLoCo, adamw, 4, dict(period=3)),
+    **{f"streaming-{c}": (StreamingDiLoCo, sgd, 5, dict(period=3, fragments=2, delay=1,
+                                                         compressor=CompressorConfig(name=c, start_iter=0)))
+       for c in LOSSY},
+}
+TOTAL = 11
+
+
+def saved(st, model):
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "strategy": st.state_dict()}, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@on_two
+@pytest.mark.parametrize("case", RESUME)
+def test_a_state_dict_round_trip_continues_bit_identically(case, comm):
+    cls, inner, at, kw = RESUME[case]
+
+    def kwargs():
+        return {**kw, "compressor": build_compressor(kw["compressor"])} if "compressor" in kw else kw
+    ref = run(cls, TOTAL, inner, **kwargs())
+    model, st = train(cls, at, inner, **kwargs())
+    in_flight = bool(st._in_flight)
+    state = saved(st, model)
+    st.close()
+    fresh = make()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(-1.0)        # the load, not the init, must decide
+    st2 = cls(fresh, inner(fresh.parameters()), comm, **kwargs())
+    fresh.load_state_dict(state["model"])
+    st2.load_state_dict(state["strategy"])
+    train(None, TOTAL - at, model=fresh, first=at, strategy=st2)
+    st2.close()
+    if case.endswith("in-flight"):
+        assert in_flight, f"a reduction should be in flight at step {at}"
+    assert_models_equal(fresh, ref, f"resumed at step {at}")
+
+
+# errors -----------------------------------------------------------------------------------------
+ERRORS = {
+    "localsgd-period": ("period", lambda m, o, c: LocalSGD(m, o, c, period=0), [">= 1"]),
+    "diloco-period": ("period", lambda m, o, c: DiLoCo(m, o, c, period=0), [">= 1"]),
+    "fragments": ("fragments", lambda m, o, c: StreamingDiLoCo(
+        m, o, c, period=20, fragments=N_TENSORS + 1), [f"only {N_TENSORS} trainable parameter tensors"]),
+    "delay": ("delay", lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, fragments=2, delay=4),
+              ["period=4"]),
+    "alpha": ("alpha", lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, alpha=1.5), []),
+    "merge": ("merge", lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, merge="average"),
+              ["add-local"]),
+    "add-local-alpha": ("alpha", lambda m, o, c: StreamingDiLoCo(
+        m, o, c, period=4, merge="add-local", alpha=0.5), ["alpha = 0"]),
+    "outer-momentum": ("outer_momentum", lambda m, o, c: DiLoCo(m, o, c, period=4, outer_momentum=0.0),
+                       ["Nesterov"]),
+    "outer-optimizer": ("outer_optimizer",
+                        lambda m, o, c: DiLoCo(m, o, c, period=4, outer_optimizer="adam"), []),
+}
+
+
+@on_two
+@pytest.mark.parametrize("case", ERRORS)
+def test_a_bad_argument_is_an_argument_error_before_any_communication(case, comm):
+    """A wrong Python argument is an ArgumentError naming the argument (not a config key)."""
+    key, build, words = ERRORS[case]
+    m = make()
+    with pytest.raises(ArgumentError) as e:
+        build(m, sgd(m.parameters()), comm)
+    t = torch.ones(3)
+    comm.allreduce_(t)             # the job goes on after a refused construction: still in step
+    assert e.value.key == key and f"argument '{key}'" in str(e.value) and all(w in str(e.value) for w in words), \
+        f"expected {key} {words}: {e.value}"
+    assert torch.equal(t, torch.full((3,), float(K))), "communication after the error"

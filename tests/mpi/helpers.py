@@ -1,0 +1,92 @@
+"""Shared by the check files: small models, batches, and comparisons that name what differs."""
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from lowcomm.comm.ledger import Ledger
+
+
+class MLP(torch.nn.Module):
+    """A tanh MLP whose layers are named a, b, c, … (``sizes`` = widths, input first);
+    ``unused=True`` adds a layer that never gets a gradient."""
+
+    def __init__(self, *sizes: int, unused: bool = False):
+        super().__init__()
+        self.names = "abcdefgh"[:len(sizes) - 1]
+        for name, n_in, n_out in zip(self.names, sizes, sizes[1:]):
+            setattr(self, name, torch.nn.Linear(n_in, n_out))
+        if unused:
+            self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        for i, name in enumerate(self.names):
+            x = getattr(self, name)(x if i == 0 else torch.tanh(x))
+        return x
+
+
+def seeded_mlp(*sizes: int, unused: bool = False) -> MLP:
+    """The same initial model on every rank (seed 0)."""
+    torch.manual_seed(0)
+    return MLP(*sizes, unused=unused)
+
+
+def random_batch(step: int, n: int, features: int = 10, classes: int = 3):
+    """The global batch of ``step``: n Gaussian inputs and uniform labels, the same on every rank."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def toy_dataset() -> torch.utils.data.TensorDataset:
+    """600 Gaussian points in 10-D, labelled by the signs of their first two coordinates (3
+    classes)."""
+    X = torch.randn(600, 10, generator=torch.Generator().manual_seed(7))
+    return torch.utils.data.TensorDataset(X, (X[:, 0] > 0).long() + (X[:, 1] > 0).long())
+
+
+def flat(tensors) -> torch.Tensor:
+    """The tensors (or a model's parameters) as one detached vector."""
+    if isinstance(tensors, torch.nn.Module):
+        tensors = tensors.parameters()
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def assert_models_close(a, b, what: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Every parameter of model ``a`` against the same one of ``b``; the message names each one
+    that differs and by how much."""
+    off = [f"{name} by {float((p - q).detach().abs().max()):.3g}"
+           for (name, p), q in zip(a.named_parameters(), b.parameters())
+           if not torch.allclose(p, q, rtol=rtol, atol=atol)]
+    assert len(list(a.parameters())) == len(list(b.parameters())), f"{what}: other parameters"
+    assert not off, f"{what}: {', '.join(off)} differ"
+
+
+def assert_models_equal(a, b, what: str) -> None:
+    """As :func:`assert_models_close`, bit for bit."""
+    off = [f"{name} by {float((p - q).detach().abs().max()):.3g}"
+           for (name, p), q in zip(a.named_parameters(), b.parameters()) if not torch.equal(p, q)]
+    assert not off, f"{what}: {', '.join(off)} differ"
+
+
+def control(comm):
+    """A duplicate of ``comm`` for the checks' own traffic: its own ledger, no shape checks."""
+    ctl = comm.dup(Ledger(), "control")
+    ctl.validate = False
+    return ctl
+
+
+def agree(ctl, t: torch.Tensor) -> bool:
+    """Whether every rank holds the same tensor (the same answer on every rank)."""
+    g = ctl.allgather(t.detach().contiguous())
+    return all(torch.equal(g[0], g[k]) for k in range(len(g)))
+
+
+def vendor_sum(t: torch.Tensor) -> np.ndarray:
+    """The reference: vendor MPI_Allreduce (sum) of ``t`` in float64, on the world."""
+    ref = t.double().numpy().copy()
+    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, ref, op=MPI.SUM)
+    return ref
+
+
+def sent(ledger, skip_checks: bool = True) -> int:
+    """Bytes this rank sent, from a ledger (without the shape-agreement checks)."""
+    return sum(row["bytes_sent"] for row in ledger.rows() if not skip_checks or row["op"] != "check")

@@ -1,0 +1,147 @@
+"""DeMo, SPARTA, SPARTA under DiLoCo, 0/1 Adam and MuLoCo: the pieces in one process (DeMo's
+transform and codec against the paper's equations written out here, 0/1 Adam's schedule against
+its rule written out here), then the methods on 2 and 4 ranks under mpirun
+(tests/mpi/check_new_methods.py)."""
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_mpi_suite
+from lowcomm.compress import Compressor, ErrorFeedback
+from lowcomm.compress.demo import ChunkedDCT, ChunkTopK, chunk_side
+from lowcomm.errors import ConfigError
+from lowcomm.run.api import load_config
+from lowcomm.run.registry import build
+from lowcomm.strategies.demo import DeMo, _Bucket
+from lowcomm.strategies.zeroone_adam import schedule
+
+
+# DeMo's transform: the DCT-II of the paper, written out element by element ----------------------
+def direct_dct(n: int) -> np.ndarray:
+    """C[f, i] = a_f cos(π (2i + 1) f / 2n), a_0 = √(1/n), a_f = √(2/n): the orthonormal DCT-II."""
+    out = np.empty((n, n))
+    for f in range(n):
+        for i in range(n):
+            out[f, i] = math.sqrt((1 if f == 0 else 2) / n) * math.cos(math.pi * (2 * i + 1) * f / (2 * n))
+    return out
+
+
+def direct_chunked(x: np.ndarray, target: int) -> np.ndarray:
+    """The coefficients of every chunk of x, one row per chunk, in row-major chunk order."""
+    if x.ndim >= 2:
+        m = x.reshape(x.shape[0], -1)
+        n1, n2 = chunk_side(m.shape[0], target), chunk_side(m.shape[1], target)
+        d1, d2 = direct_dct(n1), direct_dct(n2)
+        return np.stack([(d1 @ m[a:a + n1, b:b + n2] @ d2.T).reshape(-1)
+                         for a in range(0, m.shape[0], n1) for b in range(0, m.shape[1], n2)])
+    n1 = chunk_side(x.size, target)
+    d = direct_dct(n1)
+    return np.stack([d @ x[a:a + n1] for a in range(0, x.size, n1)])
+
+
+@pytest.mark.parametrize("shape,target", [((24, 40), 8), ((12, 5), 4), ((30,), 8), ((7,), 16),
+                                          ((6, 2, 4), 4), ((64, 64), 64)])
+def test_chunked_dct_is_the_papers_dct_and_its_inverse_is_exact(shape, target):
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    t = ChunkedDCT(torch.Size(shape), target)
+    c = t.encode(x)
+    assert c.shape == (t.rows, t.row)
+    assert np.allclose(c.numpy(), direct_chunked(x.numpy(), target), rtol=0, atol=1e-12)
+    assert torch.allclose(t.decode(c), x, rtol=0, atol=1e-12)           # DCT-III ∘ DCT-II = I
+
+
+def test_chunk_sides_are_the_largest_divisors_within_the_target():
+    assert [chunk_side(n, 64) for n in (64, 128, 96, 100, 7, 97)] == [64, 64, 48, 50, 7, 1]
+    assert ChunkedDCT(torch.Size([128, 96]), 64).sides == (64, 48)
+
+
+def test_chunk_topk_at_full_k_is_exact_and_its_bytes_are_k_value_and_index_per_chunk():
+    x = torch.randn(6 * 16, generator=torch.Generator().manual_seed(2))
+    full = ChunkTopK(16, 32)                           # k is clamped to the chunk's 16
+    payload, ctx = full.encode(x, "w", None)
+    assert torch.equal(full.decompress(payload, ctx), x)
+    sparse = ChunkTopK(16, 3)
+    payload, ctx = sparse.encode(x, "w", None)
+    assert [t.dtype for t in payload] == [torch.float32, torch.int16]
+    assert sparse.payload_nbytes(x.numel(), torch.float32) == 6 * 3 * (4 + 2)
+    assert sum(t.numel() * t.element_size() for t in payload) == 6 * 3 * (4 + 2)
+    kept = sparse.decompress(payload, ctx).view(6, 16)
+    for row, orig in zip(kept, x.view(6, 16)):         # the 3 largest magnitudes of each chunk
+        top = orig.abs().topk(3).indices
+        assert torch.equal(row[top], orig[top]) and int((row != 0).sum()) == 3
+    assert sparse.bounds(6 * 16, 4) == [0, 32, 64, 80, 96]       # owners get whole chunks
+
+
+def test_demo_resized_keeps_the_mean_momentum_and_cuts_the_server_errors_again():
+    """2 old ranks → 3: each new rank's momentum is the old ranks' mean; the owners' server
+    errors (rows 0–1 on old rank 0, rows 2–3 on old rank 1) make the whole bucket, which the
+    3 new owners cut as their two-phase exchange does (rows 0–1, 2, 3)."""
+    loop = object.__new__(DeMo)
+    loop.name = "demo"
+    loop.buckets = [_Bucket("demo4", [("w", None, 0, None, 0, 16)],
+                            Compressor(ErrorFeedback(ChunkTopK(4, 2)), "two-phase"))]
+    err = torch.arange(1.0, 17.0)
+
+    def old(r):
+        return {"model": {"w": torch.zeros(4, 4)}, "strategy": {"t": 5, "compressors": {"demo4": {
+            "encoder": {"residuals": {"w": torch.full((16,), float(r + 1))}, "codec": {}},
+            "exchange": {"server_error": {"demo4": err[8 * r:8 * (r + 1)]}}}}}}
+    cuts = [(0, 8), (8, 12), (12, 16)]
+    for r in range(3):
+        loop.comm = SimpleNamespace(size=3, rank=r)
+        state = loop.reshard([old(0), old(1)])["strategy"]["compressors"]["demo4"]
+        assert torch.equal(state["encoder"]["residuals"]["w"], torch.full((16,), 1.5))
+        assert torch.equal(state["exchange"]["server_error"]["demo4"], err[cuts[r][0]:cuts[r][1]])
+
+
+# 0/1 Adam's schedule, written out from the rule ------------------------------------------------
+def test_zeroone_adam_schedule_follows_the_papers_policies():
+    # κ = 2: T_v holds the multiples of an interval that starts at 1 and doubles after every 2
+    # variance updates: 1, 2 (interval 1), 4, 6 (interval 2), 8 (interval 4); frozen after step
+    # 10. Then a synchronisation at the multiples of the local-step interval, which doubles after
+    # every 2 steps up to H = 4: 11, 12 (interval 1), 14 (2), 16, 20, 24 (4)
+    kinds = schedule(24, var_freeze_step=10, var_update_scaler=2, local_step_scaler=2,
+                     local_step_clipper=4)
+    want = ["dense", "dense", "onebit", "dense", "onebit", "dense", "onebit", "dense", "onebit",
+            "onebit",
+            "sync", "sync", "local", "sync", "local", "sync", "local", "local", "local", "sync",
+            "local", "local", "local", "sync"]
+    assert kinds == want
+    assert set(schedule(40, var_freeze_step=40)) == {"dense", "onebit"}
+    assert schedule(16, 100)[:16] == ["dense"] * 16            # DeepSpeed's κ = 16
+
+
+@pytest.mark.parametrize("overrides,key,message", [
+    (["strategy.name=zeroone-adam", "optimizer.name=sgd"], "optimizer.name", "zeroone-adam steps torch Adam"),
+    (["strategy.name=zeroone-adam", "optimizer.name=adam", "compressor.name=int8"], "compressor.name",
+     "zeroone-adam compresses"),
+    (["strategy.name=zeroone-adam", "optimizer.name=adam", "strategy.var_update_scaler=0"],
+     "strategy.var_update_scaler", ">= 1"),
+    (["strategy.name=demo", "compressor.name=topk"], "compressor.name", "demo compresses"),
+    (["strategy.name=demo", "strategy.exchange=ring"], "strategy.exchange", "known: auto"),
+    (["strategy.name=demo", "strategy.decay=1"], "strategy.decay", r"\[0, 1\)"),
+    (["strategy.name=demo", "strategy.topk=0"], "strategy.topk", ">= 1"),
+    (["strategy.name=sparta", "strategy.fraction=0"], "strategy.fraction", r"\(0, 1\]"),
+    (["strategy.name=sparta", "compressor.name=int8"], "compressor.name", "sparta averages parameters"),
+    (["strategy.name=sparta-diloco", "strategy.fraction=1.5"], "strategy.fraction", r"\(0, 1\]"),
+    (["strategy.name=sparta-diloco", "strategy.fragments=2"], "strategy.fragments", "streaming-diloco"),
+])
+def test_bad_settings_are_errors_naming_the_key(overrides, key, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(None, overrides)
+    assert e.value.key == key
+
+
+def test_python_constructors_check_their_arguments():
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ConfigError) as e:
+        build("demo:chunk=0", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert e.value.key == "chunk"
+
+
+def test_new_methods_under_mpirun():
+    cases = run_mpi_suite(4, "check_new_methods.py", timeout=500)
+    assert any("::test_demo_" in n for n in cases) and any("sparta" in n for n in cases)
