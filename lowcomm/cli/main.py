@@ -17,6 +17,7 @@ import click
 from .common import check_env, config_options, debug, launcher_rank, load_cfg as _config, \
     saved_config, world as _world
 from ..errors import LowcommError
+from .fleet import fleet_options, refuse_outside, run_fleet
 from .topo import topo as topo_command
 from .wan import wan as wan_command
 
@@ -69,13 +70,19 @@ def cli(verbose: bool) -> None:
                    "own earlier attempt, which it replaces.")
 @click.option("--report-dir", default=None, hidden=True,
               help="Where each rank reports how it ended, for its supervisor (read by main()).")
+@fleet_options
 def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, max_restarts, np_,
-          min_ranks, restart_backoff, launcher, run_id, report_dir):
+          min_ranks, restart_backoff, launcher, run_id, report_dir, dcs, hostfiles, place,
+          coordinator_host):
     """Train the configured task with the configured strategy on every rank.
 
     \b
     --resume DIR may run on another number of ranks than DIR's run: each method merges the old
     ranks' checkpoints by its own rule (see the README's "Resume on another number of ranks")."""
+    if dcs is not None:                        # a fleet: one MPI job per datacenter
+        run_fleet(config, overrides, out, np_, dcs, hostfiles, coordinator_host, launcher,
+                  max_restarts, quiet, overwrite, checkpoint_every, place)
+        return
     if max_restarts is not None or np_ is not None:
         _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwrite,
                     max_restarts or 0, np_, launcher, min_ranks, restart_backoff)
@@ -88,6 +95,7 @@ def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, ma
     if checkpoint_every is not None:
         overrides = (*overrides, f"checkpoint.every={checkpoint_every}")
     cfg = _config(config, overrides, base)
+    refuse_outside(cfg)
     out = out or resume or "runs/latest"
     from ..run.folder import refusal
     why = refusal(Path(out), resume, overwrite, run_id)   # before MPI starts: every rank at once

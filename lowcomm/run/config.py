@@ -95,6 +95,19 @@ class CompareConfig:
 
 
 @dataclass
+class FleetConfig:
+    """A fleet of datacenters (``lowcomm train --dcs D``, :mod:`lowcomm.run.fleet`): one MPI job
+    per datacenter, the outer level across them through a coordinator."""
+    dcs: int = 0                   # datacenters (0: one MPI job, no fleet)
+    min_dcs: int = 0               # datacenters a round needs (0: a majority, dcs // 2 + 1)
+    heartbeat_s: float = 0.5       # seconds between a datacenter leader's heartbeats
+    max_failures: int = 3          # a datacenter failing more often is left out of the run
+    heal_inner: str = "copy"       # a rejoining datacenter's inner optimizer state: "copy" | "reset"
+    backoff_s: float = 1.0         # seconds before a failed datacenter is relaunched
+    join_s: float = 600.0          # how long a relaunched datacenter waits to be admitted
+
+
+@dataclass
 class BudgetConfig:
     """A time budget: train until the run's modelled wall-clock on ``link`` — its computation's
     CPU seconds plus the α–β time of its traffic — reaches ``seconds`` (``steps`` is then a cap)."""
@@ -133,6 +146,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
 
     def to_dict(self) -> dict:
@@ -289,6 +303,7 @@ def validate(cfg: Config) -> Config:
     if cfg.model.d_model % cfg.model.n_heads:
         raise ConfigError("model.n_heads", f"must divide model.d_model={cfg.model.d_model}")
     one_of("on_nonfinite", cfg.on_nonfinite, ("abort", "skip"))
+    _check_fleet(cfg.fleet)
     _check_budget(cfg)
     one_of("optimizer.schedule", cfg.optimizer.schedule, LR_SCHEDULES)
     from .optimizers import check_optimizer      # imports torch: only when a config is checked
@@ -302,6 +317,23 @@ def validate(cfg: Config) -> Config:
     if cfg.data.path and not Path(cfg.data.path).exists():
         raise ConfigError("data.path", f"{cfg.data.path!r} does not exist")
     return cfg
+
+
+def _check_fleet(f: FleetConfig) -> None:
+    if f.dcs < 0 or f.dcs == 1:
+        raise ConfigError("fleet.dcs", f"must be 0 (no fleet) or >= 2 datacenters, got {f.dcs}")
+    if not 0 <= f.min_dcs <= f.dcs:
+        raise ConfigError("fleet.min_dcs", f"must be in [0, fleet.dcs={f.dcs}] (0: a majority), "
+                          f"got {f.min_dcs}")
+    for key in ("heartbeat_s", "backoff_s", "join_s"):
+        v = getattr(f, key)
+        if not 0 <= v < float("inf") or (key == "heartbeat_s" and v == 0):
+            raise ConfigError(f"fleet.{key}", f"must be a finite number of seconds "
+                              f"{'> 0' if key == 'heartbeat_s' else '>= 0'}, got {v}")
+    if f.max_failures < 0:
+        raise ConfigError("fleet.max_failures", f"must be >= 0, got {f.max_failures}")
+    if f.heal_inner not in ("copy", "reset"):
+        raise ConfigError("fleet.heal_inner", f"unknown value {f.heal_inner!r}; known: copy, reset")
 
 
 def _check_budget(cfg: Config) -> None:

@@ -149,12 +149,21 @@ class Lockstep(Coordination):
         if self.budget:
             line["modelled_s"] = self.budget.spent_s
         line.update(r.strategy.metrics(r.ctl))
+        line.update(self.line_extra())
         if r.held_out and (at_mark or r.cfg.eval_every and state.step % r.cfg.eval_every == 0):
             line["eval_loss"] = evaluate(r.model, r.task, r.held_out, r.ctl)
         if self.metrics:
             _append(self.metrics, json.dumps(line) + "\n")
         if self.bar:
             self.bar.set_postfix(loss=f"{state.recent:.3f}", MB=f"{sent / 1e6:.1f}")
+
+    def line_extra(self) -> dict:
+        """Fields a kind of coordination adds to each metrics line (none here)."""
+        return {}
+
+    def summary_extra(self) -> dict:
+        """Fields a kind of coordination adds to the summary (none here)."""
+        return {}
 
     def checkpoint_due(self, step: int) -> bool:
         cfg = self.r.cfg
@@ -212,7 +221,7 @@ class Lockstep(Coordination):
             "wall_s": max(r.ctl.allgather_object(wall)),
             "compute_cpu_s": max(r.ctl.allgather_object(state.compute_cpu_s)),
             "samples": state.samples, "resizes": state.resizes, "skipped_steps": state.skipped,
-            **extra,
+            **extra, **self.summary_extra(),
             "state_sha256": digest,
             "ranks_agree": len(set(r.ctl.allgather_object(digest))) == 1,
             "ledger_rank0": r.comm.ledger.rows()}, write=r.comm.rank == 0)

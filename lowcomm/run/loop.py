@@ -62,14 +62,16 @@ log = logging.getLogger("lowcomm.train")
 
 def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = None,
         progress: bool = True, resume: str | Path | None = None, overwrite: bool = False,
-        run_id: str | None = None) -> dict:
+        run_id: str | None = None, coordination: Callable | None = None) -> dict:
     """Train ``task`` under the strategy ``build(model, optimizer, comm)`` makes; return (and
     write) the run summary. ``cfg`` is a resolved :class:`~lowcomm.run.config.Config`.
 
     ``resume``: the output folder of an earlier run of this config; continue from the newest
     intact checkpoint in its checkpoint folder (an error if there is none). ``out`` must not
     hold another run unless it is the one resumed, or ``overwrite`` (see
-    :func:`lowcomm.run.folder.open_run`; ``run_id`` names the run there)."""
+    :func:`lowcomm.run.folder.open_run`; ``run_id`` names the run there). ``coordination``:
+    how the ranks keep step (a function of the :class:`~lowcomm.run.state.Run`; default
+    :class:`~lowcomm.run.coordinate.Lockstep`, a fleet's datacenter passes its own)."""
     ctl, out, ckpt = open_run(cfg, comm, out, resume, overwrite, run_id)
     try:
         seed_all(cfg.seed)
@@ -79,7 +81,8 @@ def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = N
         if getattr(strategy, "is_server", False):          # the parameter server's servers
             from .serve import serve
             return serve(r)
-        return train(r, Detached(r) if hasattr(strategy, "is_server") else Lockstep(r))
+        return train(r, Detached(r) if hasattr(strategy, "is_server") else
+                     (coordination or Lockstep)(r))
     finally:
         close_run(out)
 

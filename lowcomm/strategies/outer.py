@@ -100,11 +100,17 @@ class Nesting:
     ``inner``, the strategy one level down (e.g. SyncDP inside each datacenter), which takes
     the inner steps. A synchronisation averages inside the unit first when its ranks may differ
     (``average_inside``), then across units among ``leaders`` (the first rank of every unit,
-    the only ranks that send across), then the unit's leader broadcasts the average inside."""
+    the only ranks that send across), then the unit's leader broadcasts the average inside.
+
+    A fleet of datacenters (:mod:`lowcomm.comm.fleet`) passes its channel as ``leaders`` (it
+    reduces in rounds that survive the loss of a datacenter: ``rounds = True``) and, as
+    ``whole``, the span of all its ranks that the last partial period and the buffers are
+    averaged over."""
     inner: Strategy | None      # takes the inner steps (None: the plain optimizer)
     inside: Comm | None         # the ranks of my unit (None: a unit is one rank)
     leaders: Comm | None        # the first rank of each unit (on those ranks only)
     average_inside: bool = False
+    whole: Comm | None = None   # every rank of every unit (None: the loop's comm)
 
 
 @dataclass
@@ -191,6 +197,7 @@ class OuterLoop(Strategy):
             if below is not None:                    # this method's guard names the right object
                 below.release_guard()
         self.nest, self._inside, self._leaders = nest, None, None
+        self._whole = nest.whole if nest is not None and nest.whole is not None else self.comm
         if nest is not None:                         # same ledger: a sync's rows, all levels
             self._inside = nest.inside.dup(self._red.ledger) if nest.inside else None
             self._leaders = nest.leaders.dup(self._red.ledger) if nest.leaders else None
@@ -277,7 +284,7 @@ class OuterLoop(Strategy):
                 if s % self.period == f.offset:
                     self._start(f, s)
             if s % self.period == 0:
-                self.buffers.average(self.comm)
+                self.buffers.average(self._whole)
 
     def _end_warmup(self) -> None:
         if self._dense is not None:
@@ -303,7 +310,9 @@ class OuterLoop(Strategy):
             flat = allreduce_(flat, inside, self.algorithm, op="avg")
         if inside is None or inside.rank == 0:
             across = self._red if inside is None else self._leaders
-            if self.compressor is None:
+            if getattr(across, "rounds", False):     # a fleet's channel: rounds it may retry
+                avg = across.average(flat, f"t{self.t}.f{f.index}", self.algorithm, self._levels)
+            elif self.compressor is None:
                 avg = allreduce_(flat, across, self.algorithm, op="avg", levels=self._levels)
             else:
                 avg = self.compressor.reduce(flat, f"fragment{f.index}", across, f.segments)
@@ -450,9 +459,9 @@ class OuterLoop(Strategy):
         nothing)."""
         for f in self.fragments:
             if f.index in self._dirty:
-                f.unpack_(allreduce_(f.pack(), self.comm, "mpi", op="avg"))
+                f.unpack_(allreduce_(f.pack(), self._whole, "mpi", op="avg"))
         self._dirty.clear()
-        self.buffers.average(self.comm)
+        self.buffers.average(self._whole)
 
     def _close(self) -> None:
         """Finish reductions still in flight (their traffic is charged, their updates, due after

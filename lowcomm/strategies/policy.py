@@ -121,7 +121,8 @@ def build_policy(plan: list[Level], model, optimizer, comm, ctx: Context):
         peers = levels.peers(lvl.name)
         leaders = peers if inside is not None and inside.rank == 0 else None
         nest = Nesting(strategy, inside, leaders,
-                       average_inside=strategy is not None and i + 1 < first)
+                       average_inside=strategy is not None and i + 1 < first,
+                       whole=getattr(levels, "whole", None) if i == 0 else None)
         strategy = lvl.method.build(lvl.settings, model, optimizer, scope,
                                     dataclasses.replace(outer_ctx, nest=nest))
     return strategy

@@ -1,0 +1,163 @@
+"""GlooComm: the part of :class:`~lowcomm.comm.comm.Comm` that lowcomm's all-reduce algorithms
+use, over a torch gloo process group instead of an MPI communicator.
+
+A fleet of datacenters (:mod:`lowcomm.comm.fleet`) runs one MPI job per datacenter; between them
+there is no MPI communicator, so the outer level's reduction runs over a gloo process group that
+the datacenters' leaders re-create whenever the membership changes (torch's
+``ProcessGroupGloo`` on a ``PrefixStore`` of the coordinator's ``TCPStore``, as torchelastic and
+torchft rendezvous). lowcomm's own algorithms (``ring``, ``rabenseifner``, ``tree``) are plain
+functions of a Comm's point-to-point calls, so the same function runs here and sums in the same
+order as it does over MPI: a fleet with no failure gives the parameters of one MPI job, bit for
+bit. ``mpi`` (the vendor all-reduce) becomes gloo's own all-reduce.
+
+Every call records bytes and seconds in the ledger, under the level given (``"dc"``), and waits
+at most ``timeout_s``; a peer that died or a call that times out raises
+:class:`~lowcomm.errors.CommError` naming this rank, the op, the peer and the bytes (the fleet
+retries the round without the failed datacenter).
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from contextlib import contextmanager
+
+import torch
+
+from ..errors import CommError
+from .comm import _reduce_op
+from .ledger import Ledger, wire_bytes
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class GlooRequest:
+    """A gloo send or receive in flight; :meth:`wait` completes it and charges the ledger."""
+
+    def __init__(self, comm: "GlooComm", work, op: str, sent: int, recv: int, peer: int, keep):
+        self._comm, self._work, self.op, self._peer = comm, work, op, peer
+        self._sent, self._recv, self._keep = sent, recv, keep
+        self._t0 = time.perf_counter()
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        self._comm._wait(self._work, self.op, self._sent or self._recv, self._peer)
+        self._done, self._keep = True, None
+        self._comm.ledger.record(self.op, self._comm.level, self._sent, self._recv,
+                                 time.perf_counter() - self._t0)
+
+    def test(self) -> bool:
+        if not self._done and self._work.is_completed():
+            self.wait()
+        return self._done
+
+
+class GlooComm:
+    """A communicator of ``size`` ranks over the gloo process group ``pg``, this one ``rank``
+    (module docstring). ``peers``: what each rank stands for, for error messages (e.g. the
+    datacenter indices of the members)."""
+
+    def __init__(self, pg, rank: int, size: int, ledger: Ledger | None = None, level: str = "dc",
+                 timeout_s: float = 60.0, peers: list | None = None, link=None):
+        self.pg, self.rank, self.size, self.level = pg, rank, size, level
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.timeout_s, self.link = timeout_s, link
+        self.peers = list(peers) if peers is not None else list(range(size))
+        self.validate = False
+        self.auto_policy = None
+
+    def __repr__(self) -> str:
+        return f"GlooComm(level={self.level!r}, rank={self.rank}, size={self.size})"
+
+    def with_ledger(self, ledger: Ledger) -> "GlooComm":
+        """The same group, charging ``ledger``."""
+        return GlooComm(self.pg, self.rank, self.size, ledger, self.level, self.timeout_s,
+                        self.peers, self.link)
+
+    def _wait(self, work, op: str, nbytes: int, peer: int | None) -> None:
+        who = f"{self.level} {self.peers[peer]}" if peer is not None else \
+            f"the {self.size} members {self.peers}"
+        try:
+            ok = work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            raise CommError(op, self.rank, f"{self.level} {self.peers[self.rank]} waiting for "
+                            f"{who}: {str(e).splitlines()[0][:300]}", nbytes) from None
+        if ok is False:
+            raise CommError(op, self.rank, f"{self.level} {self.peers[self.rank]} waited "
+                            f"{self.timeout_s:g} s for {who}", nbytes)
+
+    # what collectives.allreduce_ asks of a Comm -----------------------------------------------
+    def check(self, op: str, t: torch.Tensor, root: int = -1) -> None:
+        """No per-call agreement check: a round's members agreed on its tensor beforehand."""
+
+    @contextmanager
+    def staged(self, t: torch.Tensor, read: bool = True, write: bool = True):
+        """A contiguous 1-D CPU tensor holding ``t`` (copied back on exit when it is not one)."""
+        t = t.detach()
+        if t.device.type == "cpu" and t.is_contiguous():
+            yield t.reshape(-1)
+            return
+        host = t.reshape(-1).to("cpu", copy=True)
+        yield host
+        if write:
+            t.copy_(host.view(t.shape))
+
+    def allreduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """gloo's all-reduce in place (the ``mpi`` algorithm's stand-in); "sum" or "avg"."""
+        avg = _reduce_op(op)
+        n = _nbytes(t)
+        t0 = time.perf_counter()
+        with self.staged(t) as h:
+            self._wait(self.pg.allreduce([h]), "allreduce.gloo", n, None)
+            if avg:
+                h.div_(self.size)
+        self.ledger.record("allreduce.gloo", self.level, *wire_bytes("allreduce", n, self.size),
+                           seconds=time.perf_counter() - t0)
+        return t
+
+    def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        n = _nbytes(t)
+        t0 = time.perf_counter()
+        with self.staged(t) as h:
+            self._wait(self.pg.broadcast(h, root), "bcast", n, root)
+        sent, recv = (n * (self.size - 1), 0) if self.rank == root else (0, n)
+        self.ledger.record("bcast", self.level, sent, recv, time.perf_counter() - t0)
+        return t
+
+    # point-to-point ---------------------------------------------------------------------------
+    def isend(self, t: torch.Tensor, dest: int, tag: int = 0, op: str = "send",
+              charge: str = "complete") -> GlooRequest:
+        flat = t.detach().reshape(-1)
+        return GlooRequest(self, self.pg.send([flat], dest, tag), op, _nbytes(t), 0, dest, flat)
+
+    def irecv_(self, t: torch.Tensor, source: int, tag: int = 0, op: str = "recv") -> GlooRequest:
+        flat = t.detach().view(-1)
+        return GlooRequest(self, self.pg.recv([flat], source, tag), op, 0, _nbytes(t), source, flat)
+
+    def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None:
+        self.isend(t, dest, tag).wait()
+
+    def recv_(self, t: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
+        self.irecv_(t, source, tag).wait()
+        return t
+
+    def sendrecv_(self, send: torch.Tensor, dest: int, recv: torch.Tensor, source: int,
+                  tag: int = 0) -> torch.Tensor:
+        """Send ``send`` to ``dest`` while receiving into ``recv`` from ``source``."""
+        t0 = time.perf_counter()
+        r = self.pg.recv([recv.view(-1)], source, tag)
+        s = self.pg.send([send.detach().reshape(-1)], dest, tag)
+        self._wait(s, "sendrecv", _nbytes(send), dest)
+        self._wait(r, "sendrecv", _nbytes(recv), source)
+        self.ledger.record("sendrecv", self.level, _nbytes(send), _nbytes(recv),
+                           time.perf_counter() - t0)
+        return recv
+
+    def barrier(self) -> None:
+        self._wait(self.pg.barrier(), "barrier", 0, None)
+
+
+__all__ = ["GlooComm", "GlooRequest"]

@@ -1,0 +1,185 @@
+"""The fleet's coordinator: a small process holding the ``TCPStore`` that the datacenters'
+leaders talk through (:mod:`lowcomm.comm.fleet`) and the membership's decisions
+(:mod:`lowcomm.run.membership`).
+
+``python -m lowcomm.run.coordinator --dcs D --min-dcs M --limit-s L --log FILE`` prints
+``ready PORT`` once the store listens, then serves until told ``stop`` on stdin (or stdin
+closes: the fleet that started it is gone). The fleet (:mod:`lowcomm.run.fleet`) writes one
+JSON command a line on its stdin — ``launch`` (a datacenter's job incarnation was started),
+``down`` (it ended, with the cause), ``retire`` (left out), ``stop`` — and reads the log's
+events, one JSON line each, on its stdout. A thread per launched incarnation waits on that
+incarnation's next message key (the store answers a wait when the key is set, so nothing
+polls the network); the main loop reads heartbeats every half heartbeat, counts its own
+heartbeat up, and moves the decisions' messages into the members' mailboxes. When the
+membership gives up (:class:`~lowcomm.run.membership.NoQuorum`) it logs why and exits with
+status 3.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import queue
+import sys
+import threading
+import time
+
+from ..comm.fleet import key
+from .membership import Membership, NoQuorum
+
+
+class _Watcher(threading.Thread):
+    """Read incarnation ``inc`` of ``dc``'s messages in order into ``out`` (its own client)."""
+
+    def __init__(self, port: int, dc: int, inc: int, out: queue.Queue):
+        super().__init__(name=f"lowcomm-coord-{dc}.{inc}", daemon=True)
+        self.port, self.dc, self.inc, self.out = port, dc, inc, out
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from torch.distributed import TCPStore
+        store = TCPStore("127.0.0.1", self.port, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=30))
+        k = 0
+        while not self.stop.is_set():
+            name = key("inbox", dc=self.dc, inc=self.inc, k=k)
+            try:
+                store.wait([name], datetime.timedelta(seconds=0.5))
+            except Exception:  # noqa: BLE001 - the wait's timeout: look at the stop flag
+                continue
+            self.out.put(("msg", json.loads(store.get(name))))
+            k += 1
+
+
+class Coordinator:
+    """Serve one fleet's membership on ``store`` (the master), logging events to ``log``."""
+
+    def __init__(self, store, membership: Membership, log, heartbeat_s: float):
+        self.store, self.m, self.log, self.heartbeat_s = store, membership, log, heartbeat_s
+        self.q: queue.Queue = queue.Queue()
+        self.held: list = []
+        self.watchers: dict[tuple[int, int], _Watcher] = {}
+        self.sent: dict[tuple[int, int], int] = {}
+        self.beats: dict[tuple[int, int], int] = {}
+        self.stopping = False
+
+    def serve(self, commands) -> int:
+        """Run until ``stop``; the exit status (3 when the membership gave up)."""
+        threading.Thread(target=self._read, args=(commands,), daemon=True).start()
+        self.m.events.append({"event": "start", "t": time.time(), "port": self.store.port})
+        next_hb = 0.0
+        try:
+            while not self.stopping:
+                now = time.monotonic()
+                self._drain(now)
+                if now >= next_hb:
+                    self._heartbeats(now)
+                    next_hb = now + self.heartbeat_s / 2
+                self.m.tick(now)
+                self._flush()
+                self._wait(0.02)
+        except NoQuorum as e:
+            self.m.events.append({"event": "gave_up", "t": time.time(), "why": str(e)})
+            self._flush()
+            return 3
+        return 0
+
+    def _read(self, commands) -> None:
+        for line in commands:
+            if line.strip():
+                self.q.put(("cmd", json.loads(line)))
+        self.q.put(("cmd", {"cmd": "stop"}))
+
+    def _wait(self, seconds: float) -> None:
+        try:
+            self.held.append(self.q.get(timeout=seconds))     # first in the next drain
+        except queue.Empty:
+            pass
+
+    def _drain(self, now: float) -> None:
+        while True:
+            if self.held:
+                kind, obj = self.held.pop(0)
+            else:
+                try:
+                    kind, obj = self.q.get_nowait()
+                except queue.Empty:
+                    return
+            if kind == "msg":
+                self.m.message(obj, now)
+            else:
+                self._command(obj, now)
+
+    def _command(self, c: dict, now: float) -> None:
+        if c["cmd"] == "launch":
+            w = self.watchers.get((c["dc"], c["inc"]))
+            if w is None:
+                w = self.watchers[(c["dc"], c["inc"])] = _Watcher(self.store.port, c["dc"],
+                                                                  c["inc"], self.q)
+                w.start()
+        elif c["cmd"] == "down":
+            self.m.down(c["dc"], c["inc"], c["cause"], now)
+            w = self.watchers.pop((c["dc"], c["inc"]), None)
+            if w is not None:
+                w.stop.set()
+        elif c["cmd"] == "retire":
+            self.m.retire(c["dc"], c.get("why", "failed too often"))
+        elif c["cmd"] == "stop":
+            self.stopping = True
+
+    def _heartbeats(self, now: float) -> None:
+        self.store.add(key("coordinator"), 1)
+        for d, s in self.m.sites.items():
+            if s.state in ("active", "joining", "expected"):
+                n = self.store.add(key("heartbeat", dc=d, inc=s.inc), 0)
+                if n != self.beats.get((d, s.inc)):
+                    self.beats[(d, s.inc)] = n
+                    if n:
+                        self.m.heartbeat(d, s.inc, now)
+
+    def _flush(self) -> None:
+        for dc, inc, msg in self.m.outbox:
+            n = self.sent.get((dc, inc), 0)
+            self.store.set(key("mailbox", dc=dc, inc=inc, n=n), json.dumps(msg))
+            self.sent[(dc, inc)] = n + 1
+        self.m.outbox.clear()
+        for ev in self.m.events:
+            line = json.dumps(ev)
+            if self.log is not None:
+                self.log.write(line + "\n")
+                self.log.flush()
+            sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+        self.m.events.clear()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--dcs", type=int, required=True)
+    ap.add_argument("--min-dcs", type=int, required=True)
+    ap.add_argument("--limit-s", type=float, required=True)
+    ap.add_argument("--heartbeat-s", type=float, default=0.5)
+    ap.add_argument("--start-s", type=float, default=300.0)
+    ap.add_argument("--quorum-s", type=float, default=600.0)
+    ap.add_argument("--log", default=None)
+    a = ap.parse_args(argv)
+    from torch.distributed import TCPStore
+    store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=60))
+    m = Membership(a.dcs, a.min_dcs, a.limit_s, time.monotonic(), a.start_s, a.quorum_s)
+    print(f"ready {store.port}", flush=True)
+    log = open(a.log, "a") if a.log else None
+    try:
+        return Coordinator(store, m, log, a.heartbeat_s).serve(sys.stdin)
+    finally:
+        if log is not None:
+            log.close()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)     # not through the store's destructors: its waiting threads would abort

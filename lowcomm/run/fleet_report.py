@@ -1,0 +1,215 @@
+"""What a fleet's run leaves behind (:mod:`lowcomm.run.fleet`): ``OUT/summary.json`` and
+``OUT/metrics.jsonl`` from the datacenters' own run folders and the coordinator's log
+(``OUT/membership.jsonl``).
+
+The summary holds the run's result (the model of the datacenters that finished: their
+``state_sha256`` must agree, ``dcs_agree``), the bytes of every datacenter (the heal traffic is
+in its ledger, op ``heal``), and under ``fleet``:
+
+* ``membership``: every committed round — its number, tag (``t40.f0``: fragment 0 at step 40;
+  ``t40.admit``: an admission), step, members, the datacenters admitted in it and the attempts
+  it took;
+* ``failures``: every datacenter counted out — cause, how it was detected (its job ended, or
+  the coordinator found it silent for ``silent_s``), the round and step;
+* ``heals``: every datacenter admitted back — step, round, bytes of state, seconds from its
+  hello to training again, and the seconds since its failure was detected and the
+  synchronisation rounds the others committed meanwhile (``rounds_since_failure``);
+* ``steps_lost``: per datacenter that never failed, the inner steps whose work no committed
+  round took (a round committed without it while it was alive, times the period): 0 is the goal;
+* ``left_out``, ``fallbacks`` (restarts from checkpoints after the coordinator was lost) and
+  every incarnation of every datacenter's job.
+
+``metrics.jsonl`` holds the datacenters' metrics lines (``dc``, ``inc`` added) and one line per
+round, failure and heal (``event``), ordered by step.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .folder import write_text
+
+
+def _events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _step(tag: str | None) -> int | None:
+    if tag and tag.startswith("t") and "." in tag:
+        head = tag[1:].split(".")[0]
+        return int(head) if head.isdigit() else None
+    return None
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _metrics(folder: Path) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass                                 # a line a kill cut short
+    return out
+
+
+def numbered(events: list[dict]) -> list[dict]:
+    """The log's events with rounds numbered across the coordinator's lifetimes (one that
+    replaced a lost coordinator counts its rounds from 0 again)."""
+    out, base, seen = [], 0, 0
+    for e in events:
+        if e["event"] == "start":
+            base = seen
+        elif "round" in e:
+            e = dict(e, round=e["round"] + base)
+            seen = max(seen, e["round"] + (e["event"] == "commit"))
+        out.append(e)
+    return out
+
+
+def rounds(events: list[dict]) -> list[dict]:
+    """The committed rounds, in order, with the decision each committed."""
+    decided, out = {}, []
+    for e in events:
+        if e["event"] == "decision":
+            decided[(e["round"], e["attempt"])] = e
+        elif e["event"] == "commit":
+            d = decided.get((e["round"], e["attempt"]), {})
+            out.append({"round": e["round"], "tag": e["tag"], "step": _step(e["tag"]),
+                        "members": e["members"], "joiners": d.get("joiners", []),
+                        "attempts": e["attempt"] + 1, "t": e["t"]})
+    return out
+
+
+def failures_and_heals(events: list[dict], committed: list[dict]) -> tuple[list, list]:
+    """The failures and heals of the log, each with the step it happened at."""
+    step_of = {r["round"]: r["step"] for r in committed}
+    failures, heals, last_failure = [], [], {}
+    for e in events:
+        if e["event"] == "failure":
+            f = {k: e[k] for k in ("dc", "inc", "cause", "was", "round", "silent_s", "t")}
+            f["detected_by"] = "the coordinator (silent)" if e.get("kill") else "its job ended"
+            f["step"] = step_of.get(e["round"], step_of.get(e["round"] - 1))
+            failures.append(f)
+            last_failure[e["dc"]] = f
+        elif e["event"] == "heal":
+            h = {k: e[k] for k in e if k != "event"}
+            f = last_failure.get(e["dc"])
+            if f is not None:
+                h["since_failure_s"] = round(e["t"] - f["t"], 3)
+                h["rounds_since_failure"] = len([r for r in committed if ".f" in r["tag"] and
+                                                 f["t"] < r["t"] and r["step"] <= e["step"]])
+            heals.append(h)
+    return failures, heals
+
+
+def steps_lost(fleet, committed: list[dict], failed: set[int]) -> dict:
+    """Per datacenter that never failed: the inner steps no committed round took its work of."""
+    period = _period(fleet.cfg, fleet.np)
+    out = {}
+    for dc in range(fleet.dcs):
+        if dc in failed:
+            continue
+        missed = [r for r in committed if ".f" in r["tag"] and dc not in r["members"]]
+        out[str(dc)] = len(missed) * period
+    return out
+
+
+def _period(cfg, ranks: int) -> int:
+    """The period H of the fleet's outer level (its ``dc`` level's settings)."""
+    from ..comm.topology import Topology
+    from .member import as_policy
+    from .registry import policy_levels
+    cfg = as_policy(cfg, cfg.fleet.dcs, ranks)
+    return int(policy_levels(cfg, Topology.parse(cfg.topology).names)[0].settings.period)
+
+
+def datacenters(fleet) -> dict:
+    """Every incarnation of every datacenter's job, with the steps its metrics reached."""
+    out: dict[str, list] = {}
+    for job in fleet.history:
+        rec = job.record()
+        lines = [x for x in _metrics(job.folder) if "step" in x]
+        rec["first_step"] = lines[0]["step"] if lines else None
+        rec["last_step"] = lines[-1]["step"] if lines else None
+        out.setdefault(str(job.dc), []).append(rec)
+    return out
+
+
+def _result(fleet) -> tuple[dict, list[dict]]:
+    """The summary of the datacenter that finished first in index order, and all finished."""
+    done = []
+    for job in fleet.history:
+        s = _json(job.folder / "summary.json") if job.exit == 0 else None
+        if s is not None:
+            done.append(s)
+    if not done:
+        return {}, []
+    return done[0], done
+
+
+def _bytes(fleet, finished: list[dict]) -> tuple[int, dict]:
+    total, by_level = 0, {}
+    for s in finished:
+        total += s.get("bytes_total", 0)
+        for lv, b in s.get("bytes_by_level", {}).items():
+            by_level[lv] = by_level.get(lv, 0) + b
+    for job in fleet.history:                  # the ended ones: their last metrics line
+        if job.exit != 0:
+            lines = [x for x in _metrics(job.folder) if "bytes" in x]
+            total += lines[-1]["bytes"] if lines else 0
+    return total, by_level
+
+
+def write_report(fleet, wall_s: float) -> dict:
+    """Write ``OUT/summary.json`` and ``OUT/metrics.jsonl``; return the summary."""
+    events = numbered(_events(fleet.out / "membership.jsonl"))
+    committed = rounds(events)
+    failures, heals = failures_and_heals(events, committed)
+    head, finished = _result(fleet)
+    total, by_level = _bytes(fleet, finished)
+    failed = {f["dc"] for f in failures} | {j.dc for j in fleet.history if j.exit not in (0, None)}
+    shas = {s["state_sha256"] for s in finished}
+    summary = {
+        "method": head.get("method"), "task": head.get("task"), "ranks": fleet.np,
+        "steps": fleet.cfg.steps, "params": head.get("params"), "dcs": fleet.dcs,
+        "min_dcs": fleet.min_dcs, "final_loss": head.get("final_loss"),
+        "eval_loss": head.get("eval_loss", float("nan")), "bytes_total": total,
+        "bytes_by_level": by_level, "wall_s": wall_s, "state_sha256": head.get("state_sha256"),
+        "dcs_agree": len(shas) == 1, "ranks_agree": all(s.get("ranks_agree") for s in finished),
+        "finished_dcs": sorted({s["fleet"]["dc"] for s in finished}),
+        "fleet": {"membership": [{k: v for k, v in r.items() if k != "t"} for r in committed],
+                  "failures": failures, "heals": heals,
+                  "steps_lost": steps_lost(fleet, committed, failed),
+                  "left_out": [{"dc": d, "why": w} for d, w in sorted(fleet.retired.items())],
+                  "fallbacks": fleet.fallbacks, "datacenters": datacenters(fleet)},
+        "config": head.get("config"),
+    }
+    write_text(fleet.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_text(fleet.out / "metrics.jsonl", "".join(
+        json.dumps(x) + "\n" for x in _merged(fleet, committed, failures, heals)))
+    return summary
+
+
+def _merged(fleet, committed: list[dict], failures: list[dict], heals: list[dict]) -> list[dict]:
+    lines = []
+    for job in fleet.history:
+        lines += [{"dc": job.dc, "inc": job.inc, **x} for x in _metrics(job.folder)]
+    lines += [{"event": "round", **r} for r in committed]
+    lines += [{"event": "failure", **f} for f in failures]
+    lines += [{"event": "heal", **h} for h in heals]
+    return sorted(lines, key=lambda x: (x.get("step") if x.get("step") is not None else -1,
+                                        "event" in x, x.get("t", 0)))
+
+
+__all__ = ["failures_and_heals", "numbered", "rounds", "steps_lost", "write_report"]

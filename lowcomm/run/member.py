@@ -1,0 +1,280 @@
+"""One datacenter's job in a fleet (:mod:`lowcomm.run.fleet`): the run as usual inside the
+datacenter, its outer level across datacenters through the fleet's channel.
+
+The fleet starts each datacenter's MPI job with its identity in the environment
+(:data:`ENV`). Here, on every rank of that job:
+
+* :func:`as_policy`: the run's outer method becomes the ``dc`` level of a per-level policy
+  (``dc`` = the method across datacenters, ``rank`` = SyncDP inside each), the form a fleet
+  runs; a policy given by the user must have ``dc`` as its outermost level;
+* :class:`FleetLevels`: the topology's communicators as this datacenter sees them: its own
+  ranks (MPI) for the levels inside, the fleet's :class:`~lowcomm.comm.fleet.Channel` (on the
+  datacenter's rank 0) as its peers across;
+* :class:`FleetLockstep`: the loop's coordination with the batches of the rank's place in the
+  whole fleet; a relaunched datacenter first waits to be admitted and takes the live state from
+  a peer (no checkpoint is read) and starts at the step it was admitted at; at every round
+  boundary the leader holds the admission round when a datacenter waits to come back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import time
+
+import torch
+
+from ..comm.fleet import Channel, FleetError, Limits, Span
+from ..comm.topology import Topology
+from ..errors import ConfigError
+from .coordinate import Lockstep
+
+log = logging.getLogger("lowcomm.fleet")
+
+#: what the fleet tells each datacenter's job: the coordinator's address, the datacenter,
+#: its incarnation, whether it rejoins, and its ranks' place in the fleet ("offset,total")
+ENV = ("LOWCOMM_FLEET", "LOWCOMM_FLEET_DC", "LOWCOMM_FLEET_INC", "LOWCOMM_FLEET_JOIN",
+       "LOWCOMM_FLEET_RANKS")
+
+#: outer methods a fleet runs across datacenters
+OUTER = ("diloco", "streaming-diloco", "localsgd")
+
+
+def identity() -> dict | None:
+    """This job's place in a fleet, from :data:`ENV`, or None outside a fleet."""
+    if not os.environ.get("LOWCOMM_FLEET"):
+        return None
+    try:
+        offset, total = (int(x) for x in os.environ["LOWCOMM_FLEET_RANKS"].split(","))
+        return {"address": os.environ["LOWCOMM_FLEET"], "dc": int(os.environ["LOWCOMM_FLEET_DC"]),
+                "inc": int(os.environ.get("LOWCOMM_FLEET_INC", "0")),
+                "join": os.environ.get("LOWCOMM_FLEET_JOIN", "0") == "1",
+                "offset": offset, "total": total}
+    except (KeyError, ValueError) as e:
+        raise ConfigError("LOWCOMM_FLEET", f"a fleet's job needs {', '.join(ENV)} (set by "
+                          f"lowcomm train --dcs): {e}") from None
+
+
+def _spec(strategy: dict) -> str:
+    def lit(v):
+        return str(v).lower() if isinstance(v, bool) else str(v)
+    opts = ",".join(f"{k}={lit(v)}" for k, v in strategy.items() if k != "name")
+    return strategy["name"] + (":" + opts if opts else "")
+
+
+def as_policy(cfg, dcs: int, ranks: int):
+    """``cfg`` in the form a fleet of ``dcs`` datacenters (``ranks`` in all) runs: its outer
+    method on the ``dc`` level of a per-level policy; refuses what a fleet cannot run, naming
+    the key."""
+    if ranks % dcs:
+        raise ConfigError("fleet.dcs", f"{ranks} ranks do not split evenly over {dcs} datacenters")
+    if not cfg.policy:
+        name = cfg.strategy.get("name", "syncdp")
+        if name not in OUTER:
+            raise ConfigError("strategy.name", f"{name} synchronises every step; across "
+                              f"datacenters a fleet runs an outer method: {', '.join(OUTER)}")
+        cfg = dataclasses.replace(cfg, topology=f"dc:{dcs},rank:{ranks // dcs}",
+                                  policy={"dc": _spec(cfg.strategy), "rank": "syncdp"},
+                                  strategy={"name": "syncdp"})
+    topo = Topology.parse(cfg.topology) if cfg.topology else None
+    if topo is None or topo.names[0] != "dc" or len(topo.units("dc")) != dcs:
+        raise ConfigError("topology", f"a fleet of {dcs} datacenters needs a topology whose "
+                          f"outermost level is dc with {dcs} units, got {cfg.topology!r}")
+    if topo.size != ranks:
+        raise ConfigError("topology", f"{cfg.topology!r} places {topo.size} ranks, the fleet "
+                          f"launches {ranks}")
+    _check_dc_level(cfg)
+    return cfg
+
+
+def _check_dc_level(cfg) -> None:
+    from .registry import parse_spec
+    m, opts = parse_spec(cfg.policy.get("dc", "syncdp"), "policy.dc")
+    if m.name not in OUTER:
+        raise ConfigError("policy.dc", f"{m.name} across datacenters: a fleet runs an outer "
+                          f"method there ({', '.join(OUTER)})")
+    merged = {**{k: v for k, v in cfg.strategy.items() if k != "name"}, **opts}
+    if merged.get("compressor", "none") not in ("none", ""):
+        raise ConfigError("policy.dc.compressor", "a fleet reduces dense pseudo-gradients across "
+                          "datacenters (a compressor's error feedback would count a retried "
+                          "round twice); use compressor=none")
+    if int(merged.get("delay", 0)):
+        raise ConfigError("policy.dc.delay", "a fleet admits datacenters at round boundaries, "
+                          "where nothing may be in flight: use delay=0")
+
+
+class FleetLevels:
+    """The topology's communicators as datacenter ``dc`` sees them (module docstring): the
+    levels inside over ``inside`` (this job's world), the ``dc`` level's peers = ``channel``
+    (None off the leader). Names, size and links are the whole topology's, so that every
+    choice made from them (``auto`` algorithms) is the one a single MPI job makes."""
+
+    def __init__(self, topology: Topology, inside, channel: Channel | None, dc: int,
+                 whole: Span | None = None):
+        self.topology, self.world, self.channel, self.whole = topology, inside, channel, whole
+        names = topology.names
+        inside.link = topology.link(names[1])
+        self._inner = None
+        if len(names) > 2:
+            paths = [p[1:] for p in topology.paths if p[0] == topology.units("dc")[dc][0]]
+            self._inner = Topology(names[1:], paths, topology.links, "fleet").comms(inside)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.topology.names
+
+    @property
+    def size(self) -> int:
+        return self.topology.size
+
+    hierarchy = None
+
+    def group(self, level: str):
+        if level == self.names[0]:
+            return self.world
+        return self._inner.group(level)
+
+    def peers(self, level: str):
+        if level == self.names[0]:
+            return self.channel
+        return self._inner.peers(level) if self._inner is not None else self.world
+
+    def dup(self, ledger=None) -> "FleetLevels":
+        return self
+
+
+def connect(cfg, comm, me: dict) -> Channel | None:
+    """The fleet's channel on the datacenter's leader (rank 0), None on its other ranks."""
+    if comm.rank != 0:
+        return None
+    link = Topology.parse(cfg.topology).link("dc")
+    limits = Limits.of(link, cfg.fleet.heartbeat_s, cfg.comm.watchdog_factor, cfg.comm.outage_s,
+                       cfg.fleet.join_s)
+    return Channel(me["address"], me["dc"], me["inc"], limits, link, rank=me["offset"],
+                   connect_s=cfg.fleet.join_s if me["join"] else None)
+
+
+def levels(cfg, comm, channel: Channel | None, me: dict) -> FleetLevels:
+    """The topology's communicators of this datacenter, with the span of the whole fleet (what
+    the outer loop averages the last partial period and the buffers over)."""
+    whole = Span(comm, channel, me["total"], me["offset"] + comm.rank)
+    return FleetLevels(Topology.parse(cfg.topology), comm, channel, me["dc"], whole)
+
+
+def run(cfg, task, comm, me: dict, out=None, progress: bool = True, resume=None,
+        overwrite: bool = False, run_id: str | None = None) -> dict:
+    """Train this datacenter's part of the fleet (module docstring); its summary."""
+    from .config import apply_comm_settings
+    from .loop import run as run_loop
+    from .registry import build_strategy
+    cfg = as_policy(cfg, cfg.fleet.dcs, me["total"])
+    apply_comm_settings(cfg, comm)
+    channel = connect(cfg, comm, me)
+    lv = levels(cfg, comm, channel, me)
+    return run_loop(cfg, task, lambda m, o, c: build_strategy(cfg, m, o, c, lv), comm, out,
+                    progress, resume, overwrite, run_id,
+                    coordination=lambda r: FleetLockstep(r, me, channel))
+
+
+def payload(r) -> bytes:
+    """The live state a donor hands a rejoining datacenter: model and method state."""
+    buf = io.BytesIO()
+    torch.save({"model": r.model.state_dict(), "strategy": r.strategy.state_dict()}, buf)
+    return buf.getvalue()
+
+
+def install(r, data: bytes, reset_inner: bool) -> None:
+    """Take a donor's state: its model and method state (the inner optimizer's too, unless
+    ``reset_inner``), then the model set to the live outer parameters."""
+    state = torch.load(io.BytesIO(data), weights_only=True)
+    r.model.load_state_dict(state["model"])
+    s = state["strategy"]
+    if reset_inner:
+        s = dict(s, optimizer=r.strategy.optimizer.state_dict())
+    r.strategy.load_state_dict(s)
+    outer = getattr(r.strategy, "outer_params", None)
+    if outer is not None:
+        for f, p in zip(r.strategy.fragments, outer):
+            f.unpack_(p.detach())
+
+
+class FleetLockstep(Lockstep):
+    """The loop's coordination in a fleet's datacenter (module docstring)."""
+
+    def __init__(self, r, me: dict, channel: Channel | None):
+        super().__init__(r)
+        self.me, self.channel = me, channel
+        self.rank, self.world = me["offset"] + r.comm.rank, me["total"]
+        self.joined: dict | None = None
+        self.t_hello = time.monotonic()
+
+    def start(self):
+        state = super().start()
+        if self.channel is not None:
+            self.channel.send("hello", joining=self.me["join"], ranks=self.r.comm.size)
+            self.t_hello = time.monotonic()
+        if self.me["join"]:
+            self._join(state)
+        return state
+
+    def _join(self, state) -> None:
+        """Wait to be admitted (the leader; the other ranks wait for it without the
+        watchdog's floor: the leader's own limit covers them), then take the state."""
+        r, dog = self.r, self.r.ctl.watchdog
+        info = None
+        if self.channel is not None:
+            info = self.channel.join(r.comm.ledger)
+        floor, dog.timeout_s = dog.timeout_s, (dog.timeout_s if self.channel else 0)
+        try:
+            info = r.ctl.bcast_object(info) if r.comm.size > 1 else info
+        finally:
+            dog.timeout_s = floor
+        install(r, info["payload"], self.r.cfg.fleet.heal_inner == "reset")
+        state.step = info["step"]
+        state.samples = state.step * self.samples_per_step * self.me["total"] // r.comm.size
+        self.joined = {k: v for k, v in info.items() if k != "payload"}
+        self.joined["since_hello_s"] = round(time.monotonic() - self.t_hello, 3)
+        if self.channel is not None:
+            self.channel.send("healed", step=info["step"], round=info["round"],
+                              bytes=info["bytes"], seconds=self.joined["since_hello_s"],
+                              wait_s=info["wait_s"], transfer_s=info["transfer_s"])
+        log.info("datacenter %d admitted at step %d (round %d): %d bytes of state, %.2f s after "
+                 "its hello", self.me["dc"], info["step"], info["round"], info["bytes"],
+                 self.joined["since_hello_s"])
+
+    def after_step(self, state) -> None:
+        super().after_step(state)
+        s = self.r.strategy
+        at = state.step - getattr(s, "warmup_steps", 0)
+        if self.channel is not None and at > 0 and at % s.period == 0 and \
+                self.channel.admission_due():
+            admitted = self.channel.admit(state.step, lambda: payload(self.r), self.r.comm.ledger)
+            if admitted:
+                log.info("admitted datacenter(s) %s at step %d", admitted, state.step)
+
+    def line_extra(self) -> dict:
+        if self.channel is None:
+            return {}
+        return {"fleet_round": self.channel.round, "members": self.channel.members}
+
+    def summary_extra(self) -> dict:
+        out = {"dc": self.me["dc"], "inc": self.me["inc"], "joined": self.joined}
+        if self.channel is not None:
+            out["rounds"] = self.channel.epoch_rounds
+        return {"fleet": out}
+
+    def finish(self, state):
+        summary = super().finish(state)
+        if self.channel is not None:
+            self.channel.close("finished")
+        return summary
+
+    def abandon(self) -> None:
+        super().abandon()
+        if self.channel is not None:
+            self.channel.close("failed")
+
+
+__all__ = ["ENV", "FleetError", "FleetLevels", "FleetLockstep", "OUTER", "as_policy",
+           "connect", "identity", "install", "levels", "payload", "run"]

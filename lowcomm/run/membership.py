@@ -1,0 +1,291 @@
+"""The fleet coordinator's decisions, as a state machine: messages and the clock go in, mailbox
+messages and log events come out (:mod:`lowcomm.run.coordinator` moves them through the store;
+:mod:`lowcomm.comm.fleet` is the members' side).
+
+Each datacenter (a *site*) is ``expected`` (a founder not heard of yet), ``active`` (takes part
+in rounds), ``joining`` (a relaunched job waiting to be admitted), ``gone`` (failed: fenced),
+``finished`` or ``retired`` (left out after failing too often). Rules:
+
+* **Rounds.** A round is decided when every active site is ready for it (the same tag on all:
+  the same synchronisation of the same step) or found dead. Its members reduce; the round is
+  committed only when every member reports its reduction complete; a member that failed or died
+  makes the round go again without it (``attempt`` + 1, a new gloo group).
+* **Dead.** A site whose job ended (the fleet says so: ``down``) is out at once; one silent
+  for ``limit_s`` (no heartbeat, no message) is out only if the others keep a quorum — so a
+  partition never splits the run: the side without ``min_dcs`` datacenters waits, and
+  ``quorum_s`` without a quorum ends the coordinator (the fleet then restarts from
+  checkpoints). A site counted out is *fenced*: every later message of that incarnation is
+  answered with ``fence``, and the fleet tears its job down and relaunches it.
+* **Admission.** A decision while a site is joining says ``admit_next``; at their next round
+  boundary the members hold an admission round, whose members include the joining sites and
+  whose ``donor`` (the lowest active member) sends them the live state. Admission needs
+  ``min_dcs`` sites counting the joiners.
+* **End.** When no site is active any more and one has finished, joining sites are told
+  ``over``; when none has finished, nobody is left to hand the state on: the coordinator gives
+  up (the fleet restarts from checkpoints).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..errors import LowcommError
+
+#: attempts of one round before the coordinator gives up (a fault that every retry meets)
+MAX_ATTEMPTS = 8
+
+LIVE = ("expected", "active", "joining")
+
+
+class NoQuorum(LowcommError):
+    """The coordinator cannot decide: fewer than ``min_dcs`` datacenters for too long, or a
+    round that fails every time. The fleet falls back to its checkpoints."""
+
+
+@dataclass
+class Site:
+    """One datacenter as the coordinator sees it."""
+    dc: int
+    seen: float                       # the clock of its last heartbeat or message
+    inc: int = 0                      # incarnation of its job (0: the first launch)
+    state: str = "expected"
+    hello_at: float | None = None     # when a joining incarnation said hello
+    fenced: set = field(default_factory=set)
+
+
+class Membership:
+    """The coordinator's state (module docstring). ``dcs`` founders, a quorum of ``min_dcs``,
+    ``limit_s`` of silence before a site is out, ``start_s`` for a founder's first hello,
+    ``quorum_s`` without a quorum before giving up."""
+
+    def __init__(self, dcs: int, min_dcs: int, limit_s: float, now: float,
+                 start_s: float = 300.0, quorum_s: float = 600.0):
+        if not 1 <= min_dcs <= dcs:
+            raise ValueError(f"min_dcs must be in [1, {dcs}], got {min_dcs}")
+        self.sites = {i: Site(i, now) for i in range(dcs)}
+        self.min_dcs, self.limit_s, self.start_s, self.quorum_s = min_dcs, limit_s, start_s, quorum_s
+        self.round, self.attempt, self.phase = 0, 0, "collect"
+        self.readies: dict[int, dict] = {}
+        self.decision: dict | None = None
+        self.dones: dict[int, dict] = {}
+        self.group, self.group_members = None, None
+        self.short_since: float | None = None      # since when without a quorum
+        self.outbox: list[tuple[int, int, dict]] = []
+        self.events: list[dict] = []
+        self.over = False
+
+    # output ---------------------------------------------------------------------------------
+    def _mail(self, dc: int, msg: dict, inc: int | None = None) -> None:
+        self.outbox.append((dc, self.sites[dc].inc if inc is None else inc, msg))
+
+    def _event(self, kind: str, **fields) -> None:
+        self.events.append({"event": kind, "t": time.time(), **fields})
+
+    def _fence(self, dc: int, inc: int, why: str) -> None:
+        site = self.sites[dc]
+        if inc not in site.fenced:
+            site.fenced.add(inc)
+            self._mail(dc, {"type": "fence", "why": why}, inc)
+
+    # input ----------------------------------------------------------------------------------
+    def message(self, msg: dict, now: float) -> None:
+        """A member's message (``hello``, ``ready``, ``done``, ``healed``, ``bye``)."""
+        site = self.sites[msg["dc"]]
+        if msg["type"] == "hello" and (msg["inc"] > site.inc or site.state == "expected"):
+            self._hello(site, msg, now)
+            return
+        if msg["inc"] != site.inc or site.state not in (*LIVE, "finished"):
+            self._fence(site.dc, msg["inc"], f"incarnation {msg['inc']} of datacenter "
+                        f"{site.dc} is no longer a member")
+            return
+        site.seen = now
+        getattr(self, "_on_" + msg["type"])(site, msg, now)
+
+    def _hello(self, site: Site, msg: dict, now: float) -> None:
+        if site.state in ("active", "joining") and msg["inc"] > site.inc:
+            self._out(site, f"relaunched as incarnation {msg['inc']}", now, kill=False)
+        if site.state == "retired":
+            self._fence(site.dc, msg["inc"], "left out of the run after failing too often")
+            return
+        site.inc, site.seen = msg["inc"], now
+        if self.over:                      # nobody left to admit it
+            site.state = "late"
+            self._mail(site.dc, {"type": "over"})
+            return
+        site.state = "joining" if msg.get("joining") else "active"
+        site.hello_at = now if msg.get("joining") else None
+        self._event("hello", dc=site.dc, inc=site.inc, joining=bool(msg.get("joining")),
+                    round=self.round)
+
+    def _on_ready(self, site: Site, msg: dict, now: float) -> None:
+        if msg["round"] != self.round or site.state != "active":
+            self._fence(site.dc, site.inc, f"ready for round {msg['round']} while the fleet is "
+                        f"at round {self.round}")
+            return
+        self.readies[site.dc] = msg
+
+    def _on_done(self, site: Site, msg: dict, now: float) -> None:
+        if self.phase == "reduce" and (msg["round"], msg["attempt"]) == (self.round, self.attempt):
+            self.dones[site.dc] = msg
+
+    def _on_healed(self, site: Site, msg: dict, now: float) -> None:
+        self._event("heal", dc=site.dc, inc=site.inc, **{k: msg[k] for k in msg if k in (
+            "bytes", "seconds", "wait_s", "transfer_s", "step", "round", "since_hello_s")})
+
+    def _on_bye(self, site: Site, msg: dict, now: float) -> None:
+        if msg.get("reason", "finished") != "finished":     # its run raised: out at once
+            self._out(site, f"its job failed ({msg['reason']})", now, kill=False)
+            return
+        site.state = "finished"
+        self._event("bye", dc=site.dc, inc=site.inc, reason=msg.get("reason", "finished"),
+                    round=self.round)
+
+    def heartbeat(self, dc: int, inc: int, now: float) -> None:
+        site = self.sites[dc]
+        if inc == site.inc:
+            site.seen = now
+
+    def down(self, dc: int, inc: int, cause: str, now: float) -> None:
+        """The fleet: incarnation ``inc`` of ``dc``'s job ended (``cause``)."""
+        site = self.sites[dc]
+        if inc == site.inc and site.state in LIVE:
+            self._out(site, cause, now, kill=False)
+
+    def retire(self, dc: int, why: str) -> None:
+        """The fleet: ``dc`` is left out for the rest of the run."""
+        self.sites[dc].state = "retired"
+        self._event("left_out", dc=dc, why=why, round=self.round)
+
+    def _out(self, site: Site, cause: str, now: float, kill: bool) -> None:
+        was = site.state
+        site.state = "gone"
+        self._fence(site.dc, site.inc, cause)
+        self.readies.pop(site.dc, None)
+        self._event("failure", dc=site.dc, inc=site.inc, cause=cause, was=was, round=self.round,
+                    silent_s=round(now - site.seen, 3), kill=kill)
+
+    # the clock --------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Count silent sites out, then decide, commit or retry what can be."""
+        self._silent(now)
+        if self.phase == "reduce":
+            self._settle(now)
+        if self.phase == "collect":
+            self._collect(now)
+        if not self.over and not any(s.state in ("expected", "active") for s in self.sites.values()):
+            if not any(s.state == "finished" for s in self.sites.values()):
+                raise NoQuorum("no datacenter is left to take part in rounds or to hand its "
+                               "state on")
+            self._end()
+
+    def _silent(self, now: float) -> None:
+        active = [s for s in self.sites.values() if s.state == "active"]
+        for s in list(self.sites.values()):
+            limit = self.start_s if s.state == "expected" else self.limit_s
+            if s.state not in LIVE or now - s.seen <= limit:
+                continue
+            if s.state == "active" and len(active) - 1 < self.min_dcs:
+                continue                # no quorum without it: wait (a partition must not split)
+            self._out(s, f"no heartbeat for {now - s.seen:.3g} s (limit {limit:.3g} s)", now,
+                      kill=True)
+            active = [a for a in active if a is not s]
+
+    def _collect(self, now: float) -> None:
+        active = sorted(d for d, s in self.sites.items() if s.state == "active")
+        if self.sites and any(s.state == "expected" for s in self.sites.values()):
+            return                                     # founders still starting
+        if not active or any(d not in self.readies for d in active):
+            heard = [d for d in active if now - self.sites[d].seen <= self.limit_s]
+            self._quorum(now, len(heard))         # silent ones kept only for want of a quorum
+            return
+        admit = any(r.get("admit") for r in self.readies.values())
+        joiners = sorted(d for d, s in self.sites.items() if s.state == "joining") if admit else []
+        if len(active) + len(joiners) < self.min_dcs or (not admit and len(active) < self.min_dcs):
+            self._quorum(now, len(active))
+            return
+        self.short_since = None
+        tags = {self.readies[d]["tag"] for d in active}
+        if len(tags) > 1:
+            raise NoQuorum(f"round {self.round}: the datacenters are at different "
+                           f"synchronisations: " + ", ".join(f"{d}: {self.readies[d]['tag']}"
+                                                             for d in active))
+        self._decide(active, joiners, tags.pop(), admit)
+
+    def _quorum(self, now: float, n: int) -> None:
+        if n >= self.min_dcs:
+            self.short_since = None
+            return
+        if self.short_since is None:
+            self.short_since = now
+            self._event("no_quorum", round=self.round, active=n, min_dcs=self.min_dcs)
+        elif now - self.short_since > self.quorum_s:
+            raise NoQuorum(f"only {n} of the {self.min_dcs} datacenters a round needs for "
+                           f"{self.quorum_s:g} s")
+
+    def _decide(self, active: list[int], joiners: list[int], tag: str, admit: bool) -> None:
+        members = sorted(active + joiners)
+        if members != self.group_members or self.group is None:
+            self.group, self.group_members = f"{self.round}.{self.attempt}", members
+        waiting = any(s.state == "joining" for s in self.sites.values())
+        self.decision = {"type": "decision", "round": self.round, "attempt": self.attempt,
+                         "tag": tag, "members": members, "contributors": active,
+                         "joiners": joiners, "donor": active[0], "group": self.group,
+                         "admit_next": waiting and not admit}
+        for d in members:
+            self._mail(d, self.decision)
+        self._event("decision", **{k: v for k, v in self.decision.items() if k != "type"})
+        self.phase, self.dones = "reduce", {}
+
+    def _settle(self, now: float) -> None:
+        members = self.decision["members"]
+        gone = [d for d in members if self.sites[d].state not in ("active", "joining")]
+        if any(d not in self.dones and d not in gone for d in members):
+            return
+        if not gone and all(self.dones[d]["ok"] for d in members):
+            self._commit(now)
+        else:
+            self._retry(gone)
+
+    def _commit(self, now: float) -> None:
+        d = self.decision
+        for m in d["members"]:
+            self._mail(m, {"type": "outcome", "round": d["round"], "commit": True})
+        for j in d["joiners"]:
+            site = self.sites[j]
+            site.state = "active"
+            self._event("admitted", dc=j, inc=site.inc, round=d["round"], tag=d["tag"],
+                        since_hello_s=round(now - site.hello_at, 3) if site.hello_at else None)
+        self._event("commit", round=d["round"], attempt=d["attempt"], tag=d["tag"],
+                    members=d["members"])
+        self.round, self.attempt, self.phase = self.round + 1, 0, "collect"
+        self.readies, self.dones = {}, {}
+
+    def _retry(self, gone: list[int]) -> None:
+        d = self.decision
+        failed = {m: self.dones[m].get("error") for m in d["members"]
+                  if m in self.dones and not self.dones[m]["ok"]}
+        for m in d["members"]:
+            if m not in gone:
+                self._mail(m, {"type": "outcome", "round": d["round"], "commit": False})
+        self._event("retry", round=d["round"], attempt=d["attempt"], gone=gone, failed=failed)
+        if self.attempt + 1 >= MAX_ATTEMPTS:
+            raise NoQuorum(f"round {d['round']} ({d['tag']}) failed {MAX_ATTEMPTS} times; last "
+                           f"errors: {failed}")
+        self.attempt += 1
+        self.group = None                            # a failed group is never reused
+        self.readies = {m: r for m, r in self.readies.items() if self.sites[m].state == "active"}
+        self.phase = "collect"
+
+    def _end(self) -> None:
+        self.over = True
+        for d, s in self.sites.items():
+            if s.state == "joining":
+                self._mail(d, {"type": "over"})
+        self._event("over", round=self.round)
+
+    def snapshot(self) -> dict:
+        """Who is what now (for the fleet's summary)."""
+        return {str(d): {"state": s.state, "inc": s.inc} for d, s in self.sites.items()}
+
+
+__all__ = ["MAX_ATTEMPTS", "Membership", "NoQuorum", "Site"]

@@ -1,0 +1,103 @@
+"""Running fleets for the tests: several at once (their task sleeps, so they share the cores),
+each with a deadline, with faults injected when a run reaches a step."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from conftest import ROOT
+
+TASK = ROOT / "tests" / "fleet_task.py"
+#: 3 datacenters x 1 rank, DiLoCo across, H = 10: rounds of about 10 x step_ms
+BASE = ["task=" + str(TASK), "batch_size=64", "task.dim=8", "eval_batches=8", "log_every=5", "lr=0.01",
+        "eval_every=0", "comm.outage_s=1", "fleet.backoff_s=0.2"]
+
+
+def sets(*extra: str) -> list[str]:
+    return [a for o in (*BASE, *extra) for a in ("--set", o)]
+
+
+class Run:
+    """A ``lowcomm`` command started in the background; :meth:`wait` returns (exit, output)."""
+
+    def __init__(self, out: Path, args: list[str], env: dict | None = None):
+        self.out = out
+        self.log = open(str(out) + ".log", "w")
+        self.p = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def wait(self, deadline: float) -> tuple[int, str]:
+        try:
+            self.p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            self.p.wait()
+        self.log.close()
+        return self.p.returncode, Path(str(self.out) + ".log").read_text()
+
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+
+def fleet(out: Path, *extra: str, dcs: int = 3, np: int = 3, place: str = "auto") -> Run:
+    return Run(out, [sys.executable, "-m", "lowcomm.cli", "train", "--dcs", str(dcs), "--np",
+                     str(np), "--place", place, "--out", str(out), *sets(*extra)])
+
+
+def single_job(out: Path, *extra: str, np: int = 3) -> Run:
+    """Today's run: one mpirun over every rank."""
+    return Run(out, [str(ROOT / "launchers" / "local.sh"), "-n", str(np), "lowcomm", "train",
+                     "--quiet", "--out", str(out), *sets(*extra)])
+
+
+def reached(metrics: Path, step: int) -> bool:
+    try:
+        return any(json.loads(x).get("step", 0) >= step for x in metrics.read_text().splitlines())
+    except (OSError, ValueError):
+        return False
+
+
+def when(cond, action, deadline: float) -> threading.Thread:
+    """Run ``action()`` once ``cond()`` holds (polled), unless ``deadline`` passes first."""
+    def watch():
+        while time.monotonic() < deadline:
+            if cond():
+                action()
+                return
+            time.sleep(0.1)
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def kill_rank0(folder: Path) -> None:
+    """SIGKILL rank 0 of the job in ``folder`` (its pid is in the run folder's lock)."""
+    pid = int((folder / ".lowcomm.lock").read_text().split()[1])
+    (folder.parent / "killed_at").write_text(str(time.time()))
+    os.kill(pid, signal.SIGKILL)
+
+
+def children(pid: int, name: str) -> list[int]:
+    """The child processes of ``pid`` whose command line holds ``name``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid and name in (d / "cmdline").read_text():
+                out.append(int(d.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def metrics(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -1,0 +1,57 @@
+"""A task for the fleet's tests: noisy linear regression (a fixed teacher), whose steps take
+``task.step_ms`` of wall-clock (a sleep: no CPU) so that a run lasts long enough for a
+datacenter to die, be relaunched and heal back, while the machine's cores stay free.
+Options: ``step_ms`` (40), ``dim`` (16), and a datacenter that keeps failing: ``crash_dc``
+fails at step ``crash_step`` of its first launch and while building the model in every
+relaunch (-1: none). Batches are a pure function of the step and rank."""
+import os
+import time
+
+import torch
+
+DEFAULTS = {"step_ms": 40.0, "dim": 16, "crash_dc": -1, "crash_step": 10}
+
+
+def _crashing(cfg) -> bool:
+    return str(_opt(cfg, "crash_dc")) == os.environ.get("LOWCOMM_FLEET_DC")
+
+
+def _opt(cfg, name):
+    return cfg.task.options.get(name, DEFAULTS[name])
+
+
+def _teacher(dim: int) -> torch.Tensor:
+    return torch.linspace(-0.5, 0.5, dim, dtype=torch.float32).unsqueeze(1)
+
+
+def model(cfg):
+    if _crashing(cfg) and os.environ.get("LOWCOMM_FLEET_INC", "0") != "0":
+        raise RuntimeError("this datacenter keeps failing (task.crash_dc)")
+    dim = int(_opt(cfg, "dim"))
+    m = torch.nn.Sequential(torch.nn.Linear(dim, 8), torch.nn.Linear(8, 1))
+    m.step_ms = float(_opt(cfg, "step_ms"))        # loss() sleeps this long per training step
+    return m
+
+
+def _draw(seed: int, n: int, dim: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    y = x @ _teacher(dim) + 0.3 * torch.randn(n, 1, generator=g)     # noisy labels: floor 0.09
+    return x, y
+
+
+def batch(step, rank, world, cfg):
+    if _crashing(cfg) and step >= int(_opt(cfg, "crash_step")):
+        raise RuntimeError(f"this datacenter fails at step {step} (task.crash_dc)")
+    return _draw(1_000_003 * step + rank, cfg.batch_size, int(_opt(cfg, "dim")))
+
+
+def loss(model, batch):
+    x, y = batch
+    if model.training:
+        time.sleep(model.step_ms / 1000)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def eval_batches(cfg):
+    return [_draw(-1 - i, 64, int(_opt(cfg, "dim"))) for i in range(cfg.eval_batches)]

@@ -1,0 +1,212 @@
+"""The fleet coordinator's decisions (lowcomm.run.membership), with no process: rounds, the
+quorum that keeps a partition from splitting the run, fencing, admission, retries, the end."""
+import pytest
+
+from lowcomm.run.membership import MAX_ATTEMPTS, Membership, NoQuorum
+
+
+class Fleet:
+    """A Membership driven by hand: ``say`` sends a member's message, ``mail(dc)`` reads what
+    the coordinator put in dc's mailbox since the last look."""
+
+    def __init__(self, dcs=3, min_dcs=2, limit_s=3.0, founders=True):
+        self.now = 0.0
+        self.m = Membership(dcs, min_dcs, limit_s, self.now, start_s=10.0, quorum_s=20.0)
+        self.read = 0
+        if founders:
+            for d in range(dcs):
+                self.say(d, "hello")
+
+    def say(self, dc, kind, inc=0, **fields):
+        self.m.message({"type": kind, "dc": dc, "inc": inc, **fields}, self.now)
+
+    def tick(self, dt=0.0, beat=()):
+        self.now += dt
+        for d in beat:
+            self.m.heartbeat(d, self.m.sites[d].inc, self.now)
+        self.m.tick(self.now)
+
+    def mail(self, dc):
+        return [msg for d, _, msg in self.m.outbox if d == dc]
+
+    def events(self, kind):
+        return [e for e in self.m.events if e["event"] == kind]
+
+    def ready(self, dcs, tag="t4.f0", **extra):
+        for d in dcs:
+            self.say(d, "ready", self.m.sites[d].inc, round=self.m.round, tag=tag, numel=10,
+                     **extra)
+
+    def done(self, dcs, ok=True):
+        for d in dcs:
+            self.say(d, "done", self.m.sites[d].inc, round=self.m.round, attempt=self.m.attempt,
+                     ok=ok, error=None if ok else "peer gone")
+
+    def round(self, dcs, tag="t4.f0", **extra):
+        self.ready(dcs, tag, **extra)
+        self.tick()
+        d = self.m.decision
+        self.done(d["members"])
+        self.tick()
+        return d
+
+
+def test_a_round_is_decided_when_every_member_is_ready_and_committed_when_every_one_is_done():
+    f = Fleet()
+    f.ready([0, 1])
+    f.tick()
+    assert f.m.decision is None, "decided before datacenter 2 was ready"
+    f.ready([2])
+    f.tick()
+    d = f.m.decision
+    assert d["members"] == [0, 1, 2] and d["tag"] == "t4.f0" and d["donor"] == 0, d
+    assert all(f.mail(i)[-1]["type"] == "decision" for i in range(3))
+    f.done([0, 1])
+    f.tick()
+    assert f.m.round == 0, "committed before datacenter 2 reported"
+    f.done([2])
+    f.tick()
+    assert f.m.round == 1 and all(f.mail(i)[-1] == {"type": "outcome", "round": 0, "commit": True}
+                                  for i in range(3))
+
+
+def test_a_datacenter_whose_job_ended_is_out_at_once_and_the_others_go_on():
+    f = Fleet()
+    f.round([0, 1, 2])
+    f.ready([0, 2], "t8.f0")
+    f.m.down(1, 0, "killed by SIGKILL", f.now)
+    f.tick()
+    assert f.m.decision["members"] == [0, 2] and f.m.decision["round"] == 1
+    fail = f.events("failure")[0]
+    assert fail["dc"] == 1 and fail["cause"] == "killed by SIGKILL" and not fail["kill"], fail
+    assert f.mail(1)[-1]["type"] == "fence"
+
+
+def test_a_silent_datacenter_is_out_after_the_limit_but_only_while_a_quorum_remains():
+    f = Fleet(limit_s=3.0)
+    f.ready([0, 2])
+    f.tick(2.9, beat=[0, 2])
+    assert f.m.decision is None and f.m.sites[1].state == "active"
+    f.tick(0.2, beat=[0, 2])
+    assert f.m.sites[1].state == "gone" and f.m.decision["members"] == [0, 2]
+    assert f.events("failure")[0]["kill"], "the fleet must tear a silent datacenter's job down"
+    # a partition: 0 alone cannot count 2 out (it would be a minority deciding alone)
+    f.done([0, 2])
+    f.tick()
+    f.ready([0])
+    f.tick(5.0, beat=[0])
+    assert f.m.sites[2].state == "active" and f.m.phase == "collect", "a minority decided"
+    assert f.events("no_quorum"), "waiting without a quorum is logged"
+    with pytest.raises(NoQuorum, match="only 1 of the 2"):
+        f.tick(30.0, beat=[0])
+
+
+def test_a_fenced_incarnation_is_answered_with_a_fence_whatever_it_says_later():
+    f = Fleet()
+    f.m.down(1, 0, "link down", f.now)
+    f.tick()
+    f.m.outbox.clear()
+    f.say(1, "ready", round=0, tag="t4.f0", numel=10)
+    assert f.mail(1) == [], "fenced once only"
+    f.m.sites[1].fenced.clear()
+    f.say(1, "ready", round=0, tag="t4.f0", numel=10)
+    assert f.mail(1)[0]["type"] == "fence" and 1 not in f.m.readies
+
+
+def test_a_relaunched_datacenter_is_admitted_at_the_next_boundary_with_a_donor():
+    f = Fleet()
+    f.m.down(1, 0, "killed", f.now)
+    f.round([0, 2], "t4.f0")
+    f.say(1, "hello", inc=1, joining=True)
+    assert f.m.sites[1].state == "joining" and f.m.sites[1].inc == 1
+    d = f.round([0, 2], "t8.f0")
+    assert d["admit_next"] and d["members"] == [0, 2], d
+    f.ready([0, 2], "t8.admit", admit=True)
+    f.tick()
+    a = f.m.decision
+    assert a["members"] == [0, 1, 2] and a["joiners"] == [1] and a["donor"] == 0, a
+    assert [m for d, inc, m in f.m.outbox if d == 1 and inc == 1][-1]["type"] == "decision"
+    f.done([0, 1, 2])
+    f.tick()
+    assert f.m.sites[1].state == "active" and f.events("admitted")[0]["dc"] == 1
+    assert f.round([0, 1, 2], "t12.f0")["members"] == [0, 1, 2]
+
+
+def test_a_round_that_failed_goes_again_without_the_dead_member_and_in_a_new_group():
+    f = Fleet()
+    d0 = f.round([0, 1, 2])
+    f.ready([0, 1, 2], "t8.f0")
+    f.tick()
+    first = f.m.decision
+    assert first["group"] == d0["group"], "an unchanged membership keeps its gloo group"
+    f.done([0, 2], ok=False)                 # 1 died half-way through the reduction
+    f.tick()
+    assert f.m.round == 1 and f.m.decision is first, "retried before 1's fate was known"
+    f.m.down(1, 0, "killed", f.now)
+    f.tick()
+    again = f.m.decision
+    assert again["attempt"] == 1 and again["members"] == [0, 2] and again["group"] != first["group"]
+    assert f.mail(0)[-2] == {"type": "outcome", "round": 1, "commit": False}
+    assert f.events("retry")[0]["failed"] == {0: "peer gone", 2: "peer gone"}
+    f.done([0, 2])
+    f.tick()
+    assert f.m.round == 2
+
+
+def test_a_round_failing_every_attempt_makes_the_coordinator_give_up():
+    f = Fleet()
+    f.ready([0, 1, 2])
+    with pytest.raises(NoQuorum, match=f"failed {MAX_ATTEMPTS} times"):
+        for _ in range(MAX_ATTEMPTS):
+            f.tick()
+            f.done([0, 1, 2], ok=False)
+            f.tick()
+
+
+def test_datacenters_at_different_synchronisations_are_an_error_naming_them():
+    f = Fleet()
+    f.ready([0, 1], "t4.f0")
+    f.ready([2], "t8.f0")
+    with pytest.raises(NoQuorum, match="2: t8.f0"):
+        f.tick()
+
+
+def test_founders_are_awaited_then_counted_out_when_they_never_come():
+    f = Fleet(founders=False)
+    f.say(0, "hello")
+    f.say(2, "hello")
+    f.ready([0, 2])
+    f.tick(5.0, beat=[0, 2])
+    assert f.m.decision is None, "decided while founder 1 may still be starting"
+    f.tick(6.0, beat=[0, 2])
+    assert f.m.sites[1].state == "gone" and f.m.decision["members"] == [0, 2]
+
+
+def test_the_end_tells_a_waiting_datacenter_that_it_was_not_admitted():
+    f = Fleet()
+    f.m.down(1, 0, "killed", f.now)
+    f.say(1, "hello", inc=1, joining=True)
+    for d in (0, 2):
+        f.say(d, "bye", reason="finished")
+    f.tick()
+    assert f.m.over and [m for d, inc, m in f.m.outbox if d == 1][-1] == {"type": "over"}
+    f.say(1, "hello", inc=2, joining=True)
+    assert [m for d, inc, m in f.m.outbox if (d, inc) == (1, 2)] == [{"type": "over"}]
+
+
+def test_a_job_that_failed_says_so_and_is_out_at_once_and_a_retired_one_is_fenced():
+    f = Fleet()
+    f.say(2, "bye", reason="failed")
+    assert f.m.sites[2].state == "gone" and "its job failed" in f.events("failure")[0]["cause"]
+    f.m.retire(2, "failed 4 times")
+    f.say(2, "hello", inc=3, joining=True)
+    assert [m for d, inc, m in f.m.outbox if (d, inc) == (2, 3)][0]["type"] == "fence"
+    assert f.events("left_out")[0] == {**f.events("left_out")[0], "dc": 2, "why": "failed 4 times"}
+
+
+def test_nobody_left_to_hand_the_state_on_is_an_error():
+    f = Fleet(dcs=2, min_dcs=1)
+    f.m.down(0, 0, "killed", f.now)
+    f.m.down(1, 0, "killed", f.now)
+    with pytest.raises(NoQuorum, match="no datacenter is left"):
+        f.tick()
