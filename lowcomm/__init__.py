@@ -37,7 +37,7 @@ _LAZY = {
     "SignMajorityVote": "compress", "PowerSGD": "compress", "ErrorFeedback": "compress",
     "CompressorSettings": "compress.settings",
     "build": "run.registry", "policy": "run.registry", "register": "run.registry", "STRATEGIES": "run.registry",
-    "train": "run.api", "Task": "tasks", "load_task": "tasks", "dataset_batches": "tasks",
+    "train": "run.api", "train_fleet": "tools.fleet_launch", "Task": "tasks", "load_task": "tasks", "dataset_batches": "tasks",
     "dataset_eval_batches": "tasks", "from_functions": "tasks",
 }
 

@@ -50,6 +50,13 @@ def fleet(out: Path, *extra: str, dcs: int = 3, np: int = 3, place: str = "auto"
                      str(np), "--place", place, "--out", str(out), *sets(*extra)])
 
 
+def fleet_from_python(out: Path, *extra: str, dcs: int = 3, np: int = 3) -> Run:
+    """The same fleet started by ``lowcomm.train_fleet`` from a Python script."""
+    code = (f"import lowcomm; lowcomm.train_fleet(overrides={[*BASE, *extra]!r}, dcs={dcs}, "
+            f"np={np}, out={str(out)!r}, place='local')")
+    return Run(out, [sys.executable, "-c", code])
+
+
 def single_job(out: Path, *extra: str, np: int = 3) -> Run:
     """Today's run: one mpirun over every rank."""
     return Run(out, [str(ROOT / "launchers" / "local.sh"), "-n", str(np), "lowcomm", "train",

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from conftest import cli
-from fleet_helpers import children, fleet, kill_rank0, metrics, reached, single_job, when
+from fleet_helpers import (children, fleet, fleet_from_python, kill_rank0, metrics, reached,
+                           single_job, when)
 
 STEPS, PERIOD = 80, 20
 #: rounds of about 5 s (longer than a relaunch on a busy machine), converging
@@ -25,14 +26,15 @@ POLICY = [*COMMON, "topology=dc:3,rank:1", f"policy.dc=diloco:{DC}", "policy.ran
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Five runs at once: one MPI job (today's run), an unfaulted fleet, a fleet whose
+    """Five runs at once: one MPI job (today's run), an unfaulted fleet (started from Python by
+    ``lowcomm.train_fleet``), a fleet whose
     datacenter 1 loses rank 0 to SIGKILL at step 12, one whose coordinator is SIGKILLed at
     step 45 (checkpoints every 20 steps), one whose datacenter 1 keeps failing."""
     tmp = tmp_path_factory.mktemp("fleet")
     deadline = time.monotonic() + 170
     started = {
         "single": single_job(tmp / "single", *POLICY),
-        "plain": fleet(tmp / "plain", *RUN),
+        "plain": fleet_from_python(tmp / "plain", *RUN),
         "kill": fleet(tmp / "kill", *RUN),
         "coord": fleet(tmp / "coord", *RUN, f"checkpoint.every={PERIOD}"),
         "flaky": fleet(tmp / "flaky", *RUN, "task.crash_dc=1", "task.crash_step=12",
@@ -119,6 +121,15 @@ def test_a_datacenter_that_keeps_failing_is_left_out_and_the_run_goes_on(runs):
 def test_what_a_fleet_cannot_run_is_refused_before_anything_starts(args, says, tmp_path):
     r = cli("train", "--dcs", "3", "--out", tmp_path / "x", *args)
     assert r.returncode != 0 and says in r.stderr, r.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_train_fleet_refuses_a_bad_argument_before_anything_starts(tmp_path):
+    import lowcomm
+    from lowcomm.errors import ArgumentError
+    with pytest.raises(ArgumentError, match="argument 'place': unknown value 'moon'"):
+        lowcomm.train_fleet(overrides=["strategy.name=diloco"], dcs=3, np=3, out=tmp_path / "x",
+                            place="moon")
     assert not (tmp_path / "x").exists()
 
 

@@ -4,15 +4,11 @@ of ``--hostfiles`` (one per datacenter), else on this machine."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
-from pathlib import Path
 
 import click
 
 from ..errors import LowcommError
-from .common import load_cfg
 
 
 def fleet_options(f):
@@ -38,35 +34,6 @@ def fleet_options(f):
     return f
 
 
-def _placement(dcs: int, hostfiles: str | None, host: str | None, launcher, place: str):
-    from ..tools import fleet_launch, wan
-    if hostfiles:
-        files = hostfiles.split(",")
-        if len(files) != dcs:
-            raise click.BadParameter(f"{len(files)} hostfiles for --dcs {dcs}",
-                                     param_hint="--hostfiles")
-        return fleet_launch.hostfiles(files, host)
-    if place == "wan" or (place == "auto" and os.geteuid() == 0 and
-                          (wan.state() or {}).get("dcs") == dcs):
-        return fleet_launch.emulated_wan(dcs)
-    return fleet_launch.local(launcher)
-
-
-def _refuse(out: Path, overwrite: bool) -> None:
-    """An earlier fleet's files in ``out`` are replaced only with --overwrite."""
-    earlier = [p for p in ("summary.json", "membership.jsonl") if (out / p).exists()]
-    if earlier and not overwrite:
-        raise click.UsageError(f"{out} holds another fleet's run ({', '.join(earlier)}); replace "
-                               "it with --overwrite or choose another --out")
-    if earlier:
-        for p in [*out.glob("dc[0-9]*"), out / "summary.json", out / "membership.jsonl",
-                  out / "metrics.jsonl", out / "coordinator.log"]:
-            if p.is_dir():
-                shutil.rmtree(p)
-            else:
-                p.unlink(missing_ok=True)
-
-
 def refuse_outside(cfg) -> None:
     """``fleet.dcs`` in a job that no fleet started: a usage error before MPI starts."""
     from ..run.member import identity
@@ -78,37 +45,27 @@ def refuse_outside(cfg) -> None:
 
 def run_fleet(config, overrides, out, np_, dcs, hostfiles, host, launcher, max_restarts,
               quiet, overwrite, checkpoint_every, place="auto") -> None:
-    """Launch and watch the fleet; print its summary's head."""
-    from ..run.fleet import Fleet
-    from ..run.member import as_policy
-    if any(v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
-        raise click.UsageError("--dcs launches one MPI job per datacenter itself: run 'lowcomm "
-                               "train --dcs D --np N ...' outside mpirun")
+    """Launch and watch the fleet (:func:`lowcomm.tools.fleet_launch.train_fleet`); print its
+    summary's head. What cannot run is a usage error before anything starts."""
+    from ..tools.fleet_launch import prepare
     if np_ is None:
         raise click.UsageError("--dcs needs --np (the ranks of all datacenters together)")
-    overrides = (*overrides, f"fleet.dcs={dcs}",
-                 *([f"checkpoint.every={checkpoint_every}"] if checkpoint_every else []))
-    cfg = load_cfg(config, overrides)
+    overrides = (*overrides, *([f"checkpoint.every={checkpoint_every}"] if checkpoint_every else []))
     try:
-        as_policy(cfg, dcs, np_)
-    except Exception as e:  # noqa: BLE001 - a ConfigError naming the key
-        raise click.UsageError(str(e)) from None
-    out = Path(out or "runs/latest")
-    _refuse(out, overwrite)
-    args = [*(["--config", config] if config else []), *[a for o in overrides for a in ("--set", o)]]
-    try:
-        launch, coordinator, where, env = _placement(dcs, hostfiles, host, launcher, place)
+        fleet = prepare(config, overrides, dcs=dcs, np=np_, out=out or "runs/latest", place=place,
+                        hostfiles_=hostfiles.split(",") if hostfiles else None, host=host,
+                        launcher=launcher, overwrite=overwrite,
+                        max_restarts=1 if max_restarts is None else max_restarts)
     except (OSError, LowcommError) as e:
         raise click.UsageError(str(e)) from None
-    summary = Fleet(cfg, args, out, np_, launch, coordinator, where, env,
-                    max_restarts=1 if max_restarts is None else max_restarts).run()
+    summary = fleet.run()
     keys = ("method", "ranks", "dcs", "steps", "eval_loss", "state_sha256", "dcs_agree",
             "finished_dcs")
     click.echo(json.dumps({k: summary.get(k) for k in keys}, indent=2))
     f = summary["fleet"]
     click.echo(f"{len(f['membership'])} rounds, {len(f['failures'])} failure(s), "
-               f"{len(f['heals'])} heal(s); wrote {out / 'summary.json'}")
-    if len(summary["finished_dcs"]) < (cfg.fleet.min_dcs or dcs // 2 + 1):
+               f"{len(f['heals'])} heal(s); wrote {fleet.out / 'summary.json'}")
+    if len(summary["finished_dcs"]) < fleet.min_dcs:
         sys.exit(1)
 
 

@@ -21,9 +21,11 @@ milliseconds.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 
+from ..errors import ArgumentError, LowcommError, RunFolderError
 from ..run.member import ENV
 from .compare import mpirun_command
 
@@ -72,4 +74,70 @@ def hostfiles(files: list[str], host: str | None = None):
     return launch, [], host or socket.gethostbyname(socket.gethostname()), (lambda dc: {})
 
 
-__all__ = ["emulated_wan", "hostfiles", "local"]
+def placement(dcs: int, place: str = "auto", hostfiles_: list[str] | None = None,
+              host: str | None = None, launcher=None):
+    """Where the fleet runs: ``hostfiles_`` (one per datacenter), else ``place``: ``"wan"`` the
+    emulated WAN's namespaces, ``"local"`` this machine, ``"auto"`` the WAN when one of
+    ``dcs`` datacenters is up (as root), else this machine."""
+    from . import wan
+    if place not in ("auto", "local", "wan"):
+        raise ArgumentError("place", f"unknown value {place!r}; known: auto, local, wan")
+    if hostfiles_:
+        if len(hostfiles_) != dcs:
+            raise ArgumentError("hostfiles", f"{len(hostfiles_)} hostfiles for {dcs} datacenters")
+        return hostfiles(hostfiles_, host)
+    if place == "wan" or (place == "auto" and os.geteuid() == 0 and
+                          (wan.state() or {}).get("dcs") == dcs):
+        return emulated_wan(dcs)
+    return local(launcher)
+
+
+def _clear(out: Path, overwrite: bool) -> None:
+    """An earlier fleet's files in ``out`` are replaced only with ``overwrite``."""
+    earlier = [p for p in ("summary.json", "membership.jsonl") if (out / p).exists()]
+    if earlier and not overwrite:
+        raise RunFolderError(f"{out} holds another fleet's run ({', '.join(earlier)}); replace "
+                             "it with --overwrite (overwrite=True) or choose another --out")
+    if earlier:
+        for p in [*out.glob("dc[0-9]*"), out / "summary.json", out / "membership.jsonl",
+                  out / "metrics.jsonl", out / "coordinator.log"]:
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def prepare(config, overrides=(), *, dcs: int, np: int, out="runs/latest", place: str = "auto",
+            hostfiles_: list[str] | None = None, host: str | None = None, launcher=None,
+            overwrite: bool = False, max_restarts: int = 1):
+    """A :class:`~lowcomm.run.fleet.Fleet` ready to run, everything checked before anything
+    starts (a LowcommError names what is wrong: the config key, the argument, the folder)."""
+    from ..run.api import load_config
+    from ..run.fleet import Fleet
+    from ..run.member import as_policy
+    if any(v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
+        raise LowcommError("a fleet launches one MPI job per datacenter itself: run 'lowcomm "
+                           "train --dcs D --np N ...' (or lowcomm.train_fleet) outside mpirun")
+    overrides = (*overrides, f"fleet.dcs={dcs}")
+    cfg = load_config(config, overrides)
+    as_policy(cfg, dcs, np)
+    out = Path(out)
+    _clear(out, overwrite)
+    args = [*(["--config", str(config)] if config else []), *[a for o in overrides for a in ("--set", o)]]
+    launch, coordinator, where, env = placement(dcs, place, hostfiles_, host, launcher)
+    return Fleet(cfg, args, out, np, launch, coordinator, where, env, max_restarts=max_restarts)
+
+
+def train_fleet(config=None, overrides=(), *, dcs: int, np: int, out="runs/latest",
+                place: str = "auto", hostfiles: list[str] | None = None,
+                coordinator_host: str | None = None, overwrite: bool = False,
+                max_restarts: int = 1) -> dict:
+    """Train as a fleet of ``dcs`` datacenters of ``np // dcs`` ranks each, from outside mpirun
+    (what ``lowcomm train --dcs D --np N`` runs): one MPI job per datacenter, the outer level
+    across them through a coordinator; a datacenter that fails is relaunched and heals back in
+    live (:mod:`lowcomm.run.fleet`). Returns the fleet's summary (also ``out/summary.json``)."""
+    return prepare(config, overrides, dcs=dcs, np=np, out=out, place=place, hostfiles_=hostfiles,
+                   host=coordinator_host, overwrite=overwrite, max_restarts=max_restarts).run()
+
+
+__all__ = ["emulated_wan", "hostfiles", "local", "placement", "prepare", "train_fleet"]
