@@ -17,6 +17,11 @@ plot can be drawn again without the run. ``plot`` draws one PNG per data file by
 * ``projection`` — modelled seconds per step against the rank count, one line per method
   (``lowcomm project --json``; the first link);
 * ``series`` — named lists of (x, y) points with axis labels, for measurements kept as tables.
+
+``bench-table FILE`` prints a bundled bench file's ratios as a Markdown table, each the median
+of the runs with their range: all-reduce rows vs vendor MPI and vs the memcpy floor per size,
+step rows vs the no-communication floor (``local``) and vs their DDP peer, compressors' cost
+over the time their bytes save.
 """
 from __future__ import annotations
 
@@ -112,6 +117,72 @@ def bundle_bench(folder: Path, dest: Path) -> list[Path]:
 
 def _median_range(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
+
+
+def _cell(values: list[float], fmt: str = ".2f") -> str:
+    if not values:
+        return ""
+    m, lo, hi = _median_range(values)
+    return f"{m:{fmt}} ({lo:{fmt}}–{hi:{fmt}})"
+
+
+def _ratios(data: dict, key: str, ref_of, value) -> dict:
+    """``{row key: {column: [one ratio per run]}}``: ``value(row) / value(ref)`` where
+    ``ref_of(row, rows of the run)`` names each column's reference row (None: no column)."""
+    out: dict = {}
+    for run in data["runs"]:
+        rows = run["rows"]
+        for row in rows:
+            cols = out.setdefault(key(row), {})
+            for col, ref in ref_of(row, rows).items():
+                if ref is not None and value(row):
+                    cols.setdefault(col, []).append(value(ref) / value(row))
+    return out
+
+
+def bench_table(data: dict) -> str:
+    """A bundled bench file's ratios (see the module's docstring), one Markdown table."""
+    kind = data["kind"]
+    if kind == "allreduce":
+        def refs(row, rows):
+            same = {r["algorithm"]: r for r in rows if r["size"] == row["size"]}
+            return {"time µs": row, "vs mpi (busbw)": same.get("mpi"), "vs memcpy": same.get("memcpy")}
+        table = _ratios(data, lambda r: (r["size"], r["algorithm"]), refs, lambda r: r["time_us"])
+        for (size, alg), cols in table.items():       # time µs: the row's own time, not a ratio
+            cols["time µs"] = [r["time_us"] for run in data["runs"] for r in run["rows"]
+                               if (r["size"], r["algorithm"]) == (size, alg)]
+        head = ["size", "algorithm", "time µs", "vs mpi (busbw)", "vs memcpy"]
+    elif kind == "step":
+        from lowcomm.tools.bench import step_peer
+
+        def refs(row, rows):
+            by = {r["strategy"]: r for r in rows}
+            return {"step ms": row, "local ÷ this": by.get("local"),
+                    "ddp peer ÷ this": by.get(step_peer(row["strategy"]) or "")}
+        table = _ratios(data, lambda r: (r["strategy"],), refs, lambda r: r["step_ms"])
+        for (name,), cols in table.items():
+            cols["step ms"] = [r["step_ms"] for run in data["runs"] for r in run["rows"]
+                               if r["strategy"] == name]
+        head = ["strategy", "step ms", "local ÷ this", "ddp peer ÷ this"]
+    elif kind == "compress":
+        table = {(r["method"],): {"cost ÷ saved": [], "compress GB/s": []}
+                 for r in data["runs"][0]["rows"]}
+        for run in data["runs"]:
+            for r in run["rows"]:
+                if r.get("cost_vs_saved") is not None:
+                    table[(r["method"],)]["cost ÷ saved"].append(r["cost_vs_saved"])
+                table[(r["method"],)]["compress GB/s"].append(r["compress_GBps"])
+        head = ["method", "compress GB/s", "cost ÷ saved"]
+    else:
+        raise SystemExit(f"bench-table: a bundled bench file of kind allreduce, step or compress, "
+                         f"not {kind!r}")
+    keys = len(next(iter(table)))
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, cols in table.items():
+        lines.append("| " + " | ".join([*map(str, key), *(_cell(cols.get(c, [])) for c in head[keys:])]) + " |")
+    loads = ", ".join(run["load"] for run in data["runs"])
+    return "\n".join(lines) + f"\n\n{data.get('ranks', 1)} ranks; median (range) of {len(data['runs'])} " \
+        f"runs; load averages (1, 5, 15 min) at each run's start: {loads}"
 
 
 def plot_step(data: dict, ax) -> str:
@@ -222,9 +293,13 @@ def main(argv=None) -> None:
     bb = sub.add_parser("bundle-bench")
     bb.add_argument("folder", type=Path)
     bb.add_argument("dest", type=Path)
+    bt = sub.add_parser("bench-table")
+    bt.add_argument("file", type=Path)
     a = ap.parse_args(argv)
     if a.cmd == "export-compare":
         export_compare(a.folder, a.dest)
+    elif a.cmd == "bench-table":
+        print(bench_table(json.loads(a.file.read_text())))
     elif a.cmd == "bundle-bench":
         for p in bundle_bench(a.folder, a.dest):
             print(p)

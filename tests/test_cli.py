@@ -53,9 +53,13 @@ def test_bench_allreduce_every_algorithm_correct(tmp_path):
     rows = json.loads(out.read_text())
     assert {(x["size"], x["algorithm"]) for x in rows} == {
         (s, a) for s in (4096, 1 << 20)
-        for a in ("mpi", "ring", "rabenseifner", "tree", "shm", "auto", "horovod", "gloo")}
+        for a in ("mpi", "ring", "rabenseifner", "tree", "shm", "auto", "horovod", "gloo", "memcpy")}
     assert all(x["wrong"] == 0 and x["time_us"] > 0 and x["busbw_GBps"] > 0 for x in rows)
     assert "busbw(GB/s)" in r.stdout and "vs mpi" in r.stdout and "best/auto" in r.stdout
+    memcpy = next(x for x in rows if x["algorithm"] == "memcpy" and x["size"] == 1 << 20)
+    ring = next(line for line in r.stdout.splitlines() if line.split()[:2] == ["1048576", "ring"])
+    ring_us = next(x["time_us"] for x in rows if x["algorithm"] == "ring" and x["size"] == 1 << 20)
+    assert f"{memcpy['time_us'] / ring_us:.2f}" == ring.split()[6], ring    # its vs memcpy
     tuned = json.loads(table.read_text())
     assert tuned["ranks"] == 4 and set(tuned["times_us"]) == {"4096", "1048576"}
     for x in rows:
@@ -72,7 +76,8 @@ def test_bench_step_runs_every_peer(tmp_path):
     assert r.returncode == 0, r.output
     rows = json.loads(out.read_text())
     assert [x["strategy"] for x in rows] == ["syncdp", "ddp-gloo", "syncdp-fp16", "ddp-gloo-fp16",
-                                              "syncdp-powersgd", "ddp-gloo-powersgd", "horovod", "local"]
+                                              "syncdp-int8", "syncdp-powersgd", "ddp-gloo-powersgd",
+                                              "horovod", "local"]
     assert all(x["step_ms"] > 0 for x in rows) and len({x["params"] for x in rows}) == 1
     assert "ours/ddp" in r.stdout
     local = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["local"])

@@ -192,8 +192,9 @@ def _write_json(path, rows):
 
 @bench.command("allreduce")
 @click.option("--sizes", default="4K,1M,16M", show_default=True, help="Bytes per buffer (K, M, G).")
-@click.option("--algorithms", default="mpi,ring,rabenseifner,tree,shm,auto,horovod,gloo",
-              show_default=True)
+@click.option("--algorithms", default="mpi,ring,rabenseifner,tree,shm,auto,horovod,gloo,memcpy",
+              show_default=True, help="Rows; 'memcpy' is the memory-bandwidth floor: each rank "
+              "writes the result from a buffer that holds it (one copy, no communication).")
 @click.option("--iters", default=20, show_default=True)
 @click.option("--warmup", default=3, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
@@ -235,8 +236,8 @@ def bench_allreduce(sizes, algorithms, iters, warmup, json_path, tune, tune_size
 
 @bench.command("step")
 @config_options
-@click.option("--strategies", default="syncdp,ddp-gloo,syncdp-fp16,ddp-gloo-fp16,syncdp-powersgd,"
-              "ddp-gloo-powersgd,horovod,local", show_default=True,
+@click.option("--strategies", default="syncdp,ddp-gloo,syncdp-fp16,ddp-gloo-fp16,syncdp-int8,"
+              "syncdp-powersgd,ddp-gloo-powersgd,horovod,local", show_default=True,
               help="Rows, in order; 'local' sends nothing: the compute floor under all of them.")
 @click.option("--steps", default=20, show_default=True)
 @click.option("--warmup", default=5, show_default=True)

@@ -23,6 +23,10 @@ from ..comm.watchdog import default_timeout_s
 
 SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 BASELINES = ("horovod", "gloo")
+#: the memory-bandwidth floor of ``bench allreduce``: every rank at once writes the result
+#: (``size`` bytes) from a buffer that already holds it -- one memcpy, the least any all-reduce
+#: must do after reading its inputs; ``vs memcpy`` = its time over an algorithm's
+MEMCPY = "memcpy"
 
 
 def parse_size(text: str) -> int:
@@ -138,11 +142,11 @@ def bench_allreduce(comm: Comm, sizes: list[int], algorithms: list[str], iters: 
     bench = comm.dup(Ledger())
     bench.validate = False
     for alg in algorithms:   # fail on a bad name before measuring anything
-        _check_known(alg, [*ALGORITHM_NAMES, *BASELINES])
-    own = [a for a in algorithms if a not in BASELINES]
+        _check_known(alg, [*ALGORITHM_NAMES, *BASELINES, MEMCPY])
+    own = [a for a in algorithms if a not in BASELINES]   # memcpy takes turns with them
     rows = []
     with ExitStack() as stack:
-        fns = {a: stack.enter_context(reducer(a, bench)) for a in own}
+        fns = {a: MEMCPY if a == MEMCPY else stack.enter_context(reducer(a, bench)) for a in own}
         for size in sizes:
             rows += _time_size(ctl, bench, fns, size, iters, warmup)
     for alg in [a for a in algorithms if a in BASELINES]:
@@ -166,8 +170,9 @@ def _time_size(ctl: Comm, bench: Comm, fns: dict, size: int, iters: int, warmup:
             buf = bufs[alg]
             buf.copy_(base)
             ctl.barrier()
+            fn = (lambda b: b.copy_(expected)) if fns[alg] == MEMCPY else fns[alg]
             t0 = time.perf_counter()
-            fns[alg](buf)
+            fn(buf)
             dt = _slowest(ctl, time.perf_counter() - t0)
             if i >= warmup:
                 times[alg].append(dt)
@@ -188,22 +193,26 @@ def _time_size(ctl: Comm, bench: Comm, fns: dict, size: int, iters: int, warmup:
 
 
 def format_allreduce(rows: list[dict]) -> str:
-    """An nccl-tests style table with each row's busbw as a ratio of vendor MPI's; an ``auto``
-    row also says what it ran and ``best/auto``: the fastest other lowcomm row's time (of the
-    same size, same run) over auto's (>= 1: auto was at least as fast)."""
+    """An nccl-tests style table with each row's busbw as a ratio of vendor MPI's and its time
+    as a fraction of the memory-bandwidth floor's (``vs memcpy``: the memcpy row's time over
+    this row's, 1 = the floor); an ``auto`` row also says what it ran and ``best/auto``: the
+    fastest other lowcomm row's time (of the same size, same run) over auto's (>= 1: auto was at
+    least as fast)."""
     ref = {r["size"]: r["busbw_GBps"] for r in rows if r["algorithm"] == "mpi"}
+    floor = {r["size"]: r["time_us"] for r in rows if r["algorithm"] == MEMCPY}
     best = {}
     for r in rows:
         if r["algorithm"] in ALGORITHMS:
             best[r["size"]] = min(best.get(r["size"], float("inf")), r["time_us"])
     lines = [f"{'size':>10} {'algorithm':>13} {'time(us)':>11} {'algbw(GB/s)':>12} "
-             f"{'busbw(GB/s)':>12} {'vs mpi':>7} {'#wrong':>7} {'best/auto':>10}"]
+             f"{'busbw(GB/s)':>12} {'vs mpi':>7} {'vs memcpy':>10} {'#wrong':>7} {'best/auto':>10}"]
     for r in rows:
         ratio = f"{r['busbw_GBps'] / ref[r['size']]:.2f}" if ref.get(r["size"]) else "-"
         name = f"auto={r['chose']}" if "chose" in r else r["algorithm"]
         vs = f"{best[r['size']] / r['time_us']:.2f}" if "chose" in r and r["size"] in best else ""
-        lines.append(f"{r['size']:>10} {name:>13} {r['time_us']:>11.1f} "
-                     f"{r['algbw_GBps']:>12.3f} {r['busbw_GBps']:>12.3f} {ratio:>7} {r['wrong']:>7} {vs:>10}")
+        mem = f"{floor[r['size']] / r['time_us']:.2f}" if r["size"] in floor and r["time_us"] else "-"
+        lines.append(f"{r['size']:>10} {name:>13} {r['time_us']:>11.1f} {r['algbw_GBps']:>12.3f} "
+                     f"{r['busbw_GBps']:>12.3f} {ratio:>7} {mem:>10} {r['wrong']:>7} {vs:>10}")
     return "\n".join(lines)
 
 
@@ -239,7 +248,9 @@ def tune_allreduce(comm: Comm, sizes=None, iters: int = 10, warmup: int = 2,
 
 
 #: compressed peers: lowcomm's ``syncdp-<c>`` beside torch DDP's communication hook ``ddp-gloo-<c>``
-STEP_COMPRESSORS = ("fp16", "powersgd")
+STEP_COMPRESSORS = ("fp16", "int8", "powersgd")
+#: the compressors torch DDP has a hook of (none for int8: ``syncdp-int8`` has no DDP peer)
+DDP_HOOKS = ("fp16", "powersgd")
 #: PowerSGD's dense steps before compressing, in both implementations (torch needs >= 2 with
 #: error feedback); the timed steps come after the warm-up, so all of them are compressed
 STEP_POWERSGD_START = 2
@@ -247,7 +258,8 @@ STEP_POWERSGD_START = 2
 #: data-parallel row (same model, batches and optimizer; only the communication is missing)
 STEP_LOCAL = "local"
 STEP_STRATEGIES = ("syncdp", *[f"syncdp-{a}" for a in ALGORITHMS], "horovod", "ddp-gloo",
-                   *[f"{p}-{c}" for c in STEP_COMPRESSORS for p in ("syncdp", "ddp-gloo")], STEP_LOCAL)
+                   *[f"syncdp-{c}" for c in STEP_COMPRESSORS], *[f"ddp-gloo-{c}" for c in DDP_HOOKS],
+                   STEP_LOCAL)
 
 
 def _ddp_hook(ddp, name: str, cfg) -> None:
@@ -278,7 +290,8 @@ def _step_compressor(name: str, cfg):
 def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: int = 5) -> list[dict]:
     """Median training-step time of ``cfg``'s model under each data-parallel implementation:
     lowcomm's SyncDP (``syncdp``: the configured algorithm, default ``auto``;
-    ``syncdp-<algorithm>``; ``syncdp-fp16`` / ``syncdp-powersgd`` with lowcomm's compressor),
+    ``syncdp-<algorithm>``; ``syncdp-fp16`` / ``syncdp-int8`` / ``syncdp-powersgd`` with
+    lowcomm's compressor),
     Horovod, torch DDP over gloo (``ddp-gloo``; ``ddp-gloo-fp16`` / ``ddp-gloo-powersgd``
     with torch's ``fp16_compress_hook`` / ``powerSGD_hook``), and ``local`` (no communication:
     the compute floor). Same model, seed, batches and optimizer for every row; DDP's bucket
@@ -373,14 +386,16 @@ def _time_steps(ctl: Comm, task, cfg, opt, warmup: int, steps: int, loss,
 
 def step_peer(name: str) -> str | None:
     """The torch DDP row a lowcomm row is compared with: ``syncdp``/``syncdp-<algorithm>`` and
-    ``local`` -> ``ddp-gloo``, ``syncdp-<c>`` -> ``ddp-gloo-<c>`` for a compressor c; others:
-    None."""
+    ``local`` -> ``ddp-gloo``, ``syncdp-<c>`` -> ``ddp-gloo-<c>`` for a compressor c torch has a
+    hook of; others (``syncdp-int8``): None."""
     if name == STEP_LOCAL:
         return "ddp-gloo"
     if not name.startswith("syncdp"):
         return None
     kind = name.split("-", 1)[1] if "-" in name else ""
-    return f"ddp-gloo-{kind}" if kind in STEP_COMPRESSORS else "ddp-gloo"
+    if kind in STEP_COMPRESSORS:
+        return f"ddp-gloo-{kind}" if kind in DDP_HOOKS else None
+    return "ddp-gloo"
 
 
 def format_step(rows: list[dict]) -> str:
