@@ -108,6 +108,26 @@ def test_transfer_matches_alpha_beta_and_hierarchical_allreduce_across_two_datac
 
 
 @root_only
+def test_compare_over_the_emulated_wan_measures_each_method_and_takes_the_wan_down(clean, tmp_path):
+    """``lowcomm compare --wan 25,100``: every method runs its steps on the emulated WAN it brings
+    up (launchers/wan.sh), the table says its wall-clock is measured there, and the WAN is gone
+    after."""
+    r = subprocess.run([*LOWCOMM, "compare", "--np", "2", "--dcs", "2", "--wan", "25,100",
+                        "--methods", "ddp,diloco", "--steps", "6", "--set", "model.d_model=32",
+                        "--set", "model.n_layers=1", "--set", "eval_batches=2", "--set", "log_every=2",
+                        "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "over an emulated WAN of 2 datacenters, 25 ms, 100 Mbit/s (measured)" in r.stdout, r.stdout
+    results = {x["method"]: x for x in json.loads((tmp_path / "results.json").read_text())}
+    assert set(results) == {"ddp", "diloco"} and all(x["status"] == "ok" for x in results.values())
+    for name in results:
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["steps"] == 6 and summary["ranks"] == 2, summary
+    assert nothing_left(), "compare --wan left its WAN behind"
+
+
+@root_only
 def test_failed_run_still_cleans_up(clean):
     r = run_ranks(4, sys.executable, WORKERS / "wan_fail.py", timeout=120, launcher=WAN,
                   launcher_args=["--dcs", "2"])

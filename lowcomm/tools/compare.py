@@ -142,9 +142,13 @@ def over_emulated_wan(np: int, dcs: int, link: Link):
     if state():
         raise RuntimeError("an emulated WAN is already up; 'lowcomm wan down' first (compare "
                            "brings up its own with the link it reports)")
+    launcher = Path(__file__).resolve().parents[2] / "launchers" / "wan.sh"
+    if not launcher.is_file():
+        raise FileNotFoundError(f"lowcomm compare --wan runs its ranks with {launcher}, which is not "
+                                "there: run it from a clone of the lowcomm repository")
     up(WanSpec(dcs, link.delay_ms, link.rate_mbit))
     try:
-        yield [str(Path(__file__).resolve().parents[1] / "launchers" / "wan.sh"), "--dcs", str(dcs)]
+        yield [str(launcher), "--dcs", str(dcs)]
     finally:
         down(quiet=True)
 
