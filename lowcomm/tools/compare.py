@@ -67,10 +67,12 @@ METHODS: dict[str, list[str]] = {
     "dc-diloco": ["policy.dc=diloco:period=50,compressor=int8"],
     # SyncDP inside a datacenter (its buckets reduced after backward: with every core computing,
     # a reducer thread only competes with it); across, streaming DiLoCo: one int8 fragment of 4
-    # per step, sent while the next step computes, its average landing a step later on top of
-    # that step's progress (merge = "add-local", DaSGD)
-    "dc-streaming": ["policy.rank=syncdp:overlap=false",
-                     "policy.dc=streaming-diloco:period=4,fragments=4,delay=1,merge=add-local,"
+    # every other step, sent while the next steps compute, its average landing two steps later
+    # on top of their progress (merge = "add-local", DaSGD); the int8 exchange by the α–β
+    # model's choice (compressor.collective = "auto": one all-gather round over a WAN at few
+    # datacenters, where the two-phase exchange's second round trip would not hide)
+    "dc-streaming": ["policy.rank=syncdp:overlap=false", "compressor.collective=auto",
+                     "policy.dc=streaming-diloco:period=8,fragments=4,delay=2,merge=add-local,"
                      "outer_optimizer=sgd,outer_lr=1.0,outer_momentum=0,compressor=int8"],
 }
 MAIN_METHODS = ("ddp", "fp16", "int8", "topk", "ef-sign", "powersgd", "localsgd", "diloco")
