@@ -6,7 +6,7 @@ PY    := $(VENV)/bin/python
 NP    ?= 4
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test test-slurm bench docs clean
+.PHONY: setup demo test test-gpu test-slurm bench docs clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -25,6 +25,13 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# On a machine with CUDA (never part of `make test`): every all-reduce algorithm on CUDA tensors
+# and every method training on the GPU, 2 ranks (tests/mpi/check_gpu.py; it fails without CUDA).
+# Set up with a CUDA build of torch: TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126.
+test-gpu: setup
+	PYTHONPATH=tests/mpi PATH=$(CURDIR)/$(VENV)/bin:$$PATH launchers/local.sh -n 2 $(PY) -m pytest -q \
+		-p under_mpi -o python_files='check_*.py' -o addopts= -p no:cacheprovider tests/mpi/check_gpu.py
 
 # launchers/slurm.sbatch on a throw-away single-node Slurm started on this machine (root, Debian):
 # installs slurm-wlm + munge when missing, starts munged/slurmctld/slurmd under /tmp/lowcomm-slurm,

@@ -15,7 +15,7 @@ PY=${PYTHON:-python3}
 HOROVOD_VERSION=0.28.1
 TORCH_VERSION=2.13.0
 STAMP=$VENV/.lowcomm-bootstrap
-STAMP_KEY="torch=$TORCH_VERSION horovod=$HOROVOD_VERSION setup.cfg=$(sha256sum "$ROOT/setup.cfg" | cut -c1-16)"
+STAMP_KEY="torch=$TORCH_VERSION${TORCH_INDEX_URL:+@$TORCH_INDEX_URL} horovod=$HOROVOD_VERSION setup.cfg=$(sha256sum "$ROOT/setup.cfg" | cut -c1-16)"
 
 log() { printf '[bootstrap] %s\n' "$*" >&2; }
 
@@ -42,7 +42,9 @@ fi
 # pip's exit status is kept; only the machine's noise about missing local index folders is dropped.
 pipq() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 # torch first and pinned: the local CPU wheel; any other torch would pull a multi-GB CUDA build.
-pipq install "torch==$TORCH_VERSION"
+# On a GPU machine (make test-gpu) TORCH_INDEX_URL names the CUDA wheels' index instead, e.g.
+# https://download.pytorch.org/whl/cu126.
+pipq install "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 pipq install "setuptools<81" wheel packaging
 
 # 3. Horovod --------------------------------------------------------------------------------------
