@@ -122,7 +122,9 @@ def lowcomm_row(s: dict, out: Path, killed: dict) -> dict:
     f = s["fleet"]
     row = {"system": "lowcomm", "faulted": bool(killed), "eval_loss": s["eval_loss"],
            "wall_s": s["wall_s"], "survivors_steps_lost": f["steps_lost"],
-           "failures": len(f["failures"])}
+           "failures": len(f["failures"]),
+           "rounds_short": sum(1 for r in f["membership"] if ".f" in r["tag"] and
+                               len(r["members"]) < GROUPS)}
     if killed:
         heal = next(h for h in f["heals"] if h["dc"] == 1)
         again = f["datacenters"]["1"][1]
@@ -269,7 +271,9 @@ def torchft_row(out: Path, launches: list[dict], killed: dict, wall: float, peri
             for r in (0, 2)}
     end = next(x for x in logs[(0, 0)] if x["kind"] == "end")
     row = {"system": "torchft", "faulted": bool(killed), "eval_loss": end["eval_loss"],
-           "wall_s": wall, "survivors_steps_lost": lost, "failures": len(launches) - GROUPS}
+           "wall_s": wall, "survivors_steps_lost": lost, "failures": len(launches) - GROUPS,
+           "rounds_short": sum(1 for x in logs[(0, 0)] if x.get("sync") and x.get("committed")
+                               and x["participants"] < GROUPS)}
     if killed:
         row.update(kill_step=killed["step"], **rejoin(logs[(1, 1)], launches[-1]["t"], killed))
     return row
@@ -298,14 +302,15 @@ def fmt(v, spec: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one line per run, eval loss against the same system's unfaulted run(s)."""
+    """Markdown: one line per run; a faulted run's eval loss against the mean of the same
+    system's unfaulted runs."""
     ref = {}
     for r in rows:
         if not r["faulted"]:
             ref.setdefault(r["system"], []).append(r["eval_loss"])
     head = ("| system | run | killed at step | survivors' inner steps lost | kill → training again s "
-            "| relaunch → training again s | rejoiner's steps discarded | eval loss "
-            "| vs unfaulted | wall s |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "| relaunch → training again s | rejoiner's steps discarded | rounds without all 3 "
+            "| eval loss | vs unfaulted | wall s |\n" + "|---" * 11 + "|\n")
     lines = []
     for r in rows:
         base = sum(ref[r["system"]]) / len(ref[r["system"]]) if ref.get(r["system"]) else None
@@ -315,7 +320,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['system']} | {'group 1 killed' if r['faulted'] else 'unfaulted'} "
             f"| {fmt(r.get('kill_step'), 'd')} | {lost} | {fmt(r.get('kill_to_training_s'), '.2f')} "
             f"| {fmt(r.get('relaunch_to_training_s'), '.2f')} "
-            f"| {fmt(r.get('rejoiner_steps_discarded'), 'd')} | {r['eval_loss']:.4f} "
+            f"| {fmt(r.get('rejoiner_steps_discarded'), 'd')} | {r['rounds_short']} "
+            f"| {r['eval_loss']:.4f} "
             f"| {fmt(pct, '+.2f')}{' %' if pct is not None else ''} | {r['wall_s']:.1f} |")
     return head + "\n".join(lines) + "\n"
 
@@ -353,7 +359,11 @@ def main(argv=None) -> None:
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up on a run after this")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    help="a lowcomm config override for both systems, e.g. model.d_model=64")
+    p.add_argument("--table", action="store_true", help="only print OUT/results.json's table")
     a = p.parse_args(argv)
+    if a.table:
+        print(table(json.loads((a.out / "results.json").read_text())))
+        return
     if "torchft" in a.systems:
         lighthouse_binary()                   # a clear error before anything runs
     a.out.mkdir(parents=True, exist_ok=True)
