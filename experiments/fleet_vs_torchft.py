@@ -125,8 +125,11 @@ def lowcomm_row(s: dict, out: Path, killed: dict) -> dict:
            "failures": len(f["failures"]),
            "rounds_short": sum(1 for r in f["membership"] if ".f" in r["tag"] and
                                len(r["members"]) < GROUPS)}
-    if killed:
-        heal = next(h for h in f["heals"] if h["dc"] == 1)
+    heal = next((h for h in f["heals"] if h["dc"] == 1), None)
+    if killed and heal is None:               # the run ended before it was admitted
+        row.update(kill_step=killed["step"], kill_to_training_s=None, relaunch_to_training_s=None,
+                   rejoiner_steps_discarded=None, heal_step=None)
+    elif killed:
         again = f["datacenters"]["1"][1]
         before = [x for x in jsonl(Path(again["folder"]) / "metrics.jsonl")
                   if x.get("step", 0) <= heal["step"]]
