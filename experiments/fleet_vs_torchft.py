@@ -16,7 +16,8 @@ r at step t training on ``task.batch(t, r, 3, cfg)``; one torch thread per proce
   at once). The kill: rank 0 of datacenter 1 (its pid from the run folder's lock) once its
   metrics reach ``--kill-at``. Read from ``summary.json``: ``fleet.steps_lost`` of the
   survivors; the heal's wall-clock ``t`` (the joiner goes back to training), minus the kill's
-  and minus the relaunch's (``fleet.datacenters["1"][1].started_t``); the eval loss.
+  and minus the relaunch's (``fleet.datacenters["1"][1].started_t``), and of that the process's
+  start (to the new job's ``hello`` in ``membership.jsonl``); the eval loss.
 * torchft: ``torchft_lighthouse`` (``--min_replicas 2``, heartbeat timeout and join timeout
   ``--hb-ms``/``--join-ms``, quorum tick 50 ms) and 3 processes of
   ``experiments/torchft_replica.py`` (Manager + ProcessGroupGloo + ``torchft.local_sgd.DiLoCo``);
@@ -25,7 +26,8 @@ r at step t training on ``task.batch(t, r, 3, cfg)``; one torch thread per proce
   steps of its rounds whose commit failed (no committed outer step took their work); the group
   trains again at the start of the relaunched process's first step after the round in which it
   healed (loaded a peer's state) was committed; the steps it took before that (discarded by
-  the heal) are counted apart; the eval loss is group 0's.
+  the heal) are counted apart, and the process's start is the relaunch to its ``ready`` line
+  (the Manager up); the eval loss is group 0's.
 
 Each of the four runs (two systems, with and without the kill) is repeated ``--repeats`` times;
 the script writes ``OUT/results.json`` and prints a Markdown table.
@@ -133,7 +135,10 @@ def lowcomm_row(s: dict, out: Path, killed: dict) -> dict:
         again = f["datacenters"]["1"][1]
         before = [x for x in jsonl(Path(again["folder"]) / "metrics.jsonl")
                   if x.get("step", 0) <= heal["step"]]
+        hello = next(e for e in jsonl(out / "membership.jsonl") if e["event"] == "hello"
+                     and (e["dc"], e["inc"]) == (1, 1))
         row.update(kill_step=killed["step"], heal_step=heal["step"],
+                   relaunch_to_ready_s=hello["t"] - again["started_t"],
                    kill_to_training_s=heal["t"] - killed["t"],
                    relaunch_to_training_s=heal["t"] - again["started_t"],
                    rejoiner_steps_discarded=len(before), heal_bytes=heal["bytes"])
@@ -284,24 +289,33 @@ def torchft_row(out: Path, launches: list[dict], killed: dict, wall: float, peri
 
 def rejoin(lines: list[dict], relaunched: float, killed: dict) -> dict:
     """When the relaunched group trained again: its first step after the committed round in
-    which it loaded a peer's state; the steps it took before, which that heal discarded."""
+    which it loaded a peer's state; the steps it took before, which that heal discarded; when
+    its Manager was up (``ready``)."""
     heal = next((x for x in lines if x["kind"] == "heal"), None)
+    ready = next(x["time"] - relaunched for x in lines if x["kind"] == "ready")
     if heal is None:
         return {"kill_to_training_s": None, "relaunch_to_training_s": None,
-                "rejoiner_steps_discarded": None, "heal_step": None}
+                "rejoiner_steps_discarded": None, "heal_step": None, "relaunch_to_ready_s": ready}
     steps = [x for x in lines if x["kind"] == "step"]
     healed = next(i for i, x in enumerate(steps) if x.get("sync") and x["time"] >= heal["time"])
     committed = [i for i, x in enumerate(steps) if i >= healed and x.get("committed")]
     first = steps[committed[0] + 1] if committed and committed[0] + 1 < len(steps) else None
     return {"kill_to_training_s": first["start"] - killed["t"] if first else None,
             "relaunch_to_training_s": first["start"] - relaunched if first else None,
-            "rejoiner_steps_discarded": healed + 1,
+            "rejoiner_steps_discarded": healed + 1, "relaunch_to_ready_s": ready,
             "heal_step": first["t"] - 1 if first else None}
 
 
 # the table --------------------------------------------------------------------------------------
 def fmt(v, spec: str) -> str:
     return "–" if v is None else format(v, spec)
+
+
+def again(r: dict) -> str:
+    """Relaunch to training again, with the process's start in brackets."""
+    if r.get("relaunch_to_ready_s") is None:
+        return "–"
+    return f"{fmt(r.get('relaunch_to_training_s'), '.2f')} ({r['relaunch_to_ready_s']:.2f})"
 
 
 def table(rows: list[dict]) -> str:
@@ -312,8 +326,8 @@ def table(rows: list[dict]) -> str:
         if not r["faulted"]:
             ref.setdefault(r["system"], []).append(r["eval_loss"])
     head = ("| system | run | killed at step | survivors' inner steps lost | kill → training again s "
-            "| relaunch → training again s | rejoiner's steps discarded | rounds without all 3 "
-            "| eval loss | vs unfaulted | wall s |\n" + "|---" * 11 + "|\n")
+            "| relaunch → training again s (of which process start) | rejoiner's steps discarded "
+            "| rounds without all 3 | eval loss | vs unfaulted | wall s |\n" + "|---" * 11 + "|\n")
     lines = []
     for r in rows:
         base = sum(ref[r["system"]]) / len(ref[r["system"]]) if ref.get(r["system"]) else None
@@ -322,7 +336,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['system']} | {'group 1 killed' if r['faulted'] else 'unfaulted'} "
             f"| {fmt(r.get('kill_step'), 'd')} | {lost} | {fmt(r.get('kill_to_training_s'), '.2f')} "
-            f"| {fmt(r.get('relaunch_to_training_s'), '.2f')} "
+            f"| {again(r)} "
             f"| {fmt(r.get('rejoiner_steps_discarded'), 'd')} | {r['rounds_short']} "
             f"| {r['eval_loss']:.4f} "
             f"| {fmt(pct, '+.2f')}{' %' if pct is not None else ''} | {r['wall_s']:.1f} |")
