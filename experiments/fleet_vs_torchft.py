@@ -5,7 +5,7 @@ run and relaunched at once, how many inner steps do the survivors lose, how many
 from the kill (and from the relaunch) to the group training again, and how far is the final
 eval loss from the same run without the fault — for lowcomm's fleet and for torchft?
 
-    PYTHONPATH=. python experiments/fleet_vs_torchft.py --out runs/fleet-vs-torchft --repeats 2
+    PYTHONPATH=. python experiments/fleet_vs_torchft.py --out runs/fleet-vs-torchft --repeats 3
 
 (torchft: ``pip install -e .[torchft]``.) Both sides train 3 groups × 1 rank, DiLoCo across the
 groups with the same H, steps, seed, model (the ``bytelm`` task's TinyGPT), inner optimizer
@@ -72,6 +72,7 @@ def jsonl(path: Path) -> list[dict]:
 
 
 def env() -> dict:
+    """The environment of every process started here: this tree importable, one thread."""
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
             "GLOO_SOCKET_IFNAME": "lo", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
@@ -99,10 +100,12 @@ def lowcomm_run(out: Path, overrides: list[str], a, kill: bool) -> dict:
     killed: dict = {}
 
     def reached() -> bool:
+        """Datacenter 1 has logged step ``--kill-at``."""
         lines = jsonl(out / "dc1" / "metrics.jsonl")
         return bool(lines) and lines[-1].get("step", 0) >= a.kill_at
 
     def shoot() -> None:
+        """SIGKILL rank 0 of datacenter 1, noting when and at which step."""
         pid = int((out / "dc1" / ".lowcomm.lock").read_text().split()[1])
         killed.update(t=time.time(), step=jsonl(out / "dc1" / "metrics.jsonl")[-1]["step"])
         os.kill(pid, signal.SIGKILL)
@@ -147,6 +150,7 @@ def lowcomm_row(s: dict, out: Path, killed: dict) -> dict:
 
 # torchft ----------------------------------------------------------------------------------------
 def lighthouse_binary() -> str:
+    """The path of ``torchft_lighthouse``; :class:`TorchftMissing` says what to install."""
     try:
         importlib.import_module("torchft")
     except ImportError as e:
@@ -160,12 +164,14 @@ def lighthouse_binary() -> str:
 
 
 def free_port() -> int:
+    """A TCP port free on loopback now (for the lighthouse)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def wait_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    """Return once ``port`` accepts connections; raise if ``proc`` ends or ``timeout`` passes."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
@@ -190,6 +196,7 @@ class Torchft:
         self.port = free_port()
 
     def start_lighthouse(self) -> None:
+        """torchft's lighthouse on a free loopback port, its log in ``OUT/lighthouse.log``."""
         a = self.a
         cmd = [lighthouse_binary(), "--min_replicas", "2", "--bind", f"127.0.0.1:{self.port}",
                "--heartbeat_timeout_ms", str(a.hb_ms), "--join_timeout_ms", str(a.join_ms),
@@ -200,6 +207,7 @@ class Torchft:
         wait_port(self.port, self.lighthouse)
 
     def launch(self, r: int) -> None:
+        """Start (or restart) group ``r``: ``OUT/replica<r>.<incarnation>.jsonl``."""
         inc = sum(1 for x in self.launches if x["replica"] == r)
         log = self.out / f"replica{r}.{inc}.jsonl"
         cmd = [sys.executable, str(REPLICA), "--replica", str(r), "--groups", str(GROUPS),
@@ -211,15 +219,18 @@ class Torchft:
         self.launches.append({"replica": r, "inc": inc, "t": time.time(), "log": str(log)})
 
     def shoot(self) -> None:
+        """SIGKILL group 1, noting when and at which step."""
         lines = [x for x in jsonl(self.out / "replica1.0.jsonl") if x["kind"] == "step"]
         self.killed.update(t=time.time(), step=lines[-1]["t"])
         os.kill(self.procs[1].pid, signal.SIGKILL)
 
     def reached(self) -> bool:
+        """Group 1 has logged step ``--kill-at``."""
         lines = [x for x in jsonl(self.out / "replica1.0.jsonl") if x["kind"] == "step"]
         return bool(lines) and lines[-1]["t"] >= self.a.kill_at
 
     def run(self) -> dict:
+        """The run, to the survivors' end; its row of the table."""
         self.out.mkdir(parents=True, exist_ok=True)
         t0, stop = time.time(), threading.Event()
         self.start_lighthouse()
@@ -236,7 +247,7 @@ class Torchft:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
             self.lh_log.close()
-        return torchft_row(self.out, self.launches, self.killed, time.time() - t0, self.a.period)
+        return torchft_row(self.launches, self.killed, time.time() - t0)
 
     def supervise(self, t0: float) -> None:
         """Relaunch a group that died, until groups 0 and 2 (never killed) have finished."""
@@ -272,7 +283,7 @@ def rounds(lines: list[dict]) -> list[tuple[list[dict], bool]]:
     return out
 
 
-def torchft_row(out: Path, launches: list[dict], killed: dict, wall: float, period: int) -> dict:
+def torchft_row(launches: list[dict], killed: dict, wall: float) -> dict:
     """The table's figures from the groups' logs."""
     logs = {(x["replica"], x["inc"]): jsonl(Path(x["log"])) for x in launches}
     lost = {str(r): sum(len(steps) for steps, ok in rounds(logs[(r, 0)]) if not ok)
@@ -308,6 +319,7 @@ def rejoin(lines: list[dict], relaunched: float, killed: dict) -> dict:
 
 # the table --------------------------------------------------------------------------------------
 def fmt(v, spec: str) -> str:
+    """``v`` formatted, or a dash for None."""
     return "–" if v is None else format(v, spec)
 
 
