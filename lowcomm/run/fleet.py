@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -67,10 +67,11 @@ class Incarnation:
     exit: int | None = None
     cause: str | None = None
     fenced: str | None = None        # why the coordinator counted it out (its job torn down)
+    started_t: float = field(default_factory=time.time)   # wall-clock of the launch
 
     def record(self) -> dict:
         return {"dc": self.dc, "inc": self.inc, "folder": str(self.folder), "joining": self.joining,
-                "exit": self.exit, "cause": self.cause}
+                "exit": self.exit, "cause": self.cause, "started_t": self.started_t}
 
 
 class Fleet:

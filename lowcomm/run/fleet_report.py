@@ -17,7 +17,7 @@ in its ledger, op ``heal``), and under ``fleet``:
 * ``steps_lost``: per datacenter that never failed, the inner steps whose work no committed
   round took (a round committed without it while it was alive, times the period): 0 is the goal;
 * ``left_out``, ``fallbacks`` (restarts from checkpoints after the coordinator was lost) and
-  every incarnation of every datacenter's job.
+  every incarnation of every datacenter's job (``started_t``: the wall-clock of its launch).
 
 ``metrics.jsonl`` holds the datacenters' metrics lines (``dc``, ``inc`` added) and one line per
 round, failure and heal (``event``), ordered by step.
