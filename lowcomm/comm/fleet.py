@@ -356,13 +356,17 @@ class Channel:
         return data.numpy().tobytes()
 
     def close(self, reason: str = "finished") -> None:
-        """Tell the coordinator this member is done (best effort) and stop heartbeating."""
+        """Tell the coordinator this member is done (best effort) and stop heartbeating. The
+        heartbeat thread is joined (its store call times out within 4 heartbeats): a daemon
+        thread still inside a store call when the interpreter exits aborts the process."""
         try:
             if not self._hb.lost:
                 self.send("bye", reason=reason)
         except FleetError:
             pass
         self._hb.stop.set()
+        if self._hb.is_alive() and self._hb is not threading.current_thread():
+            self._hb.join(timeout=max(1.0, self._hb.heartbeat_s * 4) * 2 + 1)
 
 
 class Span:
