@@ -27,6 +27,12 @@ from ..errors import CommError
 from .ledger import Ledger, charge_comm_cpu, wire_bytes
 from .watchdog import Watchdog
 
+#: the blocking calls :meth:`Comm._call` can wait for asleep: their non-blocking forms
+_NONBLOCKING = {"Allreduce": "Iallreduce", "Allgather": "Iallgather", "Allgatherv": "Iallgatherv",
+                "Alltoall": "Ialltoall", "Alltoallv": "Ialltoallv", "Bcast": "Ibcast",
+                "Barrier": "Ibarrier", "Send": "Isend", "Recv": "Irecv", "Wait": "Wait"}
+
+
 def _clock() -> tuple[float, float]:
     """Start of a timed MPI call: (wall, this thread's CPU time)."""
     return time.perf_counter(), time.thread_time()
@@ -171,6 +177,10 @@ class Comm:
         self._node_local: bool | None = None        # node_local()'s cached answer
         self._window: SharedWindow | None = None     # shared_window()'s window, kept
         self.auto_policy = None   # lowcomm.comm.collectives' auto choice, agreed once per Comm
+        #: seconds slept between tests while a call waits (0: the vendor's blocking call, which
+        #: polls the network on the calling core). A communicator driven by a background thread
+        #: sets it, so that its waits leave the core to the computation (see :meth:`_call`).
+        self.idle_wait_s = 0.0
 
     def __repr__(self) -> str:
         return f"Comm(level={self.level!r}, rank={self.rank}, size={self.size})"
@@ -185,9 +195,23 @@ class Comm:
         limit, why = self.watchdog.limit(op, nbytes, self.size, self.link)
         try:
             with self.watchdog.watch(describe, limit, why):
-                return fn(*args)
+                return self._call(fn, args)
         except mpi().Exception as e:  # MPI errors come back as exceptions with ERRORS_RETURN
             raise CommError(op, self.rank, e.Get_error_string(), nbytes) from e
+
+    def _call(self, fn, args):
+        """``fn(*args)``; with :attr:`idle_wait_s` set, a blocking collective or point-to-point
+        call (or a request's ``Wait``) runs as its non-blocking form, tested every
+        ``idle_wait_s`` seconds with a sleep in between: the same messages, but a thread waiting
+        a WAN round trip sleeps instead of spinning on a core the computation needs."""
+        name, owner = getattr(fn, "__name__", ""), getattr(fn, "__self__", None)
+        kind = mpi().Request if name == "Wait" else mpi().Comm     # not a Message's Recv
+        if not self.idle_wait_s or name not in _NONBLOCKING or not isinstance(owner, kind):
+            return fn(*args)
+        req = owner if name == "Wait" else getattr(owner, _NONBLOCKING[name])(*args)
+        while not req.Test():
+            time.sleep(self.idle_wait_s)
+        return None
 
     def check(self, op: str, t: torch.Tensor, root: int = -1) -> None:
         """Raise :class:`CommError` on every rank unless all ranks pass the same dtype and shape

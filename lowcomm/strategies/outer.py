@@ -22,6 +22,9 @@ from .buffers import Buffers
 from .syncdp import SyncDPSettings
 
 log = logging.getLogger("lowcomm.strategies.outer")
+#: seconds the reduction thread sleeps between tests of its pending MPI call (Comm.idle_wait_s):
+#: a thread that spun through a WAN round trip took the core from the inner steps it overlaps
+REDUCTION_IDLE_WAIT_S = 0.0005
 
 
 @dataclass
@@ -205,6 +208,10 @@ class OuterLoop(Strategy):
                 if c is not None:
                     c.validate = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-outer") if self.delay else None
+        if self._pool is not None:   # the reduction thread's waits sleep: the computation keeps the core
+            for c in (self._red, self._inside, self._leaders):
+                if c is not None:
+                    c.idle_wait_s = REDUCTION_IDLE_WAIT_S
 
     def _check_layout(self) -> None:
         sig = repr([(f.offset, str(f.dtype), [(n, tuple(p.shape)) for n, p, _, _ in f.members])

@@ -113,3 +113,42 @@ def test_validate_false_sends_no_check(comm):
 def test_a_non_contiguous_send_is_refused(comm):
     with pytest.raises(lowcomm.CommError, match="contiguous"):
         comm.send(torch.ones(4)[::2], neighbours(comm)[0])
+
+
+@multi
+def test_an_idle_wait_gives_the_same_results_through_the_non_blocking_calls_asleep(comm, monkeypatch):
+    """``idle_wait_s``: each blocking call runs as its non-blocking form, tested between
+    sleeps (the others wait for a rank 0 that comes 50 ms late, so they do sleep)."""
+    import time as real_time
+    from types import SimpleNamespace
+
+    from lowcomm.comm import comm as comm_module
+    naps = []
+    monkeypatch.setattr(comm_module, "time", SimpleNamespace(
+        sleep=lambda s: (naps.append(s), real_time.sleep(s)), perf_counter=real_time.perf_counter,
+        thread_time=real_time.thread_time, monotonic=real_time.monotonic, time=real_time.time))
+    c = comm.dup()
+    c.idle_wait_s = 0.001
+    right, left = neighbours(c)
+    if c.rank == 0:
+        real_time.sleep(0.05)
+    t = torch.full((1000,), float(c.rank))
+    c.allreduce_(t)
+    assert torch.equal(t, torch.full((1000,), c.size * (c.size - 1) / 2))
+    blocks = c.allgatherv(torch.full((c.rank + 1,), c.rank, dtype=torch.uint8),
+                          [j + 1 for j in range(c.size)])
+    assert [b.tolist() for b in blocks] == [[j] * (j + 1) for j in range(c.size)]
+    got = c.alltoallv([torch.full((2,), 10 * c.rank + j, dtype=torch.uint8) for j in range(c.size)],
+                      [2] * c.size)
+    assert [b.tolist() for b in got] == [[10 * j + c.rank] * 2 for j in range(c.size)]
+    b = torch.arange(4.0) if c.rank == 0 else torch.zeros(4)
+    c.bcast_(b, root=0)
+    assert torch.equal(b, torch.arange(4.0))
+    box = torch.empty(3)
+    reqs = [c.irecv_(box, left, tag=3), c.isend(torch.full((3,), float(c.rank)), right, tag=3)]
+    for q in reqs:
+        q.wait()
+    assert torch.equal(box, torch.full((3,), float(left)))
+    if c.rank != 0:       # only the non-blocking path sleeps (a blocking call polls)
+        assert naps and set(naps) == {0.001}, "a rank waiting for rank 0 never slept"
+    c.free()
