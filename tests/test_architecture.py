@@ -19,8 +19,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lowcomm"
 # settings/registry rewrite removed the last ones (config.py <-> strategies/*, policy.py).
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
-# Modules allowed to call mpi4py: the Comm itself, and the benchmarks' vendor baselines.
-MPI_MODULES = {"lowcomm.comm.comm", "lowcomm.tools.bench"}
+# Modules allowed to call mpi4py: the Comm itself (every other module goes through its
+# watchdog, and its ledger for data).
+MPI_MODULES = {"lowcomm.comm.comm"}
 RAW_MPI = re.compile(r"\.mpi\.|MPI\.COMM_WORLD\.|\b(Isend|Irecv|Iprobe|Improbe|issend|Issend)\(")
 
 

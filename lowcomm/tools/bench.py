@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 
 from ..comm.collectives import ALGORITHM_NAMES, ALGORITHMS, allreduce_, choose
-from ..comm.comm import Comm, mpi
+from ..comm.comm import Comm
 from ..comm.ledger import Ledger, busbw_factor
 from ..comm.watchdog import default_timeout_s
 
@@ -127,7 +127,7 @@ def _topology_given() -> bool:
 
 def _slowest(ctl: Comm, seconds: float) -> float:
     """The largest of the ranks' times (control plane, not charged to any method)."""
-    return ctl.mpi.allreduce(seconds, op=mpi().MAX)
+    return max(ctl.allgather_object(seconds))
 
 
 def bench_allreduce(comm: Comm, sizes: list[int], algorithms: list[str], iters: int = 20,
