@@ -8,7 +8,8 @@ the datacenters' leaders re-create whenever the membership changes (torch's
 torchft rendezvous). lowcomm's own algorithms (``ring``, ``rabenseifner``, ``tree``) are plain
 functions of a Comm's point-to-point calls, so the same function runs here and sums in the same
 order as it does over MPI: a fleet with no failure gives the parameters of one MPI job, bit for
-bit. ``mpi`` (the vendor all-reduce) becomes gloo's own all-reduce.
+bit. ``mpi`` (the vendor all-reduce) has no counterpart between separately launched jobs: the
+channel runs the ring instead (:meth:`lowcomm.comm.fleet.Channel._algorithm`).
 
 Every call records bytes and seconds in the ledger, under the level given (``"dc"``), and waits
 at most ``timeout_s``; a peer that died or a call that times out raises
@@ -24,8 +25,7 @@ from contextlib import contextmanager
 import torch
 
 from ..errors import CommError
-from .comm import _reduce_op
-from .ledger import Ledger, wire_bytes
+from .ledger import Ledger
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -49,11 +49,6 @@ class GlooRequest:
         self._comm.ledger.record(self.op, self._comm.level, self._sent, self._recv,
                                  time.perf_counter() - self._t0)
 
-    def test(self) -> bool:
-        if not self._done and self._work.is_completed():
-            self.wait()
-        return self._done
-
 
 class GlooComm:
     """A communicator of ``size`` ranks over the gloo process group ``pg``, this one ``rank``
@@ -71,11 +66,6 @@ class GlooComm:
 
     def __repr__(self) -> str:
         return f"GlooComm(level={self.level!r}, rank={self.rank}, size={self.size})"
-
-    def with_ledger(self, ledger: Ledger) -> "GlooComm":
-        """The same group, charging ``ledger``."""
-        return GlooComm(self.pg, self.rank, self.size, ledger, self.level, self.timeout_s,
-                        self.peers, self.link)
 
     def _wait(self, work, op: str, nbytes: int, peer: int | None) -> None:
         who = f"{self.level} {self.peers[peer]}" if peer is not None else \
@@ -105,31 +95,8 @@ class GlooComm:
         if write:
             t.copy_(host.view(t.shape))
 
-    def allreduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """gloo's all-reduce in place (the ``mpi`` algorithm's stand-in); "sum" or "avg"."""
-        avg = _reduce_op(op)
-        n = _nbytes(t)
-        t0 = time.perf_counter()
-        with self.staged(t) as h:
-            self._wait(self.pg.allreduce([h]), "allreduce.gloo", n, None)
-            if avg:
-                h.div_(self.size)
-        self.ledger.record("allreduce.gloo", self.level, *wire_bytes("allreduce", n, self.size),
-                           seconds=time.perf_counter() - t0)
-        return t
-
-    def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
-        n = _nbytes(t)
-        t0 = time.perf_counter()
-        with self.staged(t) as h:
-            self._wait(self.pg.broadcast(h, root), "bcast", n, root)
-        sent, recv = (n * (self.size - 1), 0) if self.rank == root else (0, n)
-        self.ledger.record("bcast", self.level, sent, recv, time.perf_counter() - t0)
-        return t
-
     # point-to-point ---------------------------------------------------------------------------
-    def isend(self, t: torch.Tensor, dest: int, tag: int = 0, op: str = "send",
-              charge: str = "complete") -> GlooRequest:
+    def isend(self, t: torch.Tensor, dest: int, tag: int = 0, op: str = "send") -> GlooRequest:
         flat = t.detach().reshape(-1)
         return GlooRequest(self, self.pg.send([flat], dest, tag), op, _nbytes(t), 0, dest, flat)
 
@@ -155,9 +122,6 @@ class GlooComm:
         self.ledger.record("sendrecv", self.level, _nbytes(send), _nbytes(recv),
                            time.perf_counter() - t0)
         return recv
-
-    def barrier(self) -> None:
-        self._wait(self.pg.barrier(), "barrier", 0, None)
 
 
 __all__ = ["GlooComm", "GlooRequest"]

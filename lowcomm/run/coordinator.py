@@ -25,8 +25,8 @@ import sys
 import threading
 import time
 
-from ..comm.fleet import key
-from .membership import Membership, NoQuorum
+from ..comm.fleet import _store, key
+from .membership import LIVE, Membership, NoQuorum
 
 
 class _Watcher(threading.Thread):
@@ -38,9 +38,7 @@ class _Watcher(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        from torch.distributed import TCPStore
-        store = TCPStore("127.0.0.1", self.port, is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=30))
+        store = _store("127.0.0.1", self.port, 30)
         k = 0
         while not self.stop.is_set():
             name = key("inbox", dc=self.dc, inc=self.inc, k=k)
@@ -131,7 +129,7 @@ class Coordinator:
     def _heartbeats(self, now: float) -> None:
         self.store.add(key("coordinator"), 1)
         for d, s in self.m.sites.items():
-            if s.state in ("active", "joining", "expected"):
+            if s.state in LIVE:
                 n = self.store.add(key("heartbeat", dc=d, inc=s.inc), 0)
                 if n != self.beats.get((d, s.inc)):
                     self.beats[(d, s.inc)] = n

@@ -186,7 +186,8 @@ def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
     """One method's run in ``out/<method>``, supervised (:func:`lowcomm.run.supervise.supervise`:
     relaunched from its newest checkpoint up to ``max_restarts`` times); returns its summary
     (plus ``status``) or a record of its failure (``"failed"``, with the first line of the
-    method's own error) or of a stop (``"interrupted"``). ``overwrite``: replace a run already
+    method's own error) or of a stop (``"interrupted"``); a finished run's whole summary.json
+    is under ``"summary"``. ``overwrite``: replace a run already
     in that folder (only a lowcomm run's files)."""
     run_dir = out / method
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -223,7 +224,7 @@ def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
         "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total", "bytes_by_level",
         "wall_s", "skipped_steps", "state_sha256")}, "ranks_agree": s.get("ranks_agree"),
         "steps_done": s.get("steps_done", s["steps"]),
-        "restarts": result["restarts"], "summary": str(summary_path)}
+        "restarts": result["restarts"], "summary": s}
 
 
 def _progress(metrics: Path, last: int, on_step) -> int:
@@ -439,7 +440,7 @@ def _run_methods(methods, kept, np, steps, out, config, overrides, link, launche
             bar.update(done_before + steps - bar.n)
             stopped = r.pop("stopped", None)         # it finished before the stop took
             if r["status"] == "ok":
-                s = json.loads(Path(r.pop("summary")).read_text())
+                s = r.pop("summary")
                 _costed(r, s, link)
                 r["compute_cpu_s"] = s["compute_cpu_s"]
             else:

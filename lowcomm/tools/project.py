@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..comm.ledger import Link
+from ..comm.ledger import Link, latency_rounds
 
 #: the rank counts projected unless told otherwise
 DEFAULT_RANKS = (8, 64, 512, 4096)
@@ -53,10 +53,6 @@ ASSUMPTIONS = ("every rank's traffic crosses the link (a flat world: an upper bo
                "communication and computation; point-to-point traffic (gossip, parameter "
                "server) keeps its measured messages per step; the shape checks of comm.validate "
                "(small all-gathers, the 'check' rows) are included: comm.validate = false drops them")
-
-
-def _log2(k: int) -> int:
-    return max(1, (k - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -77,16 +73,11 @@ class Op:
                 "bcast": self.size}.get(self.kind, self.size)
 
     def rounds_at(self, k: int) -> int:
-        """Message rounds per call on ``k`` ranks."""
-        if k <= 1:
-            return 0
-        if self.kind == "p2p":
-            return 1
-        if self.op == "allreduce.ring":
-            return 2 * (k - 1)
-        if self.kind in ("allreduce", "fixed"):
-            return 2 * _log2(k)
-        return _log2(k) if self.kind in ("bcast", "gather-small") else k - 1
+        """Message rounds per call on ``k`` ranks: the ledger's rule (:func:`latency_rounds`),
+        except a small all-gather (the vendor's Bruck algorithm: ⌈log₂K⌉ rounds)."""
+        if self.kind == "gather-small":
+            return max(1, (k - 1).bit_length()) if k > 1 else 0
+        return latency_rounds(self.op, k)
 
 
 def ops_of(summary: dict, scale: float = 1.0) -> list[Op]:
