@@ -135,9 +135,6 @@ class AsyncPS(Strategy):
         with self._own_step():              # the server steps its shard with the optimizer
             self.role.serve(on_update, on_idle)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
     def _step(self, closure=None):
         return self._worker("step()").step(closure)
 

@@ -25,7 +25,7 @@ import torch
 
 from ..comm.comm import Comm, init
 from ..compress.settings import CompressorSettings
-from ..errors import ConfigError, LowcommError
+from ..errors import CommError, ConfigError, LowcommError
 
 
 def check_compressor_name(s, prefix: str, allow_empty: bool = False) -> None:
@@ -61,6 +61,20 @@ class Context:
         """The compression operator ``name`` with the run's knobs, without error feedback."""
         from ..compress import build_compressor
         return build_compressor(dataclasses.replace(self.compressor, name=name), error_feedback=False)
+
+
+def agreed_dup(comm: Comm, op: str, signature: str, count: int, ledger=None) -> Comm:
+    """A duplicate of ``comm`` for a method's fixed-layout traffic (``ledger``: its own, else
+    ``comm``'s), after checking once that every rank holds the parameter layout ``signature``
+    (``count`` parts); then no per-call agreement check. A rank that differs is a CommError
+    ``op`` on every rank, naming the ranks."""
+    out = comm.dup(ledger)
+    bad = out.disagreeing(signature, count)
+    if bad:
+        raise CommError(op, comm.rank, f"ranks {bad} hold differently named or shaped parameters "
+                        "than rank 0")
+    out.validate = False
+    return out
 
 
 @dataclass(frozen=True)

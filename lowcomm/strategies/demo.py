@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -12,9 +13,9 @@ from ..compress.compressor import Compressor
 from ..compress.demo import ChunkedDCT, ChunkTopK
 from ..compress.error_feedback import ErrorFeedback
 from ..compress.twophase import COLLECTIVES
-from ..errors import CommError, ConfigError
+from ..errors import ConfigError
 from ..settings import Settings
-from .base import Context, Method, Strategy
+from .base import Context, Method, Strategy, agreed_dup
 from .buffers import Buffers
 
 
@@ -59,8 +60,9 @@ class _Bucket:
     def numel(self) -> int:
         return self.members[-1][5]
 
-    @property
+    @cached_property
     def segments(self) -> list[Segment]:
+        """The members' places in the bucket (built once: the members never change)."""
         return [Segment(n, torch.Size([b - a]), a, b) for n, _, _, _, a, b in self.members]
 
 
@@ -137,12 +139,8 @@ class DeMo(Strategy):
             self.buckets.append(_Bucket(f"demo{row}", members, Compressor(
                 ErrorFeedback(ChunkTopK(row, self.topk)), exchange)))
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
-        self._comm = self.comm.dup()
-        bad = self._comm.disagreeing(repr([(b.key, b.numel) for b in self.buckets]), len(self.buckets))
-        if bad:
-            raise CommError("demo.layout", self.comm.rank, f"ranks {bad} hold differently "
-                            "shaped parameters than rank 0")
-        self._comm.validate = False                # fixed shapes from here on
+        self._comm = agreed_dup(self.comm, "demo.layout",            # fixed shapes from here on
+                                repr([(b.key, b.numel) for b in self.buckets]), len(self.buckets))
         self.buffers = Buffers(model)
         self.t = 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -17,7 +18,7 @@ from ..compress.base import Segment
 from ..compress.compressor import Compressor
 from ..errors import ArgumentError, CommError, ConfigError
 from ..comm.ledger import Ledger
-from .base import Context, Strategy, balance, check_compressor_name
+from .base import Context, Strategy, agreed_dup, balance, check_compressor_name
 from .buffers import Buffers
 from .syncdp import SyncDPSettings
 
@@ -42,8 +43,9 @@ class Fragment:
     def numel(self) -> int:
         return self.members[-1][3]
 
-    @property
+    @cached_property
     def segments(self) -> list[Segment]:
+        """The members' places in the fragment (built once: the members never change)."""
         return [Segment(n, p.shape, a, b) for n, p, a, b in self.members]
 
     @torch.no_grad()
@@ -190,9 +192,10 @@ class OuterLoop(Strategy):
                                  **(warmup_options or {}))
         else:
             broadcast_(self.comm, list(model.state_dict().values()), root=0)
-        self._red = self.comm.dup(Ledger())          # own message space and ledger
-        self._check_layout()
-        self._red.validate = False                   # the layout was agreed just above
+        sig = repr([(f.offset, str(f.dtype), [(n, tuple(p.shape)) for n, p, _, _ in f.members])
+                    for f in self.fragments])
+        self._red = agreed_dup(self.comm, "outer.layout", sig, len(self.fragments),
+                               Ledger())             # own message space and ledger
         # hierarchical: the topology's communicators in the reductions' own space and ledger
         self._levels = levels.dup(self._red.ledger) if levels is not None and \
             algorithm in ("hierarchical", "auto") else None
@@ -212,14 +215,6 @@ class OuterLoop(Strategy):
             for c in (self._red, self._inside, self._leaders):
                 if c is not None:
                     c.idle_wait_s = REDUCTION_IDLE_WAIT_S
-
-    def _check_layout(self) -> None:
-        sig = repr([(f.offset, str(f.dtype), [(n, tuple(p.shape)) for n, p, _, _ in f.members])
-                    for f in self.fragments])
-        bad = self._red.disagreeing(sig, len(self.fragments))
-        if bad:
-            raise CommError("outer.layout", self.comm.rank, f"ranks {bad} hold differently named "
-                            f"or shaped parameters than rank 0")
 
     # what subclasses define ---------------------------------------------------------------------
     def _outgoing(self, f: Fragment) -> torch.Tensor:

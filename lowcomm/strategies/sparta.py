@@ -9,9 +9,9 @@ import torch
 from ..comm.collectives import allreduce_, broadcast_
 from ..comm.comm import Comm
 from ..compress.sparsify import distinct_sample
-from ..errors import CommError, ConfigError, LowcommError
+from ..errors import ConfigError, LowcommError
 from ..settings import Settings
-from .base import Context, Method, Strategy
+from .base import Context, Method, Strategy, agreed_dup
 from .buffers import Buffers
 from .diloco import DiLoCo, DiLoCoSettings
 from .outer import check_run, partition
@@ -78,15 +78,9 @@ class SparseAverage:
 
 
 def _sparse_comm(comm: Comm, params: list[torch.Tensor]) -> Comm:
-    """A duplicate of ``comm`` (same ledger) for the subset's all-reduce, after checking once
-    that every rank holds the same parameter layout (then no per-call agreement check)."""
-    out = comm.dup()
-    bad = out.disagreeing(repr([(str(p.dtype), tuple(p.shape)) for p in params]), len(params))
-    if bad:
-        raise CommError("sparta.layout", comm.rank, f"ranks {bad} hold differently shaped "
-                        "parameters than rank 0")
-    out.validate = False
-    return out
+    """A duplicate of ``comm`` (same ledger) for the subset's all-reduce, its layout agreed."""
+    return agreed_dup(comm, "sparta.layout", repr([(str(p.dtype), tuple(p.shape)) for p in params]),
+                      len(params))
 
 
 @dataclass

@@ -227,7 +227,7 @@ class ZeroOneAdam(OneBitAdam):
             self._adam_(p, g, flat[s.start:s.stop].view_as(p), kind == "dense", t,
                         self._frozen[i][0] if self._frozen else None)
         if kind in ("local", "sync"):
-            self._local(t)
+            self._local()
         self._advance(t, kind)
         return loss
 
@@ -262,7 +262,7 @@ class ZeroOneAdam(OneBitAdam):
         if self._anchor is None:
             self._anchor = [p.detach().clone() for _, p, _ in self._params]
 
-    def _local(self, t: int) -> None:
+    def _local(self) -> None:
         """After a local or sync step's update: the interval's decay factor and learning rates."""
         for i, g in enumerate(self.optimizer.param_groups):
             if g["weight_decay"] and self.decoupled:
@@ -300,7 +300,7 @@ class ZeroOneAdam(OneBitAdam):
         for _, p, g in self._params:           # the decay every rank applies, so x̄·D agrees
             if g["weight_decay"] and self.decoupled:
                 p.mul_(1 - g["lr"] * g["weight_decay"])
-        self._local(t)
+        self._local()
         self._advance(t, self.schedule.kind(t))
 
     # state ------------------------------------------------------------------------------------
