@@ -53,7 +53,8 @@ def test_bench_allreduce_every_algorithm_correct(tmp_path):
     rows = json.loads(out.read_text())
     assert {(x["size"], x["algorithm"]) for x in rows} == {
         (s, a) for s in (4096, 1 << 20)
-        for a in ("mpi", "ring", "rabenseifner", "tree", "shm", "auto", "horovod", "gloo", "memcpy")}
+        for a in ("mpi", "ring", "rabenseifner", "tree", "shm", "shm-registered", "auto", "horovod",
+                  "gloo", "memcpy")}
     assert all(x["wrong"] == 0 and x["time_us"] > 0 and x["busbw_GBps"] > 0 for x in rows)
     assert "busbw(GB/s)" in r.stdout and "vs mpi" in r.stdout and "best/auto" in r.stdout
     memcpy = next(x for x in rows if x["algorithm"] == "memcpy" and x["size"] == 1 << 20)

@@ -192,7 +192,7 @@ def _write_json(path, rows):
 
 @bench.command("allreduce")
 @click.option("--sizes", default="4K,1M,16M", show_default=True, help="Bytes per buffer (K, M, G).")
-@click.option("--algorithms", default="mpi,ring,rabenseifner,tree,shm,auto,horovod,gloo,memcpy",
+@click.option("--algorithms", default="mpi,ring,rabenseifner,tree,shm,shm-registered,auto,horovod,gloo,memcpy",
               show_default=True, help="Rows; 'memcpy' is the memory-bandwidth floor: each rank "
               "writes the result from a buffer that holds it (one copy, no communication).")
 @click.option("--iters", default=20, show_default=True)

@@ -51,7 +51,10 @@ _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bflo
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 _META_LEN = 12          # dtype, numel, ndim, 6 dims, hash of further dims, op hash, root
 _HALF_OPS: dict = {}                # torch dtype -> MPI.Op summing 16-bit floats, created on first use
-_SHM_SPINS, _SHM_YIELDS = 64, 256   # SharedWindow.sync: polls before yielding, then napping
+#: SharedWindow.sync: seconds a waiting rank polls (yielding its core between polls to any
+#: thread that wants it) before it naps; a rank with a core of its own sees its peers arrive at
+#: once, and an oversubscribed one hands the core over at every poll
+_SHM_YIELD_S = 0.002
 
 
 def mpi():
@@ -174,8 +177,9 @@ class Comm:
         #: sets it); None: unknown. Duplicates keep it.
         self.link = None
         self._pinned: dict[tuple[torch.dtype, int], torch.Tensor] = {}
-        self._node_local: bool | None = None        # node_local()'s cached answer
+        self._node_ranks: int | None = None         # _on_my_node()'s cached answer
         self._window: SharedWindow | None = None     # shared_window()'s window, kept
+        self._registered: list[SharedWindow] = []    # shared_tensor()'s windows, kept
         self.auto_policy = None   # lowcomm.comm.collectives' auto choice, agreed once per Comm
         #: seconds slept between tests while a call waits (0: the vendor's blocking call, which
         #: polls the network on the calling core). A communicator driven by a background thread
@@ -518,15 +522,27 @@ class Comm:
         """True when every rank of this communicator can share memory with every other (one
         node): ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`` keeps all of them. Collective the
         first time (the answer is cached; every rank gets the same one)."""
-        if self._node_local is None:
+        return self._on_my_node() == self.size
+
+    def _on_my_node(self) -> int:
+        """How many ranks of this communicator share this rank's node (collective the first
+        time; cached)."""
+        if self._node_ranks is None:
             if self.size == 1:
-                self._node_local = True
+                self._node_ranks = 1
             else:
                 sub = self._guard("split_shared", 0, self.mpi.Split_type, mpi().COMM_TYPE_SHARED,
                                   self.rank)
-                self._node_local = sub.Get_size() == self.size
+                self._node_ranks = sub.Get_size()
                 sub.Free()
-        return self._node_local
+        return self._node_ranks
+
+    def cores_per_rank(self) -> float:
+        """The CPU cores this rank can count on: those it may run on (its affinity), at most
+        the node's cores shared out among the ranks of this communicator on the node (one core
+        each for 2 ranks on 2 cores, bound or not; 0.5 for 4). Collective the first time."""
+        mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return min(mine or 1, (os.cpu_count() or 1) / self._on_my_node())
 
     def shared_window(self, slot_bytes: int) -> "SharedWindow":
         """This communicator's :class:`SharedWindow` of ``slot_bytes`` bytes per rank (allocated
@@ -545,6 +561,39 @@ class Comm:
             w.free()
         self._window = SharedWindow(self, slot_bytes)
         return self._window
+
+    def shared_tensor(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A zeroed 1-D tensor of ``numel`` elements that lives in a shared-memory window of
+        this node-local communicator (collective: every rank asks for the same ``numel`` and
+        ``dtype`` in the same order), *registered* with it: an all-reduce of this tensor (or of
+        a contiguous slice of it, every rank passing the same slice) with algorithm ``shm`` or
+        ``auto`` reads the other ranks' tensors where they lie, with no copy into a staging
+        buffer (:func:`lowcomm.comm.collectives.shm`; NCCL's user-buffer registration,
+        ``ncclMemAlloc`` + ``ncclCommRegister``, is the same idea). The window is kept for the
+        communicator's life. Raises :class:`CommError` naming the level off one node."""
+        es = torch.empty(0, dtype=dtype).element_size()
+        if not self.node_local():
+            raise CommError("shared_tensor", self.rank, f"the {self.size} ranks of level "
+                            f"{self.level!r} do not share one node; a registered buffer needs "
+                            f"a node-local communicator", numel * es)
+        win = SharedWindow(self, max(1, numel) * es)
+        self._registered.append(win)
+        return win.slot(self.rank, dtype)[:numel].zero_()
+
+    def registered(self, t: torch.Tensor) -> "tuple[SharedWindow, list[torch.Tensor]] | None":
+        """For a contiguous CPU tensor inside one of :meth:`shared_tensor`'s windows: the window
+        and every rank's tensor at the same place (``[j]`` is rank j's, ``[self.rank]`` is
+        ``t``'s memory); else None."""
+        if not self._registered or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        for win in self._registered:
+            base = win.base
+            if base <= ptr and ptr + nbytes <= base + win.slot_bytes and \
+                    (ptr - base) % t.element_size() == 0:
+                at = (ptr - base) // t.element_size()
+                return win, [win.slot(j, t.dtype)[at:at + t.numel()] for j in range(self.size)]
+        return None
 
         # communicators ----------------------------------------------------------------------------
     def split(self, color: int, key: int | None = None, level: str | None = None) -> "Comm | None":
@@ -581,7 +630,7 @@ class Comm:
         out = Comm(self._guard("dup", 0, self.mpi.Dup), ledger or self.ledger, level or self.level, self.validate,
                    self.watchdog)
         out.link = self.link
-        out._node_local = self._node_local
+        out._node_ranks = self._node_ranks
         out.auto_policy = self.auto_policy
         return out
 
@@ -594,9 +643,10 @@ class SharedWindow:
     shared pages). :meth:`sync` is a barrier through the window itself: each rank bumps a
     counter in its slot's header and waits until every counter has reached it, with
     ``MPI_Win_sync`` fences on both sides (MPI-3.1 §11.5.5's recipe for load/store access).
-    A waiting rank spins briefly, then yields, then sleeps in short naps, so on an
-    oversubscribed node it hands its core to the ranks still working (an ``MPI_Barrier``
-    spins, stealing the core from them). The wait runs under the communicator's watchdog,
+    A waiting rank polls with ``sched_yield`` between polls for up to ``_SHM_YIELD_S``, then
+    sleeps in short naps: with a core of its own it sees its peers arrive at once, and on an
+    oversubscribed node it hands its core to the ranks still working at every poll (an
+    ``MPI_Barrier`` spins, stealing the core from them). The wait runs under the communicator's watchdog,
     so a rank that never arrives ends the job with a message naming the op, not a hang.
     """
 
@@ -610,6 +660,7 @@ class SharedWindow:
                                total, 1, MPI.INFO_NULL, comm.mpi)
         self.win.Lock_all(MPI.MODE_NOCHECK)     # one passive epoch for the window's life
         self._raw, self._data = [], []
+        self._slots: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         for j in range(comm.size):
             mem, _ = self.win.Shared_query(j)
             raw = torch.frombuffer(mem, dtype=torch.uint8, count=total)
@@ -618,14 +669,19 @@ class SharedWindow:
         self._counters = [np.frombuffer(mem, dtype=np.int64, count=1)
                           for mem in (self.win.Shared_query(j)[0] for j in range(comm.size))]
         self._mine = self._counters[comm.rank]
+        self.base = self._data[comm.rank].data_ptr()    # where this rank's slot starts
         self._mine[0] = 0
         self._seq = 0
         self.comm._guard("shared_window", 0, self.comm.mpi.Barrier)   # counters zeroed
 
     def slot(self, j: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """Rank ``j``'s slot viewed as ``dtype`` (whole elements)."""
-        es = torch.empty(0, dtype=dtype).element_size()
-        return self._data[j][:self.slot_bytes - self.slot_bytes % es].view(dtype)
+        """Rank ``j``'s slot viewed as ``dtype`` (whole elements; the views are made once)."""
+        key = (j, dtype)
+        view = self._slots.get(key)
+        if view is None:
+            es = torch.empty(0, dtype=dtype).element_size()
+            view = self._slots[key] = self._data[j][:self.slot_bytes - self.slot_bytes % es].view(dtype)
+        return view
 
     def sync(self, op: str = "shm.sync") -> None:
         """Make this rank's stores visible to every rank and wait until all have arrived."""
@@ -636,14 +692,11 @@ class SharedWindow:
         others = [c for j, c in enumerate(self._counters) if j != self.comm.rank]
 
         def wait():
-            spins = 0
-            while True:
-                if all(c[0] >= seq for c in others):
-                    return
-                spins += 1
-                if spins < _SHM_SPINS:
-                    continue
-                if spins < _SHM_YIELDS:
+            until = None
+            while not all(c[0] >= seq for c in others):
+                now = time.perf_counter()
+                until = until or now + _SHM_YIELD_S
+                if now < until:
                     os.sched_yield()
                 else:
                     time.sleep(50e-6)
@@ -652,7 +705,7 @@ class SharedWindow:
 
     def free(self) -> None:
         """Release the window (collective)."""
-        self._raw, self._data, self._counters = [], [], []
+        self._raw, self._data, self._counters, self._slots = [], [], [], {}
         self.win.Unlock_all()
         self.win.Free()
 

@@ -36,7 +36,13 @@ class Bucket:
     future: Future | None = None
 
     def view(self, i: int) -> torch.Tensor:
-        return self.flat[self.offsets[i]:self.offsets[i + 1]].view(self.shapes[i])
+        return self.views[i]
+
+    @functools.cached_property
+    def views(self) -> list[torch.Tensor]:
+        """Each tensor's place in ``flat``, shaped (made once: ``flat`` is never replaced)."""
+        return [self.flat[self.offsets[i]:self.offsets[i + 1]].view(self.shapes[i])
+                for i in range(len(self.names))]
 
     @functools.cached_property
     def segments(self) -> list[Segment]:
@@ -99,17 +105,29 @@ class Reducer:
             b.names.append(name)
             b.shapes.append(t.shape)
             b.offsets.append(b.offsets[-1] + t.numel())
-        for b in self.buckets:
-            b.flat = torch.zeros(b.offsets[-1], dtype=b.flat.dtype, device=named[0][1].device)
         self._check_layout()
         self._thread_comm = comm.dup()   # own message space; shapes were checked just above
         self._thread_comm.validate = False
+        device = named[0][1].device
+        shared = self.registered_buckets(device)
+        for b in self.buckets:
+            b.flat = self._thread_comm.shared_tensor(b.offsets[-1], b.flat.dtype) if shared else \
+                torch.zeros(b.offsets[-1], dtype=b.flat.dtype, device=device)
         # hierarchical: the topology's communicators, duplicated for the same reason
         self._levels = levels.dup() if levels is not None and algorithm in ("hierarchical", "auto") \
             else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-reducer") if overlap else None
         self._next = 0          # the next bucket to launch; launches happen in index order
         self.reset()
+
+    def registered_buckets(self, device: torch.device) -> bool:
+        """Whether the buckets live in the node's shared memory, registered with the reduction
+        communicator (:meth:`~lowcomm.comm.comm.Comm.shared_tensor`), so that a dense
+        all-reduce (``auto`` or ``shm``) of a bucket reads the other ranks' buckets in place,
+        with no staging copy: CPU buckets on a communicator of one node. Collective (every rank
+        gets the same answer)."""
+        return self.compressor is None and self.algorithm in ("auto", "shm") and \
+            device.type == "cpu" and self.comm.size > 1 and self._thread_comm.node_local()
 
     def _check_layout(self) -> None:
         """All ranks must bucket the same tensors the same way, or collectives would mismatch."""
@@ -137,10 +155,11 @@ class Reducer:
         b = self.buckets[bi]
         if i not in b.pending:
             return
+        view = b.view(i)
         if tensor is None:
-            b.view(i).zero_()
-        else:
-            b.view(i).copy_(tensor)
+            view.zero_()
+        elif tensor.data_ptr() != view.data_ptr():     # not already the bucket's view
+            view.copy_(tensor)
         b.pending.discard(i)
         if self.overlap:
             self._launch_ready()
@@ -177,7 +196,7 @@ class Reducer:
                 b.future.result()
             else:
                 self._reduce(b)
-        out = [(name, b.view(i)) for b in self.buckets for i, name in enumerate(b.names)]
+        out = [(name, view) for b in self.buckets for name, view in zip(b.names, b.views)]
         self.withheld, self._withholding = self._withholding, []
         self.reset()
         return out

@@ -23,7 +23,8 @@ class SyncDPSettings(Settings):
     algorithm: str = "auto"            # all-reduce algorithm (collectives.ALGORITHM_NAMES)
     bucket_mb: float = 4.0             # bucket size in MiB
     backward_passes_per_step: int = 1  # gradient accumulation N
-    overlap: bool = True               # reduce buckets during backward
+    overlap: bool | None = None        # reduce buckets during backward; None ("auto"): when
+                                       # a core is left for it (see SyncDP)
     backend: str = "mpi"               # "mpi" (lowcomm's reducer) or "horovod"
     compressor: str = ""               # gradient compressor; "" = the run's [compressor] table
 
@@ -68,7 +69,10 @@ class SyncDP(Strategy):
 
     Update, per step t, on every rank k with local gradient g_k:
       1. ranks start from the same parameters and buffers (rank 0's, broadcast at construction);
-      2. as autograd produces gradients, full buckets are all-reduced on a background thread;
+      2. as autograd produces gradients, full buckets are all-reduced on a background thread
+         (or all after backward where no core is left for the thread: ``overlap``); buckets
+         of CPU gradients on one node live in shared memory and are reduced in place there,
+         and ``p.grad`` is the bucket's view (torch DDP's ``gradient_as_bucket_view``);
       3. when the backward pass ends, ``p.grad = (1/K) Σ_k g_k`` (as torch DDP: gradient
          clipping, ``GradScaler.unscale_`` and anything else between ``backward()`` and
          ``step()`` see the averaged gradients);
@@ -95,7 +99,13 @@ class SyncDP(Strategy):
             :mod:`lowcomm.comm.tuning`; "mpi", "ring", "rabenseifner", "tree", "shm", "hierarchical").
         bucket_mb: bucket size in MiB.
         backward_passes_per_step: gradient accumulation factor N ≥ 1.
-        overlap: reduce buckets during backward (True) or all at once when it ends.
+        overlap: reduce buckets on a background thread during backward (True) or all at once
+            when it ends (False); None ("auto"): overlap where the thread does not take the
+            computation's core — the model on an accelerator, or at least 2 CPU cores per rank
+            (:meth:`~lowcomm.comm.comm.Comm.cores_per_rank`). At one core per rank the thread
+            only competes with backward (2 ranks on 2 cores, 437,760 parameters, a 4 MiB
+            bucket: step 1.08× the no-communication floor overlapped, 1.05× not;
+            ``lowcomm bench step --set strategy.overlap=...``).
         compressor: a :class:`~lowcomm.compress.Compressor` applied to every bucket (None:
             dense all-reduce with ``algorithm``).
         nonfinite: "raise" (``step()`` after a non-finite gradient is an error naming it) or
@@ -129,6 +139,10 @@ class SyncDP(Strategy):
         backward_passes_per_step = s.backward_passes_per_step
         self.sync_s = 0.0
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._params = dict(self._named)
+        if overlap is None:
+            spare_core = self.comm.cores_per_rank() >= 2         # collective: every rank asks
+            overlap = spare_core or any(p.device.type != "cpu" for _, p in self._named)
         self.buffers = Buffers(model)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self.reducer = Reducer(self.comm, self._named[::-1], algorithm, int(bucket_mb * (1 << 20)),
@@ -151,16 +165,14 @@ class SyncDP(Strategy):
         (the communication backward did not hide, plus the copies) is kept in ``sync_s``."""
         t0 = time.perf_counter()
         try:
-            params = dict(self._named)
+            params = self._params
             for name, p in self._named:
-                if self.reducer.is_pending(name) and p.grad is not None:
+                if p.grad is not None and self.reducer.is_pending(name):
                     self.reducer.ready(name, p.grad)
-            for name, avg in self.reducer.flush():
-                p = params[name]
-                if p.grad is None:
-                    p.grad = avg.clone()
-                else:
-                    p.grad.copy_(avg)
+            for name, avg in self.reducer.flush():     # p.grad becomes the bucket's view (no
+                p = params[name]                          # copy; torch DDP's gradient_as_bucket_view)
+                if p.grad is not avg:
+                    p.grad = avg
         finally:
             self.sync_s = time.perf_counter() - t0
 

@@ -27,6 +27,9 @@ BASELINES = ("horovod", "gloo")
 #: (``size`` bytes) from a buffer that already holds it -- one memcpy, the least any all-reduce
 #: must do after reading its inputs; ``vs memcpy`` = its time over an algorithm's
 MEMCPY = "memcpy"
+#: ``shm`` on a buffer registered with the communicator (:meth:`Comm.shared_tensor`): the
+#: ranks' inputs already lie in the node's shared window, nothing is staged
+REGISTERED = "shm-registered"
 
 
 def parse_size(text: str) -> int:
@@ -142,11 +145,12 @@ def bench_allreduce(comm: Comm, sizes: list[int], algorithms: list[str], iters: 
     bench = comm.dup(Ledger())
     bench.validate = False
     for alg in algorithms:   # fail on a bad name before measuring anything
-        _check_known(alg, [*ALGORITHM_NAMES, *BASELINES, MEMCPY])
+        _check_known(alg, [*ALGORITHM_NAMES, *BASELINES, MEMCPY, REGISTERED])
     own = [a for a in algorithms if a not in BASELINES]   # memcpy takes turns with them
     rows = []
     with ExitStack() as stack:
-        fns = {a: MEMCPY if a == MEMCPY else stack.enter_context(reducer(a, bench)) for a in own}
+        fns = {a: MEMCPY if a == MEMCPY else
+               stack.enter_context(reducer("shm" if a == REGISTERED else a, bench)) for a in own}
         for size in sizes:
             rows += _time_size(ctl, bench, fns, size, iters, warmup)
     for alg in [a for a in algorithms if a in BASELINES]:
@@ -161,7 +165,8 @@ def _time_size(ctl: Comm, bench: Comm, fns: dict, size: int, iters: int, warmup:
     K, n = bench.size, size // 4
     base = (torch.arange(n, dtype=torch.float32) % 7) + bench.rank      # exact in float32
     expected = (torch.arange(n, dtype=torch.float32) % 7) * K + K * (K - 1) / 2
-    bufs = {a: torch.empty(n, dtype=torch.float32) for a in fns}
+    bufs = {a: bench.shared_tensor(n) if a == REGISTERED else torch.empty(n, dtype=torch.float32)
+            for a in fns}
     times: dict[str, list[float]] = {a: [] for a in fns}
     wrong = dict.fromkeys(fns, 0)
     names = list(fns)
@@ -296,7 +301,6 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
     with torch's ``fp16_compress_hook`` / ``powerSGD_hook``), and ``local`` (no communication:
     the compute floor). Same model, seed, batches and optimizer for every row; DDP's bucket
     size is SyncDP's ``bucket_mb``."""
-    from ..run.schedule import build_optimizer
     from ..strategies.syncdp import SyncDPSettings
     from ..tasks import load_task
 
@@ -306,44 +310,85 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
                                      if k in SyncDPSettings.fields()}, "strategy.")
     for name in strategies:   # fail on a bad name before measuring anything
         _check_known(name, STEP_STRATEGIES, "strategy")
-    rows = []
-    for name in strategies:
-        torch.manual_seed(cfg.seed)
-        model = task.model(cfg)
-        params = sum(p.numel() for p in model.parameters())
-        opt = build_optimizer(cfg, model.parameters())
-        run = comm.dup(Ledger())
-        run.validate = False
-        with baseline(name, comm):
-            times, exposed = _step_times(name, run, ctl, task, cfg, s, model, opt, warmup, steps)
-        rows.append({"strategy": name, "ranks": comm.size, "params": params,
-                     "grad_MB": params * 4 / 1e6, "step_ms": statistics.median(times) * 1e3,
-                     "step_ms_mean": statistics.fmean(times) * 1e3,
-                     "sync_ms": statistics.median(exposed) * 1e3 if exposed else None})
-    return rows
+    names = list(dict.fromkeys(strategies))
+    # lowcomm's rows and the floor take turns step by step, so a load that comes and goes falls
+    # on all of them alike and their ratios hold; torch DDP and Horovod run in windows of their
+    # own (their threads would slow the others)
+    together = [n for n in names if n == STEP_LOCAL or n.startswith("syncdp")]
+    rows = _time_rows(together, comm, ctl, task, cfg, s, warmup, steps) if together else {}
+    for name in names:
+        if name not in together:
+            with baseline(name, comm):
+                rows.update(_time_rows([name], comm, ctl, task, cfg, s, warmup, steps))
+    return [rows[n] for n in names]
 
 
-def _step_times(name: str, run: Comm, ctl: Comm, task, cfg, s, model, opt, warmup: int,
-                steps: int) -> tuple[list[float], list[float] | None]:
-    """Row ``name`` of :func:`bench_step` (a lowcomm method communicates on ``run``): the timed
-    steps' seconds and, for SyncDP, the exposed sync's (else None)."""
+@dataclasses.dataclass
+class _StepRow:
+    """One row of :func:`bench_step` being timed: what a step calls and what it measured."""
+    name: str
+    params: int
+    opt: object                                # the optimizer (a lowcomm method, or torch's)
+    loss: object                               # batch -> loss
+    close: object = None                       # called after the last step
+    exposed: list | None = None                # SyncDP: the slowest rank's sync_s per step
+    times: list = dataclasses.field(default_factory=list)
+
+    def result(self, ranks: int) -> dict:
+        return {"strategy": self.name, "ranks": ranks, "params": self.params,
+                "grad_MB": self.params * 4 / 1e6, "step_ms": statistics.median(self.times) * 1e3,
+                "step_ms_mean": statistics.fmean(self.times) * 1e3,
+                "sync_ms": statistics.median(self.exposed) * 1e3 if self.exposed else None}
+
+
+def _time_rows(names: list[str], comm: Comm, ctl: Comm, task, cfg, s, warmup: int,
+               steps: int) -> dict[str, dict]:
+    """Rows ``names`` of :func:`bench_step`, each on its own model and optimizer (same seed),
+    taking turns step by step (the order rotating); each step starts after a barrier and its
+    time is the slowest rank's."""
+    rows = [_step_row(name, comm, task, cfg, s) for name in names]
+    for step in range(1, warmup + steps + 1):
+        b = task.batch(step, ctl.rank, ctl.size, cfg)
+        k = step % len(rows)
+        for row in rows[k:] + rows[:k]:
+            ctl.barrier()
+            t0 = time.perf_counter()
+            row.opt.zero_grad()
+            row.loss(b).backward()
+            row.opt.step()
+            dt = _slowest(ctl, time.perf_counter() - t0)
+            if step > warmup:
+                row.times.append(dt)
+                if row.exposed is not None:
+                    row.exposed.append(_slowest(ctl, row.opt.sync_s))
+    for row in rows:
+        if row.close is not None:
+            row.close()
+    return {row.name: row.result(comm.size) for row in rows}
+
+
+def _step_row(name: str, comm: Comm, task, cfg, s) -> _StepRow:
+    """Row ``name`` of :func:`bench_step`, ready to step (a lowcomm method communicates on a
+    duplicate of ``comm`` of its own)."""
+    from ..run.schedule import build_optimizer
+    from ..strategies.syncdp import SyncDP
+    torch.manual_seed(cfg.seed)
+    model = task.model(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    opt = build_optimizer(cfg, model.parameters())
     if name.startswith("ddp-gloo"):
         from torch.nn.parallel import DistributedDataParallel
         ddp = DistributedDataParallel(model, bucket_cap_mb=s.bucket_mb)
         if name != "ddp-gloo":
             _ddp_hook(ddp, name, cfg)
-        times = _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(ddp, b))
-        del ddp     # its hooks and buckets, before the next row
-        return times, None
+        return _StepRow(name, params, opt, lambda b: task.loss(ddp, b))
     if name == STEP_LOCAL:
-        return _time_steps(ctl, task, cfg, opt, warmup, steps, lambda b: task.loss(model, b)), None
-    from ..strategies.syncdp import SyncDP
+        return _StepRow(name, params, opt, lambda b: task.loss(model, b))
+    run = comm.dup(Ledger())
+    run.validate = False
     wrapped = _step_wrapped(name, run, cfg, s, model, opt)
-    exposed = [] if isinstance(wrapped, SyncDP) else None
-    times = _time_steps(ctl, task, cfg, wrapped, warmup, steps, lambda b: task.loss(model, b),
-                        exposed=exposed)
-    wrapped.close()
-    return times, exposed
+    return _StepRow(name, params, wrapped, lambda b: task.loss(model, b), wrapped.close,
+                    [] if isinstance(wrapped, SyncDP) else None)
 
 
 def _step_wrapped(name: str, run: Comm, cfg, s, model, opt):
@@ -361,27 +406,6 @@ def _step_wrapped(name: str, run: Comm, cfg, s, model, opt):
         levels = Topology.from_env(run, cfg.topology).comms(run)
     return SyncDP(model, opt, run, algorithm=algorithm, bucket_mb=s.bucket_mb, overlap=s.overlap,
                   levels=levels, compressor=_step_compressor(name, cfg) if compressed else None)
-
-
-def _time_steps(ctl: Comm, task, cfg, opt, warmup: int, steps: int, loss,
-                exposed: list | None = None) -> list[float]:
-    """The slowest rank's time of each of ``steps`` training steps after ``warmup`` ones;
-    ``exposed`` (SyncDP): gets the slowest rank's ``sync_s`` of each timed step (the wait for
-    the buckets after backward, and the copies into ``p.grad``)."""
-    times = []
-    for step in range(1, warmup + steps + 1):
-        b = task.batch(step, ctl.rank, ctl.size, cfg)
-        ctl.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss(b).backward()
-        opt.step()
-        dt = _slowest(ctl, time.perf_counter() - t0)
-        if step > warmup:
-            times.append(dt)
-            if exposed is not None:
-                exposed.append(_slowest(ctl, opt.sync_s))
-    return times
 
 
 def step_peer(name: str) -> str | None:

@@ -163,6 +163,51 @@ def test_shm_with_small_segments(n, dtype, comm, monkeypatch):
     assert got == want, f"ledger {got} bytes, expected {want}"
 
 
+def registered_bytes(n: int, K: int, r: int) -> int:
+    """The in-place path: my sum stored into the K-1 other buffers, the others' chunks into mine."""
+    b = chunk_bounds(n, K)
+    return (n - (b[r + 1] - b[r])) + (K - 1) * (b[r + 1] - b[r])
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 7, 1000, (C.REGISTERED_MIN_BYTES // 2) + 3])
+@pytest.mark.parametrize("alg", ["shm", "auto"])
+def test_a_registered_buffer_is_reduced_in_place_equal_to_vendor(alg, n, dtype, op, comm):
+    """A slice of a buffer from Comm.shared_tensor: shm (and auto from REGISTERED_MIN_BYTES)
+    reduce it where it lies; exact sums, the ledger's bytes of the in-place path."""
+    K, r, dt = comm.size, comm.rank, DTYPES[dtype]
+    reg = comm.dup()
+    t = reg.shared_tensor(n + 5, dt)[2:2 + n]
+    assert reg.registered(t) is not None and reg.registered(torch.zeros(n, dtype=dt)) is None
+    t.copy_(integers(n, dt, 31 * r + n))
+    want = vendor_sum(t) / (K if op == "avg" else 1)
+    in_place = alg == "shm" or n * t.element_size() >= C.REGISTERED_MIN_BYTES
+    before = reg.ledger.get("allreduce.shm").bytes_sent
+    lowcomm.allreduce_(t, reg, alg, op=op)
+    tol = 0 if op == "sum" else 1e-2 if dt == torch.bfloat16 else 1e-6
+    assert np.allclose(t.double().numpy(), want, rtol=tol, atol=tol), "differs from MPI_Allreduce"
+    assert len(set(comm.allgather_object(t.double().numpy().tobytes()))) == 1, "ranks differ"
+    if in_place:
+        got = reg.ledger.get("allreduce.shm").bytes_sent - before
+        want_bytes = t.element_size() * registered_bytes(n, K, r) if K > 1 else 0
+        assert got == want_bytes, f"ledger {got} bytes, expected {want_bytes} (in place)"
+
+
+def test_registered_random_data_ends_bit_identical_on_every_rank(comm):
+    """Only rank r sums chunk r, so every rank holds the same bits (and MPI's sum to rounding)."""
+    reg = comm.dup()
+    n = 300001
+    t = reg.shared_tensor(n)
+    t.copy_(torch.randn(n, generator=torch.Generator().manual_seed(3 + comm.rank)))
+    ref = vendor_sum(t)
+    for _ in range(3):                  # the window's barriers are reused call after call
+        t.copy_(torch.randn(n, generator=torch.Generator().manual_seed(3 + comm.rank)))
+        lowcomm.allreduce_(t, reg, "shm")
+    assert np.allclose(t.double().numpy(), ref, rtol=1e-5, atol=1e-5)
+    assert len(set(comm.allgather_object(t.numpy().tobytes()))) == 1, "ranks differ"
+
+
 TABLE = {"4096": {"mpi": 50.0, "tree": 10.0, "ring": 90.0},
          "1048576": {"mpi": 900.0, "ring": 500.0, "shm": 700.0}}
 

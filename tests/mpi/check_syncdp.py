@@ -76,6 +76,38 @@ def test_one_bucket(comm, reference):
     assert_models_close(got, reference, "one bucket vs one process on K·B")
 
 
+def test_gradients_are_views_of_shared_buckets_reduced_in_place(comm, reference):
+    """On one node (CPU, auto): the buckets are registered shared memory and p.grad is the
+    bucket's view after a step (no copy out); zero_grad(set_to_none=False) keeps the views, so
+    the next backward accumulates into the buckets themselves (no copy in) — the same model."""
+    r = comm.rank
+    model = make()
+    opt = lowcomm.SyncDP(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm,
+                         bucket_mb=0.01)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad(set_to_none=False)
+        F.cross_entropy(model(x[r * B:(r + 1) * B]), y[r * B:(r + 1) * B]).backward()
+        opt.step()
+    buckets = opt.reducer.buckets
+    shared = [opt.reducer._thread_comm.registered(b.flat) is not None for b in buckets]
+    assert all(shared) == (SIZE > 1), f"buckets in shared memory: {shared}"
+    spans = [(b.flat.data_ptr(), b.flat.data_ptr() + b.flat.numel() * 4) for b in buckets]
+    views = [any(a <= p.grad.data_ptr() < z for a, z in spans) for p in model.parameters()]
+    assert all(views), f"p.grad not a bucket view for {views.count(False)} parameters"
+    opt.close()
+    assert_models_close(model, reference, "gradients as bucket views vs one process on K·B")
+
+
+def test_overlap_auto_follows_the_cores_per_rank(comm):
+    """overlap=None: a reducer thread only where a rank has a spare core (CPU model)."""
+    opt = lowcomm.SyncDP(make(), torch.optim.SGD(make().parameters(), lr=0.1), comm)
+    spare = comm.cores_per_rank() >= 2
+    assert opt._overlap == spare and (opt.reducer._pool is not None) == spare, \
+        f"overlap {opt._overlap} with {comm.cores_per_rank()} cores per rank"
+    opt.close()
+
+
 def test_a_step_all_reduces_every_gradient_once(comm):
     model = make()
     opt = lowcomm.SyncDP(model, torch.optim.SGD(model.parameters(), lr=0.1), comm, algorithm="mpi")
