@@ -321,3 +321,21 @@ def test_a_failed_jobs_cause_carries_what_open_mpi_warned_of_and_not_its_abort_b
     assert cause(refused, 2) == "Error: runs/x holds another run (config.json); continue it with " \
         "--resume", cause(refused, 2)
     assert cause(f"no lowcomm line\n{rule}\n", 2) == "exit status 2: no lowcomm line"
+
+
+@pytest.mark.parametrize("where, value, want", [
+    (None, None, None), ("loss", float("nan"), "the loss"), ("b", float("inf"), "the gradient of 'b'"),
+    ("w", float("nan"), "the gradient of 'w'"), ("w", 3e38, None)])   # 3e38 twice: the sum overflows
+def test_the_loop_names_what_is_not_finite(where, value, want):
+    from lowcomm.run.evaluate import nonfinite
+    model = torch.nn.Linear(3, 2)
+    loss = model(torch.ones(4, 3)).sum()
+    loss.backward()
+    if where == "loss":
+        loss = loss * value
+    elif where is not None:
+        g = getattr(model, {"w": "weight", "b": "bias"}[where]).grad
+        g[0] = value
+        g[-1] = value
+    got = nonfinite(loss, model)
+    assert got == (want.replace("'w'", "'weight'").replace("'b'", "'bias'") if want else None), got

@@ -31,11 +31,19 @@ def allsum(ctl: Comm, values: list[float]) -> list[float]:
 
 
 def nonfinite(loss: torch.Tensor, model: torch.nn.Module) -> str | None:
-    """What holds NaN/Inf on this rank (``"the loss"``, ``"the gradient of 'w'"``) or None."""
+    """What holds NaN/Inf on this rank (``"the loss"``, ``"the gradient of 'w'"``) or None.
+
+    One sum per tensor and one test of them all decide the common case (NaN/Inf propagate into
+    a sum; one pass over the gradients instead of a test and a host sync per tensor); only when
+    that sum is not finite (NaN/Inf, or a finite sum that overflowed) is each tensor tested."""
+    grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    sums = [loss.detach().float().sum()] + [g.sum(dtype=torch.float32) for _, g in grads]
+    if bool(torch.isfinite(torch.stack([s.to(sums[0].device) for s in sums])).all()):
+        return None
     if not bool(torch.isfinite(loss.detach()).all()):
         return "the loss"
-    for name, p in model.named_parameters():
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+    for name, g in grads:
+        if not bool(torch.isfinite(g).all()):
             return f"the gradient of {name!r}"
     return None
 

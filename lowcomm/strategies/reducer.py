@@ -176,7 +176,8 @@ class Reducer:
             b.flat[s.start:s.stop].zero_()
             self._withholding.append(s.name)
         if self.compressor is None:
-            allreduce_(b.flat, self._thread_comm, self.algorithm, self.op, levels=self._levels)
+            if self._thread_comm.size > 1:      # one rank: its own sum and average already
+                allreduce_(b.flat, self._thread_comm, self.algorithm, self.op, levels=self._levels)
         else:
             b.flat.copy_(self.compressor.reduce(b.flat, f"bucket{b.index}", self._thread_comm, b.segments))
 
