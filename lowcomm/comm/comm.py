@@ -50,6 +50,8 @@ _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bflo
                 torch.bool: 10}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 _META_LEN = 12          # dtype, numel, ndim, 6 dims, hash of further dims, op hash, root
+#: the launchers' count of the job's ranks on this node (Open MPI, MPICH/Hydra)
+_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 _HALF_OPS: dict = {}                # torch dtype -> MPI.Op summing 16-bit floats, created on first use
 #: SharedWindow.sync: seconds a waiting rank polls (yielding its core between polls to any
 #: thread that wants it) before it naps; a rank with a core of its own sees its peers arrive at
@@ -539,10 +541,13 @@ class Comm:
 
     def cores_per_rank(self) -> float:
         """The CPU cores this rank can count on: those it may run on (its affinity), at most
-        the node's cores shared out among the ranks of this communicator on the node (one core
-        each for 2 ranks on 2 cores, bound or not; 0.5 for 4). Collective the first time."""
+        the node's cores shared out among the job's ranks on the node, as the launcher tells
+        (``OMPI_COMM_WORLD_LOCAL_SIZE``, ``MPI_LOCALNRANKS``; else this communicator's ranks on
+        the node, collectively): one core each for 2 ranks on 2 cores, bound or not; 0.5 for 4."""
+        local = next((int(os.environ[v]) for v in _LOCAL_SIZE_VARS if os.environ.get(v, "").isdigit()),
+                     None) or self._on_my_node()
         mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return min(mine or 1, (os.cpu_count() or 1) / self._on_my_node())
+        return min(mine or 1, (os.cpu_count() or 1) / local)
 
     def shared_window(self, slot_bytes: int) -> "SharedWindow":
         """This communicator's :class:`SharedWindow` of ``slot_bytes`` bytes per rank (allocated
