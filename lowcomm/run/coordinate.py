@@ -208,9 +208,10 @@ class Lockstep(Coordination):
         r.strategy.finish()
         eval_loss = evaluate(r.model, r.task, r.held_out, r.ctl) if r.held_out else float("nan")
         by_level = r.comm.ledger.by_level()
-        levels = sorted(set().union(*r.ctl.allgather_object(list(by_level))))
-        per_level = allsum(r.ctl, [by_level.get(lv, 0) for lv in levels])
         digest = state_sha256(r.model)
+        every = r.ctl.allgather_object((by_level, wall, state.compute_cpu_s, digest))   # one gather
+        levels = sorted(set().union(*[b for b, _, _, _ in every]))
+        per_level = [sum(b.get(lv, 0) for b, _, _, _ in every) for lv in levels]
         return write_summary(r, {
             "final_loss": state.recent, "eval_loss": eval_loss,
             "bytes_total": int(sum(per_level)),
@@ -218,12 +219,12 @@ class Lockstep(Coordination):
             "bytes_per_step_per_rank": sum(per_level) / self.world / max(state.step, 1),
             "steps_done": state.step,
             **({"budget": self.budget.summary()} if self.budget else {}),
-            "wall_s": max(r.ctl.allgather_object(wall)),
-            "compute_cpu_s": max(r.ctl.allgather_object(state.compute_cpu_s)),
+            "wall_s": max(w for _, w, _, _ in every),
+            "compute_cpu_s": max(c for _, _, c, _ in every),
             "samples": state.samples, "resizes": state.resizes, "skipped_steps": state.skipped,
             **extra, **self.summary_extra(),
             "state_sha256": digest,
-            "ranks_agree": len(set(r.ctl.allgather_object(digest))) == 1,
+            "ranks_agree": len({d for _, _, _, d in every}) == 1,
             "ledger_rank0": r.comm.ledger.rows()}, write=r.comm.rank == 0)
 
 

@@ -153,6 +153,7 @@ class OneBitAdam(Strategy):
         self._comm = self.comm.dup()          # fixed shapes: no per-call agreement check
         self._comm.validate = False
         self.buffers = Buffers(model)
+        self._frozen: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # δ, v > 0
 
     # the step ---------------------------------------------------------------------------------
     def _grads(self) -> torch.Tensor:
@@ -188,20 +189,17 @@ class OneBitAdam(Strategy):
     @torch.no_grad()
     def _compressed_step(self, grads: torch.Tensor) -> None:
         u = torch.zeros(self.D, dtype=self.dtype, device=grads.device)
-        off, frozen = 0, []
-        for _, p, g in self._params:                     # steps 1-3
+        off, frozen = 0, self._frozen_denominators()
+        for (_, p, g), (denom, moved) in zip(self._params, frozen):    # steps 1-3
             n = p.numel()
             st = self.optimizer.state[p]
             grad = grads[off:off + n].view_as(p)
             if g["weight_decay"] and not self.decoupled:     # Adam: L2 term in the gradient
                 grad = grad.add(p, alpha=g["weight_decay"])
             beta1, beta2 = g["betas"]
-            denom = (st["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** self.freeze_step)).add_(g["eps"])
-            moved = st["exp_avg_sq"] > 0
             bound = max(1.0, (1 - beta1) / math.sqrt(1 - beta2)) * (1 - beta1 ** (float(st["step"]) + 1))
             m = st["exp_avg"].mul(beta1).add_(grad, alpha=1 - beta1)
             u[off:off + n].view_as(p).copy_(m.div_(denom).clamp_(-bound, bound).mul_(moved))
-            frozen.append((denom, moved))
             off += n
         avg = self.compressed_allreduce(u)               # steps 4-5
         off = 0
@@ -215,6 +213,18 @@ class OneBitAdam(Strategy):
                 p.mul_(1 - g["lr"] * g["weight_decay"])
             p.add_(step, alpha=-g["lr"] / (1 - g["betas"][0] ** float(st["step"])))
             off += n
+
+    def _frozen_denominators(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per parameter, step 1's δ and the mask of the coordinates that ever moved
+        (``v > 0``): v is frozen from ``freeze_step`` on, so both are computed once (and again
+        after :meth:`load_state_dict`)."""
+        if self._frozen is None:
+            self._frozen = []
+            for _, p, g in self._params:
+                v = self.optimizer.state[p]["exp_avg_sq"]
+                denom = (v.sqrt() / math.sqrt(1 - g["betas"][1] ** self.freeze_step)).add_(g["eps"])
+                self._frozen.append((denom, v > 0))
+        return self._frozen
 
     def compressed_allreduce(self, u: torch.Tensor) -> torch.Tensor:
         """The error-compensated 1-bit average of ``u`` (D elements) over all ranks: steps 3–5
@@ -258,6 +268,7 @@ class OneBitAdam(Strategy):
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self._regroup()
+        self._frozen = None
         self.t = int(state["t"])
         if state["worker_error"].shape != self.worker_error.shape or \
                 state["server_error"].shape != self.server_error.shape:

@@ -149,12 +149,11 @@ class SyncDP(Strategy):
                                op="avg", overlap=overlap, compressor=compressor, levels=levels)
         self.passes = BackwardPasses(int(backward_passes_per_step), self.synchronize)
         self._overlap = overlap
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n))
-                       for n, p in self._named] if overlap else []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._named]
 
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
-            if self.passes.exchanging():
+            if self.passes.exchanging() and self._overlap:   # (every hook counts the pass)
                 self.reducer.ready(name, p.grad)
         return hook
 
