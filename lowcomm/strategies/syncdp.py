@@ -104,8 +104,8 @@ class SyncDP(Strategy):
             computation's core — the model on an accelerator, or at least 2 CPU cores per rank
             (:meth:`~lowcomm.comm.comm.Comm.cores_per_rank`). At one core per rank the thread
             only competes with backward (2 ranks on 2 cores, 437,760 parameters, a 4 MiB
-            bucket: step 1.08× the no-communication floor overlapped, 1.05× not;
-            ``lowcomm bench step --set strategy.overlap=...``).
+            bucket: 1.06–1.11× the no-communication floor overlapped, 1.00–1.07× not, in
+            single runs of ``lowcomm bench step --set strategy.overlap=...``).
         compressor: a :class:`~lowcomm.compress.Compressor` applied to every bucket (None:
             dense all-reduce with ``algorithm``).
         nonfinite: "raise" (``step()`` after a non-finite gradient is an error naming it) or
