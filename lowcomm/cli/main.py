@@ -123,6 +123,7 @@ def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwri
     import sys
 
     from ..tools.compare import mpirun_command
+    from ..run.folder import checkpoint_dir
     from ..run.supervise import supervise
     if any(v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
         raise click.UsageError("--max-restarts supervises the job from outside: run 'lowcomm train "
@@ -136,7 +137,7 @@ def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwri
     out = Path(out or resume or "runs/latest")
     cfg = _config(config, (*overrides, *([f"checkpoint.every={checkpoint_every}"] if checkpoint_every
                                          else [])), saved_config(resume) if resume else None)
-    checkpoints = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    checkpoints = checkpoint_dir(cfg, out)
     _refuse_before_launch(out, resume, overwrite, checkpoints)
     args = [sys.executable, "-m", "lowcomm.cli", "train", *(["--quiet"] if quiet else []),
             *(["--config", config] if config else []),

@@ -240,7 +240,7 @@ def _prepare(cfg, out: Path | None, resume, overwrite: bool, run_id: str | None)
             if owner is not None and owner["run"] != rid:
                 remove_checkpoints(ck)                          # the replaced run's
             write_marker(ck, rid, out)
-        ck_root = ck or (out / "checkpoints" if out else None)
+        ck_root = checkpoint_dir(cfg, out)
         for tmp in ck_root.glob(".step-*.tmp") if ck_root else ():
             shutil.rmtree(tmp, ignore_errors=True)  # a save cut short: it may hold the disk full
         if out and (not resuming_here or read_marker(out) is None):   # a resume changes
@@ -252,6 +252,14 @@ def _prepare(cfg, out: Path | None, resume, overwrite: bool, run_id: str | None)
     except OSError as e:
         return f"cannot prepare {out or ck} for the run: {e.strerror or e}", rid
     return None, rid
+
+
+def checkpoint_dir(cfg, out: str | Path | None) -> Path | None:
+    """Where the checkpoints of the run in folder ``out`` go: ``checkpoint.dir`` when set, else
+    ``<out>/checkpoints`` (None without either)."""
+    if cfg.checkpoint.dir:
+        return Path(cfg.checkpoint.dir)
+    return Path(out) / "checkpoints" if out else None
 
 
 def open_run(cfg, comm: Comm, out: str | Path | None, resume: str | Path | None = None,
@@ -276,7 +284,7 @@ def open_run(cfg, comm: Comm, out: str | Path | None, resume: str | Path | None 
     if problem:
         close_run(out)
         raise RunFolderError(problem)
-    ck_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else (out / "checkpoints" if out else None)
+    ck_dir = checkpoint_dir(cfg, out)
     return ctl, out, Checkpointer(ck_dir, ctl, cfg.checkpoint.keep, run=rid) if ck_dir else None
 
 

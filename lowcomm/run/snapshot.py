@@ -12,7 +12,7 @@ import torch
 from ..comm.comm import Comm
 from ..errors import LowcommError
 from .checkpoint import Checkpointer, CheckpointError
-from .folder import metrics_upto, run_id_of, write_config
+from .folder import checkpoint_dir, metrics_upto, run_id_of, write_config
 
 log = logging.getLogger("lowcomm.train")
 
@@ -112,7 +112,7 @@ def restore(resume: str | Path, cfg, comm: Comm, ctl: Comm, model, strategy,
     written by another number of ranks); copy the run's metrics up to that step into
     `out`. Returns (step, loop state). Raises CheckpointError when none is intact."""
     resume = Path(resume)
-    from_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else resume / "checkpoints"
+    from_dir = checkpoint_dir(cfg, resume)
     state = Checkpointer(from_dir, ctl, run=run_id_of(resume)).load_latest(cfg.to_dict(), resize=True)
     if state is None:
         raise CheckpointError(f"no intact checkpoint in {from_dir} to resume from")
