@@ -1,8 +1,8 @@
 """Shared by the check files: small models, batches, and comparisons that name what differs."""
 import numpy as np
 import torch
-from mpi4py import MPI
 
+import lowcomm
 from lowcomm.comm.ledger import Ledger
 
 
@@ -80,11 +80,18 @@ def agree(ctl, t: torch.Tensor) -> bool:
     return all(torch.equal(g[0], g[k]) for k in range(len(g)))
 
 
+_REFERENCE = []      # the world's duplicate the references are summed on (made on first use)
+
+
 def vendor_sum(t: torch.Tensor) -> np.ndarray:
-    """The reference: vendor MPI_Allreduce (sum) of ``t`` in float64, on the world."""
-    ref = t.double().numpy().copy()
-    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, ref, op=MPI.SUM)
-    return ref
+    """The reference: vendor MPI_Allreduce (sum) of ``t`` in float64 over the world, through
+    ``Comm.allreduce_`` (the vendor's call, watched) on a duplicate with a ledger of its own,
+    so the reference is charged to no communicator a check reads."""
+    if not _REFERENCE:                  # collective: every rank's first reference
+        _REFERENCE.append(lowcomm.init().dup(Ledger(), "reference"))
+    ref = t.detach().double().reshape(-1).clone()
+    _REFERENCE[0].allreduce_(ref)
+    return ref.numpy().reshape(tuple(t.shape))
 
 
 def sent(ledger, skip_checks: bool = True) -> int:
