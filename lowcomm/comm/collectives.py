@@ -565,18 +565,17 @@ def allreduce_(tensor: torch.Tensor, comm: Comm | None = None, algorithm: str = 
         lowcomm.allreduce_(g, algorithm="ring", op="avg")   # every element = (K-1)/2
     """
     comm = comm or init()
+    registered = comm.registered(tensor) if comm.size > 1 else None
     if algorithm == "auto":
         get_algorithm(algorithm, levels)        # the name is checked before any collective
         nbytes = tensor.numel() * tensor.element_size()
-        algorithm = "shm" if nbytes >= REGISTERED_MIN_BYTES and comm.registered(tensor) \
-            else choose(comm, nbytes, levels)
+        algorithm = "shm" if registered and nbytes >= REGISTERED_MIN_BYTES else choose(comm, nbytes, levels)
     fn = get_algorithm(algorithm, levels)
     avg = _reduce_op(op)
     if algorithm == "mpi":
         return comm.allreduce_(tensor, op)  # checks, stages and records itself
     comm.check(f"allreduce.{algorithm}", tensor)
-    registered = comm.registered(tensor) if algorithm == "shm" and comm.size > 1 else None
-    if registered is not None:                  # in place in shared memory, the average fused
+    if algorithm == "shm" and registered is not None:   # in place in shared memory, average fused
         with comm.ledger.scope("allreduce.shm", comm.level):
             _shm_in_place(comm, tensor.detach().view(-1), *registered, average=avg)
         return tensor

@@ -63,16 +63,17 @@ class Context:
         return build_compressor(dataclasses.replace(self.compressor, name=name), error_feedback=False)
 
 
-def agreed_dup(comm: Comm, op: str, signature: str, count: int, ledger=None) -> Comm:
+def agreed_dup(comm: Comm, op: str, signature: str, count: int, ledger=None, what: str = "parameters",
+               mine: str = "") -> Comm:
     """A duplicate of ``comm`` for a method's fixed-layout traffic (``ledger``: its own, else
-    ``comm``'s), after checking once that every rank holds the parameter layout ``signature``
-    (``count`` parts); then no per-call agreement check. A rank that differs is a CommError
-    ``op`` on every rank, naming the ranks."""
+    ``comm``'s), after checking once that every rank holds the layout ``signature`` of its
+    ``what`` (``count`` parts); then no per-call agreement check. A rank that differs is a
+    CommError ``op`` on every rank, naming the ranks (and ``mine``: this rank's layout)."""
     out = comm.dup(ledger)
     bad = out.disagreeing(signature, count)
     if bad:
-        raise CommError(op, comm.rank, f"ranks {bad} hold differently named or shaped parameters "
-                        "than rank 0")
+        raise CommError(op, comm.rank, f"ranks {bad} hold differently named or shaped {what} "
+                        f"than rank 0{f' (this rank: {mine})' if mine else ''}")
     out.validate = False
     return out
 

@@ -22,7 +22,7 @@ from ..comm.collectives import allreduce_, get_algorithm
 from ..comm.comm import Comm
 from ..compress.base import Segment, nonfinite_segments
 from ..compress.compressor import Compressor
-from ..errors import CommError
+from .base import agreed_dup
 
 
 @dataclass
@@ -105,9 +105,11 @@ class Reducer:
             b.names.append(name)
             b.shapes.append(t.shape)
             b.offsets.append(b.offsets[-1] + t.numel())
-        self._check_layout()
-        self._thread_comm = comm.dup()   # own message space; shapes were checked just above
-        self._thread_comm.validate = False
+        # own message space, the layout agreed once (no per-call check)
+        sig = repr([(b.names, [tuple(s) for s in b.shapes], str(b.flat.dtype)) for b in self.buckets])
+        self._thread_comm = agreed_dup(comm, "reducer.layout", sig, len(self.buckets), what="tensors",
+                                       mine=f"{sum(len(b.names) for b in self.buckets)} tensors in "
+                                            f"{len(self.buckets)} buckets")
         device = named[0][1].device
         shared = self.registered_buckets(device)
         for b in self.buckets:
@@ -128,16 +130,6 @@ class Reducer:
         gets the same answer)."""
         return self.compressor is None and self.algorithm in ("auto", "shm") and \
             device.type == "cpu" and self.comm.size > 1 and self._thread_comm.node_local()
-
-    def _check_layout(self) -> None:
-        """All ranks must bucket the same tensors the same way, or collectives would mismatch."""
-        sig = repr([(b.names, [tuple(s) for s in b.shapes], str(b.flat.dtype)) for b in self.buckets])
-        bad = self.comm.disagreeing(sig, len(self.buckets))
-        if bad:
-            raise CommError("reducer.layout", self.comm.rank,
-                            f"ranks {bad} hold differently named or shaped tensors than rank 0 "
-                            f"(this rank: {sum(len(b.names) for b in self.buckets)} tensors in "
-                            f"{len(self.buckets)} buckets)")
 
     @property
     def nbytes(self) -> int:
