@@ -83,6 +83,11 @@ class GlooComm:
     def check(self, op: str, t: torch.Tensor, root: int = -1) -> None:
         """No per-call agreement check: a round's members agreed on its tensor beforehand."""
 
+    def registered(self, t: torch.Tensor) -> None:
+        """None: a gloo group spans datacenters and registers no shared memory
+        (:meth:`lowcomm.comm.comm.Comm.registered`)."""
+        return None
+
     @contextmanager
     def staged(self, t: torch.Tensor, read: bool = True, write: bool = True):
         """A contiguous 1-D CPU tensor holding ``t`` (copied back on exit when it is not one)."""
