@@ -339,3 +339,25 @@ def test_the_loop_names_what_is_not_finite(where, value, want):
         g[-1] = value
     got = nonfinite(loss, model)
     assert got == (want.replace("'w'", "'weight'").replace("'b'", "'bias'") if want else None), got
+
+
+def test_an_idle_wait_doubles_its_sleeps_and_a_hurry_wakes_the_sleeper():
+    """The reduction thread's sleeps between tests double to a cap; someone waiting for the
+    result wakes it at once and makes it test every first_s."""
+    import time
+
+    from lowcomm.comm.idle import IdleWait
+    idle = IdleWait(0.002, 0.032)
+    assert [idle.pause(n) for n in range(7)] == [0.002, 0.004, 0.008, 0.016, 0.032, 0.032, 0.032]
+    slow = IdleWait(0.002, 30.0)
+    sleeper = threading.Thread(target=slow.sleep, args=(20,))      # would sleep 30 s
+    t0 = time.monotonic()
+    sleeper.start()
+    time.sleep(0.05)
+    with slow.hurry():
+        sleeper.join(5.0)
+        assert not sleeper.is_alive() and time.monotonic() - t0 < 5.0, "hurry() did not wake it"
+        assert slow.pause(20) == 0.002
+    assert slow.pause(20) == 30.0
+    with pytest.raises(ValueError, match="first_s"):
+        IdleWait(0.01, 0.001)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import CommError
+from .idle import IdleWait
 from .ledger import Ledger, charge_comm_cpu, wire_bytes
 from .watchdog import Watchdog
 
@@ -183,10 +184,11 @@ class Comm:
         self._window: SharedWindow | None = None     # shared_window()'s window, kept
         self._registered: list[SharedWindow] = []    # shared_tensor()'s windows, kept
         self.auto_policy = None   # lowcomm.comm.collectives' auto choice, agreed once per Comm
-        #: seconds slept between tests while a call waits (0: the vendor's blocking call, which
-        #: polls the network on the calling core). A communicator driven by a background thread
-        #: sets it, so that its waits leave the core to the computation (see :meth:`_call`).
-        self.idle_wait_s = 0.0
+        #: how a call waits (:class:`~lowcomm.comm.idle.IdleWait`: tests between sleeps); None:
+        #: the vendor's blocking call, which polls the network on the calling core. A
+        #: communicator driven by a background thread sets it, so that its waits leave the core
+        #: to the computation (see :meth:`_call`).
+        self.idle: IdleWait | None = None
 
     def __repr__(self) -> str:
         return f"Comm(level={self.level!r}, rank={self.rank}, size={self.size})"
@@ -206,17 +208,20 @@ class Comm:
             raise CommError(op, self.rank, e.Get_error_string(), nbytes) from e
 
     def _call(self, fn, args):
-        """``fn(*args)``; with :attr:`idle_wait_s` set, a blocking collective or point-to-point
-        call (or a request's ``Wait``) runs as its non-blocking form, tested every
-        ``idle_wait_s`` seconds with a sleep in between: the same messages, but a thread waiting
-        a WAN round trip sleeps instead of spinning on a core the computation needs."""
+        """``fn(*args)``; with :attr:`idle` set, a blocking collective or point-to-point call
+        (or a request's ``Wait``) runs as its non-blocking form, tested with the idle wait's
+        sleeps in between: the same messages, but a thread waiting a WAN round trip sleeps
+        instead of spinning on a core the computation needs."""
         name, owner = getattr(fn, "__name__", ""), getattr(fn, "__self__", None)
         kind = mpi().Request if name == "Wait" else mpi().Comm     # not a Message's Recv
-        if not self.idle_wait_s or name not in _NONBLOCKING or not isinstance(owner, kind):
+        idle = self.idle
+        if idle is None or name not in _NONBLOCKING or not isinstance(owner, kind):
             return fn(*args)
         req = owner if name == "Wait" else getattr(owner, _NONBLOCKING[name])(*args)
+        tests = 0
         while not req.Test():
-            time.sleep(self.idle_wait_s)
+            idle.sleep(tests)
+            tests += 1
         return None
 
     def check(self, op: str, t: torch.Tensor, root: int = -1) -> None:

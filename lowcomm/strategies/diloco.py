@@ -122,8 +122,8 @@ class DiLoCo(OuterLoop):
         for f, outer in zip(self.fragments, self.outer_params):
             outer.data.copy_(f.pack())
 
-    def _outgoing(self, f: Fragment) -> torch.Tensor:
-        return self.outer_params[f.index].detach() - f.pack()
+    def _outgoing(self, f: Fragment, local: torch.Tensor) -> torch.Tensor:
+        return self.outer_params[f.index].detach() - local
 
     def _apply(self, f: Fragment, avg: torch.Tensor) -> torch.Tensor:
         outer = self.outer_params[f.index]

@@ -68,8 +68,8 @@ class LocalSGD(OuterLoop):
     name = "localsgd"
     Settings = LocalSGDSettings
 
-    def _outgoing(self, f: Fragment) -> torch.Tensor:
-        return f.pack()
+    def _outgoing(self, f: Fragment, local: torch.Tensor) -> torch.Tensor:
+        return local
 
     def _apply(self, f: Fragment, avg: torch.Tensor) -> torch.Tensor:
         return avg

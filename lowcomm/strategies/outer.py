@@ -6,6 +6,7 @@ is applied (:meth:`OuterLoop._apply`).
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -14,6 +15,7 @@ import torch
 
 from ..comm.collectives import allreduce_, broadcast_, get_algorithm
 from ..comm.comm import Comm
+from ..comm.idle import IdleWait
 from ..compress.base import Segment
 from ..compress.compressor import Compressor
 from ..errors import ArgumentError, CommError, ConfigError
@@ -23,11 +25,13 @@ from .buffers import Buffers
 from .syncdp import SyncDPSettings
 
 log = logging.getLogger("lowcomm.strategies.outer")
-#: seconds the reduction thread sleeps between tests of its pending MPI call (Comm.idle_wait_s):
-#: a thread that spun through a WAN round trip took the core from the inner steps it overlaps
-#: (2 datacenters, 25 ms: an all-gather's 73 ms cost its thread 72 ms of CPU spinning, 3.5 ms
-#: testing every 0.5 ms, 1.5 ms every 2 ms, which adds at most 2 ms to a wait τ steps hide)
+#: the reduction thread's sleeps between tests of its pending MPI call (Comm.idle): from 2 ms,
+#: doubling to 32 ms, and every 2 ms once the computation waits for the result. A thread that
+#: spun through a WAN round trip took the core from the inner steps it overlaps (2 datacenters,
+#: 25 ms: an all-gather's 73 ms cost its thread 72 ms of CPU spinning); a test every 2 ms woke it
+#: 36 times per all-gather, now 6
 REDUCTION_IDLE_WAIT_S = 0.002
+REDUCTION_IDLE_WAIT_MAX_S = 0.032
 
 
 @dataclass
@@ -54,6 +58,12 @@ class Fragment:
     def pack(self) -> torch.Tensor:
         """A fresh flat CPU copy of the fragment's parameters (in ``dtype``)."""
         return torch.cat([p.detach().reshape(-1).to("cpu", self.dtype) for _, p, _, _ in self.members])
+
+    @torch.no_grad()
+    def add_(self, flat: torch.Tensor) -> None:
+        """Parameters ← parameters + ``flat``."""
+        for _, p, a, b in self.members:
+            p.add_(flat[a:b].view(p.shape).to(p.device, p.dtype))
 
     @torch.no_grad()
     def unpack_(self, flat: torch.Tensor, alpha: float = 0.0) -> None:
@@ -157,7 +167,8 @@ class OuterLoop(Strategy):
     rows are charged to the strategy's ledger when its average is applied, so the byte counts
     logged at a step do not depend on the thread's timing (and a resumed run logs the same).
     :meth:`summary` reports the bytes of each synchronisation (all ranks together) as
-    ``sync_bytes_peak`` / ``sync_bytes_mean``.
+    ``sync_bytes_peak`` / ``sync_bytes_mean``, and as ``wait_s_max`` the most seconds a rank's
+    steps waited for a reduction in flight (the communication τ steps did not hide).
     """
 
     name = "outer"
@@ -187,6 +198,7 @@ class OuterLoop(Strategy):
         self._dirty: set[int] = set()                # fragments stepped locally since their sync
         self.syncs: list[list[int]] = []             # [local step, fragment, bytes sent here]
         self._in_flight: list[_InFlight] = []
+        self.wait_s = 0.0        # seconds the steps waited for reductions in flight (not hidden)
         self._dense = None
         if self.warmup_steps > 0:                    # SyncDP broadcasts rank 0's state itself
             from .syncdp import SyncDP
@@ -213,14 +225,17 @@ class OuterLoop(Strategy):
                 if c is not None:
                     c.validate = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-outer") if self.delay else None
+        self._idle = None
         if self._pool is not None:   # the reduction thread's waits sleep: the computation keeps the core
+            self._idle = IdleWait(REDUCTION_IDLE_WAIT_S, REDUCTION_IDLE_WAIT_MAX_S)
             for c in (self._red, self._inside, self._leaders):
                 if c is not None:
-                    c.idle_wait_s = REDUCTION_IDLE_WAIT_S
+                    c.idle = self._idle
 
     # what subclasses define ---------------------------------------------------------------------
-    def _outgoing(self, f: Fragment) -> torch.Tensor:
-        """The flat CPU tensor this rank contributes for fragment ``f`` (a fresh tensor)."""
+    def _outgoing(self, f: Fragment, local: torch.Tensor) -> torch.Tensor:
+        """The flat CPU tensor this rank contributes for fragment ``f``, whose parameters here
+        are ``local`` (``f.pack()``, fresh: it may be returned)."""
         raise NotImplementedError
 
     def _apply(self, f: Fragment, avg: torch.Tensor) -> torch.Tensor:
@@ -297,11 +312,12 @@ class OuterLoop(Strategy):
         self._warmup_done()
 
     def _start(self, f: Fragment, s: int) -> None:
-        out = self._outgoing(f)
+        local = f.pack()
+        out = self._outgoing(f, local)
         if self._pool is None:
             self._land(_InFlight(f.index, s, s, _done(self._reduce(f, out))))
         else:
-            base = f.pack() if self.merge == "add-local" else None
+            base = None if self.merge != "add-local" else local.clone() if out is local else local
             self._in_flight.append(_InFlight(f.index, s, s + self.delay,
                                              self._pool.submit(self._reduce, f, out), base))
 
@@ -335,21 +351,32 @@ class OuterLoop(Strategy):
         """Apply a finished reduction and merge the result into the model: ``mix`` sets the
         fragment to α·local + (1 − α)·synchronised; ``add-local`` to synchronised + (local −
         ``item.base``), the local progress of the τ steps the reduction was in flight."""
-        avg, rows = item.future.result()
+        avg, rows = self._result(item)
         self._charge(item, rows)
         f = self.fragments[item.fragment]
         synced = self._apply(f, avg)
-        if item.base is not None:
-            f.unpack_(synced + (f.pack() - item.base))
+        if item.base is not None:             # local + (synced − base), parameter by parameter
+            f.add_(synced - item.base)
         else:
             f.unpack_(synced, self.alpha)
             if self.alpha == 0:                      # every rank now holds the same fragment
                 self._dirty.discard(item.fragment)
 
+    def _result(self, item: _InFlight) -> tuple[torch.Tensor, list[dict]]:
+        """The reduction's result, waited for (the reduction thread then tests every 2 ms);
+        the wait is added to :attr:`wait_s`."""
+        if item.future.done() or self._idle is None:
+            return item.future.result()
+        t0 = time.perf_counter()
+        with self._idle.hurry():
+            out = item.future.result()
+        self.wait_s += time.perf_counter() - t0
+        return out
+
     def _drain(self) -> None:
         """Wait for every reduction in flight (their results stay queued for their step)."""
         for item in self._in_flight:
-            item.future = _done(item.future.result())
+            item.future = _done(self._result(item))
 
     # the optimizer interface ------------------------------------------------------------------
     def skip(self) -> None:
@@ -438,7 +465,8 @@ class OuterLoop(Strategy):
         if not final:
             return self._inner.metrics(ctl) if self._inner is not None else {}
         mine = torch.tensor([float(b) for _, _, b in self.syncs], dtype=torch.float64)
-        counts = ctl.allgather_object(len(mine))
+        every = ctl.allgather_object((len(mine), self.wait_s))
+        counts = [n for n, _ in every]
         if len(set(counts)) != 1:
             raise CommError("outer.summary", ctl.rank, f"ranks made different numbers of "
                             f"synchronisations: {counts}")
@@ -448,6 +476,7 @@ class OuterLoop(Strategy):
                "fragments": len(self.fragments), "delay": self.delay, "syncs": len(mine),
                "sync_bytes_peak": int(mine.max()) if len(mine) else 0,
                "sync_bytes_mean": float(mine.mean()) if len(mine) else 0.0,
+               "wait_s_max": max(w for _, w in every),
                "fragment_numel": [f.numel for f in self.fragments]}
         if self._inner is not None:
             out["inner"] = {"strategy": self._inner.name, **self._inner.metrics(ctl, final=True)}

@@ -116,19 +116,22 @@ def test_a_non_contiguous_send_is_refused(comm):
 
 
 @multi
-def test_an_idle_wait_gives_the_same_results_through_the_non_blocking_calls_asleep(comm, monkeypatch):
-    """``idle_wait_s``: each blocking call runs as its non-blocking form, tested between
-    sleeps (the others wait for a rank 0 that comes 50 ms late, so they do sleep)."""
+def test_an_idle_wait_gives_the_same_results_through_the_non_blocking_calls_asleep(comm):
+    """``Comm.idle``: each blocking call runs as its non-blocking form, tested between sleeps
+    that double from ``first_s`` to ``max_s`` (the others wait for a rank 0 that comes 50 ms
+    late, so they do sleep)."""
     import time as real_time
-    from types import SimpleNamespace
 
-    from lowcomm.comm import comm as comm_module
+    from lowcomm.comm.idle import IdleWait
     naps = []
-    monkeypatch.setattr(comm_module, "time", SimpleNamespace(
-        sleep=lambda s: (naps.append(s), real_time.sleep(s)), perf_counter=real_time.perf_counter,
-        thread_time=real_time.thread_time, monotonic=real_time.monotonic, time=real_time.time))
+
+    class Counting(IdleWait):
+        def sleep(self, n):
+            naps.append(self.pause(n))
+            super().sleep(n)
+
     c = comm.dup()
-    c.idle_wait_s = 0.001
+    c.idle = Counting(0.001, 0.004)
     right, left = neighbours(c)
     if c.rank == 0:
         real_time.sleep(0.05)
@@ -150,5 +153,6 @@ def test_an_idle_wait_gives_the_same_results_through_the_non_blocking_calls_asle
         q.wait()
     assert torch.equal(box, torch.full((3,), float(left)))
     if c.rank != 0:       # only the non-blocking path sleeps (a blocking call polls)
-        assert naps and set(naps) == {0.001}, "a rank waiting for rank 0 never slept"
+        assert naps[:3] == [0.001, 0.002, 0.004] and set(naps) <= {0.001, 0.002, 0.004}, \
+            f"a rank waiting 50 ms for rank 0 slept {naps}"
     c.free()
