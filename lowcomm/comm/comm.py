@@ -115,6 +115,7 @@ class Request:
                  charged: bool = False):
         self._comm, self._req, self.op, self._peer = comm, req, op, peer
         self._sent, self._recv, self._finish = sent, recv, finish
+        self._ledger = comm.ledger  # the ledger in force when posted (Comm.charged_to)
         self._keep = keep          # buffers MPI reads or writes until completion
         self._done = False
         self._charged = charged
@@ -141,7 +142,7 @@ class Request:
             self._finish()
         self._keep = None
         if not self._charged:
-            self._comm.ledger.record(self.op, self._comm.level, self._sent, self._recv, seconds)
+            self._ledger.record(self.op, self._comm.level, self._sent, self._recv, seconds)
 
 
 class Comm:
@@ -307,6 +308,32 @@ class Comm:
         finish = (lambda: t.div_(self.size)) if avg else None
         return Request(self, req, "allreduce.mpi", *wire_bytes("allreduce", n, self.size),
                        finish=finish, keep=buf)
+
+    def iallgather(self, t: torch.Tensor) -> tuple[Request, torch.Tensor]:
+        """Non-blocking vendor all-gather of a contiguous CPU tensor (``MPI_Iallgather``):
+        ``(request, out)``; ``out``, of shape ``(size, *t.shape)``, holds every rank's ``t`` once
+        the request completes (charged as :meth:`allgather` is)."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise CommError("iallgather", self.rank, f"needs a contiguous CPU tensor, got "
+                            f"{describe(t)} on {t.device}", _nbytes(t))
+        self.check("iallgather", t)
+        n = _nbytes(t)
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype)
+        send, recv = _raw(t), _raw(out)
+        req = self._guard("iallgather", n, self.mpi.Iallgather, send, recv)
+        return Request(self, req, "allgather", *wire_bytes("allgather", n, self.size),
+                       keep=(t, send, recv)), out
+
+    @contextmanager
+    def charged_to(self, ledger: Ledger):
+        """Inside, this communicator's traffic is recorded in ``ledger`` (a request posted
+        inside is charged to it whenever it completes). One thread's use: not for a
+        communicator another thread is using."""
+        old, self.ledger = self.ledger, ledger
+        try:
+            yield self
+        finally:
+            self.ledger = old
 
     def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Broadcast ``t`` from ``root`` in place."""

@@ -239,11 +239,42 @@ class Exchange:
     def reduce(self, comp, x: torch.Tensor, key: str, comm: Comm, segments: list[Segment]) -> torch.Tensor:
         raise NotImplementedError
 
+    def posts(self, comp, numel: int, dtype: torch.dtype, comm: Comm) -> bool:
+        """Whether :meth:`start` posts a reduction of ``numel`` elements over ``comm`` (the same
+        answer on every rank)."""
+        return False
+
+    def start(self, comp, x: torch.Tensor, key: str, comm: Comm, segments: list[Segment]) -> "Pending":
+        """:meth:`reduce` posted: encoded and handed to non-blocking MPI calls now, decoded by
+        :meth:`Pending.wait`; for exchanges whose :meth:`posts` says so."""
+        raise NotImplementedError(f"the {self.name} exchange has no non-blocking form")
+
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+class Pending:
+    """A reduction posted and not yet finished (:meth:`Exchange.start`). :meth:`test` polls its
+    requests (MPI moves them on only inside calls) and says whether all are complete;
+    :meth:`wait` completes them and returns ``finish()`` (the decoded average)."""
+
+    def __init__(self, requests: list, finish):
+        self.requests, self._finish = list(requests), finish
+
+    def test(self) -> bool:
+        return all([r.test() for r in self.requests])     # every request polled
+
+    def wait(self):
+        for r in self.requests:
+            r.wait()
+        return self._finish()
+
+    def then(self, fn) -> "Pending":
+        """The same requests, finished by ``fn(finish())``."""
+        return Pending(self.requests, lambda: fn(self._finish()))
 
 
 class Seeded:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.comm import Comm
-from .base import Codec, Exchange, Segment
+from .base import Codec, Exchange, Pending, Segment
 from .error_feedback import ErrorFeedback
 from .exchange import make_exchange
 
@@ -55,6 +55,16 @@ class Compressor:
     def reduce(self, flat: torch.Tensor, key: str, comm: Comm, segments: list[Segment]) -> torch.Tensor:
         """The average over ``comm`` of every rank's ``flat`` (same shape and dtype)."""
         return self.exchange.reduce(self, flat, key, comm, segments).view(flat.shape)
+
+    def posts(self, numel: int, dtype: torch.dtype, comm: Comm) -> bool:
+        """Whether :meth:`start` can post a reduction of ``numel`` elements over ``comm``
+        (summed and all-gathered exchanges; the same answer on every rank)."""
+        return self.exchange.posts(self, numel, dtype, comm)
+
+    def start(self, flat: torch.Tensor, key: str, comm: Comm, segments: list[Segment]) -> Pending:
+        """:meth:`reduce` posted (where :meth:`posts`): encoded and handed to non-blocking MPI
+        calls now, decoded by the result's ``wait()``; ``test()`` moves it on."""
+        return self.exchange.start(self, flat, key, comm, segments).then(lambda avg: avg.view(flat.shape))
 
     def compress(self, x: torch.Tensor, key: str, segments: list[Segment] | None = None,
                  rank: int | None = None):

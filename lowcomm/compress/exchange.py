@@ -15,23 +15,38 @@ from __future__ import annotations
 import torch
 
 from ..comm.comm import Comm
-from .base import Exchange, Segment
+from .base import Exchange, Pending, Segment
 from .twophase import TwoPhase, check_collective, link_of, predicted_seconds
 
 
 def allgather_payload(comm: Comm, payload: list[torch.Tensor]) -> list[torch.Tensor]:
     """All-gather a rank's payload tensors as one byte message; returns one ``(K, *shape)``
     tensor per payload tensor (the bytes on the wire are exactly the payload's)."""
+    return split_gathered(comm.allgather(one_message(payload)), payload, comm.size)
+
+
+def one_message(payload: list[torch.Tensor]) -> torch.Tensor:
+    """A rank's payload tensors as one contiguous message (the tensor itself when alone)."""
     if len(payload) == 1:
-        return [comm.allgather(payload[0].contiguous())]
-    raw = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in payload])
-    g = comm.allgather(raw)
+        return payload[0].contiguous()
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in payload])
+
+
+def split_gathered(g: torch.Tensor, payload: list[torch.Tensor], K: int) -> list[torch.Tensor]:
+    """The ``(K, *shape)`` tensors of every payload tensor in ``g``, the all-gather of
+    :func:`one_message` ``(payload)``."""
+    if len(payload) == 1:
+        return [g]
     out, off = [], 0
     for t in payload:
         nb = t.numel() * t.element_size()
-        out.append(g[:, off:off + nb].clone(memory_format=torch.contiguous_format).view(t.dtype).view(comm.size, *t.shape))
+        out.append(g[:, off:off + nb].clone(memory_format=torch.contiguous_format).view(t.dtype).view(K, *t.shape))
         off += nb
     return out
+
+
+def _host(payload: list[torch.Tensor]) -> bool:
+    return all(t.device.type == "cpu" for t in payload)
 
 
 class Summed(Exchange):
@@ -68,6 +83,19 @@ class Gathered(Exchange):
         gathered = allgather_payload(comm, payload)
         return comp.codec.decompress_mean(gathered, ctx, comm.size).to(x.dtype)
 
+    def posts(self, comp, numel, dtype, comm) -> bool:
+        return True
+
+    def start(self, comp, x, key, comm, segments) -> Pending:
+        """The payload's non-blocking vendor all-gather (``MPI_Iallgather``), mean-decoded by
+        ``wait()``."""
+        payload, ctx = comp.encoder.compress(x, key, segments, comm.rank)
+        if not _host(payload):
+            raise ValueError("a posted reduction needs CPU tensors")
+        request, g = comm.iallgather(one_message(payload))
+        return Pending([request], lambda: comp.codec.decompress_mean(
+            split_gathered(g, payload, comm.size), ctx, comm.size).to(x.dtype))
+
 
 class Auto(TwoPhase):
     """Per bucket, :class:`Gathered` or :class:`~lowcomm.compress.twophase.TwoPhase`, whichever
@@ -78,10 +106,21 @@ class Auto(TwoPhase):
     name = "auto"
 
     def reduce(self, comp, x: torch.Tensor, key: str, comm: Comm, segments: list[Segment]) -> torch.Tensor:
-        t = predicted_seconds(comp.codec, x.numel(), x.dtype, comm.size, link_of(comm))
-        if t["two-phase"] < t["allgather"]:
+        if self._two_phase(comp, x.numel(), x.dtype, comm):
             return super().reduce(comp, x, key, comm, segments)
         return Gathered().reduce(comp, x, key, comm, segments)
+
+    @staticmethod
+    def _two_phase(comp, numel: int, dtype: torch.dtype, comm: Comm) -> bool:
+        t = predicted_seconds(comp.codec, numel, dtype, comm.size, link_of(comm))
+        return t["two-phase"] < t["allgather"]
+
+    def posts(self, comp, numel, dtype, comm) -> bool:
+        """Where it chooses the all-gather (one round; the two-phase exchange has none)."""
+        return not self._two_phase(comp, numel, dtype, comm)
+
+    def start(self, comp, x, key, comm, segments) -> Pending:
+        return Gathered().start(comp, x, key, comm, segments)
 
 
 GATHERED = {"allgather": Gathered, "two-phase": TwoPhase, "auto": Auto}

@@ -50,6 +50,26 @@ def test_allgather(comm):
     assert torch.equal(g, torch.tensor([[i, 10 * i] for i in range(comm.size)]))
 
 
+def test_iallgather_equals_allgather_and_is_charged_where_it_was_posted(comm):
+    """``iallgather`` gives ``allgather``'s tensor; its bytes go to the ledger in force when it
+    was posted (``charged_to``), not to the one in force when it completes."""
+    from lowcomm.comm.ledger import Ledger
+    c = comm.dup(Ledger())
+    c.validate = False
+    t = torch.arange(5, dtype=torch.int16) + 10 * c.rank
+    mine = Ledger()
+    with c.charged_to(mine):
+        request, out = c.iallgather(t)
+    request.wait()
+    assert torch.equal(out, c.allgather(t)), "iallgather differs from allgather"
+    sent, _ = wire_bytes("allgather", t.numel() * 2, c.size)
+    assert mine.get("allgather", c.level).bytes_sent == sent
+    assert c.ledger.get("allgather", c.level).bytes_sent == sent     # the blocking one only
+    with pytest.raises(lowcomm.CommError, match="contiguous"):
+        c.iallgather(torch.ones(4)[::2])
+    c.free()
+
+
 def test_split_files_its_traffic_under_its_level(comm):
     """Even and odd ranks."""
     K, r = comm.size, comm.rank

@@ -265,6 +265,31 @@ def test_int8_two_phase_moves_each_fragments_analytic_bytes():
     assert all(agree(p.detach()) for p in st.outer_params), "outer parameters differ across ranks"
 
 
+@pytest.mark.parametrize("cname", ["int8", "topk", "ef-sign"])
+def test_an_all_gather_between_two_units_is_posted_bit_identical_to_the_thread(cname, monkeypatch):
+    """Between two units an all-gathered pseudo-gradient is posted from the training thread
+    (``MPI_Iallgather``, moved on by the steps' own calls; no reduction thread): the models, the
+    outer parameters and every fragment's bytes equal the reduction thread's, bit for bit
+    (3 ranks: the thread both times)."""
+    def go(post: bool):
+        if not post:
+            monkeypatch.setattr(StreamingDiLoCo, "_can_post", lambda self: False)
+        comp = build_compressor(CompressorConfig(name=cname, collective="allgather", start_iter=0))
+        model, st = train(StreamingDiLoCo, 11, period=4, fragments=2, delay=2, merge="add-local",
+                          compressor=comp)
+        monkeypatch.undo()
+        st.close()
+        return model, st
+    posted_model, posted = go(True)
+    thread_model, thread = go(False)
+    assert posted._posting == (K == 2) and not thread._posting, f"posting {posted._posting} at {K} ranks"
+    assert_models_equal(posted_model, thread_model, f"{cname} posted vs on the reduction thread")
+    assert all(torch.equal(p, q) for p, q in zip(posted.outer_params, thread.outer_params))
+    assert posted.syncs == thread.syncs and posted.syncs, f"{posted.syncs} vs {thread.syncs}"
+    assert posted.comm.ledger.get("allgather", "world").bytes_sent == \
+        thread.comm.ledger.get("allgather", "world").bytes_sent > 0
+
+
 N_BYTES = 4 * sum(p.numel() for p in make(perturb=False).parameters())
 
 
