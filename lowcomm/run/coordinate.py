@@ -4,8 +4,9 @@ skipped, when to log, evaluate, checkpoint and stop, and how the run ends.
 
 * :class:`Lockstep` — every rank takes every step together (every method but the parameter
   server's workers): losses, bytes and evaluations are reduced over the ranks on the uncharged
-  control communicator, a skip or a stop is agreed by every rank, rank 0 writes the metrics and
-  the summary.
+  control communicator (a metrics line's sums by a non-blocking all-reduce, written
+  :data:`METRICS_LAG` steps later, so that logging never makes the ranks wait for each other),
+  a skip or a stop is agreed by every rank, rank 0 writes the metrics and the summary.
 * :class:`Detached` — a parameter-server worker: its own batches (worker index of W workers),
   its own skips, steps until a server says the budget is spent or a signal came; the servers
   log (:mod:`lowcomm.run.serve`), and at the end it reports to rank 0 and takes the run's model.
@@ -23,7 +24,7 @@ import torch
 
 from ..comm.ledger import Link
 from ..errors import ConfigError, LowcommError, NonFiniteError
-from .evaluate import allsum, evaluate, state_sha256
+from .evaluate import allsum, evaluate, evaluation_sums, mean_loss, state_sha256
 from .folder import write_summary
 from .signals import Interrupted
 from .snapshot import restore, snapshot
@@ -141,23 +142,26 @@ class Lockstep(Coordination):
             self.bar.update(1)
 
     def _log(self, state: LoopState, at_mark: bool = False) -> None:
-        """Start one metrics line: losses, bytes, seconds and rounds summed over every rank by
-        a non-blocking all-reduce that :meth:`_write_lines` completes :data:`METRICS_LAG` steps
-        later (the strategy's fields, and the eval loss every ``eval_every`` steps and
-        ``at_mark`` of a time budget, are taken now)."""
+        """Start one metrics line: losses, bytes, seconds and rounds — and every ``eval_every``
+        steps and ``at_mark`` of a time budget the held-out loss of each rank's share of the
+        eval batches — summed over every rank by a non-blocking all-reduce that
+        :meth:`_write_lines` completes :data:`METRICS_LAG` steps later (the strategy's fields are
+        taken now)."""
         r = self.r
         tot = r.comm.ledger.totals()
+        evaluating = bool(r.held_out) and bool(at_mark or r.cfg.eval_every and
+                                               state.step % r.cfg.eval_every == 0)
+        held_out = evaluation_sums(r.model, r.task, r.held_out, r.ctl) if evaluating else [0.0, 0.0]
         sums = torch.tensor([sum(state.window), len(state.window), tot["bytes_sent"],
                              tot["seconds"], r.comm.ledger.rounds(self.world),
-                             state.compute_cpu_s], dtype=torch.float64)
+                             state.compute_cpu_s, *held_out], dtype=torch.float64)
         state.window = []
         line = {"step": state.step, "wall_s": self.wall(), "lr": r.strategy.param_groups[0]["lr"]}
         if self.budget:
             line["modelled_s"] = self.budget.spent_s
         line.update(r.strategy.metrics(r.ctl))
         line.update(self.line_extra())
-        if r.held_out and (at_mark or r.cfg.eval_every and state.step % r.cfg.eval_every == 0):
-            line["eval_loss"] = evaluate(r.model, r.task, r.held_out, r.ctl)
+        line["eval_loss"] = evaluating               # the value when the sums are in
         request = r.ctl.iallreduce_(sums) if self.world > 1 else _Done()
         self.lines.append((state.step + METRICS_LAG, sums, request, line))
 
@@ -173,11 +177,14 @@ class Lockstep(Coordination):
 
     def _write_line(self, state: LoopState, sums: list[float], line: dict) -> None:
         K = self.world
-        loss_sum, n, sent, comm_s, rounds, cpu = sums
+        loss_sum, n, sent, comm_s, rounds, cpu, eval_sum, eval_n = sums
         state.recent = loss_sum / n if n else float("nan")
+        evaluated = line.pop("eval_loss")
         line = {"step": line["step"], "loss": state.recent, "bytes": int(sent),
                 "wall_s": line["wall_s"], "comm_s": comm_s / K, "rounds": rounds / K,
                 "compute_cpu_s": cpu / K, **{k: v for k, v in line.items() if k not in ("step", "wall_s")}}
+        if evaluated:
+            line["eval_loss"] = mean_loss(eval_sum, eval_n)
         if self.metrics:
             _append(self.metrics, json.dumps(line) + "\n")
         if self.bar:

@@ -52,6 +52,13 @@ def nonfinite(loss: torch.Tensor, model: torch.nn.Module) -> str | None:
 def evaluate(model, task: Task, batches: list, ctl: Comm) -> float:
     """Mean loss of ``task`` on the held-out ``batches``, split across the ranks of ``ctl``
     (NaN when there are none)."""
+    return mean_loss(*allsum(ctl, evaluation_sums(model, task, batches, ctl)))
+
+
+def evaluation_sums(model, task: Task, batches: list, ctl: Comm) -> list[float]:
+    """``[loss sum, batches]`` of this rank's share of the held-out ``batches`` (every
+    ``ctl.size``-th from ``ctl.rank``): summed over the ranks, :func:`mean_loss` of them is
+    :func:`evaluate`'s."""
     model.eval()
     total = count = 0.0
     for i, b in enumerate(batches):
@@ -59,5 +66,8 @@ def evaluate(model, task: Task, batches: list, ctl: Comm) -> float:
             total += task.loss(model, b).item()
             count += 1
     model.train()
-    total, count = allsum(ctl, [total, count])
+    return [total, count]
+
+
+def mean_loss(total: float, count: float) -> float:
     return total / count if count else float("nan")
