@@ -194,8 +194,9 @@ class OuterLoop(Strategy):
     rows are charged to the strategy's ledger when its average is applied, so the byte counts
     logged at a step do not depend on the thread's timing (and a resumed run logs the same).
     :meth:`summary` reports the bytes of each synchronisation (all ranks together) as
-    ``sync_bytes_peak`` / ``sync_bytes_mean``, and as ``wait_s_max`` the most seconds a rank's
-    steps waited for a reduction in flight (the communication τ steps did not hide).
+    ``sync_bytes_peak`` / ``sync_bytes_mean``, as ``wait_s_by_rank`` the seconds each rank's
+    steps waited for reductions in flight (the communication τ steps did not hide), and how the
+    reductions ran (``reductions``: "posted", "thread" or "blocking").
     """
 
     name = "outer"
@@ -533,7 +534,8 @@ class OuterLoop(Strategy):
                "fragments": len(self.fragments), "delay": self.delay, "syncs": len(mine),
                "sync_bytes_peak": int(mine.max()) if len(mine) else 0,
                "sync_bytes_mean": float(mine.mean()) if len(mine) else 0.0,
-               "wait_s_max": max(w for _, w in every),
+               "reductions": "posted" if self._posting else "thread" if self.delay else "blocking",
+               "wait_s_by_rank": [round(w, 4) for _, w in every],
                "fragment_numel": [f.numel for f in self.fragments]}
         if self._inner is not None:
             out["inner"] = {"strategy": self._inner.name, **self._inner.metrics(ctl, final=True)}
