@@ -565,7 +565,7 @@ def allreduce_(tensor: torch.Tensor, comm: Comm | None = None, algorithm: str = 
         lowcomm.allreduce_(g, algorithm="ring", op="avg")   # every element = (K-1)/2
     """
     comm = comm or init()
-    registered = comm.registered(tensor) if comm.size > 1 else None
+    registered = comm.registered(tensor) if algorithm in ("auto", "shm") and comm.size > 1 else None
     if algorithm == "auto":
         get_algorithm(algorithm, levels)        # the name is checked before any collective
         nbytes = tensor.numel() * tensor.element_size()

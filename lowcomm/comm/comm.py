@@ -298,9 +298,7 @@ class Comm:
     def iallreduce_(self, t: torch.Tensor, op: str = "sum") -> Request:
         """Non-blocking vendor all-reduce of a contiguous CPU tensor (``MPI_Iallreduce``)."""
         avg = _reduce_op(op)
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise CommError("iallreduce", self.rank, f"needs a contiguous CPU tensor, got "
-                            f"{describe(t)} on {t.device}", _nbytes(t))
+        self._host_only("iallreduce", t)
         self.check("iallreduce.mpi", t)
         buf, mop = _typed(t)
         n = _nbytes(t)
@@ -313,9 +311,7 @@ class Comm:
         """Non-blocking vendor all-gather of a contiguous CPU tensor (``MPI_Iallgather``):
         ``(request, out)``; ``out``, of shape ``(size, *t.shape)``, holds every rank's ``t`` once
         the request completes (charged as :meth:`allgather` is)."""
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise CommError("iallgather", self.rank, f"needs a contiguous CPU tensor, got "
-                            f"{describe(t)} on {t.device}", _nbytes(t))
+        self._host_only("iallgather", t)
         self.check("iallgather", t)
         n = _nbytes(t)
         out = torch.empty((self.size, *t.shape), dtype=t.dtype)
@@ -443,9 +439,10 @@ class Comm:
 
     # point-to-point (contiguous CPU tensors: collectives stage once, then talk) -----------------
     def _host_only(self, op: str, *ts: torch.Tensor) -> None:
+        """Point-to-point and non-blocking calls take contiguous CPU tensors as they are."""
         for t in ts:
             if t.device.type != "cpu" or not t.is_contiguous():
-                raise CommError(op, self.rank, f"point-to-point needs contiguous CPU tensors, got "
+                raise CommError(op, self.rank, f"needs contiguous CPU tensors, got "
                                 f"{describe(t)} on {t.device}; stage with Comm.staged()", _nbytes(t))
 
     def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None:

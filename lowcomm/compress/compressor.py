@@ -57,8 +57,8 @@ class Compressor:
         return self.exchange.reduce(self, flat, key, comm, segments).view(flat.shape)
 
     def posts(self, numel: int, dtype: torch.dtype, comm: Comm) -> bool:
-        """Whether :meth:`start` can post a reduction of ``numel`` elements over ``comm``
-        (summed and all-gathered exchanges; the same answer on every rank)."""
+        """Whether :meth:`start` can post a reduction of ``numel`` elements over ``comm`` (the
+        all-gathered exchanges; the same answer on every rank)."""
         return self.exchange.posts(self, numel, dtype, comm)
 
     def start(self, flat: torch.Tensor, key: str, comm: Comm, segments: list[Segment]) -> Pending:

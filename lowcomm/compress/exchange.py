@@ -45,10 +45,6 @@ def split_gathered(g: torch.Tensor, payload: list[torch.Tensor], K: int) -> list
     return out
 
 
-def _host(payload: list[torch.Tensor]) -> bool:
-    return all(t.device.type == "cpu" for t in payload)
-
-
 class Summed(Exchange):
     """All-reduce (sum) of a summable codec's payload.
 
@@ -90,8 +86,6 @@ class Gathered(Exchange):
         """The payload's non-blocking vendor all-gather (``MPI_Iallgather``), mean-decoded by
         ``wait()``."""
         payload, ctx = comp.encoder.compress(x, key, segments, comm.rank)
-        if not _host(payload):
-            raise ValueError("a posted reduction needs CPU tensors")
         request, g = comm.iallgather(one_message(payload))
         return Pending([request], lambda: comp.codec.decompress_mean(
             split_gathered(g, payload, comm.size), ctx, comm.size).to(x.dtype))

@@ -161,7 +161,6 @@ class Lockstep(Coordination):
             line["modelled_s"] = self.budget.spent_s
         line.update(r.strategy.metrics(r.ctl))
         line.update(self.line_extra())
-        line["eval_loss"] = evaluating               # the value when the sums are in
         request = r.ctl.iallreduce_(sums) if self.world > 1 else _Done()
         self.lines.append((state.step + METRICS_LAG, sums, request, line))
 
@@ -179,11 +178,10 @@ class Lockstep(Coordination):
         K = self.world
         loss_sum, n, sent, comm_s, rounds, cpu, eval_sum, eval_n = sums
         state.recent = loss_sum / n if n else float("nan")
-        evaluated = line.pop("eval_loss")
         line = {"step": line["step"], "loss": state.recent, "bytes": int(sent),
                 "wall_s": line["wall_s"], "comm_s": comm_s / K, "rounds": rounds / K,
                 "compute_cpu_s": cpu / K, **{k: v for k, v in line.items() if k not in ("step", "wall_s")}}
-        if evaluated:
+        if eval_n:                                   # an evaluation's line (its batches, counted)
             line["eval_loss"] = mean_loss(eval_sum, eval_n)
         if self.metrics:
             _append(self.metrics, json.dumps(line) + "\n")
