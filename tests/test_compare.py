@@ -84,7 +84,7 @@ def test_compute_cpu_clock_counts_computation_not_waiting_or_communication():
 
 
 def test_compare_runs_methods_on_the_same_data_and_keeps_going_when_one_fails(tmp_path):
-    r = compare(tmp_path, "--methods", "ddp,horovod,fp16",
+    r = compare(tmp_path, "--methods", "ddp,horovod,fp16", "--repeat", "2", "--relative-to", "ddp",
                 "--launcher", ROOT / "tests" / "launchers" / "fail_method.sh",
                 env={"LOWCOMM_TEST_FAIL_ARG": "compressor.name=fp16"})
     assert r.returncode == 1, r.stdout + r.stderr
@@ -115,6 +115,19 @@ def test_compare_runs_methods_on_the_same_data_and_keeps_going_when_one_fails(tm
         assert all(0 < c for c in cpu) and cpu == sorted(cpu)
     assert "compute CPU s" in r.stdout and "do not inflate" in (tmp_path / "table.md").read_text()
     assert all("eval_loss" in x for x in curves[0][1::2])      # eval_every = 10 by default
+    # two rounds, interleaved: wall s is the median of each method's runs, each run divided by
+    # ddp's of its round; a run is the same computation (state hash) every round
+    for x in ok:
+        again = json.loads((tmp_path / "repeats" / "2" / x["method"] / "summary.json").read_text())
+        first = json.loads((tmp_path / x["method"] / "summary.json").read_text())
+        assert x["wall_s_runs"] == [first["wall_s"], again["wall_s"]], x
+        assert x["wall_s"] == pytest.approx(sum(x["wall_s_runs"]) / 2) and x["repeats_agree"] is True
+        assert again["state_sha256"] == first["state_sha256"] and len(x["load_1m_runs"]) == 2
+        assert x["wall_ratio"]["runs"] == pytest.approx(
+            [a / b for a, b in zip(x["wall_s_runs"], by["ddp"]["wall_s_runs"])]), x
+    assert by["ddp"]["wall_ratio"]["runs"] == [1.0, 1.0] and "wall_ratio" not in by["fp16"]
+    assert not (tmp_path / "repeats" / "2" / "fp16").exists()      # failed: not run again
+    assert "wall s (median of 2 runs: min–max) | wall ÷ ddp's³" in r.stdout, r.stdout
 
 
 def test_time_to_target_reads_the_first_crossing_of_the_eval_curve():
@@ -185,6 +198,19 @@ def test_a_budget_refuses_what_it_cannot_keep():
     with pytest.raises(ConfigError, match="budget.seconds.*>= 0"):
         load_config(None, ["budget.seconds=-1"])
     assert load_config(None, ["budget.seconds=10", "optimizer.warmup_steps=5"]).budget.seconds == 10
+
+
+def test_repeats_refuse_what_they_cannot_do(tmp_path):
+    """Rounds below one, and a ratio to a method that does not run, before anything runs."""
+    from lowcomm.errors import ConfigError
+    from lowcomm.run.config import load_config
+    with pytest.raises(ConfigError, match="compare.repeat.*>= 1, got 0"):
+        load_config(None, ["compare.repeat=0"])
+    r = cli("compare", "--np", "2", "--out", tmp_path, "--methods", "ddp,fp16", "--relative-to", "int8")
+    assert r.returncode == 2 and "'int8' is not one of the methods run (ddp, fp16)" in r.stderr, r.output
+    r = cli("compare", "--np", "2", "--out", tmp_path, "--methods", "ddp", "--repeat", "0")
+    assert r.returncode == 2 and "--repeat" in r.stderr, r.output
+    assert not any(tmp_path.iterdir())
 
 
 def digest(folder):

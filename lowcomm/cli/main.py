@@ -330,11 +330,17 @@ def bench_compress(config, overrides, size, methods, iters, warmup, threads, lin
               "link (--steps is then a cap) and rank them by eval loss at equal time.")
 @click.option("--target", type=float, default=None, metavar="EVAL_LOSS",
               help="Eval loss of the time-to-target column [default: ddp's final one].")
+@click.option("--repeat", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Run the methods N times, interleaved (each once, then each again, ...); "
+                   "wall s is the median of a method's runs [default: compare.repeat, 1].")
+@click.option("--relative-to", default=None, metavar="METHOD",
+              help="Divide every run's wall-clock by METHOD's of the same round; the table "
+                   "gives the median ratio and its range [default: compare.relative_to].")
 def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launcher, timeout,
-            max_restarts, overwrite, budget, target):
+            max_restarts, overwrite, budget, target, repeat, relative_to):
     """Train the same model under each method (one mpirun each); write results.json, plots and
     a ranked table. An experiment TOML (--config) may hold a [compare] table: question, expect,
-    methods, np, link. Into an --out with an earlier comparison of the same settings, new
+    methods, np, link, repeat, relative_to. Into an --out with an earlier comparison of the same settings, new
     methods are added beside its results. Ctrl-C ends the comparison, keeping what finished."""
     from ..errors import RunFolderError
     from ..tools.compare import budget_overrides
@@ -345,6 +351,10 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
     cfg = _config(config, (*overrides, *(budget_overrides(budget, the_link) if budget else ())))
     steps, np_ = cfg.steps, np_ or cfg.compare.np
     names = _compare_plan(cfg, methods, np_, out, wan, dcs, launcher)
+    repeat, relative_to = repeat or cfg.compare.repeat, relative_to or cfg.compare.relative_to
+    if relative_to and relative_to not in names:
+        raise click.BadParameter(f"{relative_to!r} is not one of the methods run "
+                                 f"({', '.join(names)})", param_hint="--relative-to")
     if cfg.compare.question:
         click.echo(f"question: {cfg.compare.question}\nexpected: {cfg.compare.expect}")
     if not cfg.eval_every and not budget:   # about ten points per eval-loss curve (a budget
@@ -353,11 +363,13 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
     try:
         results, where = _compare_run(names, np_, steps, out, config, overrides, the_link, wan, dcs,
                                       launcher, timeout, max_restarts, overwrite,
-                                      budget=budget or 0.0, target=target)
+                                      budget=budget or 0.0, target=target, repeat=repeat,
+                                      relative_to=relative_to or None)
     except RunFolderError as e:
         raise click.UsageError(str(e)) from None
     span = f"{budget:g} modelled s (at most {steps} steps)" if budget else f"{steps} steps"
-    click.echo(f"\n{np_} ranks, {span} per method, {where}\n")
+    rounds = f", {repeat} rounds" if repeat > 1 else ""
+    click.echo(f"\n{np_} ranks, {span} per method{rounds}, {where}\n")
     click.echo((Path(out) / "table.md").read_text().rstrip())
     click.echo(f"\nwrote {Path(out) / 'results.json'}, table.md and eval_loss_vs_*.png")
     _compare_end(results, names)

@@ -92,6 +92,8 @@ class CompareConfig:
     methods: str = "main"          # comma list, "main" or "all"
     np: int = 4                    # ranks per method
     link: str = "25,100"           # DELAY_MS,RATE_MBIT of the modelled wall-clock
+    repeat: int = 1                # runs of every method, interleaved (wall s: their median)
+    relative_to: str = ""          # a method whose wall-clock the others' is divided by
 
 
 @dataclass
@@ -344,7 +346,7 @@ def _check_budget(cfg: Config) -> None:
         Link.parse(b.link)
     except ValueError as e:
         raise ConfigError("budget.link", str(e)) from None
-    _at_least(cfg, 1, "budget.evals")
+    _at_least(cfg, 1, "budget.evals", "compare.repeat")
     if b.seconds and cfg.optimizer.schedule != "constant":
         raise ConfigError("budget.seconds", f"needs optimizer.schedule = \"constant\", got "
                           f"{cfg.optimizer.schedule!r}: under a time budget every method stops at "

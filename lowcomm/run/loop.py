@@ -42,7 +42,9 @@ equal).
 """
 from __future__ import annotations
 
+import gc
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -78,13 +80,35 @@ def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = N
         model = task.model(cfg)
         strategy = build(model, build_optimizer(cfg, model.parameters()), comm)
         r = Run(cfg, task, model, strategy, comm, ctl, out, ckpt, progress, resume)
-        if getattr(strategy, "is_server", False):          # the parameter server's servers
-            from .serve import serve
-            return serve(r)
-        return train(r, Detached(r) if hasattr(strategy, "is_server") else
-                     (coordination or Lockstep)(r))
+        with settled_heap():
+            if getattr(strategy, "is_server", False):      # the parameter server's servers
+                from .serve import serve
+                return serve(r)
+            return train(r, Detached(r) if hasattr(strategy, "is_server") else
+                         (coordination or Lockstep)(r))
     finally:
         close_run(out)
+
+
+@contextmanager
+def settled_heap():
+    """The set-up's garbage collected once and what survives frozen (:func:`gc.freeze`) while
+    the steps run, so that the collector's full passes during training scan only what training
+    allocated.
+
+    By the end of the set-up (torch, the model, the data) a full pass took 85–105 ms, and one
+    ran during a 300-step run on each rank, each at a step of its own: a method that keeps the
+    ranks in step then waits for every rank's pause, where ranks that never wait pay only their
+    own (measured: streaming DiLoCo over a WAN, 2 ranks of 30 ms steps). Frozen, such a pass
+    took 0.3 ms. Objects the caller froze before stay frozen."""
+    ours = gc.get_freeze_count() == 0
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if ours:
+            gc.unfreeze()
 
 
 def train(r: Run, coord) -> dict:

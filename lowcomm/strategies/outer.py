@@ -160,8 +160,9 @@ class _Posted:
                 avg = self.pending.wait() if self.pending is not None else self.flat
                 if self.inside is not None:          # the unit's leader hands the average on
                     avg = avg.to(self.flat.dtype).contiguous() if self.inside.rank == 0 else self.flat
-                    with self.inside.charged_to(self.ledger):
-                        self.inside.bcast_(avg, root=0)
+                    if self.inside.size > 1:
+                        with self.inside.charged_to(self.ledger):
+                            self.inside.bcast_(avg, root=0)
             self._out = (avg, self.ledger.rows())
         return self._out
 
@@ -396,7 +397,8 @@ class OuterLoop(Strategy):
                 avg = self.compressor.reduce(flat, f"fragment{f.index}", across, f.segments)
         if inside is not None:                       # the unit's leader hands the average on
             avg = avg.to(flat.dtype).contiguous() if inside.rank == 0 else flat
-            inside.bcast_(avg, root=0)
+            if inside.size > 1:
+                inside.bcast_(avg, root=0)
         return avg, self._red.ledger.rows()
 
     def _charge(self, item: _InFlight, rows: list[dict]) -> None:

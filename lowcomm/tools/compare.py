@@ -19,6 +19,15 @@ from the run; they did not add work to it); only cache and memory-bandwidth cont
 shows. The table's header and footnote say so. A run that did not record it (a summary from
 before) is an error, never replaced by wall-clock.
 
+Measured wall-clock depends on the machine's load, which drifts (by ±4 % between two runs of
+one method minutes apart on a 2-core machine). ``--repeat N`` runs the methods N times
+interleaved (every method once, then every method again, …; runs 2…N in
+``repeats/<k>/<method>``): a method's ``wall_s`` is the median of its runs, ``wall_s_runs``
+all of them, and ``--relative-to METHOD`` divides each run's wall-clock by that method's in the
+same round (a ratio of neighbours in time), the table giving the median ratio and its range.
+Losses, bytes, curves and plots are the first run's; every run's ``state_sha256`` is compared
+(``repeats_agree``).
+
 By time budget (``--budget SECONDS``): every method trains until its modelled wall-clock on
 the link reaches the budget (``[budget]``, :class:`lowcomm.run.coordinate.Budget`; ``--steps``
 is then a cap), so the table ranks the methods by eval loss at equal modelled time. Either way
@@ -31,6 +40,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -335,26 +345,40 @@ def plot(out: Path, results: list[dict], link: Link, budget: float = 0.0,
     return written
 
 
+def _spread(values: list[float], digits: int) -> str:
+    """``median`` alone, or ``median (min–max)`` of several values."""
+    med = f"{statistics.median(values):.{digits}f}"
+    return med if len(values) < 2 else f"{med} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
 def table(results: list[dict], link: Link, budget: float = 0.0, target: float | None = None) -> str:
     """Markdown table, best eval loss first; failed and interrupted methods last with their
     error. ``budget``: the methods ran for that many modelled seconds; ``target``: the eval loss
-    of the time-to-target column (``time_to_target_s`` of each result)."""
+    of the time-to-target column (``time_to_target_s`` of each result); a wall-clock ratio
+    column where the results have one (``wall_ratio``, see :func:`add_wall_ratios`)."""
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["eval_loss"])
     base = next((r for r in ok if r["method"] == "ddp"), None)
     per_step = lambda r: r["bytes_total"] / r.get("steps_done", r["steps"])   # noqa: E731
     to = f" | modelled s to eval ≤ {target:.4f}²" if target is not None else ""
+    ref = next((r["wall_ratio"]["to"] for r in ok if "wall_ratio" in r), None)
+    by = f" | wall ÷ {ref}'s³" if ref else ""
+    runs = max((len(r.get("wall_s_runs", ())) for r in ok), default=1)
+    wall = f"wall s{f' (median of {runs} runs: min–max)' if runs > 1 else ''}"
+    extra = bool(to) + bool(by)
     head = (f"| # | method | eval loss{f' at {budget:g} s' if budget else ''} | train loss | steps | "
-            f"MB sent | ddp bytes/step ÷ bytes/step | wall s | compute CPU s | modelled s ({link})¹{to} |\n"
-            + "|---" * (10 + bool(to)) + "|")
+            f"MB sent | ddp bytes/step ÷ bytes/step | {wall}{by} | compute CPU s | "
+            f"modelled s ({link})¹{to} |\n" + "|---" * (10 + extra) + "|")
     rows = []
     for i, r in enumerate(ok, 1):
         ratio = f"{per_step(base) / per_step(r):.1f}×" if base and r["bytes_total"] else "–"
         reach = r.get("time_to_target_s")
         reach = (f" | {reach:.1f}" if reach is not None else " | not reached") if to else ""
+        rel = (f" | {_spread(r['wall_ratio']['runs'], 3)}" if "wall_ratio" in r else " | –") if by else ""
         rows.append(f"| {i} | {r['method']} | {r['eval_loss']:.4f} | {r['final_loss']:.4f} | "
                     f"{r.get('steps_done', r['steps'])} | {r['bytes_total'] / 1e6:.1f} | {ratio} | "
-                    f"{r['wall_s']:.1f} | {r['compute_cpu_s']:.1f} | {r['modelled_wall_s']:.1f}{reach} |")
-    rows += [f"| – | {r['method']} | {r['status']}: {r['error']} |" + " |" * (7 + bool(to))
+                    f"{_spread(r.get('wall_s_runs') or [r['wall_s']], 1)}{rel} | "
+                    f"{r['compute_cpu_s']:.1f} | {r['modelled_wall_s']:.1f}{reach} |")
+    rows += [f"| – | {r['method']} | {r['status']}: {r['error']} |" + " |" * (7 + extra)
              for r in results if r["status"] != "ok"]
     foot = (f"\n¹ modelled s = compute CPU s + the α–β time of the run's traffic on {link}. Compute "
             "CPU s: the slowest rank's CPU seconds of computation in its training steps (process CPU "
@@ -367,6 +391,9 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
         foot += (f"\n² the modelled time at which the method's eval loss first reached {target:.4f}"
                  f"{' (ddp’s final eval loss)' if base and base['eval_loss'] == target else ''}, "
                  "linear between its evaluations.")
+    if by:
+        foot += (f"\n³ each run's wall-clock divided by {ref}'s in the same round (the methods ran "
+                 "in turn, round after round): the median ratio (min–max).")
     return "\n".join([head, *rows]) + "\n" + foot
 
 
@@ -379,15 +406,22 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
             overrides: tuple[str, ...] = (), link: Link = Link(25, 100), launcher: str | None = None,
             timeout_s: float = 3600, progress: bool = True, dcs: int = 2,
             max_restarts: int = 0, overwrite: bool = False, budget: float = 0.0,
-            target: float | None = None) -> list[dict]:
+            target: float | None = None, repeat: int = 1, relative_to: str | None = None) -> list[dict]:
     """Run every method, write results.json, plots and table.md; return the results (with the
     earlier results kept in ``out``: :mod:`lowcomm.tools.compare_folder`, whose rules raise
     RunFolderError before anything runs). A stop (SIGINT/SIGTERM) ends the comparison: the
     finished methods' results are written, the method it stopped is marked ``interrupted``
     and no further method starts (the CLI tells which did not run). ``budget``: modelled
     seconds on ``link`` per method (``steps`` is then a cap); ``target``: the eval loss of the
-    time-to-target column (default: ddp's final one)."""
+    time-to-target column (default: ddp's final one); ``repeat``: rounds of runs, every
+    method once a round; ``relative_to``: the method every wall-clock is divided by, round by
+    round."""
     out = Path(out)
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    if relative_to and relative_to not in methods:
+        raise ValueError(f"relative_to: {relative_to!r} is not one of the methods run "
+                         f"({', '.join(methods)})")
     if budget:
         overrides = (*overrides, *budget_overrides(budget, link))
     out.mkdir(parents=True, exist_ok=True)
@@ -396,21 +430,37 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
         raise RunFolderError(busy)
     try:
         kept = compare_folder.prepare(out, compare_folder.settings(np, steps, config, overrides,
-                                                                   launcher, dcs),
+                                                                   launcher, dcs, repeat),
                                       methods, overwrite)
         for r in kept:                      # the table's modelled column: this link
             summary = out / r["method"] / "summary.json"
             if r["status"] == "ok" and summary.exists():
                 _costed(r, json.loads(summary.read_text()), link)
         results = kept + _run_methods(methods, kept, np, steps, out, config, overrides, link,
-                                      launcher, timeout_s, progress, dcs, max_restarts, overwrite)
+                                      launcher, timeout_s, progress, dcs, max_restarts, overwrite,
+                                      repeat)
         target = add_time_to_target(out, results, link, target)
+        add_wall_ratios(results, relative_to)
         write_text(out / "results.json", json.dumps(results, indent=2) + "\n")
         plot(out, results, link, budget, target)
         write_text(out / "table.md", table(results, link, budget, target) + "\n")
         return results
     finally:
         close_run(f"compare:{out}")
+
+
+def add_wall_ratios(results: list[dict], relative_to: str | None) -> None:
+    """Set ``wall_ratio`` of every finished method that ran as many rounds as ``relative_to``
+    (in this comparison): each round's wall-clock divided by ``relative_to``'s of that round."""
+    ref = next((r for r in results if r["method"] == relative_to and r["status"] == "ok"), None)
+    if ref is None:
+        return
+    walls = ref.get("wall_s_runs") or [ref["wall_s"]]
+    for r in results:
+        mine = r.get("wall_s_runs") or [r.get("wall_s")]
+        if r["status"] == "ok" and len(mine) == len(walls):
+            runs = [a / b for a, b in zip(mine, walls)]
+            r["wall_ratio"] = {"to": relative_to, "runs": runs, "median": statistics.median(runs)}
 
 
 def _costed(r: dict, summary: dict, link: Link) -> None:
@@ -420,36 +470,61 @@ def _costed(r: dict, summary: dict, link: Link) -> None:
 
 
 def _run_methods(methods, kept, np, steps, out, config, overrides, link, launcher, timeout_s,
-                 progress, dcs, max_restarts, overwrite) -> list[dict]:
-    """Run the methods one after another under one progress bar, results.json rewritten after
-    each; a stop ends the loop after the method it came in."""
+                 progress, dcs, max_restarts, overwrite, repeat=1) -> list[dict]:
+    """Run the methods one after another, ``repeat`` rounds, under one progress bar;
+    results.json rewritten after each run; a stop ends the loop after the run it came in. A
+    method failing in a later round is failed, with that round's error."""
     from tqdm import tqdm
 
-    results: list[dict] = []
-    bar = tqdm(total=steps * len(methods), unit="step", disable=not progress, dynamic_ncols=True)
+    results: dict[str, dict] = {}
+    bar = tqdm(total=steps * len(methods) * repeat, unit="step", disable=not progress,
+               dynamic_ncols=True)
     try:
-        for method in methods:
-            bar.set_description(method)
-            done_before = bar.n
-            try:
-                r = run_method(method, np, steps, out, config, list(overrides), launcher,
-                               timeout_s, on_step=bar.update, dcs=dcs,
-                               max_restarts=max_restarts, overwrite=overwrite)
-            except KeyboardInterrupt:   # SIGINT while no job ran (it had not started)
-                r = {"method": method, "overrides": METHODS[method], "status": "interrupted",
-                     "error": "stopped by SIGINT"}
-            bar.update(done_before + steps - bar.n)
-            stopped = r.pop("stopped", None)         # it finished before the stop took
-            if r["status"] == "ok":
-                s = r.pop("summary")
-                _costed(r, s, link)
-                r["compute_cpu_s"] = s["compute_cpu_s"]
-            else:
-                bar.write(f"{method} {r['status']}: {r['error']}")
-            results.append(r)
-            write_text(out / "results.json", json.dumps(kept + results, indent=2) + "\n")
-            if r["status"] == "interrupted" or stopped:
-                break
+        for k in range(1, repeat + 1):
+            where = out if k == 1 else out / compare_folder.REPEATS / str(k)
+            for method in methods:
+                if k > 1 and results[method]["status"] != "ok":
+                    bar.update(steps)
+                    continue
+                bar.set_description(method if repeat == 1 else f"{method} ({k}/{repeat})")
+                done_before = bar.n
+                load = os.getloadavg()[0]
+                try:
+                    r = run_method(method, np, steps, where, config, list(overrides), launcher,
+                                   timeout_s, on_step=bar.update, dcs=dcs,
+                                   max_restarts=max_restarts, overwrite=overwrite)
+                except KeyboardInterrupt:   # SIGINT while no job ran (it had not started)
+                    r = {"method": method, "overrides": METHODS[method], "status": "interrupted",
+                         "error": "stopped by SIGINT"}
+                bar.update(done_before + steps - bar.n)
+                stopped = r.pop("stopped", None)     # it finished before the stop took
+                if r["status"] == "ok":
+                    s = r.pop("summary")
+                    r["compute_cpu_s"] = s["compute_cpu_s"]
+                    if k == 1:
+                        _costed(r, s, link)
+                else:
+                    bar.write(f"{method}{f' (round {k})' if k > 1 else ''} {r['status']}: {r['error']}")
+                results[method] = r if k == 1 else _another_round(results[method], r, k)
+                if r["status"] == "ok":
+                    results[method].setdefault("load_1m_runs", []).append(round(load, 2))
+                write_text(out / "results.json",
+                           json.dumps(kept + list(results.values()), indent=2) + "\n")
+                if r["status"] == "interrupted" or stopped:
+                    return list(results.values())
     finally:
         bar.close()
-    return results
+    return list(results.values())
+
+
+def _another_round(first: dict, r: dict, k: int) -> dict:
+    """The first round's record with round ``k``'s run ``r`` added: its wall-clock among
+    ``wall_s_runs`` (``wall_s`` their median), or its failure."""
+    if r["status"] != "ok":
+        return {**r, "error": f"round {k}: {r['error']}"}
+    walls = [*first.get("wall_s_runs", [first["wall_s"]]), r["wall_s"]]
+    cpus = [*first.get("compute_cpu_s_runs", [first["compute_cpu_s"]]), r["compute_cpu_s"]]
+    return {**first, "wall_s": statistics.median(walls), "wall_s_runs": walls,
+            "compute_cpu_s_runs": cpus,
+            "repeats_agree": first.get("repeats_agree", True) and
+            r["state_sha256"] == first["state_sha256"]}

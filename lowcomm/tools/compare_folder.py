@@ -22,18 +22,22 @@ from ..errors import RunFolderError
 from ..run.folder import RUN_FILES, read_marker, remove_run, write_text
 
 MARKER = ".lowcomm-compare.json"
+#: the runs of rounds 2… of a repeated comparison: ``repeats/<round>/<method>``
+REPEATS = "repeats"
 #: what a comparison writes beside its methods' run folders
 FILES = ("results.json", "table.md", "eval_loss_vs_bytes.png", "eval_loss_vs_wall.png",
          "eval_loss_vs_modelled_wall.png", "eval_loss_vs_steps.png")
 
 
-def settings(np: int, steps: int, config: str | None, overrides, launcher, dcs: int) -> dict:
+def settings(np: int, steps: int, config: str | None, overrides, launcher, dcs: int,
+             repeat: int = 1) -> dict:
     """What makes two comparisons' results comparable."""
     text = Path(config).read_bytes() if config else b""
     return {"np": np, "steps": steps, "config": str(config) if config else None,
             "config_sha256": hashlib.sha256(text).hexdigest() if config else None,
             "overrides": list(overrides), "dcs": dcs,
-            "launcher": launcher if isinstance(launcher, (str, type(None))) else list(launcher)}
+            "launcher": launcher if isinstance(launcher, (str, type(None))) else list(launcher),
+            **({"repeat": repeat} if repeat > 1 else {})}
 
 
 def _marker(out: Path) -> dict | None:
@@ -83,8 +87,9 @@ def prepare(out: Path, now: dict, methods: list[str], overwrite: bool) -> list[d
             raise RunFolderError(f"{out} holds a comparison with other settings ({'; '.join(diff)}); "
                                  "choose another --out, or --overwrite to replace it")
         for r in earlier:                 # replaced as asked: only what lowcomm wrote
-            if read_marker(out / r["method"]) is not None:
-                remove_run(out / r["method"])
+            for folder in (out, *sorted((out / REPEATS).glob("*"))):
+                if read_marker(folder / r["method"]) is not None:
+                    remove_run(folder / r["method"])
         for name in FILES:
             (out / name).unlink(missing_ok=True)
         earlier = []
