@@ -78,12 +78,12 @@ METHODS: dict[str, list[str]] = {
     # SyncDP inside a datacenter (its buckets reduced after backward: with every core computing,
     # a reducer thread only competes with it -- said explicitly, since the emulated WAN's
     # datacenters share one machine's cores); across, streaming DiLoCo: one int8 fragment of 4
-    # every fourth step, sent while the next steps compute, its average landing two steps later
-    # on top of their progress (merge = "add-local", DaSGD); the int8 exchange by the α–β
-    # model's choice (compressor.collective = "auto": one all-gather round over a WAN at few
-    # datacenters, where the two-phase exchange's second round trip would not hide)
+    # every eighth step (H = 32), sent while the next steps compute, its average landing two
+    # steps later on top of their progress (merge = "add-local", DaSGD); the int8 exchange by
+    # the α–β model's choice (compressor.collective = "auto": one all-gather round over a WAN at
+    # few datacenters, where the two-phase exchange's second round trip would not hide)
     "dc-streaming": ["policy.rank=syncdp:overlap=false", "compressor.collective=auto",
-                     "policy.dc=streaming-diloco:period=16,fragments=4,delay=2,merge=add-local,"
+                     "policy.dc=streaming-diloco:period=32,fragments=4,delay=2,merge=add-local,"
                      "outer_optimizer=sgd,outer_lr=1.0,outer_momentum=0,compressor=int8"],
 }
 MAIN_METHODS = ("ddp", "fp16", "int8", "topk", "ef-sign", "powersgd", "localsgd", "diloco")
