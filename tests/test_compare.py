@@ -200,6 +200,27 @@ def test_a_budget_refuses_what_it_cannot_keep():
     assert load_config(None, ["budget.seconds=10", "optimizer.warmup_steps=5"]).budget.seconds == 10
 
 
+def test_a_later_round_adds_its_run_its_failure_or_its_stop():
+    from lowcomm.tools.compare import _another_round, add_wall_ratios
+    first = {"method": "int8", "status": "ok", "wall_s": 10.0, "compute_cpu_s": 9.0,
+             "state_sha256": "a", "eval_loss": 2.5}
+    two = _another_round(first, {**first, "wall_s": 12.0, "compute_cpu_s": 9.5}, 2)
+    three = _another_round(two, {**first, "wall_s": 11.5, "compute_cpu_s": 9.2, "state_sha256": "b"}, 3)
+    assert two["wall_s_runs"] == [10.0, 12.0] and two["wall_s"] == 11.0 and two["repeats_agree"]
+    assert three["wall_s"] == 11.5 and three["compute_cpu_s_runs"] == [9.0, 9.5, 9.2]
+    assert three["repeats_agree"] is False and three["eval_loss"] == 2.5     # the first round's
+    failed = _another_round(two, {"method": "int8", "status": "failed", "error": "exit 7: boom"}, 3)
+    assert failed["status"] == "failed" and failed["error"] == "round 3: exit 7: boom"
+    stopped = _another_round(two, {"method": "int8", "status": "interrupted", "error": "SIGINT"}, 3)
+    assert stopped["status"] == "ok" and stopped["interrupted_round"] == 3 and \
+        stopped["wall_s_runs"] == [10.0, 12.0]
+    ref = {"method": "ddp", "status": "ok", "wall_s": 8.0, "wall_s_runs": [8.0, 10.0, 10.0]}
+    results = [ref, three, {**first, "method": "fp16"}]          # fp16: one run, not paired
+    add_wall_ratios(results, "ddp")
+    assert three["wall_ratio"] == {"to": "ddp", "runs": [1.25, 1.2, 1.15], "median": 1.2}
+    assert "wall_ratio" not in results[2] and ref["wall_ratio"]["runs"] == [1.0, 1.0, 1.0]
+
+
 def test_repeats_refuse_what_they_cannot_do(tmp_path):
     """Rounds below one, and a ratio to a method that does not run, before anything runs."""
     from lowcomm.errors import ConfigError

@@ -425,7 +425,8 @@ def _compare_run(names, np_, steps, out, config, overrides, the_link, wan, dcs, 
 
 def _compare_end(results, names) -> None:
     """Exit 130 when the comparison was stopped (saying what finished), 1 when a method failed."""
-    stopped = [r["method"] for r in results if r["status"] == "interrupted" and r["method"] in names]
+    stopped = [r["method"] for r in results if r["method"] in names and
+               (r["status"] == "interrupted" or "interrupted_round" in r)]
     not_run = [m for m in names if m not in {r["method"] for r in results}]
     if stopped or not_run:
         click.echo(f"stopped{' during ' + stopped[0] if stopped else ''}: the comparison ended; the "

@@ -511,6 +511,10 @@ def _run_methods(methods, kept, np, steps, out, config, overrides, link, launche
                 write_text(out / "results.json",
                            json.dumps(kept + list(results.values()), indent=2) + "\n")
                 if r["status"] == "interrupted" or stopped:
+                    for other in results.values():   # a round the others had no turn in
+                        if k > 1 and len(other.get("wall_s_runs", ())) < k and \
+                                other["status"] == "ok":
+                            other.setdefault("interrupted_round", k)
                     return list(results.values())
     finally:
         bar.close()
@@ -519,7 +523,10 @@ def _run_methods(methods, kept, np, steps, out, config, overrides, link, launche
 
 def _another_round(first: dict, r: dict, k: int) -> dict:
     """The first round's record with round ``k``'s run ``r`` added: its wall-clock among
-    ``wall_s_runs`` (``wall_s`` their median), or its failure."""
+    ``wall_s_runs`` (``wall_s`` their median); its failure; or, stopped, the rounds before
+    with ``interrupted_round``."""
+    if r["status"] == "interrupted":
+        return {**first, "interrupted_round": k}
     if r["status"] != "ok":
         return {**r, "error": f"round {k}: {r['error']}"}
     walls = [*first.get("wall_s_runs", [first["wall_s"]]), r["wall_s"]]
