@@ -215,10 +215,12 @@ def test_a_later_round_adds_its_run_its_failure_or_its_stop():
     assert stopped["status"] == "ok" and stopped["interrupted_round"] == 3 and \
         stopped["wall_s_runs"] == [10.0, 12.0]
     ref = {"method": "ddp", "status": "ok", "wall_s": 8.0, "wall_s_runs": [8.0, 10.0, 10.0]}
-    results = [ref, three, {**first, "method": "fp16"}]          # fp16: one run, not paired
-    add_wall_ratios(results, "ddp")
+    kept = {**three, "method": "topk", "wall_ratio": {"to": "fp16", "runs": [1.0], "median": 1.0}}
+    results = [ref, three, {**first, "method": "fp16"}, kept]   # fp16: one run, not paired
+    add_wall_ratios(results, "ddp", ["ddp", "int8", "fp16"])    # topk: an earlier comparison's
     assert three["wall_ratio"] == {"to": "ddp", "runs": [1.25, 1.2, 1.15], "median": 1.2}
     assert "wall_ratio" not in results[2] and ref["wall_ratio"]["runs"] == [1.0, 1.0, 1.0]
+    assert "wall_ratio" not in kept
 
 
 def test_repeats_refuse_what_they_cannot_do(tmp_path):

@@ -340,8 +340,9 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
             max_restarts, overwrite, budget, target, repeat, relative_to):
     """Train the same model under each method (one mpirun each); write results.json, plots and
     a ranked table. An experiment TOML (--config) may hold a [compare] table: question, expect,
-    methods, np, link, repeat, relative_to. Into an --out with an earlier comparison of the same settings, new
-    methods are added beside its results. Ctrl-C ends the comparison, keeping what finished."""
+    methods, np, link, repeat, relative_to. Into an --out with an earlier comparison of the
+    same settings, new methods are added beside its results. Ctrl-C ends the comparison,
+    keeping what finished."""
     from ..errors import RunFolderError
     from ..tools.compare import budget_overrides
     if steps is not None:

@@ -19,8 +19,8 @@ from the run; they did not add work to it); only cache and memory-bandwidth cont
 shows. The table's header and footnote say so. A run that did not record it (a summary from
 before) is an error, never replaced by wall-clock.
 
-Measured wall-clock depends on the machine's load, which drifts (by ±4 % between two runs of
-one method minutes apart on a 2-core machine). ``--repeat N`` runs the methods N times
+Measured wall-clock depends on the machine's load, which drifts (one method took 9.0 to 11.8 s
+over an hour of runs on a 2-core machine). ``--repeat N`` runs the methods N times
 interleaved (every method once, then every method again, …; runs 2…N in
 ``repeats/<k>/<method>``): a method's ``wall_s`` is the median of its runs, ``wall_s_runs``
 all of them, and ``--relative-to METHOD`` divides each run's wall-clock by that method's in the
@@ -440,7 +440,7 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
                                       launcher, timeout_s, progress, dcs, max_restarts, overwrite,
                                       repeat)
         target = add_time_to_target(out, results, link, target)
-        add_wall_ratios(results, relative_to)
+        add_wall_ratios(results, relative_to, methods)
         write_text(out / "results.json", json.dumps(results, indent=2) + "\n")
         plot(out, results, link, budget, target)
         write_text(out / "table.md", table(results, link, budget, target) + "\n")
@@ -449,16 +449,21 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
         close_run(f"compare:{out}")
 
 
-def add_wall_ratios(results: list[dict], relative_to: str | None) -> None:
-    """Set ``wall_ratio`` of every finished method that ran as many rounds as ``relative_to``
-    (in this comparison): each round's wall-clock divided by ``relative_to``'s of that round."""
+def add_wall_ratios(results: list[dict], relative_to: str | None, ran: list[str]) -> None:
+    """Set ``wall_ratio`` of every finished method of ``ran`` (the methods that ran now) that
+    ran as many rounds as ``relative_to``: each round's wall-clock divided by
+    ``relative_to``'s of that round. Results kept from an earlier comparison lose theirs: their
+    rounds were not this comparison's."""
+    for r in results:
+        if r["method"] not in ran:
+            r.pop("wall_ratio", None)
     ref = next((r for r in results if r["method"] == relative_to and r["status"] == "ok"), None)
-    if ref is None:
+    if ref is None or relative_to not in ran:
         return
     walls = ref.get("wall_s_runs") or [ref["wall_s"]]
     for r in results:
         mine = r.get("wall_s_runs") or [r.get("wall_s")]
-        if r["status"] == "ok" and len(mine) == len(walls):
+        if r["method"] in ran and r["status"] == "ok" and len(mine) == len(walls):
             runs = [a / b for a, b in zip(mine, walls)]
             r["wall_ratio"] = {"to": relative_to, "runs": runs, "median": statistics.median(runs)}
 
