@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -139,6 +140,18 @@ class _InFlight:
     base: torch.Tensor | None = None   # this rank's fragment when sent (merge="add-local")
 
 
+def _hand_on(inside: Comm | None, avg: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """The average across units on every rank of the unit ``inside``: its leader (rank 0, which
+    holds ``avg``) broadcasts it, in ``flat``'s dtype, into the others' ``flat`` (nothing to
+    send in a unit of one rank, or with no unit)."""
+    if inside is None:
+        return avg
+    out = avg.to(flat.dtype).contiguous() if inside.rank == 0 else flat
+    if inside.size > 1:
+        inside.bcast_(out, root=0)
+    return out
+
+
 class _Posted:
     """A fragment's reduction posted from the training thread: the exchange across units runs
     as non-blocking MPI calls (``pending``; None on a rank that only receives the unit's
@@ -158,11 +171,8 @@ class _Posted:
         if self._out is None:
             with self.idle.hurry():
                 avg = self.pending.wait() if self.pending is not None else self.flat
-                if self.inside is not None:          # the unit's leader hands the average on
-                    avg = avg.to(self.flat.dtype).contiguous() if self.inside.rank == 0 else self.flat
-                    if self.inside.size > 1:
-                        with self.inside.charged_to(self.ledger):
-                            self.inside.bcast_(avg, root=0)
+                with self.inside.charged_to(self.ledger) if self.inside is not None else nullcontext():
+                    avg = _hand_on(self.inside, avg, self.flat)
             self._out = (avg, self.ledger.rows())
         return self._out
 
@@ -387,6 +397,7 @@ class OuterLoop(Strategy):
         inside = self._inside
         if inside is not None and self.nest.average_inside:
             flat = allreduce_(flat, inside, self.algorithm, op="avg")
+        avg = flat                                   # a rank that only receives the unit's average
         if inside is None or inside.rank == 0:
             across = self._red if inside is None else self._leaders
             if getattr(across, "rounds", False):     # a fleet's channel: rounds it may retry
@@ -395,11 +406,7 @@ class OuterLoop(Strategy):
                 avg = allreduce_(flat, across, self.algorithm, op="avg", levels=self._levels)
             else:
                 avg = self.compressor.reduce(flat, f"fragment{f.index}", across, f.segments)
-        if inside is not None:                       # the unit's leader hands the average on
-            avg = avg.to(flat.dtype).contiguous() if inside.rank == 0 else flat
-            if inside.size > 1:
-                inside.bcast_(avg, root=0)
-        return avg, self._red.ledger.rows()
+        return _hand_on(inside, avg, flat), self._red.ledger.rows()
 
     def _charge(self, item: _InFlight, rows: list[dict]) -> None:
         for row in rows:
