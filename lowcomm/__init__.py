@@ -32,7 +32,7 @@ _LAZY = {
     "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.base",
     "Context": "strategies.base", "Settings": "settings",
     "average_buffers": "strategies.buffers", "broadcast_buffers": "strategies.buffers",
-    "Compressor": "compress", "Cast": "compress", "Int8": "compress", "QSGD": "compress",
+    "Compressor": "compress", "Cast": "compress", "BlockQuant": "compress", "QSGD": "compress",
     "TopK": "compress", "RandomK": "compress", "ScaledSign": "compress",
     "SignMajorityVote": "compress", "PowerSGD": "compress", "ErrorFeedback": "compress",
     "CompressorSettings": "compress.settings",

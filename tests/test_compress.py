@@ -71,12 +71,48 @@ def test_casts():
         build_compressor(cfg("fp16")).compress(X * 1e5, "bucket0", [Segment("k", X.shape, 0, 1000)])
 
 
-def test_int8():
-    payload, y = roundtrip(build_compressor(cfg("int8")))
-    s = X.abs().max() / 127
-    assert payload[0].dtype == torch.int8 and torch.equal(payload[0], torch.round(X / s).to(torch.int8))
-    assert torch.equal(y, payload[0].float() * s)
-    assert torch.equal(roundtrip(build_compressor(cfg("int8")), torch.zeros(5))[1], torch.zeros(5))
+def blockwise_definition(x, bits, block):
+    """The blockwise quantiser's definition, block by block: ``(levels, decoded)``."""
+    L = 2 ** (bits - 1) - 1
+    qs, ys = [], []
+    for b in x.split(block):
+        s = b.abs().max() / L
+        q = torch.round(b / s) if s > 0 else torch.zeros_like(b)
+        qs.append(q)
+        ys.append(q * s)
+    return torch.cat(qs), torch.cat(ys)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_blockwise_int8_int4_match_the_definition(bits):
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
+    x[:2048] *= 1e-4                       # a first block 10^4 times smaller than the others
+    c = build_compressor(cfg(f"int{bits}"))
+    payload, y = roundtrip(c, x)
+    q, want = blockwise_definition(x, bits, 2048)
+    assert payload[1].shape == (3,), "one float32 scale per block of 2048"
+    if bits == 8:
+        assert payload[0].dtype == torch.int8 and torch.equal(payload[0], q.to(torch.int8))
+    else:
+        assert payload[0].dtype == torch.uint8 and payload[0].numel() == 2500, "two to a byte"
+    assert torch.equal(y, want)
+    L = 2 ** (bits - 1) - 1
+    for b, xb, yb in zip(range(3), x.split(2048), y.split(2048)):
+        bound = xb.abs().max() / L / 2
+        assert float((xb - yb).abs().max()) <= float(bound) * (1 + 1e-6), f"block {b}: |error| <= s/2"
+    small = y[:2048]
+    kept = (small != 0).float().mean()
+    assert kept > (0.9 if bits == 8 else 0.6), f"small gradients next to large ones kept ({kept})"
+    assert torch.equal(roundtrip(c, torch.zeros(5))[1], torch.zeros(5))
+
+
+def test_blockwise_block_setting_and_bytes():
+    c = COMPRESSORS["int8"](cfg("int8", block=100))
+    payload, _ = roundtrip(c)
+    assert payload[1].numel() == 10 and c.nbytes(1000) == 1000 + 40
+    assert COMPRESSORS["int4"](cfg("int4", block=100)).nbytes(1001) == 501 + 44
+    with pytest.raises(ConfigError, match="compressor.block"):
+        cfg("int8", block=0).validate()
 
 
 def qsgd_levels(v, norms, u, s):
@@ -174,14 +210,15 @@ def test_topk_and_randomk():
 
 
 def test_large_buckets_take_the_fused_blocked_paths_and_match_the_definitions():
-    """Buckets of several blocks (lowcomm.compress.scratch.BLOCK) and a ragged tail: int8,
+    """Buckets of several blocks (lowcomm.compress.scratch.BLOCK) and a ragged tail: int8 (its
+    quantisation blocks),
     sign, ef-sign (blocked error subtraction) and top-k (sampled threshold) equal their
     definitions."""
     from lowcomm.compress.scratch import BLOCK
     x = torch.randn(3 * BLOCK + 1001, generator=torch.Generator().manual_seed(11))
     payload, y = roundtrip(build_compressor(cfg("int8")), x)
-    s = x.abs().max() / 127
-    assert torch.equal(payload[0], torch.round(x / s).to(torch.int8)) and torch.equal(y, payload[0].float() * s)
+    q, want = blockwise_definition(x, 8, 2048)
+    assert torch.equal(payload[0], q.to(torch.int8)) and torch.equal(y, want)
     payload, y = roundtrip(build_compressor(cfg("sign")), x)
     assert torch.allclose(payload[0], x.abs().mean().reshape(1), rtol=1e-5)
     assert torch.equal(y, payload[0] * sign_pm(x))

@@ -18,7 +18,8 @@ name          method                                     bytes per rank, bucket 
 ============  =========================================  ====================================
 none          dense all-reduce                           all-reduce of 4n
 fp16, bf16    16-bit cast, summed                        all-reduce of 2n
-int8          per-bucket scaled int8                     all-gather of n + 4
+int8          blockwise int8, a scale per ``block``      all-gather of n + 4⌈n/block⌉
+int4          blockwise int4, two to a byte              all-gather of ⌈n/2⌉ + 4⌈n/block⌉
 qsgd          QSGD, ``levels`` s, norm per bucket_size   all-gather of n + 4⌈n/bucket_size⌉
 topk          top-k values + int32 indices (EF)          all-gather of k(4 + 4), k=⌊ratio·n⌋
 randomk       shared random indices, values only (EF)    all-reduce of 4k
@@ -49,7 +50,7 @@ from .compressor import Compressor
 from .error_feedback import ErrorFeedback
 from .exchange import Auto, Gathered, Summed
 from .powersgd import PowerSGD
-from .quantize import QSGD, Int8
+from .quantize import QSGD, BlockQuant
 from .sign import ScaledSign, SignMajorityVote
 from .sparsify import RandomK, TopK
 from .twophase import COLLECTIVES, TwoPhase
@@ -97,7 +98,8 @@ COMPRESSORS = {
     "none": lambda cfg: Codec(),
     "fp16": _method(lambda cfg: Cast(torch.float16)),
     "bf16": _method(lambda cfg: Cast(torch.bfloat16)),
-    "int8": _method(lambda cfg: Int8()),
+    "int8": _method(lambda cfg: BlockQuant(8, cfg.block)),
+    "int4": _method(lambda cfg: BlockQuant(4, cfg.block)),
     "qsgd": _method(lambda cfg: QSGD(cfg.levels, cfg.bucket_size, cfg.seed)),
     "topk": _method(lambda cfg: TopK(cfg.ratio)),
     "randomk": _method(lambda cfg: RandomK(cfg.ratio, cfg.seed)),
@@ -125,6 +127,6 @@ def build_compressor(cfg, error_feedback: bool | None = None) -> Compressor | No
 
 
 __all__ = ["COMPRESSORS", "Auto", "Cast", "Codec", "Compressor", "ErrorFeedback", "Exchange",
-           "Gathered", "Int8", "PowerSGD", "QSGD", "RandomK", "ScaledSign", "Segment",
+           "Gathered", "BlockQuant", "PowerSGD", "QSGD", "RandomK", "ScaledSign", "Segment",
            "SignMajorityVote", "Summed", "TopK", "TwoPhase", "build_compressor", "check",
            "uses_error_feedback"]

@@ -17,6 +17,7 @@ class CompressorSettings(Settings):
     start_iter: int = 10           # PowerSGD: dense all-reduce before this step
     min_compression_rate: float = 1.0   # PowerSGD: compress a matrix iff n·m > rate·r(n+m)
     bucket_size: int = 512         # QSGD: elements sharing one norm (the paper's bucket size d)
+    block: int = 2048              # int8 / int4: elements sharing one scale (ZeRO++'s blocks)
     seed: int = 0                  # qsgd / randomk / powersgd generators (saved in checkpoints)
     collective: str = "two-phase"  # all-gathered methods: "two-phase" (flat in K) | "allgather" | "auto" (α–β)
 
@@ -26,6 +27,7 @@ class CompressorSettings(Settings):
         self.within(prefix, "ratio", 0, 1, low_open=True)
         self.within(prefix, "levels", 1, 127)      # levels are sent as int8
         self.at_least(prefix, "bucket_size", 1)
+        self.at_least(prefix, "block", 1)
         self.at_least(prefix, "min_compression_rate", 0)
         self.at_least(prefix, "approx_rank", 1)
         self.at_least(prefix, "start_iter", 0)

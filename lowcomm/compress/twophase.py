@@ -134,7 +134,7 @@ class TwoPhase(Exchange):
 
     Example::
 
-        avg = Compressor(Int8(), TwoPhase()).reduce(flat, "bucket0", comm, segments)
+        avg = Compressor(BlockQuant(8), TwoPhase()).reduce(flat, "bucket0", comm, segments)
     """
 
     name = "two-phase"
