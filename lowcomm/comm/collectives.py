@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .comm import Comm, _reduce_op, init
-from ..errors import CommError, LowcommError
+from ..errors import CommError, ConfigError, LowcommError
 from .tuning import agree
 
 if TYPE_CHECKING:   # the topology's communicators are handed in, never looked up
@@ -588,6 +588,61 @@ def allreduce_(tensor: torch.Tensor, comm: Comm | None = None, algorithm: str = 
         if avg:
             buf.div_(comm.size)
     return tensor
+
+
+#: the algorithms of reduce_scatter and allgather_ ("auto": shm on one node's CPU, else mpi)
+SCATTER_ALGORITHMS = ("auto", "mpi", "ring", "shm")
+
+
+def _scatter_algorithm(comm: Comm, buf: torch.Tensor, algorithm: str) -> str:
+    if algorithm not in SCATTER_ALGORITHMS:
+        raise ConfigError("algorithm", f"unknown reduce-scatter/all-gather algorithm {algorithm!r}; "
+                          f"known: {', '.join(SCATTER_ALGORITHMS)}")
+    if algorithm == "shm" and not (buf.device.type == "cpu" and comm.node_local()):
+        raise ConfigError("algorithm", "shm needs CPU tensors and every rank on one node")
+    if algorithm == "auto":
+        return "shm" if buf.device.type == "cpu" and comm.node_local() else "mpi"
+    return algorithm
+
+
+def reduce_scatter(buf: torch.Tensor, comm: Comm, counts: list[int], algorithm: str = "auto",
+                   op: str = "sum") -> torch.Tensor:
+    """Sum (or average) flat ``buf`` over ``comm``; rank r gets block r (``counts[r]``
+    elements, blocks in rank order). ``algorithm``: "mpi" (vendor ``MPI_Reduce_scatter``),
+    "ring" (K−1 neighbour exchanges), "shm" (the node's shared window) or "auto" (shm on one
+    node's CPU, else mpi; ``collective`` node_local is agreed by every rank). The ring and shm
+    reduce in place in ``buf`` and return a view of it. Filed as ``reduce_scatter.<algorithm>``."""
+    avg = _reduce_op(op)
+    if comm.size == 1:
+        return buf.view(-1)
+    algorithm = _scatter_algorithm(comm, buf, algorithm)
+    if algorithm == "mpi":
+        return comm.reduce_scatter(buf, counts, op)
+    bounds = [sum(counts[:r]) for r in range(comm.size + 1)]
+    blocks = [[(bounds[r], bounds[r + 1])] for r in range(comm.size)]
+    comm.check(f"reduce_scatter.{algorithm}", buf)
+    with comm.staged(buf) as h, comm.ledger.scope(f"reduce_scatter.{algorithm}", comm.level):
+        (_shm_reduce_scatter if algorithm == "shm" else _ring_reduce_scatter)(comm, h, blocks)
+        mine = h[bounds[comm.rank]:bounds[comm.rank + 1]]
+        if avg:
+            mine.div_(comm.size)
+    return buf.view(-1)[bounds[comm.rank]:bounds[comm.rank + 1]]
+
+
+def allgather_(buf: torch.Tensor, comm: Comm, counts: list[int], algorithm: str = "auto") -> torch.Tensor:
+    """In place: block r of flat ``buf`` (``counts``, in rank order) as rank r holds it, on
+    every rank. ``algorithm`` as :func:`reduce_scatter` (vendor: ``MPI_Allgatherv``)."""
+    if comm.size == 1:
+        return buf
+    algorithm = _scatter_algorithm(comm, buf, algorithm)
+    if algorithm == "mpi":
+        return comm.allgather_blocks_(buf, counts)
+    bounds = [sum(counts[:r]) for r in range(comm.size + 1)]
+    blocks = [[(bounds[r], bounds[r + 1])] for r in range(comm.size)]
+    comm.check(f"allgather.{algorithm}", buf)
+    with comm.staged(buf) as h, comm.ledger.scope(f"allgather.{algorithm}", comm.level):
+        (_shm_allgather if algorithm == "shm" else _ring_allgather)(comm, h, blocks)
+    return buf
 
 
 def broadcast_(comm: Comm, tensors: list[torch.Tensor], root: int = 0) -> None:

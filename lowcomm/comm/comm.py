@@ -31,7 +31,8 @@ from .watchdog import Watchdog
 #: the blocking calls :meth:`Comm._call` can wait for asleep: their non-blocking forms
 _NONBLOCKING = {"Allreduce": "Iallreduce", "Allgather": "Iallgather", "Allgatherv": "Iallgatherv",
                 "Alltoall": "Ialltoall", "Alltoallv": "Ialltoallv", "Bcast": "Ibcast",
-                "Barrier": "Ibarrier", "Send": "Isend", "Recv": "Irecv", "Wait": "Wait"}
+                "Barrier": "Ibarrier", "Reduce_scatter": "Ireduce_scatter", "Send": "Isend",
+                "Recv": "Irecv", "Wait": "Wait"}
 
 
 def _clock() -> tuple[float, float]:
@@ -349,6 +350,49 @@ class Comm:
         n = _nbytes(t)
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
         return self._exchange("allgather", n, self.mpi.Allgather, t, out)
+
+    def reduce_scatter(self, t: torch.Tensor, counts: list[int], op: str = "sum") -> torch.Tensor:
+        """Vendor ``MPI_Reduce_scatter``: ``t`` (``sum(counts)`` elements, the same layout on
+        every rank) is reduced over the ranks and block ``r`` (``counts[r]`` elements, in rank
+        order) lands on rank ``r``. Returns this rank's block, a new tensor on ``t``'s device.
+        Charged ``(K−1)/K`` of ``t`` each way (the ring's volume)."""
+        avg = _reduce_op(op)
+        if sum(counts) != t.numel() or len(counts) != self.size:
+            raise CommError("reduce_scatter", self.rank, f"counts {list(counts)} do not split "
+                            f"{describe(t)} over {self.size} ranks", _nbytes(t))
+        self.check("reduce_scatter", t)
+        out = torch.empty(counts[self.rank], dtype=t.dtype, device=t.device)
+        with self.staged(t, write=False) as h, self.staged(out, read=False) as o:
+            buf, mop = _typed(h)
+            t0 = _clock()
+            self._guard("reduce_scatter", _nbytes(t), self.mpi.Reduce_scatter, buf,
+                        _typed(o)[0], list(counts), mop)
+            if avg:
+                o.div_(self.size)
+            self.ledger.record("reduce_scatter", self.level,
+                               *wire_bytes("reduce_scatter", _nbytes(t), self.size), _since(t0))
+        return out
+
+    def allgather_blocks_(self, t: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Vendor ``MPI_Allgatherv`` in place: flat ``t`` is cut into blocks of ``counts``
+        elements in rank order; each rank's block, as it holds it, replaces the others' copies.
+        Returns ``t``. Charged the rank's own block to each of the K−1 others (sent) and the
+        rest of ``t`` (received)."""
+        if sum(counts) != t.numel() or len(counts) != self.size:
+            raise CommError("allgather", self.rank, f"counts {list(counts)} do not split "
+                            f"{describe(t)} over {self.size} ranks", _nbytes(t))
+        self.check("allgather.v", t)
+        es = t.element_size()
+        displ = [sum(counts[:r]) * es for r in range(self.size)]
+        with self.staged(t) as h:
+            t0 = _clock()
+            self._guard("allgather.v", _nbytes(t), self.mpi.Allgatherv, mpi().IN_PLACE,
+                        [h.view(-1).view(torch.uint8).numpy(), ([c * es for c in counts], displ),
+                         mpi().BYTE])
+            mine = counts[self.rank] * es
+            self.ledger.record("allgather.v", self.level, (self.size - 1) * mine,
+                               _nbytes(t) - mine, _since(t0))
+        return t
 
     def alltoall(self, t: torch.Tensor) -> torch.Tensor:
         """Vendor ``MPI_Alltoall``: ``t`` has shape ``(size, *block)``; block ``j`` goes to rank

@@ -23,7 +23,7 @@ import dataclasses
 from .config import Config, parse_override
 from ..compress.settings import CompressorSettings
 from ..errors import ConfigError
-from ..strategies import demo, diloco, gossip, localsgd, onebit_adam, sparta, syncdp, zeroone_adam
+from ..strategies import demo, diloco, gossip, localsgd, onebit_adam, sparta, syncdp, zero, zeroone_adam
 from ..strategies.ps import method as async_ps
 from ..strategies.base import Context, Method, Strategy
 from ..strategies.policy import Level, build_policy, check_plan
@@ -31,6 +31,8 @@ from ..strategies.policy import Level, build_policy, check_plan
 #: every strategy by name, one line each
 STRATEGIES: dict[str, Method] = {m.name: m for m in (
     syncdp.METHOD,
+    zero.METHOD1,
+    zero.METHOD2,
     localsgd.METHOD,
     diloco.METHOD,
     diloco.STREAMING_METHOD,
