@@ -131,6 +131,17 @@ class Trainer(transformers.Trainer):
         with self.method.no_sync():
             return super().training_step(model, inputs, num_items_in_batch)
 
+    def _clip_grad_norm(self, model):
+        """A method that shards the gradients (zero1, zero2) clips by its own global norm."""
+        if hasattr(self.method, "clip_grad_norm_"):
+            return self.method.clip_grad_norm_(self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and hasattr(self.method, "clip_grad_norm_"):
+            grad_norm = self.method.clip_grad_norm_(float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
     def train(self, *args, **kwargs):
         """Train, then end the method: every rank holds the same model (parameters and
         buffers). Server ranks of the parameter server serve until the workers are done."""

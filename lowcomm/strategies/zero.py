@@ -92,6 +92,30 @@ class _Bucket:
         return [Segment(n, p.shape, a, b) for n, p, a, b in self.members]
 
 
+class ShardedGrad(torch.Tensor):
+    """The ``p.grad`` of a model parameter between a ZeRO exchange and the step: no rank holds
+    the parameter's whole reduced gradient, so any use of it (torch's ``clip_grad_norm_`` on the
+    model's parameters would find a norm of 0 and clip nothing) raises, naming what to call."""
+
+    message = ""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise LowcommError(cls.message)
+
+
+ShardedGrad.message = ("the model's gradients are sharded by ZeRO (each rank holds the reduced "
+                       "gradient of its ranges only): clip with the method's "
+                       "clip_grad_norm_(max_norm) (the global norm), not torch's on the model's "
+                       "parameters, and read gradients from its param_groups")
+
+
+def _sharded_grad(p: torch.Tensor) -> torch.Tensor:
+    """A ShardedGrad shaped as ``p`` (no memory: a zero-stride view of one element)."""
+    return torch.Tensor._make_subclass(ShardedGrad, torch.zeros(1, dtype=p.dtype, device=p.device)
+                                       .expand(p.shape))
+
+
 def _flat_bounds(n: int, K: int) -> list[int]:
     c = -(-n // K)
     return [min(n, r * c) for r in range(K + 1)]
@@ -374,9 +398,9 @@ class ZeRO(Strategy):
         for b in self.buckets:
             bad += b.future.result() if b.future is not None else self._reduce(b)
         self.withheld = bad
-        for b in self.buckets:
+        for b in self.buckets:                       # the reduced gradient lives in the ranges
             for _, p, _, _ in b.members:
-                p.grad = None                        # the reduced gradient lives in the shards
+                p.grad = _sharded_grad(p)
         self._reset()
         self.sync_s = time.perf_counter() - t0
 
@@ -389,9 +413,7 @@ class ZeRO(Strategy):
     # the optimizer interface ------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        for b in self.buckets:
-            for _, p, _, _ in b.members:
-                p.grad = None
+        self._drop_model_grads()
 
     def _check_frozen(self) -> None:
         for n, p in self._frozen:
@@ -400,8 +422,14 @@ class ZeRO(Strategy):
                                    f"optimizer) when {self.name} was built, so no rank owns it; "
                                    "unfreeze parameters before building the method")
 
+    def _drop_model_grads(self) -> None:
+        for b in self.buckets:
+            for _, p, _, _ in b.members:
+                p.grad = None
+
     def _step(self, closure=None):
         self.passes.before_step()
+        self._drop_model_grads()
         self._check_frozen()
         bad = self.local_nonfinite()
         if bad is not None and self.nonfinite == "raise":
@@ -432,6 +460,7 @@ class ZeRO(Strategy):
 
     def skip(self) -> None:
         self.passes.before_step()
+        self._drop_model_grads()
         self.withheld = []
         self.zero_grad()
 

@@ -34,6 +34,8 @@ METHODS = {
     "syncdp": ("syncdp", []),
     "syncdp-ring-int8": ("syncdp:algorithm=ring", ["compressor.name=int8"]),
     "horovod": ("syncdp:backend=horovod", []),
+    "zero1": ("zero1", []),
+    "zero2-qgz-qwz": ("zero2:qgz=int4,qwz=int8,partition=tensor", []),
     "localsgd": ("localsgd:period=3", []),
     "diloco": ("diloco:period=3,compressor=ef-sign", []),
     "streaming-diloco": ("streaming-diloco:period=4,fragments=2,delay=2", []),

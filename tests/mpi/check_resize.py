@@ -35,6 +35,7 @@ NAMES = [n for n, _ in seeded_mlp(10, 16, 3).named_parameters()]
 METHODS = {
     "syncdp-ef-sign": ["syncdp", ["compressor.name=ef-sign"], False],
     "onebit-adam": ["onebit-adam:freeze_step=2", ["optimizer.name=adam"], False],
+    "zero2": ["zero2", ["optimizer.name=adam"], False],
     # local steps from step 3 on (synchronisations at 2 and 4)
     "zeroone-adam": ["zeroone-adam:var_freeze_step=1,local_step_scaler=1,local_step_clipper=4",
                      ["optimizer.name=adam"], True],
