@@ -158,7 +158,7 @@ def test_clipping_between_backward_and_step_sees_the_gradients_applied(name, com
     rng = torch.get_rng_state()                # the same dropout masks in both
     opt.zero_grad()
     loss_of(model, x, y).backward()
-XX
+    if name in ("zero1", "zero2"):            # no rank holds a whole gradient: torch's clip
         with pytest.raises(lowcomm.LowcommError, match="clip_grad_norm_"):   # is refused, the
             torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))  # method's sees all
         norm = float(opt.clip_grad_norm_(float("inf"), norm_type=2.0))
