@@ -36,7 +36,8 @@ def nonfinite(loss: torch.Tensor, model: torch.nn.Module) -> str | None:
     One sum per tensor and one test of them all decide the common case (NaN/Inf propagate into
     a sum; one pass over the gradients instead of a test and a host sync per tensor); only when
     that sum is not finite (NaN/Inf, or a finite sum that overflowed) is each tensor tested."""
-    grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    grads = [(name, p.grad) for name, p in model.named_parameters()      # (a sharding method
+             if p.grad is not None and not getattr(type(p.grad), "sharded", False)]  # checks its own)
     sums = [loss.detach().float().sum()] + [g.sum(dtype=torch.float32) for _, g in grads]
     if bool(torch.isfinite(torch.stack([s.to(sums[0].device) for s in sums])).all()):
         return None

@@ -98,6 +98,7 @@ class ShardedGrad(torch.Tensor):
     model's parameters would find a norm of 0 and clip nothing) raises, naming what to call."""
 
     message = ""
+    sharded = True          # (a check of the model's gradients skips it; the method checks them)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
