@@ -372,6 +372,10 @@ class Strategy(torch.optim.Optimizer):
         from .reshard import replicated
         return replicated(old, self.name)
 
+    def parameters_changed(self) -> None:
+        """The model's parameters were set from outside the method (an outer loop above it
+        merged a synchronisation): a method keeping its own copy of them refreshes it."""
+
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         """Extra fields for a log line of metrics.jsonl, or (``final``, after :meth:`close`)
         for summary.json; e.g. consensus distance. Called on every rank together; reduce over

@@ -112,7 +112,7 @@ class DiLoCo(OuterLoop):
         self._init_outer(s.outer_optimizer, s.outer_lr, s.outer_momentum)
 
     def _init_outer(self, outer_optimizer: str, outer_lr: float, outer_momentum: float) -> None:
-        self.outer_params = [torch.nn.Parameter(f.pack(), requires_grad=False)
+        self.outer_params = [torch.nn.Parameter(self._pack(f), requires_grad=False)
                              for f in self.fragments]
         self.outer_optimizer = torch.optim.SGD(self.outer_params, lr=outer_lr,
                                                momentum=outer_momentum,
@@ -120,7 +120,7 @@ class DiLoCo(OuterLoop):
 
     def _warmup_done(self) -> None:
         for f, outer in zip(self.fragments, self.outer_params):
-            outer.data.copy_(f.pack())
+            outer.data.copy_(self._pack(f))
 
     def _outgoing(self, f: Fragment, local: torch.Tensor) -> torch.Tensor:
         return self.outer_params[f.index].detach() - local

@@ -61,6 +61,14 @@ class Fragment:
         return torch.cat([p.detach().reshape(-1).to("cpu", self.dtype) for _, p, _, _ in self.members])
 
     @torch.no_grad()
+    def pack_range(self, lo: int, hi: int) -> torch.Tensor:
+        """A fresh flat CPU copy of elements ``[lo, hi)`` of :meth:`pack`'s vector (only the
+        members that overlap it are read)."""
+        parts = [p.detach().reshape(-1)[max(a, lo) - a:min(b, hi) - a].to("cpu", self.dtype)
+                 for _, p, a, b in self.members if max(a, lo) < min(b, hi)]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype)
+
+    @torch.no_grad()
     def add_(self, flat: torch.Tensor) -> None:
         """Parameters ← parameters + ``flat``."""
         for _, p, a, b in self.members:
@@ -129,6 +137,7 @@ class Nesting:
     leaders: Comm | None        # the first rank of each unit (on those ranks only)
     average_inside: bool = False
     whole: Comm | None = None   # every rank of every unit (None: the loop's comm)
+    peers: Comm | None = None   # my counterpart in every unit (sharded outer state, below)
 
 
 @dataclass
@@ -201,6 +210,14 @@ class OuterLoop(Strategy):
 
     Every rank issues the same reductions in the same order, so no per-call agreement is needed.
 
+    Sharded outer state: when the level below shards the model inside each unit (``inner.sharded``:
+    zero1, zero2), rank i of a unit of k ranks keeps the outer state (DiLoCo's θ and momentum)
+    of range i of each fragment only (k near-equal ranges: 1/k of it), sends only that range's
+    outgoing tensor, averaged with rank i of every other unit (``peers``: the cross-unit traffic
+    spread over every rank instead of one leader), and the unit all-gathers the k synchronised
+    ranges before merging. Equal to the unsharded loop up to the order of the sums (for two units
+    bit for bit).
+
     The reductions run on a duplicate communicator with a ledger of its own; a reduction's
     rows are charged to the strategy's ledger when its average is applied, so the byte counts
     logged at a step do not depend on the thread's timing (and a resumed run logs the same).
@@ -257,9 +274,21 @@ class OuterLoop(Strategy):
                 below.release_guard()
         self.nest, self._inside, self._leaders = nest, None, None
         self._whole = nest.whole if nest is not None and nest.whole is not None else self.comm
+        self._ranges = None                          # sharded: this rank's [lo, hi) per fragment
+        if nest is not None and nest.inside is not None and getattr(nest.inner, "sharded", False):
+            if nest.peers is None or getattr(nest.peers, "rounds", False):
+                raise ConfigError("policy", f"{self.name} over {nest.inner.name}: a fleet of "
+                                  "datacenters reduces through one leader each, so the outer "
+                                  "state cannot be sharded across its ranks; run the policy as "
+                                  "one MPI job (topology = \"dc:D,rank:K\"), or use syncdp "
+                                  "inside the datacenters")
+            k, i = nest.inside.size, nest.inside.rank
+            self._ranges = [(min(f.numel, i * -(-f.numel // k)), min(f.numel, (i + 1) * -(-f.numel // k)))
+                            for f in self.fragments]
         if nest is not None:                         # same ledger: a sync's rows, all levels
             self._inside = nest.inside.dup(self._red.ledger) if nest.inside else None
-            self._leaders = nest.leaders.dup(self._red.ledger) if nest.leaders else None
+            across = nest.peers if self._ranges is not None else nest.leaders
+            self._leaders = across.dup(self._red.ledger) if across else None
             for c in (self._inside, self._leaders):
                 if c is not None:
                     c.validate = False
@@ -285,6 +314,23 @@ class OuterLoop(Strategy):
 
     def _warmup_done(self) -> None:
         """Called once after the last dense step (parameters are equal on all ranks)."""
+
+    def _pack(self, f: Fragment) -> torch.Tensor:
+        """Fragment ``f``'s parameters as this rank synchronises them: all of them, or (sharded
+        outer state) this rank's range."""
+        return f.pack() if self._ranges is None else f.pack_range(*self._ranges[f.index])
+
+    def _gather_range(self, f: Fragment, part: torch.Tensor) -> torch.Tensor:
+        """Sharded: the unit's ranges of fragment ``f`` (this rank's ``part``) put together."""
+        from ..comm.collectives import allgather_
+        lo, hi = self._ranges[f.index]
+        k = self._inside.size
+        c = -(-f.numel // k)
+        counts = [max(0, min(f.numel, (j + 1) * c) - min(f.numel, j * c)) for j in range(k)]
+        full = torch.empty(f.numel, dtype=part.dtype)
+        full[lo:hi] = part
+        with self._inside.charged_to(self.comm.ledger):
+            return allgather_(full, self._inside, counts, "mpi")
 
     # the skeleton ------------------------------------------------------------------------------
     @property
@@ -354,7 +400,7 @@ class OuterLoop(Strategy):
         self._warmup_done()
 
     def _start(self, f: Fragment, s: int) -> None:
-        local = f.pack()
+        local = self._pack(f)
         out = self._outgoing(f, local)
         if self._pool is None:
             self._land(_InFlight(f.index, s, s, _done(self._reduce(f, out))))
@@ -373,7 +419,8 @@ class OuterLoop(Strategy):
         the interpreter's lock to do so) slowed the steps it overlapped by up to a tenth
         (2 datacenters × 1 rank, a core each)."""
         nest, inside = self.nest, self._inside
-        if nest is not None and nest.average_inside or self.compressor is None:
+        if nest is not None and nest.average_inside or self.compressor is None or \
+                self._ranges is not None:
             return False
         across = self._red if inside is None else self._leaders
         if across is None:                           # not a leader: only the unit's broadcast
@@ -398,15 +445,25 @@ class OuterLoop(Strategy):
         if inside is not None and self.nest.average_inside:
             flat = allreduce_(flat, inside, self.algorithm, op="avg")
         avg = flat                                   # a rank that only receives the unit's average
+        if self._ranges is not None:                 # sharded: my range, with my peers
+            inside = None
         if inside is None or inside.rank == 0:
-            across = self._red if inside is None else self._leaders
+            across = self._leaders if self._ranges is not None or inside is not None else self._red
             if getattr(across, "rounds", False):     # a fleet's channel: rounds it may retry
                 avg = across.average(flat, f"t{self.t}.f{f.index}", self.algorithm, self._levels)
             elif self.compressor is None:
                 avg = allreduce_(flat, across, self.algorithm, op="avg", levels=self._levels)
             else:
-                avg = self.compressor.reduce(flat, f"fragment{f.index}", across, f.segments)
+                avg = self.compressor.reduce(flat, f"fragment{f.index}", across, self._segments(f))
         return _hand_on(inside, avg, flat), self._red.ledger.rows()
+
+    def _segments(self, f: Fragment) -> list[Segment]:
+        """The parameters in what this rank sends of ``f`` (sharded: the pieces of its range)."""
+        if self._ranges is None:
+            return f.segments
+        lo, hi = self._ranges[f.index]
+        return [Segment(s.name, (min(s.stop, hi) - max(s.start, lo),), max(s.start, lo) - lo,
+                        min(s.stop, hi) - lo) for s in f.segments if max(s.start, lo) < min(s.stop, hi)]
 
     def _charge(self, item: _InFlight, rows: list[dict]) -> None:
         for row in rows:
@@ -423,11 +480,14 @@ class OuterLoop(Strategy):
         f = self.fragments[item.fragment]
         synced = self._apply(f, avg)
         if item.base is not None:             # local + (synced − base), parameter by parameter
-            f.add_(synced - item.base)
+            delta = synced - item.base
+            f.add_(delta if self._ranges is None else self._gather_range(f, delta))
         else:
-            f.unpack_(synced, self.alpha)
+            f.unpack_(synced if self._ranges is None else self._gather_range(f, synced), self.alpha)
             if self.alpha == 0:                      # every rank now holds the same fragment
                 self._dirty.discard(item.fragment)
+        if self._inner is not None:
+            self._inner.parameters_changed()
 
     def _result(self, item: _InFlight) -> tuple[torch.Tensor, list[dict]]:
         """The reduction's result, waited for (the reduction thread then tests every 2 ms);
@@ -545,7 +605,8 @@ class OuterLoop(Strategy):
                "sync_bytes_mean": float(mine.mean()) if len(mine) else 0.0,
                "reductions": "posted" if self._posting else "thread" if self.delay else "blocking",
                "wait_s_by_rank": [round(w, 4) for _, w in every],
-               "fragment_numel": [f.numel for f in self.fragments]}
+               "fragment_numel": [f.numel for f in self.fragments],
+               "sharded": self._ranges is not None}
         if self._inner is not None:
             out["inner"] = {"strategy": self._inner.name, **self._inner.metrics(ctl, final=True)}
         return out
@@ -563,6 +624,8 @@ class OuterLoop(Strategy):
                 f.unpack_(allreduce_(f.pack(), self._whole, "mpi", op="avg"))
         self._dirty.clear()
         self.buffers.average(self._whole)
+        if self._inner is not None:
+            self._inner.parameters_changed()
 
     def _close(self) -> None:
         """Finish reductions still in flight (their traffic is charged, their updates, due after

@@ -122,7 +122,7 @@ def build_policy(plan: list[Level], model, optimizer, comm, ctx: Context):
         leaders = peers if inside is not None and inside.rank == 0 else None
         nest = Nesting(strategy, inside, leaders,
                        average_inside=strategy is not None and i + 1 < first,
-                       whole=getattr(levels, "whole", None) if i == 0 else None)
+                       whole=getattr(levels, "whole", None) if i == 0 else None, peers=peers)
         strategy = lvl.method.build(lvl.settings, model, optimizer, scope,
                                     dataclasses.replace(outer_ctx, nest=nest))
     return strategy

@@ -190,6 +190,7 @@ class ZeRO(Strategy):
     name = "zero"
     stage = 0
     lockstep = True
+    sharded = True             # an outer loop above keeps only this rank's share of its state
     Settings = ZeROSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -458,6 +459,13 @@ class ZeRO(Strategy):
                     dq = dequantize_blocks(g[:c].view(torch.int8)[None], g[c:].clone().view(torch.float32)[None],
                                            c, 8, block, b.params.dtype)[0]
                     b.params[b.bounds[j]:b.bounds[j + 1]].copy_(dq)
+
+    @torch.no_grad()
+    def parameters_changed(self) -> None:
+        """qwZ's master copy of this rank's ranges follows the parameters set from outside."""
+        if self.settings.qwz != "none":
+            for b in self.buckets:
+                b.shard.copy_(b.params[b.bounds[self._red.rank]:b.bounds[self._red.rank + 1]])
 
     def skip(self) -> None:
         self.passes.before_step()
