@@ -257,6 +257,49 @@ def bench_step(config, overrides, strategies, steps, warmup, json_path):
         _write_json(json_path, rows)
 
 
+@bench.command("memory")
+@config_options
+@click.option("--method", "methods", multiple=True, show_default=True,
+              default=("syncdp", "zero1", "zero2", "dc=diloco:period=50;rank=zero2@dc:2,rank:K/2"),
+              help="A row (repeat the option): a spec, or LEVEL=SPEC;...@TOPOLOGY for an outer "
+              "loop over a sharded level (K/2 in a topology: half the rank count).")
+@click.option("--ranks", default="1,2,4,8", show_default=True, help="Rank counts K, each its own mpirun.")
+@click.option("--max-memory-gib", type=float, default=0.0, help="With --shapes: the per-rank cap.")
+@click.option("--shapes", default="", help="D_MODEL:N_LAYERS,... smallest first: find the largest "
+              "that trains one step under --max-memory-gib, per method, at the largest K.")
+@click.option("--timeout", "timeout_s", type=float, default=600, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+@click.option("--one", hidden=True, default="", help="(a worker: this method in this mpirun)")
+def bench_memory(config, overrides, methods, ranks, max_memory_gib, shapes, timeout_s, json_path, one):
+    """Parameter, gradient and optimizer-state bytes per rank and the peak memory of each method
+    at K ranks, beside the ideal 1/K; with --shapes, the largest GPT each trains under a cap."""
+    from ..tools import memory_bench as mb
+    if one:
+        comm = _world()
+        row = mb.measure_one(comm, _config(config, overrides), one)
+        if comm.rank == 0:
+            click.echo("ROW " + json.dumps(row))
+        return
+    _config(config, overrides)                     # bad keys fail here, before any launch
+    Ks = [int(k) for k in ranks.split(",")]
+    rows_of = lambda K: [m.replace("K/2", str(max(1, K // 2))) for m in methods  # noqa: E731
+                         if "@" not in m or K >= 2 and K % 2 == 0]
+    rows = [r for K in Ks for r in mb.table(rows_of(K), [K], config, list(overrides), timeout_s)]
+    base = next((r for r in rows if "error" not in r and r["ranks"] == min(Ks)), None)
+    for r in rows:                                 # one baseline for every K: the first row's
+        if base is not None and "error" not in r:
+            r["ideal_bytes"] = base["total_bytes"] / r["ranks"]
+    click.echo("memory per rank (the largest rank's) after one step; ideal: the first row's total / K")
+    click.echo(mb.format_table(rows))
+    out = {"table": rows}
+    if shapes:
+        big = mb.largest(rows_of(max(Ks)), max(Ks), shapes.split(","), config, list(overrides),
+                         timeout_s, max_memory_gib)
+        click.echo(mb.format_largest(big))
+        out["largest"] = big
+    _write_json(json_path, out)
+
+
 @bench.command("compress")
 @config_options
 @click.option("--size", default="16M", show_default=True, help="Gradient bytes (float32; K, M, G).")

@@ -139,6 +139,7 @@ class Config:
     topology: str = ""             # e.g. "dc:2,rank:2"; "" = $LOWCOMM_TOPOLOGY or one level
     policy: dict[str, str] = field(default_factory=dict)   # level -> "NAME[:key=value,...]"
     on_nonfinite: str = "abort"    # NaN/Inf loss or gradient: "abort" or "skip" the step
+    max_memory_gib: float = 0.0    # fail when a rank's peak memory after a step is above this (0: no cap)
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)       # the built-in bytelm task's data
     model: ModelConfig = field(default_factory=ModelConfig)    # the built-in bytelm task's model
@@ -305,6 +306,9 @@ def validate(cfg: Config) -> Config:
     if cfg.model.d_model % cfg.model.n_heads:
         raise ConfigError("model.n_heads", f"must divide model.d_model={cfg.model.d_model}")
     one_of("on_nonfinite", cfg.on_nonfinite, ("abort", "skip"))
+    if not 0 <= cfg.max_memory_gib < float("inf"):
+        raise ConfigError("max_memory_gib", f"must be a number of GiB >= 0 (0: no cap), got "
+                          f"{cfg.max_memory_gib}")
     _check_fleet(cfg.fleet)
     _check_budget(cfg)
     one_of("optimizer.schedule", cfg.optimizer.schedule, LR_SCHEDULES)

@@ -23,6 +23,7 @@ from collections import deque
 import torch
 
 from ..comm.ledger import Link
+from .memory import peak_bytes
 from ..errors import ConfigError, LowcommError, NonFiniteError
 from .evaluate import allsum, evaluate, evaluation_sums, mean_loss, state_sha256
 from .folder import write_summary
@@ -249,9 +250,10 @@ class Lockstep(Coordination):
         eval_loss = evaluate(r.model, r.task, r.held_out, r.ctl) if r.held_out else float("nan")
         by_level = r.comm.ledger.by_level()
         digest = state_sha256(r.model)
-        every = r.ctl.allgather_object((by_level, wall, state.compute_cpu_s, digest))   # one gather
-        levels = sorted(set().union(*[b for b, _, _, _ in every]))
-        per_level = [sum(b.get(lv, 0) for b, _, _, _ in every) for lv in levels]
+        mem = dict(state.memory, peak_bytes=peak_bytes(r.model)[0]) if state.memory else {}
+        every = r.ctl.allgather_object((by_level, wall, state.compute_cpu_s, digest, mem))   # one gather
+        levels = sorted(set().union(*[b for b, _, _, _, _ in every]))
+        per_level = [sum(b.get(lv, 0) for b, _, _, _, _ in every) for lv in levels]
         return write_summary(r, {
             "final_loss": state.recent, "eval_loss": eval_loss,
             "bytes_total": int(sum(per_level)),
@@ -259,12 +261,13 @@ class Lockstep(Coordination):
             "bytes_per_step_per_rank": sum(per_level) / self.world / max(state.step, 1),
             "steps_done": state.step,
             **({"budget": self.budget.summary()} if self.budget else {}),
-            "wall_s": max(w for _, w, _, _ in every),
-            "compute_cpu_s": max(c for _, _, c, _ in every),
+            "wall_s": max(w for _, w, _, _, _ in every),
+            "compute_cpu_s": max(c for _, _, c, _, _ in every),
             "samples": state.samples, "resizes": state.resizes, "skipped_steps": state.skipped,
             **extra, **self.summary_extra(),
             "state_sha256": digest,
-            "ranks_agree": len({d for _, _, _, d in every}) == 1,
+            "ranks_agree": len({d for _, _, _, d, _ in every}) == 1,
+            "memory_by_rank": [m for *_, m in every],
             "ledger_rank0": r.comm.ledger.rows()}, write=r.comm.rank == 0)
 
 

@@ -57,6 +57,7 @@ from .folder import close_run, open_run
 from .schedule import build_optimizer, lr_at, set_lr
 from .signals import StopFlag
 from .snapshot import seed_all
+from .memory import check_cap, measure
 from .state import LoopState, Run
 
 log = logging.getLogger("lowcomm.train")
@@ -147,6 +148,9 @@ def take_step(r: Run, coord, state: LoopState, step: int) -> None:
         set_lr(r.strategy, lr_at(r.cfg, step))
         r.strategy.step()
         state.window.append(loss.item())
+        if not state.memory:                 # the gradients and optimizer state exist now
+            state.memory = measure(r.model, r.strategy)
+            check_cap(state.memory, r.cfg.max_memory_gib, r.comm.rank, step)
     state.compute_cpu_s += compute_cpu_clock() - c0
     state.step = step
     state.samples += coord.samples_per_step

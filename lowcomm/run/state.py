@@ -28,6 +28,7 @@ class LoopState:
     resizes: list = field(default_factory=list)
     samples: int = 0
     compute_cpu_s: float = 0.0
+    memory: dict = field(default_factory=dict)     # this rank's memory after its first step here
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -372,6 +372,11 @@ class Strategy(torch.optim.Optimizer):
         from .reshard import replicated
         return replicated(old, self.name)
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors the method holds beside the model's and its optimizer's, by kind ("param",
+        "grad", "state"), for the memory a run reports (:mod:`lowcomm.run.memory`)."""
+        return {}
+
     def parameters_changed(self) -> None:
         """The model's parameters were set from outside the method (an outer loop above it
         merged a synchronisation): a method keeping its own copy of them refreshes it."""

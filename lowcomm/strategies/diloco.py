@@ -132,6 +132,10 @@ class DiLoCo(OuterLoop):
         outer.grad = None
         return outer.detach()
 
+    def _outer_state(self) -> list[torch.Tensor]:
+        return [*self.outer_params, *(v for s in self.outer_optimizer.state.values()
+                                      for v in s.values() if torch.is_tensor(v))]
+
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["outer_params"] = [p.detach().clone() for p in self.outer_params]

@@ -584,6 +584,16 @@ class OuterLoop(Strategy):
         state.update(self._reshard_extra([s["strategy"] for s in old]))
         return {"model": average_dicts([s["model"] for s in old]), "strategy": state}
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The level below's, and the outer state (:meth:`_outer_state`) as optimizer state."""
+        out = {k: list(v) for k, v in (self._inner.memory_tensors() if self._inner else {}).items()}
+        out.setdefault("state", []).extend(self._outer_state())
+        return out
+
+    def _outer_state(self) -> list[torch.Tensor]:
+        """The tensors of the outer step's state (none here; DiLoCo's θ and momentum)."""
+        return []
+
     def _reshard_extra(self, old: list[dict]) -> dict:
         """Merged values of the state keys a subclass adds (none here)."""
         return {}

@@ -460,6 +460,11 @@ class ZeRO(Strategy):
                                            c, 8, block, b.params.dtype)[0]
                     b.params[b.bounds[j]:b.bounds[j + 1]].copy_(dq)
 
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """ZeRO-1's flat gradients (stage 2 frees them), qwZ's master copy of the ranges."""
+        return {"grad": [b.grad for b in self.buckets if b.grad is not None],
+                "param": [b.shard for b in self.buckets] if self.settings.qwz != "none" else []}
+
     @torch.no_grad()
     def parameters_changed(self) -> None:
         """qwZ's master copy of this rank's ranges follows the parameters set from outside."""

@@ -1,0 +1,138 @@
+"""``lowcomm bench memory``: parameter, gradient and optimizer-state bytes per rank and the peak,
+for each method at K ranks, beside the ideal 1/K of SyncDP's; and the largest GPT shape each
+method trains under a per-rank memory cap.
+
+Each (method, K) runs in its own ``mpirun`` (a process's peak resident set only grows, so
+methods measured in one process would hide each other's peaks): one forward, backward and step
+of the run's task, then :func:`lowcomm.run.memory.measure` on every rank (the rows report the
+largest rank's). A method is a spec (``zero2:qgz=int8``) or ``POLICY@TOPOLOGY`` for an outer
+loop over a sharded level, e.g. ``dc=diloco:period=50;rank=zero2@dc:2,rank:2``.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from ..comm.comm import Comm
+from ..errors import LowcommError
+
+LOCAL = Path(__file__).resolve().parents[2] / "launchers" / "local.sh"
+KINDS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
+
+
+def measure_one(comm: Comm, cfg, method: str) -> dict:
+    """One step of ``cfg``'s task under ``method`` on ``comm``; the largest rank's memory."""
+    import torch
+    from ..run.memory import check_cap, measure
+    from ..run.optimizers import build_optimizer
+    from ..run.registry import build, policy
+    from ..tasks import load_task
+    task = load_task(cfg.task.name)
+    torch.manual_seed(cfg.seed)
+    model = task.model(cfg)
+    inner = build_optimizer(cfg, model.parameters())
+    if "@" in method:
+        levels, topology = method.split("@", 1)
+        spec = dict(item.split("=", 1) for item in levels.split(";"))
+        opt = policy(spec, model, inner, comm, topology=topology)
+    else:
+        opt = build(method, model, inner, comm)
+    batch = task.batch(1, comm.rank, comm.size, cfg)
+    opt.zero_grad()
+    task.loss(model, batch).backward()
+    opt.step()
+    mem = measure(model, opt)
+    every = comm.allgather_object(mem)
+    opt.close()
+    row = {"method": method, "ranks": comm.size,
+           **{k: max(m[k] for m in every) for k in (*KINDS, "peak_bytes")},
+           "peak_of": mem["peak_of"], "params": sum(p.numel() for p in model.parameters())}
+    check_cap(dict(mem, peak_bytes=row["peak_bytes"]), cfg.max_memory_gib, comm.rank, 1)
+    return row
+
+
+def run_one(np: int, method: str, config: str | None, overrides: list[str], timeout_s: float) -> dict:
+    """``lowcomm bench memory --one METHOD`` on ``np`` local ranks: its row, or ``{"error"}``."""
+    cmd = [str(LOCAL), "-n", str(np), sys.executable, "-m", "lowcomm.cli", "bench", "memory",
+           "--one", method, *(["--config", config] if config else []),
+           *[a for o in overrides for a in ("--set", o)]]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"method": method, "ranks": np, "error": f"no result in {timeout_s:g} s"}
+    rows = [json.loads(line[len("ROW "):]) for line in p.stdout.splitlines() if line.startswith("ROW ")]
+    if p.returncode != 0 or not rows:
+        last = [line for line in (p.stderr + p.stdout).splitlines() if "Error" in line]
+        return {"method": method, "ranks": np, "error": last[-1].strip() if last else f"exit {p.returncode}"}
+    return rows[0]
+
+
+def table(methods: list[str], ranks: list[int], config, overrides, timeout_s: float) -> list[dict]:
+    """Every method at every K; each row gets ``ideal_bytes``: SyncDP's (or the first method's)
+    parameter + gradient + optimizer-state bytes at K = 1, over K."""
+    rows = [run_one(K, m, config, overrides, timeout_s) for K in ranks for m in methods]
+    base = next((r for r in rows if r.get("ranks") == min(ranks) and "error" not in r), None)
+    if base is not None:
+        full = sum(base[k] for k in KINDS)
+        for r in rows:
+            if "error" not in r:
+                r["total_bytes"] = sum(r[k] for k in KINDS)
+                r["ideal_bytes"] = full / r["ranks"]
+    return rows
+
+
+def largest(methods: list[str], np: int, shapes: list[str], config, overrides, timeout_s: float,
+            max_gib: float) -> list[dict]:
+    """For each method, the shapes (``D_MODEL:N_LAYERS``, smallest first) that train one step
+    on ``np`` ranks under ``max_gib`` per rank; the largest that did, and the first refused."""
+    if not max_gib:
+        raise LowcommError("--max-memory-gib is needed to find the largest shape under a cap")
+    out = []
+    for m in methods:
+        fits, refused = None, None
+        for shape in shapes:
+            d, layers = shape.split(":")
+            heads = max(1, int(d) // 64)
+            r = run_one(np, m, config, [*overrides, f"model.d_model={d}", f"model.n_layers={layers}",
+                                        f"model.n_heads={heads}", f"max_memory_gib={max_gib}"], timeout_s)
+            if "error" in r:
+                refused = {"shape": shape, "error": r["error"]}
+                break
+            fits = dict(r, shape=shape)
+        out.append({"method": m, "ranks": np, "max_memory_gib": max_gib,
+                    "largest": fits, "refused": refused})
+    return out
+
+
+def _gib(b) -> str:
+    return f"{b / (1 << 30):.3f}"
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| method | K | params GiB | grads GiB | optimizer GiB | total GiB | ideal 1/K GiB | peak GiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['method']} | {r['ranks']} | failed: {r['error']} | | | | | |")
+            continue
+        lines.append(f"| {r['method']} | {r['ranks']} | {_gib(r['param_bytes'])} | {_gib(r['grad_bytes'])} "
+                     f"| {_gib(r['optimizer_state_bytes'])} | {_gib(r['total_bytes'])} "
+                     f"| {_gib(r['ideal_bytes'])} | {_gib(r['peak_bytes'])} ({r['peak_of']}) |")
+    return "\n".join(lines)
+
+
+def format_largest(rows: list[dict]) -> str:
+    lines = ["| method | K | cap GiB | largest shape (d_model:layers) | parameters | peak GiB | first refused |",
+             "|---|---:|---:|---|---:|---:|---|"]
+    for r in rows:
+        f = r["largest"]
+        lines.append(f"| {r['method']} | {r['ranks']} | {r['max_memory_gib']:g} | "
+                     f"{f['shape'] if f else 'none'} | {f['params'] if f else 0:,} | "
+                     f"{_gib(f['peak_bytes']) if f else '-'} | "
+                     f"{r['refused']['shape'] if r['refused'] else '-'} |")
+    return "\n".join(lines)
+
+
+__all__ = ["format_largest", "format_table", "largest", "measure_one", "run_one", "table"]
