@@ -90,7 +90,7 @@ def test_zero_on_the_device_equals_syncdp_and_reports_device_memory(spec, comm, 
         return model, mem
     model, mem = run(spec)
     ref, ref_mem = run("syncdp")
-    tol = 1e-2 if "qgz" in spec else 1e-6
+    tol = 1.5 * 4 * 0.01 if "qgz" in spec else 1e-6   # quantized: Adam's steps (<= lr each) apart
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.device.type == "cuda" and torch.allclose(p, q, atol=tol, rtol=tol), n
     assert len(set(comm.allgather_object(state_sha256(model)))) == 1

@@ -72,6 +72,7 @@ class ParameterServer:
         # the shard's parameters become views of one flat vector: a reply is one copy, and
         # DC-ASGD's w − w_bak is one subtraction
         self.flat = torch.empty(self.shard.numel, dtype=self.shard.dtype)
+        self._devices = {n: p.device for n, p in self._params.items()}   # where close() puts them back
         self._bind_flat()
         self._grad = torch.zeros_like(self.flat)
         self.version = 0
@@ -447,7 +448,13 @@ class ParameterServer:
         load_shard(self._params, self.shards[s], vals)
 
     def close(self) -> None:
-        """Nothing to release (no hooks, no threads); for symmetry with the workers."""
+        """The shard's parameters, served from a flat CPU vector, go back to the device the
+        model was on (a CUDA model ends on its GPU on the servers too)."""
+        with torch.no_grad():
+            for seg in self.shard.segments:
+                p, device = self._params[seg.name], self._devices[seg.name]
+                if p.device != device:
+                    p.data = p.data.to(device)
 
 
 class _Loop:
