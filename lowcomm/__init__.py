@@ -28,7 +28,7 @@ _LAZY = {
     "StreamingDiLoCo": "strategies.diloco", "Gossip": "strategies.gossip",
     "AsyncPS": "strategies.async_ps", "OneBitAdam": "strategies.onebit_adam",
     "ZeroOneAdam": "strategies.zeroone_adam", "DeMo": "strategies.demo", "Sparta": "strategies.sparta",
-    "SpartaDiLoCo": "strategies.sparta", "MuonAdamW": "run.optimizers",
+    "SpartaDiLoCo": "strategies.sparta", "FSDP": "strategies.fsdp", "MuonAdamW": "run.optimizers",
     "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.base",
     "Context": "strategies.base", "Settings": "settings",
     "average_buffers": "strategies.buffers", "broadcast_buffers": "strategies.buffers",

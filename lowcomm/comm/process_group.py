@@ -1,0 +1,123 @@
+"""torch.distributed's default process group over the ranks of a lowcomm :class:`~lowcomm.comm.comm.Comm`.
+
+Engines that live in torch.distributed (FSDP2's ``fully_shard``, ``torch.distributed.checkpoint``,
+DTensor) talk over a process group, not over MPI. :func:`default_group` makes one from the MPI
+job lowcomm already runs, without torchrun's environment: rank and size are the Comm's, and the
+rendezvous is a ``TCPStore`` whose master rank 0 of the Comm starts on a port the OS picks and
+whose address (host, port) it broadcasts through the Comm (the same store torchelastic and the
+fleet's coordinator use, :mod:`lowcomm.comm.fleet`). Gloo carries CPU tensors; on CUDA the
+group is ``cuda:nccl,cpu:gloo`` (NCCL for the model's tensors, gloo for the CPU objects that
+torch.distributed.checkpoint exchanges).
+
+A process has one default group. The first call makes it over the Comm's ranks; a later call
+over the same ranks (and backend) returns it; a call over other ranks is an error naming both
+(e.g. FSDP on a datacenter's ranks in one process and on the whole world in the same process).
+A default group made by someone else (torchrun, accelerate) is used when its rank and size are
+the Comm's and its members are the Comm's world ranks (checked once, collectively).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+
+from ..errors import CommError
+from .comm import Comm, world_rank
+
+_MADE: dict = {}       # the group this module made: {"members", "backend", "store"}
+
+
+def _host() -> str:
+    """The address the other ranks reach rank 0's store at: ``$MASTER_ADDR`` where set, else
+    this host's resolved name (loopback when it does not resolve: a one-machine job)."""
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _store(comm: Comm, members: tuple, timeout: datetime.timedelta):
+    """The rendezvous: rank 0 starts a TCPStore on a free port and broadcasts its address."""
+    from torch.distributed import PrefixStore, TCPStore
+    master = None
+    if comm.rank == 0:
+        try:
+            master = TCPStore("0.0.0.0", 0, comm.size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+            address = (_host(), master.port, None)
+        except RuntimeError as e:
+            address = (None, None, str(e).splitlines()[0][:200])
+    else:
+        address = None
+    host, port, problem = comm.bcast_object(address)
+    if problem:
+        raise CommError("process_group", comm.rank, f"rank 0 could not start the TCPStore of "
+                        f"the torch.distributed group: {problem}")
+    store = master if master is not None else TCPStore(host, port, comm.size, is_master=False,
+                                                       timeout=timeout, wait_for_workers=False)
+    return PrefixStore("lowcomm/" + "-".join(map(str, members)), store), store
+
+
+def backend_for(device: torch.device) -> str:
+    """The torch.distributed backend for tensors on ``device``."""
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+
+
+def default_group(comm: Comm, device: torch.device, timeout_s: float = 300.0):
+    """torch.distributed's default process group over ``comm``'s ranks (collective over
+    ``comm``; module docstring): made on first use, reused after. Returns the group."""
+    import torch.distributed as dist
+    backend = backend_for(device)
+    members = tuple(comm.allgather_object(world_rank()))
+    if dist.is_initialized():
+        _check_existing(comm, members, backend)
+        return dist.group.WORLD
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    prefixed, store = _store(comm, members, timeout)
+    try:
+        dist.init_process_group(backend, store=prefixed, rank=comm.rank, world_size=comm.size,
+                                timeout=timeout)
+    except (RuntimeError, ValueError) as e:
+        raise CommError("process_group", comm.rank, f"torch.distributed.init_process_group"
+                        f"({backend!r}) over world ranks {list(members)}: "
+                        f"{str(e).splitlines()[0][:300]}") from None
+    _MADE.update(members=members, backend=backend, store=store)
+    return dist.group.WORLD
+
+
+def _check_existing(comm: Comm, members: tuple, backend: str) -> None:
+    import torch.distributed as dist
+    if _MADE:
+        if _MADE["members"] != members or _MADE["backend"] != backend:
+            raise CommError("process_group", comm.rank, f"this process's torch.distributed "
+                            f"group is lowcomm's over world ranks {list(_MADE['members'])} "
+                            f"({_MADE['backend']}); another over world ranks {list(members)} "
+                            f"({backend}) was asked for: a process holds one default group")
+        return
+    if dist.get_world_size() != comm.size or dist.get_rank() != comm.rank:
+        raise CommError("process_group", comm.rank, f"torch.distributed is initialised already "
+                        f"(rank {dist.get_rank()} of {dist.get_world_size()}), not over this "
+                        f"Comm's {comm.size} ranks (world ranks {list(members)})")
+    seen = [None] * comm.size
+    dist.all_gather_object(seen, world_rank())
+    if tuple(seen) != members:
+        raise CommError("process_group", comm.rank, f"torch.distributed's default group holds "
+                        f"world ranks {seen}, this Comm {list(members)}")
+
+
+def destroy_default_group() -> None:
+    """Destroy the default group this module made (no-op otherwise), e.g. between runs in
+    one process over different ranks."""
+    import torch.distributed as dist
+    if _MADE and dist.is_initialized():
+        dist.destroy_process_group()
+    _MADE.clear()
+
+
+__all__ = ["backend_for", "default_group", "destroy_default_group"]
