@@ -139,7 +139,8 @@ def check(s: FSDPSettings, cfg, prefix: str) -> None:
     else:
         first = next(i for i, lvl in enumerate(topo.names) if str(policy.get(lvl, "syncdp"))
                      .split(":")[0].strip() == "fsdp")
-        outer = [lvl for lvl in topo.names[:first] if lvl in policy]
+        outer = [lvl for lvl in topo.names[:first]
+                 if str(policy.get(lvl, "syncdp")).split(":")[0].strip() not in ("syncdp", "fsdp")]
         if outer:
             raise ConfigError(f"policy.{outer[-1]}", f"{policy[outer[-1]].split(':')[0]} over "
                               f"policy.{topo.names[first]}=fsdp is not supported: an outer loop "
@@ -302,7 +303,9 @@ class FSDP(Strategy):
     def state_dict(self) -> dict:
         """The wrapped optimizer's state of this rank's shards, keyed by parameter name."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        return {"optimizer": _to_shards(get_optimizer_state_dict(self.model, self.optimizer)),
+        with self._own_step():       # (as in load_state_dict)
+            optimizer = get_optimizer_state_dict(self.model, self.optimizer)
+        return {"optimizer": _to_shards(optimizer),
                 "method": self.name, "world_size": self.comm.size}
 
     def load_state_dict(self, state: dict) -> None:
@@ -313,9 +316,10 @@ class FSDP(Strategy):
                                f"{state.get('method', 'another method')!r}, not fsdp (a "
                                "checkpoint of one method cannot resume another)")
         full = state["world_size"] != self.comm.size
-        set_optimizer_state_dict(self.model, self.optimizer,
-                                 _from_shards(state["optimizer"], self.mesh, self.device),
-                                 options=StateDictOptions(full_state_dict=full))
+        with self._own_step():       # torch makes empty state with a step of the optimizer
+            set_optimizer_state_dict(self.model, self.optimizer,
+                                     _from_shards(state["optimizer"], self.mesh, self.device),
+                                     options=StateDictOptions(full_state_dict=full))
 
     def reshard(self, old: list[dict]) -> dict:
         """From every old rank's shards, the full model and optimizer state (exact
@@ -330,7 +334,11 @@ class FSDP(Strategy):
 
     # the end ------------------------------------------------------------------------------------
     def _finish(self) -> None:
+        """Leave the plain model with the full parameters on every rank, then destroy the
+        torch.distributed group lowcomm made (a later FSDP, on any ranks, makes its own)."""
+        from ..comm.process_group import destroy_default_group
         unshard_model(self.model, self._fsdp_modules())
+        destroy_default_group()
 
 
 def unshard_model(model: torch.nn.Module, units: list) -> None:
