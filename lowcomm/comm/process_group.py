@@ -10,8 +10,10 @@ group is ``cuda:nccl,cpu:gloo`` (NCCL for the model's tensors, gloo for the CPU 
 torch.distributed.checkpoint exchanges).
 
 A process has one default group. The first call makes it over the Comm's ranks; a later call
-over the same ranks (and backend) returns it; a call over other ranks is an error naming both
-(e.g. FSDP on a datacenter's ranks in one process and on the whole world in the same process).
+over the same ranks (and backend) returns it; a call over other ranks replaces it once nothing
+that holds it (``holder``, e.g. an FSDP method not yet finished) is alive, and is an error
+naming both sets of ranks while something is (e.g. FSDP on a datacenter's ranks and on the whole
+world at once in one process).
 A default group made by someone else (torchrun, accelerate) is used when its rank and size are
 the Comm's and its members are the Comm's world ranks (checked once, collectively).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import weakref
 
 import torch
 
@@ -27,6 +30,7 @@ from ..errors import CommError
 from .comm import Comm, world_rank
 
 _MADE: dict = {}       # the group this module made: {"members", "backend", "store"}
+_HOLDERS: "weakref.WeakSet" = weakref.WeakSet()     # what still uses it (see release)
 
 
 def _host() -> str:
@@ -67,16 +71,22 @@ def backend_for(device: torch.device) -> str:
     return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
 
 
-def default_group(comm: Comm, device: torch.device, timeout_s: float = 300.0):
+def default_group(comm: Comm, device: torch.device, timeout_s: float = 300.0, holder=None):
     """torch.distributed's default process group over ``comm``'s ranks (collective over
-    ``comm``; module docstring): made on first use, reused after. Returns the group."""
+    ``comm``; module docstring): made on first use, reused after. ``holder`` (weakly kept)
+    uses it until :func:`release` or its end. Returns the group."""
     import torch.distributed as dist
     backend = backend_for(device)
     members = tuple(comm.allgather_object(world_rank()))
+    if _MADE and (_MADE["members"], _MADE["backend"]) != (members, backend) and not _HOLDERS:
+        destroy_default_group()
     if dist.is_initialized():
         _check_existing(comm, members, backend)
+        if holder is not None:
+            _HOLDERS.add(holder)
         return dist.group.WORLD
     if device.type == "cuda":
+        _one_gpu_each(comm, device)
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     prefixed, store = _store(comm, members, timeout)
@@ -88,7 +98,25 @@ def default_group(comm: Comm, device: torch.device, timeout_s: float = 300.0):
                         f"({backend!r}) over world ranks {list(members)}: "
                         f"{str(e).splitlines()[0][:300]}") from None
     _MADE.update(members=members, backend=backend, store=store)
+    if holder is not None:
+        _HOLDERS.add(holder)
     return dist.group.WORLD
+
+
+def release(holder) -> None:
+    """``holder`` no longer uses the default group (a later call may replace it)."""
+    _HOLDERS.discard(holder)
+
+
+def _one_gpu_each(comm: Comm, device: torch.device) -> None:
+    """NCCL refuses two ranks of one group on one GPU: say so before it does, naming them."""
+    where = comm.allgather_object((socket.gethostname(), torch.device(device).index
+                                   if device.index is not None else torch.cuda.current_device()))
+    mine = [r for r, w in enumerate(where) if w == where[comm.rank]]
+    if len(mine) > 1:
+        raise CommError("process_group", comm.rank, f"NCCL needs one GPU per rank: ranks "
+                        f"{mine} all use cuda:{where[comm.rank][1]} on {where[comm.rank][0]}; "
+                        "launch at most one rank per GPU for fsdp on CUDA")
 
 
 def _check_existing(comm: Comm, members: tuple, backend: str) -> None:
@@ -98,7 +126,8 @@ def _check_existing(comm: Comm, members: tuple, backend: str) -> None:
             raise CommError("process_group", comm.rank, f"this process's torch.distributed "
                             f"group is lowcomm's over world ranks {list(_MADE['members'])} "
                             f"({_MADE['backend']}); another over world ranks {list(members)} "
-                            f"({backend}) was asked for: a process holds one default group")
+                            f"({backend}) was asked for while {len(_HOLDERS)} object(s) still use the "
+                            "first (finish them first): a process holds one default group")
         return
     if dist.get_world_size() != comm.size or dist.get_rank() != comm.rank:
         raise CommError("process_group", comm.rank, f"torch.distributed is initialised already "
@@ -118,6 +147,7 @@ def destroy_default_group() -> None:
     if _MADE and dist.is_initialized():
         dist.destroy_process_group()
     _MADE.clear()
+    _HOLDERS.clear()
 
 
-__all__ = ["backend_for", "default_group", "destroy_default_group"]
+__all__ = ["backend_for", "default_group", "destroy_default_group", "release"]

@@ -247,7 +247,7 @@ class FSDP(Strategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         from ..comm.process_group import default_group
-        default_group(self.comm, self.device, s.timeout_s)
+        default_group(self.comm, self.device, s.timeout_s, holder=self)
         return init_device_mesh(self.device.type, (self.comm.size,))
 
     def _shard(self, model, units, s: FSDPSettings) -> None:
@@ -334,11 +334,11 @@ class FSDP(Strategy):
 
     # the end ------------------------------------------------------------------------------------
     def _finish(self) -> None:
-        """Leave the plain model with the full parameters on every rank, then destroy the
-        torch.distributed group lowcomm made (a later FSDP, on any ranks, makes its own)."""
-        from ..comm.process_group import destroy_default_group
+        """Leave the plain model with the full parameters on every rank; the torch.distributed
+        group stays (for a later FSDP on the same ranks; one on other ranks replaces it)."""
+        from ..comm.process_group import release
         unshard_model(self.model, self._fsdp_modules())
-        destroy_default_group()
+        release(self)
 
 
 def unshard_model(model: torch.nn.Module, units: list) -> None:
@@ -357,7 +357,7 @@ def unshard_model(model: torch.nn.Module, units: list) -> None:
                                                  requires_grad=p.requires_grad)
     for m in units:
         _unhook(m)
-        m.__class__ = type(m).__mro__[type(m)._orig_cls_mro_index]
+        m.__class__ = type(m).__mro__[getattr(type(m), "_orig_cls_mro_index", 2)]
         for key in (STATE_KEY, REGISTRY_KEY):
             m.__dict__.pop(key, None)
     for m in model.modules():
@@ -374,7 +374,10 @@ def _unhook(m) -> None:
     state = m._get_fsdp_state()
     state._pre_forward_hook_handle.remove()
     state._post_forward_hook_handle.remove()
-    for group in state._fsdp_param_groups:
+    groups = getattr(state, "_fsdp_param_groups", None)       # torch < 2.13: one group
+    for group in groups if groups is not None else [state._fsdp_param_group]:
+        if group is None:
+            continue
         for handles in (group._module_to_pre_save_state_dict_hook_handle,
                         group._module_to_pre_load_state_dict_hook_handle):
             for h in handles.values():

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import lowcomm
-from helpers import random_batch, seeded_mlp
-from lowcomm.comm.process_group import destroy_default_group
+from helpers import random_batch, seeded_mlp, toy_dataset
 from lowcomm.errors import ArgumentError, LowcommError
 from lowcomm.run.evaluate import state_sha256
 from lowcomm.strategies.fsdp import FSDP, ShardOf
+from lowcomm.tasks import dataset_batches
 from under_mpi import RANK, SIZE
 
 pytestmark = pytest.mark.mpi(sizes=(2,))
@@ -227,7 +227,6 @@ def test_a_wrap_that_matches_nothing_is_an_error_naming_it(wrap, match, comm):
     model = gpt2()
     with pytest.raises(ArgumentError, match=match):
         FSDP(model, adamw(model), comm, wrap=wrap)
-    destroy_default_group()
 
 
 def test_wrap_by_a_callable_shards_the_blocks_it_picks(comm):
@@ -238,3 +237,47 @@ def test_wrap_by_a_callable_shards_the_blocks_it_picks(comm):
         ["FSDPGPT2LMHeadModel", "FSDPGPT2Block", "FSDPGPT2Block"]
     opt.finish()
     assert not any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def run_fsdp(comm, out, resume=None, steps=STEPS):
+    """The MLP task through lowcomm's loop under fsdp (AdamW, checkpoints every 3 steps, held-out
+    loss every 2: 3 eval batches on 2 ranks, so the ranks evaluate different shares)."""
+    data = toy_dataset()
+    return lowcomm.train(model=lambda cfg: mlp(), loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                         batch=dataset_batches(data), strategy="fsdp:wrap=Linear",
+                         eval_batches=lambda cfg: [data[i * 50:(i + 1) * 50] for i in range(3)],
+                         steps=steps, batch_size=B, log_every=2, eval_every=2, lr=0.01,
+                         set=["optimizer.name=adamw", "checkpoint.every=3"], out=str(out),
+                         comm=comm, resume=resume)
+
+
+def sha_of_checkpoint(folder) -> str:
+    """state_sha256 of the whole model the ranks' shard files hold (concatenated on dim 0)."""
+    import hashlib
+    states = [torch.load(f, weights_only=False)["model"] for f in sorted(folder.glob("rank-*.pt"))]
+    h = hashlib.sha256()
+    for name, v in states[0].items():
+        whole = torch.cat([s[name].local for s in states]) if isinstance(v, ShardOf) else v
+        h.update(name.encode())
+        h.update(whole.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_the_loop_resumes_a_two_rank_run_on_one_rank(comm, shared_dir):
+    """Through lowcomm.train: the 2-rank run checkpoints shards; resumed on 1 rank at the
+    checkpoint's step, the model is the whole of the 2 ranks' shards; resumed to the end, it
+    finishes (finite eval loss, the resize recorded). Checked after rank 1 waited."""
+    two = run_fsdp(comm, shared_dir / "two")
+    problems = [] if two["ranks_agree"] is True and two["eval_loss"] == two["eval_loss"] else \
+        [f"2-rank run: ranks_agree {two['ranks_agree']}, eval loss {two['eval_loss']}"]
+    alone = comm.split(0 if comm.rank == 0 else -1)
+    if comm.rank == 0:
+        want = sha_of_checkpoint(shared_dir / "two" / "checkpoints" / f"step-{3:08d}")
+        at = run_fsdp(alone, shared_dir / "one-at", resume=shared_dir / "two", steps=3)
+        if at["state_sha256"] != want:
+            problems.append("resumed on 1 rank, the model is not the 2 ranks' shards put together")
+        one = run_fsdp(alone, shared_dir / "one", resume=shared_dir / "two")
+        if not one["eval_loss"] == one["eval_loss"] or one["resizes"] != [{"step": 3, "from": 2, "to": 1}]:
+            problems.append(f"1-rank resume: eval loss {one['eval_loss']}, resizes {one['resizes']}")
+    every = comm.allgather_object(problems)
+    assert not any(every), every
