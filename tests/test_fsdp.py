@@ -1,10 +1,15 @@
 """FSDP (torch FSDP2 behind lowcomm's method interface) under real mpirun
 (tests/mpi/check_fsdp.py, each case asserted on every rank), and its config errors."""
-import pytest
+import hashlib
+import json
 
-from conftest import run_mpi_suite
+import pytest
+import torch
+
+from conftest import run_mpi_suite, run_ranks
 from lowcomm.errors import ConfigError
 from lowcomm.run.api import load_config
+from lowcomm.strategies.fsdp import ShardOf
 
 
 def test_fsdp_on_two_ranks():
@@ -36,3 +41,31 @@ def test_fsdp_inside_a_datacenter_is_accepted():
     cfg = load_config(None, ["topology=node:2,rank:2", "policy.node=fsdp:wrap=Linear",
                              "policy.rank=fsdp:wrap=Linear"])
     assert cfg.policy["node"].startswith("fsdp")
+
+
+def whole_model_sha(folder) -> str:
+    """state_sha256 of the model whose shards the checkpoint ``folder``'s rank files hold."""
+    states = [torch.load(f, weights_only=False)["model"] for f in sorted(folder.glob("rank-*.pt"))]
+    h = hashlib.sha256()
+    for name, v in states[0].items():
+        whole = torch.cat([s[name].local for s in states]) if isinstance(v, ShardOf) else v
+        h.update(name.encode())
+        h.update(whole.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_a_two_rank_fsdp_run_resumes_on_four_ranks(tmp_path):
+    """``lowcomm train`` on the built-in task (wrap=auto: its transformer blocks): 2 ranks
+    checkpoint their shards at step 3; resumed on 4 ranks (to steps=3), the model is exactly
+    the 2 ranks' shards put together, and the 4 ranks agree."""
+    sets = [a for o in ("strategy.name=fsdp", "steps=6", "checkpoint.every=3", "model.d_model=32",
+                        "model.n_layers=2", "eval_batches=2", "batch_size=4", "log_every=3")
+            for a in ("--set", o)]
+    two, four = tmp_path / "two", tmp_path / "four"
+    for np_, out, extra in ((2, two, []), (4, four, ["--resume", two, "--set", "steps=3"])):
+        r = run_ranks(np_, "lowcomm", "train", "--quiet", "--out", out, *sets, *extra, timeout=300)
+        assert r.returncode == 0, r.output
+    summary = json.loads((four / "summary.json").read_text())
+    assert summary["state_sha256"] == whole_model_sha(two / "checkpoints" / f"step-{3:08d}")
+    assert summary["resizes"] == [{"step": 3, "from": 2, "to": 4}]
+    assert summary["ranks_agree"] is True and summary["ranks"] == 4
