@@ -1,6 +1,5 @@
 """FSDP (torch FSDP2 behind lowcomm's method interface) under real mpirun
 (tests/mpi/check_fsdp.py, each case asserted on every rank), and its config errors."""
-import hashlib
 import json
 
 import pytest
@@ -9,7 +8,8 @@ import torch
 from conftest import run_mpi_suite, run_ranks
 from lowcomm.errors import ConfigError
 from lowcomm.run.api import load_config
-from lowcomm.strategies.fsdp import ShardOf
+from lowcomm.run.evaluate import dict_sha256
+from lowcomm.strategies.fsdp import join_shards
 
 
 def test_fsdp_on_two_ranks():
@@ -45,13 +45,8 @@ def test_fsdp_inside_a_datacenter_is_accepted():
 
 def whole_model_sha(folder) -> str:
     """state_sha256 of the model whose shards the checkpoint ``folder``'s rank files hold."""
-    states = [torch.load(f, weights_only=False)["model"] for f in sorted(folder.glob("rank-*.pt"))]
-    h = hashlib.sha256()
-    for name, v in states[0].items():
-        whole = torch.cat([s[name].local for s in states]) if isinstance(v, ShardOf) else v
-        h.update(name.encode())
-        h.update(whole.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return dict_sha256(join_shards([torch.load(f, weights_only=False)["model"]
+                                    for f in sorted(folder.glob("rank-*.pt"))]))
 
 
 def test_a_two_rank_fsdp_run_resumes_on_four_ranks(tmp_path):

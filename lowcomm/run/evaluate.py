@@ -17,8 +17,14 @@ def state_sha256(model: torch.nn.Module) -> str:
     """sha256 of the model's whole state — parameters and persistent buffers (BatchNorm's
     running statistics, ``num_batches_tracked``) — in ``state_dict`` order, names included: two
     ranks or two runs with the same hash hold the same model."""
+    return dict_sha256(model.state_dict())
+
+
+def dict_sha256(state: dict) -> str:
+    """sha256 of a state dict ``{name: tensor}`` in its order, names included (what
+    :func:`state_sha256` hashes of a model)."""
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -114,13 +114,13 @@ def _from_shards(tree, mesh, device):
     return tree
 
 
-def _full(values: list) -> object:
-    """The whole tensor from every old rank's :class:`ShardOf` (concatenated on dim 0), or
-    old rank 0's value of anything else."""
+def join_shards(values: list) -> object:
+    """The whole state from every rank's (in rank order): each :class:`ShardOf` joined with the
+    other ranks' (concatenated on dim 0), dicts key by key, anything else rank 0's."""
     if isinstance(values[0], ShardOf):
         return torch.cat([v.local for v in values], dim=0).view(values[0].shape)
     if isinstance(values[0], dict):
-        return {k: _full([v[k] for v in values]) for k in values[0]}
+        return {k: join_shards([v[k] for v in values]) for k in values[0]}
     return values[0]
 
 
@@ -328,8 +328,8 @@ class FSDP(Strategy):
         bad = [r for r, s in enumerate(old) if s["strategy"].get("method") != self.name]
         if bad:
             raise LowcommError(f"old rank {bad[0]}'s strategy state was not written by fsdp")
-        return {"model": _full([s["model"] for s in old]),
-                "strategy": {"optimizer": _full([s["strategy"]["optimizer"] for s in old]),
+        return {"model": join_shards([s["model"] for s in old]),
+                "strategy": {"optimizer": join_shards([s["strategy"]["optimizer"] for s in old]),
                              "method": self.name, "world_size": len(old)}}
 
     # the end ------------------------------------------------------------------------------------
@@ -386,4 +386,5 @@ def _unhook(m) -> None:
     _module_state_mapping.pop(m, None)
 
 
-__all__ = ["FSDP", "FSDPSettings", "METHOD", "ShardOf", "check", "unshard_model", "wrap_units"]
+__all__ = ["FSDP", "FSDPSettings", "METHOD", "ShardOf", "check", "join_shards", "unshard_model",
+           "wrap_units"]

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 import lowcomm
 from helpers import random_batch, seeded_mlp, toy_dataset
 from lowcomm.errors import ArgumentError, LowcommError
-from lowcomm.run.evaluate import state_sha256
-from lowcomm.strategies.fsdp import FSDP, ShardOf
+from lowcomm.run.evaluate import dict_sha256, state_sha256
+from lowcomm.strategies.fsdp import FSDP, ShardOf, join_shards
 from lowcomm.tasks import dataset_batches
 from under_mpi import RANK, SIZE
 
@@ -252,15 +252,9 @@ def run_fsdp(comm, out, resume=None, steps=STEPS):
 
 
 def sha_of_checkpoint(folder) -> str:
-    """state_sha256 of the whole model the ranks' shard files hold (concatenated on dim 0)."""
-    import hashlib
-    states = [torch.load(f, weights_only=False)["model"] for f in sorted(folder.glob("rank-*.pt"))]
-    h = hashlib.sha256()
-    for name, v in states[0].items():
-        whole = torch.cat([s[name].local for s in states]) if isinstance(v, ShardOf) else v
-        h.update(name.encode())
-        h.update(whole.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    """state_sha256 of the whole model the ranks' shard files hold (joined on dim 0)."""
+    return dict_sha256(join_shards([torch.load(f, weights_only=False)["model"]
+                                    for f in sorted(folder.glob("rank-*.pt"))]))
 
 
 def test_the_loop_resumes_a_two_rank_run_on_one_rank(comm, shared_dir):
