@@ -10,9 +10,9 @@ group is ``cuda:nccl,cpu:gloo`` (NCCL for the model's tensors, gloo for the CPU 
 torch.distributed.checkpoint exchanges).
 
 A process has one default group. The first call makes it over the Comm's ranks; a later call
-over the same ranks (and backend) returns it; a call over other ranks replaces it once nothing
-that holds it (``holder``, e.g. an FSDP method not yet finished) is alive, and is an error
-naming both sets of ranks while something is (e.g. FSDP on a datacenter's ranks and on the whole
+over the same ranks (and backend) returns it on every rank; a call over other ranks replaces it
+(on every rank of the call together) once nothing that holds it (``holder``, e.g. an FSDP
+method not yet finished) is alive, and is an error naming both sets of ranks while something is (e.g. FSDP on a datacenter's ranks and on the whole
 world at once in one process).
 A default group made by someone else (torchrun, accelerate) is used when its rank and size are
 the Comm's and its members are the Comm's world ranks (checked once, collectively).
@@ -74,17 +74,50 @@ def backend_for(device: torch.device) -> str:
 def default_group(comm: Comm, device: torch.device, timeout_s: float = 300.0, holder=None):
     """torch.distributed's default process group over ``comm``'s ranks (collective over
     ``comm``; module docstring): made on first use, reused after. ``holder`` (weakly kept)
-    uses it until :func:`release` or its end. Returns the group."""
+    uses it until :func:`release` or its end. The ranks decide together: the group is reused
+    only where every rank can reuse its own, else every rank makes a new one. Returns it."""
     import torch.distributed as dist
     backend = backend_for(device)
     members = tuple(comm.allgather_object(world_rank()))
-    if _MADE and (_MADE["members"], _MADE["backend"]) != (members, backend) and not _HOLDERS:
+    states = comm.allgather_object(_standing(comm, members, backend))
+    bad = [(r, s) for r, s in enumerate(states) if s not in ("reuse", "new", "foreign")]
+    if bad:
+        raise CommError("process_group", comm.rank, f"rank {bad[0][0]}: {bad[0][1]}")
+    if set(states) == {"foreign"}:
+        _check_foreign(comm, members)
+    elif set(states) != {"reuse"}:
+        if "foreign" in states:
+            foreign = [r for r, x in enumerate(states) if x == "foreign"]
+            raise CommError("process_group", comm.rank, f"ranks {foreign} hold a "
+                            "torch.distributed group lowcomm did not make, the others not")
         destroy_default_group()
-    if dist.is_initialized():
-        _check_existing(comm, members, backend)
-        if holder is not None:
-            _HOLDERS.add(holder)
-        return dist.group.WORLD
+        _make(comm, device, members, backend, timeout_s)
+    if holder is not None:
+        _HOLDERS.add(holder)
+    return dist.group.WORLD
+
+
+def _standing(comm: Comm, members: tuple, backend: str) -> str:
+    """This rank's default group: "reuse" (lowcomm's over these ranks), "new" (none, or
+    lowcomm's over other ranks that nothing holds), "foreign" (someone else's), or why it
+    can be neither."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return "new"
+    if not _MADE:
+        return "foreign"
+    if (_MADE["members"], _MADE["backend"]) == (members, backend):
+        return "reuse"
+    if not _HOLDERS:
+        return "new"
+    return (f"this process's torch.distributed group is lowcomm's over world ranks "
+            f"{list(_MADE['members'])} ({_MADE['backend']}), still used by {len(_HOLDERS)} "
+            f"unfinished object(s); one over world ranks {list(members)} ({backend}) was asked "
+            "for: a process holds one default group (finish the first)")
+
+
+def _make(comm: Comm, device: torch.device, members: tuple, backend: str, timeout_s: float):
+    import torch.distributed as dist
     if device.type == "cuda":
         _one_gpu_each(comm, device)
         torch.cuda.set_device(device)
@@ -98,9 +131,6 @@ def default_group(comm: Comm, device: torch.device, timeout_s: float = 300.0, ho
                         f"({backend!r}) over world ranks {list(members)}: "
                         f"{str(e).splitlines()[0][:300]}") from None
     _MADE.update(members=members, backend=backend, store=store)
-    if holder is not None:
-        _HOLDERS.add(holder)
-    return dist.group.WORLD
 
 
 def release(holder) -> None:
@@ -119,16 +149,10 @@ def _one_gpu_each(comm: Comm, device: torch.device) -> None:
                         "launch at most one rank per GPU for fsdp on CUDA")
 
 
-def _check_existing(comm: Comm, members: tuple, backend: str) -> None:
+def _check_foreign(comm: Comm, members: tuple) -> None:
+    """Someone else's default group (torchrun, accelerate) serves when it spans exactly the
+    Comm's ranks, in its order (collective over that group)."""
     import torch.distributed as dist
-    if _MADE:
-        if _MADE["members"] != members or _MADE["backend"] != backend:
-            raise CommError("process_group", comm.rank, f"this process's torch.distributed "
-                            f"group is lowcomm's over world ranks {list(_MADE['members'])} "
-                            f"({_MADE['backend']}); another over world ranks {list(members)} "
-                            f"({backend}) was asked for while {len(_HOLDERS)} object(s) still use the "
-                            "first (finish them first): a process holds one default group")
-        return
     if dist.get_world_size() != comm.size or dist.get_rank() != comm.rank:
         raise CommError("process_group", comm.rank, f"torch.distributed is initialised already "
                         f"(rank {dist.get_rank()} of {dist.get_world_size()}), not over this "

@@ -124,6 +124,38 @@ def join_shards(values: list) -> object:
     return values[0]
 
 
+def charged_collectives(ledger, level: str, size: int):
+    """FSDP2's all-gather and reduce-scatter (torch's default ones, set on each unit through
+    ``set_custom_all_gather``/``set_custom_reduce_scatter``) that record every call in
+    ``ledger`` under ``level``: the bandwidth-optimal bytes of the call
+    (:func:`~lowcomm.comm.ledger.wire_bytes`) and the seconds the call itself took (an
+    asynchronous call's later wait is not in them)."""
+    import time
+
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGather,
+                                                                      DefaultReduceScatter)
+
+    from ..comm.ledger import wire_bytes
+
+    def charge(op: str, t: torch.Tensor, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sent, recv = wire_bytes(op, t.numel() * t.element_size(), size)
+        ledger.record(op, level, sent, recv, time.perf_counter() - t0)
+        return out
+
+    class AllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return charge("allgather.fsdp", input_tensor, super().__call__, output_tensor,
+                          input_tensor, group, async_op)
+
+    class ReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            return charge("reduce_scatter.fsdp", input_tensor, super().__call__, output_tensor,
+                          input_tensor, group, op, async_op)
+    return AllGather(), ReduceScatter()
+
+
 def check(s: FSDPSettings, cfg, prefix: str) -> None:
     """Before MPI starts: FSDP shards inside a datacenter, never across one (a level whose
     links' latency is a WAN's, ≥ 1 ms: ``dc`` unless the topology says otherwise), and no
@@ -172,7 +204,8 @@ class FSDP(Strategy):
     Construction, on every rank of ``comm`` together:
       1. rank 0's parameters and buffers are broadcast (the ranks start from one model);
       2. torch.distributed's default group is made over ``comm``'s ranks (gloo on CPU, NCCL on
-         CUDA) and a 1-D device mesh over it;
+         CUDA) and a 1-D device mesh over it; FSDP's all-gathers and reduce-scatters are
+         charged to ``comm``'s ledger (:func:`charged_collectives`);
       3. ``fully_shard`` wraps each unit of ``wrap`` (:func:`wrap_units`), innermost first, then
          the root: every parameter becomes a DTensor of which this rank holds the dim-0 chunk;
       4. the wrapped optimizer's ``param_groups`` are pointed at the sharded parameters (the
@@ -258,6 +291,12 @@ class FSDP(Strategy):
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=s.reshard_after_forward,
                         mp_policy=mp)
         fully_shard(model, mesh=self.mesh, mp_policy=mp)
+        for m in self._fsdp_modules():          # FSDP's traffic in the method's ledger
+            if m._get_fsdp_state()._fsdp_param_group is not None:
+                gather, scatter = charged_collectives(self.comm.ledger, self.comm.level,
+                                                      self.comm.size)
+                m.set_custom_all_gather(gather)
+                m.set_custom_reduce_scatter(scatter)
 
     def _fsdp_modules(self) -> list:
         from torch.distributed.fsdp import FSDPModule
@@ -386,5 +425,5 @@ def _unhook(m) -> None:
     _module_state_mapping.pop(m, None)
 
 
-__all__ = ["FSDP", "FSDPSettings", "METHOD", "ShardOf", "check", "join_shards", "unshard_model",
-           "wrap_units"]
+__all__ = ["FSDP", "FSDPSettings", "METHOD", "ShardOf", "charged_collectives", "check", "join_shards",
+           "unshard_model", "wrap_units"]

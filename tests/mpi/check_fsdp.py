@@ -273,5 +273,27 @@ def test_the_loop_resumes_a_two_rank_run_on_one_rank(comm, shared_dir):
         one = run_fsdp(alone, shared_dir / "one", resume=shared_dir / "two")
         if not one["eval_loss"] == one["eval_loss"] or one["resizes"] != [{"step": 3, "from": 2, "to": 1}]:
             problems.append(f"1-rank resume: eval loss {one['eval_loss']}, resizes {one['resizes']}")
-    every = comm.allgather_object(problems)
+    waited, comm.watchdog.timeout_s = comm.watchdog.timeout_s, 600   # rank 1 waits for rank 0's runs
+    try:
+        every = comm.allgather_object(problems)
+    finally:
+        comm.watchdog.timeout_s = waited
     assert not any(every), every
+
+
+def test_fsdp_traffic_is_in_the_ledger(comm):
+    """Per step: one reduce-scatter of every gradient ((K-1)/K of the model's bytes sent by
+    each rank: GPT-2's tensors split evenly here) and at least one all-gather of every
+    parameter (forward; the blocks again in backward)."""
+    from lowcomm.comm.ledger import Ledger
+    model = gpt2()
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    ledger = Ledger()
+    opt = FSDP(model, adamw(model), comm.dup(ledger), wrap="GPT2Block")
+    train("gpt2", model, opt, range(2), comm.rank)
+    opt.finish()
+    rows = {r["op"]: r for r in ledger.rows()}
+    assert rows["reduce_scatter.fsdp"]["bytes_sent"] == 2 * full * (SIZE - 1) // SIZE
+    assert rows["reduce_scatter.fsdp"]["calls"] == 2 * 3          # root + 2 blocks, 2 steps
+    assert rows["allgather.fsdp"]["bytes_sent"] >= 2 * full * (SIZE - 1) // SIZE
+    assert rows["allgather.fsdp"]["calls"] == 2 * (3 + 2)          # backward re-gathers blocks
