@@ -64,3 +64,20 @@ def test_a_two_rank_fsdp_run_resumes_on_four_ranks(tmp_path):
     assert summary["state_sha256"] == whole_model_sha(two / "checkpoints" / f"step-{3:08d}")
     assert summary["resizes"] == [{"step": 3, "from": 2, "to": 4}]
     assert summary["ranks_agree"] is True and summary["ranks"] == 4
+
+
+def test_wrap_auto_picks_the_transformer_blocks_and_names_select_classes():
+    transformers = pytest.importorskip("transformers")
+    from lowcomm.errors import ArgumentError
+    from lowcomm.strategies.fsdp import wrap_units
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=2))
+    blocks = list(model.transformer.h)
+    assert wrap_units(model, "auto") == blocks[::-1]            # wrapped last block first
+    assert wrap_units(model, "GPT2Block") == blocks[::-1]
+    assert set(wrap_units(model, "GPT2Block,GPT2MLP")) == set(blocks) | {b.mlp for b in blocks}
+    assert wrap_units(model, "none") == []
+    mlp = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert wrap_units(mlp, "auto") == []                         # no ModuleList: one unit
+    with pytest.raises(ArgumentError, match="'wrap': 'Block' matches no module of Sequential"):
+        wrap_units(mlp, "Block")
