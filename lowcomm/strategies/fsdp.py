@@ -177,7 +177,7 @@ def check(s: FSDPSettings, cfg, prefix: str) -> None:
             raise ConfigError(f"policy.{outer[-1]}", f"{policy[outer[-1]].split(':')[0]} over "
                               f"policy.{topo.names[first]}=fsdp is not supported: an outer loop "
                               "on sharded parameters must keep and exchange each rank's shard "
-                              "only; use policy.<level>=syncdp (or zero1/zero2 where built) below it")
+                              "only; run policy.<level>=syncdp below the outer loop instead")
         levels = [(lvl, f"policy.{lvl}") for lvl in topo.names[first:-1]]
     for lvl, key in levels:
         if topo.link(lvl).alpha_s >= 1e-3:
@@ -185,6 +185,30 @@ def check(s: FSDPSettings, cfg, prefix: str) -> None:
                               f"link ({topo.link(lvl)}): every forward and backward would "
                               "all-gather parameters over it. Shard inside a datacenter "
                               "(policy.rank=fsdp) with an outer loop between datacenters")
+
+
+def _checked(model, optimizer, wrap) -> tuple[list, dict, torch.device]:
+    """Before anything is changed: the units to wrap, each parameter's name by id, and the
+    model's one device; an error naming the argument where FSDP cannot take them."""
+    if not isinstance(model, torch.nn.Module):
+        raise ArgumentError("model", f"must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ArgumentError("optimizer", f"must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+    if optimizer.state:
+        raise ArgumentError("optimizer", f"{type(optimizer).__name__} holds state already (it "
+                            "has stepped): FSDP shards the optimizer state; wrap a fresh one")
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        raise ArgumentError("model", f"FSDP needs the model's parameters on one device, found "
+                            f"{sorted(map(str, devices)) or 'none'}")
+    names = {id(p): n for n, p in model.named_parameters()}
+    strangers = [i for i, g in enumerate(optimizer.param_groups)
+                 for p in g["params"] if id(p) not in names]
+    if strangers:
+        raise ArgumentError("optimizer", f"param_groups[{strangers[0]}] holds a tensor that is "
+                            "not a parameter of the model: FSDP shards the model's parameters only")
+    return wrap_units(model, wrap), names, devices.pop()
 
 
 def build(s: FSDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
@@ -247,20 +271,10 @@ class FSDP(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: FSDPSettings | None = None, **options):
         wrap = options.pop("wrap", None) if callable(options.get("wrap")) else None
-        super().__init__(model, optimizer, comm)
         s = settings if settings is not None else self.settings_from(options)
+        units, names, self.device = _checked(model, optimizer, wrap if wrap is not None else s.wrap)
+        super().__init__(model, optimizer, comm)
         self.settings = s
-        if optimizer.state:
-            raise ArgumentError("optimizer", f"{type(optimizer).__name__} holds state already "
-                                "(it has stepped): FSDP shards the optimizer state; wrap a fresh one")
-        devices = {p.device for p in model.parameters()}
-        if len(devices) != 1:
-            raise ArgumentError("model", f"FSDP needs the model's parameters on one device, "
-                                f"found {sorted(map(str, devices))}")
-        self.device = devices.pop()
-        units = wrap_units(model, wrap if wrap is not None else s.wrap)
-        names = {id(p): n for n, p in model.named_parameters()}
-        self._check_groups(names)
         self.buffers = Buffers(model)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self.mesh = self._mesh(s)
@@ -268,13 +282,6 @@ class FSDP(Strategy):
         sharded = dict(model.named_parameters())
         for group in optimizer.param_groups:
             group["params"] = [sharded[names[id(p)]] for p in group["params"]]
-
-    def _check_groups(self, names: dict) -> None:
-        strangers = [i for i, g in enumerate(self.optimizer.param_groups)
-                     for p in g["params"] if id(p) not in names]
-        if strangers:
-            raise ArgumentError("optimizer", f"param_groups[{strangers[0]}] holds a tensor that is "
-                                "not a parameter of the model: FSDP shards the model's parameters only")
 
     def _mesh(self, s: FSDPSettings):
         from torch.distributed.device_mesh import init_device_mesh

@@ -225,8 +225,11 @@ def test_a_checkpoint_of_another_method_is_refused(comm):
 ])
 def test_a_wrap_that_matches_nothing_is_an_error_naming_it(wrap, match, comm):
     model = gpt2()
+    inner = adamw(model)
     with pytest.raises(ArgumentError, match=match):
-        FSDP(model, adamw(model), comm, wrap=wrap)
+        FSDP(model, inner, comm, wrap=wrap)
+    inner.step()          # refused before anything changed: the optimizer is the user's again
+    assert not any(hasattr(p, "to_local") for p in model.parameters())
 
 
 def test_wrap_by_a_callable_shards_the_blocks_it_picks(comm):
