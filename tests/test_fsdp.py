@@ -13,7 +13,7 @@ from lowcomm.strategies.fsdp import join_shards
 
 
 def test_fsdp_on_two_ranks():
-    cases = run_mpi_suite(2, "check_fsdp.py", timeout=300)
+    cases = run_mpi_suite(2, "check_fsdp.py", timeout=400)
     assert "check_fsdp.py::test_fsdp_equals_syncdp_bit_for_bit_at_two_ranks[gpt2]" in cases
     assert "check_fsdp.py::test_resume_on_one_rank_continues_the_two_rank_run" in cases
 
