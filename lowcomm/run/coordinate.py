@@ -152,7 +152,9 @@ class Lockstep(Coordination):
         tot = r.comm.ledger.totals()
         evaluating = bool(r.held_out) and bool(at_mark or r.cfg.eval_every and
                                                state.step % r.cfg.eval_every == 0)
-        held_out = evaluation_sums(r.model, r.task, r.held_out, r.ctl) if evaluating else [0.0, 0.0]
+        held_out = evaluation_sums(r.model, r.task, r.held_out, r.ctl,
+                                   getattr(r.strategy, "collective_forward", False)) \
+            if evaluating else [0.0, 0.0]
         sums = torch.tensor([sum(state.window), len(state.window), tot["bytes_sent"],
                              tot["seconds"], r.comm.ledger.rounds(self.world),
                              state.compute_cpu_s, *held_out], dtype=torch.float64)

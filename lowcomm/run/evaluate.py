@@ -17,8 +17,14 @@ def state_sha256(model: torch.nn.Module) -> str:
     """sha256 of the model's whole state — parameters and persistent buffers (BatchNorm's
     running statistics, ``num_batches_tracked``) — in ``state_dict`` order, names included: two
     ranks or two runs with the same hash hold the same model."""
+    return dict_sha256(model.state_dict())
+
+
+def dict_sha256(state: dict) -> str:
+    """sha256 of a state dict ``{name: tensor}`` in its order, names included (what
+    :func:`state_sha256` hashes of a model)."""
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -36,7 +42,7 @@ def nonfinite(loss: torch.Tensor, model: torch.nn.Module) -> str | None:
     One sum per tensor and one test of them all decide the common case (NaN/Inf propagate into
     a sum; one pass over the gradients instead of a test and a host sync per tensor); only when
     that sum is not finite (NaN/Inf, or a finite sum that overflowed) is each tensor tested."""
-    grads = [(name, p.grad) for name, p in model.named_parameters()      # (a sharding method
+    grads = [(name, _local(p.grad)) for name, p in model.named_parameters()   # (a sharding method
              if p.grad is not None and not getattr(type(p.grad), "sharded", False)]  # checks its own)
     sums = [loss.detach().float().sum()] + [g.sum(dtype=torch.float32) for _, g in grads]
     if bool(torch.isfinite(torch.stack([s.to(sums[0].device) for s in sums])).all()):
@@ -49,6 +55,11 @@ def nonfinite(loss: torch.Tensor, model: torch.nn.Module) -> str | None:
     return None
 
 
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient (a sharded DTensor's local chunk, FSDP's)."""
+    return g.to_local() if hasattr(g, "to_local") else g
+
+
 @torch.no_grad()
 def evaluate(model, task: Task, batches: list, ctl: Comm) -> float:
     """Mean loss of ``task`` on the held-out ``batches``, split across the ranks of ``ctl``
@@ -56,15 +67,19 @@ def evaluate(model, task: Task, batches: list, ctl: Comm) -> float:
     return mean_loss(*allsum(ctl, evaluation_sums(model, task, batches, ctl)))
 
 
-def evaluation_sums(model, task: Task, batches: list, ctl: Comm) -> list[float]:
+def evaluation_sums(model, task: Task, batches: list, ctl: Comm, every: bool = False) -> list[float]:
     """``[loss sum, batches]`` of this rank's share of the held-out ``batches`` (every
     ``ctl.size``-th from ``ctl.rank``): summed over the ranks, :func:`mean_loss` of them is
-    :func:`evaluate`'s."""
+    :func:`evaluate`'s. ``every``: the model's forward is collective (FSDP gathers parameters
+    in it), so every rank runs every batch and counts its share only."""
     model.eval()
     total = count = 0.0
     for i, b in enumerate(batches):
-        if i % ctl.size == ctl.rank:
-            total += task.loss(model, b).item()
+        mine = i % ctl.size == ctl.rank
+        if mine or every:
+            loss = task.loss(model, b).item()
+        if mine:
+            total += loss
             count += 1
     model.train()
     return [total, count]

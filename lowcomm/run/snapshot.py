@@ -38,8 +38,15 @@ def set_rng_state(state: dict) -> None:
 def snapshot(model, strategy, comm: Comm, loop: dict) -> dict:
     """Everything one rank needs to continue exactly: model, strategy (optimizer, residuals,
     outer state, versions), ledger counters, RNG states and the loop's own counters."""
-    return {"model": model.state_dict(), "strategy": strategy.state_dict(),
+    return {"model": model_state(model, strategy), "strategy": strategy.state_dict(),
             "ledger": comm.ledger.state_dict(), "rng": rng_state(), "loop": loop}
+
+
+def model_state(model, strategy) -> dict:
+    """The model's state as the strategy keeps it: its ``model_state_dict()`` where it has one
+    (a sharding method saves each rank's shards), else ``model.state_dict()``."""
+    own = getattr(strategy, "model_state_dict", None)
+    return own() if own is not None else model.state_dict()
 
 
 def resized(state: dict, comm: Comm, strategy, where: Path) -> dict:
@@ -123,7 +130,7 @@ def restore(resume: str | Path, cfg, comm: Comm, ctl: Comm, model, strategy,
     check_model(model, state["ranks"][0]["model"] if "ranks" in state else state["model"], where)
     if "ranks" in state:
         state = resized(state, comm, strategy, from_dir)
-    model.load_state_dict(state["model"])
+    getattr(strategy, "load_model_state_dict", model.load_state_dict)(state["model"])
     strategy.load_state_dict(state["strategy"])
     comm.ledger.load_state_dict(state["ledger"])
     set_rng_state(state["rng"])

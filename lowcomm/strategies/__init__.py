@@ -7,6 +7,7 @@ from .async_ps import AsyncPS
 from .base import Context, Method, Strategy
 from .demo import DeMo
 from .diloco import DiLoCo, StreamingDiLoCo
+from .fsdp import FSDP
 from .gossip import Gossip
 from .localsgd import LocalSGD
 from .onebit_adam import OneBitAdam
@@ -14,5 +15,5 @@ from .sparta import Sparta, SpartaDiLoCo
 from .syncdp import SyncDP
 from .zeroone_adam import ZeroOneAdam
 
-__all__ = ["AsyncPS", "Context", "DeMo", "DiLoCo", "Gossip", "LocalSGD", "Method", "OneBitAdam",
+__all__ = ["AsyncPS", "Context", "DeMo", "DiLoCo", "FSDP", "Gossip", "LocalSGD", "Method", "OneBitAdam",
            "Sparta", "SpartaDiLoCo", "Strategy", "StreamingDiLoCo", "SyncDP", "ZeroOneAdam"]

@@ -77,6 +77,12 @@ def check_plan(plan: list[Level], gradient_compressor: str = "none") -> int:
                               f"(policy.{lower.name}={lower.method.name}): the τ steps' local "
                               "progress it adds back would count the lower level's averaging "
                               "twice; use merge=mix, delay=0, or syncdp below")
+    steppers = {p.method.name for p in plan[first:]}
+    if len(steppers) > 1:
+        raise ConfigError(f"policy.{plan[first].name}", f"the per-step levels "
+                          f"{', '.join(f'{p.name}={p.method.name}' for p in plan[first:])} run as "
+                          "one strategy over their ranks and must name one method; put an outer "
+                          "loop (localsgd, diloco) above the inner one")
     if first == len(plan) and gradient_compressor != "none":
         raise ConfigError("compressor.name", "compresses gradients, which only syncdp levels "
                           "exchange, and this policy has none; compress an outer loop's "
@@ -106,7 +112,8 @@ def build_policy(plan: list[Level], model, optimizer, comm, ctx: Context):
         lvl = plan[first]
         s = lvl.settings
         scope = comm if first == 0 else levels.group(names[first - 1])
-        if first == 0 and len(names) > 1 and "algorithm" not in lvl.options:
+        if first == 0 and len(names) > 1 and "algorithm" not in lvl.options \
+                and hasattr(s, "algorithm"):
             s = dataclasses.replace(s, algorithm="hierarchical")
         elif first > 0 and getattr(s, "algorithm", "") == "hierarchical":
             raise ConfigError(f"policy.{lvl.name}.algorithm", "hierarchical spans the whole job; "

@@ -69,6 +69,8 @@ METHODS: dict[str, list[str]] = {
                          "strategy.fragments=4", "strategy.delay=5"],
     "gossip": ["strategy.name=gossip", "strategy.graph=one-peer-exponential"],
     "async-ps": ["strategy.name=async-ps"],
+    # ZeRO-3 through torch's FSDP2: each rank holds 1/K of the parameters and optimizer state
+    "fsdp": ["strategy.name=fsdp"],
     # the compute floor: every rank trains alone, one average at the end (one-shot averaging,
     # Zinkevich et al. 2010) -- the seconds per step of a run that does not communicate
     "no-comm": ["strategy.name=localsgd", "strategy.period=1000000000"],

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import check_optimizer as opt_cases
+import lowcomm
 from lowcomm.comm.collectives import ALGORITHMS, allreduce_
 from lowcomm.run.evaluate import state_sha256
 
@@ -46,11 +47,22 @@ def test_allreduce_of_a_device_tensor_is_the_exact_sum_on_that_device(algorithm,
     assert torch.equal(t.cpu(), expected), f"{algorithm}: {(t.cpu() != expected).sum()} wrong"
 
 
+def shared_gpu(comm, device) -> bool:
+    """Whether ranks share a GPU (NCCL, hence fsdp on CUDA, refuses that)."""
+    import socket
+    where = comm.allgather_object((socket.gethostname(), str(device)))
+    return device.type == "cuda" and len(set(where)) < comm.size
+
+
 @pytest.mark.parametrize("name", opt_cases.METHODS)
 def test_every_method_trains_on_the_device_and_ends_with_one_model(name, comm, device):
     torch.manual_seed(0)
     model = opt_cases.make_model().to(device)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    if name == "fsdp" and shared_gpu(comm, device):     # see test_fsdp_over_nccl...
+        with pytest.raises(lowcomm.CommError, match="NCCL needs one GPU per rank"):
+            opt_cases.METHODS[name](model, inner, comm)
+        return
     with opt_cases.METHODS[name](model, inner, comm) as opt:
         if getattr(opt, "is_server", False):
             opt.serve()
@@ -96,3 +108,60 @@ def test_zero_on_the_device_equals_syncdp_and_reports_device_memory(spec, comm, 
     assert len(set(comm.allgather_object(state_sha256(model)))) == 1
     assert mem["peak_of"] == "cuda" and mem["peak_bytes"] > 0
     assert mem["optimizer_state_bytes"] <= ref_mem["optimizer_state_bytes"] * 0.75, (mem, ref_mem)
+
+
+@pytest.mark.mpi(sizes=(1, 2))   # one GPU: `launchers/local.sh -n 1 ... -k fsdp_over_nccl` runs NCCL
+def test_fsdp_over_nccl_trains_gpt2_as_syncdp_does(comm, device):
+    """FSDP2 over NCCL (lowcomm's torch.distributed group, ``cuda:nccl,cpu:gloo``) on a
+    transformers GPT-2, each GPT2Block its own unit, against SyncDP on the same device (SGD with
+    momentum: to 1e-5; CUDA's embedding backward adds atomically, so not bit for bit); a sharded
+    checkpoint resumes bit for bit; ``finish`` leaves the whole model on the GPU on every rank.
+    Where ranks share one GPU, NCCL cannot run them: the method must say so by name."""
+    import io
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)).to(device)
+
+    def train(model, opt, steps):
+        for step in steps:
+            x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(
+                100 * step + comm.rank)).to(device)
+            opt.zero_grad()
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+    model = gpt2()
+    if shared_gpu(comm, device):
+        with pytest.raises(lowcomm.CommError, match="NCCL needs one GPU per rank"):
+            lowcomm.build("fsdp:wrap=GPT2Block", model, sgd(model), comm)
+        return
+    opt = lowcomm.build("fsdp:wrap=GPT2Block", model, sgd(model), comm)
+    train(model, opt, range(2))
+    buf = io.BytesIO()
+    torch.save({"model": opt.model_state_dict(), "strategy": opt.state_dict()}, buf)
+    train(model, opt, range(2, 4))
+    opt.finish()
+    again = gpt2()
+    opt2 = lowcomm.build("fsdp:wrap=GPT2Block", again, sgd(again), comm)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    opt2.load_model_state_dict(saved["model"])
+    opt2.load_state_dict(saved["strategy"])
+    train(again, opt2, range(2, 4))
+    opt2.finish()
+    ref = gpt2()
+    dp = lowcomm.SyncDP(ref, sgd(ref), comm)
+    train(ref, dp, range(4))
+    dp.finish()
+    assert all(p.device == device for p in model.parameters()), "finish moved the model"
+    assert state_sha256(again) == state_sha256(model), "the resumed run differs"
+    assert len(set(comm.allgather_object(state_sha256(model)))) == 1, "the ranks' models differ"
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), f"{n}: FSDP and SyncDP differ"

@@ -54,11 +54,12 @@ METHODS = {
     "demo": lambda m, o, c: lowcomm.build("demo:topk=4,chunk=8", m, o, c),
     "sparta": lambda m, o, c: lowcomm.build("sparta:fraction=0.1", m, o, c),
     "sparta-diloco": lambda m, o, c: lowcomm.build("sparta-diloco:period=2,fraction=0.1", m, o, c),
+    "fsdp": lambda m, o, c: lowcomm.build("fsdp", m, o, c),
     "policy": lambda m, o, c: lowcomm.policy({"dc": "diloco:period=2"}, m, o, c,
                                              topology="dc:2,rank:1"),
 }
 LOCKSTEP = {"syncdp", "syncdp-int8", "zero2", "zero1", "horovod", "onebit-adam", "zeroone-adam",   # gradients meet
-            "demo"}                                                               # every step
+            "demo", "fsdp"}                                                               # every step
 
 
 def build(name: str, comm, lr: float = 0.1):
@@ -96,6 +97,14 @@ def run(opt, model, comm, steps=STEPS, *, each=None, scaler=None, inf_at=None, m
             each(step)
 
 
+def plain(model, params_only: bool = False) -> dict:
+    """A copy of the model's state (``params_only``: its parameters) as whole tensors (FSDP's
+    sharded DTensors gathered)."""
+    state = dict(model.named_parameters()) if params_only else model.state_dict()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in state.items()}
+
+
 def hashes(comm, model) -> list[str]:
     return comm.allgather_object(state_sha256(model))
 
@@ -122,7 +131,7 @@ def test_is_an_optimizer_that_lr_schedulers_drive(name, comm):
     opt.finish()
     # LambdaLR at factor 0 must stop every method's update: the lr reaches what updates
     model, inner, opt = build(name, comm)
-    before = copy.deepcopy(model.state_dict())
+    before = plain(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0)
     run(opt, model, comm, each=lambda s: sched.step())
     opt.finish()
@@ -131,7 +140,7 @@ def test_is_an_optimizer_that_lr_schedulers_drive(name, comm):
         assert torch.equal(v.detach(), before[k]), f"{k} moved at lr 0"
     # and at factor 1 they move
     model, inner, opt = build(name, comm)
-    before = copy.deepcopy(model.state_dict())
+    before = plain(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     run(opt, model, comm, each=lambda s: sched.step())
     opt.finish()
@@ -153,7 +162,8 @@ def test_clipping_between_backward_and_step_sees_the_gradients_applied(name, com
         opt.serve()
         opt.finish()
         return
-    shadow = copy.deepcopy(model)            # the same parameters, no method: local gradients
+    shadow = make_model()                    # the same parameters, no method: local gradients
+    shadow.load_state_dict(plain(model))
     x, y = batch(1, comm.rank)
     rng = torch.get_rng_state()                # the same dropout masks in both
     opt.zero_grad()
@@ -162,12 +172,13 @@ def test_clipping_between_backward_and_step_sees_the_gradients_applied(name, com
         with pytest.raises(lowcomm.LowcommError, match="clip_grad_norm_"):   # is refused, the
             torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))  # method's sees all
         norm = float(opt.clip_grad_norm_(float("inf"), norm_type=2.0))
-    else:
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+    else:                                     # (fsdp: DTensor gradients, a global norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     torch.set_rng_state(rng)
     loss_of(shadow, x, y).backward()
     local = [p.grad.clone() for p in shadow.parameters()]
-    if name in ("syncdp", "horovod", "zero2"):  # the average of the ranks' gradients, on every rank
+    if name in ("syncdp", "horovod", "zero2", "fsdp"):  # the average of the ranks' gradients, on every rank
         every = comm.allgather_object(local)
         mean = [sum(g[i] for g in every) / comm.size for i in range(len(local))]
         want = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in mean])))
@@ -191,10 +202,10 @@ def test_grad_scaler_skips_a_step_whose_gradients_are_not_finite(name, comm):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     inner_steps = [0]
     inner.register_step_post_hook(lambda *_: inner_steps.__setitem__(0, inner_steps[0] + 1))
-    seen = {0: ({k: v.detach().clone() for k, v in model.named_parameters()}, scaler.get_scale())}
+    seen = {0: (plain(model, True), scaler.get_scale())}
 
     def each(step):
-        seen[step] = ({k: v.detach().clone() for k, v in model.named_parameters()}, scaler.get_scale())
+        seen[step] = (plain(model, True), scaler.get_scale())
 
     run(opt, model, comm, scaler=scaler, inf_at=2, each=each)
     opt.finish()

@@ -1,0 +1,83 @@
+"""FSDP (torch FSDP2 behind lowcomm's method interface) under real mpirun
+(tests/mpi/check_fsdp.py, each case asserted on every rank), and its config errors."""
+import json
+
+import pytest
+import torch
+
+from conftest import run_mpi_suite, run_ranks
+from lowcomm.errors import ConfigError
+from lowcomm.run.api import load_config
+from lowcomm.run.evaluate import dict_sha256
+from lowcomm.strategies.fsdp import join_shards
+
+
+def test_fsdp_on_two_ranks():
+    cases = run_mpi_suite(2, "check_fsdp.py", timeout=400)
+    assert "check_fsdp.py::test_fsdp_equals_syncdp_bit_for_bit_at_two_ranks[gpt2]" in cases
+    assert "check_fsdp.py::test_resume_on_one_rank_continues_the_two_rank_run" in cases
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["topology=dc:2,rank:2", "policy.dc=fsdp", "policy.rank=fsdp"], "policy.dc",
+     "fsdp would shard across the 'dc' level, a wide-area link"),
+    (["topology=dc:2,rank:2", "strategy.name=fsdp"], "strategy.name", "across the 'dc' level"),
+    (["topology=dc:2,rank:2", "policy.rank=fsdp", "policy.dc=diloco:period=4"], "policy.dc",
+     "diloco over policy.rank=fsdp is not supported"),
+    (["topology=dc:2,rank:2", "policy.rank=fsdp", "policy.dc=localsgd:period=4"], "policy.dc",
+     "localsgd over policy.rank=fsdp is not supported"),
+    (["topology=dc:2,rank:2", "policy.rank=fsdp"], "policy.dc",       # policy.dc is syncdp
+     "dc=syncdp, rank=fsdp run as one strategy"),
+    (["strategy.name=fsdp", "strategy.wrap= "], "strategy.wrap", "is empty"),
+    (["strategy.name=fsdp", "strategy.param_dtype=fp8"], "strategy.param_dtype", "unknown value"),
+])
+def test_bad_fsdp_settings_name_the_key(overrides, key, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert e.value.key == key and words in str(e.value), str(e.value)
+
+
+def test_fsdp_inside_a_datacenter_is_accepted():
+    cfg = load_config(None, ["topology=node:2,rank:2", "policy.node=fsdp:wrap=Linear",
+                             "policy.rank=fsdp:wrap=Linear"])
+    assert cfg.policy["node"].startswith("fsdp")
+
+
+def whole_model_sha(folder) -> str:
+    """state_sha256 of the model whose shards the checkpoint ``folder``'s rank files hold."""
+    return dict_sha256(join_shards([torch.load(f, weights_only=False)["model"]
+                                    for f in sorted(folder.glob("rank-*.pt"))]))
+
+
+def test_a_two_rank_fsdp_run_resumes_on_four_ranks(tmp_path):
+    """``lowcomm train`` on the built-in task (wrap=auto: its transformer blocks): 2 ranks
+    checkpoint their shards at step 3; resumed on 4 ranks (to steps=3), the model is exactly
+    the 2 ranks' shards put together, and the 4 ranks agree."""
+    sets = [a for o in ("strategy.name=fsdp", "steps=6", "checkpoint.every=3", "model.d_model=32",
+                        "model.n_layers=2", "eval_batches=2", "batch_size=4", "log_every=3")
+            for a in ("--set", o)]
+    two, four = tmp_path / "two", tmp_path / "four"
+    for np_, out, extra in ((2, two, []), (4, four, ["--resume", two, "--set", "steps=3"])):
+        r = run_ranks(np_, "lowcomm", "train", "--quiet", "--out", out, *sets, *extra, timeout=300)
+        assert r.returncode == 0, r.output
+    summary = json.loads((four / "summary.json").read_text())
+    assert summary["state_sha256"] == whole_model_sha(two / "checkpoints" / f"step-{3:08d}")
+    assert summary["resizes"] == [{"step": 3, "from": 2, "to": 4}]
+    assert summary["ranks_agree"] is True and summary["ranks"] == 4
+
+
+def test_wrap_auto_picks_the_transformer_blocks_and_names_select_classes():
+    transformers = pytest.importorskip("transformers")
+    from lowcomm.errors import ArgumentError
+    from lowcomm.strategies.fsdp import wrap_units
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=2))
+    blocks = list(model.transformer.h)
+    assert wrap_units(model, "auto") == blocks[::-1]            # wrapped last block first
+    assert wrap_units(model, "GPT2Block") == blocks[::-1]
+    assert set(wrap_units(model, "GPT2Block,GPT2MLP")) == set(blocks) | {b.mlp for b in blocks}
+    assert wrap_units(model, "none") == []
+    mlp = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert wrap_units(mlp, "auto") == []                         # no ModuleList: one unit
+    with pytest.raises(ArgumentError, match="'wrap': 'Block' matches no module of Sequential"):
+        wrap_units(mlp, "Block")
