@@ -260,7 +260,7 @@ def bench_step(config, overrides, strategies, steps, warmup, json_path):
 @bench.command("memory")
 @config_options
 @click.option("--method", "methods", multiple=True, show_default=True,
-              default=("syncdp", "zero1", "zero2", "dc=diloco:period=50;rank=zero2@dc:2,rank:K/2"),
+              default=("syncdp", "zero1", "zero2", "fsdp", "dc=diloco:period=50;rank=zero2@dc:2,rank:K/2"),
               help="A row (repeat the option): a spec, or LEVEL=SPEC;...@TOPOLOGY for an outer "
               "loop over a sharded level (K/2 in a topology: half the rank count).")
 @click.option("--ranks", default="1,2,4,8", show_default=True, help="Rank counts K, each its own mpirun.")

@@ -26,6 +26,8 @@ def storage_bytes(tensors) -> int:
     for t in tensors:
         if t is None or not torch.is_tensor(t) or getattr(type(t), "sharded", False):
             continue
+        if hasattr(t, "to_local"):          # a DTensor (FSDP2): this rank's shard
+            t = t.to_local()
         s = t.untyped_storage()
         key = (s.data_ptr(), t.device)
         if key not in seen and s.nbytes():

@@ -262,9 +262,12 @@ STEP_POWERSGD_START = 2
 #: ``local``: every rank steps on its own gradients, nothing sent -- the floor under every
 #: data-parallel row (same model, batches and optimizer; only the communication is missing)
 STEP_LOCAL = "local"
+#: the sharded rows: their spec (ZeRO's buckets are SyncDP's ``bucket_mb``)
+STEP_SHARDED = {"zero1": "zero1", "zero2": "zero2", "zero2-qgz": "zero2:qgz=int8,qwz=int8",
+                "zero2-qgz4": "zero2:qgz=int4,qwz=int8"}
 STEP_STRATEGIES = ("syncdp", *[f"syncdp-{a}" for a in ALGORITHMS], "horovod", "ddp-gloo",
                    *[f"syncdp-{c}" for c in STEP_COMPRESSORS], *[f"ddp-gloo-{c}" for c in DDP_HOOKS],
-                   STEP_LOCAL)
+                   *STEP_SHARDED, STEP_LOCAL)
 
 
 def _ddp_hook(ddp, name: str, cfg) -> None:
@@ -314,7 +317,7 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
     # lowcomm's rows and the floor take turns step by step, so a load that comes and goes falls
     # on all of them alike and their ratios hold; torch DDP and Horovod run in windows of their
     # own (their threads would slow the others)
-    together = [n for n in names if n == STEP_LOCAL or n.startswith("syncdp")]
+    together = [n for n in names if n == STEP_LOCAL or n.startswith("syncdp") or n in STEP_SHARDED]
     rows = _time_rows(together, comm, ctl, task, cfg, s, warmup, steps) if together else {}
     for name in names:
         if name not in together:
@@ -388,7 +391,7 @@ def _step_row(name: str, comm: Comm, task, cfg, s) -> _StepRow:
     run.validate = False
     wrapped = _step_wrapped(name, run, cfg, s, model, opt)
     return _StepRow(name, params, wrapped, lambda b: task.loss(model, b), wrapped.close,
-                    [] if isinstance(wrapped, SyncDP) else None)
+                    [] if hasattr(wrapped, "sync_s") else None)
 
 
 def _step_wrapped(name: str, run: Comm, cfg, s, model, opt):
@@ -398,6 +401,9 @@ def _step_wrapped(name: str, run: Comm, cfg, s, model, opt):
     from ..strategies.syncdp import SyncDP
     if name == "horovod":
         return HorovodDP(model, opt, run)
+    if name in STEP_SHARDED:
+        from ..run.registry import build
+        return build(STEP_SHARDED[name], model, opt, run, bucket_mb=s.bucket_mb, overlap=s.overlap)
     compressed = name.split("-", 1)[-1] in STEP_COMPRESSORS
     algorithm = name.split("-", 1)[1] if name.startswith("syncdp-") and not compressed else s.algorithm
     levels = None

@@ -69,8 +69,15 @@ METHODS: dict[str, list[str]] = {
                          "strategy.fragments=4", "strategy.delay=5"],
     "gossip": ["strategy.name=gossip", "strategy.graph=one-peer-exponential"],
     "async-ps": ["strategy.name=async-ps"],
+    # ZeRO-1/2 on lowcomm's collectives: 1/K of the optimizer state (and gradients) per rank,
+    # SyncDP's bytes; ZeRO++'s quantized gradients and weights: about a quarter of them
+    "zero1": ["strategy.name=zero1"],
+    "zero2": ["strategy.name=zero2"],
+    "zero2-qgz": ["strategy.name=zero2", "strategy.qgz=int8", "strategy.qwz=int8"],
     # ZeRO-3 through torch's FSDP2: each rank holds 1/K of the parameters and optimizer state
     "fsdp": ["strategy.name=fsdp"],
+    # sharded inside each datacenter, DiLoCo between them on the shards
+    "dc-diloco-zero2": ["policy.rank=zero2", "policy.dc=diloco:period=50"],
     # the compute floor: every rank trains alone, one average at the end (one-shot averaging,
     # Zinkevich et al. 2010) -- the seconds per step of a run that does not communicate
     "no-comm": ["strategy.name=localsgd", "strategy.period=1000000000"],
