@@ -25,7 +25,8 @@ import shutil
 from pathlib import Path
 
 from ..errors import RunFolderError
-from .folder import MARKER, RUN_FILES, lock, read_marker, remove_run, usable, write_text
+from .folder import (MARKER, RUN_FILES, close_run, lock, read_marker, remove_run, usable,
+                     write_text)
 
 log = logging.getLogger("lowcomm.fleet")
 
@@ -64,6 +65,14 @@ def claim(out: Path, overwrite: bool, resume: bool) -> None:
         raise RunFolderError(f"cannot use {out} for the fleet: {e.strerror or e}") from None
     if problem:
         raise RunFolderError(problem)
+    try:
+        _check(out, overwrite, resume)
+    except BaseException:
+        close_run(lock_key(out))
+        raise
+
+
+def _check(out: Path, overwrite: bool, resume: bool) -> None:
     mine = folders(out)
     for x in mine:
         busy = usable(out / x["folder"]) if (out / x["folder"]).is_dir() else None
