@@ -360,6 +360,9 @@ class Fleet:
     def _fall_back(self, why: str) -> None:
         """The coordinator is gone: end every job, start a new coordinator, resume the
         datacenters from their newest common checkpoint (module docstring, 4)."""
+        if self.stopping:
+            raise FleetRunError(f"{why} while the fleet was stopping; continue from the "
+                                f"datacenters' last checkpoints with --resume {self.out}")
         if len(self.fallbacks) >= self.max_restarts:
             raise FleetRunError(f"{why}; {len(self.fallbacks)} restart(s) from checkpoints used, "
                                 "giving up")
