@@ -259,3 +259,15 @@ def test_a_halt_rides_on_the_next_decision_and_a_stopped_member_is_no_failure():
         f.say(dc, "bye", reason="stopped")
     f.tick()
     assert not f.events("failure")[1:] and f.m.over, f.m.events
+
+
+def test_a_halt_stops_a_datacenter_left_without_a_quorum():
+    """2 datacenters, one relaunching: a stop must not wait for a quorum that cannot come."""
+    f = Fleet(dcs=2, min_dcs=2)
+    f.m.down(1, 0, "killed", f.now)
+    f.ready([0], "t8.f0")
+    f.tick()
+    assert f.m.phase == "collect", "decided without a quorum"
+    f.m.halt(2)
+    f.tick()
+    assert f.m.decision["members"] == [0] and f.m.decision["halt"] == 2, f.m.decision

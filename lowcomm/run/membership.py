@@ -25,7 +25,9 @@ in rounds), ``joining`` (a relaunched job waiting to be admitted), ``gone`` (fai
   that are not left out can never make a quorum again: the coordinator gives up at once.
 * **Stop.** Told to halt (the fleet got SIGINT/SIGTERM), every decision says ``halt``: each
   member stops at that round's boundary and writes its checkpoint (all at the same step) and
-  says ``bye`` (stopped); joining sites are told ``over``.
+  says ``bye`` (stopped); joining sites are told ``over``. That round goes ahead without a
+  quorum (its members only checkpoint and stop; a resume starts from the newest step
+  ``min_dcs`` of them hold).
 * **End.** When no site is active any more and one has finished, joining sites are told
   ``over``; when none has finished, nobody is left to hand the state on: the coordinator gives
   up (the fleet restarts from checkpoints).
@@ -226,7 +228,7 @@ class Membership:
         admit = any(r.get("admit") for r in self.readies.values())
         joining = sorted(d for d, s in self.sites.items() if s.state == "joining")
         joiners = joining if admit else []
-        if len(active) + len(joining) < self.min_dcs:
+        if len(active) + len(joining) < self.min_dcs and not self.halt_signum:
             self._quorum(now, len(active))
             return
         # short of a quorum only for the joiners' sake: this round goes ahead with the active
