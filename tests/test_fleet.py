@@ -251,27 +251,37 @@ def test_a_fleet_refuses_a_stopped_single_runs_folder_without_overwrite(stopped_
     assert _files(stopped_single) == before
 
 
-def test_fleet_overwrite_removes_only_what_lowcomm_wrote_by_its_marker(stopped_single, tmp_path, runs):
-    """A single run's folder with the user's own dc2023_backup/model.bin and dc1-notes.txt: the
-    run's files go, the user's stay; in a fleet's folder, only the folders its marker names."""
+def test_fleet_overwrite_removes_only_what_a_fleet_wrote_by_its_marker(stopped_single, tmp_path, runs):
+    """Beside the user's own dc2023_backup/model.bin, dc1-notes.txt and dc7/: a single run's
+    folder is refused (nothing changes); in a fleet's folder only the fleet's files and the
+    folders its marker names go."""
+    import shutil
+    from lowcomm.errors import RunFolderError
     from lowcomm.run.fleet_folder import lock_key
     from lowcomm.run.folder import close_run
     from lowcomm.tools.fleet_launch import prepare
-    import shutil
+    user = {"dc2023_backup/model.bin": b"weights", "dc1-notes.txt": b"notes", "dc7/mine.txt": b"mine"}
     for name, src in (("single", stopped_single), ("fleet", runs["flaky"][0].out)):
         out = tmp_path / name
         shutil.copytree(src, out)
-        (out / "dc2023_backup").mkdir()
-        (out / "dc2023_backup" / "model.bin").write_bytes(b"weights")
-        (out / "dc1-notes.txt").write_text("notes")
-        (out / "dc7").mkdir()
-        (out / "dc7" / "mine.txt").write_text("mine")
+        for f, data in user.items():
+            (out / f).parent.mkdir(exist_ok=True)
+            (out / f).write_bytes(data)
+        before = _files(out)
         r = cli("train", "--dcs", "2", "--np", "2", "--place", "local", "--out", out,
                 *sets("strategy.name=diloco"))
         assert r.returncode != 0 and "replace it with --overwrite" in r.stderr, r.output
+        if name == "single":
+            with pytest.raises(RunFolderError, match="holds a single run .* not a fleet's"):
+                prepare(None, ["strategy.name=diloco"], dcs=2, np=2, out=out, place="local",
+                        overwrite=True)
+            assert _files(out) == before
+            continue
+        r = cli("train", "--out", out, "--overwrite", "--set", "steps=1")
+        assert r.returncode != 0 and "holds a fleet's run" in r.stderr, r.output
+        assert _files(out) == before, "a single run's --overwrite took a fleet's files"
         prepare(None, ["strategy.name=diloco"], dcs=2, np=2, out=out, place="local", overwrite=True)
         close_run(lock_key(out))
         assert sorted(p.name for p in out.iterdir() if p.name != ".lowcomm.lock") == \
-            ["dc1-notes.txt", "dc2023_backup", "dc7"], (name, list(out.iterdir()))
-        assert _files(out) == {"dc2023_backup/model.bin": b"weights", "dc1-notes.txt": b"notes",
-                               "dc7/mine.txt": b"mine"}
+            ["dc1-notes.txt", "dc2023_backup", "dc7"], list(out.iterdir())
+        assert _files(out) == user

@@ -13,9 +13,10 @@ makes them. Rules:
   folder is still locked by a job;
 * a folder that holds a run (a fleet's or a single run's: its files, or its marker) is refused
   unless resumed or replaced with ``--overwrite``;
-* ``--overwrite`` removes only what lowcomm wrote, by the marker: a fleet's files and the folders
-  its marker names (each only of what lowcomm writes there), or a single run's files; never
-  anything else (a user's ``dc2023_backup/`` stays), and nothing without a marker.
+* ``--overwrite`` removes only what a fleet of lowcomm wrote, by its marker: the fleet's files
+  and the folders its marker names (each only of what lowcomm writes there); never anything
+  else (a user's ``dc2023_backup/`` stays); a single run's folder, or one without a marker, is
+  refused.
 """
 from __future__ import annotations
 
@@ -98,12 +99,16 @@ def _check(out: Path, overwrite: bool, resume: bool) -> None:
         raise RunFolderError(f"{out} holds {', '.join(present)} but no {MARKER}: lowcomm did not "
                              "write them, and --overwrite removes only what lowcomm wrote; move "
                              "them away or choose another --out")
+    if fleet_of(out) is None:
+        raise RunFolderError(f"{out} holds a single run ({', '.join(present)}), not a fleet's: "
+                             "a fleet's --overwrite replaces only a fleet's run; choose another "
+                             "--out (or replace that run with a single run's --overwrite)")
     remove(out)
 
 
 def remove(out: Path) -> None:
-    """Remove the run lowcomm wrote into ``out`` (a fleet's by its marker, or a single run's),
-    keeping everything else."""
+    """Remove the fleet's run lowcomm wrote into ``out`` (by its marker), keeping everything
+    else."""
     for x in folders(out):
         f = out / x["folder"]
         if f.is_dir():
@@ -121,7 +126,7 @@ def remove(out: Path) -> None:
                             ", ".join(sorted(p.name for p in f.iterdir())))
     for name in ("membership.jsonl", "coordinator.log"):
         (out / name).unlink(missing_ok=True)
-    remove_run(out)                    # summary, metrics, the marker (and a single run's files)
+    remove_run(out)                    # the fleet's summary, metrics and marker
 
 
 def mark(out: Path, run_id: str, entry: dict) -> None:
