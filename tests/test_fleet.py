@@ -227,6 +227,10 @@ def test_a_stopped_fleet_writes_its_checkpoints_says_how_to_resume_and_resumes(r
     s, plain = stop.summary(), runs["plain"][0].summary()
     assert s["finished_dcs"] == [0, 1, 2] and s["state_sha256"] == plain["state_sha256"], s
     assert [x["resumed_from"] for x in s["fleet"]["datacenters"]["0"]] == [step]
+    before = _files(stop.out)
+    r = cli("train", "--dcs", "3", "--resume", stop.out, "--place", "local")
+    assert r.returncode != 0 and "the fleet there finished" in r.stderr, r.output
+    assert _files(stop.out) == before
 
 
 def _files(folder):

@@ -87,6 +87,13 @@ def _check(out: Path, overwrite: bool, resume: bool) -> None:
             raise RunFolderError(f"--resume {out}: no fleet's run there (no {MARKER} of a fleet)"
                                  + ("; it holds a single run: resume it without --dcs"
                                     if marker else ""))
+        try:
+            ended = json.loads((out / "summary.json").read_text())
+        except (OSError, ValueError):
+            ended = None                     # stopped before its summary, or failed
+        if ended is not None and not ended.get("stopped"):
+            raise RunFolderError(f"--resume {out}: the fleet there finished (summary.json); "
+                                 "nothing to continue, and a finished run is never changed")
         return
     if not present and marker is None:
         return
