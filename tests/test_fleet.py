@@ -7,13 +7,14 @@ WAN's link faults: tests/test_fleet_wan.py."""
 import json
 import os
 import signal
+import sys
 import time
 
 import pytest
 
 from conftest import cli
-from fleet_helpers import (children, fleet, fleet_from_python, kill_rank0, metrics, reached,
-                           single_job, when)
+from fleet_helpers import (Run, children, fleet, fleet_from_python, kill_rank0, metrics, reached,
+                           sets, single_job, when)
 
 STEPS, PERIOD = 80, 20
 #: rounds of about 5 s (longer than a relaunch on a busy machine), converging
@@ -47,6 +48,35 @@ def runs(tmp_path_factory):
          lambda: [os.kill(pid, signal.SIGKILL)
                   for pid in children(coord, "lowcomm.run.coordinator")], deadline)
     done = {name: (r, *r.wait(deadline)) for name, r in started.items()}
+    return done
+
+
+@pytest.fixture(scope="module")
+def more(runs, tmp_path_factory):
+    """After those (not to slow their start-up): a fleet of 2 datacenters whose datacenter 1
+    loses rank 0 at step 12, on whose folder a fleet with --overwrite is tried at step 10, and
+    one stopped by SIGTERM at step 25."""
+    from lowcomm.errors import RunFolderError
+    from lowcomm.tools.fleet_launch import prepare
+    tmp = tmp_path_factory.mktemp("fleet-more")
+    deadline = time.monotonic() + 170
+    started = {"pair": fleet(tmp / "pair", *RUN, dcs=2, np=2), "stop": fleet(tmp / "stop", *RUN)}
+    when(lambda: reached(tmp / "pair" / "dc1" / "metrics.jsonl", 12),
+         lambda: kill_rank0(tmp / "pair" / "dc1"), deadline)
+    overwrite = {}
+
+    def replace_it():               # in this process (imported before): at once
+        try:
+            prepare(None, RUN, dcs=2, np=2, out=tmp / "pair", place="local", overwrite=True)
+            overwrite["error"] = None
+        except RunFolderError as e:
+            overwrite["error"] = str(e)
+        overwrite["running"] = not (tmp / "pair" / "summary.json").exists()
+    when(lambda: reached(tmp / "pair" / "dc0" / "metrics.jsonl", 10), replace_it, deadline)
+    when(lambda: reached(tmp / "stop" / "dc0" / "metrics.jsonl", 25),
+         lambda: os.kill(started["stop"].p.pid, signal.SIGTERM), deadline)
+    done = {name: (r, *r.wait(deadline)) for name, r in started.items()}
+    done["overwrite"] = overwrite
     return done
 
 
@@ -136,3 +166,130 @@ def test_train_fleet_refuses_a_bad_argument_before_anything_starts(tmp_path):
 def test_a_fleet_config_outside_a_fleet_is_an_error_naming_the_key(tmp_path):
     r = cli("train", "--out", tmp_path / "x", "--set", "fleet.dcs=3", "--set", "steps=1")
     assert r.returncode != 0 and "'fleet.dcs': a fleet is launched" in r.stderr, r.output
+
+
+def test_of_two_datacenters_a_killed_one_is_admitted_back_to_restore_the_quorum(more):
+    """2 datacenters need both for a round: the survivor's round goes ahead for the relaunched
+    one's sake, then it is admitted (before: the survivor waited for a quorum forever)."""
+    pair, rc, out = more["pair"]
+    assert rc == 0, out[-3000:]
+    s = pair.summary()
+    f = s["fleet"]
+    assert s["finished_dcs"] == [0, 1] and s["dcs_agree"], s["finished_dcs"]
+    assert [x["dc"] for x in f["failures"]] == [1] and [h["dc"] for h in f["heals"]] == [1], f
+    back = [r for r in f["membership"] if 1 in r["joiners"]]
+    assert back and back[0]["members"] == [0, 1], f["membership"]
+    assert f["membership"][-1]["members"] == [0, 1]
+    assert metrics(pair.out / "dc1.1")[-1]["step"] == STEPS
+
+
+def test_overwrite_on_a_running_fleets_folder_is_refused_and_deletes_nothing(more):
+    tried = more["overwrite"]
+    assert tried.get("running"), f"not tried while the fleet ran: {tried}"
+    assert tried["error"] and "is in use by another run (pid" in tried["error"], tried
+    pair, rc, out = more["pair"]
+    assert rc == 0 and pair.summary()["finished_dcs"] == [0, 1], out[-2000:]
+    assert [r["step"] for r in pair.summary()["fleet"]["membership"]][0] == PERIOD
+    for f in ("dc0/config.json", "dc0/metrics.jsonl", "membership.jsonl", "coordinator.log"):
+        assert (pair.out / f).exists(), f
+
+
+def test_after_a_coordinator_fallback_each_metrics_line_is_credited_once(runs):
+    coord = runs["coord"][0]
+    lines = [x for x in metrics(coord.out) if "event" not in x]
+    keys = [(x["dc"], x["step"]) for x in lines]
+    assert sorted(keys) == sorted(set(keys)), "a datacenter's line appears twice"
+    assert sorted(keys) == [(dc, st) for dc in range(3) for st in range(5, STEPS + 1, 5)], keys
+    assert {x["inc"] for x in lines if x["step"] <= 40} == {0}, "the first launch ran up to 40"
+    assert {x["inc"] for x in lines if x["step"] > 40} == {1}, "the resumed one ran the rest"
+    runs_of = coord.summary()["fleet"]["datacenters"]
+    for dc in ("0", "1", "2"):
+        assert [(i["first_step"], i["last_step"]) for i in runs_of[dc]] == [(5, 40), (45, STEPS)], runs_of
+
+
+def test_a_stopped_fleet_writes_its_checkpoints_says_how_to_resume_and_resumes(runs, more):
+    """SIGTERM: every datacenter stops after the same round with a checkpoint, the fleet says how
+    to continue and exits 143; --resume ends with the parameters of the run never stopped."""
+    stop, rc, out = more["stop"]
+    assert rc == 128 + signal.SIGTERM, out[-3000:]
+    s = stop.summary()
+    step = s["stopped"]["step"]
+    assert s["stopped"]["signal"] == "SIGTERM" and 25 <= step < STEPS, s["stopped"]
+    assert f"continue with: lowcomm train --dcs 3 --resume {stop.out}" in out, out[-2000:]
+    assert not s["fleet"]["failures"] and "Aborted" not in out
+    for dc in range(3):
+        assert (stop.out / f"dc{dc}" / "checkpoints" / f"step-{step:08d}").is_dir()
+    again = Run(stop.out.with_name("stop-resumed"), [sys.executable, "-m", "lowcomm.cli", "train",
+                                                     "--dcs", "3", "--resume", str(stop.out),
+                                                     "--place", "local"])
+    rc, out = again.wait(time.monotonic() + 120)
+    assert rc == 0, out[-3000:]
+    s, plain = stop.summary(), runs["plain"][0].summary()
+    assert s["finished_dcs"] == [0, 1, 2] and s["state_sha256"] == plain["state_sha256"], s
+    assert [x["resumed_from"] for x in s["fleet"]["datacenters"]["0"]] == [step]
+    before = _files(stop.out)
+    r = cli("train", "--dcs", "3", "--resume", stop.out, "--place", "local")
+    assert r.returncode != 0 and "the fleet there finished" in r.stderr, r.output
+    assert _files(stop.out) == before
+
+
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".lowcomm.lock"}
+
+
+@pytest.fixture(scope="module")
+def stopped_single(tmp_path_factory):
+    """A single run's folder as a run stopped before its end leaves it: config, metrics,
+    checkpoints, no summary."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    rc, log = single_job(out, "steps=4", "task.step_ms=0", "checkpoint.every=2",
+                         "strategy.name=diloco", "strategy.period=2", np=1).wait(time.monotonic() + 120)
+    assert rc == 0, log[-2000:]
+    (out / "summary.json").unlink()
+    return out
+
+
+def test_a_fleet_refuses_a_stopped_single_runs_folder_without_overwrite(stopped_single):
+    before = _files(stopped_single)
+    r = cli("train", "--dcs", "2", "--np", "2", "--place", "local", "--out", stopped_single,
+            *sets("strategy.name=diloco"))
+    assert r.returncode != 0 and f"{stopped_single} holds another run (checkpoints, config.json, " \
+        "metrics.jsonl" in r.stderr and "--overwrite" in r.stderr, r.output
+    assert _files(stopped_single) == before
+
+
+def test_fleet_overwrite_removes_only_what_a_fleet_wrote_by_its_marker(stopped_single, tmp_path, runs):
+    """Beside the user's own dc2023_backup/model.bin, dc1-notes.txt and dc7/: a single run's
+    folder is refused (nothing changes); in a fleet's folder only the fleet's files and the
+    folders its marker names go."""
+    import shutil
+    from lowcomm.errors import RunFolderError
+    from lowcomm.run.fleet_folder import lock_key
+    from lowcomm.run.folder import close_run
+    from lowcomm.tools.fleet_launch import prepare
+    user = {"dc2023_backup/model.bin": b"weights", "dc1-notes.txt": b"notes", "dc7/mine.txt": b"mine"}
+    for name, src in (("single", stopped_single), ("fleet", runs["flaky"][0].out)):
+        out = tmp_path / name
+        shutil.copytree(src, out)
+        for f, data in user.items():
+            (out / f).parent.mkdir(exist_ok=True)
+            (out / f).write_bytes(data)
+        before = _files(out)
+        r = cli("train", "--dcs", "2", "--np", "2", "--place", "local", "--out", out,
+                *sets("strategy.name=diloco"))
+        assert r.returncode != 0 and "replace it with --overwrite" in r.stderr, r.output
+        if name == "single":
+            with pytest.raises(RunFolderError, match="holds a single run .* not a fleet's"):
+                prepare(None, ["strategy.name=diloco"], dcs=2, np=2, out=out, place="local",
+                        overwrite=True)
+            assert _files(out) == before
+            continue
+        r = cli("train", "--out", out, "--overwrite", "--set", "steps=1")
+        assert r.returncode != 0 and "holds a fleet's run" in r.stderr, r.output
+        assert _files(out) == before, "a single run's --overwrite took a fleet's files"
+        prepare(None, ["strategy.name=diloco"], dcs=2, np=2, out=out, place="local", overwrite=True)
+        close_run(lock_key(out))
+        assert sorted(p.name for p in out.iterdir() if p.name != ".lowcomm.lock") == \
+            ["dc1-notes.txt", "dc2023_backup", "dc7"], list(out.iterdir())
+        assert _files(out) == user

@@ -210,3 +210,64 @@ def test_nobody_left_to_hand_the_state_on_is_an_error():
     f.m.down(1, 0, "killed", f.now)
     with pytest.raises(NoQuorum, match="no datacenter is left"):
         f.tick()
+
+
+def test_of_two_datacenters_a_relaunched_one_is_admitted_to_restore_the_quorum():
+    """2 datacenters (a quorum of 2), one killed: the other's round goes ahead once the
+    relaunched one says hello (it would else wait for a quorum that only the admission round
+    restores), then the admission round brings it back."""
+    f = Fleet(dcs=2, min_dcs=2)
+    f.round([0, 1], "t4.f0")
+    f.m.down(1, 0, "killed", f.now)
+    f.ready([0], "t8.f0")
+    f.tick(1.0, beat=[0])
+    assert f.m.decision is None or f.m.decision["round"] == 0, "decided without a quorum"
+    assert f.events("no_quorum")
+    f.say(1, "hello", inc=1, joining=True)
+    f.tick()
+    d = f.m.decision
+    assert d["round"] == 1 and d["members"] == [0] and d["admit_next"], d
+    f.done([0])
+    f.tick()
+    f.ready([0], "t8.admit", admit=True)
+    f.tick()
+    a = f.m.decision
+    assert a["members"] == [0, 1] and a["joiners"] == [1] and a["donor"] == 0, a
+    f.done([0, 1])
+    f.tick()
+    assert f.m.sites[1].state == "active" and f.events("admitted")[0]["dc"] == 1
+    assert f.round([0, 1], "t12.f0")["members"] == [0, 1]
+
+
+def test_too_few_datacenters_left_in_the_run_make_the_coordinator_give_up_at_once():
+    f = Fleet(dcs=2, min_dcs=2)
+    f.m.down(1, 0, "killed", f.now)
+    f.m.retire(1, "failed 4 times")
+    with pytest.raises(NoQuorum, match=r"only datacenter\(s\) \[0\] are left .* a round needs 2"):
+        f.tick()
+
+
+def test_a_halt_rides_on_the_next_decision_and_a_stopped_member_is_no_failure():
+    f = Fleet()
+    f.m.down(1, 0, "killed", f.now)
+    f.say(1, "hello", inc=1, joining=True)
+    f.m.halt(15)
+    assert [m for d, inc, m in f.m.outbox if (d, inc) == (1, 1)][-1] == {"type": "over"}
+    d = f.round([0, 2], "t8.f0")
+    assert d["halt"] == 15 and d["members"] == [0, 2] and not d["joiners"], d
+    for dc in (0, 2):
+        f.say(dc, "bye", reason="stopped")
+    f.tick()
+    assert not f.events("failure")[1:] and f.m.over, f.m.events
+
+
+def test_a_halt_stops_a_datacenter_left_without_a_quorum():
+    """2 datacenters, one relaunching: a stop must not wait for a quorum that cannot come."""
+    f = Fleet(dcs=2, min_dcs=2)
+    f.m.down(1, 0, "killed", f.now)
+    f.ready([0], "t8.f0")
+    f.tick()
+    assert f.m.phase == "collect", "decided without a quorum"
+    f.m.halt(2)
+    f.tick()
+    assert f.m.decision["members"] == [0] and f.m.decision["halt"] == 2, f.m.decision

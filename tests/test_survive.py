@@ -327,3 +327,22 @@ def test_a_stop_is_what_every_rank_says_not_one_ranks_signal(tmp_path):
     crash = job({"signal": "SIGTERM"}, {"error": "TaskError: t.py: batch() raised", "repeats": True})
     assert crash == {"stop": None, "signalled": True, "error": "TaskError: t.py: batch() raised",
                      "repeats": True}, crash
+
+
+def test_a_stop_completes_its_checkpoint_however_long_a_step_takes(tmp_path):
+    """Steps of 0.5 s: the stop (STOP_VOTE_LAG steps, then the checkpoint) takes longer than
+    mpirun's second between its SIGTERM and its SIGKILL; the supervisor passes the signal to the
+    ranks themselves, so that mpirun never gets one to act on."""
+    out = tmp_path / "run"
+    task = ROOT / "tests" / "fleet_task.py"
+    sup = a_supervisor(out, "--set", f"task={task}", "--set", "task.step_ms=500", "--set",
+                       "task.dim=8", "--set", "batch_size=8", "--set", "steps=100000", "--set",
+                       "log_every=1", "--set", "strategy.name=diloco", "--set", "strategy.period=4")
+    until(lambda: lines(out / "metrics.jsonl"), "the job did not start")
+    os.kill(sup.pid, signal.SIGTERM)
+    code, err = ended(sup)
+    assert code == 128 + signal.SIGTERM and "stopped by SIGTERM; not restarted" in err, err
+    log = (out / "stderr.log").read_text()
+    assert log.count("lowcomm: stopped by SIGTERM after step") == 1, log
+    step = int(log.split("stopped by SIGTERM after step ")[1].split(";")[0])
+    assert (out / "checkpoints" / f"step-{step:08d}" / "manifest.json").exists(), log

@@ -44,18 +44,19 @@ def refuse_outside(cfg) -> None:
 
 
 def run_fleet(config, overrides, out, np_, dcs, hostfiles, host, launcher, max_restarts,
-              quiet, overwrite, checkpoint_every, place="auto") -> None:
+              quiet, overwrite, checkpoint_every, place="auto", resume=None) -> None:
     """Launch and watch the fleet (:func:`lowcomm.tools.fleet_launch.train_fleet`); print its
-    summary's head. What cannot run is a usage error before anything starts."""
+    summary's head. What cannot run is a usage error before anything starts; a fleet stopped by
+    a signal says how to continue and exits with 128 + the signal."""
     from ..tools.fleet_launch import prepare
-    if np_ is None:
+    if np_ is None and resume is None:
         raise click.UsageError("--dcs needs --np (the ranks of all datacenters together)")
     overrides = (*overrides, *([f"checkpoint.every={checkpoint_every}"] if checkpoint_every else []))
     try:
-        fleet = prepare(config, overrides, dcs=dcs, np=np_, out=out or "runs/latest", place=place,
+        fleet = prepare(config, overrides, dcs=dcs, np=np_, out=out, place=place,
                         hostfiles_=hostfiles.split(",") if hostfiles else None, host=host,
                         launcher=launcher, overwrite=overwrite,
-                        max_restarts=1 if max_restarts is None else max_restarts)
+                        max_restarts=1 if max_restarts is None else max_restarts, resume=resume)
     except (OSError, LowcommError) as e:
         raise click.UsageError(str(e)) from None
     summary = fleet.run()
@@ -65,6 +66,16 @@ def run_fleet(config, overrides, out, np_, dcs, hostfiles, host, launcher, max_r
     f = summary["fleet"]
     click.echo(f"{len(f['membership'])} rounds, {len(f['failures'])} failure(s), "
                f"{len(f['heals'])} heal(s); wrote {fleet.out / 'summary.json'}")
+    stop = summary.get("stopped")
+    if stop and len(summary["finished_dcs"]) < fleet.min_dcs:
+        if stop["step"] is None:
+            click.echo(f"lowcomm: stopped by {stop['signal']} before a checkpoint that "
+                       f"{fleet.min_dcs} datacenters hold; nothing to resume from", err=True)
+        else:
+            click.echo(f"lowcomm: stopped by {stop['signal']}; every datacenter wrote its "
+                       f"checkpoint of step {stop['step']}; continue with: {stop['resume']}",
+                       err=True)
+        sys.exit(128 + stop["signum"])
     if len(summary["finished_dcs"]) < fleet.min_dcs:
         sys.exit(1)
 

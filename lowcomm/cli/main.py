@@ -81,7 +81,7 @@ def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, ma
     ranks' checkpoints by its own rule (see the README's "Resume on another number of ranks")."""
     if dcs is not None:                        # a fleet: one MPI job per datacenter
         run_fleet(config, overrides, out, np_, dcs, hostfiles, coordinator_host, launcher,
-                  max_restarts, quiet, overwrite, checkpoint_every, place)
+                  max_restarts, quiet, overwrite, checkpoint_every, place, resume)
         return
     if max_restarts is not None or np_ is not None:
         _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwrite,

@@ -144,6 +144,7 @@ class Channel:
         self._k = self._n = 0                 # messages sent / mailbox messages read
         self._group_id, self._comm = None, None
         self._admit_due = False
+        self.halted = 0                       # the signal the fleet was stopped by (a decision says)
         self._hb = _Heartbeat(lambda t: _store(self.host, self.port, t),
                               key("heartbeat", dc=dc, inc=inc), limits.heartbeat_s,
                               2 * limits.limit_s)
@@ -239,6 +240,7 @@ class Channel:
                              f"datacenter {self.dc}'s reduction failed: {err}")
         self.round, self.members = d["round"] + 1, list(d["members"])
         self._admit_due = self._admit_due or bool(d.get("admit_next"))
+        self.halted = self.halted or int(d.get("halt", 0))
         self.epoch_rounds.append({k: d[k] for k in ("round", "tag", "members", "attempt")})
         return True
 

@@ -6,7 +6,7 @@ leaders talk through (:mod:`lowcomm.comm.fleet`) and the membership's decisions
 ``ready PORT`` once the store listens, then serves until told ``stop`` on stdin (or stdin
 closes: the fleet that started it is gone). The fleet (:mod:`lowcomm.run.fleet`) writes one
 JSON command a line on its stdin — ``launch`` (a datacenter's job incarnation was started),
-``down`` (it ended, with the cause), ``retire`` (left out), ``stop`` — and reads the log's
+``down`` (it ended, with the cause), ``retire`` (left out), ``halt`` (stop every member after the next round), ``stop`` — and reads the log's
 events, one JSON line each, on its stdout. A thread per launched incarnation waits on that
 incarnation's next message key (the store answers a wait when the key is set, so nothing
 polls the network); the main loop reads heartbeats every half heartbeat, counts its own
@@ -123,6 +123,8 @@ class Coordinator:
                 w.stop.set()
         elif c["cmd"] == "retire":
             self.m.retire(c["dc"], c.get("why", "failed too often"))
+        elif c["cmd"] == "halt":
+            self.m.halt(c["signum"])
         elif c["cmd"] == "stop":
             self.stopping = True
 

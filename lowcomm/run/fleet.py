@@ -45,7 +45,9 @@ from typing import Callable
 from ..errors import LowcommError
 from . import outcome
 from .checkpoint import checkpoint_steps
-from .folder import new_run_id
+from .fleet_folder import fleet_of, lock_key, mark
+from .folder import close_run, new_run_id, read_marker
+from .signals import StopSignals
 from .supervise import _dies_with, cause
 
 log = logging.getLogger("lowcomm.fleet")
@@ -68,10 +70,12 @@ class Incarnation:
     cause: str | None = None
     fenced: str | None = None        # why the coordinator counted it out (its job torn down)
     started_t: float = field(default_factory=time.time)   # wall-clock of the launch
+    resumed_from: int | None = None  # the checkpoint's step it resumed from (in its folder)
 
     def record(self) -> dict:
         return {"dc": self.dc, "inc": self.inc, "folder": str(self.folder), "joining": self.joining,
-                "exit": self.exit, "cause": self.cause, "started_t": self.started_t}
+                "exit": self.exit, "cause": self.cause, "started_t": self.started_t,
+                "resumed_from": self.resumed_from}
 
 
 class Fleet:
@@ -80,12 +84,13 @@ class Fleet:
     of datacenter ``dc``'s job; ``coordinator``: a prefix for the coordinator's process (where
     it runs), ``host``: the address the leaders reach it at; ``env(dc)``: variables for
     datacenter ``dc``'s job (e.g. ``GLOO_SOCKET_IFNAME``); ``timeout_s``: end everything after
-    that long."""
+    that long. ``resume``: continue the stopped fleet in ``out`` (its marker names its folders
+    and launch arguments) from the newest step ``min_dcs`` datacenters hold a checkpoint of."""
 
     def __init__(self, cfg, args: list[str], out: Path, np: int,
                  launch: Callable[[int, int], list[str]], coordinator: list[str] = (),
                  host: str = "127.0.0.1", env: Callable[[int], dict] | None = None,
-                 max_restarts: int = 1, timeout_s: float | None = None):
+                 max_restarts: int = 1, timeout_s: float | None = None, resume: bool = False):
         self.cfg, self.args, self.out, self.np = cfg, list(args), Path(out), np
         self.dcs = cfg.fleet.dcs
         self.min_dcs = cfg.fleet.min_dcs or self.dcs // 2 + 1
@@ -100,8 +105,21 @@ class Fleet:
         self.fallbacks: list[dict] = []
         self.events: queue.Queue = queue.Queue()
         self.coord = None
+        self.gave_up: str | None = None              # why the coordinator gave up, if it did
         self.over = False
         self.next_inc = {dc: 0 for dc in range(self.dcs)}
+        self.resuming = resume
+        self.entry = {"dcs": self.dcs, "np": np, "args": self.args, "folders": []}
+        self.run_id = new_run_id()
+        self.earlier: list[dict] = []                # a resumed fleet's incarnations before it
+        if resume:
+            self.entry = dict(fleet_of(self.out), args=self.args)
+            self.run_id = read_marker(self.out)["run"]
+            self.earlier = list(self.entry["folders"])
+            for x in self.earlier:
+                self.next_inc[x["dc"]] = max(self.next_inc[x["dc"]], x["inc"] + 1)
+        self.stopping = 0                            # the signal that stops the fleet
+        self.halted = False                          # the coordinator was told
 
     # the coordinator ----------------------------------------------------------------------------
     def _limits(self):
@@ -149,11 +167,15 @@ class Fleet:
     def _folder(self, dc: int, inc: int) -> Path:
         return self.out / (f"dc{dc}" if inc == 0 else f"dc{dc}.{inc}")
 
-    def _start_job(self, dc: int, joining: bool, resume: Path | None = None) -> None:
+    def _start_job(self, dc: int, joining: bool, resume: Path | None = None,
+                   step: int | None = None) -> None:
         inc = self.next_inc[dc]
         self.next_inc[dc] = inc + 1
         folder = resume or self._folder(dc, inc)
         folder.mkdir(parents=True, exist_ok=True)
+        self.entry["folders"].append({"dc": dc, "inc": inc, "folder": folder.name,
+                                      "resumed_from": step})
+        mark(self.out, self.run_id, self.entry)
         n = self.np // self.dcs
         args = self.args if resume is None else ["--resume", str(folder)]   # its saved config
         cmd = [*self.launch(dc, n), sys.executable, "-m", "lowcomm.cli", "train", *args,
@@ -170,7 +192,7 @@ class Fleet:
             se.flush()
             p = subprocess.Popen(cmd, stdout=so, stderr=se, env=env, start_new_session=True,
                                  preexec_fn=_dies_with(os.getpid()))
-        job = Incarnation(dc, inc, folder, p, joining, time.monotonic())
+        job = Incarnation(dc, inc, folder, p, joining, time.monotonic(), resumed_from=step)
         self.jobs[dc] = job
         self.history.append(job)
         self._tell(cmd="launch", dc=dc, inc=inc)
@@ -192,6 +214,9 @@ class Fleet:
             job.cause = "finished"
             return
         said = outcome.read(job.folder / ".reports")
+        if self.stopping and said["stop"]:
+            job.cause = f"stopped by {said['stop']}"
+            return
         job.cause = job.fenced or said["error"] or cause(_tail(job.folder / "stderr.log"), job.exit)
         if self.over and job.joining:
             job.cause = "the run ended before it was admitted"
@@ -211,29 +236,88 @@ class Fleet:
 
     # the loop -----------------------------------------------------------------------------------
     def run(self) -> dict:
-        """Run the fleet to its end; the summary (also written to ``OUT/summary.json``)."""
+        """Run the fleet to its end; the summary (also written to ``OUT/summary.json``). A
+        SIGINT/SIGTERM/SIGHUP stops every datacenter after the same round, each writing its
+        checkpoint (a second one kills the jobs at once); ``--resume`` continues from there."""
         from .fleet_report import write_report
         self.out.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        self._start_coordinator()
-        for dc in range(self.dcs):
-            self._start_job(dc, joining=False)
         try:
-            while self.jobs or self.due:
-                self._step(time.monotonic(), t0)
-                time.sleep(0.1)
+            start = self._resume_point() if self.resuming else None
+            with StopSignals(self._on_signal):
+                try:
+                    self._start_coordinator()
+                    if start is not None:
+                        self._launch_all(*start)
+                    else:
+                        for dc in range(self.dcs):
+                            self._start_job(dc, joining=False)
+                    while self.jobs or self.due:
+                        self._step(time.monotonic(), t0)
+                        time.sleep(0.1)
+                finally:
+                    for job in list(self.jobs.values()):
+                        self._kill(job)
+                    self._stop_coordinator()
+            return write_report(self, time.monotonic() - t0)
         finally:
-            for job in list(self.jobs.values()):
-                self._kill(job)
-            self._stop_coordinator()
-        return write_report(self, time.monotonic() - t0)
+            close_run(lock_key(self.out))
+
+    def _resume_point(self) -> tuple[int, dict[int, Path]]:
+        step, have = self._common_checkpoint()
+        if not step:
+            raise FleetRunError(f"--resume {self.out}: no step that {self.min_dcs} datacenters "
+                                "(fleet.min_dcs) hold a checkpoint of; nothing to resume from")
+        log.info("resuming the fleet from the checkpoints of step %d (datacenters %s)", step,
+                 sorted(have))
+        return step, have
+
+    def _launch_all(self, step: int, have: dict[int, Path]) -> None:
+        """Launch every datacenter not left out: those in ``have`` resumed from their checkpoint
+        of ``step``, the others to be admitted live (from step 0 when ``step`` is 0)."""
+        for dc in range(self.dcs):
+            if dc in self.retired:
+                continue
+            if step and dc in have:
+                self._start_job(dc, joining=False, resume=have[dc], step=step)
+            else:
+                self._start_job(dc, joining=bool(step))
+
+    # stopping on request ------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        if self.stopping:
+            raise FleetRunError(f"stopped at once by a second {signal.Signals(signum).name}: the "
+                                "datacenters' jobs were killed without a final checkpoint; "
+                                f"continue from their last checkpoints with --resume {self.out}")
+        self.stopping = signum
+        log.warning("%s: every datacenter stops after the next round and writes a checkpoint "
+                    "(send it again to stop at once)", signal.Signals(signum).name)
+
+    def _halt(self) -> None:
+        """Stop the fleet (:meth:`run`): the coordinator marks the next decision so that every
+        member stops at its boundary; nothing is relaunched any more."""
+        self.halted = True
+        self.over = True
+        self.due.clear()
+        self._tell(cmd="halt", signum=int(self.stopping))
+
+    def stopped_at(self) -> int | None:
+        """The step a stopped fleet can resume from (None: not stopped, or no such step)."""
+        if not self.stopping:
+            return None
+        step, _ = self._common_checkpoint(move=False)
+        return step or None
 
     def _step(self, now: float, t0: float) -> None:
         if self.timeout_s is not None and now - t0 > self.timeout_s:
             raise FleetRunError(f"the fleet did not finish within {self.timeout_s:g} s")
         self._read_events()
+        if self.stopping and not self.halted:
+            self._halt()
         if self.coord.poll() is not None:
-            self._fall_back(f"the coordinator ended (exit {self.coord.returncode})")
+            self._read_events()               # its last words: why it gave up
+            self._fall_back(f"the coordinator gave up: {self.gave_up}" if self.gave_up else
+                            f"the coordinator ended (exit {self.coord.returncode})")
             return
         for job in list(self.jobs.values()):
             if job.proc.poll() is not None:
@@ -256,6 +340,8 @@ class Fleet:
                 if job is not None and job.inc == ev["inc"]:
                     job.fenced = f"left out by the coordinator: {ev['cause']}"
                     self._kill(job)
+            elif ev["event"] == "gave_up":
+                self.gave_up = ev["why"]
             elif ev["event"] == "over":
                 self.over = True
                 for dc in list(self.due):     # nothing left to rejoin
@@ -274,9 +360,16 @@ class Fleet:
     def _fall_back(self, why: str) -> None:
         """The coordinator is gone: end every job, start a new coordinator, resume the
         datacenters from their newest common checkpoint (module docstring, 4)."""
+        if self.stopping:
+            raise FleetRunError(f"{why} while the fleet was stopping; continue from the "
+                                f"datacenters' last checkpoints with --resume {self.out}")
         if len(self.fallbacks) >= self.max_restarts:
             raise FleetRunError(f"{why}; {len(self.fallbacks)} restart(s) from checkpoints used, "
                                 "giving up")
+        if self.dcs - len(self.retired) < self.min_dcs:
+            raise FleetRunError(f"{why}; only {self.dcs - len(self.retired)} datacenter(s) are "
+                                f"left and a round needs {self.min_dcs} (fleet.min_dcs)")
+        self.gave_up = None
         for job in list(self.jobs.values()):
             job.fenced = f"ended by the fleet: {why}"
             self._kill(job)
@@ -289,27 +382,22 @@ class Fleet:
         log.warning("%s: restarting the fleet from %s", why,
                     f"the checkpoints of step {step}" if step else "step 0")
         self._start_coordinator()
-        for dc in range(self.dcs):
-            if dc in self.retired:
-                continue
-            if step and dc in have:
-                self._start_job(dc, joining=False, resume=have[dc])
-            else:
-                self._start_job(dc, joining=bool(step))
+        self._launch_all(step, have)
 
-    def _common_checkpoint(self) -> tuple[int, dict[int, Path]]:
+    def _common_checkpoint(self, move: bool = True) -> tuple[int, dict[int, Path]]:
         """The newest step that ``min_dcs`` datacenters hold a checkpoint of, and the folder
-        of each that holds it (newer checkpoints there are moved aside: ``abandoned-step-*``);
-        ``(0, {})`` when there is none."""
+        of each that holds it (newer checkpoints there are moved aside where ``move``:
+        ``abandoned-step-*``); ``(0, {})`` when there is none."""
         held: dict[int, dict[int, Path]] = {}
-        for job in self.history:
-            for s in checkpoint_steps(job.folder / "checkpoints"):
-                held.setdefault(s, {})[job.dc] = job.folder
+        where = [(x["dc"], self.out / x["folder"]) for x in self.earlier]
+        for dc, folder in [*where, *((job.dc, job.folder) for job in self.history)]:
+            for s in checkpoint_steps(folder / "checkpoints"):
+                held.setdefault(s, {})[dc] = folder
         good = [s for s, by in held.items() if len(by) >= self.min_dcs]
         if not good:
             return 0, {}
         step = max(good)
-        for dc, folder in held[step].items():
+        for dc, folder in held[step].items() if move else ():
             for s in checkpoint_steps(folder / "checkpoints"):
                 if s > step:
                     src = folder / "checkpoints" / f"step-{s:08d}"

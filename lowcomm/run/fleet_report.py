@@ -17,14 +17,19 @@ in its ledger, op ``heal``), and under ``fleet``:
 * ``steps_lost``: per datacenter that never failed, the inner steps whose work no committed
   round took (a round committed without it while it was alive, times the period): 0 is the goal;
 * ``left_out``, ``fallbacks`` (restarts from checkpoints after the coordinator was lost) and
-  every incarnation of every datacenter's job (``started_t``: the wall-clock of its launch).
+  every incarnation of every datacenter's job (``started_t``: the wall-clock of its launch;
+  ``resumed_from``: the checkpoint's step a resumed one started from);
+* ``stopped`` (a fleet stopped by a signal): the signal, the step every datacenter wrote a
+  checkpoint of and the command that continues the run.
 
-``metrics.jsonl`` holds the datacenters' metrics lines (``dc``, ``inc`` added) and one line per
+``metrics.jsonl`` holds the datacenters' metrics lines (``dc``, ``inc`` added: each line once,
+credited to the incarnation that ran its step) and one line per
 round, failure and heal (``event``), ordered by step.
 """
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 from .folder import write_text
@@ -134,12 +139,35 @@ def _period(cfg, ranks: int) -> int:
     return int(policy_levels(cfg, Topology.parse(cfg.topology).names)[0].settings.period)
 
 
+def incarnations(fleet) -> list[tuple[dict, object, list[dict]]]:
+    """Every incarnation — a resumed fleet's earlier ones (from its marker), then this run's —
+    as ``(dc and inc, its job or None, its own metrics lines)``. A folder is read once: a
+    job resumed from a checkpoint in the folder of an earlier one appends to its metrics, so
+    each incarnation owns the lines after the step it started from, up to the next one's."""
+    known = [({"dc": x["dc"], "inc": x["inc"]}, None, fleet.out / x["folder"],
+              x.get("resumed_from")) for x in fleet.earlier]
+    known += [({"dc": j.dc, "inc": j.inc}, j, j.folder, j.resumed_from) for j in fleet.history]
+    folders: dict[Path, list] = {}
+    for k in known:
+        folders.setdefault(Path(k[2]), []).append(k)
+    out = []
+    for folder, group in folders.items():
+        lines = [x for x in _metrics(folder) if "step" in x]
+        for i, (who, job, _, start) in enumerate(group):
+            lo = start if i and start is not None else float("-inf")
+            hi = group[i + 1][3] if i + 1 < len(group) and group[i + 1][3] is not None \
+                else float("inf")
+            out.append((who, job, [x for x in lines if lo < x["step"] <= hi]))
+    return out
+
+
 def datacenters(fleet) -> dict:
     """Every incarnation of every datacenter's job, with the steps its metrics reached."""
     out: dict[str, list] = {}
-    for job in fleet.history:
+    for _, job, lines in incarnations(fleet):
+        if job is None:
+            continue
         rec = job.record()
-        lines = [x for x in _metrics(job.folder) if "step" in x]
         rec["first_step"] = lines[0]["step"] if lines else None
         rec["last_step"] = lines[-1]["step"] if lines else None
         out.setdefault(str(job.dc), []).append(rec)
@@ -164,9 +192,9 @@ def _bytes(fleet, finished: list[dict]) -> tuple[int, dict]:
         total += s.get("bytes_total", 0)
         for lv, b in s.get("bytes_by_level", {}).items():
             by_level[lv] = by_level.get(lv, 0) + b
-    for job in fleet.history:                  # the ended ones: their last metrics line
-        if job.exit != 0:
-            lines = [x for x in _metrics(job.folder) if "bytes" in x]
+    for _, job, lines in incarnations(fleet):  # the ended ones: their last metrics line
+        if job is not None and job.exit != 0:
+            lines = [x for x in lines if "bytes" in x]
             total += lines[-1]["bytes"] if lines else 0
     return total, by_level
 
@@ -195,6 +223,10 @@ def write_report(fleet, wall_s: float) -> dict:
                   "fallbacks": fleet.fallbacks, "datacenters": datacenters(fleet)},
         "config": head.get("config"),
     }
+    if fleet.stopping:
+        summary["stopped"] = {"signal": signal.Signals(fleet.stopping).name,
+                              "signum": int(fleet.stopping), "step": fleet.stopped_at(),
+                              "resume": f"lowcomm train --dcs {fleet.dcs} --resume {fleet.out}"}
     write_text(fleet.out / "summary.json", json.dumps(summary, indent=2) + "\n")
     write_text(fleet.out / "metrics.jsonl", "".join(
         json.dumps(x) + "\n" for x in _merged(fleet, committed, failures, heals)))
@@ -203,8 +235,8 @@ def write_report(fleet, wall_s: float) -> dict:
 
 def _merged(fleet, committed: list[dict], failures: list[dict], heals: list[dict]) -> list[dict]:
     lines = []
-    for job in fleet.history:
-        lines += [{"dc": job.dc, "inc": job.inc, **x} for x in _metrics(job.folder)]
+    for who, _, own in incarnations(fleet):
+        lines += [{**who, **x} for x in own]
     lines += [{"event": "round", **r} for r in committed]
     lines += [{"event": "failure", **f} for f in failures]
     lines += [{"event": "heal", **h} for h in heals]
@@ -212,4 +244,4 @@ def _merged(fleet, committed: list[dict], failures: list[dict], heals: list[dict
                                         "event" in x, x.get("t", 0)))
 
 
-__all__ = ["failures_and_heals", "numbered", "rounds", "steps_lost", "write_report"]
+__all__ = ["failures_and_heals", "incarnations", "numbered", "rounds", "steps_lost", "write_report"]

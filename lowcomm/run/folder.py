@@ -145,6 +145,9 @@ def refusal(out: Path, resume: str | Path | None, overwrite: bool,
     marker = read_marker(out)
     if marker and run_id and marker["run"] == run_id:
         return None
+    if marker and marker.get("fleet"):
+        return (f"{out} holds a fleet's run ({', '.join(present)}); continue it with 'lowcomm "
+                f"train --dcs {marker['fleet'].get('dcs')} --resume {out}', or choose another --out")
     if not overwrite:
         return (f"{out} holds another run ({', '.join(present)}); continue it with --resume "
                 f"{out}, replace it with --overwrite, or choose another --out")

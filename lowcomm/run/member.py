@@ -13,7 +13,9 @@ The fleet starts each datacenter's MPI job with its identity in the environment
 * :class:`FleetLockstep`: the loop's coordination with the batches of the rank's place in the
   whole fleet; a relaunched datacenter first waits to be admitted and takes the live state from
   a peer (no checkpoint is read) and starts at the step it was admitted at; at every round
-  boundary the leader holds the admission round when a datacenter waits to come back.
+  boundary the leader holds the admission round when a datacenter waits to come back; a round
+  that says the fleet halts makes the leader vote to stop (a checkpoint, every datacenter at
+  the same step).
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ import torch
 from ..comm.fleet import Channel, FleetError, Limits, Span
 from ..comm.topology import Topology
 from ..errors import ConfigError
+from . import outcome
 from .coordinate import Lockstep
+from .signals import Interrupted
 
 log = logging.getLogger("lowcomm.fleet")
 
@@ -208,6 +212,7 @@ class FleetLockstep(Lockstep):
         self.rank, self.world = me["offset"] + r.comm.rank, me["total"]
         self.joined: dict | None = None
         self.t_hello = time.monotonic()
+        self.stopped = False
 
     def start(self):
         state = super().start()
@@ -253,6 +258,19 @@ class FleetLockstep(Lockstep):
             if admitted:
                 log.info("admitted datacenter(s) %s at step %d", admitted, state.step)
 
+    def stop(self, state, flag) -> bool:
+        """The loop's stop vote; the leader votes to stop once a committed round said the
+        fleet halts (every datacenter then stops at the same step, :data:`STOP_VOTE_LAG` after
+        that round's boundary, and writes its checkpoint)."""
+        if self.channel is not None and self.channel.halted and not flag.signum:
+            flag.signum = self.channel.halted
+            outcome.stop_signal(flag.signum)
+        try:
+            return super().stop(state, flag)
+        except Interrupted:
+            self.stopped = True
+            raise
+
     def line_extra(self) -> dict:
         if self.channel is None:
             return {}
@@ -273,7 +291,7 @@ class FleetLockstep(Lockstep):
     def abandon(self) -> None:
         super().abandon()
         if self.channel is not None:
-            self.channel.close("failed")
+            self.channel.close("stopped" if self.stopped else "failed")
 
 
 __all__ = ["ENV", "FleetError", "FleetLevels", "FleetLockstep", "OUTER", "as_policy",

@@ -19,7 +19,15 @@ in rounds), ``joining`` (a relaunched job waiting to be admitted), ``gone`` (fai
 * **Admission.** A decision while a site is joining says ``admit_next``; at their next round
   boundary the members hold an admission round, whose members include the joining sites and
   whose ``donor`` (the lowest active member) sends them the live state. Admission needs
-  ``min_dcs`` sites counting the joiners.
+  ``min_dcs`` sites counting the joiners; so does the round before it: a round that lacks a
+  quorum only until the joiners are admitted goes ahead (2 datacenters, one relaunched: the
+  other's round, then the admission round restores the quorum). Fewer than ``min_dcs`` sites
+  that are not left out can never make a quorum again: the coordinator gives up at once.
+* **Stop.** Told to halt (the fleet got SIGINT/SIGTERM), every decision says ``halt``: each
+  member stops at that round's boundary and writes its checkpoint (all at the same step) and
+  says ``bye`` (stopped); joining sites are told ``over``. That round goes ahead without a
+  quorum (its members only checkpoint and stop; a resume starts from the newest step
+  ``min_dcs`` of them hold).
 * **End.** When no site is active any more and one has finished, joining sites are told
   ``over``; when none has finished, nobody is left to hand the state on: the coordinator gives
   up (the fleet restarts from checkpoints).
@@ -73,6 +81,7 @@ class Membership:
         self.outbox: list[tuple[int, int, dict]] = []
         self.events: list[dict] = []
         self.over = False
+        self.halt_signum = 0                      # the fleet was stopped: decisions say halt
 
     # output ---------------------------------------------------------------------------------
     def _mail(self, dc: int, msg: dict, inc: int | None = None) -> None:
@@ -94,7 +103,7 @@ class Membership:
         if msg["type"] == "hello" and (msg["inc"] > site.inc or site.state == "expected"):
             self._hello(site, msg, now)
             return
-        if msg["inc"] != site.inc or site.state not in (*LIVE, "finished"):
+        if msg["inc"] != site.inc or site.state not in (*LIVE, "finished", "stopped"):
             self._fence(site.dc, msg["inc"], f"incarnation {msg['inc']} of datacenter "
                         f"{site.dc} is no longer a member")
             return
@@ -108,7 +117,7 @@ class Membership:
             self._fence(site.dc, msg["inc"], "left out of the run after failing too often")
             return
         site.inc, site.seen = msg["inc"], now
-        if self.over:                      # nobody left to admit it
+        if self.over or self.halt_signum and msg.get("joining"):     # nobody left to admit it
             site.state = "late"
             self._mail(site.dc, {"type": "over"})
             return
@@ -133,6 +142,10 @@ class Membership:
             "bytes", "seconds", "wait_s", "transfer_s", "step", "round", "since_hello_s")})
 
     def _on_bye(self, site: Site, msg: dict, now: float) -> None:
+        if msg.get("reason") == "stopped" and self.halt_signum:     # stopped as it was told
+            site.state = "stopped"
+            self._event("bye", dc=site.dc, inc=site.inc, reason="stopped", round=self.round)
+            return
         if msg.get("reason", "finished") != "finished":     # its run raised: out at once
             self._out(site, f"its job failed ({msg['reason']})", now, kill=False)
             return
@@ -150,6 +163,16 @@ class Membership:
         site = self.sites[dc]
         if inc == site.inc and site.state in LIVE:
             self._out(site, cause, now, kill=False)
+
+    def halt(self, signum: int) -> None:
+        """The fleet: stop every member at the boundary of the next round (its decision says
+        ``halt``); the joining sites are told the run is over."""
+        self.halt_signum = signum
+        for d, s in self.sites.items():
+            if s.state == "joining":
+                s.state = "late"
+                self._mail(d, {"type": "over"})
+        self._event("halt", signum=signum, round=self.round)
 
     def retire(self, dc: int, why: str) -> None:
         """The fleet: ``dc`` is left out for the rest of the run."""
@@ -172,8 +195,12 @@ class Membership:
             self._settle(now)
         if self.phase == "collect":
             self._collect(now)
+        left = [d for d, s in self.sites.items() if s.state != "retired"]
+        if len(left) < self.min_dcs:
+            raise NoQuorum(f"only datacenter(s) {left} are left in the run (the others were left "
+                           f"out after failing too often) and a round needs {self.min_dcs}")
         if not self.over and not any(s.state in ("expected", "active") for s in self.sites.values()):
-            if not any(s.state == "finished" for s in self.sites.values()):
+            if not any(s.state in ("finished", "stopped") for s in self.sites.values()):
                 raise NoQuorum("no datacenter is left to take part in rounds or to hand its "
                                "state on")
             self._end()
@@ -199,10 +226,14 @@ class Membership:
             self._quorum(now, len(heard))         # silent ones kept only for want of a quorum
             return
         admit = any(r.get("admit") for r in self.readies.values())
-        joiners = sorted(d for d, s in self.sites.items() if s.state == "joining") if admit else []
-        if len(active) + len(joiners) < self.min_dcs or (not admit and len(active) < self.min_dcs):
+        joining = sorted(d for d, s in self.sites.items() if s.state == "joining")
+        joiners = joining if admit else []
+        if len(active) + len(joining) < self.min_dcs and not self.halt_signum:
             self._quorum(now, len(active))
             return
+        # short of a quorum only for the joiners' sake: this round goes ahead with the active
+        # members and says admit_next, so the joiners are admitted at its boundary (else the
+        # active ones would wait for a quorum that only the admission round restores)
         self.short_since = None
         tags = {self.readies[d]["tag"] for d in active}
         if len(tags) > 1:
@@ -230,7 +261,7 @@ class Membership:
         self.decision = {"type": "decision", "round": self.round, "attempt": self.attempt,
                          "tag": tag, "members": members, "contributors": active,
                          "joiners": joiners, "donor": active[0], "group": self.group,
-                         "admit_next": waiting and not admit}
+                         "admit_next": waiting and not admit, "halt": self.halt_signum}
         for d in members:
             self._mail(d, self.decision)
         self._event("decision", **{k: v for k, v in self.decision.items() if k != "type"})

@@ -22,22 +22,35 @@ class Interrupted(LowcommError):
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; {saved}")
 
 
-class StopFlag:
-    """SIGINT/SIGTERM/SIGHUP set a flag (main thread only); the loop acts on it at a step
-    boundary. SIGHUP (a closed terminal) is left alone where it is ignored (``nohup``)."""
+class StopSignals:
+    """SIGINT/SIGTERM/SIGHUP call ``handler(signum, frame)`` inside the ``with`` (main thread
+    only). SIGHUP (a closed terminal) is left alone where it is ignored (``nohup``)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def __init__(self):
-        self.signum = 0
+    def __init__(self, handler):
+        self.handler = handler
         self._old = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN:
-                    self._old[s] = signal.signal(s, self._handle)
+                    self._old[s] = signal.signal(s, self.handler)
         return self
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+
+class StopFlag(StopSignals):
+    """SIGINT/SIGTERM/SIGHUP set a flag (main thread only); the loop acts on it at a step
+    boundary."""
+
+    def __init__(self):
+        super().__init__(self._handle)
+        self.signum = 0
 
     def _handle(self, signum, frame):
         if self.signum:             # a second signal: stop now, without the checkpoint
@@ -46,7 +59,3 @@ class StopFlag:
         outcome.stop_signal(signum)
         log.warning("%s: stopping after this step and writing a checkpoint (send it again to "
                     "stop at once)", signal.Signals(signum).name)
-
-    def __exit__(self, *exc):
-        for s, old in self._old.items():
-            signal.signal(s, old)

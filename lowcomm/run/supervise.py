@@ -171,9 +171,21 @@ class _Supervisor:
 
     # signals ----------------------------------------------------------------------------------
     def forward(self, signum, frame) -> None:
+        """Pass a stop signal on to the job's ranks themselves: mpirun, given it, kills its
+        ranks a second later (SIGTERM, then SIGKILL), before a step of more than a quarter
+        second reaches the stop's checkpoint; it ends by itself once the ranks have stopped.
+        Until the ranks are up, the job's process group gets it."""
         self.stop.update(signum=signum, sent=time.monotonic())
         if self.child is not None and self.child.poll() is None:
-            os.killpg(self.child.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
+            sig = signal.SIGTERM if signum == signal.SIGHUP else signum
+            ranks = mpi_ranks(self.child.pid)
+            for pid in ranks:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            if not ranks:
+                os.killpg(self.child.pid, sig)
 
     def forward_again(self) -> None:
         """mpirun drops a signal that comes while it starts the ranks: until a rank reports the
@@ -316,6 +328,35 @@ def _sleep_unless_stopped(seconds: float, stop: dict) -> bool:
     while not stop["signum"] and time.monotonic() < end:
         time.sleep(min(0.1, max(0.0, end - time.monotonic())))
     return bool(stop["signum"])
+
+
+#: the variables that mark an MPI rank's process (Open MPI, MPICH/Hydra, PMIx)
+RANK_VARIABLES = (b"OMPI_COMM_WORLD_RANK=", b"PMI_RANK=", b"PMIX_RANK=")
+
+
+def mpi_ranks(pid: int) -> list[int]:
+    """The MPI ranks among the descendants of ``pid`` (the processes whose environment names
+    their rank; not mpirun nor a launcher script), from ``/proc``; [] where there is none."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    below, frontier = set(), {pid}
+    while frontier:
+        frontier = {c for c, p in parent.items() if p in frontier} - below
+        below |= frontier
+    ranks = []
+    for c in sorted(below):
+        try:
+            env = (Path("/proc") / str(c) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(RANK_VARIABLES) for v in env):
+            ranks.append(c)
+    return ranks
 
 
 #: prctl(2)'s PR_SET_PDEATHSIG (Linux)

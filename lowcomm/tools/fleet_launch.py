@@ -21,11 +21,10 @@ milliseconds.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 from pathlib import Path
 
-from ..errors import ArgumentError, LowcommError, RunFolderError
+from ..errors import ArgumentError, LowcommError
 from ..run.member import ENV
 from .compare import mpirun_command
 
@@ -92,52 +91,75 @@ def placement(dcs: int, place: str = "auto", hostfiles_: list[str] | None = None
     return local(launcher)
 
 
-def _clear(out: Path, overwrite: bool) -> None:
-    """An earlier fleet's files in ``out`` are replaced only with ``overwrite``."""
-    earlier = [p for p in ("summary.json", "membership.jsonl") if (out / p).exists()]
-    if earlier and not overwrite:
-        raise RunFolderError(f"{out} holds another fleet's run ({', '.join(earlier)}); replace "
-                             "it with --overwrite (overwrite=True) or choose another --out")
-    if earlier:
-        for p in [*out.glob("dc[0-9]*"), out / "summary.json", out / "membership.jsonl",
-                  out / "metrics.jsonl", out / "coordinator.log"]:
-            if p.is_dir():
-                shutil.rmtree(p)
-            else:
-                p.unlink(missing_ok=True)
-
-
-def prepare(config, overrides=(), *, dcs: int, np: int, out="runs/latest", place: str = "auto",
-            hostfiles_: list[str] | None = None, host: str | None = None, launcher=None,
-            overwrite: bool = False, max_restarts: int = 1):
+def prepare(config, overrides=(), *, dcs: int, np: int | None, out="runs/latest",
+            place: str = "auto", hostfiles_: list[str] | None = None, host: str | None = None,
+            launcher=None, overwrite: bool = False, max_restarts: int = 1, resume=None):
     """A :class:`~lowcomm.run.fleet.Fleet` ready to run, everything checked before anything
-    starts (a LowcommError names what is wrong: the config key, the argument, the folder)."""
+    starts (a LowcommError names what is wrong: the config key, the argument, the folder).
+    The folder is locked for the fleet and checked (:mod:`lowcomm.run.fleet_folder`).
+    ``resume``: the folder of a stopped fleet to continue (its launch arguments, then
+    ``overrides``; ``np`` may be None: the fleet's own)."""
     from ..run.api import load_config
     from ..run.fleet import Fleet
+    from ..run.fleet_folder import claim, fleet_of, lock_key
+    from ..run.folder import close_run
     from ..run.member import as_policy
     if any(v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
         raise LowcommError("a fleet launches one MPI job per datacenter itself: run 'lowcomm "
                            "train --dcs D --np N ...' (or lowcomm.train_fleet) outside mpirun")
+    if resume is not None and out is not None and Path(out).resolve() != Path(resume).resolve():
+        raise ArgumentError("resume", "a fleet resumes in place: give --resume DIR alone")
+    out = Path(resume if resume is not None else out or "runs/latest")
+    earlier = fleet_of(out) if resume is not None else None
+    if resume is not None and earlier is None:
+        claim(out, overwrite, resume=True)            # raises: no fleet there (lock released)
+    if earlier is not None:
+        if earlier["dcs"] != dcs or np is not None and earlier["np"] != np:
+            raise ArgumentError("dcs", f"--resume {out}: the fleet there ran {earlier['dcs']} "
+                                f"datacenters of {earlier['np']} ranks in all; give --dcs "
+                                f"{earlier['dcs']}" + (f" --np {earlier['np']}" if np else ""))
+        np = earlier["np"]
+        saved_config, saved = _saved(earlier["args"])
+        overrides = (*[o for o in saved if not o.startswith("fleet.dcs=")], *overrides)
+        config = config or saved_config
+    if np is None:
+        raise ArgumentError("np", "--dcs needs --np (the ranks of all datacenters together)")
     overrides = (*overrides, f"fleet.dcs={dcs}")
     cfg = load_config(config, overrides)
     as_policy(cfg, dcs, np)
-    out = Path(out)
-    _clear(out, overwrite)
     args = [*(["--config", str(config)] if config else []), *[a for o in overrides for a in ("--set", o)]]
     launch, coordinator, where, env = placement(dcs, place, hostfiles_, host, launcher)
-    return Fleet(cfg, args, out, np, launch, coordinator, where, env, max_restarts=max_restarts)
+    claim(out, overwrite, resume is not None)
+    try:
+        return Fleet(cfg, args, out, np, launch, coordinator, where, env,
+                     max_restarts=max_restarts, resume=resume is not None)
+    except BaseException:
+        close_run(lock_key(out))
+        raise
+
+
+def _saved(args: list[str]) -> tuple[str | None, list[str]]:
+    """The ``--config`` and the ``--set`` values of a fleet's launch arguments."""
+    config, sets, it = None, [], iter(args)
+    for a in it:
+        if a == "--config":
+            config = next(it)
+        elif a == "--set":
+            sets.append(next(it))
+    return config, sets
 
 
 def train_fleet(config=None, overrides=(), *, dcs: int, np: int, out="runs/latest",
                 place: str = "auto", hostfiles: list[str] | None = None,
                 coordinator_host: str | None = None, overwrite: bool = False,
-                max_restarts: int = 1) -> dict:
+                max_restarts: int = 1, resume=None) -> dict:
     """Train as a fleet of ``dcs`` datacenters of ``np // dcs`` ranks each, from outside mpirun
     (what ``lowcomm train --dcs D --np N`` runs): one MPI job per datacenter, the outer level
     across them through a coordinator; a datacenter that fails is relaunched and heals back in
     live (:mod:`lowcomm.run.fleet`). Returns the fleet's summary (also ``out/summary.json``)."""
     return prepare(config, overrides, dcs=dcs, np=np, out=out, place=place, hostfiles_=hostfiles,
-                   host=coordinator_host, overwrite=overwrite, max_restarts=max_restarts).run()
+                   host=coordinator_host, overwrite=overwrite, max_restarts=max_restarts,
+                   resume=resume).run()
 
 
 __all__ = ["emulated_wan", "hostfiles", "local", "placement", "prepare", "train_fleet"]
