@@ -163,3 +163,15 @@ def test_sigterm_to_one_worker_of_an_ssp_run_checkpoints_every_rank_and_resumes(
     got = s["gradients_per_worker"]      # the whole budget, before and after the stop
     assert 32 <= sum(got) <= 33 and s["status"] == "ok" and s["ranks_agree"], s
     assert math.isfinite(s["eval_loss"]) and math.isfinite(s["final_loss"]), s
+
+
+def test_a_full_disk_under_the_servers_metrics_ends_the_job_naming_the_file(tmp_path):
+    """The servers log through the loop's coordination: metrics.jsonl on a full disk (a link to
+    /dev/full, whose writes fail with ENOSPC) ends the job within its timeouts with the loop's
+    error naming the file, not a bare OSError."""
+    t0 = time.monotonic()
+    r = train(tmp_path, "steps=10", "strategy.max_staleness=0", "log_every=2", np=2,
+              env={"LOWCOMM_FULL_METRICS": "1"})
+    assert time.monotonic() - t0 < 120
+    assert r.returncode != 0, r.output
+    assert f"cannot write {tmp_path / 'metrics.jsonl'}: No space left on device" in r.stderr, r.output
