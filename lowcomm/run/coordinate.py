@@ -347,7 +347,7 @@ class Detached(Coordination):
 
     def finish(self, state: LoopState) -> dict:
         """Report to rank 0, then take the run's final model (or its stop notice)."""
-        from .serve import report_to_rank0, skip_mpi_finalize, stopped, take_final_model
+        from .ending import report_to_rank0, skip_mpi_finalize, stopped, take_final_model
         r, ps = self.r, self.r.strategy
         wall = self.wall()
         mine = {"worker": ps.index, "ledger": r.comm.ledger.rows(), "wall_s": wall,
