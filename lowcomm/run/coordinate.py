@@ -24,6 +24,7 @@ import torch
 
 from ..comm.ledger import Link
 from ..errors import ConfigError, LowcommError, NonFiniteError
+from .ending import report_to_rank0, skip_mpi_finalize, stopped, take_final_model
 from .evaluate import allsum, evaluate, evaluation_sums, mean_loss, state_sha256
 from .folder import write_summary
 from .signals import Interrupted
@@ -347,7 +348,6 @@ class Detached(Coordination):
 
     def finish(self, state: LoopState) -> dict:
         """Report to rank 0, then take the run's final model (or its stop notice)."""
-        from .ending import report_to_rank0, skip_mpi_finalize, stopped, take_final_model
         r, ps = self.r, self.r.strategy
         wall = self.wall()
         mine = {"worker": ps.index, "ledger": r.comm.ledger.rows(), "wall_s": wall,
