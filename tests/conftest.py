@@ -13,11 +13,13 @@ ends at once with a non-zero status.
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +30,59 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 os.environ["LOWCOMM_ALLREDUCE_TABLE"] = tempfile.mkdtemp(prefix="lowcomm-no-table-") + "/"
 
 
+#: the most a measured slowdown scales a time limit by (a machine slower than that is broken)
+MAX_SLOWDOWN = 12.0
+
+
+def measure_slowdown(samples: int = 5, busy_s: float = 0.04) -> float:
+    """How many times slower than on an idle core work runs here now: the median, over
+    ``samples`` busy loops of ``busy_s`` CPU seconds each, of wall-clock over CPU seconds (1 on
+    an idle core; about L/cores where L runnable processes share the cores), or the 1-minute
+    load per core if larger (other processes' bursts between the samples); at least 1, at most
+    :data:`MAX_SLOWDOWN`. ``$LOWCOMM_TEST_SLOWDOWN`` replaces the measurement."""
+    forced = os.environ.get("LOWCOMM_TEST_SLOWDOWN")
+    if forced:
+        return max(1.0, float(forced))
+    ratios = []
+    for _ in range(samples):
+        w0, c0 = time.perf_counter(), time.process_time()
+        while time.process_time() - c0 < busy_s:
+            sum(range(1000))
+        ratios.append((time.perf_counter() - w0) / (time.process_time() - c0))
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return min(MAX_SLOWDOWN, max(1.0, sorted(ratios)[samples // 2], load))
+
+
+@functools.cache
+def slowdown() -> float:
+    """The factor every time limit of the suite is scaled by (measured once, at the session's
+    start: :func:`measure_slowdown`). A test asserts behaviour, not a margin the machine's load
+    decides: its timeouts, watchdogs, deadlines and round lengths are ``limit × slowdown()``."""
+    return measure_slowdown()
+
+
+def scaled(seconds: float) -> float:
+    """A time limit ``seconds`` set for an idle machine, scaled by :func:`slowdown`."""
+    return seconds * slowdown()
+
+
+def pytest_report_header(config):
+    return f"lowcomm: time limits scaled by a measured slowdown of {slowdown():.2f} (load " \
+           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test's own time bound (pytest-timeout's: its ``timeout`` marker, else
+    ``--timeout`` / setup.cfg's) scaled by :func:`slowdown`."""
+    import pytest
+    base = config.getoption("timeout", None) or config.getini("timeout")
+    for item in items:
+        m = item.get_closest_marker("timeout")
+        limit = (m.args[0] if m.args else m.kwargs.get("timeout")) if m is not None else base
+        if limit and float(limit) > 0:
+            item.add_marker(pytest.mark.timeout(scaled(float(limit))), append=False)
+
+
 class Ran(subprocess.CompletedProcess):
     @property
     def output(self) -> str:
@@ -36,7 +91,9 @@ class Ran(subprocess.CompletedProcess):
 
 def run_ranks(np: int, *cmd: str, timeout: float = 180, env: dict | None = None,
               launcher: Path = LOCAL, launcher_args: list[str] = ()) -> Ran:
-    """Run ``cmd`` on ``np`` ranks; kill the whole job (and fail) after ``timeout`` seconds."""
+    """Run ``cmd`` on ``np`` ranks; kill the whole job (and fail) after ``timeout`` seconds (an
+    idle machine's: scaled by :func:`slowdown`)."""
+    timeout = scaled(timeout)
     full_env = {**os.environ, **(env or {})}
     p = subprocess.Popen([str(launcher), "-n", str(np), *launcher_args, *map(str, cmd)], cwd=ROOT,
                          env=full_env,
@@ -101,13 +158,14 @@ def run_mpi_suite(np: int, path: str | list[str], *pytest_args: str, timeout: fl
     (after ``case_timeout`` seconds: a hang) names the case each rank was in. ``pytest_args``
     select cases (``-k``); ``env`` is added to the ranks' environment. ``each_case``: the caller
     asserts case by case (one test of its own per case): the outcomes are returned as they are,
-    rank 0's (which name the other ranks' failures too)."""
+    rank 0's (which name the other ranks' failures too). Both time limits are an idle
+    machine's, scaled by :func:`slowdown` (the job's by :func:`run_ranks`)."""
     import json
     paths = [path] if isinstance(path, str) else path
     with tempfile.TemporaryDirectory() as reports:
         r = run_ranks(np, sys.executable, "-m", "pytest", "-q", *UNUSED_PLUGINS, "-p", "under_mpi",
                       "-o", "python_files=check_*.py", "-o", "addopts=",
-                      f"--timeout={case_timeout:g}", "-o", "timeout_method=thread",
+                      f"--timeout={scaled(case_timeout):g}", "-o", "timeout_method=thread",
                       *[str(MPI_CHECKS / p) for p in paths], *pytest_args, timeout=timeout,
                       env={**(env or {}), "LOWCOMM_TEST_REPORTS": reports, "PYTHONPATH": os.pathsep.join(
                           [str(MPI_CHECKS), os.environ.get("PYTHONPATH", "")])})

@@ -115,6 +115,18 @@ def test_blockwise_block_setting_and_bytes():
         cfg("int8", block=0).validate()
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_block_longer_than_the_tensor_is_one_scale_without_padding_to_it(bits):
+    """block = 2^30 (one scale per bucket, the old rule): the definition with one block, and no
+    buffer of 2^30 elements (it took 21 s and 4 GiB for 1000 elements)."""
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(5))
+    c = COMPRESSORS[f"int{bits}"](cfg(f"int{bits}", block=1 << 30))
+    payload, y = roundtrip(c, x)
+    _, want = blockwise_definition(x, bits, 1001)
+    assert payload[1].numel() == 1 and torch.equal(y, want)
+    assert max(t.numel() for t in payload) <= 1001
+
+
 def qsgd_levels(v, norms, u, s):
     """The definition, in float64: q = ⌊sign(v)·|v|/‖v‖·s + u⌋, clamped to [−s, s]."""
     a = v.double() / norms.double() * s

@@ -19,6 +19,7 @@ def test_compressors_and_onebit_adam_under_mpirun(np_):
     for name in COMPRESSORS:     # every registered compressor trains (and its bytes are checked)
         assert f"check_compress.py::test_trains_and_the_ranks_agree[{name}]" in cases, name
     assert any("onebit_adam" in name for name in cases) == (np_ == 2)
+    assert "check_compress.py::test_int8_keeps_a_tensor_10_4_times_smaller_than_its_bucket_neighbour" in cases
 
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4", "data.seq_len=32",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_mpi_suite
+from conftest import ROOT, run_mpi_suite, scaled
 from doc_examples import PRELUDES, all_examples, work_dir
 
 KINDS = ("python", "bash", "file", "skip")
@@ -39,7 +39,7 @@ def test_readme_is_short_and_no_work_item_numbers_anywhere():
 def test_docs_build_without_a_warning(tmp_path):
     r = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b",
                         "html", str(ROOT / "docs"), str(tmp_path / "html")],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=scaled(300))
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "html" / "configuration.html").exists()
 
@@ -52,7 +52,7 @@ def run_local(example, folder: Path) -> None:
         return
     cmd = ["bash", "-euo", "pipefail", "-c", example.code] if example.kind == "bash" else \
         [sys.executable, "-c", example.script()]
-    r = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=scaled(600))
     assert r.returncode == 0, f"{example.id} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
 
 

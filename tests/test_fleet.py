@@ -12,13 +12,15 @@ import time
 
 import pytest
 
-from conftest import cli
+from conftest import cli, scaled
 from fleet_helpers import (Run, children, fleet, fleet_from_python, kill_rank0, metrics, reached,
                            sets, single_job, when)
 
 STEPS, PERIOD = 80, 20
-#: rounds of about 5 s (longer than a relaunch on a busy machine), converging
-COMMON = [f"steps={STEPS}", "task.step_ms=250", "lr=0.05", "optimizer.schedule=cosine",
+#: rounds of about 5 s (longer than a relaunch), converging; on a busy machine the steps, like the
+#: relaunch, take longer by the measured slowdown, so a round still outlasts a relaunch
+STEP_MS = round(scaled(250))
+COMMON = [f"steps={STEPS}", f"task.step_ms={STEP_MS}", "lr=0.05", "optimizer.schedule=cosine",
           "optimizer.min_lr_ratio=0.01"]
 DC = f"period={PERIOD},outer_momentum=0.5,algorithm=ring"
 RUN = [*COMMON, "strategy.name=diloco", *(f"strategy.{kv}" for kv in DC.split(","))]
@@ -32,7 +34,7 @@ def runs(tmp_path_factory):
     datacenter 1 loses rank 0 to SIGKILL at step 12, one whose coordinator is SIGKILLed at
     step 45 (checkpoints every 20 steps), one whose datacenter 1 keeps failing."""
     tmp = tmp_path_factory.mktemp("fleet")
-    deadline = time.monotonic() + 170
+    deadline = time.monotonic() + scaled(170)
     started = {
         "single": single_job(tmp / "single", *POLICY),
         "plain": fleet_from_python(tmp / "plain", *RUN),
@@ -59,7 +61,7 @@ def more(runs, tmp_path_factory):
     from lowcomm.errors import RunFolderError
     from lowcomm.tools.fleet_launch import prepare
     tmp = tmp_path_factory.mktemp("fleet-more")
-    deadline = time.monotonic() + 170
+    deadline = time.monotonic() + scaled(170)
     started = {"pair": fleet(tmp / "pair", *RUN, dcs=2, np=2), "stop": fleet(tmp / "stop", *RUN)}
     when(lambda: reached(tmp / "pair" / "dc1" / "metrics.jsonl", 12),
          lambda: kill_rank0(tmp / "pair" / "dc1"), deadline)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from conftest import scaled
 from fleet_helpers import fleet, metrics, reached, when
 from test_wan import lowcomm, nothing_left
 
@@ -38,7 +39,7 @@ def wan_runs(tmp_path_factory):
     try:
         r = lowcomm("wan", "up", "--dcs", "3", "--delay-ms", "25", "--rate-mbit", "100")
         assert r.returncode == 0, r.stderr
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + scaled(150)
         ref = fleet(tmp / "ref", *RUN, place="local")
         short = fleet(tmp / "short", *RUN, place="wan")
         when(lambda: reached(tmp / "short" / "dc0" / "metrics.jsonl", 25),
@@ -47,8 +48,8 @@ def wan_runs(tmp_path_factory):
         long = fleet(tmp / "long", *RUN, place="wan")
         when(lambda: reached(tmp / "long" / "dc0" / "metrics.jsonl", 15),
              lambda: ((tmp / "fault_at").write_text(str(time.time())), fault("0-1", LONG_S)),
-             deadline + 60)
-        done["long"] = (long, *long.wait(deadline + 60))
+             deadline + scaled(60))
+        done["long"] = (long, *long.wait(deadline + scaled(60)))
         done["fault_at"] = float((tmp / "fault_at").read_text())
         yield done
     finally:

@@ -12,18 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli, run_ranks
+from conftest import ROOT, cli, run_ranks, scaled
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",
          "data.seq_len=32", "data.max_bytes=300000", "eval_batches=2", "steps=9", "log_every=3",
-         "checkpoint.every=3", "comm.timeout_s=20"]
+         "checkpoint.every=3", f"comm.timeout_s={scaled(20):g}"]
 SETS = [a for o in SMALL for a in ("--set", o)]
 FAULTY = ROOT / "tests" / "launchers" / "faulty.sh"
 
 
 def lowcomm(*args, env=None, timeout=180):
+    """``lowcomm ARGS``, killed after ``timeout`` seconds (an idle machine's, scaled)."""
     return subprocess.run([sys.executable, "-m", "lowcomm.cli", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout,
+                          capture_output=True, text=True, timeout=scaled(timeout),
                           env={**os.environ, **(env or {})})
 
 
@@ -73,7 +74,7 @@ def test_two_runs_on_one_folder_at_once_the_second_names_the_holder(tmp_path):
                              start_new_session=True)
     try:
         t0 = time.monotonic()
-        while not (out / "metrics.jsonl").exists() and time.monotonic() - t0 < 120:
+        while not (out / "metrics.jsonl").exists() and time.monotonic() - t0 < scaled(120):
             time.sleep(0.5)
         assert (out / "metrics.jsonl").exists(), "the first run did not start"
         r = train(out, "--overwrite", np=1)
@@ -233,6 +234,7 @@ def job_of(supervisor):
 
 
 def until(check, what, timeout=120):
+    timeout = scaled(timeout)
     t0 = time.monotonic()
     while not check():
         assert time.monotonic() - t0 < timeout, f"{what} after {timeout} s"
@@ -241,6 +243,7 @@ def until(check, what, timeout=120):
 
 def ended(p, timeout=120):
     """The supervisor's exit status and stderr (killed, and failing, after ``timeout``)."""
+    timeout = scaled(timeout)
     try:
         return p.returncode if p.wait(timeout) is not None else None, p.stderr.read()
     except subprocess.TimeoutExpired:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, WORKERS, run_ranks, run_worker  # noqa: F401
+from conftest import ROOT, WORKERS, run_ranks, run_worker, scaled  # noqa: F401
 
 WAN = ROOT / "launchers" / "wan.sh"
 LOWCOMM = [sys.executable, "-m", "lowcomm.cli"]
@@ -22,7 +22,8 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="WAN emulation needs ro
 
 
 def lowcomm(*args, **kw):
-    return subprocess.run([*LOWCOMM, *args], cwd=ROOT, capture_output=True, text=True, timeout=60, **kw)
+    return subprocess.run([*LOWCOMM, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=scaled(60), **kw)
 
 
 def nothing_left():
@@ -53,7 +54,7 @@ def test_wan_launcher_refuses_a_bad_eager_limit_before_touching_the_network(clea
     """(``clean`` checks, as root, that nothing of a WAN was made.)"""
     env = {**os.environ, "LOWCOMM_WAN_EAGER_BYTES": "4MiB"}
     r = subprocess.run(["bash", str(WAN), "-n", "4", "--dcs", "2", "true"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=scaled(60))
     assert r.returncode == 2 and "LOWCOMM_WAN_EAGER_BYTES must be a byte count, got '4MiB'" in r.stderr, r
 
 
@@ -100,7 +101,8 @@ def test_transfer_matches_alpha_beta_and_hierarchical_allreduce_across_two_datac
     model, then the hierarchical all-reduce against MPI_Allreduce with exact bytes per level."""
     result = tmp_path / "transfer.json"
     run_worker(4, "wan_hierarchical.py", timeout=180, launcher=WAN, launcher_args=["--dcs", "2"],
-               env={"LOWCOMM_WAN_RESULT": str(result)})
+               env={"LOWCOMM_WAN_RESULT": str(result),      # the watchdog's floor, scaled too
+                    "LOWCOMM_TIMEOUT_S": f"{scaled(60):g}"})
     got = json.loads(result.read_text())
     print(f"16 MiB over 25 ms / 100 Mbit/s: {got['measured_s']:.3f} s, model {got['model_s']:.3f} s, "
           f"ratio {got['ratio']:.2f}")
@@ -116,7 +118,7 @@ def test_compare_over_the_emulated_wan_measures_each_method_and_takes_the_wan_do
                         "--methods", "ddp,diloco", "--steps", "6", "--set", "model.d_model=32",
                         "--set", "model.n_layers=1", "--set", "eval_batches=2", "--set", "log_every=2",
                         "--out", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+                       cwd=ROOT, capture_output=True, text=True, timeout=scaled(240))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "over an emulated WAN of 2 datacenters, 25 ms, 100 Mbit/s (measured)" in r.stdout, r.stdout
     results = {x["method"]: x for x in json.loads((tmp_path / "results.json").read_text())}

@@ -21,6 +21,7 @@ def quantize_blocks(x: torch.Tensor, bits: int, block: int = QUANT_BLOCK):
     8 bits; for 4 bits ``q + 8`` packed two to a byte (uint8, low nibble first). A block whose
     scale is 0 is all zeros. The error per element is at most ``s_b / 2``."""
     n, levels = x.numel(), (1 << (bits - 1)) - 1
+    block = min(block, max(n, 1))          # one block for all: no padding to a larger one
     nb = -(-n // block)
     wdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     full = n // block
@@ -47,6 +48,7 @@ def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, n: int, bits: int,
     """The inverse of :func:`quantize_blocks` for rows: ``q`` (R, bytes) and ``scales`` (R,
     blocks) -> (R, n) in ``dtype``, each row decoded with its own scales."""
     rows = q.shape[0]
+    block = min(block, max(n, 1))          # as quantize_blocks: a block never longer than x
     if bits == 4:
         nib = torch.empty(rows, 2 * q.shape[1], dtype=torch.uint8, device=q.device)
         nib[:, 0::2] = q & 15

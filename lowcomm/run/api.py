@@ -86,7 +86,7 @@ def run(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
                           "per datacenter")
     apply_comm_settings(cfg, comm)         # the watchdog's limits, before the first collective
     levels = topology_comms(cfg, comm)     # the topology's communicators: hierarchical/policy
-    return run_loop(cfg, task, lambda m, o, c: build_strategy(cfg, m, o, c, levels), comm, out,
+    return run_loop(cfg, task, lambda m, o, c, **kw: build_strategy(cfg, m, o, c, levels, **kw), comm, out,
                     progress, resume, overwrite, run_id)
 
 

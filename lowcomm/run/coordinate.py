@@ -25,6 +25,7 @@ import torch
 from ..comm.ledger import Link
 from .memory import peak_bytes
 from ..errors import ConfigError, LowcommError, NonFiniteError
+from .ending import report_to_rank0, skip_mpi_finalize, stopped, take_final_model
 from .evaluate import allsum, evaluate, evaluation_sums, mean_loss, state_sha256
 from .folder import write_summary
 from .signals import Interrupted
@@ -49,40 +50,79 @@ _ABANDONED: list = []
 
 
 class Coordination:
-    """What both kinds share: the state, its checkpoints and the clock."""
+    """What every kind shares — the loop's ranks (:class:`Lockstep`, :class:`Detached`) and the
+    parameter server's servers (:class:`lowcomm.run.serve.Serving`): the loop's counters, the
+    resume, the clock, the checkpoints, and rank 0's progress bar and metrics file."""
 
     def __init__(self, r: Run):
         self.r = r
         self.state = LoopState()
         self.wall_before = 0.0
         self.t0 = time.perf_counter()
+        self.bar = self.metrics = None
 
     def start(self) -> LoopState:
         """A fresh state, or the resumed run's; then every rank starts the clock together."""
         r = self.r
         if r.resume:
             step, loop = restore(r.resume, r.cfg, r.comm, r.ctl, r.model, r.strategy, r.out)
-            self.state = LoopState.from_dict(loop, step)
-        self.wall_before = self.state.wall_s
+            self.wall_before = self.resumed(step, loop)
         r.ctl.barrier()
         self.t0 = time.perf_counter()
         return self.state
 
+    def resumed(self, step: int, loop: dict) -> float:
+        """Take the loop's counters the checkpoint at ``step`` saved; return the wall-clock
+        seconds the run had taken before."""
+        self.state = LoopState.from_dict(loop, step)
+        return self.state.wall_s
+
     def wall(self) -> float:
         return self.wall_before + time.perf_counter() - self.t0
+
+    def loop_state(self) -> dict:
+        """The loop's counters a checkpoint saves, the clock brought up to now."""
+        self.state.wall_s = self.wall()
+        return self.state.to_dict()
 
     def save(self, step: int):
         """Write this rank's checkpoint at ``step`` (collective); returns its folder."""
         r = self.r
-        self.state.wall_s = self.wall()
-        return r.ckpt.save(step, snapshot(r.model, r.strategy, r.comm, self.state.to_dict()),
+        return r.ckpt.save(step, snapshot(r.model, r.strategy, r.comm, self.loop_state()),
                            r.cfg.to_dict())
+
+    def open_log(self, initial: int) -> None:
+        """Rank 0: the progress bar (from step ``initial``) and ``metrics.jsonl`` (appended to
+        when resumed)."""
+        r = self.r
+        if r.comm.rank != 0:
+            return
+        if r.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=r.cfg.steps, initial=initial, desc=r.cfg.method, unit="step",
+                            dynamic_ncols=True, mininterval=1.0)
+        if r.out:
+            self.metrics = open(r.out / "metrics.jsonl", "a" if r.resume else "w")
+
+    def write_metrics(self, line: dict) -> None:
+        """Rank 0: append a metrics line; a full disk is an error naming the file."""
+        if self.metrics:
+            _append(self.metrics, json.dumps(line) + "\n")
 
     def abandon(self) -> None:
         """The run raised: keep whatever MPI may still write into."""
 
     def close(self) -> None:
-        """Close the progress bar and the metrics file."""
+        """Close the progress bar and the metrics file (whose last flush may meet a full disk:
+        an error naming the file, as every metrics write)."""
+        if self.bar:
+            self.bar.close()
+        if self.metrics:
+            f, self.metrics = self.metrics, None
+            try:
+                f.close()
+            except OSError as e:
+                raise LowcommError(f"cannot write {f.name}: {e.strerror or e}") from e
 
 
 class Lockstep(Coordination):
@@ -94,7 +134,6 @@ class Lockstep(Coordination):
         self.samples_per_step = r.cfg.batch_size * r.comm.size
         self.votes: deque = deque()          # (step to read it at, flags, request)
         self.lines: deque = deque()          # (step to write it at, sums, request, line)
-        self.bar = self.metrics = None
         self.budget = Budget(r) if r.cfg.budget.seconds else None
 
     def start(self) -> LoopState:
@@ -104,12 +143,7 @@ class Lockstep(Coordination):
         state = super().start()
         if self.budget:
             self.budget.start(state)
-        if r.progress and r.comm.rank == 0:
-            from tqdm import tqdm
-            self.bar = tqdm(total=r.cfg.steps, initial=state.step, desc=r.cfg.method, unit="step",
-                            dynamic_ncols=True, mininterval=1.0)
-        if r.out and r.comm.rank == 0:
-            self.metrics = open(r.out / "metrics.jsonl", "a" if r.resume else "w")
+        self.open_log(state.step)
         return state
 
     def steps(self, first: int):
@@ -186,8 +220,7 @@ class Lockstep(Coordination):
                 "compute_cpu_s": cpu / K, **{k: v for k, v in line.items() if k not in ("step", "wall_s")}}
         if eval_n:                                   # an evaluation's line (its batches, counted)
             line["eval_loss"] = mean_loss(eval_sum, eval_n)
-        if self.metrics:
-            _append(self.metrics, json.dumps(line) + "\n")
+        self.write_metrics(line)
         if self.bar:
             self.bar.set_postfix(loss=f"{state.recent:.3f}", MB=f"{sent / 1e6:.1f}")
 
@@ -236,12 +269,6 @@ class Lockstep(Coordination):
     def abandon(self) -> None:
         _ABANDONED.extend(self.votes)         # MPI may still write into their buffers
         _ABANDONED.extend(self.lines)
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.close()
-        if self.metrics:
-            self.metrics.close()
 
     def finish(self, state: LoopState) -> dict:
         """Deliver one model on every rank and write the summary (rank 0)."""
@@ -326,7 +353,6 @@ class Detached(Coordination):
 
     def finish(self, state: LoopState) -> dict:
         """Report to rank 0, then take the run's final model (or its stop notice)."""
-        from .serve import report_to_rank0, skip_mpi_finalize, stopped, take_final_model
         r, ps = self.r, self.r.strategy
         wall = self.wall()
         mine = {"worker": ps.index, "ledger": r.comm.ledger.rows(), "wall_s": wall,
@@ -336,8 +362,7 @@ class Detached(Coordination):
         report_to_rank0(r.ctl, mine, ps.server_timeout_s + 30)
         notice = take_final_model(r.ctl, r.model, ps.server_timeout_s + ps.worker_timeout_s + 30)
         if notice:                    # this worker's own step: it resumes its own batch sequence
-            state.wall_s = wall
-            stopped(self, notice, state.to_dict())
+            stopped(self, notice)
         skip_mpi_finalize(0)
         return {"method": r.cfg.method, "rank": r.comm.rank, "role": "worker",
                 **{k: v for k, v in mine.items() if k != "ledger"}}

@@ -66,8 +66,9 @@ log = logging.getLogger("lowcomm.train")
 def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = None,
         progress: bool = True, resume: str | Path | None = None, overwrite: bool = False,
         run_id: str | None = None, coordination: Callable | None = None) -> dict:
-    """Train ``task`` under the strategy ``build(model, optimizer, comm)`` makes; return (and
-    write) the run summary. ``cfg`` is a resolved :class:`~lowcomm.run.config.Config`.
+    """Train ``task`` under the strategy ``build(model, optimizer, comm, batches=, forward=)``
+    makes (``batches``: this rank's training batches as :class:`RecentBatches`, ``forward``: the
+    task's loss, for an outer loop's ``bn_recompute``); return (and write) the run summary. ``cfg`` is a resolved :class:`~lowcomm.run.config.Config`.
 
     ``resume``: the output folder of an earlier run of this config; continue from the newest
     intact checkpoint in its checkpoint folder (an error if there is none). ``out`` must not
@@ -79,16 +80,32 @@ def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = N
     try:
         seed_all(cfg.seed)
         model = task.model(cfg)
-        strategy = build(model, build_optimizer(cfg, model.parameters()), comm)
+        recent = RecentBatches(task, cfg, comm.rank, comm.size)
+        strategy = build(model, build_optimizer(cfg, model.parameters()), comm, batches=recent,
+                         forward=task.loss)
         r = Run(cfg, task, model, strategy, comm, ctl, out, ckpt, progress, resume)
         with settled_heap():
             if getattr(strategy, "is_server", False):      # the parameter server's servers
                 from .serve import serve
                 return serve(r)
-            return train(r, Detached(r) if hasattr(strategy, "is_server") else
-                         (coordination or Lockstep)(r))
+            coord = Detached(r) if hasattr(strategy, "is_server") else (coordination or Lockstep)(r)
+            recent.rank, recent.world = coord.rank, coord.world
+            return train(r, coord)
     finally:
         close_run(out)
+
+
+class RecentBatches:
+    """This rank's training batches of the steps up to ``t``, newest first (a function of the
+    step, as the task's batches are): what an outer loop recomputes BatchNorm's statistics on
+    (``bn_recompute``). ``rank``, ``world``: the rank's place among the batches, which the
+    coordination sets (a fleet's datacenter places its ranks in the whole fleet)."""
+
+    def __init__(self, task: Task, cfg, rank: int, world: int):
+        self.task, self.cfg, self.rank, self.world = task, cfg, rank, world
+
+    def __call__(self, t: int):
+        return (self.task.batch(s, self.rank, self.world, self.cfg) for s in range(t, 0, -1))
 
 
 @contextmanager

@@ -176,7 +176,7 @@ def run(cfg, task, comm, me: dict, out=None, progress: bool = True, resume=None,
     apply_comm_settings(cfg, comm)
     channel = connect(cfg, comm, me)
     lv = levels(cfg, comm, channel, me)
-    return run_loop(cfg, task, lambda m, o, c: build_strategy(cfg, m, o, c, lv), comm, out,
+    return run_loop(cfg, task, lambda m, o, c, **kw: build_strategy(cfg, m, o, c, lv, **kw), comm, out,
                     progress, resume, overwrite, run_id,
                     coordination=lambda r: FleetLockstep(r, me, channel))
 

@@ -166,18 +166,21 @@ def context(cfg) -> Context:
                    else "abort", steps=cfg.steps)
 
 
-def build_strategy(cfg, model, optimizer, comm, levels=None) -> Strategy:
+def build_strategy(cfg, model, optimizer, comm, levels=None, batches=None,
+                   forward=None) -> Strategy:
     """The run's strategy on ``comm``: a per-level policy, or ``cfg.strategy``. ``levels``:
     the topology's communicators over ``comm`` (:func:`topology_comms`), which a policy and the
-    hierarchical all-reduce need."""
-    ctx = dataclasses.replace(context(cfg), levels=levels)
+    hierarchical all-reduce need; ``batches``, ``forward``: this rank's training batches (a
+    function of the step) and the task's forward (see :class:`~lowcomm.strategies.base.Context`)."""
+    ctx = dataclasses.replace(context(cfg), levels=levels, batches=batches, forward=forward)
     if cfg.policy:
         return build_policy(policy_levels(cfg, levels.names), model, optimizer, comm, ctx)
     m, s = strategy_settings(cfg)
     return m.build(s, model, optimizer, comm, ctx)
 
 
-def _python_context(compressor, nonfinite: str, steps: int | None, levels=None) -> Context:
+def _python_context(compressor, nonfinite: str, steps: int | None, levels=None, batches=None,
+                    forward=None) -> Context:
     if isinstance(compressor, str):
         compressor = CompressorSettings(name=compressor)
     elif compressor is None:
@@ -186,17 +189,21 @@ def _python_context(compressor, nonfinite: str, steps: int | None, levels=None) 
         raise TypeError("compressor must be a name, a CompressorSettings or None, got "
                         f"{type(compressor).__name__}")
     compressor.validate("compressor.")
-    return Context(compressor=compressor, nonfinite=nonfinite, steps=steps, levels=levels)
+    return Context(compressor=compressor, nonfinite=nonfinite, steps=steps, levels=levels,
+                   batches=batches, forward=forward)
 
 
 def build(spec: str, model, optimizer, comm=None, *, compressor=None, nonfinite: str = "abort",
-          steps: int | None = None, levels=None, **options) -> Strategy:
+          steps: int | None = None, levels=None, bn_batches=None, bn_forward=None,
+          **options) -> Strategy:
     """Any registered strategy from Python: ``spec`` is ``NAME[:key=value,...]`` and
     ``options`` more keys (they win over the spec's). ``compressor``: the gradient
     compressor's name or a :class:`~lowcomm.compress.settings.CompressorSettings` (its knobs
     also serve a compressor a strategy option names). ``steps``: the run's step budget (the
     parameter server needs it). ``comm``: default the world. ``levels``: the topology's
     communicators (:meth:`lowcomm.comm.topology.Topology.comms`) for ``algorithm=hierarchical``.
+    ``bn_batches``, ``bn_forward``: training batches for an outer loop's ``bn_recompute`` (see
+    :class:`~lowcomm.strategies.outer.OuterLoop`).
 
     Example::
 
@@ -206,7 +213,7 @@ def build(spec: str, model, optimizer, comm=None, *, compressor=None, nonfinite:
     m, opts = parse_spec(spec, "spec")
     s = settings(m, {**opts, **options}, "")
     return m.build(s, model, optimizer, comm or init(),
-                   _python_context(compressor, nonfinite, steps, levels))
+                   _python_context(compressor, nonfinite, steps, levels, bn_batches, bn_forward))
 
 
 def policy(levels: dict[str, str], model, optimizer, comm=None, *, topology: str = "",

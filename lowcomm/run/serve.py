@@ -33,112 +33,33 @@ what that delivery sent, on the uncharged control channel).
 """
 from __future__ import annotations
 
-import atexit
-import json
 import logging
 import math
-import os
-import sys
-import time
 
 from ..comm.comm import Comm
 from ..errors import LowcommError
-from ..strategies.async_ps import PUSH, ServerLost, WorkersLost, recovery_enabled
+from ..strategies.async_ps import PUSH, WorkersLost, recovery_enabled
+from .coordinate import Coordination
+from .ending import (TAG_FINAL, TAG_STATS, deliver_final_model, recv_from, report_to_rank0,
+                     send_sync, skip_mpi_finalize, stopped, take_final_model)
 from .evaluate import evaluate, state_sha256
 from .folder import write_summary
-from .signals import Interrupted, StopFlag
-from .snapshot import restore, snapshot
+from .signals import StopFlag
 from .state import Run
 
 log = logging.getLogger("lowcomm.train")
-TAG_STATS = 77
-TAG_FINAL = 78          # rank 0 -> every live rank: the run's final model
-TAG_AGREE = 79          # every live rank -> rank 0: the sha256 of the model it now holds
-
-
-# the end of the run, point to point on the control channel -----------------------------------
-def recv_from(ctl: Comm, src: int, timeout_s: float, what: str, tag: int = TAG_STATS):
-    """Receive a pickled end-of-run message from ``src``, or raise naming ``src``."""
-    t0 = time.monotonic()
-    while ctl.iprobe(src, tag) is None:
-        if time.monotonic() - t0 > timeout_s:
-            raise ServerLost(f"rank {ctl.rank}: rank {src} ({what}) sent no end-of-run message "
-                             f"for {timeout_s:g} s; it is gone, ending the job")
-        time.sleep(0.001)
-    return ctl.recv_object(src, tag)
-
-
-def send_sync(ctl: Comm, obj, dest: int, tag: int, timeout_s: float, what: str) -> None:
-    """Send ``obj`` synchronously (so that this process may end at once after)."""
-    req = ctl.issend_object(obj, dest, tag)
-    t0 = time.monotonic()
-    while not req.test():
-        if time.monotonic() - t0 > timeout_s:
-            raise ServerLost(f"rank {ctl.rank}: rank {dest} ({what}) took no end-of-run message "
-                             f"for {timeout_s:g} s; it is gone, ending the job")
-        time.sleep(0.001)
-
-
-def report_to_rank0(ctl: Comm, report: dict, timeout_s: float) -> None:
-    send_sync(ctl, report, 0, TAG_STATS, timeout_s, "parameter server 0")
-
-
-def take_final_model(ctl: Comm, model, timeout_s: float) -> dict | None:
-    """Every live rank but 0: load the run's final model from rank 0, answer its hash; or, when
-    the run was stopped by a signal, return rank 0's notice (``{"signum", "step", "save"}``)."""
-    final = recv_from(ctl, 0, timeout_s, "parameter server 0", TAG_FINAL)
-    if "model" not in final:
-        return final
-    model.load_state_dict(final["model"])
-    send_sync(ctl, state_sha256(model), 0, TAG_AGREE, timeout_s, "parameter server 0")
-    return None
-
-
-def deliver_final_model(ctl: Comm, model, ranks: list[int], timeout_s: float) -> tuple[bool, int]:
-    """Rank 0: send the final model (parameters and buffers) to ``ranks`` (the live ones) and
-    check that each now holds it. Returns (every rank agrees, bytes sent)."""
-    final = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    for r in ranks:
-        send_sync(ctl, {"model": final}, r, TAG_FINAL, timeout_s, f"rank {r}")
-    mine = state_sha256(model)
-    same = all(recv_from(ctl, r, timeout_s, f"rank {r}", TAG_AGREE) == mine for r in ranks)
-    return same, len(ranks) * sum(t.numel() * t.element_size() for t in final.values())
-
-
-def stopped(coord, notice: dict, loop: dict):
-    """Stopped by a signal: this live rank writes its final checkpoint (rank 0's notice names
-    the step), then raises :class:`Interrupted` (exit status 128 + signal)."""
-    r = coord.r
-    where = r.ckpt.save(notice["step"], snapshot(r.model, r.strategy, r.comm, loop),
-                        r.cfg.to_dict()) if notice["save"] else None
-    if notice["save"] is False and r.ckpt is not None and r.comm.rank == 0:
-        log.error("async-ps: workers were lost, so no final checkpoint can be written (it needs "
-                  "every rank); resume from the last one, if any")
-    raise Interrupted(notice["signum"], notice["step"], where)
-
-
-def skip_mpi_finalize(code: int) -> None:
-    """Under mpirun ``--enable-recovery``, end this process at exit with status ``code`` and
-    without ``MPI_Finalize``: after a rank died, Open MPI 4.1's finalize can wait forever for it
-    (its closing fence includes the dead process; seen here in about 1 run in 3). Every message
-    this rank sent has been received by then (synchronous sends), and every file is written."""
-    if not recovery_enabled():       # nothing can have died without ending the job
-        return
-
-    def bye():
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    atexit.register(bye)
 
 
 # a server rank's run ---------------------------------------------------------------------------
-class Serving:
-    """One server rank's part of a run; rank 0 (server 0) also keeps the run's log."""
+class Serving(Coordination):
+    """One server rank's part of a run; rank 0 (server 0) also keeps the run's log. The loop's
+    coordination (:class:`~lowcomm.run.coordinate.Coordination`) for what every run does — the
+    resume, the clock, checkpoints, the progress bar and the checked metrics file — with the
+    servers' log ``lg`` as the loop's counters."""
 
     def __init__(self, r: Run):
-        self.r, self.ps = r, r.strategy
+        super().__init__(r)
+        self.ps = r.strategy
         self.S, self.W = self.ps.servers, self.ps.workers
         self.limit = self.ps.server_timeout_s + self.ps.worker_timeout_s + 30
         # rank 0's log of the run (restored on resume)
@@ -146,7 +67,6 @@ class Serving:
                    "traffic": [0.0] * self.W, "recent": float("nan"), "step": 0}
         self.rounds = 0                       # τ = 0: rounds applied (checkpoint steps)
         self.early: dict[int, dict] = {}      # end-of-run reports that arrive while serving
-        self.metrics = self.bar = None
         self.stop = None
 
     def start(self) -> None:
@@ -155,25 +75,17 @@ class Serving:
             log.warning("async-ps: Open MPI's mpirun ends the whole job when any rank dies; "
                         "launch with --enable-recovery (e.g. LOWCOMM_MPIRUN_ARGS=--enable-recovery "
                         "launchers/local.sh ...) for the servers to outlive a lost worker")
-        if r.resume:
-            step, loop = restore(r.resume, r.cfg, r.comm, r.ctl, r.model, self.ps, r.out)
-            self.lg.update(loop)          # on W workers (ParameterServer.reshard folds it)
-            self.rounds = step
-        r.ctl.barrier()
-        self.t0, self.wall_before = time.perf_counter(), self.lg.get("wall_s", 0.0)
-        if r.out and r.comm.rank == 0:
-            self.metrics = open(r.out / "metrics.jsonl", "a" if r.resume else "w")
-        if r.progress and r.comm.rank == 0:
-            from tqdm import tqdm
-            self.bar = tqdm(total=r.cfg.steps, initial=self.rounds, desc=r.cfg.method, unit="step",
-                            dynamic_ncols=True, mininterval=1.0)
+        super().start()
+        self.open_log(self.rounds)
 
-    def wall(self) -> float:
-        return self.wall_before + time.perf_counter() - self.t0
+    def resumed(self, step: int, loop: dict) -> float:
+        self.lg.update(loop)          # on W workers (ParameterServer.reshard folds it)
+        self.rounds = step
+        return self.lg.get("wall_s", 0.0)
 
-    def save(self, step: int, loop: dict):
-        r = self.r
-        return r.ckpt.save(step, snapshot(r.model, self.ps, r.comm, loop), r.cfg.to_dict())
+    def loop_state(self) -> dict:
+        """Rank 0's log (the other servers keep none), the clock brought up to now."""
+        return {**self.lg, "wall_s": self.wall()} if self.r.comm.rank == 0 else {}
 
     # while serving ------------------------------------------------------------------------------
     def line(self, step: int) -> None:
@@ -192,9 +104,7 @@ class Serving:
         if r.cfg.eval_batches and r.cfg.eval_every and step % r.cfg.eval_every == 0 and self.S == 1:
             row["eval_loss"] = evaluate(r.model, r.task, r.held_out, Comm.self_comm(r.comm.watchdog))
         lg["window"], lg["sigma"], lg["lag"], lg["step"] = [], [], 0, step
-        if self.metrics:
-            self.metrics.write(json.dumps(row) + "\n")
-            self.metrics.flush()
+        self.write_metrics(row)
         if self.bar:
             self.bar.set_postfix(loss=f"{lg['recent']:.3f}", MB=f"{row['bytes'] / 1e6:.1f}")
 
@@ -212,7 +122,7 @@ class Serving:
                                    "from the last checkpoint with --resume")
             self.rounds += 1
             if every and self.rounds % every == 0 and self.rounds < r.cfg.steps:
-                self.save(self.rounds, {**lg, "wall_s": self.wall()} if r.comm.rank == 0 else {})
+                self.save(self.rounds)
 
     def _log_gradients(self, entries) -> None:
         lg, srv = self.lg, self.ps.server
@@ -247,14 +157,11 @@ class Serving:
         try:
             with StopFlag() as self.stop:
                 self.ps.serve(self.on_update, self.on_idle)
+            wall = self.wall()
+            if self.r.comm.rank == 0 and self.lg["window"]:
+                self.line(max(self.lg["step"] + 1, math.ceil(self.lg["gradients"] / self.W)))
         finally:
-            if self.bar:
-                self.bar.close()
-        wall = self.wall()
-        if self.r.comm.rank == 0 and self.lg["window"]:
-            self.line(max(self.lg["step"] + 1, math.ceil(self.lg["gradients"] / self.W)))
-        if self.metrics:
-            self.metrics.close()
+            self.close()
         return wall
 
     # the end ------------------------------------------------------------------------------------
@@ -266,7 +173,7 @@ class Serving:
         notice = take_final_model(r.ctl, r.model, self.limit)
         self.ps.close()
         if notice:
-            stopped(self, notice, {})
+            stopped(self, notice)
         skip_mpi_finalize(0)
         return {"method": r.cfg.method, "rank": r.comm.rank, "role": "server", **srv.stats()}
 
@@ -300,7 +207,7 @@ class Serving:
             for rank in live:
                 send_sync(self.r.ctl, notice, rank, TAG_FINAL, self.limit, f"rank {rank}")
             self.ps.close()
-            stopped(self, notice, {**self.lg, "wall_s": wall})
+            stopped(self, notice)
         agree, delivered = deliver_final_model(self.r.ctl, self.r.model, live, self.limit)
         self.ps.close()
         skip_mpi_finalize(WorkersLost.exit_code if lost else 0)

@@ -44,12 +44,16 @@ class Context:
     steps on all ranks),
     the run's step budget (None: open-ended), where a per-level policy nests the strategy, and
     the topology's communicators (:class:`~lowcomm.comm.topology.Levels`, built once by the caller:
-    per-level policies and the ``hierarchical`` all-reduce need them; None without a topology)."""
+    per-level policies and the ``hierarchical`` all-reduce need them; None without a topology),
+    and this rank's training batches with the forward that runs the model on one (outer loops
+    recompute BatchNorm's statistics on them: ``bn_recompute``; None: not given)."""
     compressor: CompressorSettings = field(default_factory=CompressorSettings)
     nonfinite: str = "abort"
     steps: int | None = None
     nest: Any = None
     levels: Any = None
+    batches: Any = None
+    forward: Any = None
 
     def gradient_compressor(self, name: str | None = None):
         """The run's gradient compressor, or the one called ``name`` with the run's knobs,

@@ -9,10 +9,20 @@ causal mask, rotary frequencies) are constants that every rank builds alike. Two
 
 Both are one message per dtype, charged to the communicator's ledger; a model without
 persistent buffers sends nothing.
+
+Averaged running statistics need not fit averaged weights (an outer step moves the weights
+away from every rank's statistics); :func:`recompute_statistics` measures them again on
+training batches under the weights the ranks now share.
 """
 from __future__ import annotations
 
+import itertools
+from typing import Callable, Iterable
+
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..errors import ArgumentError
 
 from ..comm.collectives import allreduce_, broadcast_
 from ..comm.comm import Comm
@@ -64,6 +74,71 @@ class Buffers:
         """The non-floating-point buffers (``num_batches_tracked``) become ``root``'s."""
         if self.other and comm.size > 1:
             broadcast_(comm, self.other, root)
+
+
+def batchnorms(model: torch.nn.Module) -> list[_BatchNorm]:
+    """The BatchNorm layers of ``model`` that keep running statistics."""
+    return [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+
+
+def default_forward(model: torch.nn.Module, batch) -> None:
+    """``model(batch[0])`` for an (inputs, labels) pair, ``model(**batch)`` for a dict, else
+    ``model(batch)``."""
+    if isinstance(batch, (tuple, list)):
+        model(batch[0])
+    elif isinstance(batch, dict):
+        model(**batch)
+    else:
+        model(batch)
+
+
+@torch.no_grad()
+def recompute_statistics(model: torch.nn.Module, batches: Iterable, count: int,
+                         forward: Callable | None = None) -> int:
+    """BatchNorm's running statistics measured again on ``count`` batches of ``batches`` under
+    the current weights, as SWA's ``update_bn`` (Izmailov et al. 2018, arXiv 1803.05407).
+
+      1. every BatchNorm layer's running mean and variance are reset and its momentum set to
+         None, so that the statistics become the plain average over the batches;
+      2. ``forward(model, batch)`` for each batch, without gradients, the BatchNorm layers in
+         training mode and every other module in evaluation mode (dropout off, no random
+         numbers drawn: the run's random state is untouched);
+      3. momenta and training modes are restored.
+
+    Returns the number of batches used. Fewer than ``count`` is fine; none raises
+    :class:`~lowcomm.errors.ArgumentError` naming ``bn_batches`` and leaves the statistics as
+    they were (as does any error inside ``forward``)."""
+    layers = batchnorms(model)
+    saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone(),
+              m.momentum) for m in layers]
+    modes = [(m, m.training) for m in model.modules()]
+    forward = forward or default_forward
+    used = 0
+    try:
+        model.eval()
+        for m in layers:
+            m.reset_running_stats()
+            m.momentum = None
+            m.train()
+        for batch in itertools.islice(batches, count):
+            forward(model, batch)
+            used += 1
+        if used == 0:
+            raise ArgumentError("bn_batches", "gave no batch to recompute BatchNorm's statistics "
+                                "on (an exhausted iterator? pass a list, a DataLoader or a "
+                                "function of the step)")
+    except BaseException:
+        for m, (mean, var, n, _) in zip(layers, saved):
+            m.running_mean.copy_(mean)
+            m.running_var.copy_(var)
+            m.num_batches_tracked.copy_(n)
+        raise
+    finally:
+        for m, (*_, momentum) in zip(layers, saved):
+            m.momentum = momentum
+        for m, training in modes:
+            m.training = training
+    return used
 
 
 def broadcast_buffers(comm: Comm, model: torch.nn.Module, root: int = 0) -> None:

@@ -22,7 +22,7 @@ from ..compress.compressor import Compressor
 from ..errors import ArgumentError, CommError, ConfigError
 from ..comm.ledger import Ledger
 from .base import Context, Strategy, agreed_dup, balance, check_compressor_name
-from .buffers import Buffers
+from .buffers import Buffers, batchnorms, recompute_statistics
 from .syncdp import SyncDPSettings
 
 log = logging.getLogger("lowcomm.strategies.outer")
@@ -206,7 +206,19 @@ class OuterLoop(Strategy):
          go on, and is applied after step s + τ;
       4. when s % H == 0, the floating-point buffers (BatchNorm's running statistics) are
          averaged over the ranks and integer ones taken from rank 0 (one small blocking
-         all-reduce; nothing for a model without persistent buffers).
+         all-reduce; nothing for a model without persistent buffers); with
+         ``bn_recompute = N`` and ``bn_recompute_at = "sync"``, each rank first recomputes
+         BatchNorm's statistics on N training batches under the synchronised weights
+         (:func:`~lowcomm.strategies.buffers.recompute_statistics`), and those are averaged.
+
+    At the end (:meth:`finish`), with ``bn_recompute = N`` the statistics are recomputed on N
+    batches per rank under the delivered weights and averaged, instead of averaging the
+    statistics the ranks ran with: averaged statistics need not fit the weights an outer step
+    made (DiLoCo on a BatchNorm CNN: 0.875/0.923 test accuracy against SyncDP's 0.98 before).
+    The batches: ``bn_batches``, an iterable (a list, a DataLoader: iterated afresh each time)
+    or a function of the inner step t returning one (the loop passes the task's batches of
+    this rank's last steps); ``bn_forward(model, batch)`` runs the model on one (default:
+    ``model(batch[0])`` for a pair; the loop passes the task's loss).
 
     Every rank issues the same reductions in the same order, so no per-call agreement is needed.
 
@@ -233,7 +245,7 @@ class OuterLoop(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings=None, compressor: Compressor | None = None,
                  warmup_options: dict | None = None, nest: Nesting | None = None, levels=None,
-                 **options):
+                 bn_batches=None, bn_forward=None, **options):
         super().__init__(model, optimizer, comm)
         s = settings if settings is not None else self.settings_from(options, algorithm="mpi")
         get_algorithm(s.algorithm, levels)
@@ -250,6 +262,7 @@ class OuterLoop(Strategy):
             raise ValueError("the model has no trainable parameters")
         self.fragments = partition(named, fragments, self.period)
         self.buffers = Buffers(model)
+        self._bn = self._statistics_source(model, s, bn_batches, bn_forward)
         self.t = 0                                   # inner steps taken
         self._dirty: set[int] = set()                # fragments stepped locally since their sync
         self.syncs: list[list[int]] = []             # [local step, fragment, bytes sent here]
@@ -300,6 +313,35 @@ class OuterLoop(Strategy):
                 if c is not None:
                     c.idle = self._idle
         self._posting = self._pool is not None and self._can_post()
+
+    @staticmethod
+    def _statistics_source(model, s, batches, forward):
+        """(batches, forward) for recomputing BatchNorm's statistics, or None
+        (``bn_recompute = 0``); checked here, not at the run's end."""
+        if s.bn_recompute == 0:
+            return None
+        if not batchnorms(model):
+            raise ArgumentError("bn_recompute", f"{s.bn_recompute} batches to recompute BatchNorm's "
+                                "running statistics on, but the model has no BatchNorm layer "
+                                "that keeps them; use 0")
+        if batches is None:
+            raise ArgumentError("bn_batches", f"bn_recompute = {s.bn_recompute} needs training "
+                                "batches: pass bn_batches (a list, a DataLoader or a function of "
+                                "the step; lowcomm.train passes the task's)")
+        if forward is not None and not callable(forward):
+            raise ArgumentError("bn_forward", f"must be a function (model, batch), got "
+                                f"{type(forward).__name__}")
+        return batches, forward
+
+    @torch.no_grad()
+    def _settle_buffers(self) -> None:
+        """The buffers every rank ends a period (or the run) with: BatchNorm's statistics
+        recomputed on this rank's batches first where asked, then averaged over the ranks."""
+        if self._bn is not None:
+            batches, forward = self._bn
+            recompute_statistics(self.model, batches(self.t) if callable(batches) else batches,
+                                 self.settings.bn_recompute, forward)
+        self.buffers.average(self._whole)
 
     # what subclasses define ---------------------------------------------------------------------
     def _outgoing(self, f: Fragment, local: torch.Tensor) -> torch.Tensor:
@@ -391,7 +433,10 @@ class OuterLoop(Strategy):
                 if s % self.period == f.offset:
                     self._start(f, s)
             if s % self.period == 0:
-                self.buffers.average(self._whole)
+                if self._bn is not None and self.settings.bn_recompute_at == "sync":
+                    self._settle_buffers()
+                else:
+                    self.buffers.average(self._whole)
 
     def _end_warmup(self) -> None:
         if self._dense is not None:
@@ -628,12 +673,13 @@ class OuterLoop(Strategy):
         θ ← (1/K) Σ_k θ_k: one dense all-reduce, charged to the run. Otherwise (the run ended on
         a synchronisation) nothing is sent: the ranks are equal already. Floating-point buffers
         are averaged and integer ones taken from rank 0 (a model without persistent buffers sends
-        nothing)."""
+        nothing); with ``bn_recompute`` BatchNorm's statistics are first recomputed under the
+        delivered weights."""
         for f in self.fragments:
             if f.index in self._dirty:
                 f.unpack_(allreduce_(f.pack(), self._whole, "mpi", op="avg"))
         self._dirty.clear()
-        self.buffers.average(self._whole)
+        self._settle_buffers()
         if self._inner is not None:
             self._inner.parameters_changed()
 
@@ -662,11 +708,19 @@ class OuterSettings(SyncDPSettings):
     period: int = 1                # H: inner steps between synchronisations
     warmup_steps: int = 0          # W: dense SyncDP steps first (post-local SGD)
     compressor: str = "none"       # the pseudo-gradient's compressor (DiLoCo family)
+    bn_recompute: int = 0          # training batches per rank to recompute BatchNorm's statistics on
+    bn_recompute_at: str = "end"   # "end": after the last step; "sync": also after every outer step
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
         self.at_least(prefix, "period", 1)
         self.at_least(prefix, "warmup_steps", 0)
+        self.at_least(prefix, "bn_recompute", 0)
+        self.one_of(prefix, "bn_recompute_at", BN_RECOMPUTE_AT)
+        if self.bn_recompute_at != "end" and self.bn_recompute == 0:
+            raise ConfigError.at(prefix, "bn_recompute_at", f"{self.bn_recompute_at!r} says when to "
+                                 "recompute BatchNorm's statistics, but bn_recompute = 0 batches; "
+                                 "set bn_recompute")
         check_compressor_name(self, prefix)
         if self.warmup_steps and "policy." in prefix:
             raise ConfigError.at(prefix, "warmup_steps", "a warm-up of dense steps is not supported "
@@ -684,10 +738,12 @@ class OuterSettings(SyncDPSettings):
         warmup = SyncDPSettings(**{k: getattr(self, k) for k in SyncDPSettings.fields()
                                    if k != "compressor"}).kwargs(ctx)
         del warmup["algorithm"]                      # the outer loop's own
-        return dict(settings=self, warmup_options=warmup, nest=ctx.nest, levels=ctx.levels)
+        return dict(settings=self, warmup_options=warmup, nest=ctx.nest, levels=ctx.levels,
+                    bn_batches=ctx.batches, bn_forward=ctx.forward)
 
 
 MERGES = ("mix", "add-local")
+BN_RECOMPUTE_AT = ("end", "sync")
 
 
 def check_merge(merge: str, alpha: float, prefix: str = "") -> None:

@@ -5,7 +5,9 @@
 * ``LOWCOMM_KILL=rank:step``: that rank (a worker) SIGKILLs itself in the forward pass of its
   ``step``-th training step;
 * ``LOWCOMM_KILL_SERVER=rank:updates``: that rank (a parameter server) SIGKILLs itself when it
-  is about to apply its ``updates``-th update.
+  is about to apply its ``updates``-th update;
+* ``LOWCOMM_FULL_METRICS=1``: once the run's folder is open, its ``metrics.jsonl`` is a link to
+  ``/dev/full`` (every write fails with ENOSPC: the disk filled).
 """
 import os
 import signal
@@ -46,5 +48,19 @@ if os.environ.get("LOWCOMM_KILL_SERVER"):
             return real_step(self, grad, lr_scale)
 
         ParameterServer._step = _step
+
+if os.environ.get("LOWCOMM_FULL_METRICS"):
+    from pathlib import Path
+
+    import lowcomm.run.loop as loop_module
+    real_open_run = loop_module.open_run
+
+    def open_run(cfg, comm, out, *args, **kwargs):
+        ctl, folder, ckpt = real_open_run(cfg, comm, out, *args, **kwargs)
+        if comm.rank == 0:
+            (Path(folder) / "metrics.jsonl").symlink_to("/dev/full")
+        return ctl, folder, ckpt
+
+    loop_module.open_run = open_run
 
 main()
