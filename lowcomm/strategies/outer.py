@@ -287,17 +287,7 @@ class OuterLoop(Strategy):
                 below.release_guard()
         self.nest, self._inside, self._leaders = nest, None, None
         self._whole = nest.whole if nest is not None and nest.whole is not None else self.comm
-        self._ranges = None                          # sharded: this rank's [lo, hi) per fragment
-        if nest is not None and nest.inside is not None and getattr(nest.inner, "sharded", False):
-            if nest.peers is None or getattr(nest.peers, "rounds", False):
-                raise ConfigError("policy", f"{self.name} over {nest.inner.name}: a fleet of "
-                                  "datacenters reduces through one leader each, so the outer "
-                                  "state cannot be sharded across its ranks; run the policy as "
-                                  "one MPI job (topology = \"dc:D,rank:K\"), or use syncdp "
-                                  "inside the datacenters")
-            k, i = nest.inside.size, nest.inside.rank
-            self._ranges = [(min(f.numel, i * -(-f.numel // k)), min(f.numel, (i + 1) * -(-f.numel // k)))
-                            for f in self.fragments]
+        self._ranges = self._shard_ranges(nest)      # sharded: this rank's [lo, hi) per fragment
         if nest is not None:                         # same ledger: a sync's rows, all levels
             self._inside = nest.inside.dup(self._red.ledger) if nest.inside else None
             across = nest.peers if self._ranges is not None else nest.leaders
@@ -305,9 +295,14 @@ class OuterLoop(Strategy):
             for c in (self._inside, self._leaders):
                 if c is not None:
                     c.validate = False
+        self._start_reductions()
+
+    def _start_reductions(self) -> None:
+        """With τ > 0, the reduction thread (its waits sleep: the computation keeps the core),
+        or the posted reductions where they apply (:meth:`_can_post`)."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowcomm-outer") if self.delay else None
         self._idle = None
-        if self._pool is not None:   # the reduction thread's waits sleep: the computation keeps the core
+        if self._pool is not None:
             self._idle = IdleWait(REDUCTION_IDLE_WAIT_S, REDUCTION_IDLE_WAIT_MAX_S)
             for c in (self._red, self._inside, self._leaders):
                 if c is not None:
@@ -356,6 +351,20 @@ class OuterLoop(Strategy):
 
     def _warmup_done(self) -> None:
         """Called once after the last dense step (parameters are equal on all ranks)."""
+
+    def _shard_ranges(self, nest: Nesting | None) -> list[tuple[int, int]] | None:
+        """This rank's range of each fragment where the level below shards the model inside
+        the unit (see the class docstring), else None."""
+        if nest is None or nest.inside is None or not getattr(nest.inner, "sharded", False):
+            return None
+        if nest.peers is None or getattr(nest.peers, "rounds", False):
+            raise ConfigError("policy", f"{self.name} over {nest.inner.name}: a fleet of "
+                              "datacenters reduces through one leader each, so the outer state "
+                              "cannot be sharded across its ranks; run the policy as one MPI job "
+                              "(topology = \"dc:D,rank:K\"), or use syncdp inside the datacenters")
+        k, i = nest.inside.size, nest.inside.rank
+        return [(min(f.numel, i * -(-f.numel // k)), min(f.numel, (i + 1) * -(-f.numel // k)))
+                for f in self.fragments]
 
     def _pack(self, f: Fragment) -> torch.Tensor:
         """Fragment ``f``'s parameters as this rank synchronises them: all of them, or (sharded

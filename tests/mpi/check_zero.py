@@ -241,6 +241,7 @@ def test_bad_input_is_named(comm):
         lowcomm.build("zero2:hpz=true", model, torch.optim.SGD(model.parameters(), lr=0.1), comm)
 
 
+@pytest.mark.mpi(sizes=(4,))          # a dc:2,rank:2 topology
 @pytest.mark.parametrize("dc", ["diloco:period=2", "diloco:period=3,compressor=int8",
                                 "streaming-diloco:period=4,fragments=2,delay=1,merge=add-local",
                                 "localsgd:period=2"])
@@ -248,9 +249,6 @@ def test_outer_loops_over_sharded_datacenters_equal_them_unsharded(comm, dc):
     """dc:2,rank:2: each rank keeps and sends only its half of the outer state (with its
     counterpart in the other datacenter); the models equal the same policy over syncdp (two
     datacenters: the same sums), the outer state per rank is half."""
-    if SIZE != 4:
-        pytest.skip("a dc:2,rank:2 topology needs 4 ranks")
-
     def train(rank_level):
         model = seeded_mlp(10, 64, 64, 3)
         opt = lowcomm.policy({"dc": dc, "rank": rank_level}, model,
