@@ -29,7 +29,7 @@ _LAZY = {
     "AsyncPS": "strategies.async_ps", "OneBitAdam": "strategies.onebit_adam",
     "ZeroOneAdam": "strategies.zeroone_adam", "DeMo": "strategies.demo", "Sparta": "strategies.sparta",
     "SpartaDiLoCo": "strategies.sparta", "MuonAdamW": "run.optimizers",
-    "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.base",
+    "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.base", "adopt": "strategies.base",
     "Context": "strategies.base", "Settings": "settings",
     "average_buffers": "strategies.buffers", "broadcast_buffers": "strategies.buffers",
     "Compressor": "compress", "Cast": "compress", "Int8": "compress", "QSGD": "compress",
