@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .folder import write_text
+from .folder import json_text, write_text
 
 
 def _events(path: Path) -> list[dict]:
@@ -195,7 +195,7 @@ def write_report(fleet, wall_s: float) -> dict:
                   "fallbacks": fleet.fallbacks, "datacenters": datacenters(fleet)},
         "config": head.get("config"),
     }
-    write_text(fleet.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_text(fleet.out / "summary.json", json_text(summary))
     write_text(fleet.out / "metrics.jsonl", "".join(
         json.dumps(x) + "\n" for x in _merged(fleet, committed, failures, heals)))
     return summary
