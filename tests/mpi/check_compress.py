@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import lowcomm
-from helpers import agree, control, seeded_mlp, sent
+from helpers import agree, control, seeded_mlp, sent, train_steps
 from lowcomm.comm.ledger import Ledger, wire_bytes
 from lowcomm.compress import COMPRESSORS, Compressor, PowerSGD, SignMajorityVote, build_compressor
 from lowcomm.compress.base import Segment
@@ -139,11 +139,7 @@ def syncdp(comm, name, bucket_mb, lr=0.05):
 
 
 def train(model, opt, steps, first=0):
-    for step in range(first, first + steps):
-        x, y = batch(step)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    train_steps(model, opt, batch, steps, first)
 
 
 def full_loss(model):

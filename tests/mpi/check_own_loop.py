@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import lowcomm
-from helpers import agree, control
+from helpers import agree, control, train_steps
 from lowcomm.comm.ledger import Ledger
 from lowcomm.errors import CommError, LowcommError
 from under_mpi import RANK
@@ -48,11 +48,7 @@ def batch(step):
 
 
 def train(model, opt, steps, first=0):
-    for step in range(first, first + steps):
-        x, y = batch(step)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    train_steps(model, opt, batch, steps, first)
 
 
 def build(spec, model, params=None, comm=None, adam=False):
