@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import warnings
 import weakref
@@ -248,6 +249,16 @@ class Strategy(torch.optim.Optimizer):
             if public in cls.__dict__:
                 raise TypeError(f"{cls.__name__} overrides {public}(); override {own}() instead "
                                 f"(Strategy.{public}() keeps the optimizer contract around it)")
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            @functools.wraps(init)
+            def building(self, *args, **kwargs):
+                try:
+                    init(self, *args, **kwargs)
+                except BaseException:
+                    self._abandon()
+                    raise
+            cls.__init__ = building
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None):
@@ -295,9 +306,9 @@ class Strategy(torch.optim.Optimizer):
         self._built_counts = [len(g["params"]) for g in groups]
         self._built_ids = {id(p) for g in groups for p in g["params"]}
         self._built_frozen = [(self._built_names[id(p)], p) for g in groups for p in g["params"]
-                        if not p.requires_grad]
+                              if not p.requires_grad]
         self._built_layout = [(n, tuple(p.shape), str(p.dtype), str(p.device.type), p.requires_grad)
-                        for n, p in self.model.named_parameters()]
+                              for n, p in self.model.named_parameters()]
 
     def _refuse_sparse_gradients(self) -> None:
         """A module that makes sparse gradients (``nn.Embedding(sparse=True)``,
@@ -352,6 +363,18 @@ class Strategy(torch.optim.Optimizer):
             return (f"the model has {len(now)} parameters now, {len(self._built_layout)} when lowcomm's "
                     f"{self.name} was built: build the method on the finished model")
         return None
+
+    def _abandon(self) -> None:
+        """A build that failed leaves the torch optimizer as it found it: no guard on its
+        step(), not claimed (so another method may be built on it)."""
+        guard = self.__dict__.get("_guard")
+        if guard is not None:
+            guard.remove()
+        optimizer = self.__dict__.get("optimizer")
+        ref = getattr(optimizer, "_lowcomm_method", None)
+        if ref is not None and ref() is self:
+            del optimizer._lowcomm_method
+        self._closed = True
 
     def claim(self) -> None:
         """Make this method the one live method wrapping its torch optimizer: refused while

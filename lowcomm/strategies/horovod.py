@@ -95,6 +95,7 @@ class HorovodDP(Strategy):
     """
 
     name = "syncdp(horovod)"
+    per_rank_state = False      # the optimizer's state only: a replica
     lockstep = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

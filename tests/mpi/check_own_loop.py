@@ -234,3 +234,16 @@ def test_a_model_cast_after_build_is_a_clear_error(name, comm):
     assert isinstance(e, LowcommError) and "'a.weight'" in str(e) and "bfloat16" in str(e) and \
         "after lowcomm's syncdp was built" in str(e), repr(e)
     opt.close()
+
+
+def test_a_build_that_fails_leaves_the_optimizer_free_for_another_method(comm, ctl):
+    """1-bit Adam refuses SGD after the base class guarded and claimed the optimizer: the
+    failed build leaves neither behind, so SyncDP builds on it and steps."""
+    model = Net()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    e = raised(comm, lambda: lowcomm.build("onebit-adam", model, inner, comm.dup(Ledger())))
+    assert isinstance(e, TypeError) and "Adam" in str(e), repr(e)
+    opt = lowcomm.build("syncdp", model, inner, comm.dup(Ledger()))
+    train(model, opt, 2)
+    opt.finish()
+    assert one_model(ctl, model)
