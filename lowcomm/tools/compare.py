@@ -381,8 +381,7 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
         reach = (f" | {reach:.1f}" if reach is not None else " | not reached") if to else ""
         rel = (f" | {_spread(r['wall_ratio']['runs'], 3)}" if "wall_ratio" in r else " | –") if by else ""
         ev = f"{r['eval_loss']:.4f}" if _finite(r["eval_loss"]) else "–"
-        capped = "⁴" if budget and r.get("steps_done", r["steps"]) >= r["steps"] and \
-            r.get("modelled_wall_s", budget) < budget else ""
+        capped = "⁴" if _capped(r, budget) else ""
         rows.append(f"| {i} | {r['method']} | {ev} | {r['final_loss']:.4f} | "
                     f"{r.get('steps_done', r['steps'])}{capped} | {r['bytes_total'] / 1e6:.1f} | {ratio} | "
                     f"{_spread(r.get('wall_s_runs') or [r['wall_s']], 1)}{rel} | "
@@ -393,21 +392,8 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
             "CPU s: the slowest rank's CPU seconds of computation in its training steps (process CPU "
             "time minus the CPU time of its communication calls), which other processes on the "
             "machine do not inflate; wall s is measured and does depend on the machine's load.")
-    capped = [r["method"] for r in ok if budget and r.get("steps_done", r["steps"]) >= r["steps"]
-              and r.get("modelled_wall_s", budget) < budget]
-    if budget:
-        reached = "every method" if not capped else "every method but those marked ⁴"
-        foot += (f" {reached[0].upper()}{reached[1:]} trained until its modelled s reached the "
-                 f"budget of {budget:g} s (the final synchronisation of an outer loop can pass it).")
-    if capped:
-        foot += (f"\n⁴ stopped by the steps cap ({', '.join(capped)}) before its modelled s "
-                 f"reached the budget of {budget:g} s: its eval loss is not at the budget; raise "
-                 "--steps.")
-    if by_train and ok:
-        foot += ("\nNo eval loss: the task gives no held-out batches (eval_batches), so the "
-                 "methods are ranked by their final train loss.")
-    elif any(not _finite(r["eval_loss"]) for r in ok):
-        foot += "\nMethods without an eval loss are ranked last."
+    budget_note, ranking = _ranking_notes(ok, budget, by_train)
+    foot += budget_note
     if to:
         foot += (f"\n² the modelled time at which the method's eval loss first reached {target:.4f}"
                  f"{' (ddp’s final eval loss)' if base and base['eval_loss'] == target else ''}, "
@@ -415,7 +401,34 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
     if by:
         foot += (f"\n³ each run's wall-clock divided by {ref}'s in the same round (the methods ran "
                  "in turn, round after round): the median ratio (min–max).")
-    return "\n".join([head, *rows]) + "\n" + foot
+    return "\n".join([head, *rows]) + "\n" + foot + ranking
+
+
+def _capped(r: dict, budget: float) -> bool:
+    """Whether the steps cap stopped a budgeted method before its modelled s reached the budget."""
+    return bool(budget) and r.get("steps_done", r["steps"]) >= r["steps"] and \
+        r.get("modelled_wall_s", budget) < budget
+
+
+def _ranking_notes(ok: list[dict], budget: float, by_train: bool) -> tuple[str, str]:
+    """The table's notes on what the ranking compares: the budget (a sentence of note ¹), and
+    the notes after the others: the methods the steps cap stopped first, a task without
+    held-out batches."""
+    capped = [r["method"] for r in ok if _capped(r, budget)]
+    reached = "Every method" if not capped else "Every method but those marked ⁴"
+    budget_note = (f" {reached} trained until its modelled s reached the budget of {budget:g} s "
+                   "(the final synchronisation of an outer loop can pass it).") if budget else ""
+    notes = ""
+    if capped:
+        notes += (f"\n⁴ stopped by the steps cap ({', '.join(capped)}) before its modelled s "
+                  f"reached the budget of {budget:g} s: its eval loss is not at the budget; raise "
+                  "--steps.")
+    if by_train and ok:
+        notes += ("\nNo eval loss: the task gives no held-out batches (eval_batches), so the "
+                  "methods are ranked by their final train loss.")
+    elif any(not _finite(r["eval_loss"]) for r in ok):
+        notes += "\nMethods without an eval loss are ranked last."
+    return budget_note, notes
 
 
 def _finite(x) -> bool:
