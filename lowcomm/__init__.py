@@ -30,7 +30,7 @@ _LAZY = {
     "ZeroOneAdam": "strategies.zeroone_adam", "DeMo": "strategies.demo", "Sparta": "strategies.sparta",
     "SpartaDiLoCo": "strategies.sparta", "ZeRO1": "strategies.zero", "ZeRO2": "strategies.zero",
     "FSDP": "strategies.fsdp", "MuonAdamW": "run.optimizers",
-    "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.base",
+    "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.base", "adopt": "strategies.base",
     "Context": "strategies.base", "Settings": "settings",
     "average_buffers": "strategies.buffers", "broadcast_buffers": "strategies.buffers",
     "Compressor": "compress", "Cast": "compress", "BlockQuant": "compress", "QSGD": "compress",

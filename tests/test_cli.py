@@ -30,8 +30,12 @@ def test_train_writes_metrics_and_summary(tmp_path):
     assert [m["lr"] for m in lines] == pytest.approx(cos, rel=1e-12)
     assert all(m["loss"] > 0 and m["wall_s"] > 0 for m in lines)
     assert lines[0]["bytes"] < lines[1]["bytes"] < lines[2]["bytes"]
-    # every step all-reduces all gradients: 2(K-1)/K · 4 · params bytes per rank and step
-    grads = s["steps"] * K * (2 * (K - 1) * 4 * s["params"] // K)
+    # every step all-reduces all gradients and a presence slot per tensor (which ones any rank
+    # had a gradient for): 2(K-1)/K · 4 · (params + tensors) bytes per rank and step
+    from lowcomm.run.api import load_config
+    from lowcomm.tasks import bytelm
+    tensors = len(list(bytelm.model(load_config(None, ["model.d_model=32", "model.n_layers=1"])).parameters()))
+    grads = s["steps"] * K * (2 * (K - 1) * 4 * (s["params"] + tensors) // K)
     rows = {row["op"]: row for row in s["ledger_rank0"]}
     ar = rows[f"allreduce.{algorithm}"]     # the tiny model is one bucket: one all-reduce a step
     assert (ar["calls"], ar["bytes_sent"]) == (steps, grads // K), ar

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ROOT, cli
 from lowcomm.tools.compare import (METHODS, Link, default_topology, modelled_wall, needs_topology,
-                             resolve_methods)
+                                   resolve_methods, table)
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",
          "data.seq_len=32", "data.max_bytes=300000", "eval_batches=2", "log_every=5"]
@@ -347,3 +347,52 @@ def test_projection_recosts_each_op_by_its_algorithm_s_formula():
     with pytest.raises(ValueError, match="levels dc, world"):
         project(_summary([{"op": "allreduce.mpi", "calls": 1, "bytes_sent": 1},
                           {"op": "allreduce.mpi", "calls": 1, "bytes_sent": 1, "level": "dc"}]), [8], [link])
+
+
+def test_compare_checks_timeout_target_and_methods_before_anything_runs(tmp_path):
+    for args, option in ((("--timeout", "0"), "--timeout"), (("--target", "nan"), "--target"),
+                         (("--methods", ""), "--methods"), (("--methods", " , "), "--methods")):
+        r = cli("compare", "--np", "2", "--out", tmp_path, *args)
+        assert r.returncode == 2 and option in r.stderr, (args, r.output)
+    assert not any(tmp_path.iterdir())
+
+
+def _result(method, eval_loss, final_loss, steps_done=10, modelled=5.0):
+    return {"method": method, "status": "ok", "eval_loss": eval_loss, "final_loss": final_loss,
+            "steps": 10, "steps_done": steps_done, "bytes_total": 1e6, "wall_s": 1.0,
+            "compute_cpu_s": 1.0, "modelled_wall_s": modelled}
+
+
+def test_a_task_without_held_out_batches_writes_valid_json_and_the_table_says_how_it_ranks():
+    """The README's own task has no eval_batches: summary.json and results.json held a bare NaN
+    (not JSON) and the table ranked by it without a word."""
+    from lowcomm.run.folder import json_text
+    text = json_text({"eval_loss": float("nan"), "runs": [float("inf"), 1.5]})
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {text}")) == \
+        {"eval_loss": None, "runs": [None, 1.5]}
+    md = table([_result("ddp", None, 2.0), _result("int8", None, 1.5)], Link(25, 100))
+    rows = [line for line in md.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
+    assert rows[0].startswith("| 1 | int8 | – | 1.5000") and rows[1].startswith("| 2 | ddp | – |"), md
+    assert "no held-out batches" in md and "ranked by their final train loss" in md, md
+    md = table([_result("ddp", 2.0, 2.0), _result("int8", 1.0, 1.5)], Link(25, 100))
+    assert "| 1 | int8 | 1.0000" in md and "held-out" not in md, md
+
+
+def test_a_budget_table_marks_the_methods_the_steps_cap_stopped_first():
+    md = table([_result("ddp", 2.0, 2.0, steps_done=7, modelled=30.0),
+                _result("int8", 1.0, 1.5, steps_done=10, modelled=12.0)], Link(25, 100), budget=30)
+    assert "| int8 | 1.0000 | 1.5000 | 10⁴ |" in md and "| ddp | 2.0000 | 2.0000 | 7 |" in md, md
+    assert "stopped by the steps cap (int8)" in md and "Every method but those marked ⁴" in md, md
+    md = table([_result("ddp", 2.0, 2.0, steps_done=7, modelled=30.0)], Link(25, 100), budget=30)
+    assert "⁴" not in md and "Every method trained until" in md, md
+
+
+def test_train_refuses_a_comparison_folder(tmp_path):
+    from lowcomm.run.folder import COMPARE_MARKER
+    (tmp_path / COMPARE_MARKER).write_text("{}")
+    (tmp_path / "results.json").write_text("[]")
+    before = digest(tmp_path)
+    for extra in ((), ("--overwrite",)):
+        r = cli("train", "--out", tmp_path, *extra)
+        assert r.returncode == 2 and "holds a comparison" in r.stderr, r.output
+    assert digest(tmp_path) == before

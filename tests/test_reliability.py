@@ -312,3 +312,28 @@ def test_nonfinite_skip_skips_the_step_on_every_rank(tmp_path):
     assert s["skipped_steps"] == 1, s["skipped_steps"]
     assert s["final_loss"] == s["final_loss"] and s["eval_loss"] == s["eval_loss"]   # not NaN
     assert "rank 1 step 5: " in r.stderr and "all ranks skip the step" in r.stderr, r.output
+
+
+def test_a_full_disk_while_appending_metrics_names_the_file_and_leaves_no_cut_line(tmp_path):
+    """A metrics line cut by a full disk (half of it written, then ENOSPC): an error naming
+    metrics.jsonl, and the file ends with the last whole line, as before the write."""
+    import errno
+    from unittest import mock
+    from lowcomm.errors import LowcommError
+    from lowcomm.run.coordinate import _append
+    path = tmp_path / "metrics.jsonl"
+    real = os.write
+    with open(path, "w") as f:
+        _append(f, '{"step": 1}\n')
+        calls = []
+
+        def half_then_full(fd, data):
+            calls.append(len(data))
+            if len(calls) == 1:
+                return real(fd, data[:len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        with mock.patch("lowcomm.run.coordinate.os.write", half_then_full):
+            with pytest.raises(LowcommError, match=r"cannot write .*metrics\.jsonl: No space left"):
+                _append(f, '{"step": 2, "loss": 1.25}\n')
+        assert len(calls) == 2, "the check can fail: half the line was written first"
+    assert path.read_text() == '{"step": 1}\n'

@@ -76,6 +76,11 @@ def test_task_table_options_reach_the_task(tmp_path):
     assert cfg.task.options == {"n_embd": 32, "path": "/usr/share/common-licenses", "n_layer": 1}
     again = load_config(None, base=cfg.to_dict())        # config.json round trip (--resume)
     assert again.task == cfg.task
+    # config.json shows them as task.options.<name>: that spelling sets the option too (it was
+    # stored as options["options.x"], which config.json wrote as options.options.x)
+    spelled = load_config(f, ["task.options.n_layer=2", "task.options.depth=3"])
+    assert spelled.task.options == {"n_embd": 32, "path": "/usr/share/common-licenses", "n_layer": 2,
+                                    "depth": 3}
 
 
 def test_dataset_batches_shard_like_distributed_sampler():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import traceback
 from pathlib import Path
@@ -109,7 +110,8 @@ def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, ma
     if comm.rank == 0:
         keys = ("method", "task", "ranks", "steps", "params", "final_loss", "eval_loss",
                 "bytes_total", "wall_s", "skipped_steps", "state_sha256", "ranks_agree")
-        click.echo(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
+        from ..run.folder import json_text
+        click.echo(json_text({k: summary[k] for k in keys if k in summary}).rstrip())
         click.echo(f"wrote {Path(out) / 'summary.json'}")
 
 
@@ -361,7 +363,8 @@ def bench_compress(config, overrides, size, methods, iters, warmup, threads, lin
               help="Link of the modelled wall-clock (α–β model) [default: compare.link, 25,100].")
 @click.option("--launcher", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Launcher script taking '-n N COMMAND...' (default: mpirun with local flags).")
-@click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per method.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=3600, show_default=True,
+              help="Seconds per method.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="Relaunch a failed method from its newest checkpoint up to N times "
                    "(set checkpoint.every for a resume; without one it restarts from step 0).")
@@ -388,6 +391,11 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
     keeping what finished."""
     from ..errors import RunFolderError
     from ..tools.compare import budget_overrides
+    if target is not None and not math.isfinite(target):
+        raise click.BadParameter(f"must be a finite eval loss, got {target}", param_hint="--target")
+    if methods is not None and not methods.strip(" ,"):
+        raise click.BadParameter("names no method; give a comma-separated list (e.g. "
+                                 "syncdp,diloco) or leave --methods out", param_hint="--methods")
     if steps is not None:
         overrides = (*overrides, f"steps={steps}")
     the_link = _compare_link(config, overrides, wan, link)

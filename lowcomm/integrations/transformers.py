@@ -29,8 +29,11 @@ Example (``launchers/local.sh -n 2 python train.py``)::
     trainer.train()                                    # every rank ends with the same model
 
 With the parameter server (``async-ps``), server ranks serve inside ``train()`` and the data is
-sharded over the workers. Checkpoints the Trainer writes hold the first training rank's method
-state (``lowcomm.train`` writes every rank's).
+sharded over the workers. A checkpoint the Trainer writes holds, beside the first training rank's
+files, every training rank's own model and method state (``lowcomm-rank<r>-of-<K>.pt``: DiLoCo's
+local models, error feedback, gossip's models differ between ranks), which
+``resume_from_checkpoint`` loads on each rank, so the resume is exact (the parameter server's
+server ranks keep no Trainer checkpoint).
 """
 from __future__ import annotations
 
@@ -166,13 +169,36 @@ class Trainer(transformers.Trainer):
         return out
 
     # saving -------------------------------------------------------------------------------------
+    def _own_state(self, checkpoint: str) -> str:
+        return os.path.join(checkpoint, f"lowcomm-rank{self.comm.rank}-of-{self.comm.size}.pt")
+
     def _save_checkpoint(self, model, trial):
-        """Rank 0 writes the checkpoint; every rank learns the best-model bookkeeping."""
+        """Rank 0 writes the Trainer's checkpoint; every training rank adds its own model and
+        method state (they differ between ranks under DiLoCo, gossip, error feedback...)."""
         if self._first:
             super()._save_checkpoint(model, trial)
         s = self._trainers.bcast_object((self.state.best_metric, self.state.best_model_checkpoint,
                                          self.state.best_global_step))
         self.state.best_metric, self.state.best_model_checkpoint, self.state.best_global_step = s
+        folder = os.path.join(self._get_output_dir(trial=trial),
+                              f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if os.path.isdir(folder):            # (save_strategy "best" may write none)
+            torch.save({"model": self.model.state_dict(), "method": self.method.state_dict()},
+                       self._own_state(folder))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Each rank resumes from its own model and method state (rank 0's optimizer.pt would
+        be another rank's method state: refused where it differs between ranks)."""
+        mine = self._own_state(checkpoint) if checkpoint else None
+        if mine is None or not os.path.isfile(mine):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        state = torch.load(mine, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.method.load_state_dict(state["method"])
+        sched = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
+        if os.path.isfile(sched):
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+        return None
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Rank 0 writes the model (every rank holds the same one after ``train()``)."""

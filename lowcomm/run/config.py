@@ -219,7 +219,8 @@ def _set(obj, dotted: str, value, prefix: str = "") -> None:
 
 def _set_task(task: TaskConfig, key: str, rest: str, value) -> None:
     """``task = "x.py"`` or ``--set task=x.py`` names the task; ``[task]`` with ``name`` and
-    options, or ``task.<option> = value``, sets its options."""
+    options, or ``task.<option> = value`` (also ``task.options.<option>``, as a saved config.json
+    spells it), sets its options."""
     if not rest:
         if isinstance(value, str):
             task.name = value
@@ -233,6 +234,8 @@ def _set_task(task: TaskConfig, key: str, rest: str, value) -> None:
         task.name = coerce(f"{key}.name", str, value)
     elif rest == "options" and isinstance(value, dict):   # a saved config.json
         task.options.update(value)
+    elif rest.startswith("options."):   # task.options.x: the option x, as config.json shows it
+        _set_task(task, key, rest[len("options."):], value)
     else:
         task.options[rest] = value
 

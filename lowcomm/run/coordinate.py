@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import signal
 import time
 from collections import deque
@@ -410,12 +411,22 @@ class Budget:
 
 
 def _append(f, line: str) -> None:
-    """Append a metrics line; a full disk is an error naming the file."""
+    """Append a metrics line whole or not at all: a full disk is an error naming the file, and
+    the part of the line that was written is cut off again, so the file never ends in half a
+    line. Written straight to the file descriptor: no buffer keeps half a line to flush later."""
+    fd, data = f.fileno(), line.encode()
+    start = os.lseek(fd, 0, os.SEEK_END)
     try:
-        f.write(line)
-        f.flush()
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])
     except OSError as e:
-        raise LowcommError(f"cannot write {f.name}: {e.strerror or e}") from e
+        try:
+            os.ftruncate(fd, start)
+        except OSError:
+            pass
+        raise LowcommError(f"cannot write {f.name}: {e.strerror or e} (the metrics up to the "
+                           "last whole line are kept)") from e
 
 
 class _Done:

@@ -32,7 +32,7 @@ import json
 import signal
 from pathlib import Path
 
-from .folder import write_text
+from .folder import json_text, write_text
 
 
 def _events(path: Path) -> list[dict]:
@@ -227,7 +227,7 @@ def write_report(fleet, wall_s: float) -> dict:
         summary["stopped"] = {"signal": signal.Signals(fleet.stopping).name,
                               "signum": int(fleet.stopping), "step": fleet.stopped_at(),
                               "resume": f"lowcomm train --dcs {fleet.dcs} --resume {fleet.out}"}
-    write_text(fleet.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_text(fleet.out / "summary.json", json_text(summary))
     write_text(fleet.out / "metrics.jsonl", "".join(
         json.dumps(x) + "\n" for x in _merged(fleet, committed, failures, heals)))
     return summary

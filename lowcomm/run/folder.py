@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import logging
 import shutil
 import uuid
@@ -63,6 +64,23 @@ def write_text(path: Path, text: str) -> None:
     except OSError as e:
         kind = RunFolderError if e.errno in _UNWRITABLE else LowcommError
         raise kind(f"cannot write {path}: {e.strerror or e}") from e
+
+
+def _finite(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_text(obj, indent: int | None = 2) -> str:
+    """``obj`` as JSON text ending in a newline, a float that is not finite written as null
+    (``json.dumps`` writes a bare NaN, which is not JSON: a task without held-out batches has
+    no eval loss)."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False) + "\n"
 
 
 def new_run_id() -> str:
@@ -132,11 +150,19 @@ def usable(folder: Path) -> str | None:
     return problem
 
 
+#: what ``lowcomm compare`` writes into its folder (:mod:`lowcomm.tools.compare_folder`)
+COMPARE_MARKER = ".lowcomm-compare.json"
+
+
 def refusal(out: Path, resume: str | Path | None, overwrite: bool,
             run_id: str | None = None) -> str | None:
     """Why a run may not use ``out`` (it holds another run that this one neither resumes nor
     replaces, or files lowcomm did not write), or None. ``run_id``: the run's own id from its
     supervisor: a folder marked with it holds this run's earlier attempt, which it replaces."""
+    if (out / COMPARE_MARKER).exists():
+        return (f"{out} holds a comparison (lowcomm compare's {COMPARE_MARKER}, results.json): a "
+                "run there would mix its files with the comparison's, which could then no longer "
+                "be extended; choose another --out")
     if resume is not None and Path(resume).resolve() == out.resolve():
         return None
     present = [f for f in RUN_FILES if (out / f).exists()]
@@ -303,5 +329,5 @@ def write_summary(r, fields: dict, write: bool) -> dict:
                "steps": r.cfg.steps, "params": sum(p.numel() for p in r.model.parameters()),
                **fields, "config": r.cfg.to_dict()}
     if write and r.out:
-        write_text(r.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        write_text(r.out / "summary.json", json_text(summary))
     return summary

@@ -31,6 +31,7 @@ from ..comm.fleet import Channel, FleetError, Limits, Span
 from ..comm.topology import Topology
 from ..errors import ConfigError
 from . import outcome
+from ..strategies.base import adopt
 from .coordinate import Lockstep
 from .signals import Interrupted
 
@@ -196,7 +197,7 @@ def install(r, data: bytes, reset_inner: bool) -> None:
     s = state["strategy"]
     if reset_inner:
         s = dict(s, optimizer=r.strategy.optimizer.state_dict())
-    r.strategy.load_state_dict(s)
+    r.strategy.load_state_dict(adopt(s))        # the donor's, another rank's on purpose
     outer = getattr(r.strategy, "outer_params", None)
     if outer is not None:
         for f, p in zip(r.strategy.fragments, outer):

@@ -11,6 +11,7 @@ import torch
 
 from ..comm.comm import Comm
 from ..errors import LowcommError
+from ..strategies.base import adopt
 from .checkpoint import Checkpointer, CheckpointError
 from .folder import checkpoint_dir, metrics_upto, run_id_of, write_config
 
@@ -86,7 +87,7 @@ def resized(state: dict, comm: Comm, strategy, where: Path) -> dict:
     if r == 0:
         log.warning("resuming the %d-rank checkpoint %s on %d ranks, merged by %s's rule",
                     K_old, where, comm.size, getattr(strategy, "name", "async-ps"))
-    return {"step": state["step"], "model": merged["model"], "strategy": merged["strategy"],
+    return {"step": state["step"], "model": merged["model"], "strategy": adopt(merged["strategy"]),
             "ledger": {"rows": list(rows.values())}, "rng": merged.get("rng", old[r % K_old]["rng"]),
             "loop": loop}
 

@@ -50,7 +50,7 @@ from pathlib import Path
 from ..errors import RunFolderError
 from . import outcome
 from .checkpoint import checkpoint_steps
-from .folder import new_run_id, write_text
+from .folder import json_text, new_run_id, write_text
 
 log = logging.getLogger("lowcomm.run.supervise")
 
@@ -314,7 +314,7 @@ class _Supervisor:
         if summary.exists():
             s = json.loads(summary.read_text())
             s.update(restarts=self.attempt, failures=self.failures, ranks_per_attempt=self.ranks)
-            write_text(summary, json.dumps(s, indent=2) + "\n")
+            write_text(summary, json_text(s))
         return self.result(0, stopped=signal.Signals(self.stop["signum"]).name if self.stop["signum"] else None)
 
 

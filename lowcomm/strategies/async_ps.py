@@ -148,10 +148,10 @@ class AsyncPS(Strategy):
         """A worker: tell every server it has finished (see :meth:`Worker.done`)."""
         self._worker("done()").done(signum)
 
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         return self.role.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_state_dict(self, state: dict) -> None:
         self.role.load_state_dict(state)
 
     def reshard(self, old: list[dict]) -> dict:

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -67,18 +70,54 @@ class Context:
         return build_compressor(dataclasses.replace(self.compressor, name=name), error_feedback=False)
 
 
+def check_agreed(comm: Comm, op: str, signature: str, count: int, what: str = "parameters",
+                 mine: str = "") -> None:
+    """Check once that every rank of ``comm`` holds the layout ``signature`` of its ``what``
+    (``count`` parts): a rank that differs is a CommError ``op`` on every rank, naming the
+    ranks (and ``mine``: this rank's layout)."""
+    bad = comm.disagreeing(signature, count)
+    if bad:
+        raise CommError(op, comm.rank, f"ranks {bad} hold differently named or shaped {what} "
+                        f"than rank 0{f' (this rank: {mine})' if mine else ''}")
+
+
 def agreed_dup(comm: Comm, op: str, signature: str, count: int, ledger=None, what: str = "parameters",
                mine: str = "") -> Comm:
     """A duplicate of ``comm`` for a method's fixed-layout traffic (``ledger``: its own, else
     ``comm``'s), after checking once that every rank holds the layout ``signature`` of its
-    ``what`` (``count`` parts); then no per-call agreement check. A rank that differs is a
-    CommError ``op`` on every rank, naming the ranks (and ``mine``: this rank's layout)."""
+    ``what`` (``count`` parts, :func:`check_agreed`); then no per-call agreement check."""
     out = comm.dup(ledger)
-    bad = out.disagreeing(signature, count)
-    if bad:
-        raise CommError(op, comm.rank, f"ranks {bad} hold differently named or shaped {what} "
-                        f"than rank 0{f' (this rank: {mine})' if mine else ''}")
+    check_agreed(out, op, signature, count, what, mine)
     out.validate = False
+    return out
+
+
+#: the key of a method's ``state_dict()`` that says whose state it is (see Strategy.state_dict)
+STATE_TAG = "lowcomm"
+
+_building = threading.local()      # > 0 while methods are built as parts of another method
+
+
+@contextlib.contextmanager
+def parts_of_one_method():
+    """Methods built inside the block are parts of one method (an outer loop's dense warm-up,
+    the levels of a per-level policy) and share its torch optimizer: the check that a torch
+    optimizer is wrapped by one live method at a time is left to the method they make up
+    (:meth:`Strategy.claim`)."""
+    _building.depth = getattr(_building, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _building.depth -= 1
+
+
+def adopt(state: dict) -> dict:
+    """``state`` (a method's ``state_dict()``, nested ones included) without the rank it was
+    saved on, so that another rank may load it on purpose: a merged checkpoint of another rank
+    count, a donor's state handed to a rejoining datacenter."""
+    out = {k: adopt(v) if isinstance(v, dict) else v for k, v in state.items()}
+    if isinstance(out.get(STATE_TAG), dict):
+        out[STATE_TAG] = {k: v for k, v in out[STATE_TAG].items() if k not in ("rank", "world")}
     return out
 
 
@@ -171,6 +210,10 @@ warnings.filterwarnings("ignore", message="GradScaler is going to stop passing i
                         category=FutureWarning)
 
 
+def _settings_text(settings: dict | None) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in (settings or {}).items()) or "no settings"
+
+
 class Strategy(torch.optim.Optimizer):
     """A method as a torch optimizer: wraps ``optimizer``, sharing its ``param_groups``, ``state``
     and ``defaults``; ``zero_grad()``, ``backward()``, ``step()`` keep their meaning.
@@ -197,14 +240,29 @@ class Strategy(torch.optim.Optimizer):
     lockstep = False
     #: the settings dataclass whose fields the constructor also takes as keyword arguments
     Settings = None
+    #: the method's state differs between ranks (a rank must load its own, see state_dict)
+    per_rank_state = True
+    #: the method exchanges gradients as dense tensors (sparse ones are refused at build)
+    dense_gradients = False
     _step_supports_amp_scaling = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for public, own in (("step", "_step"), ("finish", "_finish"), ("close", "_close")):
+        for public, own in (("step", "_step"), ("finish", "_finish"), ("close", "_close"),
+                            ("state_dict", "_state_dict"), ("load_state_dict", "_load_state_dict")):
             if public in cls.__dict__:
                 raise TypeError(f"{cls.__name__} overrides {public}(); override {own}() instead "
                                 f"(Strategy.{public}() keeps the optimizer contract around it)")
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            @functools.wraps(init)
+            def building(self, *args, **kwargs):
+                try:
+                    init(self, *args, **kwargs)
+                except BaseException:
+                    self._abandon()
+                    raise
+            cls.__init__ = building
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None):
@@ -222,7 +280,119 @@ class Strategy(torch.optim.Optimizer):
         self._stepping = 0                 # > 0 while this method's own step() runs
         self._closed = False
         self._votes: Comm | None = None  # AMP skip votes (lockstep methods), made on first use
+        self._fix_parameters()
+        if self.dense_gradients:
+            self._refuse_sparse_gradients()
+        if not getattr(_building, "depth", 0):
+            self.claim()
+        check_agreed(self.comm, f"{self.name}.layout", repr(self._built_layout),
+                     len(self._built_layout), mine=f"{len(self._built_layout)} parameters")
         self._guard = optimizer.register_step_pre_hook(self._direct_step)
+
+    # what the method was built for ------------------------------------------------------------
+    def _fix_parameters(self) -> None:
+        """Record the parameters this method was built for: every parameter of the torch
+        optimizer must be one of the model's (else it would differ across ranks), and
+        :meth:`step` later refuses parameters added to the optimizer or unfrozen since (they
+        would not be exchanged). Also the layout every rank must hold (checked once). A method
+        that rearranges the optimizer's groups itself calls this again afterwards."""
+        self._built_names = {id(p): n for n, p in self.model.named_parameters()}
+        groups = self.optimizer.param_groups
+        for i, g in enumerate(groups):
+            for p in g["params"]:
+                if id(p) not in self._built_names:
+                    raise LowcommError(
+                        f"the optimizer's param group {i} holds a tensor of shape {tuple(p.shape)} "
+                        f"that is not a parameter of the model: lowcomm's {self.name} exchanges the "
+                        "model's parameters, so this one would differ across ranks; make it a "
+                        "parameter of the model (an nn.Parameter of a module) or leave it out of "
+                        "the optimizer")
+        self._built_counts = [len(g["params"]) for g in groups]
+        self._built_ids = {id(p) for g in groups for p in g["params"]}
+        self._built_frozen = [(self._built_names[id(p)], p) for g in groups for p in g["params"]
+                              if not p.requires_grad]
+        self._built_layout = [(n, tuple(p.shape), str(p.dtype), str(p.device.type), p.requires_grad)
+                              for n, p in self.model.named_parameters()]
+
+    def _refuse_sparse_gradients(self) -> None:
+        """A module that makes sparse gradients (``nn.Embedding(sparse=True)``,
+        ``nn.EmbeddingBag(sparse=True)``) is refused, naming its parameter."""
+        for mod_name, m in self.model.named_modules():
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
+                self.sparse_gradient(f"{mod_name}.weight" if mod_name else "weight")
+
+    def sparse_gradient(self, name: str):
+        """Raise: parameter ``name`` has (or will have) a sparse gradient."""
+        raise LowcommError(f"parameter {name!r} gets sparse gradients (e.g. nn.Embedding(sparse="
+                           f"True)), which lowcomm's {self.name} does not support: it exchanges "
+                           "gradients as dense tensors; use sparse=False")
+
+    def _check_parameters(self) -> None:
+        """Before each step: no parameter added to the optimizer, none unfrozen, since the
+        method was built (each would go unexchanged and differ across ranks)."""
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self._built_counts) or any(len(g["params"]) != n
+                                                      for g, n in zip(groups, self._built_counts)):
+            new = [p for g in groups for p in g["params"] if id(p) not in self._built_ids]
+            what = ", ".join(f"parameter {self._built_names[id(p)]!r}" if id(p) in self._built_names
+                             else f"a tensor of shape {tuple(p.shape)} (not a parameter of the model)"
+                             for p in new) or "a parameter"
+            raise LowcommError(
+                f"{what} added to the optimizer (add_param_group) after lowcomm's "
+                f"{self.name} was built: the method exchanges the parameters it was built for, so "
+                "these would differ across ranks; add it before building the method, or "
+                "finish() the method and build a new one on the optimizer")
+        for name, p in self._built_frozen:
+            if p.grad is not None:
+                raise LowcommError(
+                    f"parameter {name!r} was frozen (requires_grad=False) when lowcomm's "
+                    f"{self.name} was built and has a gradient now: the method exchanges the "
+                    "parameters that trained when it was built, so this one would differ across "
+                    "ranks; to unfreeze during training, finish() the method and build a new one "
+                    "on the optimizer after unfreezing")
+
+    def _changed(self) -> str | None:
+        """What changed in the model's parameters since the method was built (dtype, device,
+        shape: e.g. ``model.to(torch.bfloat16)``), for a clear error; None if nothing."""
+        now = [(n, tuple(p.shape), str(p.dtype), str(p.device.type), p.requires_grad)
+               for n, p in self.model.named_parameters()]
+        for was, new in zip(self._built_layout, now):
+            if was[:4] != new[:4]:
+                return (f"parameter {was[0]!r} changed from {was[2]} {was[1]} on {was[3]} to "
+                        f"{new[2]} {new[1]} on {new[3]} after lowcomm's {self.name} was built "
+                        "(e.g. model.to(...)): the method's buffers are laid out for the "
+                        "parameters as they were; move or cast the model before building the "
+                        "method")
+        if len(now) != len(self._built_layout):
+            return (f"the model has {len(now)} parameters now, {len(self._built_layout)} when lowcomm's "
+                    f"{self.name} was built: build the method on the finished model")
+        return None
+
+    def _abandon(self) -> None:
+        """A build that failed leaves the torch optimizer as it found it: no guard on its
+        step(), not claimed (so another method may be built on it)."""
+        guard = self.__dict__.get("_guard")
+        if guard is not None:
+            guard.remove()
+        optimizer = self.__dict__.get("optimizer")
+        ref = getattr(optimizer, "_lowcomm_method", None)
+        if ref is not None and ref() is self:
+            del optimizer._lowcomm_method
+        self._closed = True
+
+    def claim(self) -> None:
+        """Make this method the one live method wrapping its torch optimizer: refused while
+        another one (not finished or closed) wraps it. Methods built as parts of one method
+        (:func:`parts_of_one_method`) leave it to that one."""
+        ref = getattr(self.optimizer, "_lowcomm_method", None)
+        other = ref() if ref is not None else None
+        if other is not None and other is not self and not other._closed:
+            raise LowcommError(
+                f"the {type(self.optimizer).__name__} optimizer is wrapped by lowcomm's "
+                f"{type(other).__name__} ({other.name}) already: a torch optimizer takes one "
+                "method at a time; finish() or close() that one first, or build this one on a "
+                "new torch optimizer")
+        self.optimizer._lowcomm_method = weakref.ref(self)
 
     @classmethod
     def settings_from(cls, options: dict, **defaults):
@@ -294,11 +464,18 @@ class Strategy(torch.optim.Optimizer):
         if self._closed:
             raise LowcommError(f"{type(self).__name__}.step() after finish()/close(): the method "
                                "has ended")
+        self._check_parameters()
         with self._own_step():
-            if grad_scaler is not None and self._amp_skips(grad_scaler):
-                self._skip_step()
-                return None
-            return self._step(closure)
+            try:
+                if grad_scaler is not None and self._amp_skips(grad_scaler):
+                    self._skip_step()
+                    return None
+                return self._step(closure)
+            except (RuntimeError, TypeError, ValueError) as e:   # torch's, on a changed model
+                changed = self._changed()
+                if changed is not None:
+                    raise LowcommError(changed) from e
+                raise
 
     def _step(self, closure=None):
         """One step of the method (subclasses add their communication)."""
@@ -356,9 +533,67 @@ class Strategy(torch.optim.Optimizer):
         yield
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
+        """The method's state (:meth:`_state_dict`: the wrapped optimizer's and the method's own)
+        and, under ``"lowcomm"``, whose it is: the method's name and settings, and where the
+        state differs between ranks (:attr:`per_rank_state`: local models, error feedback,
+        per-rank optimizer state) the rank and world size that saved it. Such a state is
+        one rank's: every rank saves its own and loads it back (:meth:`load_state_dict` refuses
+        another rank's; :func:`adopt` takes one on purpose)."""
+        state = self._state_dict()
+        state[STATE_TAG] = self._whose()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Load a :meth:`state_dict` of this method: refused, naming both, when it was saved by
+        another method or other settings, or (per-rank state) by another rank or world size."""
+        tag = state.get(STATE_TAG) if isinstance(state, dict) else None
+        if tag is not None:
+            self._check_whose(tag)
+            state = {k: v for k, v in state.items() if k != STATE_TAG}
+        self._load_state_dict(state)
+
+    def _settings(self) -> dict:
+        s = getattr(self, "settings", None)
+        return dataclasses.asdict(s) if dataclasses.is_dataclass(s) else {}
+
+    def _whose(self) -> dict:
+        tag = {"method": self.name, "settings": self._settings()}
+        if self.per_rank_state:
+            tag.update(rank=self.comm.rank, world=self.comm.size)
+        return tag
+
+    def _check_whose(self, tag: dict) -> None:
+        mine = self._whose()
+        if tag.get("method") != self.name:
+            raise LowcommError(
+                f"load_state_dict: the state was saved by {tag.get('method')} "
+                f"({_settings_text(tag.get('settings'))}), this method is {self.name} "
+                f"({_settings_text(mine['settings'])}): build {tag.get('method')} with those "
+                "settings to resume it")
+        theirs = tag.get("settings") or {}
+        differ = {k: (theirs.get(k), v) for k, v in mine["settings"].items()
+                  if k in theirs and theirs[k] != v}
+        if differ:
+            raise LowcommError(
+                f"load_state_dict: the state was saved by {self.name} with "
+                f"{_settings_text({k: a for k, (a, _) in differ.items()})}, this {self.name} has "
+                f"{_settings_text({k: b for k, (_, b) in differ.items()})}: build it with the "
+                "saved settings to resume")
+        if self.per_rank_state and "rank" in tag and \
+                (tag["rank"], tag["world"]) != (self.comm.rank, self.comm.size):
+            raise LowcommError(
+                f"load_state_dict: rank {self.comm.rank} of {self.comm.size} was given the state "
+                f"that rank {tag['rank']} of {tag['world']} saved, but {self.name}'s state differs "
+                "between ranks: each rank loads the state_dict() it saved itself (rank 0's on "
+                "every rank, torch DDP's habit, resumes the others inexactly), e.g. "
+                "torch.save(method.state_dict(), f\"method-rank{rank}.pt\") on every rank; "
+                "lowcomm.adopt(state) takes another rank's on purpose")
+
+    def _state_dict(self) -> dict:
+        """The state that must survive a restart (subclasses add theirs; never a Comm)."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def _load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
 
     def reshard(self, old: list[dict]) -> dict:

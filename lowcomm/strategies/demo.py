@@ -114,6 +114,7 @@ class DeMo(Strategy):
     """
 
     name = "demo"
+    dense_gradients = True
     lockstep = True
     Settings = DeMoSettings
 
@@ -121,6 +122,7 @@ class DeMo(Strategy):
                  comm: Comm | None = None, *, settings: DeMoSettings | None = None, **options):
         super().__init__(model, optimizer, comm)
         s = settings if settings is not None else self.settings_from(options)
+        self.settings = s
         self.topk, self.chunk, self.decay, self.sign = s.topk, s.chunk, s.decay, s.sign
         self.exchange = exchange = s.exchange
         names = {p: n for n, p in model.named_parameters()}
@@ -182,11 +184,11 @@ class DeMo(Strategy):
         return sum(b.comp.codec.payload_nbytes(b.numel, b.members[0][1].dtype) for b in self.buckets)
 
     # state ------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "t": self.t,
                 "compressors": {b.key: b.comp.state_dict() for b in self.buckets}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.t = int(state["t"])
         for b in self.buckets:

@@ -136,8 +136,8 @@ class DiLoCo(OuterLoop):
         return [*self.outer_params, *(v for s in self.outer_optimizer.state.values()
                                       for v in s.values() if torch.is_tensor(v))]
 
-    def state_dict(self) -> dict:
-        state = super().state_dict()
+    def _state_dict(self) -> dict:
+        state = super()._state_dict()
         state["outer_params"] = [p.detach().clone() for p in self.outer_params]
         state["outer_optimizer"] = self.outer_optimizer.state_dict()
         return state
@@ -150,8 +150,8 @@ class DiLoCo(OuterLoop):
                                  for i in range(len(self.outer_params))],
                 "outer_optimizer": average_optimizer([s["outer_optimizer"] for s in old])}
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+    def _load_state_dict(self, state: dict) -> None:
+        super()._load_state_dict(state)
         with torch.no_grad():
             for p, saved in zip(self.outer_params, state["outer_params"], strict=True):
                 p.copy_(saved)

@@ -346,7 +346,7 @@ class FSDP(Strategy):
         set_model_state_dict(self.model, _from_shards(state, self.mesh, self.device),
                              options=StateDictOptions(full_state_dict=full))
 
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         """The wrapped optimizer's state of this rank's shards, keyed by parameter name."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         with self._own_step():       # (as in load_state_dict)
@@ -354,7 +354,7 @@ class FSDP(Strategy):
         return {"optimizer": _to_shards(optimizer),
                 "method": self.name, "world_size": self.comm.size}
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              set_optimizer_state_dict)
         if state.get("method") != self.name:

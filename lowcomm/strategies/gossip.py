@@ -419,8 +419,8 @@ class Gossip(Strategy):
                 r.wait()
 
     # state, metrics, teardown ------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        state = super().state_dict()
+    def _state_dict(self) -> dict:
+        state = super()._state_dict()
         state["gossip"] = {"t": self.t, "steps": self.steps, "w": self.w,
                            "history": [list(h) for h in self.history],
                            "skipped_sends": self.skipped_sends}
@@ -476,10 +476,10 @@ class Gossip(Strategy):
                                                              self.compressor.state_dict(), self.name)}
         return {"model": model, "strategy": state}
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_state_dict(self, state: dict) -> None:
         if self._pending is not None or self._rx:
             raise RuntimeError("load_state_dict() on a gossip strategy with messages in flight")
-        super().load_state_dict(state)
+        super()._load_state_dict(state)
         g = state["gossip"]
         self.t, self.steps, self.w = g["t"], g["steps"], g["w"]
         self.history = [list(h) for h in g["history"]]

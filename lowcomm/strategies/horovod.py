@@ -95,6 +95,7 @@ class HorovodDP(Strategy):
     """
 
     name = "syncdp(horovod)"
+    per_rank_state = False      # the optimizer's state only: a replica
     lockstep = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -156,10 +157,10 @@ class HorovodDP(Strategy):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._hvd.zero_grad()  # Horovod's checks that no all-reduce is still pending
 
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         return {"optimizer": self._hvd.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_state_dict(self, state: dict) -> None:
         self._hvd.load_state_dict(state["optimizer"])
 
     def _close(self) -> None:

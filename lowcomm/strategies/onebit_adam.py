@@ -95,10 +95,13 @@ class OneBitAdam(Strategy):
     momentum mask (``exp_avg_mask``), found from ``v`` instead of given by the user: 1 bit
     cannot say zero, and such a coordinate must not move. torch Adam's bias corrections are
     kept, so the update is continuous at the switch (Tang et al. drop them; the difference
-    vanishes for a long warm-up).
+    vanishes for a long warm-up). A parameter no rank has a gradient for in a step (a branch
+    not taken) is left alone, as torch Adam and DDP leave it: the ranks agree on it with one
+    slot per parameter tensor (n tensors), carried in the warm-up's all-reduce and, in the
+    compression stage, in a small all-reduce of its own.
     Bytes per rank and compressed step: the all-to-all and the all-gather each send
-    ``(K-1)·(D/(8K) + 4)``, D = d rounded up to a multiple of 8K (d: parameter count); during
-    warm-up a dense all-reduce of 4d.
+    ``(K-1)·(D/(8K) + 4)``, D = d rounded up to a multiple of 8K (d: parameter count), plus
+    an all-reduce of 4n; during warm-up a dense all-reduce of 4(d + n).
 
     Args:
         model, optimizer: the user's model and a ``torch.optim.Adam`` or ``AdamW`` (decoupled
@@ -118,6 +121,7 @@ class OneBitAdam(Strategy):
     """
 
     name = "onebit-adam"
+    dense_gradients = True
     lockstep = True
     Settings = OneBitAdamSettings
 
@@ -125,6 +129,7 @@ class OneBitAdam(Strategy):
                  comm: Comm | None = None, *, settings: OneBitAdamSettings | None = None, **options):
         super().__init__(model, optimizer, comm)
         s = settings if settings is not None else self.settings_from(options)
+        self.settings = s
         if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
             raise TypeError(f"1-bit Adam wraps torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
         self.decoupled = type(optimizer) is torch.optim.AdamW   # AdamW's weight decay
@@ -156,7 +161,10 @@ class OneBitAdam(Strategy):
         self._frozen: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # δ, v > 0
 
     # the step ---------------------------------------------------------------------------------
-    def _grads(self) -> torch.Tensor:
+    def _grads(self) -> tuple[torch.Tensor, list[bool]]:
+        """This rank's gradients as one flat tensor (zeros for a parameter without one) and
+        which parameters have one here."""
+        mine = [p.grad is not None for _, p, _ in self._params]
         flat = torch.cat([p.grad.detach().reshape(-1) if p.grad is not None else
                           torch.zeros(p.numel(), dtype=self.dtype, device=p.device)
                           for _, p, _ in self._params])
@@ -164,35 +172,53 @@ class OneBitAdam(Strategy):
         if bad:
             raise NonFiniteError(self.comm.rank, "the gradient of " + ", ".join(repr(s.name) for s in bad),
                                  self.t + 1)
-        return flat
+        return flat, mine
+
+    def _dense_average(self, flat: torch.Tensor, mine: list[bool]) -> tuple[torch.Tensor, list[bool]]:
+        """The gradients averaged with one dense all-reduce, and which parameters any rank had
+        a gradient for (one slot per parameter carried after the gradients)."""
+        both = torch.cat([flat, torch.tensor(mine, dtype=flat.dtype, device=flat.device)])
+        self._comm.allreduce_(both, "avg")
+        return both[:self.d], (both[self.d:] > 0).tolist()
+
+    def _agreed(self, mine: list[bool]) -> list[bool]:
+        """Which parameters any rank had a gradient for (one small all-reduce): a parameter no
+        rank had one for is left alone, as torch Adam leaves a parameter whose grad is None."""
+        flags = torch.tensor(mine, dtype=torch.int32)
+        if self._comm.size > 1:
+            self._comm.allreduce_(flags, "sum")
+        return (flags > 0).tolist()
 
     def _step(self, closure=None):
         loss = closure() if closure is not None else None
-        flat = self._grads()
+        flat, mine = self._grads()
         if self.t < self.freeze_step:
-            self._comm.allreduce_(flat, "avg")
-            off = 0
-            for _, p, _ in self._params:
-                g = flat[off:off + p.numel()].view_as(p)
-                if p.grad is None:
+            flat, present = self._dense_average(flat, mine)
+            for (_, p, _), s, here in zip(self._params, self._segments, present):
+                g = flat[s.start:s.stop].view_as(p)
+                if not here:
+                    p.grad = None            # as torch DDP: no rank's gradient, Adam skips it
+                elif p.grad is None:
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)
-                off += p.numel()
             self.optimizer.step()
         else:
-            self._compressed_step(flat)
+            self._compressed_step(flat, self._agreed(mine))
         self.t += 1
         self.buffers.broadcast(self.comm)        # DDP's rule: rank 0's buffers
         return loss
 
     @torch.no_grad()
-    def _compressed_step(self, grads: torch.Tensor) -> None:
+    def _compressed_step(self, grads: torch.Tensor, present: list[bool]) -> None:
         u = torch.zeros(self.D, dtype=self.dtype, device=grads.device)
         off, frozen = 0, self._frozen_denominators()
-        for (_, p, g), (denom, moved) in zip(self._params, frozen):    # steps 1-3
+        for (_, p, g), (denom, moved), here in zip(self._params, frozen, present):    # steps 1-3
             n = p.numel()
-            st = self.optimizer.state[p]
+            if not here:                     # no rank's gradient: left alone, as torch Adam
+                off += n
+                continue
+            st = self._state(p)
             grad = grads[off:off + n].view_as(p)
             if g["weight_decay"] and not self.decoupled:     # Adam: L2 term in the gradient
                 grad = grad.add(p, alpha=g["weight_decay"])
@@ -203,8 +229,11 @@ class OneBitAdam(Strategy):
             off += n
         avg = self.compressed_allreduce(u)               # steps 4-5
         off = 0
-        for (_, p, g), (denom, moved) in zip(self._params, frozen):    # step 6
+        for (_, p, g), (denom, moved), here in zip(self._params, frozen, present):    # step 6
             n = p.numel()
+            if not here:
+                off += n
+                continue
             st = self.optimizer.state[p]
             step = avg[off:off + n].view_as(p).mul(moved)
             torch.mul(step, denom, out=st["exp_avg"])
@@ -214,6 +243,16 @@ class OneBitAdam(Strategy):
             p.add_(step, alpha=-g["lr"] / (1 - g["betas"][0] ** float(st["step"])))
             off += n
 
+    def _state(self, p: torch.Tensor) -> dict:
+        """Adam's state of ``p``, made as torch Adam makes it where Adam has not stepped ``p``
+        (no gradient yet on any rank)."""
+        st = self.optimizer.state[p]
+        if "step" not in st:
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return st
+
     def _frozen_denominators(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per parameter, step 1's δ and the mask of the coordinates that ever moved
         (``v > 0``): v is frozen from ``freeze_step`` on, so both are computed once (and again
@@ -221,7 +260,7 @@ class OneBitAdam(Strategy):
         if self._frozen is None:
             self._frozen = []
             for _, p, g in self._params:
-                v = self.optimizer.state[p]["exp_avg_sq"]
+                v = self._state(p)["exp_avg_sq"]     # none: no gradient in the warm-up, v = 0
                 denom = (v.sqrt() / math.sqrt(1 - g["betas"][1] ** self.freeze_step)).add_(g["eps"])
                 self._frozen.append((denom, v > 0))
         return self._frozen
@@ -255,7 +294,7 @@ class OneBitAdam(Strategy):
             "exchange": {"server_error": {"momentum": server.clone()}}})
 
     # state ------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "t": self.t,
                 "worker_error": self.worker_error.clone(), "server_error": self.server_error.clone()}
 
@@ -265,7 +304,7 @@ class OneBitAdam(Strategy):
         group = {p: g for g in self.optimizer.param_groups for p in g["params"]}
         self._params = [(n, p, group[p]) for n, p, _ in self._params]
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self._regroup()
         self._frozen = None

@@ -21,7 +21,7 @@ from ..compress.base import Pending, Segment
 from ..compress.compressor import Compressor
 from ..errors import ArgumentError, CommError, ConfigError
 from ..comm.ledger import Ledger
-from .base import Context, Strategy, agreed_dup, balance, check_compressor_name
+from .base import Context, Strategy, agreed_dup, balance, check_compressor_name, parts_of_one_method
 from .buffers import Buffers, batchnorms, recompute_statistics
 from .syncdp import SyncDPSettings
 
@@ -271,8 +271,9 @@ class OuterLoop(Strategy):
         self._dense = None
         if self.warmup_steps > 0:                    # SyncDP broadcasts rank 0's state itself
             from .syncdp import SyncDP
-            self._dense = SyncDP(model, optimizer, self.comm, algorithm=algorithm, levels=levels,
-                                 **(warmup_options or {}))
+            with parts_of_one_method():
+                self._dense = SyncDP(model, optimizer, self.comm, algorithm=algorithm, levels=levels,
+                                     **(warmup_options or {}))
         else:
             broadcast_(self.comm, list(model.state_dict().values()), root=0)
         sig = repr([(f.offset, str(f.dtype), [(n, tuple(p.shape)) for n, p, _, _ in f.members])
@@ -567,7 +568,7 @@ class OuterLoop(Strategy):
         else:
             self.zero_grad()
 
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         """Inner optimizer, step counter, reductions in flight (completed first: their averages
         are saved and applied at their step after a resume), compressors, and what subclasses
         add (outer parameters and optimizer)."""
@@ -584,7 +585,7 @@ class OuterLoop(Strategy):
             state["inner"] = self._inner.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_state_dict(self, state: dict) -> None:
         if self._in_flight:
             raise RuntimeError("load_state_dict() while reductions are in flight")
         self.optimizer.load_state_dict(state["optimizer"])

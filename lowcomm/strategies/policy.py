@@ -37,7 +37,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .base import Context, Method
+from .base import Context, Method, parts_of_one_method
 from .outer import Nesting
 
 
@@ -107,6 +107,14 @@ def build_policy(plan: list[Level], model, optimizer, comm, ctx: Context):
         raise ConfigError("policy", f"the plan's levels {[p.name for p in plan]} are not the "
                           f"topology's {list(names)}")
     first = check_plan(plan, ctx.compressor.name)
+    with parts_of_one_method():          # the levels share the optimizer; the top one claims it
+        strategy = _build_levels(plan, first, names, levels, model, optimizer, comm, ctx)
+    strategy.claim()
+    return strategy
+
+
+def _build_levels(plan, first, names, levels, model, optimizer, comm, ctx: Context):
+    """The strategies of a per-level policy, innermost first; returns the outermost."""
     strategy = None
     if first < len(plan):                    # the per-step levels: one strategy over their span
         lvl = plan[first]

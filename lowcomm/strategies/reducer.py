@@ -34,6 +34,11 @@ class Bucket:
     flat: torch.Tensor
     pending: set[int] = field(default_factory=set)
     future: Future | None = None
+    #: one slot per tensor, 1 where this rank gave it a gradient this round (0: none); the
+    #: ranks' sum says which tensors no rank gave one (their average is then None, as in DDP).
+    #: A dense bucket carries them after its tensors in ``flat`` (no message of their own)
+    present: torch.Tensor | None = None
+    mine: list[int] = field(default_factory=list)    # this rank's slots, written at the send
 
     def view(self, i: int) -> torch.Tensor:
         return self.views[i]
@@ -67,6 +72,14 @@ class Reducer:
         overlap: reduce buckets on a background thread as they fill (else in :meth:`flush`).
         compressor: reduce each bucket with this compressor (its payload on the wire) instead
             of a dense all-reduce; ``op`` must then be "avg".
+
+    A tensor no rank marked ready with a gradient in a round (``ready(name, None)`` or never
+    marked: a parameter unused on every rank) comes back as None from :meth:`flush`, as torch
+    DDP leaves such a ``p.grad`` None, so an optimizer skips it instead of stepping on a zero
+    gradient (Adam's momentum would still move it). The ranks agree on it with one slot per
+    tensor carried after the tensors in a dense bucket (an all-reduce of a few more bytes), or,
+    with a compressor (whose payload must not carry them), one small all-reduce of the slots
+    per round.
 
     Non-finite values are never sent: a tensor holding NaN/Inf is reduced as zeros on this rank
     and after :meth:`flush` its name is in :attr:`withheld` (the names of that round) for the
@@ -112,9 +125,13 @@ class Reducer:
                                             f"{len(self.buckets)} buckets")
         device = named[0][1].device
         shared = self.registered_buckets(device)
+        slots = 0 if compressor is not None else 1     # the presence slots ride in dense buckets
         for b in self.buckets:
-            b.flat = self._thread_comm.shared_tensor(b.offsets[-1], b.flat.dtype) if shared else \
-                torch.zeros(b.offsets[-1], dtype=b.flat.dtype, device=device)
+            n = b.offsets[-1] + slots * len(b.names)
+            b.flat = self._thread_comm.shared_tensor(n, b.flat.dtype) if shared else \
+                torch.zeros(n, dtype=b.flat.dtype, device=device)
+            b.present = b.flat[b.offsets[-1]:] if slots else torch.zeros(len(b.names), dtype=torch.int32)
+            b.mine = [0] * len(b.names)
         # hierarchical: the topology's communicators, duplicated for the same reason
         self._levels = levels.dup() if levels is not None and algorithm in ("hierarchical", "auto") \
             else None
@@ -142,12 +159,14 @@ class Reducer:
         self._next = 0
 
     def ready(self, name: str, tensor: torch.Tensor | None) -> None:
-        """Copy ``tensor`` (``None`` means zeros) into its bucket; launch full buckets in order."""
+        """Copy ``tensor`` (``None``: no gradient here, sent as zeros) into its bucket; launch
+        full buckets in order."""
         bi, i = self._where[name]
         b = self.buckets[bi]
         if i not in b.pending:
             return
         view = b.view(i)
+        b.mine[i] = 0 if tensor is None else 1
         if tensor is None:
             view.zero_()
         elif tensor.data_ptr() != view.data_ptr():     # not already the bucket's view
@@ -164,6 +183,7 @@ class Reducer:
 
     def _reduce(self, b: Bucket) -> None:
         """Check, then reduce one bucket in place (dense all-reduce or the compressor)."""
+        b.present.copy_(torch.tensor(b.mine, dtype=b.present.dtype))
         for s in nonfinite_segments(b.flat, b.segments):
             b.flat[s.start:s.stop].zero_()
             self._withholding.append(s.name)
@@ -178,9 +198,10 @@ class Reducer:
         return i in self.buckets[bi].pending
 
     def flush(self):
-        """Wait for all buckets and return ``[(name, reduced view)]``. Tensors never marked
-        ready are reduced as zeros (a parameter unused on this rank). :attr:`withheld` then
-        names the tensors of this round that were not finite here."""
+        """Wait for all buckets and return ``[(name, reduced view or None)]``: None for a
+        tensor that no rank gave a gradient this round; one that some ranks did not is reduced
+        with zeros from those (a parameter unused on that rank). :attr:`withheld` then names
+        the tensors of this round that were not finite here."""
         for b in self.buckets:
             for i in sorted(b.pending):
                 self.ready(b.names[i], None)
@@ -189,7 +210,13 @@ class Reducer:
                 b.future.result()
             else:
                 self._reduce(b)
-        out = [(name, view) for b in self.buckets for name, view in zip(b.names, b.views)]
+        if self.compressor is not None and self._thread_comm.size > 1:
+            present = torch.cat([b.present for b in self.buckets])
+            self._thread_comm.allreduce_(present, "sum")
+            for b, part in zip(self.buckets, present.split([len(b.names) for b in self.buckets])):
+                b.present.copy_(part)
+        out = [(name, view if float(seen) > 0 else None) for b in self.buckets
+               for name, view, seen in zip(b.names, b.views, b.present.tolist())]
         self.withheld, self._withholding = self._withholding, []
         self.reset()
         return out

@@ -157,6 +157,7 @@ class Sparta(Strategy):
                  comm: Comm | None = None, *, settings: SpartaSettings | None = None, **options):
         super().__init__(model, optimizer, comm)
         s = settings if settings is not None else self.settings_from(options)
+        self.settings = s
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.sparse = SparseAverage([p for _, p in self._named], s.fraction, s.seed)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
@@ -178,11 +179,11 @@ class Sparta(Strategy):
         self.zero_grad()
         self._average()
 
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "t": self.t,
                 "sparse": self.sparse.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.t = int(state["t"])
         self.sparse.load_state_dict(state["sparse"])
@@ -261,11 +262,11 @@ class SpartaDiLoCo(DiLoCo):
         else:
             super()._skip_step()
 
-    def state_dict(self) -> dict:
-        return dict(super().state_dict(), sparse=self.sparse.state_dict())
+    def _state_dict(self) -> dict:
+        return dict(super()._state_dict(), sparse=self.sparse.state_dict())
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+    def _load_state_dict(self, state: dict) -> None:
+        super()._load_state_dict(state)
         self.sparse.load_state_dict(state["sparse"])
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:

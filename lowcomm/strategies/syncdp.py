@@ -8,7 +8,7 @@ import torch
 
 from ..comm.collectives import ALGORITHM_NAMES, broadcast_
 from ..comm.comm import Comm
-from ..errors import ArgumentError, ConfigError, NonFiniteError
+from ..errors import ArgumentError, ConfigError, LowcommError, NonFiniteError
 from .reducer import Reducer
 from ..settings import Settings
 from .base import BackwardPasses, Context, Method, Strategy, check_compressor_name
@@ -73,7 +73,9 @@ class SyncDP(Strategy):
          (or all after backward where no core is left for the thread: ``overlap``); buckets
          of CPU gradients on one node live in shared memory and are reduced in place there,
          and ``p.grad`` is the bucket's view (torch DDP's ``gradient_as_bucket_view``);
-      3. when the backward pass ends, ``p.grad = (1/K) Σ_k g_k`` (as torch DDP: gradient
+      3. when the backward pass ends, ``p.grad = (1/K) Σ_k g_k``, a missing ``g_k`` (a
+         parameter unused on rank k) counted as zero, and ``p.grad`` left None where no rank
+         has one (so the optimizer skips it, as under torch DDP); as torch DDP: gradient
          clipping, ``GradScaler.unscale_`` and anything else between ``backward()`` and
          ``step()`` see the averaged gradients);
       4. ``step()``: the wrapped optimizer applies its own update;
@@ -126,6 +128,7 @@ class SyncDP(Strategy):
 
     name = "syncdp"
     lockstep = True
+    dense_gradients = True
     Settings = SyncDPSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -165,9 +168,18 @@ class SyncDP(Strategy):
 
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
+            if p.grad.is_sparse:
+                self.sparse_gradient(name)
             if self.passes.exchanging() and self._overlap and self.reducer is not None:
                 self.reducer.ready(name, p.grad)             # (every hook counts the pass)
         return hook
+
+    @property
+    def per_rank_state(self) -> bool:
+        """Only a compressor's memory (error feedback, a two-phase server error) differs
+        between ranks: the optimizer's state is a replica."""
+        return self.compressor is not None and bool(
+            self.compressor.error_feedback or hasattr(self.compressor.exchange, "server_error"))
 
     def no_sync(self):
         return self.passes.no_sync()
@@ -185,8 +197,13 @@ class SyncDP(Strategy):
                     self.reducer.ready(name, p.grad)
             for name, avg in self.reducer.flush():     # p.grad becomes the bucket's view (no
                 p = params[name]                          # copy; torch DDP's gradient_as_bucket_view)
-                if p.grad is not avg:
+                if avg is not None and p.grad is not avg:  # None: no rank's, p.grad None on all
                     p.grad = avg
+        except RuntimeError as e:            # torch's, when the model was cast or moved since
+            changed = self._changed()
+            if changed is not None:
+                raise LowcommError(changed) from e
+            raise
         finally:
             self.sync_s = time.perf_counter() - t0
 
@@ -213,14 +230,14 @@ class SyncDP(Strategy):
         self._withheld_clear()
         self.zero_grad()
 
-    def state_dict(self) -> dict:
-        state = super().state_dict()
+    def _state_dict(self) -> dict:
+        state = super()._state_dict()
         if self.compressor is not None:
             state["compressor"] = self.compressor.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+    def _load_state_dict(self, state: dict) -> None:
+        super()._load_state_dict(state)
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
 

@@ -190,6 +190,7 @@ class ZeRO(Strategy):
     name = "zero"
     stage = 0
     lockstep = True
+    dense_gradients = True     # sparse gradients are refused at build, naming the parameter
     sharded = True             # an outer loop above keeps only this rank's share of its state
     Settings = ZeROSettings
 
@@ -217,6 +218,8 @@ class ZeRO(Strategy):
         self.buffers = Buffers(model)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self.buckets = self._layout(optimizer, names, int(s.bucket_mb * (1 << 20)))
+        self._built_counts = [len(g["params"]) for g in optimizer.param_groups]   # (what step()
+        self._built_ids = {id(q) for g in optimizer.param_groups for q in g["params"]}   # checks)
         sig = repr([(b.group, [(n, tuple(p.shape)) for n, p, _, _ in b.members], str(b.params.dtype))
                     for b in self.buckets])
         self._red = agreed_dup(self._scatter, "zero.layout", sig, len(self.buckets))
@@ -519,14 +522,14 @@ class ZeRO(Strategy):
                            for gi in range(len(self.optimizer.param_groups))
                            for bk in self.buckets if bk.group == gi for _, lo, hi in bk.pieces]}
 
-    def state_dict(self) -> dict:
-        state = super().state_dict()
+    def _state_dict(self) -> dict:
+        state = super()._state_dict()
         state["layout"] = self._layout_state()
         if self.settings.qwz != "none":
             state["shards"] = [b.shard.detach().clone() for b in self.buckets]
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_state_dict(self, state: dict) -> None:
         saved = state.get("layout")
         if saved is None:
             raise LowcommError(f"{self.name}: this state was not written by a ZeRO method (no "
@@ -541,7 +544,7 @@ class ZeRO(Strategy):
         if [b["members"] for b in saved["buckets"]] != [b["members"] for b in mine["buckets"]]:
             raise LowcommError(f"{self.name}: the state's bucket layout differs from this "
                                "model's (another model, bucket_mb or optimizer groups)")
-        super().load_state_dict(state)
+        super()._load_state_dict(state)
         with torch.no_grad():
             for b, full in zip(self.buckets, state.get("shards", [])):
                 b.shard.copy_(full)

@@ -131,9 +131,14 @@ class ZeroOneAdam(OneBitAdam):
     them; the difference vanishes with t). DeepSpeed also discards the first step's gradient
     (an initialisation step); here step 1 is a dense Adam step. The ranks' parameters are equal
     after every dense, 1-bit and sync step; a run that ends after local steps averages them
-    (one dense all-reduce). Buffers are rank 0's after every step (DDP's rule).
-    Bytes per rank: dense steps an all-reduce of 4d, 1-bit and sync steps ``2(K−1)·(D/(8K) + 4)``
-    (D = d rounded up to a multiple of 8K), local steps nothing.
+    (one dense all-reduce). Buffers are rank 0's after every step (DDP's rule). A parameter
+    without a gradient is left alone, as torch Adam leaves it: on a dense or 1-bit step where
+    no rank has one (one slot per parameter tensor says so, n tensors), on a local or sync step
+    where this rank has none; a sync leaves alone a parameter no rank stepped since the last one
+    (the 1-bit average of zeros is not zero).
+    Bytes per rank: dense steps an all-reduce of 4(d + n), 1-bit and sync steps
+    ``2(K−1)·(D/(8K) + 4)`` (D = d rounded up to a multiple of 8K) and an all-reduce of 4n,
+    local steps nothing.
 
     Args:
         model, optimizer: the user's model and a ``torch.optim.Adam`` or ``AdamW`` over its
@@ -172,6 +177,7 @@ class ZeroOneAdam(OneBitAdam):
         self._group_of = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"]
                           if p.requires_grad]     # in the order of self._params
         self._frozen: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._touched = [False] * len(self._params)   # had a gradient here since the last sync
 
     @property
     def lockstep(self) -> bool:
@@ -179,14 +185,6 @@ class ZeroOneAdam(OneBitAdam):
         return self.t + 1 <= self.freeze_step
 
     # Adam's arithmetic ------------------------------------------------------------------------
-    def _state(self, p: torch.Tensor) -> dict:
-        st = self.optimizer.state[p]
-        if "step" not in st:                     # as torch Adam initialises it
-            st["step"] = torch.tensor(0.0)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return st
-
     def _denom(self, st: dict, g: dict) -> torch.Tensor:
         """δ = √(v / (1 − β2^{n_v})) + ε, as torch Adam computes its denominator."""
         return (st["exp_avg_sq"].sqrt() / (1 - g["betas"][1] ** self.n_v) ** 0.5).add_(g["eps"])
@@ -215,15 +213,20 @@ class ZeroOneAdam(OneBitAdam):
         loss = closure() if closure is not None else None
         t = self.t + 1
         kind = self.schedule.kind(t)
-        flat = self._grads()
+        flat, present = self._grads()
         if kind == "dense":
-            self._comm.allreduce_(flat, "avg")
+            flat, present = self._dense_average(flat, present)
             self.n_v += 1
         elif kind == "onebit":
+            present = self._agreed(present)
             flat = self._onebit_gradient(flat)
-        elif self._frozen is None:
-            self._freeze()
+        else:
+            if self._frozen is None:
+                self._freeze()
+            self._touched = [a or b for a, b in zip(self._touched, present)]
         for i, (s, (_, p, g)) in enumerate(zip(self._segments, self._params)):
+            if not present[i]:     # no gradient (any rank's where they meet): left alone
+                continue
             self._adam_(p, g, flat[s.start:s.stop].view_as(p), kind == "dense", t,
                         self._frozen[i][0] if self._frozen else None)
         if kind in ("local", "sync"):
@@ -276,8 +279,11 @@ class ZeroOneAdam(OneBitAdam):
                                                   self._frozen, self._group_of):
             u[s.start:s.stop].view_as(p).copy_((x * self._decay[i] - p) * moved)
         avg = self.compressed_allreduce(u)
-        for s, (_, p, g), x, (denom, moved), i in zip(self._segments, self._params, self._anchor,
-                                                     self._frozen, self._group_of):
+        touched, self._touched = self._agreed(self._touched), [False] * len(self._params)
+        for s, (_, p, g), x, (denom, moved), i, here in zip(self._segments, self._params, self._anchor,
+                                                           self._frozen, self._group_of, touched):
+            if not here:       # no rank stepped it since the last sync: the 1-bit noise would move it
+                continue
             ub = avg[s.start:s.stop].view_as(p) * moved
             p.copy_(x * self._decay[i] - ub)
             x.copy_(p)
@@ -304,15 +310,15 @@ class ZeroOneAdam(OneBitAdam):
         self._advance(t, self.schedule.kind(t))
 
     # state ------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "t": self.t, "n_v": self.n_v,
                 "schedule": self.schedule.state_dict(), "counts": dict(self.counts),
                 "anchor": [x.clone() for x in self._anchor] if self._anchor is not None else None,
-                "decay": list(self._decay), "lrs": list(self._lrs),
+                "decay": list(self._decay), "lrs": list(self._lrs), "touched": list(self._touched),
                 "grad_exchange": self.grad_exchange.state_dict(),
                 "exchange": self.exchange.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self._regroup()
         self.t, self.n_v = int(state["t"]), int(state["n_v"])
@@ -320,6 +326,7 @@ class ZeroOneAdam(OneBitAdam):
         self.counts = dict(state["counts"])
         self._anchor = [x.clone() for x in state["anchor"]] if state["anchor"] is not None else None
         self._decay, self._lrs = list(state["decay"]), list(state["lrs"])
+        self._touched = list(state.get("touched", [True] * len(self._params)))
         self.grad_exchange.load_state_dict(state["grad_exchange"])
         self.exchange.load_state_dict(state["exchange"])
         self._frozen = None                      # recomputed from v and n_v at the next step

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -47,7 +48,7 @@ from pathlib import Path
 from . import compare_folder
 from ..comm.ledger import Link
 from ..errors import RunFolderError
-from ..run.folder import close_run, lock, write_text
+from ..run.folder import close_run, json_text, lock, write_text
 from ..run.supervise import supervise
 
 # Method name -> the config overrides that select it (on top of the shared config).
@@ -240,6 +241,8 @@ def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
         return {**record, "status": "failed", "restarts": result["restarts"],
                 "error": f"exit {f['exit']}: {f['cause']}"}
     s = json.loads(summary_path.read_text())
+    if not _finite(s.get("eval_loss")):      # a task without held-out batches: no eval loss
+        s["eval_loss"] = None
     return {**record, "status": "ok", "stopped": result["stopped"], **{k: s[k] for k in (
         "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total", "bytes_by_level",
         "wall_s", "skipped_steps", "state_sha256")}, "ranks_agree": s.get("ranks_agree"),
@@ -275,7 +278,7 @@ def eval_curve(out: Path, result: dict, link: Link) -> list[tuple[float, float]]
     pts = [(_line_modelled(ln, link), ln["eval_loss"]) for ln in curves(out, result)
            if "eval_loss" in ln and "compute_cpu_s" in ln]
     end = result.get("modelled_wall_s")
-    if end is not None and result.get("eval_loss") == result.get("eval_loss"):
+    if end is not None and _finite(result.get("eval_loss")):
         pts.append((max([end, *(t for t, _ in pts)]), result["eval_loss"]))
     return pts
 
@@ -365,7 +368,10 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
     error. ``budget``: the methods ran for that many modelled seconds; ``target``: the eval loss
     of the time-to-target column (``time_to_target_s`` of each result); a wall-clock ratio
     column where the results have one (``wall_ratio``, see :func:`add_wall_ratios`)."""
-    ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["eval_loss"])
+    ok = [r for r in results if r["status"] == "ok"]
+    by_train = not any(_finite(r["eval_loss"]) for r in ok)    # the task has no held-out batches
+    ok.sort(key=lambda r: (r["final_loss"],) if by_train else
+            (not _finite(r["eval_loss"]), r["eval_loss"] if _finite(r["eval_loss"]) else 0.0))
     base = next((r for r in ok if r["method"] == "ddp"), None)
     per_step = lambda r: r["bytes_total"] / r.get("steps_done", r["steps"])   # noqa: E731
     to = f" | modelled s to eval ≤ {target:.4f}²" if target is not None else ""
@@ -383,8 +389,10 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
         reach = r.get("time_to_target_s")
         reach = (f" | {reach:.1f}" if reach is not None else " | not reached") if to else ""
         rel = (f" | {_spread(r['wall_ratio']['runs'], 3)}" if "wall_ratio" in r else " | –") if by else ""
-        rows.append(f"| {i} | {r['method']} | {r['eval_loss']:.4f} | {r['final_loss']:.4f} | "
-                    f"{r.get('steps_done', r['steps'])} | {r['bytes_total'] / 1e6:.1f} | {ratio} | "
+        ev = f"{r['eval_loss']:.4f}" if _finite(r["eval_loss"]) else "–"
+        capped = "⁴" if _capped(r, budget) else ""
+        rows.append(f"| {i} | {r['method']} | {ev} | {r['final_loss']:.4f} | "
+                    f"{r.get('steps_done', r['steps'])}{capped} | {r['bytes_total'] / 1e6:.1f} | {ratio} | "
                     f"{_spread(r.get('wall_s_runs') or [r['wall_s']], 1)}{rel} | "
                     f"{r['compute_cpu_s']:.1f} | {r['modelled_wall_s']:.1f}{reach} |")
     rows += [f"| – | {r['method']} | {r['status']}: {r['error']} |" + " |" * (7 + extra)
@@ -393,9 +401,8 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
             "CPU s: the slowest rank's CPU seconds of computation in its training steps (process CPU "
             "time minus the CPU time of its communication calls), which other processes on the "
             "machine do not inflate; wall s is measured and does depend on the machine's load.")
-    if budget:
-        foot += (f" Every method trained until its modelled s reached the budget of {budget:g} s "
-                 "(the final synchronisation of an outer loop can pass it).")
+    budget_note, ranking = _ranking_notes(ok, budget, by_train)
+    foot += budget_note
     if to:
         foot += (f"\n² the modelled time at which the method's eval loss first reached {target:.4f}"
                  f"{' (ddp’s final eval loss)' if base and base['eval_loss'] == target else ''}, "
@@ -403,7 +410,38 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
     if by:
         foot += (f"\n³ each run's wall-clock divided by {ref}'s in the same round (the methods ran "
                  "in turn, round after round): the median ratio (min–max).")
-    return "\n".join([head, *rows]) + "\n" + foot
+    return "\n".join([head, *rows]) + "\n" + foot + ranking
+
+
+def _capped(r: dict, budget: float) -> bool:
+    """Whether the steps cap stopped a budgeted method before its modelled s reached the budget."""
+    return bool(budget) and r.get("steps_done", r["steps"]) >= r["steps"] and \
+        r.get("modelled_wall_s", budget) < budget
+
+
+def _ranking_notes(ok: list[dict], budget: float, by_train: bool) -> tuple[str, str]:
+    """The table's notes on what the ranking compares: the budget (a sentence of note ¹), and
+    the notes after the others: the methods the steps cap stopped first, a task without
+    held-out batches."""
+    capped = [r["method"] for r in ok if _capped(r, budget)]
+    reached = "Every method" if not capped else "Every method but those marked ⁴"
+    budget_note = (f" {reached} trained until its modelled s reached the budget of {budget:g} s "
+                   "(the final synchronisation of an outer loop can pass it).") if budget else ""
+    notes = ""
+    if capped:
+        notes += (f"\n⁴ stopped by the steps cap ({', '.join(capped)}) before its modelled s "
+                  f"reached the budget of {budget:g} s: its eval loss is not at the budget; raise "
+                  "--steps.")
+    if by_train and ok:
+        notes += ("\nNo eval loss: the task gives no held-out batches (eval_batches), so the "
+                  "methods are ranked by their final train loss.")
+    elif any(not _finite(r["eval_loss"]) for r in ok):
+        notes += "\nMethods without an eval loss are ranked last."
+    return budget_note, notes
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def budget_overrides(budget: float, link: Link) -> tuple[str, str]:
@@ -450,7 +488,7 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
                                       repeat)
         target = add_time_to_target(out, results, link, target)
         add_wall_ratios(results, relative_to, methods)
-        write_text(out / "results.json", json.dumps(results, indent=2) + "\n")
+        write_text(out / "results.json", json_text(results))
         plot(out, results, link, budget, target)
         write_text(out / "table.md", table(results, link, budget, target) + "\n")
         return results
@@ -522,8 +560,7 @@ def _run_methods(methods, kept, np, steps, out, config, overrides, link, launche
                 results[method] = r if k == 1 else _another_round(results[method], r, k)
                 if r["status"] == "ok":
                     results[method].setdefault("load_1m_runs", []).append(round(load, 2))
-                write_text(out / "results.json",
-                           json.dumps(kept + list(results.values()), indent=2) + "\n")
+                write_text(out / "results.json", json_text(kept + list(results.values())))
                 if r["status"] == "interrupted" or stopped:
                     for other in results.values():   # a round the others had no turn in
                         if k > 1 and len(other.get("wall_s_runs", ())) < k and \

@@ -19,9 +19,9 @@ import json
 from pathlib import Path
 
 from ..errors import RunFolderError
-from ..run.folder import RUN_FILES, read_marker, remove_run, write_text
+from ..run.folder import COMPARE_MARKER, RUN_FILES, read_marker, remove_run, write_text
 
-MARKER = ".lowcomm-compare.json"
+MARKER = COMPARE_MARKER
 #: the runs of rounds 2… of a repeated comparison: ``repeats/<round>/<method>``
 REPEATS = "repeats"
 #: what a comparison writes beside its methods' run folders

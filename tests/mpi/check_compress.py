@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import lowcomm
-from helpers import agree, control, seeded_mlp, sent
+from helpers import agree, control, seeded_mlp, sent, train_steps
 from lowcomm.comm.ledger import Ledger, wire_bytes
 from lowcomm.compress import COMPRESSORS, Compressor, PowerSGD, SignMajorityVote, build_compressor
 from lowcomm.compress.base import Segment
@@ -109,7 +109,7 @@ def bucket_bytes(name, shapes):
     k = max(1, int(RATIO * n))
     sign_vote = (lambda m, P: -(-m // 8) + -(-P // 8)) if K % 2 else (lambda m, P: -(-m // 5))
     volume = {   # the 1-bit methods: + one bit per parameter (per piece of one in a chunk), "all zero"
-        "none": lambda: allreduce(4 * n),
+        "none": lambda: allreduce(4 * (n + S)),     # + a presence slot per tensor
         "fp16": lambda: allreduce(2 * n),
         "bf16": lambda: allreduce(2 * n),
         "int8": lambda: allgather(shapes, n + 4, lambda m, P: m + 4),
@@ -139,11 +139,7 @@ def syncdp(comm, name, bucket_mb, lr=0.05):
 
 
 def train(model, opt, steps, first=0):
-    for step in range(first, first + steps):
-        x, y = batch(step)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+    train_steps(model, opt, batch, steps, first)
 
 
 def full_loss(model):
@@ -178,6 +174,8 @@ def test_bytes_per_step_equal_the_analytic_volume(name, layout, measured):
     model, opt, _, steps = measured(name, layout)
     buckets = [SHAPES[::-1]] if layout == "one-bucket" else [[s] for s in SHAPES[::-1]]
     want = sum(bucket_bytes(name, shapes) for shapes in buckets)
+    if name != "none":      # which tensors any rank had a gradient for: an int32 each, per step
+        want += allreduce(4 * len(SHAPES))
     if layout != "one-bucket":
         opt.close()
     assert steps == [want] * 3, f"{COLLECTIVE}: {steps} bytes in steps 0-2, analytic {want} each"
@@ -340,11 +338,12 @@ def test_onebit_adam_warm_up_equals_torch_adam_then_compresses_and_trains(comm, 
             "warm-up != torch Adam"
     d = sum(p.numel() for p in model.parameters())
     ledger = opt._comm.ledger
-    assert ledger.get("allreduce.mpi").bytes_sent == FREEZE * allreduce(4 * d), "warm-up bytes"
+    n = len(list(model.parameters()))       # + a presence slot per tensor
+    assert ledger.get("allreduce.mpi").bytes_sent == FREEZE * allreduce(4 * (d + n)), "warm-up bytes"
     b0 = sent(ledger)
     onebit(comm, 1, model, opt, FREEZE)
     D = -(-d // (8 * K)) * 8 * K
-    want = 2 * (K - 1) * (D // (8 * K) + 4)
+    want = 2 * (K - 1) * (D // (8 * K) + 4) + allreduce(4 * n)     # + the presence slots
     assert sent(ledger) - b0 == want, f"compressed step bytes {sent(ledger) - b0}, analytic {want}"
     start = full_loss(model)
     onebit(comm, 40, model, opt, FREEZE + 1)

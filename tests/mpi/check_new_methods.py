@@ -280,7 +280,8 @@ def test_zeroone_adam_freezes_the_variance_and_steps_locally_between_synchronisa
     d = sum(p.numel() for p in model.parameters())
     K = group.size
     D = -(-d // (8 * K)) * 8 * K
-    onebit = 2 * (K - 1) * (D // (8 * K) + 4)            # all-to-all + all-gather of 1-bit chunks
+    n = len(list(model.parameters()))                    # + a presence slot (int32) per tensor
+    onebit = 2 * (K - 1) * (D // (8 * K) + 4) + wire_bytes("allreduce", 4 * n, K)[0]
     for step, kind in enumerate(kinds, 1):
         v = [opt.optimizer.state[p]["exp_avg_sq"].clone() if p in opt.optimizer.state else None
              for p in model.parameters()]
@@ -289,7 +290,7 @@ def test_zeroone_adam_freezes_the_variance_and_steps_locally_between_synchronisa
         moved = any(w is None or not torch.equal(w, opt.optimizer.state[p]["exp_avg_sq"])
                     for w, p in zip(v, model.parameters()))
         assert moved == (kind == "dense"), f"step {step} ({kind}): the variance moved: {moved}"
-        want = {"dense": wire_bytes("allreduce", 4 * d, K)[0], "onebit": onebit, "sync": onebit,
+        want = {"dense": wire_bytes("allreduce", 4 * (d + n), K)[0], "onebit": onebit, "sync": onebit,
                 "local": 0}[kind]
         assert sent(group) == want, f"step {step} ({kind})"
         same = len(set(group.allgather_object(state_sha256(model)))) == 1

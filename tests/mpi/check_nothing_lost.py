@@ -100,6 +100,18 @@ def test_seed_seeds_python_random_and_numpy_too(comm):
         "two fresh runs of a task drawing from random/numpy ended apart: seed does not seed them"
 
 
+def test_a_task_without_held_out_batches_writes_a_summary_that_is_json(comm, shared_dir):
+    """No eval_batches (the README's own task): the eval loss is null in summary.json, not a
+    bare NaN, which is not JSON."""
+    out = shared_dir / "no-eval"
+    train(comm, from_functions(linear(2), mse, batch), cfg("steps=2"), out)
+    if RANK == 0:
+        text = (out / "summary.json").read_text()
+        s = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in summary.json"))
+        assert "eval_loss" in s and s["eval_loss"] is None, s.get("eval_loss")
+    comm.barrier()
+
+
 def test_a_loss_without_grad_fn_is_a_task_error_naming_loss(comm):
     detached = from_functions(linear(2), lambda m, b: mse(m, b).detach(), batch, name="detached.py")
     e = failure(comm, lambda: train(comm, detached, cfg("steps=2")))

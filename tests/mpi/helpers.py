@@ -97,3 +97,14 @@ def vendor_sum(t: torch.Tensor) -> np.ndarray:
 def sent(ledger, skip_checks: bool = True) -> int:
     """Bytes this rank sent, from a ledger (without the shape-agreement checks)."""
     return sum(row["bytes_sent"] for row in ledger.rows() if not skip_checks or row["op"] != "check")
+
+
+def train_steps(model, opt, batch, steps: int, first: int = 0) -> None:
+    """``steps`` steps of the user's loop from step ``first``: ``batch(step)`` gives this rank's
+    (inputs, class labels), cross-entropy."""
+    import torch.nn.functional as F
+    for step in range(first, first + steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
