@@ -271,3 +271,19 @@ def test_outer_loops_over_sharded_datacenters_equal_them_unsharded(comm, dc):
         assert abs(outer_sharded - outer_plain / 2) <= len(opt.fragments), (outer_sharded, outer_plain)
     every = comm.allgather(torch.cat([p.detach().reshape(-1) for p in sharded.parameters()]))
     assert all(torch.equal(every[0], every[k]) for k in range(SIZE)), "ranks differ"
+
+
+@pytest.mark.mpi(sizes=(4,))          # a node:2,rank:2 topology
+def test_hpz_shards_inside_the_node_and_equals_syncdp(comm):
+    """hpZ: ranges owned inside each node (2 ranks: half the optimizer state, not a quarter),
+    the range averaged with the other node's; the model equals SyncDP's, and the parameters'
+    all-gather after the step stays inside the node (no world-level all-gather in the ledger)."""
+    from lowcomm.comm.topology import Topology
+    levels = Topology.from_env(comm, "node:2,rank:2").comms(comm)
+    model, opt, _ = run(comm, "zero2:hpz=true", levels=levels)
+    ref, ref_opt, _ = run(comm, "syncdp")
+    assert_models_close(model, ref, "zero2 with hpZ vs syncdp", rtol=1e-6, atol=1e-7)
+    assert opt._red.size == 2 and abs(state_numel(opt) - state_numel(ref_opt) / 2) <= 2 * len(opt.buckets)
+    gathers = [r for r in opt._red.ledger.rows() if r["op"] in ("allgather.v", "allgather.shm",
+                                                                 "allgather.ring")]
+    assert gathers and all(r["level"] != "node" for r in gathers), gathers
