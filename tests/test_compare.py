@@ -349,6 +349,23 @@ def test_projection_recosts_each_op_by_its_algorithm_s_formula():
                           {"op": "allreduce.mpi", "calls": 1, "bytes_sent": 1, "level": "dc"}]), [8], [link])
 
 
+def test_projection_of_zero_keeps_its_bytes_flat_in_k_and_prints_memory_per_rank():
+    """ZeRO's reduce-scatter and block all-gather each send (K-1)/K of the buffer at any K (not
+    a block that stays the measured one); memory per rank for 1 B and 10 B parameters by stage."""
+    from lowcomm.tools.project import memory_table, project, state_bytes_per_param
+    n = 8000                                    # the bucket's bytes; 4 ranks measured
+    s = _summary([{"op": "reduce_scatter.shm", "calls": 10, "bytes_sent": 10 * 3 * n // 4},
+                  {"op": "allgather.blocks", "calls": 10, "bytes_sent": 10 * 3 * (n // 4)}])
+    at = {r["ranks"]: r for r in project(s, [4, 1024], [Link(10, 8)])["rows"]}
+    assert at[4]["bytes_per_rank_per_step"] == pytest.approx(2 * 3 / 4 * n)
+    assert at[1024]["bytes_per_rank_per_step"] == pytest.approx(2 * 1023 / 1024 * n)
+    assert state_bytes_per_param("syncdp(mpi)", 8) == 16
+    assert state_bytes_per_param("zero1(auto)", 8) == 9 and state_bytes_per_param("zero2(auto)", 8) == 5.5
+    assert state_bytes_per_param("fsdp(mpi)", 8) == 2
+    text = memory_table([{"name": "zero2", "method": "zero2(auto)"}], [8, 64])
+    assert "| zero2 | 10 B | 51.2 GiB | 39 GiB |" in text, text
+
+
 def test_compare_checks_timeout_target_and_methods_before_anything_runs(tmp_path):
     for args, option in ((("--timeout", "0"), "--timeout"), (("--target", "nan"), "--target"),
                          (("--methods", ""), "--methods"), (("--methods", " , "), "--methods")):

@@ -379,18 +379,18 @@ class Comm:
         Returns ``t``. Charged the rank's own block to each of the K−1 others (sent) and the
         rest of ``t`` (received)."""
         if sum(counts) != t.numel() or len(counts) != self.size:
-            raise CommError("allgather", self.rank, f"counts {list(counts)} do not split "
+            raise CommError("allgather.blocks", self.rank, f"counts {list(counts)} do not split "
                             f"{describe(t)} over {self.size} ranks", _nbytes(t))
-        self.check("allgather.v", t)
+        self.check("allgather.blocks", t)
         es = t.element_size()
         displ = [sum(counts[:r]) * es for r in range(self.size)]
         with self.staged(t) as h:
             t0 = _clock()
-            self._guard("allgather.v", _nbytes(t), self.mpi.Allgatherv, mpi().IN_PLACE,
+            self._guard("allgather.blocks", _nbytes(t), self.mpi.Allgatherv, mpi().IN_PLACE,
                         [h.view(-1).view(torch.uint8).numpy(), ([c * es for c in counts], displ),
                          mpi().BYTE])
             mine = counts[self.rank] * es
-            self.ledger.record("allgather.v", self.level, (self.size - 1) * mine,
+            self.ledger.record("allgather.blocks", self.level, (self.size - 1) * mine,
                                _nbytes(t) - mine, _since(t0))
         return t
 

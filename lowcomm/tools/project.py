@@ -20,6 +20,7 @@ two-phase exchange (``alltoall.v``     (K−1)/K · S each              K−1 ea
 and ``allgather.v`` in pairs)
 ``allgather.v`` alone                  (K−1) · S (every rank's       K−1
                                        block to every other)
+``allgather.blocks|ring|shm`` (ZeRO)  (K−1)/K · S                   K−1
 ``allgather``, ``check`` (small)       (K−1) · S                     ⌈log₂K⌉ (Bruck)
 ``reduce_scatter.*``                   (K−1)/K · S                   K−1
 ``bcast``                              S                             ⌈log₂K⌉
@@ -100,7 +101,8 @@ def ops_of(summary: dict, scale: float = 1.0) -> list[Op]:
             kind, size = "fixed", b
         elif family == "allreduce":
             kind, size = "allreduce", b * k0 / (2 * (k0 - 1))
-        elif op == "alltoall.v" or (op == "allgather.v" and paired) or family == "reduce_scatter":
+        elif op == "alltoall.v" or (op == "allgather.v" and paired) or family == "reduce_scatter" \
+                or op in ("allgather.blocks", "allgather.ring", "allgather.shm"):   # ZeRO's blocks
             kind, size = "pair", b * k0 / (k0 - 1)
         elif op in ("allgather", "check"):
             kind, size = "gather-small", b / (k0 - 1)
@@ -171,6 +173,34 @@ def projections(folder, ranks=DEFAULT_RANKS, links=(Link(25, 100),), params=None
     return done, skipped
 
 
+#: model shapes whose memory per rank every projection prints (parameters)
+MEMORY_SHAPES = (1e9, 10e9)
+
+
+def state_bytes_per_param(method: str, k: int) -> float:
+    """Bytes per parameter one of ``k`` ranks holds under ``method`` (a summary's method name,
+    e.g. ``zero2(auto)``), training with Adam in float32: weight 4, gradient 4, two moments 8;
+    ZeRO-1 shards the moments, ZeRO-2 the gradients too, FSDP everything; an outer loop with an
+    outer optimizer (DiLoCo's family) adds its outer copy and momentum, 8 more. Activations and
+    buffers are not counted."""
+    name = method.split("(")[0].split("+")[0]
+    return {"zero1": 8 + 8 / k, "zero2": 4 + 12 / k, "fsdp": 16 / k,
+            "diloco": 24.0, "streaming-diloco": 24.0, "sparta-diloco": 24.0}.get(name, 16.0)
+
+
+def memory_table(done: list[dict], ranks) -> str:
+    """Parameter, gradient and Adam-state bytes per rank of each projected method for the
+    :data:`MEMORY_SHAPES`, at each K."""
+    head = "| method | model | " + " | ".join(f"K={k}" for k in ranks) + " |"
+    rows = [head, "|---" * (len(ranks) + 2) + "|"]
+    for p in done:
+        for n in MEMORY_SHAPES:
+            cells = [f"{state_bytes_per_param(p['method'], k) * n / 2**30:.3g} GiB" for k in ranks]
+            rows.append(f"| {p['name']} | {n / 1e9:g} B | " + " | ".join(cells) + " |")
+    return ("memory per rank: parameters, gradients and Adam moments in float32 (activations "
+            "not counted)\n\n" + "\n".join(rows))
+
+
 def _size(b: float) -> str:
     for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if b >= f:
@@ -191,6 +221,8 @@ def table(done: list[dict], skipped: dict[str, str], ranks, links) -> str:
                      for r in p["rows"] if r["link"] == str(link)]
             rows.append(f"| {p['name']} | {p['compute_s']:.3g} | " + " | ".join(cells) + " |")
         parts.append(f"**{link}**: seconds per step, bytes sent per rank per step\n\n" + "\n".join(rows))
+    if done:
+        parts.append(memory_table(done, ranks))
     if skipped:
         parts.append("not projected: " + "; ".join(f"{m} ({why})" for m, why in skipped.items()))
     parts.append("assumptions: " + ASSUMPTIONS + ".")

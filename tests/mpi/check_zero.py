@@ -284,6 +284,6 @@ def test_hpz_shards_inside_the_node_and_equals_syncdp(comm):
     ref, ref_opt, _ = run(comm, "syncdp")
     assert_models_close(model, ref, "zero2 with hpZ vs syncdp", rtol=1e-6, atol=1e-7)
     assert opt._red.size == 2 and abs(state_numel(opt) - state_numel(ref_opt) / 2) <= 2 * len(opt.buckets)
-    gathers = [r for r in opt._red.ledger.rows() if r["op"] in ("allgather.v", "allgather.shm",
+    gathers = [r for r in opt._red.ledger.rows() if r["op"] in ("allgather.blocks", "allgather.shm",
                                                                  "allgather.ring")]
     assert gathers and all(r["level"] != "node" for r in gathers), gathers
