@@ -590,7 +590,8 @@ def allreduce_(tensor: torch.Tensor, comm: Comm | None = None, algorithm: str = 
     return tensor
 
 
-#: the algorithms of reduce_scatter and allgather_ ("auto": shm on one node's CPU, else mpi)
+#: the algorithms of :func:`reduce_scatter` and :func:`allgather_` ("auto": shm on one node's CPU,
+#: else mpi)
 SCATTER_ALGORITHMS = ("auto", "mpi", "ring", "shm")
 
 

@@ -298,9 +298,10 @@ class Strategy(torch.optim.Optimizer):
         that rearranges the optimizer's groups itself calls this again afterwards."""
         self._built_names = {id(p): n for n, p in self.model.named_parameters()}
         groups = self.optimizer.param_groups
+        ranges = getattr(self.optimizer, "lowcomm_ranges", {})   # a sharding level's (ZeRO)
         for i, g in enumerate(groups):
             for p in g["params"]:
-                if id(p) not in self._built_names:
+                if id(p) not in self._built_names and id(p) not in ranges:
                     raise LowcommError(
                         f"the optimizer's param group {i} holds a tensor of shape {tuple(p.shape)} "
                         f"that is not a parameter of the model: lowcomm's {self.name} exchanges the "
@@ -310,7 +311,7 @@ class Strategy(torch.optim.Optimizer):
         self._built_counts = [len(g["params"]) for g in groups]
         self._built_ids = {id(p) for g in groups for p in g["params"]}
         self._built_frozen = [(self._built_names[id(p)], p) for g in groups for p in g["params"]
-                              if not p.requires_grad]
+                              if not p.requires_grad and id(p) in self._built_names]
         self._built_layout = [(n, tuple(p.shape), str(p.dtype), str(p.device.type), p.requires_grad)
                               for n, p in self.model.named_parameters()]
 

@@ -220,6 +220,7 @@ class ZeRO(Strategy):
         self.buckets = self._layout(optimizer, names, int(s.bucket_mb * (1 << 20)))
         self._built_counts = [len(g["params"]) for g in optimizer.param_groups]   # (what step()
         self._built_ids = {id(q) for g in optimizer.param_groups for q in g["params"]}   # checks)
+        optimizer.lowcomm_ranges = {id(q): b.index for b in self.buckets for q, _, _ in b.pieces}
         sig = repr([(b.group, [(n, tuple(p.shape)) for n, p, _, _ in b.members], str(b.params.dtype))
                     for b in self.buckets])
         self._red = agreed_dup(self._scatter, "zero.layout", sig, len(self.buckets))

@@ -112,7 +112,9 @@ def bucket_bytes(name, shapes):
         "none": lambda: allreduce(4 * (n + S)),     # + a presence slot per tensor
         "fp16": lambda: allreduce(2 * n),
         "bf16": lambda: allreduce(2 * n),
-        "int8": lambda: allgather(shapes, n + 4, lambda m, P: m + 4),
+        "int8": lambda: allgather(shapes, n + 4 * -(-n // 2048), lambda m, P: m + 4 * -(-m // 2048)),
+        "int4": lambda: allgather(shapes, (n + 1) // 2 + 4 * -(-n // 2048),   # two to a byte
+                                  lambda m, P: (m + 1) // 2 + 4 * -(-m // 2048)),
         "qsgd": lambda: allgather(shapes, n + 4 * -(-n // QBUCKET), lambda m, P: m + 4 * -(-m // QBUCKET)),
         "topk": lambda: allgather(shapes, k * (4 + 4), lambda m, P: max(1, int(RATIO * m)) * 8),
         "randomk": lambda: allreduce(4 * k),
