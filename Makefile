@@ -29,6 +29,8 @@ test: setup
 # On a machine with CUDA (never part of `make test`): every all-reduce algorithm on CUDA tensors
 # and every method training on the GPU, 2 ranks (tests/mpi/check_gpu.py; it fails without CUDA).
 # Set up with a CUDA build of torch: TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126.
+# On a GPU image whose python3 already has a CUDA torch: bash scripts/gpu_check.sh (same checks,
+# plus FSDP2 over NCCL; it installs mpi4py and Open MPI from wheels in .gpu-wheels/ if missing).
 test-gpu: setup
 	PYTHONPATH=tests/mpi PATH=$(CURDIR)/$(VENV)/bin:$$PATH launchers/local.sh -n 2 $(PY) -m pytest -q \
 		-p under_mpi -o python_files='check_*.py' -o addopts= -p no:cacheprovider tests/mpi/check_gpu.py
