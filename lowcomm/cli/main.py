@@ -286,11 +286,7 @@ def bench_memory(config, overrides, methods, ranks, max_memory_gib, shapes, time
     Ks = [int(k) for k in ranks.split(",")]
     rows_of = lambda K: [m.replace("K/2", str(max(1, K // 2))) for m in methods  # noqa: E731
                          if "@" not in m or K >= 2 and K % 2 == 0]
-    rows = [r for K in Ks for r in mb.table(rows_of(K), [K], config, list(overrides), timeout_s)]
-    base = next((r for r in rows if "error" not in r and r["ranks"] == min(Ks)), None)
-    for r in rows:                                 # one baseline for every K: the first row's
-        if base is not None and "error" not in r:
-            r["ideal_bytes"] = base["total_bytes"] / r["ranks"]
+    rows = mb.table(rows_of, Ks, config, list(overrides), timeout_s)
     click.echo("memory per rank (the largest rank's) after one step; ideal: the first row's total / K")
     click.echo(mb.format_table(rows))
     out = {"table": rows}

@@ -14,7 +14,7 @@ from functools import cached_property
 
 import torch
 
-from ..comm.collectives import allreduce_, broadcast_, get_algorithm
+from ..comm.collectives import allgather_, allreduce_, broadcast_, chunk_bounds, get_algorithm
 from ..comm.comm import Comm
 from ..comm.idle import IdleWait
 from ..compress.base import Pending, Segment
@@ -364,8 +364,7 @@ class OuterLoop(Strategy):
                               "cannot be sharded across its ranks; run the policy as one MPI job "
                               "(topology = \"dc:D,rank:K\"), or use syncdp inside the datacenters")
         k, i = nest.inside.size, nest.inside.rank
-        return [(min(f.numel, i * -(-f.numel // k)), min(f.numel, (i + 1) * -(-f.numel // k)))
-                for f in self.fragments]
+        return [tuple(chunk_bounds(f.numel, k)[i:i + 2]) for f in self.fragments]
 
     def _pack(self, f: Fragment) -> torch.Tensor:
         """Fragment ``f``'s parameters as this rank synchronises them: all of them, or (sharded
@@ -374,11 +373,9 @@ class OuterLoop(Strategy):
 
     def _gather_range(self, f: Fragment, part: torch.Tensor) -> torch.Tensor:
         """Sharded: the unit's ranges of fragment ``f`` (this rank's ``part``) put together."""
-        from ..comm.collectives import allgather_
         lo, hi = self._ranges[f.index]
-        k = self._inside.size
-        c = -(-f.numel // k)
-        counts = [max(0, min(f.numel, (j + 1) * c) - min(f.numel, j * c)) for j in range(k)]
+        bounds = chunk_bounds(f.numel, self._inside.size)
+        counts = [b - a for a, b in zip(bounds, bounds[1:])]
         full = torch.empty(f.numel, dtype=part.dtype)
         full[lo:hi] = part
         with self._inside.charged_to(self.comm.ledger):

@@ -9,13 +9,15 @@ keeps them inside a node (hpZ).
 """
 from __future__ import annotations
 
+import functools
+
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from ..comm.collectives import broadcast_, reduce_scatter, allgather_
+from ..comm.collectives import allgather_, broadcast_, chunk_bounds, reduce_scatter
 from ..comm.comm import Comm
 from ..compress.base import nonfinite_segments, Segment
 from ..compress.quantize import dequantize_blocks, quantize_blocks
@@ -85,9 +87,11 @@ class _Bucket:
     def numel(self) -> int:
         return self.params.numel()
 
+    @functools.cached_property
     def counts(self) -> list[int]:
         return [b - a for a, b in zip(self.bounds, self.bounds[1:])]
 
+    @functools.cached_property
     def segments(self) -> list[Segment]:
         return [Segment(n, p.shape, a, b) for n, p, a, b in self.members]
 
@@ -117,11 +121,6 @@ def _sharded_grad(p: torch.Tensor) -> torch.Tensor:
                                        .expand(p.shape))
 
 
-def _flat_bounds(n: int, K: int) -> list[int]:
-    c = -(-n // K)
-    return [min(n, r * c) for r in range(K + 1)]
-
-
 class ZeRO(Strategy):
     """ZeRO data parallelism, stage 1 or 2 (Rajbhandari, Rasley, Ruwase & He 2019,
     arXiv 1910.02054), with ZeRO++'s collectives (Wang et al. 2023, arXiv 2306.10209).
@@ -129,7 +128,7 @@ class ZeRO(Strategy):
     Layout: the parameters of each optimizer group are packed, in reverse order (the order
     autograd produces their gradients), into flat buckets of about ``bucket_mb``; the model's
     parameters become views of them. Rank r of K owns the range ``[b_r, b_{r+1})`` of every
-    bucket: K equal ranges (``partition = "flat"``, for optimizers that update each element on
+    bucket: K near-equal ranges (``partition = "flat"``, for optimizers that update each element on
     its own: SGD, Adam, AdamW, ...), or whole tensors balanced over the ranks (``"tensor"``, for
     optimizers that need whole matrices, such as Muon). The user's optimizer is re-pointed at
     the owned ranges (its ``param_groups`` stay the same dicts, so LR schedulers keep working)
@@ -207,13 +206,7 @@ class ZeRO(Strategy):
             raise LowcommError(f"{self.name}: the optimizer has state already (it stepped, or "
                                "loaded a state dict); wrap it before its first step and load "
                                "checkpoints through the method")
-        names = {id(p): n for n, p in model.named_parameters()}
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if id(p) not in names:
-                    raise ArgumentError("optimizer", f"holds a parameter of shape {list(p.shape)} "
-                                        f"that is not one of the model's; {self.name} shards "
-                                        "the model's parameters only")
+        names = self._built_names         # (Strategy checked: every one is a model parameter)
         self._scatter, self._across = self._partition_comms(levels)
         self.buffers = Buffers(model)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
@@ -297,7 +290,7 @@ class ZeRO(Strategy):
                 bounds = [next((a for _, p, a, _ in members if owner[id(p)] >= k), n)
                           for k in range(K)] + [n]
             else:
-                bounds = _flat_bounds(n, K)
+                bounds = chunk_bounds(n, K)
             flat = torch.empty(n, dtype=params[0].dtype, device=params[0].device)
             with torch.no_grad():
                 for _, p, a, b in members:
@@ -352,14 +345,14 @@ class ZeRO(Strategy):
         """Reduce-scatter one bucket's gradient into its shard's ``grad``; returns the names of
         this rank's tensors that held NaN/Inf (sent as zeros)."""
         bad = []
-        for seg in nonfinite_segments(b.grad, b.segments()):
+        for seg in nonfinite_segments(b.grad, b.segments):
             b.grad[seg.start:seg.stop].zero_()
             bad.append(seg.name)
         bits = QUANTIZED[self.settings.qgz]
         if bits:
             mine = self._quantized_reduce_scatter(b, bits)
         else:
-            mine = reduce_scatter(b.grad, self._red, b.counts(), self.settings.algorithm, "avg")
+            mine = reduce_scatter(b.grad, self._red, b.counts, self.settings.algorithm, "avg")
         for across in self._across:                  # hpZ: the same range of the other units
             if across.size > 1:
                 across.allreduce_(mine, "avg")
@@ -375,7 +368,7 @@ class ZeRO(Strategy):
         """qgZ: every rank's chunk j quantized blockwise and sent to rank j (one all-to-all);
         rank r dequantizes the K copies of its range and averages them."""
         comm, K, r, block = self._red, self._red.size, self._red.rank, self.settings.block
-        counts = b.counts()
+        counts = b.counts
         payloads = []
         for j in range(K):
             q, scales = quantize_blocks(b.grad[b.bounds[j]:b.bounds[j + 1]], bits, block)
@@ -451,14 +444,14 @@ class ZeRO(Strategy):
         """Step 3: every rank's range to every rank (dense, or qwZ's int8)."""
         for b in self.buckets:
             if self.settings.qwz == "none":
-                allgather_(b.params, self._red, b.counts(), self.settings.algorithm)
+                allgather_(b.params, self._red, b.counts, self.settings.algorithm)
                 continue
             block, K = self.settings.block, self._red.size
             q, scales = quantize_blocks(b.shard, 8, block)
             mine = torch.cat([q.view(torch.uint8), scales.view(torch.uint8)])
-            sizes = [c + 4 * -(-c // block) for c in b.counts()]
+            sizes = [c + 4 * -(-c // block) for c in b.counts]
             got = self._red.allgatherv(mine, sizes)
-            for j, (g, c) in enumerate(zip(got, b.counts())):
+            for j, (g, c) in enumerate(zip(got, b.counts)):
                 if c:
                     dq = dequantize_blocks(g[:c].view(torch.int8)[None], g[c:].clone().view(torch.float32)[None],
                                            c, 8, block, b.params.dtype)[0]

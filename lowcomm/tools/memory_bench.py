@@ -69,10 +69,11 @@ def run_one(np: int, method: str, config: str | None, overrides: list[str], time
     return rows[0]
 
 
-def table(methods: list[str], ranks: list[int], config, overrides, timeout_s: float) -> list[dict]:
-    """Every method at every K; each row gets ``ideal_bytes``: SyncDP's (or the first method's)
-    parameter + gradient + optimizer-state bytes at K = 1, over K."""
-    rows = [run_one(K, m, config, overrides, timeout_s) for K in ranks for m in methods]
+def table(methods_at, ranks: list[int], config, overrides, timeout_s: float) -> list[dict]:
+    """The methods ``methods_at(K)`` at every K; each row gets ``total_bytes`` and
+    ``ideal_bytes``: the first row's parameter + gradient + optimizer-state bytes at the
+    smallest K, over K."""
+    rows = [run_one(K, m, config, overrides, timeout_s) for K in ranks for m in methods_at(K)]
     base = next((r for r in rows if r.get("ranks") == min(ranks) and "error" not in r), None)
     if base is not None:
         full = sum(base[k] for k in KINDS)

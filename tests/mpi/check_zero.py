@@ -170,13 +170,13 @@ def test_ledger_bytes_are_the_papers_formulas(comm):
         return sum(r["bytes_sent"] for r in rows if r["op"] != "check"), opt
     N = sum(p.numel() for p in seeded_mlp(10, 64, 64, 3).parameters())
     dense, opt = one_step("zero2:algorithm=mpi")
-    want = sum((SIZE - 1) * 4 * b.numel // SIZE + (SIZE - 1) * 4 * b.counts()[RANK] for b in opt.buckets)
+    want = sum((SIZE - 1) * 4 * b.numel // SIZE + (SIZE - 1) * 4 * b.counts[RANK] for b in opt.buckets)
     assert dense == want, f"dense zero2 sent {dense}, the formula {want}"
     assert abs(dense - 2 * (SIZE - 1) / SIZE * 4 * N) <= 8 * SIZE * len(opt.buckets)
     quant, opt = one_step("zero2:qgz=int4,qwz=int8")
     blocks = lambda c: 4 * -(-c // 2048)                 # one float32 scale per block   # noqa: E731
-    want = sum(sum((c + 1) // 2 + blocks(c) for j, c in enumerate(b.counts()) if j != RANK)   # qgZ
-               + (SIZE - 1) * (b.counts()[RANK] + blocks(b.counts()[RANK])) for b in opt.buckets)  # qwZ
+    want = sum(sum((c + 1) // 2 + blocks(c) for j, c in enumerate(b.counts) if j != RANK)   # qgZ
+               + (SIZE - 1) * (b.counts[RANK] + blocks(b.counts[RANK])) for b in opt.buckets)  # qwZ
     assert quant == want, f"qgZ int4 + qwZ sent {quant}, the formula {want}"
     assert quant <= (SIZE - 1) / SIZE * N * 1.5 + 8 * SIZE * len(opt.buckets) * 2
     assert quant <= dense / 3, f"{quant} is more than a third of SyncDP's {dense}"
