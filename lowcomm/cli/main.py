@@ -269,16 +269,20 @@ def bench_step(config, overrides, strategies, steps, warmup, json_path):
 @click.option("--max-memory-gib", type=float, default=0.0, help="With --shapes: the per-rank cap.")
 @click.option("--shapes", default="", help="D_MODEL:N_LAYERS,... smallest first: find the largest "
               "that trains one step under --max-memory-gib, per method, at the largest K.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the model and batches live (cuda: a GPU per rank, rank modulo the "
+              "node's GPUs; the peak is then torch.cuda.max_memory_allocated).")
 @click.option("--timeout", "timeout_s", type=float, default=600, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
 @click.option("--one", hidden=True, default="", help="(a worker: this method in this mpirun)")
-def bench_memory(config, overrides, methods, ranks, max_memory_gib, shapes, timeout_s, json_path, one):
+def bench_memory(config, overrides, methods, ranks, max_memory_gib, shapes, device, timeout_s,
+                 json_path, one):
     """Parameter, gradient and optimizer-state bytes per rank and the peak memory of each method
     at K ranks, beside the ideal 1/K; with --shapes, the largest GPT each trains under a cap."""
     from ..tools import memory_bench as mb
     if one:
         comm = _world()
-        row = mb.measure_one(comm, _config(config, overrides), one)
+        row = mb.measure_one(comm, _config(config, overrides), one, device)
         if comm.rank == 0:
             click.echo("ROW " + json.dumps(row))
         return
@@ -286,13 +290,13 @@ def bench_memory(config, overrides, methods, ranks, max_memory_gib, shapes, time
     Ks = [int(k) for k in ranks.split(",")]
     rows_of = lambda K: [m.replace("K/2", str(max(1, K // 2))) for m in methods  # noqa: E731
                          if "@" not in m or K >= 2 and K % 2 == 0]
-    rows = mb.table(rows_of, Ks, config, list(overrides), timeout_s)
+    rows = mb.table(rows_of, Ks, config, list(overrides), timeout_s, device)
     click.echo("memory per rank (the largest rank's) after one step; ideal: the first row's total / K")
     click.echo(mb.format_table(rows))
     out = {"table": rows}
     if shapes:
         big = mb.largest(rows_of(max(Ks)), max(Ks), shapes.split(","), config, list(overrides),
-                         timeout_s, max_memory_gib)
+                         timeout_s, max_memory_gib, device)
         click.echo(mb.format_largest(big))
         out["largest"] = big
     _write_json(json_path, out)

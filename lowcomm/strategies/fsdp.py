@@ -284,11 +284,14 @@ class FSDP(Strategy):
             group["params"] = [sharded[names[id(p)]] for p in group["params"]]
 
     def _mesh(self, s: FSDPSettings):
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
 
         from ..comm.process_group import default_group
-        default_group(self.comm, self.device, s.timeout_s, holder=self)
-        return init_device_mesh(self.device.type, (self.comm.size,))
+        group = default_group(self.comm, self.device, s.timeout_s, holder=self)
+        # the mesh over that group itself: init_device_mesh makes a further group where a GPU
+        # is visible and the group is gloo (FSDP on CPU tensors on a GPU machine), whose name
+        # torch 2.11 could no longer resolve once an earlier group had been replaced
+        return DeviceMesh.from_group(group, self.device.type)
 
     def _shard(self, model, units, s: FSDPSettings) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -22,8 +22,32 @@ LOCAL = Path(__file__).resolve().parents[2] / "launchers" / "local.sh"
 KINDS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
 
 
-def measure_one(comm: Comm, cfg, method: str) -> dict:
-    """One step of ``cfg``'s task under ``method`` on ``comm``; the largest rank's memory."""
+def _device(comm: Comm, name: str):
+    """``cpu``, or ``cuda``: this rank's GPU (rank modulo the GPUs this node shows), an error
+    naming the rank where torch sees none."""
+    import torch
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise LowcommError(f"bench memory --device cuda: torch sees no GPU on rank {comm.rank} "
+                           f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
+    dev = torch.device("cuda", comm.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def _to(batch, dev):
+    """The task's batch (a tensor, or a tuple/list/dict of them) on ``dev``."""
+    if isinstance(batch, dict):
+        return {k: _to(v, dev) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to(v, dev) for v in batch)
+    return batch.to(dev) if hasattr(batch, "to") else batch
+
+
+def measure_one(comm: Comm, cfg, method: str, device: str = "cpu") -> dict:
+    """One step of ``cfg``'s task under ``method`` on ``comm`` with the model and batch on
+    ``device`` (``cpu`` or ``cuda``); the largest rank's memory."""
     import torch
     from ..run.memory import check_cap, measure
     from ..run.optimizers import build_optimizer
@@ -31,7 +55,8 @@ def measure_one(comm: Comm, cfg, method: str) -> dict:
     from ..tasks import load_task
     task = load_task(cfg.task.name)
     torch.manual_seed(cfg.seed)
-    model = task.model(cfg)
+    dev = _device(comm, device)
+    model = task.model(cfg).to(dev)
     inner = build_optimizer(cfg, model.parameters())
     if "@" in method:
         levels, topology = method.split("@", 1)
@@ -39,7 +64,7 @@ def measure_one(comm: Comm, cfg, method: str) -> dict:
         opt = policy(spec, model, inner, comm, topology=topology)
     else:
         opt = build(method, model, inner, comm)
-    batch = task.batch(1, comm.rank, comm.size, cfg)
+    batch = _to(task.batch(1, comm.rank, comm.size, cfg), dev)
     opt.zero_grad()
     task.loss(model, batch).backward()
     opt.step()
@@ -53,10 +78,11 @@ def measure_one(comm: Comm, cfg, method: str) -> dict:
     return row
 
 
-def run_one(np: int, method: str, config: str | None, overrides: list[str], timeout_s: float) -> dict:
+def run_one(np: int, method: str, config: str | None, overrides: list[str], timeout_s: float,
+            device: str = "cpu") -> dict:
     """``lowcomm bench memory --one METHOD`` on ``np`` local ranks: its row, or ``{"error"}``."""
     cmd = [str(LOCAL), "-n", str(np), sys.executable, "-m", "lowcomm.cli", "bench", "memory",
-           "--one", method, *(["--config", config] if config else []),
+           "--one", method, "--device", device, *(["--config", config] if config else []),
            *[a for o in overrides for a in ("--set", o)]]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -69,11 +95,12 @@ def run_one(np: int, method: str, config: str | None, overrides: list[str], time
     return rows[0]
 
 
-def table(methods_at, ranks: list[int], config, overrides, timeout_s: float) -> list[dict]:
+def table(methods_at, ranks: list[int], config, overrides, timeout_s: float,
+          device: str = "cpu") -> list[dict]:
     """The methods ``methods_at(K)`` at every K; each row gets ``total_bytes`` and
     ``ideal_bytes``: the first row's parameter + gradient + optimizer-state bytes at the
     smallest K, over K."""
-    rows = [run_one(K, m, config, overrides, timeout_s) for K in ranks for m in methods_at(K)]
+    rows = [run_one(K, m, config, overrides, timeout_s, device) for K in ranks for m in methods_at(K)]
     base = next((r for r in rows if r.get("ranks") == min(ranks) and "error" not in r), None)
     if base is not None:
         full = sum(base[k] for k in KINDS)
@@ -85,7 +112,7 @@ def table(methods_at, ranks: list[int], config, overrides, timeout_s: float) -> 
 
 
 def largest(methods: list[str], np: int, shapes: list[str], config, overrides, timeout_s: float,
-            max_gib: float) -> list[dict]:
+            max_gib: float, device: str = "cpu") -> list[dict]:
     """For each method, the shapes (``D_MODEL:N_LAYERS``, smallest first) that train one step
     on ``np`` ranks under ``max_gib`` per rank; the largest that did, and the first refused."""
     if not max_gib:
@@ -97,7 +124,8 @@ def largest(methods: list[str], np: int, shapes: list[str], config, overrides, t
             d, layers = shape.split(":")
             heads = max(1, int(d) // 64)
             r = run_one(np, m, config, [*overrides, f"model.d_model={d}", f"model.n_layers={layers}",
-                                        f"model.n_heads={heads}", f"max_memory_gib={max_gib}"], timeout_s)
+                                        f"model.n_heads={heads}", f"max_memory_gib={max_gib}"], timeout_s,
+                         device)
             if "error" in r:
                 refused = {"shape": shape, "error": r["error"]}
                 break
