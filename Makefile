@@ -32,8 +32,7 @@ test: setup
 # On a GPU image whose python3 already has a CUDA torch: bash scripts/gpu_check.sh (same checks,
 # plus FSDP2 over NCCL; it installs mpi4py and Open MPI from wheels in .gpu-wheels/ if missing).
 test-gpu: setup
-	PYTHONPATH=tests/mpi PATH=$(CURDIR)/$(VENV)/bin:$$PATH launchers/local.sh -n 2 $(PY) -m pytest -q \
-		-p under_mpi -o python_files='check_*.py' -o addopts= -p no:cacheprovider tests/mpi/check_gpu.py
+	PYTHON=$(PY) PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/gpu_check.sh
 
 # launchers/slurm.sbatch on a throw-away single-node Slurm started on this machine (root, Debian):
 # installs slurm-wlm + munge when missing, starts munged/slurmctld/slurmd under /tmp/lowcomm-slurm,
