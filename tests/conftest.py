@@ -26,8 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "launchers" / "local.sh"
 WORKERS = Path(__file__).resolve().parent / "workers"
 # The suite never reads this machine's tuned all-reduce table (``lowcomm bench allreduce
-# --autotune``): algorithm=auto decides by the α–β model, as on a fresh machine.
+# --autotune``) and never measures one on auto's first use (timings under the suite's load would
+# make runs started together choose differently): algorithm=auto decides by the α–β model.
+# tests/mpi/check_allreduce.py measures one on purpose.
 os.environ["LOWCOMM_ALLREDUCE_TABLE"] = tempfile.mkdtemp(prefix="lowcomm-no-table-") + "/"
+os.environ["LOWCOMM_AUTOTUNE"] = "0"
 
 
 #: the most a measured slowdown scales a time limit by (a machine slower than that is broken)

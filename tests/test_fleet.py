@@ -25,6 +25,9 @@ COMMON = [f"steps={STEPS}", f"task.step_ms={STEP_MS}", "lr=0.05", "optimizer.sch
 DC = f"period={PERIOD},outer_momentum=0.5,algorithm=ring"
 RUN = [*COMMON, "strategy.name=diloco", *(f"strategy.{kv}" for kv in DC.split(","))]
 POLICY = [*COMMON, "topology=dc:3,rank:1", f"policy.dc=diloco:{DC}", "policy.rank=syncdp"]
+#: DiLoCo between 2 datacenters of 2 ranks that shard inside (ZeRO-2): each rank keeps and
+#: reduces its range of the outer state with its counterpart
+SHARDED = [*COMMON, "topology=dc:2,rank:2", f"policy.dc=diloco:{DC}", "policy.rank=zero2"]
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +60,19 @@ def runs(tmp_path_factory):
 def more(runs, tmp_path_factory):
     """After those (not to slow their start-up): a fleet of 2 datacenters whose datacenter 1
     loses rank 0 at step 12, on whose folder a fleet with --overwrite is tried at step 10, and
-    one stopped by SIGTERM at step 25."""
+    one stopped by SIGTERM at step 25; DiLoCo over ZeRO-2 datacenters (``SHARDED``) as one MPI
+    job, as a fleet, and as a fleet whose datacenter 1 loses rank 0 at step 12."""
     from lowcomm.errors import RunFolderError
     from lowcomm.tools.fleet_launch import prepare
     tmp = tmp_path_factory.mktemp("fleet-more")
     deadline = time.monotonic() + scaled(170)
-    started = {"pair": fleet(tmp / "pair", *RUN, dcs=2, np=2), "stop": fleet(tmp / "stop", *RUN)}
-    when(lambda: reached(tmp / "pair" / "dc1" / "metrics.jsonl", 12),
-         lambda: kill_rank0(tmp / "pair" / "dc1"), deadline)
+    started = {"pair": fleet(tmp / "pair", *RUN, dcs=2, np=2), "stop": fleet(tmp / "stop", *RUN),
+               "sharded_single": single_job(tmp / "sharded_single", *SHARDED, np=4),
+               "sharded": fleet(tmp / "sharded", *SHARDED, dcs=2, np=4),
+               "sharded_kill": fleet(tmp / "sharded_kill", *SHARDED, dcs=2, np=4)}
+    for name in ("pair", "sharded_kill"):
+        when(lambda name=name: reached(tmp / name / "dc1" / "metrics.jsonl", 12),
+             lambda name=name: kill_rank0(tmp / name / "dc1"), deadline)
     overwrite = {}
 
     def replace_it():               # in this process (imported before): at once
@@ -183,6 +191,40 @@ def test_of_two_datacenters_a_killed_one_is_admitted_back_to_restore_the_quorum(
     assert back and back[0]["members"] == [0, 1], f["membership"]
     assert f["membership"][-1]["members"] == [0, 1]
     assert metrics(pair.out / "dc1.1")[-1]["step"] == STEPS
+
+
+def test_a_fleet_of_sharded_datacenters_is_the_one_mpi_job_and_spreads_its_traffic(more):
+    """DiLoCo between datacenters that shard inside (``policy.rank=zero2``): the fleet ends with
+    the parameters of the same policy run as one MPI job, bit for bit, and the cross-datacenter
+    bytes are that job's; each rank sends its own range across (rank 0 about half of its
+    datacenter's bytes, not all of them)."""
+    single, rc, out = more["sharded_single"]
+    assert rc == 0, out[-3000:]
+    fl, rc, out = more["sharded"]
+    assert rc == 0, out[-3000:]
+    s, ref = fl.summary(), single.summary()
+    assert s["state_sha256"] == ref["state_sha256"] and s["dcs_agree"], (s, ref["state_sha256"])
+    assert s["bytes_by_level"]["dc"] == ref["bytes_by_level"]["dc"], (s["bytes_by_level"],
+                                                                       ref["bytes_by_level"])
+    dc0 = json.loads((fl.out / "dc0" / "summary.json").read_text())
+    assert dc0["sharded"] and dc0["ranks_agree"], dc0
+    rank0 = sum(r["bytes_sent"] for r in dc0["ledger_rank0"] if r["level"] == "dc")
+    assert 0.4 * dc0["bytes_by_level"]["dc"] <= rank0 <= 0.6 * dc0["bytes_by_level"]["dc"], \
+        (rank0, dc0["bytes_by_level"])
+
+
+def test_a_killed_sharded_datacenter_heals_back_rank_by_rank(more):
+    """A sharded datacenter that loses rank 0 is relaunched and admitted: each of its ranks
+    takes the donor's rank of the same index (its range of the outer state), and the fleet ends
+    with every datacenter on the same model, as close to the unfaulted fleet as a heal allows."""
+    kill, rc, out = more["sharded_kill"]
+    assert rc == 0, out[-3000:]
+    s, plain = kill.summary(), more["sharded"][0].summary()
+    f = s["fleet"]
+    assert s["finished_dcs"] == [0, 1] and s["dcs_agree"], s["finished_dcs"]
+    assert [x["dc"] for x in f["failures"]] == [1] and f["heals"] and f["heals"][0]["dc"] == 1, f
+    assert abs(s["eval_loss"] - plain["eval_loss"]) <= 0.02 * plain["eval_loss"], \
+        (s["eval_loss"], plain["eval_loss"])
 
 
 def test_overwrite_on_a_running_fleets_folder_is_refused_and_deletes_nothing(more):

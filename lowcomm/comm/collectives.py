@@ -514,8 +514,55 @@ ALGORITHM_NAMES = ("auto", *ALGORITHMS)
 def choose(comm: Comm, nbytes: int, levels: "Levels | None" = None) -> str:
     """The algorithm ``"auto"`` runs for an all-reduce of ``nbytes`` on ``comm`` (collective the
     first time on a Comm: the ranks agree on the table; see :mod:`lowcomm.comm.tuning`)."""
-    policy = agree(comm, shm_segment_bytes=SHM_SEGMENT_BYTES, shm_one_sync_bytes=SHM_ONE_SYNC_BYTES)
+    policy = agree(comm, measure=measure_table, shm_segment_bytes=SHM_SEGMENT_BYTES,
+                   shm_one_sync_bytes=SHM_ONE_SYNC_BYTES)
     return policy.choose(nbytes, levels)
+
+
+def _counts(n: int, parts: int) -> list[int]:
+    bounds = chunk_bounds(n, parts)
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def measure_table(comm: Comm, sizes=None, reps: int = 3) -> dict[int, dict[str, float]]:
+    """``auto``'s table measured now (collective; :func:`lowcomm.comm.tuning.agree` runs it
+    where the ranks share a node and no table exists): for each size (default
+    :data:`~lowcomm.comm.tuning.TUNE_SIZES`) and each of ``mpi``, ``ring``, ``rabenseifner``,
+    ``tree``, ``shm`` (and reduce-scatter's and all-gather's ``mpi``, ``ring``, ``shm``, as
+    ``reduce_scatter.ring`` etc.), the median over ``reps`` calls (after one warm-up) of the slowest rank's
+    time in µs, the algorithms taking turns. On a duplicate of ``comm`` whose traffic is charged
+    to no method; the shared window it used is freed."""
+    import statistics
+
+    from .ledger import Ledger
+    from .tuning import TUNE_SIZES
+    from .tuning import SCATTER_CANDIDATES, SCATTER_OPS
+    runs = {a: (lambda b, c, a=a: allreduce_(b, c, a)) for a in ("mpi", "ring", "rabenseifner", "tree", "shm")}
+    for op, fn in zip(SCATTER_OPS, (reduce_scatter, allgather_)):
+        for a in SCATTER_CANDIDATES:
+            runs[f"{op}.{a}"] = lambda b, c, fn=fn, a=a: fn(b, c, _counts(b.numel(), c.size), a)
+    algs = tuple(runs)
+    scratch = comm.dup(Ledger())
+    scratch.validate = False
+    out: dict[int, dict[str, float]] = {}
+    try:
+        for size in sizes or TUNE_SIZES:
+            buf = torch.empty(size // 4)
+            times: dict[str, list[float]] = {a: [] for a in algs}
+            for i in range(1 + reps):
+                for alg in algs[i % len(algs):] + algs[:i % len(algs)]:
+                    buf.fill_(1.0)
+                    scratch.barrier()
+                    t0 = time.perf_counter()
+                    runs[alg](buf, scratch)
+                    if i:
+                        times[alg].append(time.perf_counter() - t0)
+            mine = {a: statistics.median(t) for a, t in times.items()}
+            every = scratch.allgather_object(mine)
+            out[size] = {a: round(max(r[a] for r in every) * 1e6, 1) for a in algs}
+    finally:
+        scratch.free()
+    return out
 
 
 def get_algorithm(name: str, levels: "Levels | None" = None) -> Algorithm:
@@ -590,19 +637,23 @@ def allreduce_(tensor: torch.Tensor, comm: Comm | None = None, algorithm: str = 
     return tensor
 
 
-#: the algorithms of :func:`reduce_scatter` and :func:`allgather_` ("auto": shm on one node's CPU,
-#: else mpi)
+#: the algorithms of :func:`reduce_scatter` and :func:`allgather_` ("auto": on one node's CPU the
+#: fastest in the measured table, :meth:`~lowcomm.comm.tuning.Policy.choose_scatter`; else mpi)
 SCATTER_ALGORITHMS = ("auto", "mpi", "ring", "shm")
 
 
-def _scatter_algorithm(comm: Comm, buf: torch.Tensor, algorithm: str) -> str:
+def _scatter_algorithm(comm: Comm, buf: torch.Tensor, algorithm: str, op: str) -> str:
     if algorithm not in SCATTER_ALGORITHMS:
         raise ConfigError("algorithm", f"unknown reduce-scatter/all-gather algorithm {algorithm!r}; "
                           f"known: {', '.join(SCATTER_ALGORITHMS)}")
     if algorithm == "shm" and not (buf.device.type == "cpu" and comm.node_local()):
         raise ConfigError("algorithm", "shm needs CPU tensors and every rank on one node")
     if algorithm == "auto":
-        return "shm" if buf.device.type == "cpu" and comm.node_local() else "mpi"
+        if not (buf.device.type == "cpu" and comm.node_local()):
+            return "mpi"
+        policy = agree(comm, measure=measure_table, shm_segment_bytes=SHM_SEGMENT_BYTES,
+                       shm_one_sync_bytes=SHM_ONE_SYNC_BYTES)
+        return policy.choose_scatter(op, buf.numel() * buf.element_size())
     return algorithm
 
 
@@ -610,13 +661,13 @@ def reduce_scatter(buf: torch.Tensor, comm: Comm, counts: list[int], algorithm: 
                    op: str = "sum") -> torch.Tensor:
     """Sum (or average) flat ``buf`` over ``comm``; rank r gets block r (``counts[r]``
     elements, blocks in rank order). ``algorithm``: "mpi" (vendor ``MPI_Reduce_scatter``),
-    "ring" (K−1 neighbour exchanges), "shm" (the node's shared window) or "auto" (shm on one
-    node's CPU, else mpi; ``collective`` node_local is agreed by every rank). The ring and shm
+    "ring" (K−1 neighbour exchanges), "shm" (the node's shared window) or "auto" (on one node's
+    CPU the fastest measured at this size, as the all-reduce's auto; else mpi). The ring and shm
     reduce in place in ``buf`` and return a view of it. Filed as ``reduce_scatter.<algorithm>``."""
     avg = _reduce_op(op)
     if comm.size == 1:
         return buf.view(-1)
-    algorithm = _scatter_algorithm(comm, buf, algorithm)
+    algorithm = _scatter_algorithm(comm, buf, algorithm, "reduce_scatter")
     if algorithm == "mpi":
         return comm.reduce_scatter(buf, counts, op)
     bounds = [sum(counts[:r]) for r in range(comm.size + 1)]
@@ -635,7 +686,7 @@ def allgather_(buf: torch.Tensor, comm: Comm, counts: list[int], algorithm: str 
     every rank. ``algorithm`` as :func:`reduce_scatter` (vendor: ``MPI_Allgatherv``)."""
     if comm.size == 1:
         return buf
-    algorithm = _scatter_algorithm(comm, buf, algorithm)
+    algorithm = _scatter_algorithm(comm, buf, algorithm, "allgather")
     if algorithm == "mpi":
         return comm.allgather_blocks_(buf, counts)
     bounds = [sum(counts[:r]) for r in range(comm.size + 1)]

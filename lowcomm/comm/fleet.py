@@ -92,6 +92,85 @@ def _store(host: str, port: int, timeout_s: float):
                     timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def _across(name: str, comm: GlooComm, x: torch.Tensor, levels, link) -> str:
+    """lowcomm's algorithm for ``name`` between datacenters: ``auto`` decided from the
+    members' count and the link, as over the MPI leaders. The vendor's all-reduce (``mpi``)
+    has no counterpart between separately launched jobs: the ring runs instead (Open MPI's own
+    choice for large messages), as does the hierarchical all-reduce of one rank per
+    datacenter."""
+    if name != "auto":
+        return "ring" if name in ("hierarchical", "mpi") else name
+    from .tuning import Policy
+    policy = Policy(comm.size, False, link.alpha_s if link else 25e-3,
+                    link.bytes_per_s if link else 12.5e6)
+    chosen = policy.choose(x.numel() * x.element_size(),
+                           levels if levels is not None and levels.size == comm.size else None)
+    return "ring" if chosen in ("hierarchical", "shm", "mpi") else chosen
+
+
+class _Groups:
+    """The data plane of a round: the gloo group over the members a decision names (one per
+    decision's ``group``, on a ``PrefixStore`` of the coordinator's store under ``suffix``: the
+    leaders' own, or ``rank{i}/`` for rank i of every member, :class:`RankChannel`), created on
+    first use and kept while unchanged; a failed group is never reused."""
+
+    def __init__(self, store, dc: int, limits: Limits, link, rank: int, suffix: str = ""):
+        self.store, self.dc, self.limits, self.link, self.rank = store, dc, limits, link, rank
+        self.suffix = suffix
+        self._id, self._comm = None, None
+
+    def forget(self) -> None:
+        self._id = self._comm = None
+
+    def group(self, d: dict, nbytes: int, ledger: Ledger) -> GlooComm:
+        members = list(d["members"])
+        timeout = self.limits.op_s(nbytes, len(members), self.link)
+        if d["group"] != self._id:
+            from torch.distributed import PrefixStore, ProcessGroupGloo
+            self._comm = None
+            try:
+                pg = ProcessGroupGloo(PrefixStore(key("group", group=d["group"]) + self.suffix,
+                                                  self.store),
+                                      members.index(self.dc), len(members),
+                                      datetime.timedelta(seconds=timeout))
+            except Exception as e:  # noqa: BLE001 - a member gone while the group formed
+                raise CommError("fleet.group", self.rank, f"datacenter {self.dc} cannot form "
+                                f"the group of {members}: {str(e).splitlines()[0][:200]}") from None
+            self._comm = GlooComm(pg, members.index(self.dc), len(members), level="dc",
+                                  timeout_s=timeout, peers=members, link=self.link)
+            self._id = d["group"]
+        self._comm.ledger, self._comm.timeout_s = ledger, timeout
+        return self._comm
+
+    def reduce(self, d: dict, flat: torch.Tensor, algorithm: str, levels, ledger: Ledger):
+        """(the average over ``d``'s members, None) or (None, why it failed)."""
+        try:
+            comm = self.group(d, flat.numel() * flat.element_size(), ledger)
+            x = flat.clone()
+            allreduce_(x, comm, _across(algorithm, comm, x, levels, self.link), op="avg")
+            return x, None
+        except CommError as e:
+            self.forget()
+            return None, str(e)
+
+
+def store_client(address: str, within_s: float, dc: int, rank: int):
+    """A client of the coordinator's store at ``address`` (host:port); a coordinator out of
+    reach (its link may be down) is tried again until ``within_s`` have passed, then a
+    :class:`FleetError` naming datacenter ``dc`` and ``rank``."""
+    host, _, port = address.rpartition(":")
+    t0 = time.monotonic()
+    while True:
+        try:
+            return _store(host, int(port), max(2.0, min(10.0, within_s)))
+        except Exception as e:  # noqa: BLE001 - a refused or timed-out connect: try again
+            if time.monotonic() - t0 > within_s:
+                raise FleetError("fleet.connect", rank, f"datacenter {dc} cannot reach the "
+                                 f"coordinator at {host}:{port} within {within_s:g} s: "
+                                 f"{str(e).splitlines()[0][:200]}") from None
+            time.sleep(0.5)
+
+
 class _Heartbeat(threading.Thread):
     """Counts this member's heartbeat up every ``heartbeat_s`` on its own store client and
     watches the coordinator's: ``lost`` says why the coordinator is out of reach (gone, or
@@ -137,32 +216,18 @@ class Channel:
         self.host, self.port = host, int(port)
         self.dc, self.inc, self.limits, self.link, self.rank = dc, inc, limits, link, rank
         self.ledger = ledger if ledger is not None else Ledger()
-        self.store = self._connect_patiently(connect_s or limits.limit_s)
+        self.store = store_client(address, connect_s or limits.limit_s, dc, rank)
         self.round = 0                        # the next round this member takes part in
         self.members: list[int] = []          # of the last committed round
         self.epoch_rounds: list[dict] = []    # committed decisions (the membership log)
         self._k = self._n = 0                 # messages sent / mailbox messages read
-        self._group_id, self._comm = None, None
+        self.plane = _Groups(self.store, dc, limits, link, rank)
         self._admit_due = False
         self.halted = 0                       # the signal the fleet was stopped by (a decision says)
         self._hb = _Heartbeat(lambda t: _store(self.host, self.port, t),
                               key("heartbeat", dc=dc, inc=inc), limits.heartbeat_s,
                               2 * limits.limit_s)
         self._hb.start()
-
-    def _connect_patiently(self, within_s: float):
-        """The store client; a coordinator out of reach (its link may be down) is tried again
-        until ``within_s`` have passed."""
-        t0 = time.monotonic()
-        while True:
-            try:
-                return _store(self.host, self.port, max(2.0, min(10.0, within_s)))
-            except Exception as e:  # noqa: BLE001 - a refused or timed-out connect: try again
-                if time.monotonic() - t0 > within_s:
-                    raise FleetError("fleet.connect", self.rank, f"datacenter {self.dc} cannot "
-                                     f"reach the coordinator at {self.host}:{self.port} within "
-                                     f"{within_s:g} s: {str(e).splitlines()[0][:200]}") from None
-                time.sleep(0.5)
 
     # messages -----------------------------------------------------------------------------------
     def send(self, kind: str, **fields) -> None:
@@ -246,49 +311,11 @@ class Channel:
 
     def _reduce(self, d: dict, flat: torch.Tensor, algorithm: str, levels):
         """(the average, None) or (None, why it failed) for decision ``d``."""
-        try:
-            comm = self.group(d, flat.numel() * flat.element_size())
-            x = flat.clone()
-            allreduce_(x, comm, self._algorithm(algorithm, comm, x, levels), op="avg")
-            return x, None
-        except CommError as e:
-            self._group_id = None            # a failed group is never reused
-            return None, str(e)
-
-    def _algorithm(self, name: str, comm: GlooComm, x: torch.Tensor, levels) -> str:
-        """lowcomm's algorithm for ``name``: ``auto`` decided from the members' count and the
-        link, as over the MPI leaders. The vendor's all-reduce (``mpi``) has no counterpart
-        between separately launched jobs: the ring runs instead (Open MPI's own choice for
-        large messages), as does the hierarchical all-reduce of one rank per datacenter."""
-        if name != "auto":
-            return "ring" if name in ("hierarchical", "mpi") else name
-        from .tuning import Policy
-        link = self.link
-        policy = Policy(comm.size, False, link.alpha_s if link else 25e-3,
-                        link.bytes_per_s if link else 12.5e6)
-        chosen = policy.choose(x.numel() * x.element_size(),
-                               levels if levels is not None and levels.size == comm.size else None)
-        return "ring" if chosen in ("hierarchical", "shm", "mpi") else chosen
+        return self.plane.reduce(d, flat, algorithm, levels, self.ledger)
 
     def group(self, d: dict, nbytes: int) -> GlooComm:
         """The gloo group decision ``d`` names (created on first use, kept while unchanged)."""
-        members = list(d["members"])
-        timeout = self.limits.op_s(nbytes, len(members), self.link)
-        if d["group"] != self._group_id:
-            from torch.distributed import PrefixStore, ProcessGroupGloo
-            self._comm = None
-            try:
-                pg = ProcessGroupGloo(PrefixStore(key("group", group=d["group"]), self.store),
-                                      members.index(self.dc), len(members),
-                                      datetime.timedelta(seconds=timeout))
-            except Exception as e:  # noqa: BLE001 - a member gone while the group formed
-                raise CommError("fleet.group", self.rank, f"datacenter {self.dc} cannot form "
-                                f"the group of {members}: {str(e).splitlines()[0][:200]}") from None
-            self._comm = GlooComm(pg, members.index(self.dc), len(members), level="dc",
-                                  timeout_s=timeout, peers=members, link=self.link)
-            self._group_id = d["group"]
-        self._comm.ledger, self._comm.timeout_s = self.ledger, timeout
-        return self._comm
+        return self.plane.group(d, nbytes, self.ledger)
 
     # admission ----------------------------------------------------------------------------------
     def admission_due(self) -> bool:
@@ -310,7 +337,8 @@ class Channel:
                     payload = payload if payload is not None else state()
                     self._send_state(comm, d, payload, ledger or self.ledger)
             except CommError as e:
-                self._group_id, err = None, str(e)
+                self.plane.forget()
+                err = str(e)
             self.send("done", round=d["round"], attempt=d["attempt"], ok=err is None, error=err)
             if self._committed(d, err):
                 self._admit_due = False
@@ -340,7 +368,8 @@ class Channel:
                 payload = self._take_state(comm, d, ledger or self.ledger)
                 err = None
             except CommError as e:
-                self._group_id, payload, err = None, None, str(e)
+                self.plane.forget()
+                payload, err = None, str(e)
             self.send("done", round=d["round"], attempt=d["attempt"], ok=err is None, error=err)
             if self._committed(d, err):
                 return {"payload": payload, "step": int(d["tag"][1:].split(".")[0]),
@@ -369,6 +398,71 @@ class Channel:
         self._hb.stop.set()
         if self._hb.is_alive() and self._hb is not threading.current_thread():
             self._hb.join(timeout=max(1.0, self._hb.heartbeat_s * 4) * 2 + 1)
+
+
+class RankChannel:
+    """Rank i of every member datacenter, for an outer loop whose state is sharded over each
+    datacenter's ranks (``zero1``/``zero2`` inside; :class:`~lowcomm.strategies.outer.OuterLoop`):
+    every rank reduces its own range with its counterparts, so the cross-datacenter traffic is
+    spread over all ranks instead of one leader.
+
+    The round is the leader's (:class:`Channel`: the same ready, decision, done and commit with
+    the coordinator, who sees one member per datacenter); the leader hands each decision to the
+    datacenter's ranks (``inside``, MPI), each rank all-reduces over its own gloo group of the
+    decision's members (prefix ``rank{i}/``), the leader reports the round done only where every
+    rank's reduction completed, and hands the outcome on: a round redone without a lost member is
+    redone on every rank, and no rank applies a partial sum. Every datacenter has the same number
+    of ranks (the fleet splits them evenly). ``store``: this rank's client of the coordinator's
+    store (the leader's channel's own on the leader)."""
+
+    rounds = True
+    per_rank = True
+
+    def __init__(self, inside, channel: Channel | None, store, dc: int, limits: Limits, link=None,
+                 rank: int = 0, ledger: Ledger | None = None, shared: dict | None = None):
+        self.inside, self.channel, self.store = inside, channel, store
+        self.dc, self.limits, self.link, self.rank = dc, limits, link, rank
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.plane = _Groups(store, dc, limits, link, rank, f"rank{inside.rank}/")
+        # what every rank reads from the decisions it is handed, shared with its duplicates
+        self.shared = shared if shared is not None else {"admit_due": False, "members": []}
+
+    @property
+    def admit_due(self) -> bool:
+        """Whether a datacenter waits to be admitted at this round boundary (every rank of
+        every member knows it from the last committed decision)."""
+        return self.shared["admit_due"]
+
+    def admitted(self) -> None:
+        self.shared["admit_due"] = False
+
+    def dup(self, ledger: Ledger | None = None) -> "RankChannel":
+        """Over a duplicate of ``inside`` (collective over the datacenter's ranks; the rounds'
+        hand-offs there are not the method's traffic), its data plane charged to ``ledger``."""
+        return RankChannel(self.inside.dup(Ledger()), self.channel, self.store, self.dc,
+                           self.limits, self.link, self.rank, ledger, self.shared)
+
+    def average(self, flat: torch.Tensor, tag: str, algorithm: str = "ring",
+                levels=None) -> torch.Tensor:
+        """The average of this rank's ``flat`` over rank i of the round's members (class
+        docstring): a fresh tensor, equal on those ranks."""
+        ch = self.channel
+        if ch is not None:
+            ch.send("ready", round=ch.round, tag=tag, numel=flat.numel())
+        while True:
+            d = self.inside.bcast_object(ch._decision("fleet.average") if ch is not None else None)
+            x, err = self.plane.reduce(d, flat, algorithm, levels, self.ledger)
+            errors = [f"rank {i} of datacenter {self.dc}: {e}"
+                      for i, e in enumerate(self.inside.allgather_object(err)) if e]
+            committed = None
+            if ch is not None:
+                ch.send("done", round=d["round"], attempt=d["attempt"], ok=not errors,
+                        error=errors[0] if errors else None)
+                committed = ch._committed(d, None)
+            if self.inside.bcast_object(committed):
+                self.shared["admit_due"] = self.admit_due or bool(d.get("admit_next"))
+                self.shared["members"] = list(d["members"])
+                return x
 
 
 class Span:
@@ -402,4 +496,5 @@ class Span:
         return self.inside.bcast_(t, root) if self.inside.size > 1 else t
 
 
-__all__ = ["Channel", "FleetError", "Limits", "PROTOCOL", "Span", "key"]
+__all__ = ["Channel", "FleetError", "Limits", "PROTOCOL", "RankChannel", "Span", "key",
+           "store_client"]

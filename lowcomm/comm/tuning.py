@@ -16,8 +16,13 @@ The rule, for an all-reduce of n bytes over a Comm of K ranks:
    uses it: the candidate with the least median time at the measured size nearest to n (in
    log₂ n), among those that can run here (``hierarchical`` only with the topology's
    communicators).
-2. **Model**, where no table applies (no file, or ranks on several nodes, whose links the table
-   never measured): the α–β time with the Comm's link (:attr:`Comm.link`, set by the
+   Where the ranks share a node and no file exists, the first ``auto`` call measures the table
+   itself (:func:`~lowcomm.comm.collectives.measure_table`: every candidate at every size, 3
+   calls each; seconds) and writes it there: ``auto`` picks the fastest measured algorithm at
+   every size from the first run on, and a resumed run decides as the first did
+   (``$LOWCOMM_AUTOTUNE=0`` keeps the model below).
+2. **Model**, where no table applies (ranks on several nodes, whose links the table never
+   measured; or ``$LOWCOMM_AUTOTUNE=0`` and no file): the α–β time with the Comm's link (:attr:`Comm.link`, set by the
    topology; else the assumed intra-node link): ring 2(K-1)α + 2(K-1)/K·nβ, Rabenseifner
    2⌈log₂K⌉α + 2(K-1)/K·nβ, tree 2⌈log₂K⌉(α + nβ); ``mpi`` is modelled as the best of those
    three (the vendor has them all), and ties go to ``mpi``, so the model only leaves the vendor
@@ -29,8 +34,8 @@ The rule, for an all-reduce of n bytes over a Comm of K ranks:
    beats the vendor at every size, but the vendor also reduces through shared memory, in C:
    measured on a 2-core machine, 4 ranks, the vendor was faster up to 1 MiB and shm from 4 MiB
    (0.43–0.97× and 1.12–2.34× the vendor's bus bandwidth, three runs). Only a measured table
-   (``--autotune``) can say where shm wins on a given machine; :meth:`model_seconds` still
-   gives its paper time.
+   (rule 1) can say where shm wins on a given machine; :meth:`model_seconds` still gives its
+   paper time.
 
 All ranks must run the same algorithm, so the choice is never made from what one rank sees:
 the first ``auto`` call on a Comm (collective) has rank 0 read the table and broadcast it with
@@ -48,8 +53,13 @@ from pathlib import Path
 from ..errors import LowcommError
 
 TABLE_ENV = "LOWCOMM_ALLREDUCE_TABLE"
+#: "0": where no table exists, ``auto`` follows the α–β model instead of measuring one
+AUTOTUNE_ENV = "LOWCOMM_AUTOTUNE"
 #: every algorithm auto may pick, in the order ties are broken (vendor first)
 CANDIDATES = ("mpi", "ring", "rabenseifner", "tree", "shm", "hierarchical")
+#: the candidates of reduce-scatter's and all-gather's ``auto`` (a table names them "op.algorithm")
+SCATTER_CANDIDATES = ("mpi", "ring", "shm")
+SCATTER_OPS = ("reduce_scatter", "allgather")
 #: the sizes ``lowcomm bench allreduce --tune`` measures (bytes): 4 KiB .. 64 MiB, ×4 apart
 TUNE_SIZES = tuple(4096 << (2 * i) for i in range(8))
 # the intra-node link assumed where the Comm has none (topology.ASSUMED_LINKS["rank"])
@@ -89,7 +99,8 @@ def load_table(path: Path, size: int) -> dict | None:
     if ranks != size:
         raise LowcommError(f"all-reduce table {path} was measured on {ranks} ranks, this "
                            f"communicator has {size}; ${TABLE_ENV} names the wrong file?")
-    unknown = {a for row in times.values() for a in row} - set(CANDIDATES)
+    known = {*CANDIDATES, *(f"{op}.{a}" for op in SCATTER_OPS for a in SCATTER_CANDIDATES)}
+    unknown = {a for row in times.values() for a in row} - known
     if unknown or not times:
         raise LowcommError(f"all-reduce table {path}: {'no sizes' if not times else 'unknown algorithms ' + ', '.join(sorted(unknown))}")
     return {"path": str(path), "ranks": ranks, "times_us": times}
@@ -151,6 +162,25 @@ class Policy:
         model = {a: self.model_seconds(a, nbytes, levels) for a in can if a != "shm"}
         return min(model, key=lambda a: (model[a], CANDIDATES.index(a)))
 
+    def choose_scatter(self, op: str, nbytes: int) -> str:
+        """The algorithm for a reduce-scatter or all-gather (``op``) of a ``nbytes`` buffer on
+        one node's CPU: the fastest measured one at the nearest size where the table has ``op``'s
+        rows, else ``shm`` (the α–β model cannot tell it from the vendor's; measured here it was
+        the faster from 4 MiB, module docstring)."""
+        key = (op, nbytes)
+        if key not in self._cache:
+            row = {}
+            if self.table:
+                sized = {s: r for s, r in self.table["times_us"].items()
+                         if any(a.startswith(op + ".") for a in r)}
+                if sized:
+                    near = min(sized, key=lambda s: (abs(math.log2(s) - math.log2(max(nbytes, 1))), s))
+                    row = {a.split(".", 1)[1]: t for a, t in sized[near].items()
+                           if a.startswith(op + ".") and (self.node_local or a != op + ".shm")}
+            self._cache[key] = min(row, key=lambda a: (row[a], SCATTER_CANDIDATES.index(a))) \
+                if row else "shm"
+        return self._cache[key]
+
     def model_seconds(self, algorithm: str, nbytes: int, levels=None) -> float:
         """α–β seconds of one all-reduce of ``nbytes`` with ``algorithm`` (see the module)."""
         K, a, b = self.size, self.alpha_s, 1.0 / self.bytes_per_s
@@ -194,11 +224,14 @@ def _hierarchical_seconds(topo, nbytes: int) -> float:
     return total + topo.predict("allreduce.ring", int(left), topo.names[0])
 
 
-def agree(comm, **shm) -> Policy:
+def agree(comm, measure=None, **shm) -> Policy:
     """The Comm's :class:`Policy`, agreed once (collective on first use; cached on the Comm):
     rank 0 reads the table for ``comm.size`` ranks if the ranks share a node and broadcasts
-    it with its link, so every rank decides from the same data. ``shm``: the shared-memory
-    algorithm's ``shm_segment_bytes`` / ``shm_one_sync_bytes``."""
+    it with its link, so every rank decides from the same data. Where the ranks share a node
+    and no table exists, ``measure(comm)`` (collective: ``{bytes: {algorithm: µs}}``) measures
+    one now and rank 0 writes it where the table is looked for, so that later runs (a resumed
+    one) decide as this one (``$LOWCOMM_AUTOTUNE=0``: the α–β model instead). ``shm``: the
+    shared-memory algorithm's ``shm_segment_bytes`` / ``shm_one_sync_bytes``."""
     if comm.auto_policy is not None:
         return comm.auto_policy
     node_local = comm.node_local()      # collective: every rank asks
@@ -223,5 +256,29 @@ def agree(comm, **shm) -> Policy:
     alpha, bps, table, error = comm.bcast_object(mine, root=0) if comm.size > 1 else mine
     if error:
         raise LowcommError(error)
+    if table is None and node_local and comm.size > 1 and measure is not None and \
+            os.environ.get(AUTOTUNE_ENV, "1") != "0":
+        table = _measured(comm, measure)
     comm.auto_policy = Policy(comm.size, node_local, alpha, bps, table, **shm)
     return comm.auto_policy
+
+
+def _measured(comm, measure) -> dict:
+    """A table measured now by ``measure`` (collective), written by rank 0 (see :func:`agree`)."""
+    import logging
+    import time
+    t0 = time.perf_counter()
+    times = measure(comm)
+    path = table_path(comm.size)
+    if comm.rank == 0:
+        try:
+            save_table(path, comm.size, times, {"host": socket.gethostname(), "measured":
+                                                time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                "by": "auto's first use", "loadavg": os.getloadavg()})
+            where = f"written to {path}"
+        except OSError as e:
+            where = f"not written ({path}: {e.strerror})"
+        logging.getLogger("lowcomm.tuning").info(
+            "algorithm=auto: no all-reduce table for %d ranks on this node; measured one in %.1f s, "
+            "%s (%s=0: the α–β model instead)", comm.size, time.perf_counter() - t0, where, AUTOTUNE_ENV)
+    return {"path": str(path), "ranks": comm.size, "times_us": times}

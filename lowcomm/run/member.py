@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from ..comm.fleet import Channel, FleetError, Limits, Span
+from ..comm.fleet import Channel, FleetError, Limits, RankChannel, Span, store_client
 from ..comm.topology import Topology
 from ..errors import ConfigError
 from . import outcome
@@ -116,8 +116,9 @@ class FleetLevels:
     choice made from them (``auto`` algorithms) is the one a single MPI job makes."""
 
     def __init__(self, topology: Topology, inside, channel: Channel | None, dc: int,
-                 whole: Span | None = None):
+                 whole: Span | None = None, ranked=None):
         self.topology, self.world, self.channel, self.whole = topology, inside, channel, whole
+        self._ranked, self._rank_channel = ranked, None
         names = topology.names
         inside.link = topology.link(names[1])
         self._inner = None
@@ -145,17 +146,39 @@ class FleetLevels:
             return self.channel
         return self._inner.peers(level) if self._inner is not None else self.world
 
+    @property
+    def rank_channel(self) -> RankChannel | None:
+        """The per-rank channel, where an outer loop over a sharded level made one."""
+        return self._rank_channel
+
+    def rank_peers(self, level: str):
+        """Rank i of every datacenter at the ``dc`` level (an outer loop over a sharded level
+        below: :class:`~lowcomm.comm.fleet.RankChannel`, made on first use, on every rank of
+        the datacenter together); :meth:`peers` below it."""
+        if level != self.names[0]:
+            return self.peers(level)
+        if self._rank_channel is None:
+            if self._ranked is None:
+                raise ConfigError("policy", "this fleet's levels have no per-rank channel")
+            self._rank_channel = self._ranked()
+        return self._rank_channel
+
     def dup(self, ledger=None) -> "FleetLevels":
         return self
+
+
+def _limits(cfg) -> tuple[Limits, object]:
+    """The fleet's waiting limits and the cross-datacenter link of ``cfg``."""
+    link = Topology.parse(cfg.topology).link("dc")
+    return Limits.of(link, cfg.fleet.heartbeat_s, cfg.comm.watchdog_factor, cfg.comm.outage_s,
+                     cfg.fleet.join_s), link
 
 
 def connect(cfg, comm, me: dict) -> Channel | None:
     """The fleet's channel on the datacenter's leader (rank 0), None on its other ranks."""
     if comm.rank != 0:
         return None
-    link = Topology.parse(cfg.topology).link("dc")
-    limits = Limits.of(link, cfg.fleet.heartbeat_s, cfg.comm.watchdog_factor, cfg.comm.outage_s,
-                       cfg.fleet.join_s)
+    limits, link = _limits(cfg)
     return Channel(me["address"], me["dc"], me["inc"], limits, link, rank=me["offset"],
                    connect_s=cfg.fleet.join_s if me["join"] else None)
 
@@ -164,7 +187,15 @@ def levels(cfg, comm, channel: Channel | None, me: dict) -> FleetLevels:
     """The topology's communicators of this datacenter, with the span of the whole fleet (what
     the outer loop averages the last partial period and the buffers over)."""
     whole = Span(comm, channel, me["total"], me["offset"] + comm.rank)
-    return FleetLevels(Topology.parse(cfg.topology), comm, channel, me["dc"], whole)
+
+    def ranked() -> RankChannel:
+        limits, link = _limits(cfg)
+        rank = me["offset"] + comm.rank
+        store = channel.store if channel is not None else \
+            store_client(me["address"], cfg.fleet.join_s if me["join"] else limits.limit_s,
+                         me["dc"], rank)
+        return RankChannel(comm, channel, store, me["dc"], limits, link, rank)
+    return FleetLevels(Topology.parse(cfg.topology), comm, channel, me["dc"], whole, ranked)
 
 
 def run(cfg, task, comm, me: dict, out=None, progress: bool = True, resume=None,
@@ -179,7 +210,7 @@ def run(cfg, task, comm, me: dict, out=None, progress: bool = True, resume=None,
     lv = levels(cfg, comm, channel, me)
     return run_loop(cfg, task, lambda m, o, c, **kw: build_strategy(cfg, m, o, c, lv, **kw), comm, out,
                     progress, resume, overwrite, run_id,
-                    coordination=lambda r: FleetLockstep(r, me, channel))
+                    coordination=lambda r: FleetLockstep(r, me, channel, lv))
 
 
 def payload(r) -> bytes:
@@ -189,27 +220,41 @@ def payload(r) -> bytes:
     return buf.getvalue()
 
 
+def bundle(parts: list[bytes]) -> bytes:
+    """A datacenter's per-rank states (sharded outer state: each rank holds its range) as one
+    payload, rank i's at ``i``; :func:`install` on rank i takes its own."""
+    buf = io.BytesIO()
+    torch.save({"per_rank": [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in parts]}, buf)
+    return buf.getvalue()
+
+
 def install(r, data: bytes, reset_inner: bool) -> None:
     """Take a donor's state: its model and method state (the inner optimizer's too, unless
-    ``reset_inner``), then the model set to the live outer parameters."""
+    ``reset_inner``), then the model set to the live outer parameters. A :func:`bundle` gives
+    each rank the donor's rank of the same index (the datacenters have as many ranks)."""
     state = torch.load(io.BytesIO(data), weights_only=True)
+    if "per_rank" in state:
+        parts = state["per_rank"]
+        if len(parts) != r.comm.size:
+            raise ConfigError("fleet", f"the donor datacenter has {len(parts)} ranks, this one "
+                              f"{r.comm.size}: a sharded outer state moves rank to rank")
+        state = torch.load(io.BytesIO(parts[r.comm.rank].numpy().tobytes()), weights_only=True)
     r.model.load_state_dict(state["model"])
     s = state["strategy"]
     if reset_inner:
         s = dict(s, optimizer=r.strategy.optimizer.state_dict())
     r.strategy.load_state_dict(adopt(s))        # the donor's, another rank's on purpose
-    outer = getattr(r.strategy, "outer_params", None)
-    if outer is not None:
-        for f, p in zip(r.strategy.fragments, outer):
-            f.unpack_(p.detach())
+    if hasattr(r.strategy, "outer_to_model"):
+        r.strategy.outer_to_model()
 
 
 class FleetLockstep(Lockstep):
     """The loop's coordination in a fleet's datacenter (module docstring)."""
 
-    def __init__(self, r, me: dict, channel: Channel | None):
+    def __init__(self, r, me: dict, channel: Channel | None, lv: FleetLevels | None = None):
         super().__init__(r)
         self.me, self.channel = me, channel
+        self.ranked = lv.rank_channel if lv is not None else None    # sharded outer state
         self.rank, self.world = me["offset"] + r.comm.rank, me["total"]
         self.joined: dict | None = None
         self.t_hello = time.monotonic()
@@ -253,11 +298,21 @@ class FleetLockstep(Lockstep):
         super().after_step(state)
         s = self.r.strategy
         at = state.step - getattr(s, "warmup_steps", 0)
-        if self.channel is not None and at > 0 and at % s.period == 0 and \
-                self.channel.admission_due():
-            admitted = self.channel.admit(state.step, lambda: payload(self.r), self.r.comm.ledger)
-            if admitted:
-                log.info("admitted datacenter(s) %s at step %d", admitted, state.step)
+        if at <= 0 or at % s.period:
+            return
+        if self.ranked is not None:                  # every rank knows, every rank's state
+            if self.ranked.admit_due:
+                parts = self.r.ctl.allgather_object(payload(self.r))
+                if self.channel is not None:
+                    self._admit(state, lambda: bundle(parts))
+                self.ranked.admitted()
+        elif self.channel is not None and self.channel.admission_due():
+            self._admit(state, lambda: payload(self.r))
+
+    def _admit(self, state, make) -> None:
+        admitted = self.channel.admit(state.step, make, self.r.comm.ledger)
+        if admitted:
+            log.info("admitted datacenter(s) %s at step %d", admitted, state.step)
 
     def stop(self, state, flag) -> bool:
         """The loop's stop vote; the leader votes to stop once a committed round said the

@@ -125,6 +125,13 @@ class DiLoCo(OuterLoop):
     def _outgoing(self, f: Fragment, local: torch.Tensor) -> torch.Tensor:
         return self.outer_params[f.index].detach() - local
 
+    @torch.no_grad()
+    def outer_to_model(self) -> None:
+        """Set the model to the outer parameters θ (where they are sharded over the unit's
+        ranks, each rank's range put together: collective over the unit)."""
+        for f, outer in zip(self.fragments, self.outer_params):
+            f.unpack_(outer.detach() if self._ranges is None else self._gather_range(f, outer.detach()))
+
     def _apply(self, f: Fragment, avg: torch.Tensor) -> torch.Tensor:
         outer = self.outer_params[f.index]
         outer.grad = avg.to(outer.dtype)

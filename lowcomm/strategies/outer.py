@@ -358,11 +358,11 @@ class OuterLoop(Strategy):
         the unit (see the class docstring), else None."""
         if nest is None or nest.inside is None or not getattr(nest.inner, "sharded", False):
             return None
-        if nest.peers is None or getattr(nest.peers, "rounds", False):
-            raise ConfigError("policy", f"{self.name} over {nest.inner.name}: a fleet of "
-                              "datacenters reduces through one leader each, so the outer state "
-                              "cannot be sharded across its ranks; run the policy as one MPI job "
-                              "(topology = \"dc:D,rank:K\"), or use syncdp inside the datacenters")
+        if nest.peers is None or getattr(nest.peers, "rounds", False) and \
+                not getattr(nest.peers, "per_rank", False):
+            raise ConfigError("policy", f"{self.name} over {nest.inner.name}: the level above "
+                              "reduces through one leader per unit, so the outer state cannot be "
+                              "sharded across its ranks; use syncdp inside the units")
         k, i = nest.inside.size, nest.inside.rank
         return [tuple(chunk_bounds(f.numel, k)[i:i + 2]) for f in self.fragments]
 

@@ -19,7 +19,7 @@ import lowcomm
 import lowcomm.comm.collectives as C
 from helpers import vendor_sum
 from lowcomm.comm.collectives import chunk_bounds
-from lowcomm.comm.tuning import TABLE_ENV
+from lowcomm.comm.tuning import CANDIDATES, TABLE_ENV
 
 ALGORITHMS = [a for a in lowcomm.ALGORITHMS if a != "hierarchical"]
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -234,6 +234,44 @@ def test_auto_chooses_what_rank_0s_table_says_at_the_nearest_size(nbytes, want, 
     want = want if comm.size > 1 else "mpi"
     assert got == want, f"chose {got}, the table says {want}"
     assert len(set(every)) == 1, f"ranks disagree: {every}"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_without_a_table_auto_measures_one_writes_it_and_picks_the_fastest(comm, tmp_path, monkeypatch):
+    """On one node with no table, the first auto call measures every candidate at every size
+    (collective), rank 0 writes the table where auto looks for it, every rank then picks the
+    fastest measured algorithm at each size (the same on every rank), and a later Comm reads
+    the written table instead of measuring again."""
+    from lowcomm.comm.tuning import AUTOTUNE_ENV, TUNE_SIZES, load_table, table_path
+    folder = comm.bcast_object(str(tmp_path) + "/")
+    monkeypatch.setenv(TABLE_ENV, folder)
+    monkeypatch.setenv(AUTOTUNE_ENV, "1")
+    calls = []
+    real = C.measure_table
+    monkeypatch.setattr(C, "measure_table", lambda c: calls.append(1) or real(c, TUNE_SIZES[:3], reps=2))
+    fresh = comm.dup()
+    fresh.auto_policy = None
+    got = {n: C.choose(fresh, n) for n in TUNE_SIZES[:3]}
+    assert calls == [1], "measured once, on the first auto call"
+    comm.barrier()
+    table = load_table(table_path(comm.size), comm.size)
+    assert table is not None and sorted(table["times_us"]) == list(TUNE_SIZES[:3]), table
+    for n, alg in got.items():
+        row = table["times_us"][n]
+        plain = {a: t for a, t in row.items() if "." not in a}
+        assert set(plain) == {"mpi", "ring", "rabenseifner", "tree", "shm"}, row
+        assert alg == min(plain, key=lambda a: (plain[a], CANDIDATES.index(a))), (n, alg, row)
+        for op in ("reduce_scatter", "allgather"):     # their auto: the fastest of their rows
+            mine = {a.split(".")[1]: t for a, t in row.items() if a.startswith(op + ".")}
+            assert set(mine) == {"mpi", "ring", "shm"}, row
+            buf = torch.zeros(n // 4)
+            assert C._scatter_algorithm(fresh, buf, "auto", op) == \
+                min(mine, key=lambda a: (mine[a], ("mpi", "ring", "shm").index(a))), (op, n, row)
+    assert len(set(map(str, comm.allgather_object(got)))) == 1, "ranks disagree"
+    again = comm.dup()
+    again.auto_policy = None
+    assert C.choose(again, TUNE_SIZES[0]) == got[TUNE_SIZES[0]] and calls == [1], \
+        "a later Comm reads the table written instead of measuring again"
 
 
 @pytest.mark.parametrize("n", [0, 3, 1024, 300000])
