@@ -22,10 +22,8 @@ def test_fsdp_on_two_ranks():
     (["topology=dc:2,rank:2", "policy.dc=fsdp", "policy.rank=fsdp"], "policy.dc",
      "fsdp would shard across the 'dc' level, a wide-area link"),
     (["topology=dc:2,rank:2", "strategy.name=fsdp"], "strategy.name", "across the 'dc' level"),
-    (["topology=dc:2,rank:2", "policy.rank=fsdp", "policy.dc=diloco:period=4"], "policy.dc",
-     "diloco over policy.rank=fsdp is not supported"),
-    (["topology=dc:2,rank:2", "policy.rank=fsdp", "policy.dc=localsgd:period=4"], "policy.dc",
-     "localsgd over policy.rank=fsdp is not supported"),
+    (["topology=dc:2,rank:2", "policy.rank=fsdp", "policy.dc=diloco:period=4", "fleet.dcs=2"],
+     "policy.rank", "fsdp inside the datacenters of a fleet (--dcs) is not supported"),
     (["topology=dc:2,rank:2", "policy.rank=fsdp"], "policy.dc",       # policy.dc is syncdp
      "dc=syncdp, rank=fsdp run as one strategy"),
     (["strategy.name=fsdp", "strategy.wrap= "], "strategy.wrap", "is empty"),
@@ -81,3 +79,26 @@ def test_wrap_auto_picks_the_transformer_blocks_and_names_select_classes():
     assert wrap_units(mlp, "auto") == []                         # no ModuleList: one unit
     with pytest.raises(ArgumentError, match="'wrap': 'Block' matches no module of Sequential"):
         wrap_units(mlp, "Block")
+
+
+def test_diloco_over_fsdp_keeps_each_ranks_chunks_and_equals_diloco_over_syncdp(tmp_path):
+    """``topology=dc:2,rank:2``, DiLoCo between the datacenters, FSDP inside: each rank keeps
+    the outer state of its chunk of every parameter and averages it with its counterpart in
+    the other datacenter. Equal to DiLoCo over SyncDP bit for bit (two datacenters: one sum per
+    element, in either order), with half the parameters and of Adam's moments per rank."""
+    common = ["topology=dc:2,rank:2", "policy.dc=diloco:period=4", "steps=12", "model.d_model=32",
+              "model.n_layers=2", "eval_batches=2", "batch_size=4", "log_every=4"]
+    out = {}
+    for inside in ("syncdp", "fsdp"):
+        sets = [a for o in (*common, f"policy.rank={inside}") for a in ("--set", o)]
+        run_ranks(4, "lowcomm", "train", "--quiet", "--out", tmp_path / inside, *sets, timeout=400)
+        out[inside] = json.loads((tmp_path / inside / "summary.json").read_text())
+    plain, fsdp = out["syncdp"], out["fsdp"]
+    assert fsdp["state_sha256"] == plain["state_sha256"] and fsdp["ranks_agree"], (fsdp, plain)
+    assert fsdp["sharded"] and fsdp["inner"]["strategy"] == "fsdp", fsdp
+    half, whole = fsdp["memory_by_rank"], plain["memory_by_rank"]
+    assert [2 * m["param_bytes"] for m in half] == [m["param_bytes"] for m in whole], half
+    for m, w in zip(half, whole):       # Adam's moments halved; its step counters stay whole
+        assert 0 <= 2 * m["optimizer_state_bytes"] - w["optimizer_state_bytes"] <= 0.001 * \
+            w["optimizer_state_bytes"], (m, w)
+

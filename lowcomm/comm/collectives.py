@@ -529,7 +529,7 @@ def measure_table(comm: Comm, sizes=None, reps: int = 3) -> dict[int, dict[str, 
     where the ranks share a node and no table exists): for each size (default
     :data:`~lowcomm.comm.tuning.TUNE_SIZES`) and each of ``mpi``, ``ring``, ``rabenseifner``,
     ``tree``, ``shm`` (and reduce-scatter's and all-gather's ``mpi``, ``ring``, ``shm``, as
-    ``reduce_scatter.ring`` etc.), the median over ``reps`` calls (after one warm-up) of the slowest rank's
+    ``reduce_scatter.ring`` etc.), the median over ``reps`` calls (after two warm-ups) of the slowest rank's
     time in µs, the algorithms taking turns. On a duplicate of ``comm`` whose traffic is charged
     to no method; the shared window it used is freed."""
     import statistics
@@ -549,13 +549,13 @@ def measure_table(comm: Comm, sizes=None, reps: int = 3) -> dict[int, dict[str, 
         for size in sizes or TUNE_SIZES:
             buf = torch.empty(size // 4)
             times: dict[str, list[float]] = {a: [] for a in algs}
-            for i in range(1 + reps):
+            for i in range(2 + reps):              # two warm-ups (the first size's set-up)
                 for alg in algs[i % len(algs):] + algs[:i % len(algs)]:
                     buf.fill_(1.0)
                     scratch.barrier()
                     t0 = time.perf_counter()
                     runs[alg](buf, scratch)
-                    if i:
+                    if i >= 2:
                         times[alg].append(time.perf_counter() - t0)
             mine = {a: statistics.median(t) for a, t in times.items()}
             every = scratch.allgather_object(mine)

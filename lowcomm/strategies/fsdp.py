@@ -158,8 +158,9 @@ def charged_collectives(ledger, level: str, size: int):
 
 def check(s: FSDPSettings, cfg, prefix: str) -> None:
     """Before MPI starts: FSDP shards inside a datacenter, never across one (a level whose
-    links' latency is a WAN's, ≥ 1 ms: ``dc`` unless the topology says otherwise), and no
-    outer loop runs over it yet (it would need each rank's shard, :meth:`FSDP.local_shards`)."""
+    links' latency is a WAN's, ≥ 1 ms: ``dc`` unless the topology says otherwise), and not
+    inside the datacenters of a fleet (each is its own job; use zero1/zero2 there). An outer
+    loop above it keeps each rank's shard (:meth:`FSDP.local_shards`)."""
     from ..comm.topology import Topology
     if not cfg.topology:
         return
@@ -171,13 +172,9 @@ def check(s: FSDPSettings, cfg, prefix: str) -> None:
     else:
         first = next(i for i, lvl in enumerate(topo.names) if str(policy.get(lvl, "syncdp"))
                      .split(":")[0].strip() == "fsdp")
-        outer = [lvl for lvl in topo.names[:first]
-                 if str(policy.get(lvl, "syncdp")).split(":")[0].strip() not in ("syncdp", "fsdp")]
-        if outer:
-            raise ConfigError(f"policy.{outer[-1]}", f"{policy[outer[-1]].split(':')[0]} over "
-                              f"policy.{topo.names[first]}=fsdp is not supported: an outer loop "
-                              "on sharded parameters must keep and exchange each rank's shard "
-                              "only; run policy.<level>=syncdp below the outer loop instead")
+        if getattr(getattr(cfg, "fleet", None), "dcs", None):
+            raise ConfigError(f"policy.{topo.names[first]}", "fsdp inside the datacenters of a "
+                              "fleet (--dcs) is not supported: use zero1 or zero2 there")
         levels = [(lvl, f"policy.{lvl}") for lvl in topo.names[first:-1]]
     for lvl, key in levels:
         if topo.link(lvl).alpha_s >= 1e-3:

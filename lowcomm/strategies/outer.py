@@ -260,6 +260,9 @@ class OuterLoop(Strategy):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
+        self._local = self._local_shards(nest, s)    # FSDP below: each rank's chunk of each
+        if self._local is not None:
+            named = [(n, self._local[n]) for n, _ in named]
         self.fragments = partition(named, fragments, self.period)
         self.buffers = Buffers(model)
         self._bn = self._statistics_source(model, s, bn_batches, bn_forward)
@@ -274,9 +277,13 @@ class OuterLoop(Strategy):
             with parts_of_one_method():
                 self._dense = SyncDP(model, optimizer, self.comm, algorithm=algorithm, levels=levels,
                                      **(warmup_options or {}))
+        elif self._local is not None:                # rank i of every unit starts as unit 0's
+            broadcast_(nest.peers, list(self._local.values()), root=0)
+            broadcast_(self.comm, list(model.buffers()), root=0)
         else:
             broadcast_(self.comm, list(model.state_dict().values()), root=0)
-        sig = repr([(f.offset, str(f.dtype), [(n, tuple(p.shape)) for n, p, _, _ in f.members])
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}   # FSDP: the whole ones
+        sig = repr([(f.offset, str(f.dtype), [(n, shapes[n]) for n, _, _, _ in f.members])
                     for f in self.fragments])
         self._red = agreed_dup(self.comm, "outer.layout", sig, len(self.fragments),
                                Ledger())             # own message space and ledger
@@ -291,7 +298,7 @@ class OuterLoop(Strategy):
         self._ranges = self._shard_ranges(nest)      # sharded: this rank's [lo, hi) per fragment
         if nest is not None:                         # same ledger: a sync's rows, all levels
             self._inside = nest.inside.dup(self._red.ledger) if nest.inside else None
-            across = nest.peers if self._ranges is not None else nest.leaders
+            across = nest.peers if self._ranges is not None or self._local is not None else nest.leaders
             self._leaders = across.dup(self._red.ledger) if across else None
             for c in (self._inside, self._leaders):
                 if c is not None:
@@ -365,6 +372,24 @@ class OuterLoop(Strategy):
                               "sharded across its ranks; use syncdp inside the units")
         k, i = nest.inside.size, nest.inside.rank
         return [tuple(chunk_bounds(f.numel, k)[i:i + 2]) for f in self.fragments]
+
+    def _local_shards(self, nest: Nesting | None, s) -> dict[str, torch.Tensor] | None:
+        """Where the level below shards every parameter (FSDP: ``inner.local_shards()``), this
+        rank's chunk of each (views, by name): the loop then keeps the outer state of its chunks
+        only and averages them with rank i of every other unit (``peers``), nothing gathered
+        inside the unit; else None."""
+        inner = nest.inner if nest is not None else None
+        if not hasattr(inner, "local_shards"):
+            return None
+        key = f"policy.{self.name}"
+        if nest.peers is None or getattr(nest.peers, "rounds", False):
+            raise ConfigError("policy", f"{self.name} over fsdp in a fleet of datacenters is not "
+                              "supported: use zero1/zero2 inside the datacenters there")
+        if getattr(s, "fragments", 1) != 1 or s.warmup_steps:
+            raise ConfigError(key, f"{self.name} over fsdp runs whole-model synchronisations "
+                              "without a dense warm-up: use fragments = 1 and warmup_steps = 0 "
+                              "(or zero2 inside)")
+        return inner.local_shards()
 
     def _pack(self, f: Fragment) -> torch.Tensor:
         """Fragment ``f``'s parameters as this rank synchronises them: all of them, or (sharded
@@ -472,7 +497,7 @@ class OuterLoop(Strategy):
         (2 datacenters × 1 rank, a core each)."""
         nest, inside = self.nest, self._inside
         if nest is not None and nest.average_inside or self.compressor is None or \
-                self._ranges is not None:
+                self._ranges is not None or self._local is not None:
             return False
         across = self._red if inside is None else self._leaders
         if across is None:                           # not a leader: only the unit's broadcast
@@ -497,10 +522,11 @@ class OuterLoop(Strategy):
         if inside is not None and self.nest.average_inside:
             flat = allreduce_(flat, inside, self.algorithm, op="avg")
         avg = flat                                   # a rank that only receives the unit's average
-        if self._ranges is not None:                 # sharded: my range, with my peers
+        if self._ranges is not None or self._local is not None:   # sharded: mine, with my peers
             inside = None
         if inside is None or inside.rank == 0:
-            across = self._leaders if self._ranges is not None or inside is not None else self._red
+            across = self._leaders if self._ranges is not None or self._local is not None or \
+                inside is not None else self._red
             if getattr(across, "rounds", False):     # a fleet's channel: rounds it may retry
                 avg = across.average(flat, f"t{self.t}.f{f.index}", self.algorithm, self._levels)
             elif self.compressor is None:
@@ -668,7 +694,7 @@ class OuterLoop(Strategy):
                "reductions": "posted" if self._posting else "thread" if self.delay else "blocking",
                "wait_s_by_rank": [round(w, 4) for _, w in every],
                "fragment_numel": [f.numel for f in self.fragments],
-               "sharded": self._ranges is not None}
+               "sharded": self._ranges is not None or self._local is not None}
         if self._inner is not None:
             out["inner"] = {"strategy": self._inner.name, **self._inner.metrics(ctl, final=True)}
         return out
@@ -682,12 +708,16 @@ class OuterLoop(Strategy):
         are averaged and integer ones taken from rank 0 (a model without persistent buffers sends
         nothing); with ``bn_recompute`` BatchNorm's statistics are first recomputed under the
         delivered weights."""
+        over = self._leaders if self._local is not None else self._whole   # FSDP: my chunks' peers
         for f in self.fragments:
             if f.index in self._dirty:
-                f.unpack_(allreduce_(f.pack(), self._whole, "mpi", op="avg"))
+                with over.charged_to(self.comm.ledger) if over is not self._whole else nullcontext():
+                    f.unpack_(allreduce_(f.pack(), over, "mpi", op="avg"))
         self._dirty.clear()
         self._settle_buffers()
-        if self._inner is not None:
+        if self._local is not None:                  # FSDP below: the plain, whole model
+            self._inner._finish()
+        elif self._inner is not None:
             self._inner.parameters_changed()
 
     def _close(self) -> None:
