@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import lowcomm
+from lowcomm.errors import LowcommError
 from lowcomm.integrations import transformers as lt
 from lowcomm.run.evaluate import state_sha256
 
@@ -100,6 +101,15 @@ def test_zero_trains_gpt2_under_the_trainer_as_syncdp_does(comm, tmp_path_factor
     for spec in ("zero1", "zero2"):
         assert logs[spec] == pytest.approx(logs["syncdp"], rel=1e-5), (spec, logs)
         assert runs[spec][1]["eval_loss"] == pytest.approx(runs["syncdp"][1]["eval_loss"], rel=1e-5)
+
+
+def test_fsdp_is_refused_by_the_trainer_naming_what_to_use(comm):
+    model = gpt2()
+    method = lowcomm.build("fsdp:wrap=GPT2Block", model, torch.optim.AdamW(model.parameters()), comm)
+    with pytest.raises(LowcommError, match="fsdp under the transformers Trainer is not supported"):
+        lt.Trainer(model=model, args=transformers.TrainingArguments(
+            "out", report_to="none", use_cpu=True), optimizers=(method, None))
+    method.finish()
 
 
 def test_a_plain_optimizer_is_refused(comm):
