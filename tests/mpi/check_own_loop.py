@@ -105,9 +105,11 @@ def test_a_group_added_after_build_is_refused_at_the_next_step_naming_it(name, c
     opt.close()
 
 
-UNFREEZING = {**{n: SPECS[n] for n in ("syncdp", "syncdp-int8", "localsgd", "diloco", "gossip")},
+UNFREEZING = {**{n: SPECS[n] for n in ("syncdp", "syncdp-int8", "localsgd", "diloco", "gossip",
+                                        "sparta")},
               "syncdp-unoverlapped": "syncdp:overlap=false", "localsgd-1": "localsgd:period=1",
-              "streaming-diloco": "streaming-diloco:period=2,fragments=2"}
+              "streaming-diloco": "streaming-diloco:period=2,fragments=2",
+              "sparta-diloco": "sparta-diloco:period=2,fraction=0.5"}
 #: methods equal to single-process SGD on the ranks' whole batch (plain SGD)
 EXACT = ("syncdp", "syncdp-unoverlapped", "localsgd-1")
 
