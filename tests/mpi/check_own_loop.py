@@ -5,7 +5,8 @@
 * progressive unfreezing: a parameter frozen at build and unfrozen later is left alone while
   frozen and trained from then on, one model on every rank — under syncdp (sending nothing for
   it while frozen) and localsgd at period 1 equal to single-process training on the ranks'
-  whole batch; a method that does not take it in (onebit-adam, ZeRO) refuses it, naming it;
+  whole batch; a method that does not take it in (onebit-adam, zeroone-adam, demo, ZeRO)
+  refuses it, naming it;
 * a parameter of the same element count but another shape on one rank is refused at build by
   every method (before: gossip, onebit-adam and zeroone-adam accepted it silently);
 * ``load_state_dict`` refuses another method's state, or other settings, naming both; a method
@@ -183,10 +184,10 @@ def test_syncdp_sends_nothing_for_a_frozen_parameter_until_it_is_unfrozen(comm):
     assert unfrozen >= frozen + b_bytes * (comm.size - 1) / comm.size, (frozen, unfrozen)
 
 
-@pytest.mark.parametrize("name", ["onebit-adam", "zero2"])
+@pytest.mark.parametrize("name", ["onebit-adam", "zeroone-adam", "demo", "zero2"])
 def test_a_method_that_does_not_take_unfrozen_parameters_in_refuses_them_naming_one(name, comm, ctl):
-    """onebit-adam and ZeRO (whose shards are cut at build) exchange the parameters that
-    trained at build: the step that first sees the unfrozen one's gradient raises, naming it,
+    """The Adam-like compressed methods and ZeRO (whose shards are cut at build) exchange the
+    parameters that trained at build: the step that first sees the unfrozen one's gradient raises, naming it,
     before anything diverges."""
     model = frozen_b()
     opt = build(SPECS.get(name, name), model, None, comm, adam=name in ADAM)
