@@ -10,9 +10,11 @@ def test_every_method_keeps_the_optimizer_contract_on_two_ranks():
 
 
 def test_methods_in_the_users_own_loop_refuse_what_would_diverge_on_two_ranks():
-    """tests/mpi/check_own_loop.py: parameters outside the model, added or unfrozen after build,
+    """tests/mpi/check_own_loop.py: parameters outside the model or added after build, progressive
+    unfreezing (trained from then on, or refused by the methods that do not take it in),
     shapes that differ between ranks, another method's or another rank's state, sparse
     gradients, a second method on one optimizer, a model cast after build."""
     cases = run_mpi_suite(2, "check_own_loop.py", timeout=400)
     assert any("unfrozen_after_build" in name and name.endswith("[gossip]") for name in cases)
+    assert any("unfrozen_after_build" in name and name.endswith("[syncdp-int8]") for name in cases)
     assert any("another_shape_on_one_rank" in name and name.endswith("[zeroone-adam]") for name in cases)

@@ -349,3 +349,79 @@ def test_a_stop_completes_its_checkpoint_however_long_a_step_takes(tmp_path):
     assert log.count("lowcomm: stopped by SIGTERM after step") == 1, log
     step = int(log.split("stopped by SIGTERM after step ")[1].split(";")[0])
     assert (out / "checkpoints" / f"step-{step:08d}" / "manifest.json").exists(), log
+
+
+SLOW = [a for o in (f"task={ROOT / 'tests' / 'fleet_task.py'}", "task.step_ms=500", "task.dim=8",
+                    "batch_size=8", "log_every=1", "checkpoint.every=0")
+        for a in ("--set", o)]
+
+
+def stop_slow_run(out, launch, sig):
+    """A run of 0.5 s steps started by ``launch`` (a launcher's argv prefix), stopped by ``sig``
+    sent to that launcher's process once two steps are logged; its exit status and stderr."""
+    p = subprocess.Popen([*launch, "lowcomm", "train", "--quiet", "--out", str(out), *SLOW,
+                          "--set", "steps=100000"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    until(lambda: len(lines(out / "metrics.jsonl")) >= 2, "the job did not start")
+    p.send_signal(sig)
+    return ended(p)
+
+
+def assert_stopped_and_resumes(out, sig, err):
+    """The final checkpoint is the last logged step's, and ``--resume`` continues from it."""
+    said = f"lowcomm: stopped by {signal.Signals(sig).name} after step "
+    assert said in err, err
+    step = int(err.split(said)[1].split(";")[0])
+    assert (out / "checkpoints" / f"step-{step:08d}" / "manifest.json").exists(), err
+    assert json.loads(lines(out / "metrics.jsonl")[-1])["step"] == step
+    r = run_ranks(2, "lowcomm", "train", "--quiet", "--resume", out, "--set", f"steps={step + 2}")
+    assert r.returncode == 0, r.output
+    assert json.loads((out / "summary.json").read_text())["steps"] == step + 2
+    assert [json.loads(x)["step"] for x in lines(out / "metrics.jsonl")][-3:] == \
+        [step, step + 1, step + 2]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_through_local_sh_keeps_its_final_checkpoint_with_slow_steps(tmp_path, sig):
+    """launchers/local.sh passes the stop to the ranks, never to mpirun (which SIGKILLs its ranks
+    a second after passing a SIGTERM on, before 5 steps of 0.5 s and a checkpoint are done)."""
+    out = tmp_path / "run"
+    code, err = stop_slow_run(out, [str(ROOT / "launchers" / "local.sh"), "-n", "2"], sig)
+    assert code == 128 + sig, f"exit {code}\n{err}"
+    assert_stopped_and_resumes(out, sig, err)
+    assert "odls_base_sigkill_timeout" not in err, err      # no warning: the launcher forwards
+
+
+def test_a_stop_through_bare_mpirun_keeps_its_checkpoint_with_the_documented_grace(tmp_path):
+    """A bare mpirun with ``--mca odls_base_sigkill_timeout G`` (docs/reliability.md): SIGTERM to
+    mpirun reaches the ranks G s later and leaves them G s to stop."""
+    out, grace = tmp_path / "run", round(scaled(10))     # a stop here takes about 3 s
+    launch = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none",
+              *(["--allow-run-as-root"] if os.geteuid() == 0 else []),
+              "--mca", "odls_base_sigkill_timeout", str(grace)]
+    code, err = stop_slow_run(out, launch, signal.SIGTERM)
+    assert code != 0, err           # mpirun's own status (1) for the ranks it stopped itself
+    assert_stopped_and_resumes(out, signal.SIGTERM, err)
+    assert "odls_base_sigkill_timeout" not in err.split("stopped by")[0], err   # grace enough
+
+
+def test_a_bare_mpirun_whose_grace_is_too_short_for_the_steps_is_warned_once(monkeypatch):
+    """The stop takes up to STOP_VOTE_LAG + 1 steps: at 0.3 s a step, mpirun's default second
+    is too short (a warning naming the fix), a 1000 s grace is not; a launcher that forwards
+    stops, and a run outside Open MPI's mpirun, are never warned."""
+    from lowcomm.run.signals import GraceCheck, mpirun_grace
+    orte = {"OMPI_MCA_orte_hnp_uri": "1.0;tcp://x"}
+    assert mpirun_grace({}) is None and mpirun_grace(orte) == 1.0
+    assert mpirun_grace({**orte, "OMPI_MCA_odls_base_sigkill_timeout": "30"}) == 30.0
+    assert mpirun_grace({**orte, "LOWCOMM_STOP_FORWARDED": "1"}) is None
+    assert mpirun_grace({**orte, "LOWCOMM_FLEET": "127.0.0.1:1"}) is None
+    short, long_ = GraceCheck(4, True, grace=1.0), GraceCheck(4, True, grace=1000.0)
+    for _ in range(6):
+        time.sleep(0.3)
+        short.step_done(), long_.step_done()
+    assert "odls_base_sigkill_timeout" in short.warning and long_.warning is None
+    assert not short.active                                 # once
+    quiet = GraceCheck(4, False, grace=1.0)                 # another rank than 0
+    for _ in range(6):
+        quiet.step_done()
+    assert quiet.warning is None

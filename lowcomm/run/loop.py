@@ -55,7 +55,7 @@ from .coordinate import STOP_VOTE_LAG, Detached, Lockstep
 from .evaluate import nonfinite
 from .folder import close_run, open_run
 from .schedule import build_optimizer, lr_at, set_lr
-from .signals import StopFlag
+from .signals import GraceCheck, StopFlag
 from .snapshot import seed_all
 from .memory import check_cap, measure
 from .state import LoopState, Run
@@ -133,11 +133,13 @@ def train(r: Run, coord) -> dict:
     """The one step loop, for every method: steps until ``coord`` says the run is over, then
     ``coord.finish`` delivers the model and the summary."""
     state = coord.start()
+    grace = GraceCheck(STOP_VOTE_LAG, warn=r.comm.rank == 0)    # mpirun's SIGKILL vs slow steps
     try:
         with StopFlag() as flag:
             for step in coord.steps(state.step + 1):
                 take_step(r, coord, state, step)
                 coord.after_step(state)
+                grace.step_done()
                 if coord.checkpoint_due(step):
                     coord.save(step)
                 if coord.stop(state, flag):

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from ..errors import RunFolderError
 from . import outcome
+from .signals import FORWARDED as STOP_FORWARDED
 from .checkpoint import checkpoint_steps
 from .folder import json_text, new_run_id, write_text
 
@@ -232,7 +233,9 @@ class _Supervisor:
             se.write(f"--- attempt {self.attempt + 1}: {' '.join(cmd)}\n")
             se.flush()
             start = se.tell()
-            p = subprocess.Popen(cmd, stdout=so, stderr=se, start_new_session=True, env=self.env,
+            p = subprocess.Popen(cmd, stdout=so, stderr=se, start_new_session=True,
+                                 env={**(os.environ if self.env is None else self.env),
+                                      STOP_FORWARDED: "1"},     # :meth:`forward` passes stops on
                                  preexec_fn=_dies_with(os.getpid()))
             self.child = p
             while p.poll() is None:

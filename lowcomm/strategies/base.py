@@ -244,6 +244,9 @@ class Strategy(torch.optim.Optimizer):
     per_rank_state = True
     #: the method exchanges gradients as dense tensors (sparse ones are refused at build)
     dense_gradients = False
+    #: parameters frozen at build and unfrozen later (progressive unfreezing) are exchanged
+    #: from then on: the method's members are :meth:`members` (else :meth:`step` refuses them)
+    unfreezes = False
     _step_supports_amp_scaling = True
 
     def __init_subclass__(cls, **kwargs):
@@ -293,8 +296,8 @@ class Strategy(torch.optim.Optimizer):
     def _fix_parameters(self) -> None:
         """Record the parameters this method was built for: every parameter of the torch
         optimizer must be one of the model's (else it would differ across ranks), and
-        :meth:`step` later refuses parameters added to the optimizer or unfrozen since (they
-        would not be exchanged). Also the layout every rank must hold (checked once). A method
+        :meth:`step` later refuses parameters added to the optimizer since, and those unfrozen
+        since unless the method :attr:`unfreezes` (they would not be exchanged). Also the layout every rank must hold (checked once). A method
         that rearranges the optimizer's groups itself calls this again afterwards."""
         self._built_names = {id(p): n for n, p in self.model.named_parameters()}
         groups = self.optimizer.param_groups
@@ -315,6 +318,14 @@ class Strategy(torch.optim.Optimizer):
         self._built_layout = [(n, tuple(p.shape), str(p.dtype), str(p.device.type), p.requires_grad)
                               for n, p in self.model.named_parameters()]
 
+    def members(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters a method that :attr:`unfreezes` exchanges, in the model's order: the
+        model's that train now, and the frozen ones (``requires_grad=False``) the torch optimizer
+        holds, which a user may unfreeze later (progressive unfreezing). A frozen member never
+        gets a gradient, so the optimizer leaves it alone until it is unfrozen."""
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad or id(p) in held]
+
     def _refuse_sparse_gradients(self) -> None:
         """A module that makes sparse gradients (``nn.Embedding(sparse=True)``,
         ``nn.EmbeddingBag(sparse=True)``) is refused, naming its parameter."""
@@ -329,8 +340,9 @@ class Strategy(torch.optim.Optimizer):
                            "gradients as dense tensors; use sparse=False")
 
     def _check_parameters(self) -> None:
-        """Before each step: no parameter added to the optimizer, none unfrozen, since the
-        method was built (each would go unexchanged and differ across ranks)."""
+        """Before each step: no parameter added to the optimizer, and none unfrozen unless the
+        method :attr:`unfreezes`, since the method was built (each would go unexchanged and
+        differ across ranks)."""
         groups = self.optimizer.param_groups
         if len(groups) != len(self._built_counts) or any(len(g["params"]) != n
                                                       for g, n in zip(groups, self._built_counts)):
@@ -343,14 +355,15 @@ class Strategy(torch.optim.Optimizer):
                 f"{self.name} was built: the method exchanges the parameters it was built for, so "
                 "these would differ across ranks; add it before building the method, or "
                 "finish() the method and build a new one on the optimizer")
-        for name, p in self._built_frozen:
+        for name, p in () if self.unfreezes else self._built_frozen:
             if p.grad is not None:
                 raise LowcommError(
                     f"parameter {name!r} was frozen (requires_grad=False) when lowcomm's "
-                    f"{self.name} was built and has a gradient now: the method exchanges the "
+                    f"{self.name} was built and has a gradient now: this method exchanges the "
                     "parameters that trained when it was built, so this one would differ across "
                     "ranks; to unfreeze during training, finish() the method and build a new one "
-                    "on the optimizer after unfreezing")
+                    "on the optimizer after unfreezing (syncdp, localsgd, diloco, "
+                    "streaming-diloco and gossip take unfrozen parameters in as they are)")
 
     def _changed(self) -> str | None:
         """What changed in the model's parameters since the method was built (dtype, device,

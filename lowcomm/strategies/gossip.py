@@ -129,7 +129,9 @@ class Gossip(Strategy):
 
     With the identity compressor and γ = 1 this is plain D-PSGD.
 
-    Parameters with ``requires_grad`` and floating-point buffers (BatchNorm's running
+    The method's parameters (:meth:`~lowcomm.strategies.base.Strategy.members`: the trainable
+    ones and the frozen ones the optimizer holds; a frozen one costs its bytes every round, and
+    unfrozen later it is gossiped like the others) and floating-point buffers (BatchNorm's running
     statistics) are gossiped — buffers are mixed like parameters, plus (``cta``) their own
     update by the forward pass that ran while the exchange was in flight; integer buffers are
     rank 0's at :meth:`finish`; initial parameters
@@ -155,6 +157,7 @@ class Gossip(Strategy):
     """
 
     name = "gossip"
+    unfreezes = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, graph: str | Graph = "ring", mode: str = "dpsgd",
@@ -186,7 +189,7 @@ class Gossip(Strategy):
         self.mode, self.order, self.compressor = mode, order, compressor
         self.consensus_step = float(consensus_step)
         self._buffers = [b for _, b in persistent_buffers(model) if b.is_floating_point()]
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad] + \
+        named = self.members() + \
             [(n, b) for n, b in persistent_buffers(model) if b.is_floating_point()]
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self._g = self.comm.dup()           # own message space: tags cannot meet other traffic

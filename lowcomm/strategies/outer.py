@@ -240,6 +240,7 @@ class OuterLoop(Strategy):
     """
 
     name = "outer"
+    unfreezes = True
     Settings = None            # OuterSettings, set below where it is defined
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -257,7 +258,7 @@ class OuterLoop(Strategy):
         self.delay, self.alpha = getattr(s, "delay", 0), float(getattr(s, "alpha", 0.0))
         self.merge, self.compressor = getattr(s, "merge", "mix"), compressor
         algorithm, fragments = s.algorithm, getattr(s, "fragments", 1)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = self.members()           # frozen ones too: unfrozen later, they are averaged
         if not named:
             raise ValueError("the model has no trainable parameters")
         self._local = self._local_shards(nest, s)    # FSDP below: each rank's chunk of each

@@ -39,6 +39,9 @@ class Bucket:
     #: A dense bucket carries them after its tensors in ``flat`` (no message of their own)
     present: torch.Tensor | None = None
     mine: list[int] = field(default_factory=list)    # this rank's slots, written at the send
+    #: a bucket of tensors expected to get no gradient (frozen parameters): reduced only in a
+    #: round where some rank gave one of them a gradient (see :class:`Reducer`'s ``idle``)
+    idle: bool = False
 
     def view(self, i: int) -> torch.Tensor:
         return self.views[i]
@@ -72,6 +75,11 @@ class Reducer:
         overlap: reduce buckets on a background thread as they fill (else in :meth:`flush`).
         compressor: reduce each bucket with this compressor (its payload on the wire) instead
             of a dense all-reduce; ``op`` must then be "avg".
+        idle: names of tensors expected to get no gradient (frozen parameters, which a user may
+            unfreeze later). They get buckets of their own, after the others, and such a bucket
+            is sent only in a round where some rank gave one of its tensors a gradient: the
+            ranks agree on that with one all-reduce of an int32 per idle bucket at the end of
+            each round (after the other buckets, not overlapped with backward).
 
     A tensor no rank marked ready with a gradient in a round (``ready(name, None)`` or never
     marked: a parameter unused on every rank) comes back as None from :meth:`flush`, as torch
@@ -94,7 +102,7 @@ class Reducer:
 
     def __init__(self, comm: Comm, named: list[tuple[str, torch.Tensor]], algorithm: str = "mpi",
                  bucket_bytes: int = 4 << 20, op: str = "avg", overlap: bool = True,
-                 compressor: Compressor | None = None, levels=None):
+                 compressor: Compressor | None = None, levels=None, idle=()):
         get_algorithm(algorithm, levels)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -106,20 +114,23 @@ class Reducer:
         self._withholding: list[str] = []   # ... in the round in progress (the thread appends)
         self.buckets: list[Bucket] = []
         self._where: dict[str, tuple[int, int]] = {}
-        for name, t in named:
+        idle = set(idle)
+        for name, t in [x for x in named if x[0] not in idle] + [x for x in named if x[0] in idle]:
             nbytes = t.numel() * t.element_size()
             b = self.buckets[-1] if self.buckets else None
-            fits = b is not None and b.flat.dtype == t.dtype and \
+            fits = b is not None and b.flat.dtype == t.dtype and b.idle == (name in idle) and \
                 (b.offsets[-1] * t.element_size() + nbytes <= bucket_bytes or not b.names)
             if not fits:
-                b = Bucket(len(self.buckets), [], [0], [], torch.empty(0, dtype=t.dtype))
+                b = Bucket(len(self.buckets), [], [0], [], torch.empty(0, dtype=t.dtype),
+                           idle=name in idle)
                 self.buckets.append(b)
             self._where[name] = (b.index, len(b.names))
             b.names.append(name)
             b.shapes.append(t.shape)
             b.offsets.append(b.offsets[-1] + t.numel())
         # own message space, the layout agreed once (no per-call check)
-        sig = repr([(b.names, [tuple(s) for s in b.shapes], str(b.flat.dtype)) for b in self.buckets])
+        sig = repr([(b.names, [tuple(s) for s in b.shapes], str(b.flat.dtype), b.idle)
+                    for b in self.buckets])
         self._thread_comm = agreed_dup(comm, "reducer.layout", sig, len(self.buckets), what="tensors",
                                        mine=f"{sum(len(b.names) for b in self.buckets)} tensors in "
                                             f"{len(self.buckets)} buckets")
@@ -176,7 +187,8 @@ class Reducer:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and not self.buckets[self._next].pending:
+        while self._next < len(self.buckets) and not self.buckets[self._next].pending and \
+                not self.buckets[self._next].idle:      # idle ones: at the flush, if wanted
             b = self.buckets[self._next]
             b.future = self._pool.submit(self._reduce, b)
             self._next += 1
@@ -208,8 +220,9 @@ class Reducer:
         for b in self.buckets:
             if b.future is not None:
                 b.future.result()
-            else:
+            elif not b.idle:
                 self._reduce(b)
+        self._reduce_idle()
         if self.compressor is not None and self._thread_comm.size > 1:
             present = torch.cat([b.present for b in self.buckets])
             self._thread_comm.allreduce_(present, "sum")
@@ -220,6 +233,21 @@ class Reducer:
         self.withheld, self._withholding = self._withholding, []
         self.reset()
         return out
+
+    def _reduce_idle(self) -> None:
+        """Reduce the idle buckets that some rank gave a gradient to this round (agreed by one
+        small all-reduce); the others are left out, their tensors None for every rank."""
+        idle = [b for b in self.buckets if b.idle]
+        if not idle:
+            return
+        wanted = torch.tensor([int(any(b.mine)) for b in idle], dtype=torch.int32)
+        if self._thread_comm.size > 1:
+            self._thread_comm.allreduce_(wanted, "sum")
+        for b, want in zip(idle, wanted.tolist()):
+            if want:
+                self._reduce(b)
+            else:
+                b.present.zero_()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -123,7 +123,8 @@ class Sparta(Strategy):
     the wrapped optimizer, and after each the ranks average a small random subset of the
     parameters.
 
-    Update, on each of K ranks, step t, with n the number of trainable parameter elements:
+    Update, on each of K ranks, step t, with n the number of parameter elements (the frozen
+    ones the optimizer holds too: unfrozen later, they are averaged like the others):
       1. ranks start from rank 0's parameters and buffers (broadcast at construction);
       2. the wrapped optimizer steps on the local gradient: θ_k ← InnerOpt(θ_k, g_k);
       3. ``I_t`` = a uniformly random subset of ``k = max(1, round(p·n))`` of the n elements,
@@ -152,13 +153,14 @@ class Sparta(Strategy):
 
     name = "sparta"
     Settings = SpartaSettings
+    unfreezes = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: SpartaSettings | None = None, **options):
         super().__init__(model, optimizer, comm)
         s = settings if settings is not None else self.settings_from(options)
         self.settings = s
-        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._named = self.members()              # frozen ones too: unfrozen later, averaged
         self.sparse = SparseAverage([p for _, p in self._named], s.fraction, s.seed)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self._sparse_comm = _sparse_comm(self.comm, self.sparse.params)
@@ -242,8 +244,7 @@ class SpartaDiLoCo(DiLoCo):
                  comm: Comm | None = None, **arguments):
         super().__init__(model, optimizer, comm, **arguments)
         s = self.settings
-        self.sparse = SparseAverage([p for p in model.parameters() if p.requires_grad],
-                                    s.fraction, s.seed)
+        self.sparse = SparseAverage([p for _, p in self.members()], s.fraction, s.seed)
         self._sparse_comm = _sparse_comm(self.comm, self.sparse.params)
 
     def _step(self, closure=None):

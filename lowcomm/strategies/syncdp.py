@@ -90,6 +90,13 @@ class SyncDP(Strategy):
     :meth:`local_nonfinite` names it, and ``step()`` raises unless the step is skipped (the
     loop's ``on_nonfinite = "skip"``, or a GradScaler, whose skip every rank then agrees on).
 
+    Progressive unfreezing: parameters the torch optimizer holds frozen (``requires_grad=False``)
+    at build are members too, in buckets of their own after the others; such a bucket is sent
+    only in a step where some rank has a gradient for one of its parameters (agreed with one
+    4-byte all-reduce per frozen bucket per step), so a frozen parameter costs no bytes and is
+    left alone, and once unfrozen it is averaged like the others (its bucket reduced after
+    backward, not overlapped with it).
+
     On one rank (e.g. the inner level of a per-level policy whose datacenters hold one rank
     each) there is nothing to exchange: without a compressor no buckets are made (nor hooks,
     unless they count accumulated backward passes) and a step is the wrapped optimizer's (a
@@ -129,6 +136,7 @@ class SyncDP(Strategy):
     name = "syncdp"
     lockstep = True
     dense_gradients = True
+    unfreezes = True
     Settings = SyncDPSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -146,8 +154,9 @@ class SyncDP(Strategy):
         algorithm, bucket_mb, overlap = s.algorithm, s.bucket_mb, s.overlap
         backward_passes_per_step = s.backward_passes_per_step
         self.sync_s = 0.0
-        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._named = self.members()              # frozen ones too: unfrozen later, exchanged
         self._params = dict(self._named)
+        frozen = [n for n, p in self._named if not p.requires_grad]
         if overlap is None:
             spare_core = self.comm.cores_per_rank() >= 2         # collective: every rank asks
             overlap = spare_core or any(p.device.type != "cpu" for _, p in self._named)
@@ -161,10 +170,10 @@ class SyncDP(Strategy):
         if self.comm.size > 1 or compressor is not None:   # else: nothing to exchange or encode
             self.reducer = Reducer(self.comm, self._named[::-1], algorithm,
                                    int(bucket_mb * (1 << 20)), op="avg", overlap=overlap,
-                                   compressor=compressor, levels=levels)
+                                   compressor=compressor, levels=levels, idle=frozen)
         if self.reducer is not None or self.passes.per_step > 1:   # the hooks count the passes
             self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n))
-                           for n, p in self._named]
+                           for n, p in self._named if p.requires_grad]
 
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:

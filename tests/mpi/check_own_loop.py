@@ -1,10 +1,12 @@
 """Methods in the user's own loop: what they refuse, and when, on every rank.
 
 * an optimizer holding a tensor that is not a parameter of the model is refused at build; a
-  group added later (``add_param_group``) at the next step, naming the parameter; a parameter
-  frozen at build and unfrozen later at the first step that sees its gradient, naming it — and
-  nothing has diverged: the ranks still hold one model, and a method built anew after
-  unfreezing averages it;
+  group added later (``add_param_group``) at the next step, naming the parameter;
+* progressive unfreezing: a parameter frozen at build and unfrozen later is left alone while
+  frozen and trained from then on, one model on every rank — under syncdp (sending nothing for
+  it while frozen) and localsgd at period 1 equal to single-process training on the ranks'
+  whole batch; a method that does not take it in (onebit-adam, zeroone-adam, demo, ZeRO)
+  refuses it, naming it;
 * a parameter of the same element count but another shape on one rank is refused at build by
   every method (before: gossip, onebit-adam and zeroone-adam accepted it silently);
 * ``load_state_dict`` refuses another method's state, or other settings, naming both; a method
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import lowcomm
-from helpers import agree, control, train_steps
+from helpers import agree, assert_models_close, control, sent, train_steps
 from lowcomm.comm.ledger import Ledger
 from lowcomm.errors import CommError, LowcommError
 from under_mpi import RANK
@@ -42,8 +44,8 @@ class Net(torch.nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def batch(step):
-    g = torch.Generator().manual_seed(1000 * step + RANK)
+def batch(step, rank=None):
+    g = torch.Generator().manual_seed(1000 * step + (RANK if rank is None else rank))
     return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
@@ -104,15 +106,91 @@ def test_a_group_added_after_build_is_refused_at_the_next_step_naming_it(name, c
     opt.close()
 
 
-@pytest.mark.parametrize("name", ["syncdp", "syncdp-int8", "diloco", "gossip"])
-def test_a_parameter_unfrozen_after_build_is_refused_then_a_new_method_averages_it(name, comm, ctl):
-    """Progressive unfreezing: the step that first sees the unfrozen parameter's gradient
-    raises, naming it, before anything diverges; finishing the method and building a new one
-    after unfreezing trains it on every rank alike."""
+UNFREEZING = {**{n: SPECS[n] for n in ("syncdp", "syncdp-int8", "localsgd", "diloco", "gossip",
+                                        "sparta")},
+              "syncdp-unoverlapped": "syncdp:overlap=false", "localsgd-1": "localsgd:period=1",
+              "streaming-diloco": "streaming-diloco:period=2,fragments=2",
+              "sparta-diloco": "sparta-diloco:period=2,fraction=0.5"}
+#: methods equal to single-process SGD on the ranks' whole batch (plain SGD)
+EXACT = ("syncdp", "syncdp-unoverlapped", "localsgd-1")
+
+
+def frozen_b() -> Net:
     model = Net()
     for p in model.b.parameters():
         p.requires_grad_(False)
-    opt = build(SPECS[name], model, None, comm)
+    return model
+
+
+def whole_batch_reference(world: int, frozen_steps: int, steps: int) -> Net:
+    """One process, plain SGD on every rank's batch at once, ``b`` unfrozen after
+    ``frozen_steps``."""
+    model = frozen_b()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        if step == frozen_steps:
+            for p in model.b.parameters():
+                p.requires_grad_(True)
+        xs, ys = zip(*(batch(step, r) for r in range(world)))
+        opt.zero_grad()
+        F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("name", UNFREEZING)
+def test_a_parameter_unfrozen_after_build_is_trained_from_then_on_on_every_rank(name, comm, ctl):
+    """Progressive unfreezing: ``b`` frozen at build stays where it is, then, unfrozen, trains
+    on every rank alike (as single-process SGD on the whole batch where the method equals it)."""
+    model = frozen_b()
+    before = model.b.weight.detach().clone()
+    opt = build(UNFREEZING[name], model, None, comm)
+    train(model, opt, 2)
+    assert torch.equal(model.b.weight, before), f"{name}: the frozen parameter moved"
+    for p in model.b.parameters():
+        p.requires_grad_(True)
+    train(model, opt, 4, 2)
+    opt.finish()
+    assert not torch.equal(model.b.weight, before), f"{name}: b did not train after unfreezing"
+    assert one_model(ctl, model), f"{name}: the ranks differ"
+    if name in EXACT:
+        assert_models_close(model, whole_batch_reference(comm.size, 2, 6), name)
+
+
+def test_syncdp_sends_nothing_for_a_frozen_parameter_until_it_is_unfrozen(comm):
+    """While ``b`` is frozen, a step costs what it costs without ``b`` in the optimizer at all,
+    plus one 4-byte agreement per frozen bucket; unfrozen, ``b``'s gradient is sent too."""
+    def step_bytes(model, params, steps, first=0):
+        opt = build("syncdp:algorithm=ring", model, params, comm)
+        ledger = opt.comm.ledger
+        train(model, opt, 1, first)          # the first step (set-up traffic) is not counted
+        b0 = sent(ledger)
+        train(model, opt, steps, first + 1)
+        per_step = (sent(ledger) - b0) / steps
+        return opt, per_step
+    alone = frozen_b()
+    opt, without = step_bytes(alone, list(alone.a.parameters()), 2)
+    opt.finish()
+    model = frozen_b()
+    opt, frozen = step_bytes(model, None, 2)
+    assert without < frozen <= without + 16, (without, frozen)
+    for p in model.b.parameters():
+        p.requires_grad_(True)
+    b0 = sent(opt.comm.ledger)
+    train(model, opt, 2, 3)
+    unfrozen = (sent(opt.comm.ledger) - b0) / 2
+    opt.finish()
+    b_bytes = sum(p.numel() * 4 for p in model.b.parameters())
+    assert unfrozen >= frozen + b_bytes * (comm.size - 1) / comm.size, (frozen, unfrozen)
+
+
+@pytest.mark.parametrize("name", ["onebit-adam", "zeroone-adam", "demo", "zero2"])
+def test_a_method_that_does_not_take_unfrozen_parameters_in_refuses_them_naming_one(name, comm, ctl):
+    """The Adam-like compressed methods and ZeRO (whose shards are cut at build) exchange the
+    parameters that trained at build: the step that first sees the unfrozen one's gradient raises, naming it,
+    before anything diverges."""
+    model = frozen_b()
+    opt = build(SPECS.get(name, name), model, None, comm, adam=name in ADAM)
     train(model, opt, 2)
     for p in model.b.parameters():
         p.requires_grad_(True)
@@ -120,12 +198,6 @@ def test_a_parameter_unfrozen_after_build_is_refused_then_a_new_method_averages_
     assert isinstance(e, LowcommError) and "'b.weight'" in str(e) and "frozen" in str(e), repr(e)
     opt.finish()
     assert one_model(ctl, model), "the ranks differ after the refused step"
-    before = model.b.weight.detach().clone()
-    opt = build(SPECS[name], model, opt.optimizer.param_groups[0]["params"], comm)
-    train(model, opt, 4, 3)
-    opt.finish()
-    assert not torch.equal(model.b.weight, before), "b did not train (the check can fail)"
-    assert one_model(ctl, model), f"{name}: the ranks differ"
 
 
 # layouts that differ between ranks ----------------------------------------------------------
