@@ -6,15 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.collectives import allreduce_, broadcast_
+from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
 from ..compress.sparsify import distinct_sample
-from ..errors import ConfigError, LowcommError
+from ..errors import ConfigError
 from ..settings import Settings
 from .base import Context, Method, Strategy, agreed_dup
 from .buffers import Buffers
 from .diloco import DiLoCo, DiLoCoSettings
-from .outer import check_run, partition
+from .outer import average_parameters, check_run
 
 
 def check_fraction(fraction: float, prefix: str = "strategy.") -> float:
@@ -192,13 +192,8 @@ class Sparta(Strategy):
         """The ranks' parameters and buffers and their optimizers' state (momentum, moments)
         are averaged over the old ranks; the step count and the shared generator are rank 0's
         (equal on every rank)."""
-        from .reshard import average_dicts, average_optimizer
-        ts = [s["strategy"]["t"] for s in old]
-        if len(set(ts)) != 1:
-            raise LowcommError(f"sparta: the old ranks' checkpoints are at different steps {ts}")
-        state = dict(old[0]["strategy"],
-                     optimizer=average_optimizer([s["strategy"]["optimizer"] for s in old]))
-        return {"model": average_dicts([s["model"] for s in old]), "strategy": state}
+        from .reshard import local_replicas
+        return local_replicas(old, self.name)
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         return {"fraction": self.sparse.fraction, "averaged_per_step": self.sparse.k,
@@ -207,8 +202,7 @@ class Sparta(Strategy):
     def _finish(self) -> None:
         """Every parameter averaged over the ranks (one dense all-reduce per dtype), buffers
         averaged (integer ones rank 0's)."""
-        for f in partition(self._named, 1, 1):
-            f.unpack_(allreduce_(f.pack(), self.comm, "mpi", op="avg"))
+        average_parameters(self._named, self.comm)
         self.buffers.average(self.comm)
 
 
