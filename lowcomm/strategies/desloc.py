@@ -10,7 +10,7 @@ from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
 from ..errors import ConfigError
 from ..settings import Settings
-from .base import Context, Method, Strategy, agreed_dup
+from .base import Context, LocalSteps, Method, agreed_dup
 from .buffers import Buffers
 from .onebit_adam import adam_state, torch_adam
 from .outer import average_parameters
@@ -55,7 +55,7 @@ def build(s: DesLocSettings, model, optimizer, comm: Comm, ctx: Context) -> "Des
     return DesLoc(model, optimizer, comm, settings=s)
 
 
-class DesLoc(Strategy):
+class DesLoc(LocalSteps):
     """DES-LOC, desynced low-communication adaptive optimizers (Iacob, Sani, Safaryan,
     Giampouras, Horváth, Jovanović, Kurmanji, Aleksandrov, Shen, Qiu & Lane 2025,
     arXiv 2505.22549): every rank runs Adam on its own gradients; the parameters x, Adam's first
@@ -86,7 +86,8 @@ class DesLoc(Strategy):
     the state torch Adam starts from. The paper clips gradients per worker (radius ρ): here that
     is the training loop's clipping, which sees the local gradients. ``finish()`` averages the
     parameters once more when local steps followed the last averaging (one dense all-reduce),
-    so every run delivers one model; the moments stay per rank.
+    so every run delivers one model; the moments stay per rank. Resumed on another number of
+    ranks, the parameters, buffers and moments are averaged over the old ranks.
 
     Bytes per rank: an all-reduce of ``n·d`` values at every step where n of the three periods
     divide t (d trainable elements), i.e. about ``2(K−1)/K · B·d · T · (1/K_x + 1/K_u + 1/K_v)``
@@ -160,16 +161,6 @@ class DesLoc(Strategy):
         elif "x" in keys:
             self._dirty = False
 
-    def _step(self, closure=None):
-        loss = self.optimizer.step(closure)
-        self._advance()
-        return loss
-
-    def _skip_step(self) -> None:
-        """This rank alone skips its update (AMP); the averagings go on with the others."""
-        self.zero_grad()
-        self._advance()
-
     def _state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "t": self.t, "syncs": dict(self.syncs),
                 "dirty": self._dirty}
@@ -179,12 +170,6 @@ class DesLoc(Strategy):
         self.t = int(state["t"])
         self.syncs = dict(state["syncs"])
         self._dirty = bool(state["dirty"])
-
-    def reshard(self, old: list[dict]) -> dict:
-        """The ranks' parameters, buffers and Adam moments are averaged over the old ranks (what
-        the next averaging of each would give them); the step counter is rank 0's (every rank's)."""
-        from .reshard import local_replicas
-        return local_replicas(old, self.name)
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         if not final:

@@ -10,7 +10,7 @@ from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
 from ..errors import ConfigError
 from ..settings import Settings
-from .base import Context, Method, Strategy, agreed_dup
+from .base import Context, LocalSteps, Method, agreed_dup
 from .buffers import Buffers, persistent_buffers
 from .gossip import Layout, consensus_distance
 from .graphs import random_pairs
@@ -48,7 +48,7 @@ def build(s: NoLoCoSettings, model, optimizer, comm: Comm, ctx: Context) -> "NoL
     return NoLoCo(model, optimizer, comm, settings=s)
 
 
-class NoLoCo(Strategy):
+class NoLoCo(LocalSteps):
     """NoLoCo, no-all-reduce low-communication training (Kolehmainen, Blagoev, Donaghy, Ersoy &
     Nies 2025, arXiv 2506.10911; the reference code ``jkolehm/noloco``, ``SparseOptimizerC``
     with groups of 2): DiLoCo's inner and outer steps, except that the outer step meets one
@@ -101,6 +101,9 @@ class NoLoCo(Strategy):
 
     name = "noloco"
     Settings = NoLoCoSettings
+    #: resized: every new rank starts from the network average of the models, the outer weights
+    #: φ and the momenta δ; the pairings go on from the next outer step on the new rank count
+    averaged_state = ("phi", "delta")
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: NoLoCoSettings | None = None, **options):
@@ -169,16 +172,6 @@ class NoLoCo(Strategy):
         if self.t % self.period == 0:
             self._outer()
 
-    def _step(self, closure=None):
-        loss = self.optimizer.step(closure)
-        self._advance()
-        return loss
-
-    def _skip_step(self) -> None:
-        """This rank alone skips its update (AMP); its outer steps go on with its peers."""
-        self.zero_grad()
-        self._advance()
-
     def _state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "t": self.t, "rounds": self.rounds,
                 "alone": self.alone, "phi": [p.clone() for p in self.phi],
@@ -189,14 +182,6 @@ class NoLoCo(Strategy):
         self.t, self.rounds, self.alone = int(state["t"]), int(state["rounds"]), int(state["alone"])
         self.phi = [p.clone() for p in state["phi"]]
         self.delta = [d.clone() for d in state["delta"]]
-
-    def reshard(self, old: list[dict]) -> dict:
-        """The old ranks' models, buffers, inner optimizer state, outer weights φ and outer
-        momenta δ are averaged (every new rank starts from the network average, the model
-        :meth:`finish` would deliver); step and round counters are rank 0's (every rank's),
-        and the pairings go on from the next round on the new rank count."""
-        from .reshard import local_replicas
-        return local_replicas(old, self.name, extra=("phi", "delta"))
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         if final:

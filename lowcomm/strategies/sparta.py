@@ -11,7 +11,7 @@ from ..comm.comm import Comm
 from ..compress.sparsify import distinct_sample
 from ..errors import ConfigError
 from ..settings import Settings
-from .base import Context, Method, Strategy, agreed_dup
+from .base import Context, LocalSteps, Method, Strategy, agreed_dup
 from .buffers import Buffers
 from .diloco import DiLoCo, DiLoCoSettings
 from .outer import average_parameters, check_run
@@ -118,7 +118,7 @@ def check_sparta(s: SpartaSettings, cfg, prefix: str) -> None:
                           f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
 
 
-class Sparta(Strategy):
+class Sparta(LocalSteps):
     """SPARTA, sparse parameter averaging (as in EXO's gym, ``SPARTAStrategy``): local steps of
     the wrapped optimizer, and after each the ranks average a small random subset of the
     parameters.
@@ -165,19 +165,9 @@ class Sparta(Strategy):
         self.buffers = Buffers(model)
         self.t = 0
 
-    def _step(self, closure=None):
-        loss = self.optimizer.step(closure)
-        self._average()
-        return loss
-
-    def _average(self) -> None:
+    def _advance(self) -> None:
         self.sparse.average_(self._sparse_comm)
         self.t += 1
-
-    def _skip_step(self) -> None:
-        """This rank alone skips its update (AMP); the subset is averaged with the others."""
-        self.zero_grad()
-        self._average()
 
     def _state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "t": self.t,
@@ -187,13 +177,6 @@ class Sparta(Strategy):
         self.optimizer.load_state_dict(state["optimizer"])
         self.t = int(state["t"])
         self.sparse.load_state_dict(state["sparse"])
-
-    def reshard(self, old: list[dict]) -> dict:
-        """The ranks' parameters and buffers and their optimizers' state (momentum, moments)
-        are averaged over the old ranks; the step count and the shared generator are rank 0's
-        (equal on every rank)."""
-        from .reshard import local_replicas
-        return local_replicas(old, self.name)
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         return {"fraction": self.sparse.fraction, "averaged_per_step": self.sparse.k,
