@@ -73,6 +73,7 @@ class DesLoc(LocalSteps):
          ones rank 0's);
       4. if K_u divides t: ``u ← (1/K) Σ_k u_k``;
       5. if K_v divides t: ``v ← (1/K) Σ_k v_k``.
+
     The states due at one step travel in one all-reduce. With K_x = K_u = K_v = K this is Local
     Adam (every state averaged every K steps); with K_x = K and K_u = K_v = ∞ Local SGD's
     averaging around a local Adam (DiLoCo's outer SGD at lr 1).

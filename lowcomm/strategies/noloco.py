@@ -73,6 +73,7 @@ class NoLoCo(LocalSteps):
          ``α δ_i + β (θ̄ − φ_i)``, and only θ is sent);
       5. φ_i ← φ_i + δ_i, θ_i ← φ_i; floating buffers (BatchNorm's statistics) ← the pair's
          mean; go to 2.
+
     No collective runs during training: a rank sends ``B·d`` bytes (d trainable elements of B
     bytes, plus its floating buffers; twice that where γ ≠ β) once every H steps, whatever the
     number of ranks. With an odd number of ranks the rank the permutation leaves alone takes
