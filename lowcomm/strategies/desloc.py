@@ -125,8 +125,10 @@ class DesLoc(LocalSteps):
         for _, p in self._named:
             self.dtype = torch.promote_types(self.dtype, p.dtype)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
-        sig = repr([(n, str(p.dtype), tuple(p.shape)) for n, p in self._named])
-        self._comm = agreed_dup(self.comm, "desloc.layout", sig, len(self._named))
+        # a rank with other periods would send all-reduces of other sizes, or none: refused
+        sig = repr((s.periods(), [(n, str(p.dtype), tuple(p.shape)) for n, p in self._named]))
+        self._comm = agreed_dup(self.comm, "desloc.layout", sig, len(self._named),
+                                what="parameters or periods", mine=f"periods {s.periods()}")
         self.buffers = Buffers(model)
         self.t = 0
         self.syncs = {k: 0 for k in STATES}      # averagings of each state so far

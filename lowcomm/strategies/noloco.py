@@ -121,8 +121,11 @@ class NoLoCo(LocalSteps):
         self._buffer_layout = Layout([(n, b) for n, b in persistent_buffers(model)
                                        if b.is_floating_point()], weight=False)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
-        sig = repr([(n, str(p.dtype), tuple(p.shape)) for n, p in self._named])
-        self._p2p = agreed_dup(self.comm, "noloco.layout", sig, len(self._named))
+        # a rank with another period or seed would wait for a peer that never comes: refused
+        sig = repr((s.period, s.seed, [(n, str(p.dtype), tuple(p.shape)) for n, p in self._named]))
+        self._p2p = agreed_dup(self.comm, "noloco.layout", sig, len(self._named),
+                               what="parameters or settings (period, seed)",
+                               mine=f"period={s.period}, seed={s.seed}")
         self.buffers = Buffers(model)
         self.phi = self._layout.flats()                        # φ_i, one flat tensor per dtype
         self.delta = [torch.zeros_like(f) for f in self.phi]   # δ_i
@@ -183,6 +186,10 @@ class NoLoCo(LocalSteps):
         self.t, self.rounds, self.alone = int(state["t"]), int(state["rounds"]), int(state["alone"])
         self.phi = [p.clone() for p in state["phi"]]
         self.delta = [d.clone() for d in state["delta"]]
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The outer weights φ and momentum δ, as optimizer state."""
+        return {"state": [*self.phi, *self.delta]}
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         if final:

@@ -514,3 +514,17 @@ def test_noloco_sends_one_model_to_one_peer_per_outer_step(group, gamma):
         assert len(set(group.allgather_object(state_sha256(model)))) > 1
     opt.finish()
     assert len(set(group.allgather_object(state_sha256(model)))) == 1
+
+
+@pytest.mark.parametrize("spec", ["noloco:period=2,seed={r}", "noloco:period={p}",
+                                  "desloc:period_u={p}"])
+def test_desloc_and_noloco_refuse_ranks_with_other_schedules(group, spec):
+    """A rank whose period or seed differs would wait for a peer or an all-reduce that never
+    comes: every rank gets a CommError naming the odd rank at build."""
+    r, p = group.rank, 2 + (group.rank == group.size - 1)
+    model = mlp()
+    inner = torch.optim.Adam(model.parameters(), lr=0.01)
+    with pytest.raises(lowcomm.CommError, match=r"ranks \[[0-9, ]*\] hold differently named or shaped "
+                                                r"parameters or (settings|periods)") as e:
+        lowcomm.build(spec.format(r=r, p=p), model, inner, group)
+    assert f"{group.size - 1}" in str(e.value)
