@@ -39,6 +39,14 @@ def check_compressor_name(s, prefix: str, allow_empty: bool = False) -> None:
                           f"{', '.join(COMPRESSORS)}")
 
 
+def refuse_gradient_compressor(cfg, what: str) -> None:
+    """The check of a method that sends no gradients (``what`` says what it sends instead): the
+    run's gradient compressor would do nothing, so naming one is an error naming the key."""
+    if cfg.compressor.name != "none":
+        raise ConfigError("compressor.name", f"{what}; leave compressor.name = \"none\", got "
+                          f"{cfg.compressor.name!r}")
+
+
 @dataclass
 class Context:
     """What a builder takes beyond its own settings: the run's ``[compressor]`` table (the

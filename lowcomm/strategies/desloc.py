@@ -10,7 +10,7 @@ from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
 from ..errors import ConfigError
 from ..settings import Settings
-from .base import Context, LocalSteps, Method, agreed_dup
+from .base import Context, LocalSteps, Method, agreed_dup, refuse_gradient_compressor
 from .buffers import Buffers
 from .onebit_adam import adam_state, torch_adam
 from .outer import average_parameters
@@ -46,9 +46,7 @@ def check_run(s: DesLocSettings, cfg, prefix: str) -> None:
     if cfg.optimizer.name not in ("adam", "adamw"):
         raise ConfigError("optimizer.name", "desloc averages torch Adam's moments; use "
                           f"optimizer.name = \"adam\" or \"adamw\", got {cfg.optimizer.name!r}")
-    if cfg.compressor.name != "none":
-        raise ConfigError("compressor.name", "desloc sends no gradients (it averages parameters "
-                          f"and moments); leave compressor.name = \"none\", got {cfg.compressor.name!r}")
+    refuse_gradient_compressor(cfg, "desloc sends no gradients (it averages parameters and moments)")
 
 
 def build(s: DesLocSettings, model, optimizer, comm: Comm, ctx: Context) -> "DesLoc":

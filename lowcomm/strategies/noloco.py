@@ -8,9 +8,8 @@ import torch
 
 from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
-from ..errors import ConfigError
 from ..settings import Settings
-from .base import Context, LocalSteps, Method, agreed_dup
+from .base import Context, LocalSteps, Method, agreed_dup, refuse_gradient_compressor
 from .buffers import Buffers, persistent_buffers
 from .gossip import Layout, consensus_distance
 from .graphs import random_pairs
@@ -39,9 +38,7 @@ class NoLoCoSettings(Settings):
 
 
 def check_run(s: NoLoCoSettings, cfg, prefix: str) -> None:
-    if cfg.compressor.name != "none":
-        raise ConfigError("compressor.name", "noloco exchanges parameters with one peer, not "
-                          f"gradients; leave compressor.name = \"none\", got {cfg.compressor.name!r}")
+    refuse_gradient_compressor(cfg, "noloco exchanges parameters with one peer, not gradients")
 
 
 def build(s: NoLoCoSettings, model, optimizer, comm: Comm, ctx: Context) -> "NoLoCo":

@@ -11,7 +11,7 @@ from ..comm.comm import Comm
 from ..compress.sparsify import distinct_sample
 from ..errors import ConfigError
 from ..settings import Settings
-from .base import Context, LocalSteps, Method, Strategy, agreed_dup
+from .base import Context, LocalSteps, Method, Strategy, agreed_dup, refuse_gradient_compressor
 from .buffers import Buffers
 from .diloco import DiLoCo, DiLoCoSettings
 from .outer import average_parameters, check_run
@@ -113,9 +113,7 @@ def build(s, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
 
 def check_sparta(s: SpartaSettings, cfg, prefix: str) -> None:
     """SPARTA sends parameters, not gradients: the run's gradient compressor would do nothing."""
-    if cfg.compressor.name != "none":
-        raise ConfigError("compressor.name", "sparta averages parameters and compresses nothing; "
-                          f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
+    refuse_gradient_compressor(cfg, "sparta averages parameters and compresses nothing")
 
 
 class Sparta(LocalSteps):
