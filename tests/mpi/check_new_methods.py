@@ -528,3 +528,30 @@ def test_desloc_and_noloco_refuse_ranks_with_other_schedules(group, spec):
                                                 r"parameters or (settings|periods)") as e:
         lowcomm.build(spec.format(r=r, p=p), model, inner, group)
     assert f"{group.size - 1}" in str(e.value)
+
+
+def test_desloc_a_parameter_without_adam_state_on_a_rank_takes_part_with_zero_moments(group):
+    """Rank 0 alone uses the second head: on the other ranks torch Adam never made its state.
+    At the moments' averaging every rank holds the mean of rank 0's moments and the others'
+    zeros (the state torch Adam starts from), and nothing hangs on a missing tensor."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(12, 4), "b": nn.Linear(12, 4)})
+    inner = torch.optim.Adam(model.parameters(), lr=0.01)
+    opt = lowcomm.DesLoc(model, inner, group, period=1, period_u=2, period_v=2)
+    before = {}
+    inner.register_step_post_hook(lambda *_: before.update(
+        {k: inner.state[model["b"].weight][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+        if model["b"].weight in inner.state else {}))
+    for step in (1, 2):
+        opt.zero_grad()
+        x, y = batch(step, group.rank)
+        out = model["a"](x) + (model["b"](x) if group.rank == 0 else 0)
+        F.cross_entropy(out, y).backward()
+        opt.step()
+    every = group.allgather_object(before)       # just before the averaging of step 2
+    st = inner.state[model["b"].weight]
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert bool(every[0][k].abs().sum() > 0)
+        assert all(k not in e for e in every[1:]), "torch Adam made a state for an unused parameter"
+        assert torch.allclose(st[k], every[0][k] / group.size, rtol=1e-6, atol=0), k
+    opt.finish()
