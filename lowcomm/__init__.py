@@ -28,7 +28,7 @@ _LAZY = {
     "StreamingDiLoCo": "strategies.diloco", "Gossip": "strategies.gossip",
     "AsyncPS": "strategies.async_ps", "OneBitAdam": "strategies.onebit_adam",
     "ZeroOneAdam": "strategies.zeroone_adam", "DeMo": "strategies.demo", "Sparta": "strategies.sparta",
-    "SpartaDiLoCo": "strategies.sparta", "ZeRO1": "strategies.zero", "ZeRO2": "strategies.zero",
+    "SpartaDiLoCo": "strategies.sparta", "DesLoc": "strategies.desloc", "NoLoCo": "strategies.noloco", "ZeRO1": "strategies.zero", "ZeRO2": "strategies.zero",
     "FSDP": "strategies.fsdp", "MuonAdamW": "run.optimizers",
     "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.base", "adopt": "strategies.base",
     "Context": "strategies.base", "Settings": "settings",

@@ -1,7 +1,7 @@
-"""DeMo, SPARTA, SPARTA under DiLoCo, 0/1 Adam and MuLoCo: the pieces in one process (DeMo's
-transform and codec against the paper's equations written out here, 0/1 Adam's schedule against
-its rule written out here), then the methods on 2 and 4 ranks under mpirun
-(tests/mpi/check_new_methods.py)."""
+"""DeMo, SPARTA, SPARTA under DiLoCo, 0/1 Adam, MuLoCo, DES-LOC and NoLoCo: the pieces in one
+process (DeMo's transform and codec against the paper's equations written out here, 0/1 Adam's
+schedule against its rule written out here, NoLoCo's pairings), then the methods on 2 and 4
+ranks under mpirun (tests/mpi/check_new_methods.py)."""
 import math
 from types import SimpleNamespace
 
@@ -16,6 +16,7 @@ from lowcomm.errors import ConfigError
 from lowcomm.run.api import load_config
 from lowcomm.run.registry import build
 from lowcomm.strategies.demo import DeMo, _Bucket
+from lowcomm.strategies.graphs import random_pairs
 from lowcomm.strategies.zeroone_adam import schedule
 
 
@@ -128,6 +129,13 @@ def test_zeroone_adam_schedule_follows_the_papers_policies():
     (["strategy.name=sparta", "compressor.name=int8"], "compressor.name", "sparta averages parameters"),
     (["strategy.name=sparta-diloco", "strategy.fraction=1.5"], "strategy.fraction", r"\(0, 1\]"),
     (["strategy.name=sparta-diloco", "strategy.fragments=2"], "strategy.fragments", "streaming-diloco"),
+    (["strategy.name=desloc", "optimizer.name=sgd"], "optimizer.name", "desloc averages torch Adam"),
+    (["strategy.name=desloc", "compressor.name=int8"], "compressor.name", "desloc sends no gradients"),
+    (["strategy.name=desloc", "strategy.period_v=0"], "strategy.period_v", ">= 1"),
+    (["strategy.name=noloco", "strategy.outer_momentum=1"], "strategy.outer_momentum", r"\[0, 1\)"),
+    (["strategy.name=noloco", "strategy.gamma=0"], "strategy.gamma", r"\(0, inf\]"),
+    (["strategy.name=noloco", "strategy.seed=-1"], "strategy.seed", ">= 0"),
+    (["strategy.name=noloco", "compressor.name=int8"], "compressor.name", "noloco exchanges parameters"),
 ])
 def test_bad_settings_are_errors_naming_the_key(overrides, key, message):
     with pytest.raises(ConfigError, match=message) as e:
@@ -142,6 +150,35 @@ def test_python_constructors_check_their_arguments():
     assert e.value.key == "chunk"
 
 
+def test_python_constructors_of_desloc_and_noloco_check_their_arguments():
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ConfigError) as e:
+        build("noloco:period=0", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert e.value.key == "period"
+    with pytest.raises(TypeError, match="DES-LOC wraps torch.optim.Adam or AdamW, got SGD"):
+        build("desloc", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="DES-LOC does not support amsgrad=True"):
+        build("desloc", model, torch.optim.Adam(model.parameters(), amsgrad=True))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 7, 8])
+def test_noloco_pairs_every_rank_with_one_other_a_new_pairing_each_round(size):
+    pairings = [random_pairs(size, 5, r) for r in range(20)]
+    for partner in pairings:
+        alone = [i for i, j in enumerate(partner) if j is None]
+        assert len(alone) == size % 2                       # odd: exactly one rank sits out
+        assert all(partner[j] == i for i, j in enumerate(partner) if j is not None)   # mutual
+        assert all(j != i for i, j in enumerate(partner))
+    assert pairings == [random_pairs(size, 5, r) for r in range(20)]    # a function of (seed, round)
+    if size > 3:
+        assert len({tuple(p) for p in pairings}) > 1                    # not a fixed matching
+        assert [random_pairs(size, 6, r) for r in range(20)] != pairings   # the seed matters
+    if size <= 4:     # over 20 rounds every rank met every other (the pairs mix the network)
+        met = {(i, j) for p in pairings for i, j in enumerate(p) if j is not None}
+        assert met == {(i, j) for i in range(size) for j in range(size) if i != j}
+
+
 def test_new_methods_under_mpirun():
     cases = run_mpi_suite(4, "check_new_methods.py", timeout=500)
     assert any("::test_demo_" in n for n in cases) and any("sparta" in n for n in cases)
+    assert any("::test_desloc_" in n for n in cases) and any("::test_noloco_" in n for n in cases)

@@ -70,6 +70,9 @@ def methods() -> dict[str, list[str]]:
         m["zeroone-adam"] = ["strategy.name=zeroone-adam", "strategy.var_freeze_step=5",
                              "strategy.var_update_scaler=2", "strategy.local_step_scaler=2",
                              "strategy.local_step_clipper=4", "optimizer.schedule=cosine"]
+    if "desloc" in STRATEGIES:   # each of the three periods falls inside the run
+        m["desloc"] = ["strategy.name=desloc", "strategy.period=2", "strategy.period_u=3",
+                       "strategy.period_v=4", "optimizer.schedule=cosine"]
     if "demo" in STRATEGIES:   # the paper's sign step; the lr its momentum reads moves
         m["demo"] = ["strategy.name=demo", "optimizer.name=sgd", "optimizer.schedule=cosine"]
     # MuLoCo: DiLoCo over torch's Muon and AdamW (the inner optimizer's two parts resume)

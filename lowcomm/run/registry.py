@@ -23,7 +23,8 @@ import dataclasses
 from .config import Config, parse_override
 from ..compress.settings import CompressorSettings
 from ..errors import ConfigError
-from ..strategies import demo, diloco, fsdp, gossip, localsgd, onebit_adam, sparta, syncdp, zero, zeroone_adam
+from ..strategies import (demo, desloc, diloco, fsdp, gossip, localsgd, noloco, onebit_adam, sparta,
+                          syncdp, zero, zeroone_adam)
 from ..strategies.ps import method as async_ps
 from ..strategies.base import Context, Method, Strategy
 from ..strategies.policy import Level, build_policy, check_plan
@@ -43,6 +44,8 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     demo.METHOD,
     sparta.METHOD,
     sparta.DILOCO_METHOD,
+    desloc.METHOD,
+    noloco.METHOD,
     fsdp.METHOD,
 )}
 

@@ -39,6 +39,14 @@ def check_compressor_name(s, prefix: str, allow_empty: bool = False) -> None:
                           f"{', '.join(COMPRESSORS)}")
 
 
+def refuse_gradient_compressor(cfg, what: str) -> None:
+    """The check of a method that sends no gradients (``what`` says what it sends instead): the
+    run's gradient compressor would do nothing, so naming one is an error naming the key."""
+    if cfg.compressor.name != "none":
+        raise ConfigError("compressor.name", f"{what}; leave compressor.name = \"none\", got "
+                          f"{cfg.compressor.name!r}")
+
+
 @dataclass
 class Context:
     """What a builder takes beyond its own settings: the run's ``[compressor]`` table (the
@@ -671,3 +679,34 @@ class Strategy(torch.optim.Optimizer):
             self.finish()
         else:
             self.close()
+
+
+class LocalSteps(Strategy):
+    """A method whose ranks step the wrapped optimizer on their own gradients and then
+    communicate on the method's schedule (:meth:`_advance`, after every step): SPARTA, DES-LOC,
+    NoLoCo. A step one rank skips under AMP drops its update only; the schedule goes on with
+    the other ranks."""
+
+    #: keys of the strategy state holding per-rank tensor lists that a resize averages
+    averaged_state: tuple[str, ...] = ()
+
+    def _step(self, closure=None):
+        loss = self.optimizer.step(closure)
+        self._advance()
+        return loss
+
+    def _skip_step(self) -> None:
+        self.zero_grad()
+        self._advance()
+
+    def _advance(self) -> None:
+        """After the step (or the skipped one): count it and communicate what is due."""
+        raise NotImplementedError
+
+    def reshard(self, old: list[dict]) -> dict:
+        """The old ranks' models, buffers, optimizer state (momentum, Adam moments) and the
+        tensors of :attr:`averaged_state` are averaged; the step counter ``t`` (every old rank's)
+        and the rest of the state are rank 0's
+        (:func:`~lowcomm.strategies.reshard.local_replicas`)."""
+        from .reshard import local_replicas
+        return local_replicas(old, self.name, self.averaged_state)

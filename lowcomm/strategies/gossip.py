@@ -19,7 +19,7 @@ ORDERS = ("cta", "atc")
 TAG = 90_000                 # on the strategy's own duplicated communicator
 
 
-class _Layout:
+class Layout:
     """Where each trainable parameter sits in one flat byte message: an optional float64 push-sum
     weight first, then one typed block per dtype (widest first, so every block is aligned)."""
 
@@ -69,6 +69,17 @@ class _Layout:
 
     def set_weight(self, buf: torch.Tensor, w: float) -> None:
         buf[:8].view(torch.float64)[0] = w
+
+
+def consensus_distance(layout: Layout, ctl: Comm) -> float:
+    """Mean over the ranks of ``ctl`` of ``‖θ_i − θ̄‖``, θ the tensors of ``layout`` (float64)."""
+    flat = torch.cat([f.double() for f in layout.flats()]) if layout.groups \
+        else torch.zeros(0, dtype=torch.float64)
+    if ctl.size == 1:
+        return 0.0
+    mean = ctl.allreduce_(flat.clone()).div_(ctl.size)
+    d = torch.tensor([float(torch.linalg.vector_norm(flat - mean))], dtype=torch.float64)
+    return float(ctl.allreduce_(d)) / ctl.size
 
 
 class Gossip(Strategy):
@@ -195,7 +206,7 @@ class Gossip(Strategy):
         self._g = self.comm.dup()           # own message space: tags cannot meet other traffic
         self.rank = self._g.rank
         self.op = "gossip.choco" if compressor is not None else f"gossip.{mode}"
-        self._layout = _Layout(named, weight=mode != "dpsgd")
+        self._layout = Layout(named, weight=mode != "dpsgd")
         self.t = 0                          # gossip rounds done (the graph's phase)
         self.steps = 0                      # optimizer steps done
         self.w = 1.0                        # push-sum weight (dpsgd: always 1)
@@ -497,13 +508,7 @@ class Gossip(Strategy):
 
     def consensus_distance(self, ctl: Comm) -> float:
         """Mean over ranks of ``‖θ_i − θ̄‖`` (all trainable parameters, float64), over ``ctl``."""
-        flat = torch.cat([f.double() for f in self._layout.flats()]) if self._layout.groups \
-            else torch.zeros(0, dtype=torch.float64)
-        if ctl.size == 1:
-            return 0.0
-        mean = ctl.allreduce_(flat.clone()).div_(ctl.size)
-        d = torch.tensor([float(torch.linalg.vector_norm(flat - mean))], dtype=torch.float64)
-        return float(ctl.allreduce_(d)) / ctl.size
+        return consensus_distance(self._layout, ctl)
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         if final:

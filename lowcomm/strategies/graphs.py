@@ -204,6 +204,19 @@ def build_graph(name: str, size: int) -> Graph:
     return Circulant(name, size, [[p] for p in powers])   # one-peer-exponential
 
 
+def random_pairs(size: int, seed: int, round: int) -> list[int | None]:
+    """A random pairing of ``size`` ranks for ``round`` (NoLoCo's outer steps): a uniformly
+    random permutation π, drawn from ``(seed, round)`` alone, pairs π[0] with π[1], π[2] with
+    π[3], …; with an odd count π[-1] is left alone. Returns each rank's partner (None: alone),
+    the same on every rank that asks with the same seed and round, so no rank sends who pairs
+    with whom."""
+    perm = np.random.default_rng([int(seed), int(round)]).permutation(int(size)).tolist()
+    partner: list[int | None] = [None] * int(size)
+    for a, b in zip(perm[0::2], perm[1::2]):
+        partner[a], partner[b] = b, a
+    return partner
+
+
 def second_eigenvalue(mats: list[np.ndarray]) -> float:
     """Per-round contraction of consensus: ``|λ_2|`` of the product of one period's matrices,
     to the power 1/period (the largest modulus after the eigenvalue 1 of the average)."""

@@ -50,6 +50,30 @@ def adam_only(method: str):
 check_run = adam_only("onebit-adam")
 
 
+def torch_adam(optimizer: torch.optim.Optimizer, method: str) -> bool:
+    """Check that ``optimizer`` is a plain torch ``Adam`` or ``AdamW`` (no amsgrad, no
+    maximize), which ``method`` steps or reads the moments of; returns whether its weight decay
+    is decoupled (AdamW)."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise TypeError(f"{method} wraps torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
+    for i, g in enumerate(optimizer.param_groups):
+        for opt in ("amsgrad", "maximize"):
+            if g.get(opt):
+                raise ValueError(f"{method} does not support {opt}=True (param group {i})")
+    return type(optimizer) is torch.optim.AdamW
+
+
+def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """Adam's state of ``p``, made as torch Adam makes it where Adam has not stepped ``p``
+    (no gradient yet)."""
+    st = optimizer.state[p]
+    if "step" not in st:
+        st["step"] = torch.tensor(0.0)
+        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return st
+
+
 METHOD = Method("onebit-adam", OneBitAdamSettings, build,
                 "1-bit Adam: dense Adam warm-up, then the momentum exchanged with 1 bit per "
                 "element", check=check_run)
@@ -130,13 +154,7 @@ class OneBitAdam(Strategy):
         super().__init__(model, optimizer, comm)
         s = settings if settings is not None else self.settings_from(options)
         self.settings = s
-        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-            raise TypeError(f"1-bit Adam wraps torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
-        self.decoupled = type(optimizer) is torch.optim.AdamW   # AdamW's weight decay
-        for i, g in enumerate(optimizer.param_groups):
-            for opt in ("amsgrad", "maximize"):
-                if g.get(opt):
-                    raise ValueError(f"1-bit Adam does not support {opt}=True (param group {i})")
+        self.decoupled = torch_adam(optimizer, "1-bit Adam")   # AdamW's weight decay
         self.freeze_step = s.freeze_step
         names = {p: n for n, p in model.named_parameters()}
         self._params = [(names.get(p, f"param{i}"), p, g) for g in optimizer.param_groups
@@ -244,14 +262,7 @@ class OneBitAdam(Strategy):
             off += n
 
     def _state(self, p: torch.Tensor) -> dict:
-        """Adam's state of ``p``, made as torch Adam makes it where Adam has not stepped ``p``
-        (no gradient yet on any rank)."""
-        st = self.optimizer.state[p]
-        if "step" not in st:
-            st["step"] = torch.tensor(0.0)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return st
+        return adam_state(self.optimizer, p)
 
     def _frozen_denominators(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per parameter, step 1's δ and the mask of the coordinates that ever moved

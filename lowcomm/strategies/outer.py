@@ -112,6 +112,13 @@ def partition(named: list[tuple[str, torch.nn.Parameter]], fragments: int, perio
     return out
 
 
+def average_parameters(named: list[tuple[str, torch.nn.Parameter]], comm: Comm) -> None:
+    """Every parameter of ``named`` becomes its average over ``comm``,
+    θ ← (1/K) Σ_k θ_k: one dense all-reduce (of the parameters packed in their promoted dtype)."""
+    for f in partition(named, 1, 1):
+        f.unpack_(allreduce_(f.pack(), comm, "mpi", op="avg"))
+
+
 def _done(value) -> Future:
     fut: Future = Future()
     fut.set_result(value)

@@ -75,3 +75,20 @@ def reset_compressor(old_states: list[dict | None], fresh: dict, what: str) -> d
                     "PowerSGD memory, generators) is reset, not summed into the merged replica",
                     what, len(old_states))
     return fresh
+
+
+def local_replicas(old: list[dict], what: str, extra: tuple[str, ...] = ()) -> dict:
+    """The merge of a method whose ranks take local steps from one schedule (SPARTA, DES-LOC,
+    NoLoCo): the models and the optimizers' state (momentum, Adam moments) averaged over the old
+    ranks, as are the strategy state's tensor lists named in ``extra``; the step counter ``t``
+    (which every old rank must share) and the rest rank 0's."""
+    from ..errors import LowcommError
+    ts = [s["strategy"]["t"] for s in old]
+    if len(set(ts)) != 1:
+        raise LowcommError(f"{what}: the old ranks' checkpoints are at different steps {ts}")
+    state = dict(old[0]["strategy"],
+                 optimizer=average_optimizer([s["strategy"]["optimizer"] for s in old]))
+    for key in extra:
+        state[key] = [average([s["strategy"][key][i] for s in old])
+                      for i in range(len(state[key]))]
+    return {"model": average_dicts([s["model"] for s in old]), "strategy": state}

@@ -6,15 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.collectives import allreduce_, broadcast_
+from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
 from ..compress.sparsify import distinct_sample
-from ..errors import ConfigError, LowcommError
+from ..errors import ConfigError
 from ..settings import Settings
-from .base import Context, Method, Strategy, agreed_dup
+from .base import Context, LocalSteps, Method, Strategy, agreed_dup, refuse_gradient_compressor
 from .buffers import Buffers
 from .diloco import DiLoCo, DiLoCoSettings
-from .outer import check_run, partition
+from .outer import average_parameters, check_run
 
 
 def check_fraction(fraction: float, prefix: str = "strategy.") -> float:
@@ -113,12 +113,10 @@ def build(s, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
 
 def check_sparta(s: SpartaSettings, cfg, prefix: str) -> None:
     """SPARTA sends parameters, not gradients: the run's gradient compressor would do nothing."""
-    if cfg.compressor.name != "none":
-        raise ConfigError("compressor.name", "sparta averages parameters and compresses nothing; "
-                          f"leave compressor.name = \"none\", got {cfg.compressor.name!r}")
+    refuse_gradient_compressor(cfg, "sparta averages parameters and compresses nothing")
 
 
-class Sparta(Strategy):
+class Sparta(LocalSteps):
     """SPARTA, sparse parameter averaging (as in EXO's gym, ``SPARTAStrategy``): local steps of
     the wrapped optimizer, and after each the ranks average a small random subset of the
     parameters.
@@ -167,19 +165,9 @@ class Sparta(Strategy):
         self.buffers = Buffers(model)
         self.t = 0
 
-    def _step(self, closure=None):
-        loss = self.optimizer.step(closure)
-        self._average()
-        return loss
-
-    def _average(self) -> None:
+    def _advance(self) -> None:
         self.sparse.average_(self._sparse_comm)
         self.t += 1
-
-    def _skip_step(self) -> None:
-        """This rank alone skips its update (AMP); the subset is averaged with the others."""
-        self.zero_grad()
-        self._average()
 
     def _state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "t": self.t,
@@ -190,18 +178,6 @@ class Sparta(Strategy):
         self.t = int(state["t"])
         self.sparse.load_state_dict(state["sparse"])
 
-    def reshard(self, old: list[dict]) -> dict:
-        """The ranks' parameters and buffers and their optimizers' state (momentum, moments)
-        are averaged over the old ranks; the step count and the shared generator are rank 0's
-        (equal on every rank)."""
-        from .reshard import average_dicts, average_optimizer
-        ts = [s["strategy"]["t"] for s in old]
-        if len(set(ts)) != 1:
-            raise LowcommError(f"sparta: the old ranks' checkpoints are at different steps {ts}")
-        state = dict(old[0]["strategy"],
-                     optimizer=average_optimizer([s["strategy"]["optimizer"] for s in old]))
-        return {"model": average_dicts([s["model"] for s in old]), "strategy": state}
-
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         return {"fraction": self.sparse.fraction, "averaged_per_step": self.sparse.k,
                 "steps": self.t} if final else {}
@@ -209,8 +185,7 @@ class Sparta(Strategy):
     def _finish(self) -> None:
         """Every parameter averaged over the ranks (one dense all-reduce per dtype), buffers
         averaged (integer ones rank 0's)."""
-        for f in partition(self._named, 1, 1):
-            f.unpack_(allreduce_(f.pack(), self.comm, "mpi", op="avg"))
+        average_parameters(self._named, self.comm)
         self.buffers.average(self.comm)
 
 

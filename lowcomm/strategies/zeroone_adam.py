@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.collectives import allreduce_
 from ..comm.comm import Comm
 from ..compress.compressor import Compressor
 from ..compress.error_feedback import ErrorFeedback
@@ -15,7 +14,7 @@ from ..compress.twophase import TwoPhase
 from ..settings import Settings
 from .base import Context, Method
 from .onebit_adam import OneBitAdam, OneBitAdamSettings, adam_only
-from .outer import partition
+from .outer import average_parameters
 
 
 @dataclass
@@ -361,8 +360,6 @@ class ZeroOneAdam(OneBitAdam):
         """After local steps the ranks differ: their parameters are averaged (one dense
         all-reduce per dtype); buffers are rank 0's."""
         if any(self._lrs):                      # local steps since the last synchronisation
-            named = [(n, p) for n, p, _ in self._params]
-            for f in partition(named, 1, 1):
-                f.unpack_(allreduce_(f.pack(), self.comm, "mpi", op="avg"))
+            average_parameters([(n, p) for n, p, _ in self._params], self.comm)
         self.buffers.broadcast(self.comm)
 

@@ -64,6 +64,12 @@ METHODS: dict[str, list[str]] = {
     "sparta": ["strategy.name=sparta", "strategy.fraction=0.005"],
     "sparta-diloco": ["strategy.name=sparta-diloco", "strategy.period=50", "strategy.fraction=0.005"],
     "muloco": ["strategy.name=diloco", "strategy.period=50", "optimizer.name=muon"],
+    # DES-LOC: local Adam, parameters every 16 steps, moments every 48 and 96 (K_u = 3 K_x,
+    # K_v = 6 K_x, the paper's recommendation)
+    "desloc": ["strategy.name=desloc", "strategy.period=16", "strategy.period_u=48",
+               "strategy.period_v=96"],
+    # NoLoCo: DiLoCo's outer step with one random peer, no collective
+    "noloco": ["strategy.name=noloco", "strategy.period=50"],
     "localsgd": ["strategy.name=localsgd", "strategy.period=10"],
     "diloco": ["strategy.name=diloco", "strategy.period=50"],
     "streaming-diloco": ["strategy.name=streaming-diloco", "strategy.period=50",

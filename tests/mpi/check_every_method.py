@@ -48,6 +48,8 @@ METHODS = {
     "sparta": ("sparta:fraction=0.05", []),
     "sparta-diloco": ("sparta-diloco:period=3,fraction=0.05", []),
     "muloco": ("diloco:period=3", ["optimizer.name=muon"]),
+    "desloc": ("desloc:period=2,period_u=3,period_v=4", ["optimizer.name=adam"]),
+    "noloco": ("noloco:period=2", []),          # 3 ranks: one sits out each outer step
     "average-every": ("average-every:period=3", []),
     "async-ps": ("async-ps:servers=1", []),
     "policy": ("syncdp", ["topology=dc:2,rank:2+1", "policy.dc=diloco:period=3,compressor=int8"]),
@@ -166,7 +168,7 @@ def test_build_makes_every_registered_method_from_its_spec(name, comm):
     """From Python, no config machinery (async-ps needs the loop's serving side: see the CLI
     tests)."""
     m = seeded_mlp(10, 16, 3)
-    adam = name in ("onebit-adam", "zeroone-adam")
+    adam = name in ("onebit-adam", "zeroone-adam", "desloc")
     inner = (torch.optim.Adam if adam else torch.optim.SGD)(m.parameters(), lr=0.1)
     opt = lowcomm.build(name, m, inner, comm, steps=STEPS)
     opt.close()

@@ -1,4 +1,4 @@
-"""DeMo, SPARTA, SPARTA under DiLoCo, 0/1 Adam and MuLoCo on 2 ranks (the world split in two
+"""DeMo, SPARTA, SPARTA under DiLoCo, 0/1 Adam, MuLoCo, DES-LOC and NoLoCo on 2 ranks (the world split in two
 halves, each running the case) and on 4, each against a reference computed here on every rank:
 
 * DeMo equals the paper's equations (scipy's orthonormal DCT, per-chunk top-k, momentum
@@ -11,8 +11,14 @@ halves, each running the case) and on 4, each against a reference computed here 
 * 0/1 Adam equals torch Adam on the averaged gradient while every step is dense; its variance
   moves on T_v only and is frozen after ``var_freeze_step``; local steps send nothing and
   synchronisations leave one model; a rank that skips a local step alone keeps the schedule;
-* MuLoCo's inner steps are MuonAdamW's (torch's Muon and AdamW) on each rank's own batches.
+* MuLoCo's inner steps are MuonAdamW's (torch's Muon and AdamW) on each rank's own batches;
+* DES-LOC equals the paper's equations on K workers simulated in one process (each rank's
+  parameters and Adam moments, every step), its bytes per step an all-reduce of the states due;
+* NoLoCo equals the reference code's outer step on K workers simulated in one process with the
+  same pairings; it sends one model to one peer per outer step and nothing else.
 """
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import scipy.fft
@@ -335,4 +341,217 @@ def test_muloco_inner_steps_are_muon_adamw_steps(group):
     assert len(set(group.allgather_object(state_sha256(model)))) == 1
     start = mlp().state_dict()
     assert all(not torch.equal(p, start[k]) for k, p in model.state_dict().items())
+    opt.finish()
+
+
+# DES-LOC ---------------------------------------------------------------------------------------
+def paper_desloc(K: int, steps: int, periods: dict, lr: float, betas=(0.9, 0.95), eps=1e-8,
+                 wd: float = 0.0):
+    """The paper's equations on K simulated workers, in one process, written out here: every
+    worker takes an AdamW step on its own gradient (torch's bias corrections, decoupled weight
+    decay), then after step t the parameters x, first moments u and second moments v whose
+    period divides t are replaced by the workers' mean. After every step: (x, u, v) per worker."""
+    model = mlp(torch.float64)
+    x0 = [p.detach().clone() for p in model.parameters()]
+    x = [[t.clone() for t in x0] for _ in range(K)]
+    u = [[torch.zeros_like(t) for t in x0] for _ in range(K)]
+    v = [[torch.zeros_like(t) for t in x0] for _ in range(K)]
+    (b1, b2), after = betas, []
+    for t in range(1, steps + 1):
+        for r in range(K):
+            with torch.no_grad():
+                for p, w in zip(model.parameters(), x[r]):
+                    p.copy_(w)
+            for i, g in enumerate(grads(model, t, r)):
+                u[r][i] = b1 * u[r][i] + (1 - b1) * g
+                v[r][i] = b2 * v[r][i] + (1 - b2) * g * g
+                denom = (v[r][i] / (1 - b2 ** t)).sqrt() + eps
+                x[r][i] = x[r][i] * (1 - lr * wd) - lr / (1 - b1 ** t) * u[r][i] / denom
+        for name, state in (("x", x), ("u", u), ("v", v)):
+            if t % periods[name] == 0:
+                mean = [sum(state[r][i] for r in range(K)) / K for i in range(len(x0))]
+                for r in range(K):
+                    state[r] = [m.clone() for m in mean]
+        after.append(tuple([[w.clone() for w in s[r]] for r in range(K)] for s in (x, u, v)))
+    return after
+
+
+@pytest.mark.parametrize("periods", [(1, 1, 1), (2, 3, 4)], ids=["every-step", "2-3-4"])
+def test_desloc_equals_the_papers_equations(group, periods):
+    """Against K workers simulated in one process from the equations above, step by step, each
+    rank's parameters and both Adam moments to 1e-12 (float64). K_x = K_u = K_v = 1 is not
+    Adam on the averaged gradient (the mean of m/√v is not the mean m over the mean √v): the
+    simulation is the reference."""
+    Kx, Ku, Kv = periods
+    lr, wd, steps = 0.01, 0.1, 8
+    want = paper_desloc(group.size, steps, {"x": Kx, "u": Ku, "v": Kv}, lr, wd=wd)
+    model = mlp(torch.float64)
+    inner = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=wd)
+    opt = lowcomm.DesLoc(model, inner, group, period=Kx, period_u=Ku, period_v=Kv)
+
+    def check(step):
+        x, u, v = (s[group.rank] for s in want[step - 1])
+        for i, p in enumerate(model.parameters()):
+            st = inner.state[p]
+            for got, ref, what in ((p, x[i], "x"), (st["exp_avg"], u[i], "u"), (st["exp_avg_sq"], v[i], "v")):
+                assert torch.allclose(got.detach(), ref, rtol=0, atol=1e-12), f"{what}, step {step}"
+    train(opt, model, group, steps, check)
+    assert opt.syncs == {"x": steps // Kx, "u": steps // Ku, "v": steps // Kv}
+    opt.finish()
+    assert len(set(group.allgather_object(state_sha256(model)))) == 1
+
+
+def test_desloc_bytes_are_the_papers_formula(group):
+    """Each step sends one all-reduce of the states whose period divides it (d values each), so
+    T steps send Σ_t wire(n_t · 4d): the paper's 1/K_x + 1/K_u + 1/K_v of DDP's T all-reduces
+    of 4d when T is a multiple of every period. Between averagings of x the ranks' models differ;
+    after one they are the same."""
+    Kx, Ku, Kv, steps = 2, 3, 4, 12
+    model = mlp()
+    opt = lowcomm.DesLoc(model, torch.optim.Adam(model.parameters(), lr=0.01), group,
+                         period=Kx, period_u=Ku, period_v=Kv)
+    d, K = sum(p.numel() for p in model.parameters()), group.size
+    group.ledger.reset()
+    total = 0
+
+    def check(step):
+        nonlocal total
+        n = sum(step % k == 0 for k in (Kx, Ku, Kv))
+        total += wire_bytes("allreduce", 4 * d * n, K)[0] if n else 0
+        assert sent(group) == total, f"step {step}"
+        same = len(set(group.allgather_object(state_sha256(model)))) == 1
+        assert same == (step % Kx == 0), f"step {step}: the ranks' models agree: {same}"
+        if step % Ku == 0:
+            moments = group.allgather_object([opt.optimizer.state[p]["exp_avg"] for p in model.parameters()])
+            assert all(torch.equal(a, b) for m in moments for a, b in zip(m, moments[0]))
+    train(opt, model, group, steps, check)
+    ddp = steps * wire_bytes("allreduce", 4 * d, K)[0]
+    assert total == ddp * (Fraction(1, Kx) + Fraction(1, Ku) + Fraction(1, Kv))   # 6 + 4 + 3 of 12
+    opt.finish()                                 # ends on an averaging: nothing more is sent
+    assert sent(group) == total
+
+
+# NoLoCo ----------------------------------------------------------------------------------------
+def reference_noloco(K: int, steps: int, H: int, lr: float, outer_lr: float, outer_momentum: float,
+                     gamma: float | None, seed: int):
+    """The reference code's outer step (jkolehm/noloco, SparseOptimizerC, groups of 2) on K
+    simulated workers in one process, each with its own SGD inner steps: after every H steps,
+    with the pairing of this outer step, ``mean`` = the pair's mean of the outer weights φ and
+    ``mean_g`` = its mean of θ − φ; ``m += (μ−1)m + β·mean_g + γ·(mean − φ)``, φ += m, θ = φ.
+    After every step: each worker's θ."""
+    from lowcomm.strategies.graphs import random_pairs
+    gamma = outer_lr if gamma is None else gamma
+    models = [mlp(torch.float64) for _ in range(K)]
+    inner = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
+    phi = [[p.detach().clone() for p in m.parameters()] for m in models]
+    mom = [[torch.zeros_like(p) for p in ph] for ph in phi]
+    after = []
+    for t in range(1, steps + 1):
+        for r in range(K):
+            inner[r].zero_grad()
+            x, y = batch(t, r, torch.float64)
+            F.cross_entropy(models[r](x), y).backward()
+            inner[r].step()
+        if t % H == 0:
+            pair = random_pairs(K, seed, t // H - 1)
+            theta = [[p.detach().clone() for p in m.parameters()] for m in models]
+            for r in range(K):
+                group = [r] if pair[r] is None else sorted([r, pair[r]])
+                for i, p in enumerate(models[r].parameters()):
+                    mean = sum(phi[j][i] for j in group) / len(group)
+                    mean_g = sum(theta[j][i] - phi[j][i] for j in group) / len(group)
+                    mom[r][i] += (outer_momentum - 1) * mom[r][i] + outer_lr * mean_g + \
+                        gamma * (mean - phi[r][i])
+            for r in range(K):
+                with torch.no_grad():
+                    for i, p in enumerate(models[r].parameters()):
+                        phi[r][i] += mom[r][i]
+                        p.copy_(phi[r][i])
+        after.append([[p.detach().clone() for p in m.parameters()] for m in models])
+    return after
+
+
+@pytest.mark.parametrize("gamma", [None, 0.3], ids=["gamma=outer_lr", "gamma=0.3"])
+def test_noloco_equals_the_reference_update(group, gamma):
+    """Each rank's parameters after every step against the reference's outer step on K
+    simulated workers with the same pairings, to 1e-12 (float64)."""
+    H, steps, lr = 2, 8, 0.05
+    want = reference_noloco(group.size, steps, H, lr, 0.7, 0.5, gamma, seed=3)
+    model = mlp(torch.float64)
+    opt = lowcomm.NoLoCo(model, torch.optim.SGD(model.parameters(), lr=lr), group, period=H,
+                         outer_lr=0.7, outer_momentum=0.5, gamma=gamma, seed=3)
+
+    def check(step):
+        for p, w in zip(model.parameters(), want[step - 1][group.rank]):
+            assert torch.allclose(p.detach(), w, rtol=0, atol=1e-12), f"step {step}"
+    train(opt, model, group, steps, check)
+    assert opt.rounds == steps // H
+    opt.finish()                                 # the rank average, on every rank
+    assert len(set(group.allgather_object(state_sha256(model)))) == 1
+    final = [torch.stack([want[-1][r][i] for r in range(group.size)]).mean(0)
+             for i in range(len(want[-1][0]))]
+    for p, w in zip(model.parameters(), final):
+        assert torch.allclose(p.detach(), w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("gamma", [None, 0.3], ids=["theta", "theta-and-phi"])
+def test_noloco_sends_one_model_to_one_peer_per_outer_step(group, gamma):
+    """Inner steps send nothing; an outer step sends this rank's θ (and φ where γ ≠ β) to its
+    one peer, 4d bytes (8d) in one sendrecv, the same at K = 2 and 4: no collective. On 4 ranks
+    the models differ until finish() averages them (ranks meet in pairs only)."""
+    H, steps = 3, 9
+    model = mlp()
+    opt = lowcomm.NoLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), group, period=H, gamma=gamma)
+    d = sum(p.numel() for p in model.parameters())
+    message = 4 * d * (1 if gamma is None else 2)
+    group.ledger.reset()
+
+    def check(step):
+        assert sent(group) == (step // H) * message, f"step {step}"
+        assert {r["op"] for r in group.ledger.rows()} <= {"sendrecv"}, group.ledger.rows()
+    train(opt, model, group, steps, check)
+    if group.size > 2:                           # 4 ranks: pairs, not everyone, meet
+        assert len(set(group.allgather_object(state_sha256(model)))) > 1
+    opt.finish()
+    assert len(set(group.allgather_object(state_sha256(model)))) == 1
+
+
+@pytest.mark.parametrize("spec", ["noloco:period=2,seed={r}", "noloco:period={p}",
+                                  "desloc:period_u={p}"])
+def test_desloc_and_noloco_refuse_ranks_with_other_schedules(group, spec):
+    """A rank whose period or seed differs would wait for a peer or an all-reduce that never
+    comes: every rank gets a CommError naming the odd rank at build."""
+    r, p = group.rank, 2 + (group.rank == group.size - 1)
+    model = mlp()
+    inner = torch.optim.Adam(model.parameters(), lr=0.01)
+    with pytest.raises(lowcomm.CommError, match=r"ranks \[[0-9, ]*\] hold differently named or shaped "
+                                                r"parameters or (settings|periods)") as e:
+        lowcomm.build(spec.format(r=r, p=p), model, inner, group)
+    assert f"{group.size - 1}" in str(e.value)
+
+
+def test_desloc_a_parameter_without_adam_state_on_a_rank_takes_part_with_zero_moments(group):
+    """Rank 0 alone uses the second head: on the other ranks torch Adam never made its state.
+    At the moments' averaging every rank holds the mean of rank 0's moments and the others'
+    zeros (the state torch Adam starts from), and nothing hangs on a missing tensor."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(12, 4), "b": nn.Linear(12, 4)})
+    inner = torch.optim.Adam(model.parameters(), lr=0.01)
+    opt = lowcomm.DesLoc(model, inner, group, period=1, period_u=2, period_v=2)
+    before = {}
+    inner.register_step_post_hook(lambda *_: before.update(
+        {k: inner.state[model["b"].weight][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+        if model["b"].weight in inner.state else {}))
+    for step in (1, 2):
+        opt.zero_grad()
+        x, y = batch(step, group.rank)
+        out = model["a"](x) + (model["b"](x) if group.rank == 0 else 0)
+        F.cross_entropy(out, y).backward()
+        opt.step()
+    every = group.allgather_object(before)       # just before the averaging of step 2
+    st = inner.state[model["b"].weight]
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert bool(every[0][k].abs().sum() > 0)
+        assert all(k not in e for e in every[1:]), "torch Adam made a state for an unused parameter"
+        assert torch.allclose(st[k], every[0][k] / group.size, rtol=1e-6, atol=0), k
     opt.finish()

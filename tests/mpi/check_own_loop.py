@@ -77,8 +77,9 @@ def one_model(ctl, model) -> bool:
 SPECS = {"syncdp": "syncdp", "syncdp-int8": "syncdp:compressor=int8", "localsgd": "localsgd:period=2",
          "diloco": "diloco:period=2", "gossip": "gossip", "onebit-adam": "onebit-adam:freeze_step=2",
          "zeroone-adam": "zeroone-adam:var_freeze_step=2", "demo": "demo:topk=4,chunk=8",
-         "sparta": "sparta:fraction=0.5"}
-ADAM = ("onebit-adam", "zeroone-adam")
+         "sparta": "sparta:fraction=0.5", "desloc": "desloc:period=2,period_u=3,period_v=4",
+         "noloco": "noloco:period=2"}
+ADAM = ("onebit-adam", "zeroone-adam", "desloc")
 
 
 # parameters the method was not built for ----------------------------------------------------

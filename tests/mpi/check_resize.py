@@ -46,6 +46,9 @@ METHODS = {
     "diloco": ["diloco:period=2,compressor=ef-sign", [], True],
     "streaming-diloco": ["streaming-diloco:period=2,fragments=2,delay=1,merge=add-local", [], True],
     "gossip": ["gossip:graph=ring", [], True],
+    # parameters averaged at 2 and 4, moments at 3 (u) and 4 (v): local steps at step 3
+    "desloc": ["desloc:period=2,period_u=3,period_v=4", ["optimizer.name=adam"], True],
+    "noloco": ["noloco:period=2", [], True],
     # 1 server + 3 workers <-> 1 server + 1 worker (checkpoints every N steps need τ = 0)
     "async-ps": ["async-ps:servers=1,max_staleness=0", [], False],
 }
