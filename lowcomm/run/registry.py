@@ -23,7 +23,8 @@ import dataclasses
 from .config import Config, parse_override
 from ..compress.settings import CompressorSettings
 from ..errors import ConfigError
-from ..strategies import demo, diloco, fsdp, gossip, localsgd, onebit_adam, sparta, syncdp, zero, zeroone_adam
+from ..strategies import (demo, diloco, fsdp, gossip, localsgd, onebit_adam, sparseloco, sparta,
+                          syncdp, zero, zeroone_adam)
 from ..strategies.ps import method as async_ps
 from ..strategies.base import Context, Method, Strategy
 from ..strategies.policy import Level, build_policy, check_plan
@@ -41,9 +42,12 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     onebit_adam.METHOD,
     zeroone_adam.METHOD,
     demo.METHOD,
+    demo.DISTRO_METHOD,
     sparta.METHOD,
     sparta.DILOCO_METHOD,
     fsdp.METHOD,
+    sparseloco.METHOD,
+    diloco.MULOCO_EF_METHOD,
 )}
 
 

@@ -10,7 +10,7 @@ from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
 from ..compress.base import Segment
 from ..compress.compressor import Compressor
-from ..compress.demo import ChunkedDCT, ChunkTopK
+from ..compress.demo import ChunkedDCT, ChunkTopK, QuantizedChunkTopK
 from ..compress.error_feedback import ErrorFeedback
 from ..compress.twophase import COLLECTIVES
 from ..errors import ConfigError
@@ -27,12 +27,31 @@ class DeMoSettings(Settings):
     decay: float = 0.999           # β: the local momentum's decay
     sign: bool = True              # step with sign(u) (the paper's); false: with u itself
     exchange: str = "two-phase"    # "two-phase" (bytes flat in K) | "allgather" (the paper's) | "auto"
+    value_bits: int = 0            # 0: values in the momentum's dtype; 1: their signs (DisTrO)
 
     def validate(self, prefix: str = "") -> None:
         self.at_least(prefix, "topk", 1)
         self.at_least(prefix, "chunk", 1)
         self.within(prefix, "decay", 0, 1, high_open=True)
         self.one_of(prefix, "exchange", COLLECTIVES)
+        if self.value_bits not in (0, 1):
+            raise ConfigError.at(prefix, "value_bits", f"must be 0 (full values) or 1 (signs), "
+                                 f"got {self.value_bits}")
+        if self.value_bits and self.exchange != "allgather":
+            raise ConfigError.at(prefix, "exchange", "1-bit values are decoded as ±1 without a "
+                                 "scale, which the two-phase owners could not re-select; use "
+                                 f"exchange = \"allgather\" with value_bits = 1, got {self.exchange!r}")
+
+
+@dataclass
+class DisTrOSettings(DeMoSettings):
+    """``[strategy]`` keys of ``distro``: DeMo at the configuration of Psyche's DisTrO runs
+    (Nous Research): chunks of 64 (64×64 tiles of a matrix), the top 4 coefficients of each,
+    their values sent as 1 bit (the sign), every rank's all-gathered. Any key can be overridden."""
+    topk: int = 4
+    chunk: int = 64
+    value_bits: int = 1
+    exchange: str = "allgather"
 
 
 def build(s: DeMoSettings, model, optimizer, comm: Comm, ctx: Context) -> "DeMo":
@@ -47,6 +66,8 @@ def check_run(s: DeMoSettings, cfg, prefix: str) -> None:
 
 METHOD = Method("demo", DeMoSettings, build, "DeMo: local momentum, its top-k DCT coefficients "
                 "per chunk exchanged and removed from it, a sign step", check=check_run)
+DISTRO_METHOD = Method("distro", DisTrOSettings, build, "DisTrO (preset of DeMo): chunk 64, top-4 "
+                       "coefficients per chunk, 1-bit values, all-gathered", check=check_run)
 
 
 @dataclass
@@ -105,6 +126,13 @@ class DeMo(Strategy):
         decay: β in [0, 1).
         sign: step with ``sign(u)`` (True) or ``u``.
         exchange: "two-phase", "allgather" or "auto" (the faster by the α–β model).
+        value_bits: 0 (values in the momentum's dtype) or 1: the values' signs, one bit each,
+            decoded as ±1 (:class:`~lowcomm.compress.demo.QuantizedChunkTopK`; the whole selected
+            coefficients leave the momentum), as Psyche's DisTrO sends them; needs
+            ``exchange="allgather"``. The ``distro`` preset (:class:`DisTrOSettings`: chunk 64,
+            top-4, 1-bit values, all-gather): ``lowcomm.build("distro", model, sgd)`` or
+            ``DeMo(model, sgd, settings=DisTrOSettings())``; bytes per rank and step
+            ``(K−1)·Σ_chunks (k·2 + ⌈k/8⌉)`` (int16 indices, packed signs, per bucket).
 
     Example::
 
@@ -133,13 +161,15 @@ class DeMo(Strategy):
                     t = ChunkedDCT(p.shape, self.chunk)
                     by_row.setdefault(t.row, []).append((names.get(p, f"param{i}"), p, gi, t))
         self.buckets = []
+        self.value_bits = s.value_bits
         for row, params in sorted(by_row.items()):
             members, at = [], 0
             for name, p, g, t in params:
                 members.append((name, p, g, t, at, at + p.numel()))
                 at += p.numel()
-            self.buckets.append(_Bucket(f"demo{row}", members, Compressor(
-                ErrorFeedback(ChunkTopK(row, self.topk)), exchange)))
+            codec = QuantizedChunkTopK(row, self.topk, s.value_bits, packed_indices=False) \
+                if s.value_bits else ChunkTopK(row, self.topk)
+            self.buckets.append(_Bucket(f"demo{row}", members, Compressor(ErrorFeedback(codec), exchange)))
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self._comm = agreed_dup(self.comm, "demo.layout",            # fixed shapes from here on
                                 repr([(b.key, b.numel) for b in self.buckets]), len(self.buckets))
@@ -223,7 +253,7 @@ class DeMo(Strategy):
         if not final:
             return {}
         return {"topk": self.topk, "chunk": self.chunk, "decay": self.decay, "sign": self.sign,
-                "exchange": self.exchange, "payload_bytes_per_step": self.payload_bytes()}
+                "exchange": self.exchange, "value_bits": self.value_bits, "payload_bytes_per_step": self.payload_bytes()}
 
     def _finish(self) -> None:
         self.buffers.broadcast(self.comm)

@@ -64,6 +64,10 @@ METHODS: dict[str, list[str]] = {
     "sparta": ["strategy.name=sparta", "strategy.fraction=0.005"],
     "sparta-diloco": ["strategy.name=sparta-diloco", "strategy.period=50", "strategy.fraction=0.005"],
     "muloco": ["strategy.name=diloco", "strategy.period=50", "optimizer.name=muon"],
+    # presets: DisTrO (DeMo at Psyche's configuration), MuLoCo's error-feedback 2-bit variant
+    "distro": ["strategy.name=distro", "optimizer.name=sgd", "lr=0.001"],
+    "muloco-ef2bit": ["strategy.name=muloco-ef2bit", "optimizer.name=muon"],
+    "sparseloco": ["strategy.name=sparseloco"],
     "localsgd": ["strategy.name=localsgd", "strategy.period=10"],
     "diloco": ["strategy.name=diloco", "strategy.period=50"],
     "streaming-diloco": ["strategy.name=streaming-diloco", "strategy.period=50",
