@@ -1,4 +1,5 @@
-"""DeMo, SPARTA, SPARTA under DiLoCo, 0/1 Adam and MuLoCo: the pieces in one process (DeMo's
+"""DeMo, SPARTA, SPARTA under DiLoCo, 0/1 Adam, MuLoCo, SparseLoCo and the DisTrO and
+MuLoCo-EF-2-bit presets: the pieces in one process (DeMo's
 transform and codec against the paper's equations written out here, 0/1 Adam's schedule against
 its rule written out here), then the methods on 2 and 4 ranks under mpirun
 (tests/mpi/check_new_methods.py)."""

@@ -11,7 +11,13 @@ halves, each running the case) and on 4, each against a reference computed here 
 * 0/1 Adam equals torch Adam on the averaged gradient while every step is dense; its variance
   moves on T_v only and is frozen after ``var_freeze_step``; local steps send nothing and
   synchronisations leave one model; a rank that skips a local step alone keeps the schedule;
-* MuLoCo's inner steps are MuonAdamW's (torch's Muon and AdamW) on each rank's own batches.
+* MuLoCo's inner steps are MuonAdamW's (torch's Muon and AdamW) on each rank's own batches;
+* SparseLoCo equals the paper's Algorithm 1 written out in NumPy (accumulator, chunked top-k,
+  the 2-bit quantiser, the outer step), its bytes per outer step are (K − 1)·P for P of the
+  paper's format (2-bit values, ⌈log2 chunk⌉-bit indices, plus the quantiser's tables);
+* the DisTrO preset is DeMo with 1-bit values (its wire format against the paper's equations
+  above) and the MuLoCo-EF-2-bit preset DiLoCo over Muon with error-fed 2-bit pseudo-gradients,
+  each with bytes of its formula; each of the three trains the built-in byte LM at its defaults.
 """
 import math
 
@@ -107,13 +113,18 @@ def paper_inverse(q: np.ndarray, shape, s: int) -> np.ndarray:
 
 
 def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int, wd: float = 0.0,
-               nesterov: float = 0.0, reselect: bool = False):
+               nesterov: float = 0.0, reselect: bool = False, signs: bool = False):
     """Algorithm 1 of Peng et al. 2024 on K simulated ranks, with the reference implementation's
     decoupled weight decay ``x ← x(1 − lr·wd)`` and, where ``nesterov`` = μ > 0, torch SGD's
     Nesterov momentum on the synchronised sign; ``reselect``: the mean Q of the ranks' q is
     re-sparsified to its k largest per chunk with an error E that carries the rest
     (``A = Q + E``, ``Q ← top_k(A)``, ``E ← A − Q``: gTop-k with server error feedback). After
-    every step: the parameters and every rank's momentum."""
+    every step: the parameters and every rank's momentum. ``signs``: DisTrO's 1-bit values, the
+    mean taken over the sent coefficients' signs (the momentum still loses the whole q), and the
+    step with u itself (a sign step would meet exact ties: u = 0 where ±1 coefficients cancel,
+    whose sign float rounding decides; and k below a chunk's size: the output layer's gradient
+    sums to zero over the classes, so some coefficients are zero up to rounding, and one bit,
+    which cannot say zero, would send whichever sign the rounding left)."""
     model = mlp(torch.float64)
     x = [p.detach().numpy().copy() for p in model.parameters()]
     m = [[np.zeros_like(p) for p in x] for _ in range(K)]
@@ -133,10 +144,11 @@ def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int, wd: f
                 m[r][i] = m[r][i] - paper_inverse(q[-1], x[i].shape, s)
             qs.append(q)
         for i in range(len(x)):
-            mean = sum(q[i] for q in qs) / K
+            mean = sum(np.sign(q[i]) if signs else q[i] for q in qs) / K
             if reselect:
                 mean, err[i] = top(mean + err[i], k), mean + err[i] - top(mean + err[i], k)
-            d = np.sign(paper_inverse(mean, x[i].shape, s))
+            d = paper_inverse(mean, x[i].shape, s)
+            d = d if signs else np.sign(d)
             if nesterov:
                 buf[i] = d if buf[i] is None else nesterov * buf[i] + d
                 d = d + nesterov * buf[i]
@@ -145,23 +157,26 @@ def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int, wd: f
     return after
 
 
-@pytest.mark.parametrize("exchange,topk,wd,nesterov", [("allgather", 5, 0.1, 0.0),
-                                                       ("two-phase", 64, 0.0, 0.0),
-                                                       ("allgather", 5, 0.0, 0.9),
-                                                       ("two-phase", 5, 0.0, 0.0)])
-def test_demo_equals_the_papers_equations(group, exchange, topk, wd, nesterov):
+@pytest.mark.parametrize("exchange,topk,wd,nesterov,signs", [("allgather", 5, 0.1, 0.0, False),
+                                                             ("two-phase", 64, 0.0, 0.0, False),
+                                                             ("allgather", 5, 0.0, 0.9, False),
+                                                             ("two-phase", 5, 0.0, 0.0, False),
+                                                             ("allgather", 3, 0.0, 0.0, True)])
+def test_demo_equals_the_papers_equations(group, exchange, topk, wd, nesterov, signs):
     """With the all-gather at k = 5 of chunks up to 48 elements, and two-phase at full k (its
     owners' re-selection keeps everything): the paper's update and each rank's momentum, step by
     step, to 1e-12; SGD's weight decay is the reference's decoupled one, a Nesterov SGD adds
     Nesterov momentum on the sign. Two-phase at k = 5: the paper's with the mean re-sparsified
-    per chunk, the rest carried by the owners' server error."""
+    per chunk, the rest carried by the owners' server error. With 1-bit values (DisTrO's wire
+    format): the mean of the sent coefficients' signs, stepped with u (see paper_demo)."""
     lr, beta, s, steps = 0.01, 0.9, 8, 4
     reselect = exchange == "two-phase" and topk < 48
-    want = paper_demo(group.size, steps, lr, beta, s, topk, wd, nesterov, reselect)
+    want = paper_demo(group.size, steps, lr, beta, s, topk, wd, nesterov, reselect, signs)
     model = mlp(torch.float64)
     inner = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd, momentum=nesterov,
                             nesterov=nesterov > 0)
-    opt = lowcomm.DeMo(model, inner, group, topk=topk, chunk=s, decay=beta, exchange=exchange)
+    opt = lowcomm.DeMo(model, inner, group, topk=topk, chunk=s, decay=beta, exchange=exchange,
+                       value_bits=int(signs), sign=not signs)
     names = [n for n, _ in model.named_parameters()]
 
     def check(step):
