@@ -19,7 +19,7 @@ from lowcomm.compress.quantize import StatQuant, stat_quantize
 from lowcomm.errors import ConfigError
 from lowcomm.run.api import load_config
 from lowcomm.run.registry import build
-from lowcomm.strategies.demo import DeMo, _Bucket
+from lowcomm.strategies.demo import ChunkBucket, DeMo
 from lowcomm.strategies.zeroone_adam import schedule
 
 
@@ -85,7 +85,7 @@ def test_demo_resized_keeps_the_mean_momentum_and_cuts_the_server_errors_again()
     3 new owners cut as their two-phase exchange does (rows 0–1, 2, 3)."""
     loop = object.__new__(DeMo)
     loop.name = "demo"
-    loop.buckets = [_Bucket("demo4", [("w", None, 0, None, 0, 16)],
+    loop.buckets = [ChunkBucket("demo4", [("w", None, 0, None, 0, 16)],
                             Compressor(ErrorFeedback(ChunkTopK(4, 2)), "two-phase"))]
     err = torch.arange(1.0, 17.0)
 

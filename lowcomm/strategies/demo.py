@@ -71,20 +71,57 @@ DISTRO_METHOD = Method("distro", DisTrOSettings, build, "DisTrO (preset of DeMo)
 
 
 @dataclass
-class _Bucket:
-    """The parameters whose chunks have ``row`` elements: their coefficients travel together."""
+class ChunkBucket:
+    """Tensors whose chunks have one size: their chunks travel together, through ``comp`` (error
+    feedback around a per-chunk codec). ``members`` are tuples whose first item is the tensor's
+    name and whose last two are its ``[lo, hi)`` in the bucket (DeMo's and SparseLoCo's add what
+    they need between)."""
     key: str
-    members: list[tuple[str, torch.nn.Parameter, int, ChunkedDCT, int, int]]   # group index
+    members: list[tuple]
     comp: Compressor
 
     @property
     def numel(self) -> int:
-        return self.members[-1][5]
+        return self.members[-1][-1]
 
     @cached_property
     def segments(self) -> list[Segment]:
         """The members' places in the bucket (built once: the members never change)."""
-        return [Segment(n, torch.Size([b - a]), a, b) for n, _, _, _, a, b in self.members]
+        return [Segment(m[0], torch.Size([m[-1] - m[-2]]), m[-2], m[-1]) for m in self.members]
+
+    def decay_(self, beta: float) -> None:
+        """The error-feedback memory ← β · memory (DeMo's momentum, SparseLoCo's accumulator)."""
+        for e in self.comp.encoder.residuals.values():
+            e.mul_(beta)
+
+    def memory(self, name: str) -> torch.Tensor | None:
+        """Member ``name``'s error-feedback memory, flat in chunk order (None before the first step)."""
+        return self.comp.encoder.residuals.get(name)
+
+    def mean_memory_state(self, olds: list[dict]) -> dict:
+        """A compressor state whose memories are the mean of the old ranks' (``olds``: their
+        compressor states): what each new rank starts from when the rank count changes."""
+        from .reshard import average
+        names = olds[0].get("encoder", {}).get("residuals", {})
+        residuals = {n: average([o["encoder"]["residuals"][n] for o in olds]) for n in names}
+        return {"encoder": {"residuals": residuals, "codec": {}}} if residuals else {}
+
+
+def chunk_buckets(items, prefix: str, compressor) -> list[ChunkBucket]:
+    """``items`` ``(row, numel, *member)`` grouped by chunk size ``row`` (ascending), each group
+    one :class:`ChunkBucket` ``f"{prefix}{row}"`` whose members are ``(*member, lo, hi)`` in
+    order, with ``compressor(row)``."""
+    by_row: dict[int, list] = {}
+    for row, numel, *member in items:
+        by_row.setdefault(row, []).append((numel, member))
+    out = []
+    for row, group in sorted(by_row.items()):
+        members, at = [], 0
+        for numel, member in group:
+            members.append((*member, at, at + numel))
+            at += numel
+        out.append(ChunkBucket(f"{prefix}{row}", members, compressor(row)))
+    return out
 
 
 class DeMo(Strategy):
@@ -154,22 +191,19 @@ class DeMo(Strategy):
         self.topk, self.chunk, self.decay, self.sign = s.topk, s.chunk, s.decay, s.sign
         self.exchange = exchange = s.exchange
         names = {p: n for n, p in model.named_parameters()}
-        by_row: dict[int, list] = {}
+        items = []
         for gi, g in enumerate(optimizer.param_groups):
             for i, p in enumerate(g["params"]):
                 if p.requires_grad:
                     t = ChunkedDCT(p.shape, self.chunk)
-                    by_row.setdefault(t.row, []).append((names.get(p, f"param{i}"), p, gi, t))
-        self.buckets = []
+                    items.append((t.row, p.numel(), names.get(p, f"param{i}"), p, gi, t))
         self.value_bits = s.value_bits
-        for row, params in sorted(by_row.items()):
-            members, at = [], 0
-            for name, p, g, t in params:
-                members.append((name, p, g, t, at, at + p.numel()))
-                at += p.numel()
+
+        def compressor(row: int) -> Compressor:
             codec = QuantizedChunkTopK(row, self.topk, s.value_bits, packed_indices=False) \
                 if s.value_bits else ChunkTopK(row, self.topk)
-            self.buckets.append(_Bucket(f"demo{row}", members, Compressor(ErrorFeedback(codec), exchange)))
+            return Compressor(ErrorFeedback(codec), exchange)
+        self.buckets = chunk_buckets(items, "demo", compressor)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self._comm = agreed_dup(self.comm, "demo.layout",            # fixed shapes from here on
                                 repr([(b.key, b.numel) for b in self.buckets]), len(self.buckets))
@@ -183,8 +217,7 @@ class DeMo(Strategy):
         for b in self.buckets:
             x = torch.cat([t.encode(p.grad if p.grad is not None else torch.zeros_like(p))
                            .reshape(-1).mul(lrs[gi]) for _, p, gi, t, _, _ in b.members])
-            for e in b.comp.encoder.residuals.values():     # step 1: m ← βm (then + ηg)
-                e.mul_(self.decay)
+            b.decay_(self.decay)                             # step 1: m ← βm (then + ηg)
             avg = b.comp.reduce(x, b.key, self._comm, b.segments)      # steps 2–4
             for _, p, _, t, lo, hi in b.members:                       # step 5
                 u = t.decode(avg[lo:hi])
@@ -203,9 +236,8 @@ class DeMo(Strategy):
         """Each parameter's local momentum m (parameter-shaped; zero before the first step)."""
         out = {}
         for b in self.buckets:
-            residuals = b.comp.encoder.residuals
             for name, p, _, t, lo, hi in b.members:
-                e = residuals.get(name)
+                e = b.memory(name)
                 out[name] = t.decode(e.view(t.rows, t.row)) if e is not None else torch.zeros_like(p)
         return out
 
@@ -230,15 +262,13 @@ class DeMo(Strategy):
         exchanges carry, is kept). The two-phase owners' server errors are cut by rank count:
         the old owners' pieces, in rank order, make the whole bucket, which the new owners cut
         again."""
-        from .reshard import average, replicated
+        from .reshard import replicated
         merged = replicated(old, self.name)
         K, r = self.comm.size, self.comm.rank
         comps = {}
         for b in self.buckets:
             olds = [s["strategy"]["compressors"][b.key] for s in old]
-            residuals = {n: average([o["encoder"]["residuals"][n] for o in olds])
-                         for n in olds[0].get("encoder", {}).get("residuals", {})}
-            state = {"encoder": {"residuals": residuals, "codec": {}}} if residuals else {}
+            state = b.mean_memory_state(olds)
             pieces = [o.get("exchange", {}).get("server_error", {}).get(b.key) for o in olds]
             if any(x is not None for x in pieces):
                 whole = torch.cat([x if x is not None else torch.zeros(0) for x in pieces])

@@ -3,17 +3,16 @@ accumulator in place of the outer momentum."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
 from ..comm.comm import Comm
-from ..compress.base import Segment
 from ..compress.compressor import Compressor
 from ..compress.demo import Chunks, QuantizedChunkTopK
 from ..compress.error_feedback import ErrorFeedback
 from ..errors import ConfigError
 from .base import Context, Method
+from .demo import chunk_buckets
 from .outer import Fragment, OuterLoop, OuterSettings, check_run
 
 
@@ -46,22 +45,6 @@ def build(s: SparseLoCoSettings, model, optimizer, comm: Comm, ctx: Context) -> 
 METHOD = Method("sparseloco", SparseLoCoSettings, build, "SparseLoCo: DiLoCo with a chunked "
                 "top-k 2-bit pseudo-gradient and an error-feedback accumulator for outer momentum",
                 check=check_run, outer=True)
-
-
-@dataclass
-class _Bucket:
-    """The parameters whose chunks have ``row`` elements: their chunks are sent together."""
-    key: str
-    members: list[tuple[str, Chunks, int, int, int, int]]   # name, chunks, fragment a:b, bucket lo:hi
-    comp: Compressor
-
-    @property
-    def numel(self) -> int:
-        return self.members[-1][5]
-
-    @cached_property
-    def segments(self) -> list[Segment]:
-        return [Segment(n, torch.Size([hi - lo]), lo, hi) for n, _, _, _, lo, hi in self.members]
 
 
 class SparseLoCo(OuterLoop):
@@ -118,18 +101,10 @@ class SparseLoCo(OuterLoop):
         self.topk, self.chunk, self.decay, self.outer_lr = s.topk, s.chunk, s.decay, s.outer_lr
         (fragment,) = self.fragments
         self.outer = fragment.pack()                 # θ
-        by_row: dict[int, list] = {}
-        for name, p, a, b in fragment.members:
-            t = Chunks(p.shape, s.chunk)
-            by_row.setdefault(t.row, []).append((name, t, a, b))
-        self.buckets = []
-        for row, params in sorted(by_row.items()):
-            members, at = [], 0
-            for name, t, a, b in params:
-                members.append((name, t, a, b, at, at + b - a))
-                at += b - a
-            self.buckets.append(_Bucket(f"sparseloco{row}", members, Compressor(
-                ErrorFeedback(QuantizedChunkTopK(row, s.topk, 2, packed_indices=True)), "allgather")))
+        items = [(t.row, b - a, name, t, a, b) for name, p, a, b in fragment.members
+                 for t in [Chunks(p.shape, s.chunk)]]          # members: name, chunks, a, b, lo, hi
+        self.buckets = chunk_buckets(items, "sparseloco", lambda row: Compressor(
+            ErrorFeedback(QuantizedChunkTopK(row, s.topk, 2, packed_indices=True)), "allgather"))
 
     def _warmup_done(self) -> None:
         self.outer.copy_(self.fragments[0].pack())
@@ -143,8 +118,7 @@ class SparseLoCo(OuterLoop):
         avg = torch.empty_like(flat)
         for b in self.buckets:
             x = torch.cat([t.encode(flat[a:z]).reshape(-1) for _, t, a, z, _, _ in b.members])
-            for e in b.comp.encoder.residuals.values():        # step 3: e ← βe (then + Δ)
-                e.mul_(self.decay)
+            b.decay_(self.decay)                                 # step 3: e ← βe (then + Δ)
             got = b.comp.reduce(x, b.key, self._red, b.segments)
             for _, t, a, z, lo, hi in b.members:
                 avg[a:z] = t.decode(got[lo:hi]).reshape(-1)
@@ -159,9 +133,8 @@ class SparseLoCo(OuterLoop):
         """Each parameter's accumulator e_k (parameter-shaped; zero before the first outer step)."""
         out = {}
         for b in self.buckets:
-            residuals = b.comp.encoder.residuals
             for name, t, a, z, _, _ in b.members:
-                e = residuals.get(name)
+                e = b.memory(name)
                 out[name] = t.decode(e.view(t.rows, t.row)) if e is not None else \
                     torch.zeros(t.shape, dtype=self.outer.dtype)
         return out
@@ -189,11 +162,7 @@ class SparseLoCo(OuterLoop):
         """θ (equal on every old rank: the average is exact) and each new rank's accumulator,
         the old ranks' mean (so the mean of what the ranks will still send is kept)."""
         from .reshard import average
-        comps = {}
-        for b in self.buckets:
-            olds = [s["compressors"][b.key].get("encoder", {}).get("residuals", {}) for s in old]
-            residuals = {n: average([o[n] for o in olds]) for n in olds[0]}
-            comps[b.key] = {"encoder": {"residuals": residuals, "codec": {}}} if residuals else {}
+        comps = {b.key: b.mean_memory_state([s["compressors"][b.key] for s in old]) for b in self.buckets}
         return {"outer": average([s["outer"] for s in old]), "compressors": comps}
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
