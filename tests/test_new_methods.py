@@ -101,6 +101,21 @@ def test_demo_resized_keeps_the_mean_momentum_and_cuts_the_server_errors_again()
         assert torch.equal(state["exchange"]["server_error"]["demo4"], err[cuts[r][0]:cuts[r][1]])
 
 
+def test_sparseloco_resized_keeps_theta_and_the_mean_accumulator():
+    """θ is the same on every old rank; each new rank's accumulator is the old ranks' mean."""
+    from lowcomm.strategies.sparseloco import SparseLoCo
+    loop = object.__new__(SparseLoCo)
+    loop.buckets = [ChunkBucket("sparseloco4", [("w", None, 0, 16, 0, 16)], Compressor(
+        ErrorFeedback(QuantizedChunkTopK(4, 2)), "allgather"))]
+    theta = torch.arange(16.0)
+    old = [{"outer": theta.clone(), "compressors": {"sparseloco4": {"encoder": {
+        "residuals": {"w": torch.full((16,), float(r + 1))}, "codec": {}}}}} for r in range(2)]
+    got = loop._reshard_extra(old)
+    assert torch.equal(got["outer"], theta)
+    assert torch.equal(got["compressors"]["sparseloco4"]["encoder"]["residuals"]["w"],
+                       torch.full((16,), 1.5))
+
+
 # 0/1 Adam's schedule, written out from the rule ------------------------------------------------
 def test_zeroone_adam_schedule_follows_the_papers_policies():
     # κ = 2: T_v holds the multiples of an interval that starts at 1 and doubles after every 2
