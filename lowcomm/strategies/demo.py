@@ -130,6 +130,7 @@ class DeMo(Strategy):
 
     Update, on each of K ranks, per step t, for every parameter x with local gradient g, the
     group's learning rate η, decay β, chunk side s and k coefficients per chunk:
+
       1. local momentum ``m ← β m + η g`` (never averaged: decoupled);
       2. fast components: ``c = DCT(m)`` over chunks (a matrix: s×s blocks, 2-D DCT-II;
          otherwise chunks of s; :class:`~lowcomm.compress.demo.ChunkedDCT`), and ``q`` = the k
@@ -142,6 +143,7 @@ class DeMo(Strategy):
          owners' pairs: exact at ``k = s²``, bytes flat in K);
       5. ``u = IDCT(Q)``; the wrapped optimizer steps with gradient ``sign(u)`` (``sign``, the
          paper's update) or ``u``.
+
     With ``torch.optim.SGD`` (no momentum) step 5 is the paper's ``x ← x − η sign(u)``, and
     SGD's ``weight_decay`` λ then equals its decoupled decay ``x ← x(1 − ηλ)``; a Nesterov SGD
     adds Nesterov momentum on top of the synchronised sign. Steps 1–3 are error feedback whose

@@ -61,7 +61,7 @@ class SparseLoCo(OuterLoop):
       3. accumulate: e_k ← β e_k + Δ_k (β = ``decay``);
       4. select and quantise: every parameter is cut into chunks (a matrix into s×s tiles,
          s = ``chunk``; else runs of s: :class:`~lowcomm.compress.demo.Chunks`), and of every
-         chunk the k = ``topk`` entries of largest |e_k| are kept; their values are quantised to
+         chunk the k = ``topk`` entries of largest magnitude in e_k are kept; their values are quantised to
          2 bits (the authors' statistical quantiser), their indices sent in ⌈log2(chunk size)⌉
          bits: Δ̂_k = Q(TopK(e_k)) (:class:`~lowcomm.compress.demo.QuantizedChunkTopK`);
       5. e_k ← e_k − Δ̂_k: what was sent leaves the accumulator;
