@@ -13,8 +13,8 @@ halves, each running the case) and on 4, each against a reference computed here 
   synchronisations leave one model; a rank that skips a local step alone keeps the schedule;
 * MuLoCo's inner steps are MuonAdamW's (torch's Muon and AdamW) on each rank's own batches;
 * SparseLoCo equals the paper's Algorithm 1 written out in NumPy (accumulator, chunked top-k,
-  the 2-bit quantiser, the outer step), its bytes per outer step are (K − 1)·P for P of the
-  paper's format (2-bit values, ⌈log2 chunk⌉-bit indices, plus the quantiser's tables);
+  the 2-bit quantiser, the outer step), its bytes per outer step are (K − 1)·P for P of its
+  format (2-bit values, ⌈log2 chunk⌉-bit indices, plus the quantiser's tables);
 * the DisTrO preset is DeMo with 1-bit values (its wire format against the paper's equations
   above) and the MuLoCo-EF-2-bit preset DiLoCo over Muon with error-fed 2-bit pseudo-gradients,
   each with bytes of its formula; each of the three trains the built-in byte LM at its defaults.
@@ -447,9 +447,9 @@ def test_sparseloco_equals_the_papers_equations(group):
 
 
 def sparseloco_bytes(shapes, s: int, k: int) -> int:
-    """P of the paper's format: per chunk k values of 2 bits and k indices of ⌈log2 chunk⌉
-    bits, bit-packed per group of equal-size chunks (m values), and a 20-byte quantiser table
-    (mean + 4 bin values, float32) per 2048 values."""
+    """P of the format sent: per chunk k values of 2 bits (the paper's) and k indices of
+    ⌈log2 chunk⌉ bits, bit-packed per group of equal-size chunks (m values), and a 20-byte
+    quantiser table (mean + 4 bin values, float32) per 2048 values."""
     groups: dict[int, int] = {}
     for shape in shapes:
         sides = chunks(shape, s)
@@ -460,7 +460,7 @@ def sparseloco_bytes(shapes, s: int, k: int) -> int:
 
 
 @pytest.mark.parametrize("width", [16, 128])
-def test_sparseloco_bytes_are_the_papers_formula(group, width):
+def test_sparseloco_bytes_are_k_values_of_2_bits_and_indices_per_chunk(group, width):
     """Per outer step each rank all-gathers P bytes: (K − 1)·P sent. A 128×128 matrix is four
     64×64 tiles of which 64 values each go (1.56 %): 256·(2 + 12) bits + one table."""
     torch.manual_seed(0)
