@@ -1,7 +1,9 @@
-"""DeMo, SPARTA, SPARTA under DiLoCo, 0/1 Adam, MuLoCo, DES-LOC and NoLoCo: the pieces in one
-process (DeMo's transform and codec against the paper's equations written out here, 0/1 Adam's
-schedule against its rule written out here, NoLoCo's pairings), then the methods on 2 and 4
-ranks under mpirun (tests/mpi/check_new_methods.py)."""
+"""DeMo, SPARTA, SPARTA under DiLoCo, 0/1 Adam, MuLoCo, DES-LOC, NoLoCo, SparseLoCo and the
+DisTrO and MuLoCo-EF-2-bit presets: the pieces in one process (DeMo's transform and codec against
+the paper's equations written out here, 0/1 Adam's schedule against its rule written out here,
+NoLoCo's pairings), then the methods on 2 and 4 ranks under mpirun
+(tests/mpi/check_new_methods.py)."""
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -11,11 +13,13 @@ import torch
 
 from conftest import run_mpi_suite
 from lowcomm.compress import Compressor, ErrorFeedback
-from lowcomm.compress.demo import ChunkedDCT, ChunkTopK, chunk_side
+from lowcomm.compress.bits import pack_uints, unpack_uints
+from lowcomm.compress.demo import ChunkedDCT, ChunkTopK, QuantizedChunkTopK, chunk_side
+from lowcomm.compress.quantize import StatQuant, stat_quantize
 from lowcomm.errors import ConfigError
 from lowcomm.run.api import load_config
 from lowcomm.run.registry import build
-from lowcomm.strategies.demo import DeMo, _Bucket
+from lowcomm.strategies.demo import ChunkBucket, DeMo
 from lowcomm.strategies.graphs import random_pairs
 from lowcomm.strategies.zeroone_adam import schedule
 
@@ -82,7 +86,7 @@ def test_demo_resized_keeps_the_mean_momentum_and_cuts_the_server_errors_again()
     3 new owners cut as their two-phase exchange does (rows 0–1, 2, 3)."""
     loop = object.__new__(DeMo)
     loop.name = "demo"
-    loop.buckets = [_Bucket("demo4", [("w", None, 0, None, 0, 16)],
+    loop.buckets = [ChunkBucket("demo4", [("w", None, 0, None, 0, 16)],
                             Compressor(ErrorFeedback(ChunkTopK(4, 2)), "two-phase"))]
     err = torch.arange(1.0, 17.0)
 
@@ -96,6 +100,21 @@ def test_demo_resized_keeps_the_mean_momentum_and_cuts_the_server_errors_again()
         state = loop.reshard([old(0), old(1)])["strategy"]["compressors"]["demo4"]
         assert torch.equal(state["encoder"]["residuals"]["w"], torch.full((16,), 1.5))
         assert torch.equal(state["exchange"]["server_error"]["demo4"], err[cuts[r][0]:cuts[r][1]])
+
+
+def test_sparseloco_resized_keeps_theta_and_the_mean_accumulator():
+    """θ is the same on every old rank; each new rank's accumulator is the old ranks' mean."""
+    from lowcomm.strategies.sparseloco import SparseLoCo
+    loop = object.__new__(SparseLoCo)
+    loop.buckets = [ChunkBucket("sparseloco4", [("w", None, 0, 16, 0, 16)], Compressor(
+        ErrorFeedback(QuantizedChunkTopK(4, 2)), "allgather"))]
+    theta = torch.arange(16.0)
+    old = [{"outer": theta.clone(), "compressors": {"sparseloco4": {"encoder": {
+        "residuals": {"w": torch.full((16,), float(r + 1))}, "codec": {}}}}} for r in range(2)]
+    got = loop._reshard_extra(old)
+    assert torch.equal(got["outer"], theta)
+    assert torch.equal(got["compressors"]["sparseloco4"]["encoder"]["residuals"]["w"],
+                       torch.full((16,), 1.5))
 
 
 # 0/1 Adam's schedule, written out from the rule ------------------------------------------------
@@ -136,11 +155,81 @@ def test_zeroone_adam_schedule_follows_the_papers_policies():
     (["strategy.name=noloco", "strategy.gamma=0"], "strategy.gamma", r"\(0, inf\]"),
     (["strategy.name=noloco", "strategy.seed=-1"], "strategy.seed", ">= 0"),
     (["strategy.name=noloco", "compressor.name=int8"], "compressor.name", "noloco exchanges parameters"),
+    (["strategy.name=sparseloco", "strategy.decay=1.5"], "strategy.decay", r"\[0, 1\]"),
+    (["strategy.name=sparseloco", "strategy.topk=0"], "strategy.topk", ">= 1"),
+    (["strategy.name=sparseloco", "strategy.compressor=int8"], "strategy.compressor", "itself"),
+    (["strategy.name=distro", "strategy.exchange=two-phase"], "strategy.exchange", "allgather"),
+    (["strategy.name=demo", "strategy.value_bits=2"], "strategy.value_bits", "0 .full values. or 1"),
+    (["strategy.name=muloco-ef2bit"], "optimizer.name", "Muon inside"),
+    (["strategy.name=muloco-ef2bit", "optimizer.name=muon", "strategy.compressor=int8"],
+     "strategy.compressor", "2-bit quantiser"),
 ])
 def test_bad_settings_are_errors_naming_the_key(overrides, key, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_config(None, overrides)
     assert e.value.key == key
+
+
+def test_packed_integers_round_trip_in_their_bit_count():
+    v = torch.randint(0, 4096, (1001,), generator=torch.Generator().manual_seed(0))
+    packed = pack_uints(v, 12)
+    assert packed.dtype == torch.uint8 and packed.numel() == (1001 * 12 + 7) // 8
+    assert torch.equal(unpack_uints(packed, 1001, 12), v)
+    assert torch.equal(unpack_uints(torch.stack([packed, packed]), 1001, 12), torch.stack([v, v]))
+
+
+def test_statistical_quantiser_decodes_each_bin_to_its_mean():
+    """One block: codes = clip(round((x − μ)/w + 2), 0, 3), w = 6σ/4; decoded μ + mean of the
+    bin's centred values (float32)."""
+    x = torch.randn(300, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    codes, table = stat_quantize(x, 2)
+    c = (x - x.mean()).numpy()
+    w = 6 * c.std(ddof=1) / 4
+    want = np.clip(np.round(c / w + 2), 0, 3)
+    assert np.array_equal(codes.numpy(), want)
+    for j in range(4):
+        assert math.isclose(float(table[0, 1 + j]), float(c[want == j].mean()) if (want == j).any()
+                            else 0.0, rel_tol=1e-6, abs_tol=1e-7)
+    codec = StatQuant(2)
+    payload, ctx = codec.encode(x.float(), "w", None)
+    assert codec.payload_nbytes(300, torch.float32) == 75 + 20 == sum(t.numel() * t.element_size() for t in payload)
+    assert len(torch.unique(codec.decompress(payload, ctx))) <= 4
+
+
+def test_quantized_chunk_topk_sends_k_values_in_2_bits_and_indices_in_log2_row_bits():
+    x = torch.randn(4 * 4096, generator=torch.Generator().manual_seed(4))
+    codec = QuantizedChunkTopK(4096, 64, 2, packed_indices=True)
+    payload, ctx = codec.encode(x, "w", None)
+    m = 4 * 64
+    assert codec.payload_nbytes(x.numel(), torch.float32) == m * 2 // 8 + 20 + m * 12 // 8
+    assert sum(t.numel() * t.element_size() for t in payload) == m * 2 // 8 + 20 + m * 12 // 8
+    sent = codec.decompress(payload, ctx).view(4, 4096)
+    for row, orig in zip(sent, x.view(4, 4096)):       # exactly the 64 largest of each chunk
+        assert set(row.nonzero().view(-1).tolist()) == set(orig.abs().topk(64).indices.tolist())
+    e = x.clone()
+    codec.subtract_decoded_(e, payload, ctx)              # error feedback keeps x − D(C(x))
+    assert torch.equal(e, x - sent.view(-1))
+    signs = QuantizedChunkTopK(4096, 64, 1, packed_indices=False)
+    payload, ctx = signs.encode(x, "w", None)
+    got = signs.decompress(payload, ctx).view(4, 4096)
+    top = x.view(4, 4096).gather(1, x.view(4, 4096).abs().topk(64).indices)
+    assert torch.equal(got.gather(1, x.view(4, 4096).abs().topk(64).indices), top.sign())
+    e = x.clone()
+    signs.subtract_decoded_(e, payload, ctx)              # DisTrO: the selected values leave whole
+    assert int((e == 0).sum()) == m and torch.equal(e[e != 0], x[e != 0])
+
+
+def test_presets_expand_to_their_methods_settings():
+    from lowcomm.strategies.demo import DeMoSettings, DisTrOSettings
+    from lowcomm.strategies.diloco import MuLoCoEFSettings
+    from lowcomm.run.registry import STRATEGIES
+    assert STRATEGIES["distro"].settings is DisTrOSettings and STRATEGIES["distro"].build is \
+        STRATEGIES["demo"].build
+    assert dataclasses.asdict(DisTrOSettings()) == dataclasses.asdict(
+        DeMoSettings(topk=4, chunk=64, value_bits=1, exchange="allgather"))
+    assert STRATEGIES["muloco-ef2bit"].build is STRATEGIES["diloco"].build
+    s = MuLoCoEFSettings()
+    assert (s.outer_optimizer, s.exchange, s.compressor) == ("nesterov", "allgather", "none")
 
 
 def test_python_constructors_check_their_arguments():

@@ -77,6 +77,10 @@ def methods() -> dict[str, list[str]]:
         m["demo"] = ["strategy.name=demo", "optimizer.name=sgd", "optimizer.schedule=cosine"]
     # MuLoCo: DiLoCo over torch's Muon and AdamW (the inner optimizer's two parts resume)
     m["muloco"] = ["strategy.name=diloco", "strategy.period=4", "optimizer.name=muon"]
+    if "muloco-ef2bit" in m:   # its preset: Muon inside, the error feedback of its 2-bit quantiser
+        m["muloco-ef2bit"].append("optimizer.name=muon")
+    if "sparseloco" in m:      # chunks the small model has several of, so top-k leaves some
+        m["sparseloco"] += ["strategy.chunk=8", "strategy.topk=4"]
     if "async-ps" in STRATEGIES:   # checkpoints need its synchronous mode (1 server, 1 worker here)
         m["async-ps"] = ["strategy.name=async-ps", "strategy.max_staleness=0"]
     # a per-level policy: nested strategies (inner SyncDP state, outer loop, compressor) resume too

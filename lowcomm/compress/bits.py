@@ -129,3 +129,30 @@ def unpack_trits(packed: torch.Tensor, n: int, dtype: torch.dtype = torch.float3
         _TRIT_TABLES[key] = torch.cat([digits, torch.zeros(13, 5, dtype=torch.int64)]).to(
             dtype=dtype, device=packed.device)
     return _TRIT_TABLES[key].index_select(0, packed.reshape(-1).to(torch.int32)).reshape(-1)[:n]
+
+
+# unsigned integers of b bits, packed little-endian into a bit stream -----------------------------
+def uints_size(n: int, bits: int) -> int:
+    """Bytes that ``n`` unsigned integers of ``bits`` bits take packed: ⌈n·bits/8⌉."""
+    return (n * bits + 7) // 8
+
+
+def pack_uints(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """``⌈n·bits/8⌉`` uint8 holding ``v`` (integers in [0, 2^bits), flattened) as one bit
+    stream: bit j of value i is bit ``i·bits + j`` of the stream, least significant first."""
+    v = v.detach().reshape(-1).to(torch.int64)
+    n = v.numel()
+    shifts = torch.arange(bits, dtype=torch.int64, device=v.device)
+    stream = torch.zeros(uints_size(n, bits) * 8, dtype=torch.uint8, device=v.device)
+    stream[:n * bits] = ((v.unsqueeze(1) >> shifts) & 1).reshape(-1)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=v.device)
+    return (stream.view(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
+
+
+def unpack_uints(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """The first ``n`` integers (int64) of ``bits`` bits each that :func:`pack_uints` packed
+    into the last dimension of ``packed``: ``(nb,)`` gives ``(n,)``, ``(K, nb)`` gives ``(K, n)``."""
+    lead = packed.shape[:-1]
+    stream = unpack_bits(packed, n * bits).to(torch.int64).reshape(*lead, n, bits)
+    shifts = torch.arange(bits, dtype=torch.int64, device=packed.device)
+    return (stream << shifts).sum(-1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import Codec, Seeded, check_finite
+from .bits import pack_uints, uints_size, unpack_uints
 from .scratch import BLOCK, blocks, scratch
 
 
@@ -281,3 +282,100 @@ class QSGD(Seeded, Codec):
 
     def load_state_dict(self, state):
         self.load_rng_state(state)
+
+
+#: the statistical quantiser's range, in standard deviations (the authors' reference code's default)
+STAT_RANGE = 6.0
+
+
+def stat_quantize(x: torch.Tensor, bits: int, block: int = QUANT_BLOCK, spread: float = STAT_RANGE):
+    """The statistical quantiser of the SparseLoCo/MuLoCo authors' reference code (Templar's
+    ``TopKCompressor._quantize``), per block of ``block`` elements of flat ``x``, L = 2^bits bins:
+    ``(codes, table)``.
+
+      1. shift μ_b = mean of the block, c = x − μ_b, σ_b = its standard deviation (unbiased);
+      2. bin width w_b = spread·σ_b / L (1 where that is 0), ``code = clamp(round(c/w_b + L/2), 0, L−1)``;
+      3. the table's row b holds μ_b and, for each bin, the mean of the c that fell in it (0 for
+         an empty bin): the decoded value of a code is ``μ_b + mean_b[code]``.
+
+    ``codes`` are int64 in [0, L) (n of them); ``table`` float32 ``(⌈n/block⌉, 1 + L)``."""
+    n, levels = x.numel(), 1 << bits
+    block = min(block, max(n, 1))
+    nb = -(-n // block)
+    wdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    v = torch.zeros(nb * block, dtype=wdt, device=x.device)
+    v[:n] = x
+    valid = torch.zeros(nb * block, dtype=wdt, device=x.device)
+    valid[:n] = 1
+    v, valid = v.view(nb, block), valid.view(nb, block)
+    count = valid.sum(1)
+    shift = v.sum(1) / count
+    c = (v - shift[:, None]) * valid
+    std = (c.square().sum(1) / (count - 1).clamp(min=1)).sqrt()
+    width = spread * std / levels
+    width = torch.where((width > 0) & torch.isfinite(width), width, torch.ones_like(width))
+    codes = (c / width[:, None] + levels // 2).round_().clamp_(0, levels - 1).to(torch.int64)
+    sums = torch.zeros(nb, levels, dtype=wdt, device=x.device).scatter_add_(1, codes, c)
+    hits = torch.zeros(nb, levels, dtype=wdt, device=x.device).scatter_add_(1, codes, valid)
+    means = torch.where(hits > 0, sums / hits.clamp(min=1), torch.zeros_like(sums))
+    table = torch.cat([shift[:, None], means], 1).to(torch.float32)
+    return codes.view(-1)[:n], table
+
+
+def stat_dequantize(codes: torch.Tensor, table: torch.Tensor, n: int, block: int = QUANT_BLOCK,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of :func:`stat_quantize` for rows: ``codes`` (R, n) and ``table`` (R, blocks,
+    1 + L) -> (R, n) in ``dtype``, each row decoded with its own table."""
+    block = min(block, max(n, 1))
+    levels = table.shape[-1] - 1
+    which = torch.arange(n, device=codes.device) // block                  # the block of each element
+    rows = table.to(dtype)
+    means = rows[:, :, 1:].reshape(rows.shape[0], -1)
+    picked = means.gather(1, which * levels + codes.long())
+    return picked.add_(rows[:, :, 0].index_select(1, which))
+
+
+class StatQuant(Codec):
+    """Dense b-bit statistical quantisation (:func:`stat_quantize`), the pseudo-gradient
+    compressor of MuLoCo's error-feedback variant (Thérien et al. 2025, arXiv 2505.23725, with
+    error feedback around it): per block of ``block`` elements a mean, L = 2^b bins of width
+    6σ/L around it, each bin decoded as the mean of the values that fell in it.
+
+    Update, per bucket x (n elements) on each of K ranks:
+
+      1. ``(codes, table) = stat_quantize(x, b)``; codes packed b bits each;
+      2. all-gather ``(codes, table)``; the average is ``(1/K) Σ_k table_k[codes_k]``.
+
+    Bytes per rank and bucket: an all-gather of ``⌈n·b/8⌉ + 4·(1 + 2^b)·⌈n/block⌉``.
+
+    Args:
+        bits: b in {1, 2, 4} (2 for MuLoCo's variant).
+        block: elements sharing one table.
+    """
+
+    summable = False
+
+    def __init__(self, bits: int = 2, block: int = QUANT_BLOCK):
+        if bits not in (1, 2, 4):
+            raise ValueError(f"bits must be 1, 2 or 4, got {bits}")
+        if int(block) < 1:
+            raise ValueError(f"block must be >= 1, got {block}")
+        self.bits, self.block = int(bits), int(block)
+        self.name = f"stat{bits}"
+
+    def payload_layout(self, n, dtype, nseg=1):
+        return [(torch.uint8, (uints_size(n, self.bits),)),
+                (torch.float32, (-(-n // min(self.block, max(n, 1))), 1 + (1 << self.bits)))]
+
+    def encode(self, x, key, segments, rank=None):
+        codes, table = stat_quantize(x, self.bits, self.block)
+        return [pack_uints(codes, self.bits), table], (x.numel(), x.dtype)
+
+    def decompress(self, payload, ctx):
+        return self.decompress_mean([t.unsqueeze(0) for t in payload], ctx, 1)
+
+    def decompress_mean(self, gathered, ctx, K):
+        packed, table = gathered
+        n, dtype = ctx
+        codes = unpack_uints(packed, n, self.bits)
+        return stat_dequantize(codes, table, n, self.block, dtype).mean(0)

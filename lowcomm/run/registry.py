@@ -23,7 +23,8 @@ import dataclasses
 from .config import Config, parse_override
 from ..compress.settings import CompressorSettings
 from ..errors import ConfigError
-from ..strategies import (demo, desloc, diloco, fsdp, gossip, localsgd, noloco, onebit_adam, sparta,
+from ..strategies import (demo, desloc, diloco, fsdp, gossip, localsgd, noloco, onebit_adam,
+                          sparseloco, sparta,
                           syncdp, zero, zeroone_adam)
 from ..strategies.ps import method as async_ps
 from ..strategies.base import Context, Method, Strategy
@@ -42,11 +43,14 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     onebit_adam.METHOD,
     zeroone_adam.METHOD,
     demo.METHOD,
+    demo.DISTRO_METHOD,
     sparta.METHOD,
     sparta.DILOCO_METHOD,
     desloc.METHOD,
     noloco.METHOD,
     fsdp.METHOD,
+    sparseloco.METHOD,
+    diloco.MULOCO_EF_METHOD,
 )}
 
 

@@ -10,7 +10,7 @@ from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
 from ..compress.base import Segment
 from ..compress.compressor import Compressor
-from ..compress.demo import ChunkedDCT, ChunkTopK
+from ..compress.demo import ChunkedDCT, ChunkTopK, QuantizedChunkTopK
 from ..compress.error_feedback import ErrorFeedback
 from ..compress.twophase import COLLECTIVES
 from ..errors import ConfigError
@@ -27,12 +27,31 @@ class DeMoSettings(Settings):
     decay: float = 0.999           # β: the local momentum's decay
     sign: bool = True              # step with sign(u) (the paper's); false: with u itself
     exchange: str = "two-phase"    # "two-phase" (bytes flat in K) | "allgather" (the paper's) | "auto"
+    value_bits: int = 0            # 0: values in the momentum's dtype; 1: their signs (DisTrO)
 
     def validate(self, prefix: str = "") -> None:
         self.at_least(prefix, "topk", 1)
         self.at_least(prefix, "chunk", 1)
         self.within(prefix, "decay", 0, 1, high_open=True)
         self.one_of(prefix, "exchange", COLLECTIVES)
+        if self.value_bits not in (0, 1):
+            raise ConfigError.at(prefix, "value_bits", f"must be 0 (full values) or 1 (signs), "
+                                 f"got {self.value_bits}")
+        if self.value_bits and self.exchange != "allgather":
+            raise ConfigError.at(prefix, "exchange", "1-bit values are decoded as ±1 without a "
+                                 "scale, which the two-phase owners could not re-select; use "
+                                 f"exchange = \"allgather\" with value_bits = 1, got {self.exchange!r}")
+
+
+@dataclass
+class DisTrOSettings(DeMoSettings):
+    """``[strategy]`` keys of ``distro``: DeMo at the configuration of Psyche's DisTrO runs
+    (Nous Research): chunks of 64 (64×64 tiles of a matrix), the top 4 coefficients of each,
+    their values sent as 1 bit (the sign), every rank's all-gathered. Any key can be overridden."""
+    topk: int = 4
+    chunk: int = 64
+    value_bits: int = 1
+    exchange: str = "allgather"
 
 
 def build(s: DeMoSettings, model, optimizer, comm: Comm, ctx: Context) -> "DeMo":
@@ -47,23 +66,62 @@ def check_run(s: DeMoSettings, cfg, prefix: str) -> None:
 
 METHOD = Method("demo", DeMoSettings, build, "DeMo: local momentum, its top-k DCT coefficients "
                 "per chunk exchanged and removed from it, a sign step", check=check_run)
+DISTRO_METHOD = Method("distro", DisTrOSettings, build, "DisTrO (preset of DeMo): chunk 64, top-4 "
+                       "coefficients per chunk, 1-bit values, all-gathered", check=check_run)
 
 
 @dataclass
-class _Bucket:
-    """The parameters whose chunks have ``row`` elements: their coefficients travel together."""
+class ChunkBucket:
+    """Tensors whose chunks have one size: their chunks travel together, through ``comp`` (error
+    feedback around a per-chunk codec). ``members`` are tuples whose first item is the tensor's
+    name and whose last two are its ``[lo, hi)`` in the bucket (DeMo's and SparseLoCo's add what
+    they need between)."""
     key: str
-    members: list[tuple[str, torch.nn.Parameter, int, ChunkedDCT, int, int]]   # group index
+    members: list[tuple]
     comp: Compressor
 
     @property
     def numel(self) -> int:
-        return self.members[-1][5]
+        return self.members[-1][-1]
 
     @cached_property
     def segments(self) -> list[Segment]:
         """The members' places in the bucket (built once: the members never change)."""
-        return [Segment(n, torch.Size([b - a]), a, b) for n, _, _, _, a, b in self.members]
+        return [Segment(m[0], torch.Size([m[-1] - m[-2]]), m[-2], m[-1]) for m in self.members]
+
+    def decay_(self, beta: float) -> None:
+        """The error-feedback memory ← β · memory (DeMo's momentum, SparseLoCo's accumulator)."""
+        for e in self.comp.encoder.residuals.values():
+            e.mul_(beta)
+
+    def memory(self, name: str) -> torch.Tensor | None:
+        """Member ``name``'s error-feedback memory, flat in chunk order (None before the first step)."""
+        return self.comp.encoder.residuals.get(name)
+
+    def mean_memory_state(self, olds: list[dict]) -> dict:
+        """A compressor state whose memories are the mean of the old ranks' (``olds``: their
+        compressor states): what each new rank starts from when the rank count changes."""
+        from .reshard import average
+        names = olds[0].get("encoder", {}).get("residuals", {})
+        residuals = {n: average([o["encoder"]["residuals"][n] for o in olds]) for n in names}
+        return {"encoder": {"residuals": residuals, "codec": {}}} if residuals else {}
+
+
+def chunk_buckets(items, prefix: str, compressor) -> list[ChunkBucket]:
+    """``items`` ``(row, numel, *member)`` grouped by chunk size ``row`` (ascending), each group
+    one :class:`ChunkBucket` ``f"{prefix}{row}"`` whose members are ``(*member, lo, hi)`` in
+    order, with ``compressor(row)``."""
+    by_row: dict[int, list] = {}
+    for row, numel, *member in items:
+        by_row.setdefault(row, []).append((numel, member))
+    out = []
+    for row, group in sorted(by_row.items()):
+        members, at = [], 0
+        for numel, member in group:
+            members.append((*member, at, at + numel))
+            at += numel
+        out.append(ChunkBucket(f"{prefix}{row}", members, compressor(row)))
+    return out
 
 
 class DeMo(Strategy):
@@ -72,6 +130,7 @@ class DeMo(Strategy):
 
     Update, on each of K ranks, per step t, for every parameter x with local gradient g, the
     group's learning rate η, decay β, chunk side s and k coefficients per chunk:
+
       1. local momentum ``m ← β m + η g`` (never averaged: decoupled);
       2. fast components: ``c = DCT(m)`` over chunks (a matrix: s×s blocks, 2-D DCT-II;
          otherwise chunks of s; :class:`~lowcomm.compress.demo.ChunkedDCT`), and ``q`` = the k
@@ -84,6 +143,7 @@ class DeMo(Strategy):
          owners' pairs: exact at ``k = s²``, bytes flat in K);
       5. ``u = IDCT(Q)``; the wrapped optimizer steps with gradient ``sign(u)`` (``sign``, the
          paper's update) or ``u``.
+
     With ``torch.optim.SGD`` (no momentum) step 5 is the paper's ``x ← x − η sign(u)``, and
     SGD's ``weight_decay`` λ then equals its decoupled decay ``x ← x(1 − ηλ)``; a Nesterov SGD
     adds Nesterov momentum on top of the synchronised sign. Steps 1–3 are error feedback whose
@@ -105,6 +165,13 @@ class DeMo(Strategy):
         decay: β in [0, 1).
         sign: step with ``sign(u)`` (True) or ``u``.
         exchange: "two-phase", "allgather" or "auto" (the faster by the α–β model).
+        value_bits: 0 (values in the momentum's dtype) or 1: the values' signs, one bit each,
+            decoded as ±1 (:class:`~lowcomm.compress.demo.QuantizedChunkTopK`; the whole selected
+            coefficients leave the momentum), as Psyche's DisTrO sends them; needs
+            ``exchange="allgather"``. The ``distro`` preset (:class:`DisTrOSettings`: chunk 64,
+            top-4, 1-bit values, all-gather): ``lowcomm.build("distro", model, sgd)`` or
+            ``DeMo(model, sgd, settings=DisTrOSettings())``; bytes per rank and step
+            ``(K−1)·Σ_chunks (k·2 + ⌈k/8⌉)`` (int16 indices, packed signs, per bucket).
 
     Example::
 
@@ -126,20 +193,19 @@ class DeMo(Strategy):
         self.topk, self.chunk, self.decay, self.sign = s.topk, s.chunk, s.decay, s.sign
         self.exchange = exchange = s.exchange
         names = {p: n for n, p in model.named_parameters()}
-        by_row: dict[int, list] = {}
+        items = []
         for gi, g in enumerate(optimizer.param_groups):
             for i, p in enumerate(g["params"]):
                 if p.requires_grad:
                     t = ChunkedDCT(p.shape, self.chunk)
-                    by_row.setdefault(t.row, []).append((names.get(p, f"param{i}"), p, gi, t))
-        self.buckets = []
-        for row, params in sorted(by_row.items()):
-            members, at = [], 0
-            for name, p, g, t in params:
-                members.append((name, p, g, t, at, at + p.numel()))
-                at += p.numel()
-            self.buckets.append(_Bucket(f"demo{row}", members, Compressor(
-                ErrorFeedback(ChunkTopK(row, self.topk)), exchange)))
+                    items.append((t.row, p.numel(), names.get(p, f"param{i}"), p, gi, t))
+        self.value_bits = s.value_bits
+
+        def compressor(row: int) -> Compressor:
+            codec = QuantizedChunkTopK(row, self.topk, s.value_bits, packed_indices=False) \
+                if s.value_bits else ChunkTopK(row, self.topk)
+            return Compressor(ErrorFeedback(codec), exchange)
+        self.buckets = chunk_buckets(items, "demo", compressor)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self._comm = agreed_dup(self.comm, "demo.layout",            # fixed shapes from here on
                                 repr([(b.key, b.numel) for b in self.buckets]), len(self.buckets))
@@ -153,8 +219,7 @@ class DeMo(Strategy):
         for b in self.buckets:
             x = torch.cat([t.encode(p.grad if p.grad is not None else torch.zeros_like(p))
                            .reshape(-1).mul(lrs[gi]) for _, p, gi, t, _, _ in b.members])
-            for e in b.comp.encoder.residuals.values():     # step 1: m ← βm (then + ηg)
-                e.mul_(self.decay)
+            b.decay_(self.decay)                             # step 1: m ← βm (then + ηg)
             avg = b.comp.reduce(x, b.key, self._comm, b.segments)      # steps 2–4
             for _, p, _, t, lo, hi in b.members:                       # step 5
                 u = t.decode(avg[lo:hi])
@@ -173,9 +238,8 @@ class DeMo(Strategy):
         """Each parameter's local momentum m (parameter-shaped; zero before the first step)."""
         out = {}
         for b in self.buckets:
-            residuals = b.comp.encoder.residuals
             for name, p, _, t, lo, hi in b.members:
-                e = residuals.get(name)
+                e = b.memory(name)
                 out[name] = t.decode(e.view(t.rows, t.row)) if e is not None else torch.zeros_like(p)
         return out
 
@@ -200,15 +264,13 @@ class DeMo(Strategy):
         exchanges carry, is kept). The two-phase owners' server errors are cut by rank count:
         the old owners' pieces, in rank order, make the whole bucket, which the new owners cut
         again."""
-        from .reshard import average, replicated
+        from .reshard import replicated
         merged = replicated(old, self.name)
         K, r = self.comm.size, self.comm.rank
         comps = {}
         for b in self.buckets:
             olds = [s["strategy"]["compressors"][b.key] for s in old]
-            residuals = {n: average([o["encoder"]["residuals"][n] for o in olds])
-                         for n in olds[0].get("encoder", {}).get("residuals", {})}
-            state = {"encoder": {"residuals": residuals, "codec": {}}} if residuals else {}
+            state = b.mean_memory_state(olds)
             pieces = [o.get("exchange", {}).get("server_error", {}).get(b.key) for o in olds]
             if any(x is not None for x in pieces):
                 whole = torch.cat([x if x is not None else torch.zeros(0) for x in pieces])
@@ -223,7 +285,7 @@ class DeMo(Strategy):
         if not final:
             return {}
         return {"topk": self.topk, "chunk": self.chunk, "decay": self.decay, "sign": self.sign,
-                "exchange": self.exchange, "payload_bytes_per_step": self.payload_bytes()}
+                "exchange": self.exchange, "value_bits": self.value_bits, "payload_bytes_per_step": self.payload_bytes()}
 
     def _finish(self) -> None:
         self.buffers.broadcast(self.comm)

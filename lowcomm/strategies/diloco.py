@@ -7,7 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.comm import Comm
-from ..errors import ConfigError
+from ..compress.compressor import Compressor
+from ..compress.error_feedback import ErrorFeedback
+from ..compress.quantize import StatQuant
+from ..compress.twophase import COLLECTIVES
+from ..errors import ArgumentError, ConfigError
 from .base import Context, Method
 from .outer import Fragment, OuterLoop, OuterSettings, check_merge, check_run
 
@@ -53,7 +57,43 @@ class StreamingDiLoCoSettings(DiLoCoSettings):
         check_merge(self.merge, self.alpha, prefix)
 
 
+@dataclass
+class MuLoCoEFSettings(DiLoCoSettings):
+    """``[strategy]`` keys of ``muloco-ef2bit``: MuLoCo's error-feedback + 2-bit variant (Thérien
+    et al. 2025, arXiv 2505.23725) as a preset of DiLoCo: the inner optimizer must be Muon
+    (``optimizer.name = "muon"``: :class:`~lowcomm.run.optimizers.MuonAdamW`), the
+    pseudo-gradient goes through error feedback around a dense 2-bit statistical quantiser
+    (:class:`~lowcomm.compress.quantize.StatQuant`), exchanged by ``exchange``; the outer step
+    stays DiLoCo's Nesterov. Bytes per rank and outer step with the all-gather:
+    ``(K−1)·(⌈n/4⌉ + 20·⌈n/2048⌉)`` for n parameters."""
+    period: int = 50
+    exchange: str = "allgather"    # the 2-bit payloads' collective: "allgather" | "two-phase" | "auto"
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        self.one_of(prefix, "exchange", COLLECTIVES)
+        if self.compressor != "none":
+            raise ConfigError.at(prefix, "compressor", "muloco-ef2bit's pseudo-gradient compressor "
+                                 "is its 2-bit quantiser with error feedback; leave compressor = "
+                                 f"\"none\", got {self.compressor!r}")
+
+    def kwargs(self, ctx: Context) -> dict:
+        return dict(super().kwargs(ctx), compressor=Compressor(ErrorFeedback(StatQuant(2)), self.exchange))
+
+
+def check_muloco(s: MuLoCoEFSettings, cfg, prefix: str) -> None:
+    check_run(s, cfg, prefix)
+    if cfg.optimizer.name != "muon":
+        raise ConfigError("optimizer.name", f"muloco-ef2bit is DiLoCo with Muon inside; set "
+                          f"optimizer.name = \"muon\", got {cfg.optimizer.name!r}")
+
+
 def build(s: DiLoCoSettings, model, optimizer, comm: Comm, ctx: Context) -> "DiLoCo":
+    if isinstance(s, MuLoCoEFSettings) and not any(g.get("algorithm") == "muon"
+                                                   for g in optimizer.param_groups):
+        raise ArgumentError("optimizer", "muloco-ef2bit is DiLoCo with Muon inside: pass a "
+                            "lowcomm.MuonAdamW (with a Muon group: the model's matrices), got "
+                            f"{type(optimizer).__name__}")
     cls = StreamingDiLoCo if isinstance(s, StreamingDiLoCoSettings) else DiLoCo
     return cls(model, optimizer, comm, **s.kwargs(ctx))
 
@@ -213,3 +253,6 @@ METHOD = Method("diloco", DiLoCoSettings, build, "DiLoCo: H inner steps, then an
 STREAMING_METHOD = Method("streaming-diloco", StreamingDiLoCoSettings, build, "streaming DiLoCo: "
                           "DiLoCo over P staggered fragments, overlapped with τ inner steps",
                           check=check_run, outer=True, level=True)
+MULOCO_EF_METHOD = Method("muloco-ef2bit", MuLoCoEFSettings, build, "MuLoCo's error-feedback "
+                          "2-bit variant (preset of DiLoCo): Muon inside, the pseudo-gradient "
+                          "2-bit quantised with error feedback", check=check_muloco, outer=True)

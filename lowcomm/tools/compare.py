@@ -70,6 +70,10 @@ METHODS: dict[str, list[str]] = {
                "strategy.period_v=96"],
     # NoLoCo: DiLoCo's outer step with one random peer, no collective
     "noloco": ["strategy.name=noloco", "strategy.period=50"],
+    # presets: DisTrO (DeMo at Psyche's configuration), MuLoCo's error-feedback 2-bit variant
+    "distro": ["strategy.name=distro", "optimizer.name=sgd", "lr=0.001"],
+    "muloco-ef2bit": ["strategy.name=muloco-ef2bit", "optimizer.name=muon"],
+    "sparseloco": ["strategy.name=sparseloco"],
     "localsgd": ["strategy.name=localsgd", "strategy.period=10"],
     "diloco": ["strategy.name=diloco", "strategy.period=50"],
     "streaming-diloco": ["strategy.name=streaming-diloco", "strategy.period=50",

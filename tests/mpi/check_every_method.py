@@ -50,6 +50,9 @@ METHODS = {
     "muloco": ("diloco:period=3", ["optimizer.name=muon"]),
     "desloc": ("desloc:period=2,period_u=3,period_v=4", ["optimizer.name=adam"]),
     "noloco": ("noloco:period=2", []),          # 3 ranks: one sits out each outer step
+    "sparseloco": ("sparseloco:period=3,chunk=8,topk=4", []),
+    "distro": ("distro", []),
+    "muloco-ef2bit": ("muloco-ef2bit:period=3", ["optimizer.name=muon"]),
     "average-every": ("average-every:period=3", []),
     "async-ps": ("async-ps:servers=1", []),
     "policy": ("syncdp", ["topology=dc:2,rank:2+1", "policy.dc=diloco:period=3,compressor=int8"]),
@@ -169,7 +172,8 @@ def test_build_makes_every_registered_method_from_its_spec(name, comm):
     tests)."""
     m = seeded_mlp(10, 16, 3)
     adam = name in ("onebit-adam", "zeroone-adam", "desloc")
-    inner = (torch.optim.Adam if adam else torch.optim.SGD)(m.parameters(), lr=0.1)
+    inner = lowcomm.MuonAdamW(m.parameters(), lr=0.01) if name == "muloco-ef2bit" else \
+        (torch.optim.Adam if adam else torch.optim.SGD)(m.parameters(), lr=0.1)
     opt = lowcomm.build(name, m, inner, comm, steps=STEPS)
     opt.close()
     assert isinstance(opt, lowcomm.Strategy), f"build({name!r}) gave {type(opt).__name__}"

@@ -16,7 +16,14 @@ halves, each running the case) and on 4, each against a reference computed here 
   parameters and Adam moments, every step), its bytes per step an all-reduce of the states due;
 * NoLoCo equals the reference code's outer step on K workers simulated in one process with the
   same pairings; it sends one model to one peer per outer step and nothing else.
+* SparseLoCo equals the paper's Algorithm 1 written out in NumPy (accumulator, chunked top-k,
+  the 2-bit quantiser, the outer step), its bytes per outer step are (K − 1)·P for P of its
+  format (2-bit values, ⌈log2 chunk⌉-bit indices, plus the quantiser's tables);
+* the DisTrO preset is DeMo with 1-bit values (its wire format against the paper's equations
+  above) and the MuLoCo-EF-2-bit preset DiLoCo over Muon with error-fed 2-bit pseudo-gradients,
+  each with bytes of its formula; each of the three trains the built-in byte LM at its defaults.
 """
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -111,13 +118,18 @@ def paper_inverse(q: np.ndarray, shape, s: int) -> np.ndarray:
 
 
 def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int, wd: float = 0.0,
-               nesterov: float = 0.0, reselect: bool = False):
+               nesterov: float = 0.0, reselect: bool = False, signs: bool = False):
     """Algorithm 1 of Peng et al. 2024 on K simulated ranks, with the reference implementation's
     decoupled weight decay ``x ← x(1 − lr·wd)`` and, where ``nesterov`` = μ > 0, torch SGD's
     Nesterov momentum on the synchronised sign; ``reselect``: the mean Q of the ranks' q is
     re-sparsified to its k largest per chunk with an error E that carries the rest
     (``A = Q + E``, ``Q ← top_k(A)``, ``E ← A − Q``: gTop-k with server error feedback). After
-    every step: the parameters and every rank's momentum."""
+    every step: the parameters and every rank's momentum. ``signs``: DisTrO's 1-bit values, the
+    mean taken over the sent coefficients' signs (the momentum still loses the whole q), and the
+    step with u itself (a sign step would meet exact ties: u = 0 where ±1 coefficients cancel,
+    whose sign float rounding decides; and k below a chunk's size: the output layer's gradient
+    sums to zero over the classes, so some coefficients are zero up to rounding, and one bit,
+    which cannot say zero, would send whichever sign the rounding left)."""
     model = mlp(torch.float64)
     x = [p.detach().numpy().copy() for p in model.parameters()]
     m = [[np.zeros_like(p) for p in x] for _ in range(K)]
@@ -137,10 +149,11 @@ def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int, wd: f
                 m[r][i] = m[r][i] - paper_inverse(q[-1], x[i].shape, s)
             qs.append(q)
         for i in range(len(x)):
-            mean = sum(q[i] for q in qs) / K
+            mean = sum(np.sign(q[i]) if signs else q[i] for q in qs) / K
             if reselect:
                 mean, err[i] = top(mean + err[i], k), mean + err[i] - top(mean + err[i], k)
-            d = np.sign(paper_inverse(mean, x[i].shape, s))
+            d = paper_inverse(mean, x[i].shape, s)
+            d = d if signs else np.sign(d)
             if nesterov:
                 buf[i] = d if buf[i] is None else nesterov * buf[i] + d
                 d = d + nesterov * buf[i]
@@ -149,23 +162,26 @@ def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int, wd: f
     return after
 
 
-@pytest.mark.parametrize("exchange,topk,wd,nesterov", [("allgather", 5, 0.1, 0.0),
-                                                       ("two-phase", 64, 0.0, 0.0),
-                                                       ("allgather", 5, 0.0, 0.9),
-                                                       ("two-phase", 5, 0.0, 0.0)])
-def test_demo_equals_the_papers_equations(group, exchange, topk, wd, nesterov):
+@pytest.mark.parametrize("exchange,topk,wd,nesterov,signs", [("allgather", 5, 0.1, 0.0, False),
+                                                             ("two-phase", 64, 0.0, 0.0, False),
+                                                             ("allgather", 5, 0.0, 0.9, False),
+                                                             ("two-phase", 5, 0.0, 0.0, False),
+                                                             ("allgather", 3, 0.0, 0.0, True)])
+def test_demo_equals_the_papers_equations(group, exchange, topk, wd, nesterov, signs):
     """With the all-gather at k = 5 of chunks up to 48 elements, and two-phase at full k (its
     owners' re-selection keeps everything): the paper's update and each rank's momentum, step by
     step, to 1e-12; SGD's weight decay is the reference's decoupled one, a Nesterov SGD adds
     Nesterov momentum on the sign. Two-phase at k = 5: the paper's with the mean re-sparsified
-    per chunk, the rest carried by the owners' server error."""
+    per chunk, the rest carried by the owners' server error. With 1-bit values (DisTrO's wire
+    format): the mean of the sent coefficients' signs, stepped with u (see paper_demo)."""
     lr, beta, s, steps = 0.01, 0.9, 8, 4
     reselect = exchange == "two-phase" and topk < 48
-    want = paper_demo(group.size, steps, lr, beta, s, topk, wd, nesterov, reselect)
+    want = paper_demo(group.size, steps, lr, beta, s, topk, wd, nesterov, reselect, signs)
     model = mlp(torch.float64)
     inner = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd, momentum=nesterov,
                             nesterov=nesterov > 0)
-    opt = lowcomm.DeMo(model, inner, group, topk=topk, chunk=s, decay=beta, exchange=exchange)
+    opt = lowcomm.DeMo(model, inner, group, topk=topk, chunk=s, decay=beta, exchange=exchange,
+                       value_bits=int(signs), sign=not signs)
     names = [n for n, _ in model.named_parameters()]
 
     def check(step):
@@ -555,3 +571,177 @@ def test_desloc_a_parameter_without_adam_state_on_a_rank_takes_part_with_zero_mo
         assert all(k not in e for e in every[1:]), "torch Adam made a state for an unused parameter"
         assert torch.allclose(st[k], every[0][k] / group.size, rtol=1e-6, atol=0), k
     opt.finish()
+# SparseLoCo ------------------------------------------------------------------------------------
+def tiles(m: np.ndarray, s: int) -> np.ndarray:
+    """The chunks of m, one row each: a matrix's s×s tiles (sides: the largest divisors within
+    s) in row-major tile order, each read row by row; a vector's runs of s."""
+    sides = chunks(m.shape, s)
+    m2 = m.reshape(m.shape[0], -1) if m.ndim >= 2 else m
+    return np.stack([m2[tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, sides))].reshape(-1)
+                     for idx in np.ndindex(*[n // c for n, c in zip(m2.shape, sides)])])
+
+
+def untiles(rows: np.ndarray, shape, s: int) -> np.ndarray:
+    sides = chunks(shape, s)
+    flat = (shape[0], int(np.prod(shape[1:]))) if len(shape) >= 2 else shape
+    out = np.zeros(flat)
+    for j, idx in enumerate(np.ndindex(*[n // c for n, c in zip(flat, sides)])):
+        out[tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, sides))] = rows[j].reshape(sides)
+    return out.reshape(shape)
+
+
+def quantized_2bit(v: np.ndarray) -> np.ndarray:
+    """The authors' statistical 2-bit quantiser on one block of values: mean μ, 4 bins of width
+    6σ/4 (σ unbiased) centred so that code = clip(round((v − μ)/w + 2), 0, 3); each code decodes
+    to μ plus the mean of its bin's centred values, both sent as float32."""
+    mu = v.mean()
+    c = v - mu
+    w = 6 * np.sqrt((c ** 2).sum() / max(len(v) - 1, 1)) / 4
+    codes = np.clip(np.round(c / (w if w > 0 else 1.0) + 2), 0, 3).astype(int)
+    means = np.array([c[codes == j].mean() if (codes == j).any() else 0.0 for j in range(4)])
+    return np.float32(mu).astype(np.float64) + means.astype(np.float32).astype(np.float64)[codes]
+
+
+def paper_sparseloco(K, rounds, H, lr, beta, s, k, alpha):
+    """Algorithm 1 of Sarfi et al. 2025 on K simulated ranks with inner SGD: after every outer
+    step θ and every rank's accumulator e_r. Per parameter (each has its own chunk size here,
+    so its own quantiser block): e_r ← βe_r + (θ − θ_r); of every chunk the k largest |e_r|,
+    2-bit quantised; e_r loses what was sent; θ ← θ − α·(1/K)Σ_r sent_r."""
+    model = mlp(torch.float64)
+    theta = [p.detach().numpy().copy() for p in model.parameters()]
+    e = [[np.zeros_like(p) for p in theta] for _ in range(K)]
+    after = []
+    for t in range(rounds):
+        sent = []
+        for r in range(K):
+            x = [v.copy() for v in theta]
+            for h in range(1, H + 1):
+                with torch.no_grad():
+                    for p, v in zip(model.parameters(), x):
+                        p.copy_(torch.from_numpy(v))
+                g = [q.numpy() for q in grads(model, t * H + h, r)]
+                x = [v - lr * gi for v, gi in zip(x, g)]
+            mine = []
+            for i in range(len(theta)):
+                e[r][i] = beta * e[r][i] + (theta[i] - x[i])
+                rows = tiles(e[r][i], s)
+                kk = min(k, rows.shape[1])
+                idx = np.argsort(-np.abs(rows), axis=1)[:, :kk]
+                q = np.zeros_like(rows)
+                np.put_along_axis(q, idx, quantized_2bit(np.take_along_axis(rows, idx, 1).reshape(-1))
+                                  .reshape(idx.shape), 1)
+                e[r][i] = e[r][i] - untiles(q, theta[i].shape, s)
+                mine.append(untiles(q, theta[i].shape, s))
+            sent.append(mine)
+        for i in range(len(theta)):
+            theta[i] = theta[i] - alpha * sum(m[i] for m in sent) / K
+        after.append(([v.copy() for v in theta], [[v.copy() for v in er] for er in e]))
+    return after
+
+
+def test_sparseloco_equals_the_papers_equations(group):
+    """Outer step by outer step, θ and this rank's accumulator against the reference above (to
+    1e-6: the exchanged average is summed in float32, the payload's precision)."""
+    H, lr, beta, s, k, alpha, rounds = 3, 0.05, 0.9, 8, 3, 0.8, 3
+    want = paper_sparseloco(group.size, rounds, H, lr, beta, s, k, alpha)
+    model = mlp(torch.float64)
+    opt = lowcomm.SparseLoCo(model, torch.optim.SGD(model.parameters(), lr=lr), group, period=H,
+                             chunk=s, topk=k, decay=beta, outer_lr=alpha)
+    names = [n for n, _ in model.named_parameters()]
+
+    def check(step):
+        if step % H:
+            return
+        params, acc = want[step // H - 1]
+        for p, w in zip(model.parameters(), params):
+            assert np.allclose(p.detach().numpy(), w, rtol=0, atol=1e-6), f"θ, step {step}"
+        for n, w in zip(names, acc[group.rank]):
+            assert np.allclose(opt.accumulators[n].numpy(), w, rtol=0, atol=1e-6), f"e, step {step}"
+        assert len(set(group.allgather_object(state_sha256(model)))) == 1
+    train(opt, model, group, rounds * H, check)
+    opt.finish()
+
+
+def sparseloco_bytes(shapes, s: int, k: int) -> int:
+    """P of the format sent: per chunk k values of 2 bits (the paper's) and k indices of
+    ⌈log2 chunk⌉ bits, bit-packed per group of equal-size chunks (m values), and a 20-byte
+    quantiser table (mean + 4 bin values, float32) per 2048 values."""
+    groups: dict[int, int] = {}
+    for shape in shapes:
+        sides = chunks(shape, s)
+        row = int(np.prod(sides))
+        groups[row] = groups.get(row, 0) + int(np.prod(shape)) // row * min(k, row)
+    return sum(-(-m * 2 // 8) + 20 * -(-m // 2048) + -(-m * max(1, math.ceil(math.log2(row))) // 8)
+               for row, m in groups.items())
+
+
+@pytest.mark.parametrize("width", [16, 128])
+def test_sparseloco_bytes_are_k_values_of_2_bits_and_indices_per_chunk(group, width):
+    """Per outer step each rank all-gathers P bytes: (K − 1)·P sent. A 128×128 matrix is four
+    64×64 tiles of which 64 values each go (1.56 %): 256·(2 + 12) bits + one table."""
+    torch.manual_seed(0)
+    model = mlp() if width == 16 else nn.Linear(128, 128, bias=False)
+    opt = lowcomm.SparseLoCo(model, torch.optim.SGD(model.parameters(), lr=0.01), group, period=2)
+    P = sparseloco_bytes([tuple(p.shape) for p in model.parameters()], 64, 64)
+    if width == 128:
+        assert P == 256 * 2 // 8 + 20 + 256 * 12 // 8
+    assert opt.payload_bytes() == P
+    group.ledger.reset()
+    for step in range(1, 5):
+        opt.zero_grad()
+        x = torch.randn(8, width if width == 128 else 12, generator=torch.Generator().manual_seed(step + 10 * group.rank))
+        model(x).square().mean().backward()
+        opt.step()
+    assert sent(group) == 2 * (group.size - 1) * P             # two outer steps
+    opt.finish()
+    assert len(set(group.allgather_object(state_sha256(model)))) == 1
+
+
+# DisTrO and MuLoCo's error-feedback 2-bit variant: presets ----------------------------------------
+def test_distro_is_demo_with_1_bit_values_its_bytes_packed_signs_and_int16_indices(group):
+    model = mlp()
+    opt = lowcomm.build("distro", model, torch.optim.SGD(model.parameters(), lr=0.01), group)
+    assert (opt.topk, opt.chunk, opt.value_bits, opt.exchange) == (4, 64, 1, "allgather")
+    # one chunk per tensor (16×12, 16, 4×16, 4: sides within 64), 4 coefficients of each:
+    # ⌈4/8⌉ byte of signs and 4 int16 indices per bucket
+    P = 4 * (1 + 4 * 2)
+    assert opt.payload_bytes() == P
+    group.ledger.reset()
+    train(opt, model, group, 3)
+    assert sent(group) == 3 * (group.size - 1) * P
+    opt.finish()
+    assert len(set(group.allgather_object(state_sha256(model)))) == 1
+
+
+def test_muloco_ef2bit_is_diloco_over_muon_with_error_fed_2_bit_pseudo_gradients(group):
+    model = mlp()
+    opt = lowcomm.build("muloco-ef2bit:period=2", model,
+                        MuonAdamW(model.parameters(), lr=0.02, weight_decay=0.01), group)
+    assert opt.compressor.error_feedback and opt.compressor.codec.bits == 2
+    assert opt.compressor.collective == "allgather" and opt.outer_optimizer.defaults["nesterov"]
+    n = sum(p.numel() for p in model.parameters())
+    P = -(-n // 4) + 20 * -(-n // 2048)
+    group.ledger.reset()
+    train(opt, model, group, 4)
+    assert sent(group) == 2 * (group.size - 1) * P
+    assert len(set(group.allgather_object(state_sha256(model)))) == 1
+    opt.finish()
+    with pytest.raises(lowcomm.ConfigError, match="Muon inside"):
+        lowcomm.build("muloco-ef2bit", mlp(), torch.optim.AdamW(mlp().parameters()), group)
+
+
+@pytest.mark.parametrize("method", ["sparseloco", "distro", "muloco-ef2bit"])
+def test_new_method_trains_the_built_in_task_at_its_defaults(method, comm, tmp_path_factory):
+    """The byte LM (a small one), the method's defaults and `lowcomm compare`'s overrides: the
+    eval loss after 150 steps is below that after one step (nearly untrained) by 0.3 nats, the
+    ranks agree."""
+    from lowcomm.run.config import DEFAULT_TASK
+    from lowcomm.tools.compare import METHODS
+    group = comm.split(comm.rank * 2 // comm.size)        # 2 ranks (each half of the world)
+    out = group.bcast_object(str(tmp_path_factory.mktemp(method)) if group.rank == 0 else None)
+    small = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=8",
+             "data.seq_len=32", "data.max_bytes=300000", "eval_batches=4", "log_every=10"]
+    first = lowcomm.train(DEFAULT_TASK, set=[*small, *METHODS[method], "steps=1"], out=out + "/0", comm=group)
+    done = lowcomm.train(DEFAULT_TASK, set=[*small, *METHODS[method], "steps=150"], out=out + "/1", comm=group)
+    assert done["ranks_agree"] is True
+    assert done["eval_loss"] < first["eval_loss"] - 0.3, (first["eval_loss"], done["eval_loss"])

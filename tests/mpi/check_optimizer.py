@@ -58,11 +58,15 @@ METHODS = {
                                             torch.optim.Adam(m.parameters(), lr=0.01), c),
     "noloco": lambda m, o, c: lowcomm.build("noloco:period=2", m, o, c),
     "fsdp": lambda m, o, c: lowcomm.build("fsdp", m, o, c),
+    "sparseloco": lambda m, o, c: lowcomm.build("sparseloco:period=2,chunk=8,topk=4", m, o, c),
+    "distro": lambda m, o, c: lowcomm.build("distro", m, o, c),
+    "muloco-ef2bit": lambda m, o, c: lowcomm.build("muloco-ef2bit:period=2", m,
+                                                   lowcomm.MuonAdamW(m.parameters(), lr=0.01), c),
     "policy": lambda m, o, c: lowcomm.policy({"dc": "diloco:period=2"}, m, o, c,
                                              topology="dc:2,rank:1"),
 }
 LOCKSTEP = {"syncdp", "syncdp-int8", "zero2", "zero1", "horovod", "onebit-adam", "zeroone-adam",   # gradients meet
-            "demo", "fsdp"}                                                               # every step
+            "demo", "distro", "fsdp"}                                                               # every step
 
 
 def build(name: str, comm, lr: float = 0.1):
@@ -124,7 +128,9 @@ def test_is_an_optimizer_that_lr_schedulers_drive(name, comm):
     assert isinstance(opt, torch.optim.Optimizer)
     assert all(a is b for a, b in zip(opt.param_groups, inner.param_groups))
     for make in (lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10),
-                 lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=20)):
+                 lambda o: torch.optim.lr_scheduler.OneCycleLR(   # momentum cycled where it has one
+                     o, max_lr=0.1, total_steps=20,
+                     cycle_momentum=bool({"momentum", "betas"} & set(o.defaults)))):
         ref_opt = torch.optim.SGD(make_model().parameters(), lr=inner.param_groups[0]["lr"])
         ours, ref = make(opt), make(ref_opt)
         for _ in range(3):
