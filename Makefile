@@ -28,7 +28,7 @@ test: setup
 
 # lowcomm as a user installs it (never part of `make test`: about 6 GB, 5-10 minutes): its wheel
 # into a clean venv (build/test-install/venv) beside torch $(TEST_TORCH) instead of the pinned one,
-# mpi4py compiled against the MPI on PATH, Horovod built against that torch; then `lowcomm info`
+# mpi4py compiled against the MPI on PATH (HOROVOD=1: Horovod built against that torch); then `lowcomm info`
 # and a 2-rank training run under mpirun, and tests/mpi/check_every_method.py on 3 ranks
 # (scripts/test_install.sh; docs/install.md). Needs no `make setup`, only Open MPI and cmake.
 TEST_TORCH ?= 2.14.1

@@ -3,7 +3,8 @@
 # there; lowcomm's `horovod` extra and backend ("syncdp:backend=horovod") need it.
 #   usage: scripts/build_horovod.sh [PYTHON]        (default: the python first on PATH)
 # Horovod 0.28.1 is the last release and ships no wheels: it is built from its PyPI sdist with
-#   * C++17 instead of its C++14 (torch >= 2.1's headers need 17; two CMakeLists.txt lines),
+#   * the C++ standard torch's headers ask for instead of its C++14 (torch 2.1-2.13: C++17,
+#     torch 2.14: C++20; read from ATen/ATen.h; two CMakeLists.txt lines),
 #   * a Release build instead of RelWithDebInfo (measured here: 160 s and a 0.9 MB wheel against
 #     197 s and 15 MB, 2 cores),
 #   * --no-build-isolation, so that it compiles against the torch already installed.
@@ -25,6 +26,15 @@ for tool in cmake mpicxx; do
 done
 TORCH=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null) \
     || { log "$PY has no torch: install torch first (Horovod compiles against it)"; exit 1; }
+ATEN=$("$PY" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include', 'ATen', 'ATen.h'))")
+CXX_STD=$(sed -n 's/.*#error C++\([0-9][0-9]\) or later.*/\1/p' "$ATEN" | head -1)
+[ -n "$CXX_STD" ] || { log "cannot tell which C++ standard torch $TORCH needs (no '#error C++NN or later' in $ATEN)"; exit 1; }
+TORCH_CUDA=$("$PY" -c "import torch; print(torch.version.cuda or '')")
+if [ -n "$TORCH_CUDA" ]; then
+    # a CUDA build of torch makes Horovod compile its CUDA part: it needs the CUDA toolkit
+    [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ] && export CUDA_HOME=/usr/local/cuda
+    [ -n "${CUDA_HOME:-}" ] && [ -f "$CUDA_HOME/include/cuda_runtime.h" ] || { log "torch $TORCH is a CUDA $TORCH_CUDA build, so Horovod compiles CUDA code, which needs the CUDA toolkit: set CUDA_HOME to it (module load cuda), or use a CPU build of torch"; exit 1; }
+fi
 if "$PY" -c "import horovod.torch" 2>/dev/null; then
     log "horovod.torch imports already in $PY's environment"
     exit 0
@@ -42,15 +52,15 @@ if [ -z "$WHEEL" ] && [ "$TORCH" = 2.13.0+cpu ]; then
     WHEEL=$(ls "$CACHE"/wheels/horovod-$HOROVOD_VERSION-*.whl 2>/dev/null | head -1 || true)
 fi
 if [ -z "$WHEEL" ]; then
-    log "building Horovod $HOROVOD_VERSION against torch $TORCH (about 3 minutes on 2 cores, once per torch)"
+    log "building Horovod $HOROVOD_VERSION against torch $TORCH with C++$CXX_STD (3 minutes on 2 cores for a CPU torch, 10 or more for a CUDA one; once per torch)"
     WORK=$(mktemp -d)
     trap 'rm -rf "$WORK"' EXIT
     pipq download --no-deps --no-binary :all: -d "$WORK" "horovod==$HOROVOD_VERSION"
     tar -xzf "$WORK"/horovod-$HOROVOD_VERSION.tar.gz -C "$WORK"
     SRC=$WORK/horovod-$HOROVOD_VERSION
-    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+    sed -i "s/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD $CXX_STD)/" \
         "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
-    grep -q 'CMAKE_CXX_STANDARD 17' "$SRC/horovod/torch/CMakeLists.txt" || { log "C++17 patch did not apply"; exit 1; }
+    grep -q "CMAKE_CXX_STANDARD $CXX_STD" "$SRC/horovod/torch/CMakeLists.txt" || { log "C++$CXX_STD patch did not apply"; exit 1; }
     sed -i "s/else 'RelWithDebInfo'/else 'Release'/" "$SRC/setup.py"
     grep -q "else 'Release'" "$SRC/setup.py" || { log "Release build patch did not apply"; exit 1; }
     LOG=$DIR/horovod-build.log
