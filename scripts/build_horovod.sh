@@ -26,10 +26,10 @@ for tool in cmake mpicxx; do
 done
 TORCH=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null) \
     || { log "$PY has no torch: install torch first (Horovod compiles against it)"; exit 1; }
-ATEN=$("$PY" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include', 'ATen', 'ATen.h'))")
+ATEN=$("$PY" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include', 'ATen', 'ATen.h'))" 2>/dev/null)
 CXX_STD=$(sed -n 's/.*#error C++\([0-9][0-9]\) or later.*/\1/p' "$ATEN" | head -1)
 [ -n "$CXX_STD" ] || { log "cannot tell which C++ standard torch $TORCH needs (no '#error C++NN or later' in $ATEN)"; exit 1; }
-TORCH_CUDA=$("$PY" -c "import torch; print(torch.version.cuda or '')")
+TORCH_CUDA=$("$PY" -c "import torch; print(torch.version.cuda or '')" 2>/dev/null)
 if [ -n "$TORCH_CUDA" ]; then
     # a CUDA build of torch makes Horovod compile its CUDA part: it needs the CUDA toolkit
     [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ] && export CUDA_HOME=/usr/local/cuda
