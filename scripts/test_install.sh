@@ -32,13 +32,17 @@ fail() { printf '[test-install] FAILED: %s\n' "$*" >&2; exit 1; }
 pipq() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 command -v mpirun >/dev/null && command -v mpicc >/dev/null \
     || fail "mpirun and mpicc must be on PATH (module load openmpi; or apt-get install openmpi-bin libopenmpi-dev)"
+# as on a fresh machine (and as tests/conftest.py runs the suite): no tuned all-reduce table of
+# this machine (~/.cache/lowcomm, written by whichever lowcomm ran `bench allreduce --autotune`)
+export LOWCOMM_ALLREDUCE_TABLE=$DIR/no-table/
 # mpirun as a user runs it on one machine: more ranks than cores, no binding, a thread per rank
-MPIRUN=(mpirun --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 -x LOWCOMM_NUM_THREADS=1 -x PATH)
+MPIRUN=(mpirun --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 -x LOWCOMM_NUM_THREADS=1 -x PATH
+        -x LOWCOMM_ALLREDUCE_TABLE)
 [ "$(id -u)" = 0 ] && MPIRUN+=(--allow-run-as-root)
 
 step "1. the wheel, from $ROOT"
 rm -rf "$DIR"
-mkdir -p "$DIR/dist" "$DIR/work"
+mkdir -p "$DIR/dist" "$DIR/work" "$LOWCOMM_ALLREDUCE_TABLE"
 "$PY" -m venv "$VENV"
 pipq wheel --no-deps -w "$DIR/dist" "$ROOT"
 WHEEL=$(ls "$DIR"/dist/lowcomm-*.whl)
@@ -100,11 +104,11 @@ if [ "$HOROVOD" != 1 ]; then
     select=(-k "not horovod")
     echo "HOROVOD=0: the two horovod-backend cases are deselected (not run)"
 fi
-# as tests/conftest.py runs it: no tuned all-reduce table of this machine, reports per rank
-export LOWCOMM_TEST_REPORTS=$DIR/work/reports LOWCOMM_ALLREDUCE_TABLE=$DIR/work/no-table/
-mkdir -p "$LOWCOMM_TEST_REPORTS" "$LOWCOMM_ALLREDUCE_TABLE"
+# as tests/conftest.py runs it: reports per rank
+export LOWCOMM_TEST_REPORTS=$DIR/work/reports
+mkdir -p "$LOWCOMM_TEST_REPORTS"
 rc=0
-PYTHONPATH=$DIR/work/tests/mpi "${MPIRUN[@]}" -x PYTHONPATH -x LOWCOMM_TEST_REPORTS -x LOWCOMM_ALLREDUCE_TABLE \
+PYTHONPATH=$DIR/work/tests/mpi "${MPIRUN[@]}" -x PYTHONPATH -x LOWCOMM_TEST_REPORTS \
     -n 3 "$VENV/bin/python" -m mpi4py -m pytest -q -p under_mpi -o python_files='check_*.py' \
     -o addopts= -p no:cacheprovider --timeout=900 tests/mpi/check_every_method.py "${select[@]}" \
     > every_method.log 2>&1 || rc=$?
