@@ -6,7 +6,7 @@ PY    := $(VENV)/bin/python
 NP    ?= 4
 DEMO_OUT ?= runs/demo
 
-.PHONY: setup demo test test-gpu test-slurm bench docs clean
+.PHONY: setup demo test test-install test-gpu test-slurm bench docs clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -25,6 +25,15 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# lowcomm as a user installs it (never part of `make test`: about 6 GB, 5-10 minutes): its wheel
+# into a clean venv (build/test-install/venv) beside torch $(TEST_TORCH) instead of the pinned one,
+# mpi4py compiled against the MPI on PATH (HOROVOD=1: Horovod built against that torch); then `lowcomm info`
+# and a 2-rank training run under mpirun, and tests/mpi/check_every_method.py on 3 ranks
+# (scripts/test_install.sh; docs/install.md). Needs no `make setup`, only Open MPI and cmake.
+TEST_TORCH ?= 2.14.1
+test-install:
+	TORCH=$(TEST_TORCH) bash scripts/test_install.sh
 
 # On a machine with CUDA (never part of `make test`): every all-reduce algorithm on CUDA tensors
 # and every method training on the GPU, 2 ranks (tests/mpi/check_gpu.py; it fails without CUDA).

@@ -102,3 +102,34 @@ def test_diloco_over_fsdp_keeps_each_ranks_chunks_and_equals_diloco_over_syncdp(
         assert 0 <= 2 * m["optimizer_state_bytes"] - w["optimizer_state_bytes"] <= 0.001 * \
             w["optimizer_state_bytes"], (m, w)
 
+
+def test_the_torch_internals_fsdp_relies_on_are_where_it_expects_them():
+    """The suite's torch has every private name of INTERNALS (a newer torch that moved one fails
+    here first), and a missing one is a LowcommError naming the name, this torch's version, the
+    releases tested and what to use instead."""
+    from lowcomm.errors import LowcommError
+    from lowcomm.strategies.fsdp import INTERNALS, torch_internal
+    for module, names in INTERNALS.items():
+        assert all(x is not None for x in torch_internal(module, *names))
+    for module, names in (("torch.distributed.fsdp._no_such_module", ("DefaultAllGather",)),
+                          ("torch.distributed._composable.contract", ("NO_SUCH_KEY",))):
+        with pytest.raises(LowcommError) as e:
+            torch_internal(module, *names)
+        words = str(e.value)
+        assert f"{module}.{names[0]}" in words and f"torch {torch.__version__}" in words
+        assert "tested with torch 2.13 and 2.14" in words and "zero1/zero2" in words
+
+
+def test_fsdp_on_a_torch_without_its_internals_fails_before_touching_the_model(monkeypatch):
+    from lowcomm.errors import LowcommError
+    from lowcomm.strategies import fsdp
+    monkeypatch.setitem(fsdp.INTERNALS, "torch.distributed._moved_away", ("FSDPState",))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(LowcommError, match=r"torch.distributed._moved_away.FSDPState.*torch "
+                       + torch.__version__.replace("+", r"\+")):
+        fsdp.FSDP(model, opt, wrap="none")
+    assert type(model) is torch.nn.Sequential
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

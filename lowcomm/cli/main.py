@@ -529,12 +529,19 @@ def project(folder, ranks, links, params, step_compute_s, json_path):
 
 @cli.command()
 def info():
-    """Versions, MPI library and thread level, Horovod build."""
+    """Versions and locations, MPI library and thread level, Horovod build."""
+    import os
+    from importlib.metadata import version as installed
+
     import torch
+
+    import lowcomm
     comm = _world()
     from ..comm.comm import mpi_library
     version, level, multiple = mpi_library()
-    lines = [f"lowcomm ranks: {comm.size}", f"torch {torch.__version__}",
+    lines = [f"lowcomm {lowcomm.__version__} ({os.path.dirname(lowcomm.__file__)}), ranks: "
+             f"{comm.size}", f"torch {torch.__version__} ({os.path.dirname(torch.__file__)})",
+             f"mpi4py {installed('mpi4py')}",
              f"MPI: {version.splitlines()[0]}", f"thread level: {level} (multiple = {multiple})"]
     try:
         import horovod

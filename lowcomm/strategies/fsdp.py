@@ -23,6 +23,37 @@ from .buffers import Buffers
 
 DTYPES = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+#: the torch releases whose FSDP2 internals this module was tested with (make test: 2.13.0,
+#: make test-install: 2.14.1)
+TESTED_TORCH = ("2.13", "2.14")
+#: torch's private names this module relies on: FSDP2's default collectives (subclassed to charge
+#: the ledger) and the registry keys of composable APIs (cleared by unshard_model)
+INTERNALS = {
+    "torch.distributed.fsdp._fully_shard._fsdp_collectives": ("DefaultAllGather", "DefaultReduceScatter"),
+    "torch.distributed._composable.contract": ("REGISTRY_KEY", "STATE_KEY"),
+    "torch.distributed._composable_state": ("_module_state_mapping",),
+}
+
+
+def internals_moved(what: str, problem: object) -> LowcommError:
+    """The error for torch's FSDP2 internals that this torch does not have where lowcomm
+    expects them (a torch release newer than :data:`TESTED_TORCH`)."""
+    return LowcommError(f"fsdp needs torch's internal {what}, which torch {torch.__version__} "
+                        f"does not have ({problem}); lowcomm's fsdp is tested with torch "
+                        f"{' and '.join(TESTED_TORCH)}: use one of those, or shard with lowcomm's "
+                        "own zero1/zero2 methods, which use no torch internals")
+
+
+def torch_internal(module: str, *names: str) -> tuple:
+    """``names`` from torch's private ``module`` (:data:`INTERNALS`), or :func:`internals_moved`'s
+    error naming this torch's version."""
+    import importlib
+    try:
+        mod = importlib.import_module(module)
+        return tuple(getattr(mod, n) for n in names)
+    except (ImportError, AttributeError) as e:
+        raise internals_moved(f"{module}.{'/'.join(names)}", e) from None
+
 
 @dataclass
 class FSDPSettings(Settings):
@@ -132,10 +163,10 @@ def charged_collectives(ledger, level: str, size: int):
     asynchronous call's later wait is not in them)."""
     import time
 
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGather,
-                                                                      DefaultReduceScatter)
-
     from ..comm.ledger import wire_bytes
+    DefaultAllGather, DefaultReduceScatter = torch_internal(
+        "torch.distributed.fsdp._fully_shard._fsdp_collectives", *INTERNALS[
+            "torch.distributed.fsdp._fully_shard._fsdp_collectives"])
 
     def charge(op: str, t: torch.Tensor, fn, *args, **kwargs):
         t0 = time.perf_counter()
@@ -270,6 +301,8 @@ class FSDP(Strategy):
         wrap = options.pop("wrap", None) if callable(options.get("wrap")) else None
         s = settings if settings is not None else self.settings_from(options)
         units, names, self.device = _checked(model, optimizer, wrap if wrap is not None else s.wrap)
+        for module, private in INTERNALS.items():      # before anything changes: this torch has them
+            torch_internal(module, *private)
         super().__init__(model, optimizer, comm)
         self.settings = s
         self.buffers = Buffers(model)
@@ -299,7 +332,10 @@ class FSDP(Strategy):
                         mp_policy=mp)
         fully_shard(model, mesh=self.mesh, mp_policy=mp)
         for m in self._fsdp_modules():          # FSDP's traffic in the method's ledger
-            if m._get_fsdp_state()._fsdp_param_group is not None:
+            state = m._get_fsdp_state()
+            if not hasattr(state, "_fsdp_param_group"):
+                raise internals_moved("FSDPState._fsdp_param_group", "no such attribute")
+            if state._fsdp_param_group is not None:
                 gather, scatter = charged_collectives(self.comm.ledger, self.comm.level,
                                                       self.comm.size)
                 m.set_custom_all_gather(gather)
@@ -391,8 +427,9 @@ def unshard_model(model: torch.nn.Module, units: list) -> None:
     """Remove FSDP2 from ``model`` in place (collective over its mesh): every DTensor parameter
     becomes an ``nn.Parameter`` holding the full tensor (``full_tensor()``, shared parameters
     stay shared), FSDP's hooks are removed and each module gets its own class back."""
-    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
     from torch.distributed.tensor import DTensor
+    REGISTRY_KEY, STATE_KEY = torch_internal("torch.distributed._composable.contract",
+                                             "REGISTRY_KEY", "STATE_KEY")
     for m in units:
         m.reshard()                              # registered parameters: the sharded DTensors
     full: dict[int, torch.nn.Parameter] = {}
@@ -415,22 +452,28 @@ def unshard_model(model: torch.nn.Module, units: list) -> None:
 
 
 def _unhook(m) -> None:
-    """Remove the forward and state-dict hooks FSDP2's state put on ``m``."""
-    from torch.distributed._composable_state import _module_state_mapping
+    """Remove the forward and state-dict hooks FSDP2's state put on ``m`` (private attributes of
+    FSDP2's state: :func:`internals_moved`'s error where this torch has others)."""
+    (mapping,) = torch_internal("torch.distributed._composable_state", "_module_state_mapping")
     state = m._get_fsdp_state()
-    state._pre_forward_hook_handle.remove()
-    state._post_forward_hook_handle.remove()
-    groups = getattr(state, "_fsdp_param_groups", None)       # torch < 2.13: one group
-    for group in groups if groups is not None else [state._fsdp_param_group]:
-        if group is None:
-            continue
-        for handles in (group._module_to_pre_save_state_dict_hook_handle,
-                        group._module_to_pre_load_state_dict_hook_handle):
-            for h in handles.values():
-                h.remove()
-            handles.clear()
-    _module_state_mapping.pop(m, None)
+    try:
+        hooks = [state._pre_forward_hook_handle, state._post_forward_hook_handle]
+        groups = getattr(state, "_fsdp_param_groups", None)       # torch < 2.13: one group
+        tables = [table for group in (groups if groups is not None else [state._fsdp_param_group])
+                  if group is not None
+                  for table in (group._module_to_pre_save_state_dict_hook_handle,
+                                group._module_to_pre_load_state_dict_hook_handle)]
+    except AttributeError as e:
+        raise internals_moved("FSDPState's hook handles", e) from None
+    for h in hooks:
+        h.remove()
+    for handles in tables:
+        for h in handles.values():
+            h.remove()
+        handles.clear()
+    mapping.pop(m, None)
 
 
-__all__ = ["FSDP", "FSDPSettings", "METHOD", "ShardOf", "charged_collectives", "check", "join_shards",
+__all__ = ["FSDP", "FSDPSettings", "INTERNALS", "METHOD", "ShardOf", "TESTED_TORCH",
+           "charged_collectives", "check", "internals_moved", "join_shards", "torch_internal",
            "unshard_model", "wrap_units"]

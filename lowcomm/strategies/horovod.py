@@ -22,8 +22,10 @@ def hvd_module():
     try:
         import horovod.torch as hvd
     except ImportError as e:  # pragma: no cover - depends on the machine
-        raise LowcommError("backend 'horovod' needs Horovod with PyTorch support; run "
-                           "scripts/bootstrap.sh (make test/demo do) to build it") from e
+        raise LowcommError("backend 'horovod' needs Horovod with PyTorch support, which this "
+                           f"environment lacks ({e}): build it against your torch and MPI with "
+                           "scripts/build_horovod.sh (the install guide's 'Horovod' section; "
+                           "make setup does it on a fresh machine)") from e
     return hvd
 
 
