@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_mpi_suite
+from conftest import shared_mpi_suite
 from lowcomm.compress import Compressor, ErrorFeedback
 from lowcomm.compress.demo import ChunkedDCT, ChunkTopK, chunk_side
 from lowcomm.errors import ConfigError
@@ -142,6 +142,7 @@ def test_python_constructors_check_their_arguments():
     assert e.value.key == "chunk"
 
 
+@pytest.mark.mpi_checks("check_new_methods.py", np=4, timeout=500)
 def test_new_methods_under_mpirun():
-    cases = run_mpi_suite(4, "check_new_methods.py", timeout=500)
+    cases = shared_mpi_suite(4, "check_new_methods.py")
     assert any("::test_demo_" in n for n in cases) and any("sparta" in n for n in cases)
