@@ -74,6 +74,12 @@ def pytest_report_header(config):
            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "mpi_checks(*paths, np=None, timeout=300, case_timeout=120): "
+                            "check files the test reads from the shared mpirun on np ranks "
+                            "(conftest.shared_mpi_suite)")
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test's own time bound (pytest-timeout's: its ``timeout`` marker, else
     ``--timeout`` / setup.cfg's) scaled by :func:`slowdown`."""
@@ -151,6 +157,30 @@ UNUSED_PLUGINS = [a for p in ("cacheprovider", "anyio", "unraisableexception", "
                   for a in ("-p", f"no:{p}")]
 
 
+def _mpi_suite_job(np: int, paths: list[str], pytest_args, timeout: float, case_timeout: float,
+                   env: dict | None) -> tuple[dict[int, dict[str, str]], Ran]:
+    """One mpirun of pytest over ``tests/mpi/<paths>`` on ``np`` ranks: every rank's
+    ``{case: outcome}`` and the job (see :func:`run_mpi_suite`)."""
+    import json
+    with tempfile.TemporaryDirectory() as reports:
+        r = run_ranks(np, sys.executable, "-m", "pytest", "-q", *UNUSED_PLUGINS, "-p", "under_mpi",
+                      "-o", "python_files=check_*.py", "-o", "addopts=",
+                      f"--timeout={scaled(case_timeout):g}", "-o", "timeout_method=thread",
+                      *[str(MPI_CHECKS / p) for p in paths], *pytest_args, timeout=timeout,
+                      env={**(env or {}), "LOWCOMM_TEST_REPORTS": reports, "PYTHONPATH": os.pathsep.join(
+                          [str(MPI_CHECKS), os.environ.get("PYTHONPATH", "")])})
+        cases = {int(f.stem[4:]): {x["case"]: x["outcome"] for x in map(json.loads, f.read_text().splitlines())}
+                 for f in Path(reports).glob("rank*.jsonl")}
+    assert sorted(cases) == list(range(np)), f"reports from ranks {sorted(cases)}\n{r.output}"
+    assert len({frozenset(c) for c in cases.values()}) == 1, "ranks ran different cases"
+    return cases, r
+
+
+def _failures(cases: dict[int, dict[str, str]], keep=lambda name: True) -> list[str]:
+    return [f"{name} on rank {rank}: {out}" for rank, c in sorted(cases.items())
+            for name, out in c.items() if out != "passed" and keep(name)]
+
+
 def run_mpi_suite(np: int, path: str | list[str], *pytest_args: str, timeout: float = 300,
                   case_timeout: float = 120, env: dict | None = None,
                   each_case: bool = False) -> dict[str, str]:
@@ -162,22 +192,108 @@ def run_mpi_suite(np: int, path: str | list[str], *pytest_args: str, timeout: fl
     select cases (``-k``); ``env`` is added to the ranks' environment. ``each_case``: the caller
     asserts case by case (one test of its own per case): the outcomes are returned as they are,
     rank 0's (which name the other ranks' failures too). Both time limits are an idle
-    machine's, scaled by :func:`slowdown` (the job's by :func:`run_ranks`)."""
-    import json
+    machine's, scaled by :func:`slowdown` (the job's by :func:`run_ranks`). Check files that
+    need no arguments of their own share one mpirun per rank count: :func:`shared_mpi_suite`."""
     paths = [path] if isinstance(path, str) else path
-    with tempfile.TemporaryDirectory() as reports:
-        r = run_ranks(np, sys.executable, "-m", "pytest", "-q", *UNUSED_PLUGINS, "-p", "under_mpi",
-                      "-o", "python_files=check_*.py", "-o", "addopts=",
-                      f"--timeout={scaled(case_timeout):g}", "-o", "timeout_method=thread",
-                      *[str(MPI_CHECKS / p) for p in paths], *pytest_args, timeout=timeout,
-                      env={**(env or {}), "LOWCOMM_TEST_REPORTS": reports, "PYTHONPATH": os.pathsep.join(
-                          [str(MPI_CHECKS), os.environ.get("PYTHONPATH", "")])})
-        cases = {int(f.stem[4:]): {x["case"]: x["outcome"] for x in map(json.loads, f.read_text().splitlines())}
-                 for f in Path(reports).glob("rank*.jsonl")}
-    assert sorted(cases) == list(range(np)), f"reports from ranks {sorted(cases)}\n{r.output}"
-    bad = [f"{name} on rank {rank}: {out}" for rank, c in sorted(cases.items())
-           for name, out in c.items() if out != "passed"]
+    cases, r = _mpi_suite_job(np, paths, pytest_args, timeout, case_timeout, env)
+    bad = _failures(cases)
     assert each_case or not bad, "\n".join(bad) + f"\n{r.output[-3000:]}"
     assert bad or r.returncode == 0, f"every case passed but the job exited {r.returncode}\n{r.output[-3000:]}"
-    assert len({frozenset(c) for c in cases.values()}) == 1, "ranks ran different cases"
     return cases[0]
+
+
+#: what the collected tests' ``mpi_checks`` markers ask for: {np: {check file: (timeout,
+#: case_timeout)}} and {np: environment}, filled once the session's tests are known
+_PLAN: dict[int, dict[str, tuple[float, float]]] = {}
+_PLAN_ENV: dict[int, dict[str, str]] = {}
+#: the folder each shared job's ``{out}`` names (made when the job runs)
+_SHARED_OUT: dict[int, Path] = {}
+#: the shared job of each rank count once run: (every rank's cases, the job) or what it raised
+_SHARED: dict[int, tuple[dict[int, dict[str, str]], Ran] | BaseException] = {}
+
+
+def _checks_of(item) -> list[tuple[int, str, float, float, dict]]:
+    """The (np, check file, timeout, case_timeout, env) a test's ``mpi_checks`` marker declares;
+    its rank count is the marker's ``np`` or the test's own ``np``/``np_`` parameter."""
+    out = []
+    for m in item.iter_markers("mpi_checks"):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        np = m.kwargs.get("np", params.get("np", params.get("np_")))
+        assert isinstance(np, int), f"{item.nodeid}: mpi_checks needs np= or an np parameter"
+        out += [(np, p, m.kwargs.get("timeout", 300), m.kwargs.get("case_timeout", 120),
+                 m.kwargs.get("env", {})) for p in m.args]
+    return out
+
+
+def pytest_collection_finish(session):
+    """The plan of the shared jobs: the check files every selected test declares. A test that
+    reads a shared job may be the one that runs it: its own time bound grows by the job's."""
+    import pytest
+    _PLAN.clear()
+    _PLAN_ENV.clear()
+    for item in session.items:
+        for np, path, timeout, case_timeout, env in _checks_of(item):
+            t, c = _PLAN.setdefault(np, {}).get(path, (0, 0))
+            _PLAN[np][path] = (max(t, timeout), max(c, case_timeout))
+            known = _PLAN_ENV.setdefault(np, {})
+            clash = [k for k, v in env.items() if known.get(k, v) != v]
+            assert not clash, f"{item.nodeid}: mpi_checks env {clash} differs from another test's"
+            known.update(env)
+    base = session.config.getoption("timeout", None) or session.config.getini("timeout")
+    for item in session.items:
+        nps = {np for np, *_ in _checks_of(item)}
+        if nps and base and float(base) > 0:
+            job = sum(t for np in nps for t, _ in _PLAN[np].values())
+            item.add_marker(pytest.mark.timeout(scaled(float(base) + job)), append=False)
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if _PLAN and tr is not None and not session.config.option.collectonly:
+        tr.write_line("lowcomm: one shared mpirun per rank count: " + "; ".join(
+            f"{np} ranks: {len(files)} check files" for np, files in sorted(_PLAN.items())))
+
+
+def shared_mpi_suite(np: int, path: str | list[str]) -> dict[str, str]:
+    """The cases of ``tests/mpi/<path>`` (one file or several) from the session's one mpirun on
+    ``np`` ranks that runs every check file the selected tests declare for ``np`` with
+    ``@pytest.mark.mpi_checks(PATH, ..., timeout=T, case_timeout=C, env=E)`` (what
+    :func:`run_mpi_suite` does per file, with one start-up of the ranks instead of one per file;
+    ``E``'s values may name the job's own folder as ``{out}``: :func:`shared_mpi_out`). The job runs when
+    the first test asks for it; its time limit is the sum of the files' ``timeout``, its case
+    limit their largest ``case_timeout``. Requires every case of ``path`` to pass on every rank
+    (the others' failures are their own tests'), and returns ``{case: outcome}`` of ``path``."""
+    paths = [path] if isinstance(path, str) else path
+    plan = _PLAN.get(np, {})
+    missing = [p for p in paths if p not in plan]
+    assert not missing, f"{missing} at {np} ranks: the test needs @pytest.mark.mpi_checks for them"
+    if np not in _SHARED:
+        out = _SHARED_OUT[np] = Path(tempfile.mkdtemp(prefix=f"lowcomm-shared-{np}-"))
+        env = {k: v.format(out=out) for k, v in _PLAN_ENV.get(np, {}).items()}
+        try:
+            _SHARED[np] = _mpi_suite_job(np, sorted(plan), (), sum(t for t, _ in plan.values()),
+                                         max(c for _, c in plan.values()), env)
+        except BaseException as e:      # noqa: BLE001 (kept: every test of the job reports it)
+            _SHARED[np] = e
+    got = _SHARED[np]
+    if isinstance(got, BaseException):
+        raise AssertionError(f"the shared {np}-rank job of {sorted(plan)} failed") from got
+    cases, r = got
+    mine = lambda name: name.split("::")[0] in paths     # noqa: E731
+    bad = _failures(cases, mine)
+    assert not bad, "\n".join(bad) + f"\n{r.output[-3000:]}"
+    assert _failures(cases) or r.returncode == 0, \
+        f"every case passed but the job exited {r.returncode}\n{r.output[-3000:]}"
+    found = {name: out for name, out in cases[0].items() if mine(name)}
+    assert found, f"no case of {paths} ran on {np} ranks\n{r.output[-3000:]}"
+    return found
+
+
+def shared_mpi_out(np: int) -> Path:
+    """The folder of the shared job on ``np`` ranks (``{out}`` in its markers' ``env``), where its
+    checks leave what the launching tests read; :func:`shared_mpi_suite` first."""
+    assert np in _SHARED_OUT, f"the shared {np}-rank job has not run: call shared_mpi_suite first"
+    return _SHARED_OUT[np]
+
+
+def pytest_sessionfinish(session):
+    import shutil
+    for out in _SHARED_OUT.values():
+        shutil.rmtree(out, ignore_errors=True)

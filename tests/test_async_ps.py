@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import WORKERS, run_mpi_suite, run_ranks, scaled
+from conftest import WORKERS, run_ranks, scaled, shared_mpi_suite
 from lowcomm.compress import COMPRESSORS
 from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
@@ -84,10 +84,11 @@ def test_config_errors_name_the_key(override, key):
 
 
 # under mpirun ---------------------------------------------------------------------------------
+@pytest.mark.mpi_checks("check_async_ps.py", np=4, timeout=200)
 def test_synchronous_ps_equals_syncdp_and_large_batch_sgd():
     """tests/mpi/check_async_ps.py: 2 servers (sharded), 2 workers, each case asserted on every
     rank; also the messages' bytes, every compressor's payloads, and SSP's bound on the lag."""
-    cases = run_mpi_suite(4, "check_async_ps.py", timeout=200)
+    cases = shared_mpi_suite(4, "check_async_ps.py")
     for name in (n for n in COMPRESSORS if n != "none"):
         assert f"check_async_ps.py::test_every_compressors_payloads_and_context_travel[{name}]" in cases
 

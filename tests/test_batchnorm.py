@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.optim.swa_utils import update_bn
 
-from conftest import run_mpi_suite
+from conftest import shared_mpi_suite
 from lowcomm.errors import ArgumentError, ConfigError
 from lowcomm.strategies.buffers import recompute_statistics
 from lowcomm.strategies.diloco import DiLoCoSettings
@@ -57,6 +57,7 @@ def test_bad_settings_name_the_key(options, key):
         DiLoCoSettings(period=2, **options).validate("strategy.")
 
 
+@pytest.mark.mpi_checks("check_batchnorm.py", np=2, timeout=400, case_timeout=300)
 def test_outer_loops_recompute_batchnorm_statistics_on_two_ranks():
-    cases = run_mpi_suite(2, "check_batchnorm.py", timeout=400, case_timeout=300)
+    cases = shared_mpi_suite(2, "check_batchnorm.py")
     assert "check_batchnorm.py::test_diloco_with_recomputed_statistics_is_within_2_points_of_syncdp" in cases

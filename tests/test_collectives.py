@@ -6,14 +6,15 @@ one process on the whole batch)."""
 import pytest
 
 import lowcomm
-from conftest import run_mpi_suite
+from conftest import shared_mpi_suite
 
 FILES = ["check_comm.py", "check_allreduce.py", "check_topology.py", "check_syncdp.py"]
 
 
 @pytest.mark.parametrize("np", [1, 2, 3, 4])   # 3: uneven chunks, 4: a power of two
+@pytest.mark.mpi_checks(*FILES, timeout=400)
 def test_comm_collectives_topologies_and_syncdp_under_mpirun(np):
-    cases = run_mpi_suite(np, FILES, timeout=400)
+    cases = shared_mpi_suite(np, FILES)
     ran = {name.split("::")[0] for name in cases}
     assert ran == set(FILES) - ({"check_syncdp.py"} if np == 2 else set()), ran
     for alg in lowcomm.ALGORITHMS:      # every algorithm, against the vendor's

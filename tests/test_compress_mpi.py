@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from conftest import run_mpi_suite, run_ranks
+from conftest import run_ranks, shared_mpi_suite
 from lowcomm.compress import COMPRESSORS
 from lowcomm.run.api import load_config
 from lowcomm.comm.ledger import wire_bytes
@@ -14,8 +14,9 @@ from lowcomm.tasks import bytelm
 
 # each collective at one rank count (the all-gather at 2, two-phase at 3: an odd K, uneven chunks)
 @pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.mpi_checks("check_compress.py", timeout=200)
 def test_compressors_and_onebit_adam_under_mpirun(np_):
-    cases = run_mpi_suite(np_, "check_compress.py", timeout=200)
+    cases = shared_mpi_suite(np_, "check_compress.py")
     for name in COMPRESSORS:     # every registered compressor trains (and its bytes are checked)
         assert f"check_compress.py::test_trains_and_the_ranks_agree[{name}]" in cases, name
     assert any("onebit_adam" in name for name in cases) == (np_ == 2)

@@ -5,15 +5,16 @@ import json
 import pytest
 import torch
 
-from conftest import run_mpi_suite, run_ranks
+from conftest import run_ranks, shared_mpi_suite
 from lowcomm.errors import ConfigError
 from lowcomm.run.api import load_config
 from lowcomm.run.evaluate import dict_sha256
 from lowcomm.strategies.fsdp import join_shards
 
 
+@pytest.mark.mpi_checks("check_fsdp.py", np=2, timeout=400)
 def test_fsdp_on_two_ranks():
-    cases = run_mpi_suite(2, "check_fsdp.py", timeout=400)
+    cases = shared_mpi_suite(2, "check_fsdp.py")
     assert "check_fsdp.py::test_fsdp_equals_syncdp_bit_for_bit_at_two_ranks[gpt2]" in cases
     assert "check_fsdp.py::test_resume_on_one_rank_continues_the_two_rank_run" in cases
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import run_mpi_suite, run_ranks
+from conftest import run_ranks, shared_mpi_suite
 from lowcomm.compress import COMPRESSORS
 from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
@@ -100,8 +100,9 @@ def test_config_accepts_gossip_keys():
 
 
 @pytest.mark.parametrize("np_", [2, 3, 4])   # 2: both ring neighbours are one rank
+@pytest.mark.mpi_checks("check_gossip.py", timeout=200)
 def test_gossip_under_mpirun(np_):
-    cases = run_mpi_suite(np_, "check_gossip.py", timeout=200)
+    cases = shared_mpi_suite(np_, "check_gossip.py")
     for name in (n for n in COMPRESSORS if n != "none"):      # CHOCO with every lossy one
         assert f"check_gossip.py::test_choco_with_a_lossy_compressor_keeps_the_average_and_contracts[{name}]" \
             in cases, name

@@ -5,14 +5,17 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT, run_mpi_suite, run_ranks
+import pytest
+
+from conftest import ROOT, run_ranks, shared_mpi_suite
 
 PORT = ROOT / "experiments" / "ddp_port"
 RESULT = re.compile(r"rank (\d+): eval loss ([0-9.]+) state ([0-9a-f]{16})")
 
 
+@pytest.mark.mpi_checks("check_transformers.py", np=2, timeout=400)
 def test_transformers_trainer_under_mpirun_with_lowcomm_methods():
-    cases = run_mpi_suite(2, "check_transformers.py", timeout=400)
+    cases = shared_mpi_suite(2, "check_transformers.py")
     assert any("async-ps" in name for name in cases) and any("int8" in name for name in cases)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_mpi_suite
+from conftest import shared_mpi_suite
 from lowcomm.compress import Compressor, ErrorFeedback
 from lowcomm.compress.bits import pack_uints, unpack_uints
 from lowcomm.compress.demo import ChunkedDCT, ChunkTopK, QuantizedChunkTopK, chunk_side
@@ -267,7 +267,8 @@ def test_noloco_pairs_every_rank_with_one_other_a_new_pairing_each_round(size):
         assert met == {(i, j) for i in range(size) for j in range(size) if i != j}
 
 
+@pytest.mark.mpi_checks("check_new_methods.py", np=4, timeout=900)
 def test_new_methods_under_mpirun():
-    cases = run_mpi_suite(4, "check_new_methods.py", timeout=500)
+    cases = shared_mpi_suite(4, "check_new_methods.py")
     assert any("::test_demo_" in n for n in cases) and any("sparta" in n for n in cases)
     assert any("::test_desloc_" in n for n in cases) and any("::test_noloco_" in n for n in cases)

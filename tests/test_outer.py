@@ -2,17 +2,18 @@
 asserted on every rank)."""
 import pytest
 
-from conftest import run_mpi_suite
+from conftest import shared_mpi_suite
 from lowcomm.compress import COMPRESSORS
 from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
 
 
 @pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.mpi_checks("check_outer.py", timeout=300)
 def test_outer_loops_equal_their_references_resume_and_refuse_bad_arguments(np):
     """The equivalences on 2 and 3 ranks; the state_dict round trips and the argument errors
     (which do not depend on the rank count) on 2."""
-    cases = run_mpi_suite(np, "check_outer.py", timeout=300)
+    cases = shared_mpi_suite(np, "check_outer.py")
     for name in (n for n in COMPRESSORS if n != "none"):
         assert f"check_outer.py::test_every_compressor_compresses_the_pseudo_gradient[{name}]" in cases
         assert (f"check_outer.py::test_a_state_dict_round_trip_continues_bit_identically[streaming-{name}]"

@@ -2,14 +2,15 @@
 rank) and their config errors."""
 import pytest
 
-from conftest import run_mpi_suite
+from conftest import shared_mpi_suite
 from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
 
 
 @pytest.mark.parametrize("np, specs", [(4, ["dc:2,rank:2", "node:2,rank:2"]), (3, ["dc:2,rank:2+1"])])
+@pytest.mark.mpi_checks("check_policy.py", timeout=300)
 def test_policies_equal_their_single_process_references(np, specs):
-    cases = run_mpi_suite(np, "check_policy.py", timeout=300)
+    cases = shared_mpi_suite(np, "check_policy.py")
     for spec in specs:
         assert f"check_policy.py::test_syncdp_at_every_level_is_minibatch_sgd[{spec}]" in cases, spec
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, WORKERS, cli, run_mpi_suite, run_ranks
+from conftest import ROOT, WORKERS, cli, run_mpi_suite, run_ranks, shared_mpi_suite
 from lowcomm.compress import COMPRESSORS, Codec, build_compressor
 from lowcomm.run.config import CompressorConfig
 from lowcomm.run.loop import STOP_VOTE_LAG
@@ -294,11 +294,12 @@ def test_a_garbage_config_json_on_resume_names_the_file(tmp_path):
             assert "Traceback" not in r.stderr, r.output
 
 
+@pytest.mark.mpi_checks("check_nothing_lost.py", np=NP, timeout=300)
 def test_what_a_run_guards_once_its_ranks_are_up():
     """tests/mpi/check_nothing_lost.py, each case asserted on every rank: seeds, a loss without
     grad_fn, another architecture on resume, a checkpoint.dir shared by two runs, a full disk
     while checkpointing."""
-    cases = run_mpi_suite(NP, "check_nothing_lost.py", timeout=300)
+    cases = shared_mpi_suite(NP, "check_nothing_lost.py")
     assert any("full_disk" in name for name in cases) and any("checkpoint_dir" in name for name in cases)
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import run_mpi_suite
+from conftest import shared_mpi_suite
 from lowcomm.run.checkpoint import CheckpointError
 from lowcomm.errors import LowcommError
 from lowcomm.run.snapshot import resized
@@ -18,8 +18,9 @@ from lowcomm.strategies.outer import Nesting, OuterLoop
 from lowcomm.strategies.ps.protocol import fold
 
 
+@pytest.mark.mpi_checks("check_resize.py", np=4, timeout=400, case_timeout=200)
 def test_every_method_resumes_on_half_and_on_twice_the_ranks():
-    cases = run_mpi_suite(4, "check_resize.py", timeout=400, case_timeout=200)
+    cases = shared_mpi_suite(4, "check_resize.py")
     assert "check_resize.py::test_resumes_on_half_and_on_twice_the_ranks[async-ps]" in cases
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_mpi_suite, run_ranks
+from conftest import ROOT, run_ranks, shared_mpi_suite
 from lowcomm.run.config import load_config as load_generic
 from lowcomm.tasks.corpus import Corpus
 from lowcomm.errors import ConfigError
@@ -131,9 +131,10 @@ def test_train_on_a_directory_of_text_files(tmp_path):
 
 
 # --- every method, one loop -------------------------------------------------------------------------
+@pytest.mark.mpi_checks("check_every_method.py", np=3, timeout=400)
 def test_every_method_from_python_ends_with_one_model_on_every_rank():
     """tests/mpi/check_every_method.py on 3 ranks, each case asserted on every rank."""
-    cases = run_mpi_suite(3, "check_every_method.py", timeout=400)
+    cases = shared_mpi_suite(3, "check_every_method.py")
     # every registered method built from its spec (async-ps needs the loop's serving side)
     for name in (n for n in STRATEGIES if n != "async-ps"):
         assert f"check_every_method.py::test_build_makes_every_registered_method_from_its_spec[{name}]" in cases

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_mpi_suite
+from conftest import run_mpi_suite, shared_mpi_out, shared_mpi_suite
 from lowcomm.compress import build_compressor
 from lowcomm.compress.bits import pack_trits, trits_size, unpack_trits
 from lowcomm.compress.twophase import DEFAULT_LINK, predicted_seconds
@@ -19,11 +19,17 @@ from lowcomm.run.config import CompressorConfig, load_config
 from lowcomm.errors import ConfigError
 
 _RUNS: dict[int, tuple[dict, dict]] = {}
+#: at 2, 3 and 4 ranks the check runs in the suite's shared mpirun; rank 0 leaves its bytes there
+SHARED = pytest.mark.mpi_checks("check_twophase.py", timeout=200,
+                                env={"LOWCOMM_TWOPHASE_BYTES": "{out}/twophase-bytes.json"})
 
 
 def run(np_: int, *pytest_args: str) -> tuple[dict, dict]:
-    """tests/mpi/check_twophase.py on ``np_`` ranks (once per rank count in this session): its
-    cases and the acceptance section's bytes per rank."""
+    """tests/mpi/check_twophase.py on ``np_`` ranks (at 8 once in this session, in a job of its
+    own; at 2, 3, 4 from the shared job): its cases and the acceptance section's bytes per rank."""
+    if np_ != 8:
+        cases = shared_mpi_suite(np_, "check_twophase.py")
+        return cases, json.loads((shared_mpi_out(np_) / "twophase-bytes.json").read_text())
     if np_ not in _RUNS:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "bytes.json"
@@ -34,6 +40,7 @@ def run(np_: int, *pytest_args: str) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("np_", [2, 3, 4])
+@SHARED
 def test_two_phase_bytes_and_fidelity_under_mpirun(np_):
     cases, _ = run(np_)
     for coll in ("allgather", "two-phase"):     # each section through both collectives
@@ -42,6 +49,7 @@ def test_two_phase_bytes_and_fidelity_under_mpirun(np_):
         assert f"check_twophase.py::test_sign_mv_votes_the_sign_of_the_sum_of_signs[{coll}]" in cases
 
 
+@SHARED(np=2)
 def test_acceptance_at_8_ranks_flat_against_2():
     """At 8 ranks (on 2 cores) only the bytes and the acceptance sections."""
     got = {K: run(K, *(["-k", "bytes_agreement or acceptance"] if K == 8 else []))[1] for K in (2, 8)}

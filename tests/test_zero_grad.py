@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import run_mpi_suite
+from conftest import shared_mpi_suite
 from lowcomm.compress import COMPRESSORS, build_compressor
 from lowcomm.compress.base import Segment
 from lowcomm.run.config import CompressorConfig
@@ -44,6 +44,7 @@ def test_a_parameter_that_is_all_zero_decodes_as_zero_and_keeps_no_error(name):
 
 
 @pytest.mark.parametrize("np_", [2, 3])   # even K: sign-mv's owners send base-3 digits; odd: flags
+@pytest.mark.mpi_checks("check_zero_grad.py", timeout=300)
 def test_zero_gradient_parameters_stay_put_and_onebit_adam_equals_its_equations(np_):
     """SyncDP with every compressor (both collectives where payloads are gathered) and 1-bit
     Adam past its warm-up: an unused layer and a layer behind a dead ReLU (exactly zero
@@ -53,7 +54,7 @@ def test_zero_gradient_parameters_stay_put_and_onebit_adam_equals_its_equations(
     2 ranks also 1-bit Adam on the built-in task (d_model 32, one layer, freeze_step 10): before,
     the key bias (gradient zero up to rounding, ~1e-12) reached |4e5| and the run died with a
     NaN by step 100."""
-    cases = run_mpi_suite(np_, "check_zero_grad.py", timeout=300)
+    cases = shared_mpi_suite(np_, "check_zero_grad.py")
     for name in COMPRESSORS:
         assert any(case.startswith("check_zero_grad.py::test_unused_and_dead_layers_stay_put_under_a_compressor"
                                    f"[{name}-") for case in cases), name

@@ -62,6 +62,26 @@ def comm():
     return lowcomm.init()
 
 
+#: what a check may set on the one world Comm of the process (a Topology sets its link, the
+#: auto all-reduce caches its choice, a loop its timeouts) and a fresh process would not have
+WORLD_SETTINGS = ("link", "validate", "auto_policy", "idle")
+WATCHDOG_SETTINGS = ("timeout_s", "factor", "outage_s")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_world():
+    """Each check file finds the world Comm as a process of its own would: several files share
+    one mpirun (tests/conftest.py: shared_mpi_suite), so what one file set is put back after it."""
+    world = lowcomm.init()
+    saved = [getattr(world, a) for a in WORLD_SETTINGS]
+    dog = [getattr(world.watchdog, a) for a in WATCHDOG_SETTINGS]
+    yield
+    for a, v in zip(WORLD_SETTINGS, saved):
+        setattr(world, a, v)
+    for a, v in zip(WATCHDOG_SETTINGS, dog):
+        setattr(world.watchdog, a, v)
+
+
 @pytest.fixture(scope="module")
 def shared_dir(comm, tmp_path_factory, request):
     """A folder every rank sees, one per check file: rank 0's (each rank's ``tmp_path`` is its
