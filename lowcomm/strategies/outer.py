@@ -279,17 +279,7 @@ class OuterLoop(Strategy):
         self.syncs: list[list[int]] = []             # [local step, fragment, bytes sent here]
         self._in_flight: list[_InFlight] = []
         self.wait_s = 0.0        # seconds the steps waited for reductions in flight (not hidden)
-        self._dense = None
-        if self.warmup_steps > 0:                    # SyncDP broadcasts rank 0's state itself
-            from .syncdp import SyncDP
-            with parts_of_one_method():
-                self._dense = SyncDP(model, optimizer, self.comm, algorithm=algorithm, levels=levels,
-                                     **(warmup_options or {}))
-        elif self._local is not None:                # rank i of every unit starts as unit 0's
-            broadcast_(nest.peers, list(self._local.values()), root=0)
-            broadcast_(self.comm, list(model.buffers()), root=0)
-        else:
-            broadcast_(self.comm, list(model.state_dict().values()), root=0)
+        self._dense = self._start_equal(model, optimizer, nest, levels, warmup_options)
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}   # FSDP: the whole ones
         sig = repr([(f.offset, str(f.dtype), [(n, shapes[n]) for n, _, _, _ in f.members])
                     for f in self.fragments])
@@ -380,6 +370,22 @@ class OuterLoop(Strategy):
                               "sharded across its ranks; use syncdp inside the units")
         k, i = nest.inside.size, nest.inside.rank
         return [tuple(chunk_bounds(f.numel, k)[i:i + 2]) for f in self.fragments]
+
+    def _start_equal(self, model, optimizer, nest: Nesting | None, levels, warmup_options):
+        """Every rank starts from rank 0's model: the dense warm-up's SyncDP (returned; it
+        broadcasts rank 0's state itself), or a broadcast (FSDP below: rank i of every unit
+        takes unit 0's rank i's chunks)."""
+        if self.warmup_steps > 0:
+            from .syncdp import SyncDP
+            with parts_of_one_method():
+                return SyncDP(model, optimizer, self.comm, algorithm=self.algorithm, levels=levels,
+                              **(warmup_options or {}))
+        if self._local is not None:
+            broadcast_(nest.peers, list(self._local.values()), root=0)
+            broadcast_(self.comm, list(model.buffers()), root=0)
+        else:
+            broadcast_(self.comm, list(model.state_dict().values()), root=0)
+        return None
 
     def _local_shards(self, nest: Nesting | None, s) -> dict[str, torch.Tensor] | None:
         """Where the level below shards every parameter (FSDP: ``inner.local_shards()``), this
