@@ -425,7 +425,7 @@ class RankChannel:
         self.ledger = ledger if ledger is not None else Ledger()
         self.plane = _Groups(store, dc, limits, link, rank, f"rank{inside.rank}/")
         # what every rank reads from the decisions it is handed, shared with its duplicates
-        self.shared = shared if shared is not None else {"admit_due": False, "members": []}
+        self.shared = shared if shared is not None else {"admit_due": False}
 
     @property
     def admit_due(self) -> bool:
@@ -461,7 +461,6 @@ class RankChannel:
                 committed = ch._committed(d, None)
             if self.inside.bcast_object(committed):
                 self.shared["admit_due"] = self.admit_due or bool(d.get("admit_next"))
-                self.shared["members"] = list(d["members"])
                 return x
 
 
