@@ -385,8 +385,12 @@ class FSDP(Strategy):
     def _state_dict(self) -> dict:
         """The wrapped optimizer's state of this rank's shards, keyed by parameter name."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        fresh = not self.optimizer.state
         with self._own_step():       # (as in load_state_dict)
             optimizer = get_optimizer_state_dict(self.model, self.optimizer)
+        if fresh:       # torch made the state with a step at lr 0 (Adam's count 1): undone
+            self.optimizer.state.clear()
+            optimizer["state"] = {}
         return {"optimizer": _to_shards(optimizer),
                 "method": self.name, "world_size": self.comm.size}
 
@@ -402,6 +406,8 @@ class FSDP(Strategy):
             set_optimizer_state_dict(self.model, self.optimizer,
                                      _from_shards(state["optimizer"], self.mesh, self.device),
                                      options=StateDictOptions(full_state_dict=full))
+        if not state["optimizer"]["state"]:     # written before the first step: none yet
+            self.optimizer.state.clear()
 
     def reshard(self, old: list[dict]) -> dict:
         """From every old rank's shards, the full model and optimizer state (exact

@@ -186,6 +186,30 @@ def test_resume_from_a_checkpoint_is_bit_exact(comm):
     assert state_sha256(again) == state_sha256(model), "the resumed run differs"
 
 
+def test_a_state_dict_before_the_first_step_changes_nothing_and_resumes_exactly(comm):
+    """torch's FSDP optimizer state dict makes missing state with an optimizer step at lr 0
+    (AdamW's count 1 and zero moments: its first real step would then be its second, with
+    another bias correction). A state dict taken before the first step (accelerate takes one
+    when the Trainer starts; a checkpoint at step 0) must leave the run bit-identical, and
+    resuming from it must start as a fresh optimizer does."""
+    model, opt, _, _ = sharded("gpt2", comm, steps=range(STEPS))
+    opt.finish()
+    again = gpt2()
+    opt2 = FSDP(again, adamw(again), comm, wrap="GPT2Block")
+    state = saved(opt2)
+    assert not opt2.optimizer.state and not state["strategy"]["optimizer"]["state"]
+    third = gpt2()
+    opt3 = FSDP(third, adamw(third), comm, wrap="GPT2Block")
+    train("gpt2", third, opt3, range(1), comm.rank)            # state to be replaced
+    opt3.load_model_state_dict(state["model"])
+    opt3.load_state_dict(state["strategy"])
+    assert not opt3.optimizer.state, "a step-0 checkpoint resumed with optimizer state"
+    for m, o in ((again, opt2), (third, opt3)):
+        train("gpt2", m, o, range(STEPS), comm.rank)
+        o.finish()
+        assert state_sha256(m) == state_sha256(model), "the run differs from one without it"
+
+
 def test_resume_on_one_rank_continues_the_two_rank_run(comm):
     """2 -> 1: each rank alone resumes the 2-rank checkpoint (reshard) — exactly the state the
     2 ranks held — and trains on the whole batch as the 2 ranks would have."""
