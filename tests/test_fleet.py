@@ -28,6 +28,8 @@ POLICY = [*COMMON, "topology=dc:3,rank:1", f"policy.dc=diloco:{DC}", "policy.ran
 #: DiLoCo between 2 datacenters of 2 ranks that shard inside (ZeRO-2): each rank keeps and
 #: reduces its range of the outer state with its counterpart
 SHARDED = [*COMMON, "topology=dc:2,rank:2", f"policy.dc=diloco:{DC}", "policy.rank=zero2"]
+#: the same over FSDP inside (each rank keeps its chunk of every parameter; bit for bit ZeRO-2's)
+FSDP = [*SHARDED[:-1], "policy.rank=fsdp"]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,8 @@ def more(runs, tmp_path_factory):
     """After those (not to slow their start-up): a fleet of 2 datacenters whose datacenter 1
     loses rank 0 at step 12, on whose folder a fleet with --overwrite is tried at step 10, and
     one stopped by SIGTERM at step 25; DiLoCo over ZeRO-2 datacenters (``SHARDED``) as one MPI
-    job, as a fleet, and as a fleet whose datacenter 1 loses rank 0 at step 12."""
+    job and as a fleet, and over FSDP datacenters as a fleet whose datacenter 1 loses rank 0 at
+    step 12."""
     from lowcomm.errors import RunFolderError
     from lowcomm.tools.fleet_launch import prepare
     tmp = tmp_path_factory.mktemp("fleet-more")
@@ -69,7 +72,7 @@ def more(runs, tmp_path_factory):
     started = {"pair": fleet(tmp / "pair", *RUN, dcs=2, np=2), "stop": fleet(tmp / "stop", *RUN),
                "sharded_single": single_job(tmp / "sharded_single", *SHARDED, np=4),
                "sharded": fleet(tmp / "sharded", *SHARDED, dcs=2, np=4),
-               "sharded_kill": fleet(tmp / "sharded_kill", *SHARDED, dcs=2, np=4)}
+               "sharded_kill": fleet(tmp / "sharded_kill", *FSDP, dcs=2, np=4)}
     for name in ("pair", "sharded_kill"):
         when(lambda name=name: reached(tmp / name / "dc1" / "metrics.jsonl", 12),
              lambda name=name: kill_rank0(tmp / name / "dc1"), deadline)
@@ -214,9 +217,10 @@ def test_a_fleet_of_sharded_datacenters_is_the_one_mpi_job_and_spreads_its_traff
 
 
 def test_a_killed_sharded_datacenter_heals_back_rank_by_rank(more):
-    """A sharded datacenter that loses rank 0 is relaunched and admitted: each of its ranks
-    takes the donor's rank of the same index (its range of the outer state), and the fleet ends
-    with every datacenter on the same model, as close to the unfaulted fleet as a heal allows."""
+    """A datacenter sharded by FSDP that loses rank 0 is relaunched and admitted: each of its
+    ranks takes the donor's rank of the same index (its chunks of the model and of the outer
+    state), and the fleet ends with every datacenter on the same model, as close to the
+    unfaulted fleet (over ZeRO-2, otherwise bit for bit the same) as a heal allows."""
     kill, rc, out = more["sharded_kill"]
     assert rc == 0, out[-3000:]
     s, plain = kill.summary(), more["sharded"][0].summary()

@@ -23,8 +23,6 @@ def test_fsdp_on_two_ranks():
     (["topology=dc:2,rank:2", "policy.dc=fsdp", "policy.rank=fsdp"], "policy.dc",
      "fsdp would shard across the 'dc' level, a wide-area link"),
     (["topology=dc:2,rank:2", "strategy.name=fsdp"], "strategy.name", "across the 'dc' level"),
-    (["topology=dc:2,rank:2", "policy.rank=fsdp", "policy.dc=diloco:period=4", "fleet.dcs=2"],
-     "policy.rank", "fsdp inside the datacenters of a fleet (--dcs) is not supported"),
     (["topology=dc:2,rank:2", "policy.rank=fsdp"], "policy.dc",       # policy.dc is syncdp
      "dc=syncdp, rank=fsdp run as one strategy"),
     (["strategy.name=fsdp", "strategy.wrap= "], "strategy.wrap", "is empty"),

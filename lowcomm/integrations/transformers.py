@@ -47,6 +47,7 @@ from torch.utils.data import DistributedSampler
 from ..comm.comm import Comm, init as init_comm
 from ..comm.ledger import Ledger
 from ..errors import LowcommError
+from ..run.snapshot import model_state
 from ..strategies.base import Strategy
 
 #: the launcher's variables that make accelerate and torch.distributed see a multi-process job
@@ -172,19 +173,44 @@ class Trainer(transformers.Trainer):
     def _own_state(self, checkpoint: str) -> str:
         return os.path.join(checkpoint, f"lowcomm-rank{self.comm.rank}-of-{self.comm.size}.pt")
 
+    def _whole_model(self) -> dict | None:
+        """Where the method shards the model (fsdp), its whole state dict, gathered by every
+        rank together (rank 0's is the one written); else None (the model is whole)."""
+        full = getattr(self.method, "full_model_state_dict", None)
+        return full() if full is not None and not self.method.closed else None
+
+    def _save(self, output_dir=None, state_dict=None):
+        if state_dict is None:
+            state_dict = getattr(self, "_gathered", None)
+        return super()._save(output_dir, state_dict)
+
     def _save_checkpoint(self, model, trial):
-        """Rank 0 writes the Trainer's checkpoint; every training rank adds its own model and
-        method state (they differ between ranks under DiLoCo, gossip, error feedback...)."""
-        if self._first:
-            super()._save_checkpoint(model, trial)
+        """Rank 0 writes the Trainer's checkpoint (the whole model: a sharded one is gathered
+        by every rank first); every training rank adds its own model and method state (they
+        differ between ranks under DiLoCo, gossip, error feedback; fsdp's are its shards)."""
+        self._gathered = self._whole_model()
+        try:
+            if self._first:
+                super()._save_checkpoint(model, trial)
+        finally:
+            self._gathered = None
         s = self._trainers.bcast_object((self.state.best_metric, self.state.best_model_checkpoint,
                                          self.state.best_global_step))
         self.state.best_metric, self.state.best_model_checkpoint, self.state.best_global_step = s
         folder = os.path.join(self._get_output_dir(trial=trial),
                               f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if os.path.isdir(folder):            # (save_strategy "best" may write none)
-            torch.save({"model": self.model.state_dict(), "method": self.method.state_dict()},
+            torch.save({"model": model_state(self.model, self.method),
+                        "method": self.method.state_dict()},
                        self._own_state(folder))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """A sharded model (fsdp) takes its shards from this rank's own file (in
+        :meth:`_load_optimizer_and_scheduler`), not the whole model rank 0 wrote."""
+        if hasattr(self.method, "load_model_state_dict") and model is None and \
+                os.path.isfile(self._own_state(resume_from_checkpoint)):
+            return None
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """Each rank resumes from its own model and method state (rank 0's optimizer.pt would
@@ -193,7 +219,7 @@ class Trainer(transformers.Trainer):
         if mine is None or not os.path.isfile(mine):
             return super()._load_optimizer_and_scheduler(checkpoint)
         state = torch.load(mine, map_location="cpu", weights_only=True)
-        self.model.load_state_dict(state["model"])
+        getattr(self.method, "load_model_state_dict", self.model.load_state_dict)(state["model"])
         self.method.load_state_dict(state["method"])
         sched = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
         if os.path.isfile(sched):
@@ -201,9 +227,16 @@ class Trainer(transformers.Trainer):
         return None
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Rank 0 writes the model (every rank holds the same one after ``train()``)."""
-        if self._first:
-            super().save_model(output_dir, _internal_call)
+        """Rank 0 writes the model (every rank holds the same one after ``train()``; a model
+        still sharded, fsdp's before ``train()`` ends, is gathered by every rank first)."""
+        if _internal_call:                   # inside rank 0's checkpoint: gathered already
+            return super().save_model(output_dir, _internal_call)
+        self._gathered = self._whole_model()
+        try:
+            if self._first:
+                super().save_model(output_dir, _internal_call)
+        finally:
+            self._gathered = None
 
 
 __all__ = ["LAUNCHER_ENV", "LAUNCHER_VARS", "Trainer", "init"]

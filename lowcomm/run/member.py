@@ -34,6 +34,7 @@ from . import outcome
 from ..strategies.base import adopt
 from .coordinate import Lockstep
 from .signals import Interrupted
+from .snapshot import model_state
 
 log = logging.getLogger("lowcomm.fleet")
 
@@ -216,7 +217,7 @@ def run(cfg, task, comm, me: dict, out=None, progress: bool = True, resume=None,
 def payload(r) -> bytes:
     """The live state a donor hands a rejoining datacenter: model and method state."""
     buf = io.BytesIO()
-    torch.save({"model": r.model.state_dict(), "strategy": r.strategy.state_dict()}, buf)
+    torch.save({"model": model_state(r.model, r.strategy), "strategy": r.strategy.state_dict()}, buf)
     return buf.getvalue()
 
 
@@ -239,7 +240,7 @@ def install(r, data: bytes, reset_inner: bool) -> None:
             raise ConfigError("fleet", f"the donor datacenter has {len(parts)} ranks, this one "
                               f"{r.comm.size}: a sharded outer state moves rank to rank")
         state = torch.load(io.BytesIO(parts[r.comm.rank].numpy().tobytes()), weights_only=True)
-    r.model.load_state_dict(state["model"])
+    getattr(r.strategy, "load_model_state_dict", r.model.load_state_dict)(state["model"])
     s = state["strategy"]
     if reset_inner:
         s = dict(s, optimizer=r.strategy.optimizer.state_dict())

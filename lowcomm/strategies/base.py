@@ -402,6 +402,11 @@ class Strategy(torch.optim.Optimizer):
             del optimizer._lowcomm_method
         self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        """Whether the method has ended (:meth:`finish` or :meth:`close`)."""
+        return self._closed
+
     def claim(self) -> None:
         """Make this method the one live method wrapping its torch optimizer: refused while
         another one (not finished or closed) wraps it. Methods built as parts of one method

@@ -119,6 +119,9 @@ class ShardOf:
         return f"ShardOf({tuple(self.local.shape)} of {tuple(self.shape)})"
 
 
+torch.serialization.add_safe_globals([ShardOf])    # checkpoints and heals load weights only
+
+
 def _to_shards(tree):
     """A state dict with every DTensor replaced by this rank's :class:`ShardOf` (CPU copy)."""
     from torch.distributed.tensor import DTensor
@@ -189,9 +192,9 @@ def charged_collectives(ledger, level: str, size: int):
 
 def check(s: FSDPSettings, cfg, prefix: str) -> None:
     """Before MPI starts: FSDP shards inside a datacenter, never across one (a level whose
-    links' latency is a WAN's, ≥ 1 ms: ``dc`` unless the topology says otherwise), and not
-    inside the datacenters of a fleet (each is its own job; use zero1/zero2 there). An outer
-    loop above it keeps each rank's shard (:meth:`FSDP.local_shards`)."""
+    links' latency is a WAN's, ≥ 1 ms: ``dc`` unless the topology says otherwise). An outer
+    loop above it keeps each rank's shard (:meth:`FSDP.local_shards`), in one MPI job or in a
+    fleet (each rank averaging its chunks with rank i of the other datacenters)."""
     from ..comm.topology import Topology
     if not cfg.topology:
         return
@@ -203,9 +206,6 @@ def check(s: FSDPSettings, cfg, prefix: str) -> None:
     else:
         first = next(i for i, lvl in enumerate(topo.names) if str(policy.get(lvl, "syncdp"))
                      .split(":")[0].strip() == "fsdp")
-        if getattr(getattr(cfg, "fleet", None), "dcs", None):
-            raise ConfigError(f"policy.{topo.names[first]}", "fsdp inside the datacenters of a "
-                              "fleet (--dcs) is not supported: use zero1 or zero2 there")
         levels = [(lvl, f"policy.{lvl}") for lvl in topo.names[first:-1]]
     for lvl, key in levels:
         if topo.link(lvl).alpha_s >= 1e-3:
@@ -374,6 +374,13 @@ class FSDP(Strategy):
         """The model's state as this rank holds it: :class:`ShardOf` each parameter, buffers whole."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         return _to_shards(get_model_state_dict(self.model))
+
+    def full_model_state_dict(self) -> dict:
+        """The whole model's state dict on rank 0 (CPU), {} elsewhere; collective: every rank
+        calls it (the parameters are gathered)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                        cpu_offload=True))
 
     def load_model_state_dict(self, state: dict) -> None:
         """Load :meth:`model_state_dict`'s shards, or full tensors (:meth:`reshard`'s)."""

@@ -271,6 +271,9 @@ class OuterLoop(Strategy):
         self._local = self._local_shards(nest, s)    # FSDP below: each rank's chunk of each
         if self._local is not None:
             named = [(n, self._local[n]) for n, _ in named]
+            # checkpoints and a fleet's heal hold the model as FSDP keeps it: each rank's shards
+            self.model_state_dict = nest.inner.model_state_dict
+            self.load_model_state_dict = nest.inner.load_model_state_dict
         self.fragments = partition(named, fragments, self.period)
         self.buffers = Buffers(model)
         self._bn = self._statistics_source(model, s, bn_batches, bn_forward)
@@ -381,7 +384,8 @@ class OuterLoop(Strategy):
                 return SyncDP(model, optimizer, self.comm, algorithm=self.algorithm, levels=levels,
                               **(warmup_options or {}))
         if self._local is not None:
-            broadcast_(nest.peers, list(self._local.values()), root=0)
+            if not getattr(nest.peers, "rounds", False):    # a fleet's members start equal
+                broadcast_(nest.peers, list(self._local.values()), root=0)
             broadcast_(self.comm, list(model.buffers()), root=0)
         else:
             broadcast_(self.comm, list(model.state_dict().values()), root=0)
@@ -396,9 +400,8 @@ class OuterLoop(Strategy):
         if not hasattr(inner, "local_shards"):
             return None
         key = f"policy.{self.name}"
-        if nest.peers is None or getattr(nest.peers, "rounds", False):
-            raise ConfigError("policy", f"{self.name} over fsdp in a fleet of datacenters is not "
-                              "supported: use zero1/zero2 inside the datacenters there")
+        if nest.peers is None:
+            raise ConfigError("policy", f"{self.name} over fsdp needs a level to average across")
         if getattr(s, "fragments", 1) != 1 or s.warmup_steps:
             raise ConfigError(key, f"{self.name} over fsdp runs whole-model synchronisations "
                               "without a dense warm-up: use fragments = 1 and warmup_steps = 0 "
@@ -724,9 +727,13 @@ class OuterLoop(Strategy):
         delivered weights."""
         over = self._leaders if self._local is not None else self._whole   # FSDP: my chunks' peers
         for f in self.fragments:
-            if f.index in self._dirty:
-                with over.charged_to(self.comm.ledger) if over is not self._whole else nullcontext():
-                    f.unpack_(allreduce_(f.pack(), over, "mpi", op="avg"))
+            if f.index not in self._dirty:
+                continue
+            if getattr(over, "rounds", False):      # a fleet's channel (FSDP below)
+                f.unpack_(over.average(f.pack(), f"finish.f{f.index}", "ring", self._levels))
+                continue
+            with over.charged_to(self.comm.ledger) if over is not self._whole else nullcontext():
+                f.unpack_(allreduce_(f.pack(), over, "mpi", op="avg"))
         self._dirty.clear()
         self._settle_buffers()
         if self._local is not None:                  # FSDP below: the plain, whole model

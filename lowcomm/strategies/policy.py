@@ -135,8 +135,9 @@ def _build_levels(plan, first, names, levels, model, optimizer, comm, ctx: Conte
         inside = None if innermost else levels.group(lvl.name)
         peers = levels.peers(lvl.name)
         leaders = peers if inside is not None and inside.rank == 0 else None
-        if getattr(strategy, "sharded", False) and hasattr(levels, "rank_peers"):
-            peers = levels.rank_peers(lvl.name)   # a fleet: rank i of every datacenter
+        if (getattr(strategy, "sharded", False) or hasattr(strategy, "local_shards")) and \
+                hasattr(levels, "rank_peers"):    # ZeRO or FSDP below, in a fleet:
+            peers = levels.rank_peers(lvl.name)   # rank i of every datacenter
         nest = Nesting(strategy, inside, leaders,
                        average_inside=strategy is not None and i + 1 < first,
                        whole=getattr(levels, "whole", None) if i == 0 else None, peers=peers)

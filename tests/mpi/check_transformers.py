@@ -3,6 +3,7 @@ built from a config, trained by ``lowcomm.integrations.transformers.Trainer`` wi
 own cosine schedule with warm-up, gradient clipping, gradient accumulation, evaluation and
 logging; every rank must end with the same model and finite losses."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,38 +116,55 @@ def test_a_plain_optimizer_is_refused(comm):
                    optimizers=(torch.optim.AdamW(model.parameters()), None))
 
 
+def trainer_run(comm, spec: str, out: str, resume=None, steps: int = 6) -> str:
+    """A 1-layer GPT-2 under ``spec`` through the Trainer, checkpointed every 3 steps; the
+    final model's digest."""
+    args = transformers.TrainingArguments(
+        output_dir=out, max_steps=steps, per_device_train_batch_size=4, learning_rate=5e-3,
+        lr_scheduler_type="cosine", save_strategy="steps", save_steps=3, report_to="none",
+        use_cpu=True, seed=1, disable_tqdm=True, logging_steps=100)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=256, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0))
+    method = lowcomm.build(spec, model, torch.optim.AdamW(model.parameters(), lr=args.learning_rate),
+                           comm)
+    trainer = lt.Trainer(model=model, args=args, train_dataset=Windows(text(), 64),
+                         optimizers=(method, None))
+    trainer.train(resume_from_checkpoint=resume)
+    return state_sha256(model)
+
+
 def test_resume_from_checkpoint_mid_period_is_exact_under_diloco(comm, tmp_path_factory):
     """A checkpoint at step 3 of DiLoCo's period 4 (the ranks' local models differ): every rank
     saves its own model and method state beside the Trainer's files, and
     ``resume_from_checkpoint`` continues each rank from its own, ending bit-identical to the
     uninterrupted run (before: every rank took rank 0's optimizer state and model)."""
     lt.init(comm)
-    corpus = text()
-
-    def run(out, resume=None, steps=6):
-        args = transformers.TrainingArguments(
-            output_dir=out, max_steps=steps, per_device_train_batch_size=4, learning_rate=5e-3,
-            lr_scheduler_type="cosine", save_strategy="steps", save_steps=3, report_to="none",
-            use_cpu=True, seed=1, disable_tqdm=True, logging_steps=100)
-        torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=256, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0))
-        method = lowcomm.build("diloco:period=4", model,
-                               torch.optim.AdamW(model.parameters(), lr=args.learning_rate), comm)
-        trainer = lt.Trainer(model=model, args=args, train_dataset=Windows(corpus, 64),
-                             optimizers=(method, None))
-        trainer.train(resume_from_checkpoint=resume)
-        return state_sha256(model)
-
     out = comm.bcast_object(str(tmp_path_factory.mktemp("resume")))
-    whole = run(out)
-    from pathlib import Path
+    whole = trainer_run(comm, "diloco:period=4", out)
     ckpt = Path(out) / "checkpoint-3"
     assert (ckpt / f"lowcomm-rank{comm.rank}-of-{comm.size}.pt").is_file()
     mine = torch.load(ckpt / f"lowcomm-rank{comm.rank}-of-{comm.size}.pt", weights_only=True)
     locals_ = comm.allgather_object(mine["model"]["transformer.h.0.mlp.c_fc.weight"].numpy().tobytes())
     assert len(set(locals_)) == comm.size, "the local models at step 3 agree: the check is void"
-    resumed = run(comm.bcast_object(str(tmp_path_factory.mktemp("again"))), resume=str(ckpt))
+    resumed = trainer_run(comm, "diloco:period=4", comm.bcast_object(
+        str(tmp_path_factory.mktemp("again"))), resume=str(ckpt))
     assert resumed == whole, "the resumed run ends with another model than the uninterrupted one"
 
+
+def test_resume_from_checkpoint_is_exact_under_fsdp(comm, tmp_path_factory):
+    """FSDP under the Trainer checkpoints each rank's shards of the model and of Adam's state
+    (1/K each) beside the Trainer's files; ``resume_from_checkpoint`` ends bit-identical to the
+    uninterrupted run."""
+    lt.init(comm)
+    spec = "fsdp:wrap=GPT2Block"
+    out = comm.bcast_object(str(tmp_path_factory.mktemp("fsdp")))
+    whole = trainer_run(comm, spec, out)
+    ckpt = Path(out) / "checkpoint-3"
+    mine = torch.load(ckpt / f"lowcomm-rank{comm.rank}-of-{comm.size}.pt", weights_only=True)
+    shard = mine["model"]["transformer.h.0.mlp.c_fc.weight"]
+    assert tuple(shard.shape) == (32, 128) and shard.local.shape[0] == 32 // comm.size, shard
+    resumed = trainer_run(comm, spec, comm.bcast_object(str(tmp_path_factory.mktemp("again"))),
+                          resume=str(ckpt))
+    assert resumed == whole, "the resumed run ends with another model than the uninterrupted one"
