@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "launchers" / "local.sh"
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -297,3 +299,19 @@ def pytest_sessionfinish(session):
     import shutil
     for out in _SHARED_OUT.values():
         shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """No test initialises MPI in the pytest process: a singleton MPI job's variables, set in
+    its C environment, would reach every child started without an explicit ``env`` (an
+    ``mpirun`` then fails to start its ranks, and every later test that launches one fails)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    before = mpi is not None and mpi.Is_initialized()
+    result = yield
+    mpi = sys.modules.get("mpi4py.MPI")
+    if not before and mpi is not None and mpi.Is_initialized():
+        raise AssertionError(f"{item.nodeid} initialised MPI in the pytest process (through "
+                             "lowcomm.init() or a command run by conftest.cli() that got past "
+                             "its checks): run it under mpirun instead")
+    return result

@@ -16,7 +16,7 @@ from lowcomm.compress import Compressor, ErrorFeedback
 from lowcomm.compress.bits import pack_uints, unpack_uints
 from lowcomm.compress.demo import ChunkedDCT, ChunkTopK, QuantizedChunkTopK, chunk_side
 from lowcomm.compress.quantize import StatQuant, stat_quantize
-from lowcomm.errors import ConfigError
+from lowcomm.errors import ArgumentError, ConfigError
 from lowcomm.run.api import load_config
 from lowcomm.run.registry import build
 from lowcomm.strategies.demo import ChunkBucket, DeMo
@@ -240,14 +240,18 @@ def test_python_constructors_check_their_arguments():
 
 
 def test_python_constructors_of_desloc_and_noloco_check_their_arguments():
+    """Before MPI starts (this process never initialises it)."""
+    import lowcomm
     model = torch.nn.Linear(4, 2)
     with pytest.raises(ConfigError) as e:
         build("noloco:period=0", model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert e.value.key == "period"
+    with pytest.raises(ArgumentError, match="period"):
+        lowcomm.NoLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), period=0)
     with pytest.raises(TypeError, match="DES-LOC wraps torch.optim.Adam or AdamW, got SGD"):
-        build("desloc", model, torch.optim.SGD(model.parameters(), lr=0.1))
+        lowcomm.DesLoc(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="DES-LOC does not support amsgrad=True"):
-        build("desloc", model, torch.optim.Adam(model.parameters(), amsgrad=True))
+        lowcomm.DesLoc(model, torch.optim.Adam(model.parameters(), amsgrad=True))
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 7, 8])

@@ -111,10 +111,10 @@ class DesLoc(LocalSteps):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: DesLocSettings | None = None, **options):
-        super().__init__(model, optimizer, comm)
-        s = settings if settings is not None else self.settings_from(options)
-        self.settings = s
+        s = settings if settings is not None else self.settings_from(options)  # before MPI
         torch_adam(optimizer, "DES-LOC")
+        super().__init__(model, optimizer, comm)
+        self.settings = s
         self.periods = s.periods()
         names = {p: n for n, p in model.named_parameters()}
         self._named = [(names[p], p) for g in optimizer.param_groups for p in g["params"]

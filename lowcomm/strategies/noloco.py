@@ -105,8 +105,8 @@ class NoLoCo(LocalSteps):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: NoLoCoSettings | None = None, **options):
+        s = settings if settings is not None else self.settings_from(options)  # before MPI
         super().__init__(model, optimizer, comm)
-        s = settings if settings is not None else self.settings_from(options)
         self.settings = s
         self.period, self.seed = s.period, s.seed
         self.alpha, self.beta = s.outer_momentum, s.outer_lr
