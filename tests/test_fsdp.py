@@ -80,12 +80,15 @@ def test_wrap_auto_picks_the_transformer_blocks_and_names_select_classes():
         wrap_units(mlp, "Block")
 
 
-def test_diloco_over_fsdp_keeps_each_ranks_chunks_and_equals_diloco_over_syncdp(tmp_path):
-    """``topology=dc:2,rank:2``, DiLoCo between the datacenters, FSDP inside: each rank keeps
-    the outer state of its chunk of every parameter and averages it with its counterpart in
-    the other datacenter. Equal to DiLoCo over SyncDP bit for bit (two datacenters: one sum per
-    element, in either order), with half the parameters and of Adam's moments per rank."""
-    common = ["topology=dc:2,rank:2", "policy.dc=diloco:period=4", "steps=12", "model.d_model=32",
+def test_streaming_diloco_over_fsdp_keeps_each_ranks_chunks_and_equals_it_over_syncdp(tmp_path):
+    """``topology=dc:2,rank:2``, streaming DiLoCo (2 fragments, each landing a step late)
+    between the datacenters, FSDP inside: each rank keeps the outer state of its chunk of every
+    parameter and averages it with its counterpart in the other datacenter. Equal to the same
+    loop over SyncDP bit for bit (two datacenters: one sum per element, in either order), with
+    half the parameters and of Adam's moments per rank. (DiLoCo is its one-fragment case; over
+    FSDP in a fleet: tests/test_fleet.py.)"""
+    common = ["topology=dc:2,rank:2", "policy.dc=streaming-diloco:period=4,fragments=2,delay=1",
+              "steps=12", "model.d_model=32",
               "model.n_layers=2", "eval_batches=2", "batch_size=4", "log_every=4"]
     out = {}
     for inside in ("syncdp", "fsdp"):

@@ -402,10 +402,10 @@ class OuterLoop(Strategy):
         key = f"policy.{self.name}"
         if nest.peers is None:
             raise ConfigError("policy", f"{self.name} over fsdp needs a level to average across")
-        if getattr(s, "fragments", 1) != 1 or s.warmup_steps:
-            raise ConfigError(key, f"{self.name} over fsdp runs whole-model synchronisations "
-                              "without a dense warm-up: use fragments = 1 and warmup_steps = 0 "
-                              "(or zero2 inside)")
+        if s.warmup_steps:
+            raise ConfigError(key, f"{self.name} over fsdp takes no dense warm-up (its SyncDP "
+                              "would step the sharded model): use warmup_steps = 0 (or zero2 "
+                              "inside)")
         return inner.local_shards()
 
     def _pack(self, f: Fragment) -> torch.Tensor:
