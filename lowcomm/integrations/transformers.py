@@ -37,6 +37,7 @@ server ranks keep no Trainer checkpoint).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -173,11 +174,16 @@ class Trainer(transformers.Trainer):
     def _own_state(self, checkpoint: str) -> str:
         return os.path.join(checkpoint, f"lowcomm-rank{self.comm.rank}-of-{self.comm.size}.pt")
 
-    def _whole_model(self) -> dict | None:
-        """Where the method shards the model (fsdp), its whole state dict, gathered by every
-        rank together (rank 0's is the one written); else None (the model is whole)."""
+    @contextlib.contextmanager
+    def _whole_model(self):
+        """Where the method shards the model (fsdp), its whole state dict gathered by every
+        rank together, for rank 0's :meth:`_save` to write inside; else nothing to do."""
         full = getattr(self.method, "full_model_state_dict", None)
-        return full() if full is not None and not self.method.closed else None
+        self._gathered = full() if full is not None and not self.method.closed else None
+        try:
+            yield
+        finally:
+            self._gathered = None
 
     def _save(self, output_dir=None, state_dict=None):
         if state_dict is None:
@@ -188,12 +194,9 @@ class Trainer(transformers.Trainer):
         """Rank 0 writes the Trainer's checkpoint (the whole model: a sharded one is gathered
         by every rank first); every training rank adds its own model and method state (they
         differ between ranks under DiLoCo, gossip, error feedback; fsdp's are its shards)."""
-        self._gathered = self._whole_model()
-        try:
+        with self._whole_model():
             if self._first:
                 super()._save_checkpoint(model, trial)
-        finally:
-            self._gathered = None
         s = self._trainers.bcast_object((self.state.best_metric, self.state.best_model_checkpoint,
                                          self.state.best_global_step))
         self.state.best_metric, self.state.best_model_checkpoint, self.state.best_global_step = s
@@ -231,12 +234,9 @@ class Trainer(transformers.Trainer):
         still sharded, fsdp's before ``train()`` ends, is gathered by every rank first)."""
         if _internal_call:                   # inside rank 0's checkpoint: gathered already
             return super().save_model(output_dir, _internal_call)
-        self._gathered = self._whole_model()
-        try:
+        with self._whole_model():
             if self._first:
                 super().save_model(output_dir, _internal_call)
-        finally:
-            self._gathered = None
 
 
 __all__ = ["LAUNCHER_ENV", "LAUNCHER_VARS", "Trainer", "init"]
