@@ -51,8 +51,10 @@ class SparseAverage:
         return distinct_sample(self.n, self.k, self.gen, "cpu").sort().values
 
     @torch.no_grad()
-    def average_(self, comm: Comm) -> torch.Tensor:
-        """Average the next subset over ``comm`` in place; returns its indices."""
+    def average_(self, comm: Comm | None, inside: Comm | None = None) -> torch.Tensor:
+        """Average the next subset over ``comm`` in place; returns its indices. Under a
+        per-level policy whose units hold equal parameters, ``comm`` is the units' leaders
+        (None off a leader) and ``inside`` the unit: the leader's average is handed on inside."""
         idx = self.indices()
         cuts = torch.searchsorted(idx, self.offsets).tolist()
         device = self.params[0].device
@@ -64,8 +66,10 @@ class SparseAverage:
                 local = (idx[lo:hi] - self.offsets[i]).to(p.device)
                 values[lo:hi] = p.detach().view(-1).index_select(0, local).to(device, self.dtype)
                 pieces.append((p, local, lo, hi))
-        if comm.size > 1:
+        if comm is not None and comm.size > 1:
             comm.allreduce_(values, "avg")
+        if inside is not None and inside.size > 1:
+            inside.bcast_(values, root=0)
         for p, local, lo, hi in pieces:
             p.detach().view(-1).index_copy_(0, local, values[lo:hi].to(p.device, p.dtype))
         return idx
@@ -219,21 +223,35 @@ class SpartaDiLoCo(DiLoCo):
                  comm: Comm | None = None, **arguments):
         super().__init__(model, optimizer, comm, **arguments)
         s = self.settings
+        if self._local is not None:
+            raise ConfigError("policy", "sparta-diloco over fsdp is not supported (its subsets "
+                              "are drawn over whole parameters): use zero1 or zero2 inside")
         self.sparse = SparseAverage([p for _, p in self.members()], s.fraction, s.seed)
-        self._sparse_comm = _sparse_comm(self.comm, self.sparse.params)
+        # the subset's average: over every rank, or (a per-level policy, whose level below keeps
+        # a unit's ranks equal) through the units' leaders, handed on inside the unit
+        below = self.nest is not None and self.nest.inside is not None
+        across = self.nest.leaders if below else self.comm
+        self._hand_on = self._inside
+        self._sparse_comm = _sparse_comm(across, self.sparse.params) if across is not None else None
+
+    def _sparse_average(self) -> None:
+        self.sparse.average_(self._sparse_comm, self._hand_on)
 
     def _step(self, closure=None):
-        local = self._driver is None              # after the warm-up's dense steps
-        loss = self.optimizer.step(closure) if local else self._driver.step(closure)
-        if local:
-            self.sparse.average_(self._sparse_comm)
+        driver = self._driver
+        loss = self.optimizer.step(closure) if driver is None else driver.step(closure)
+        if self._dense is None:                   # after the warm-up's dense steps
+            self._sparse_average()
         self._advance()
         return loss
 
     def _skip_step(self) -> None:
-        if self._driver is None:
-            self.zero_grad()
-            self.sparse.average_(self._sparse_comm)
+        if self._dense is None:
+            if self._inner is not None:
+                self._inner.skip()
+            else:
+                self.zero_grad()
+            self._sparse_average()
             self._advance()
         else:
             super()._skip_step()
@@ -254,4 +272,4 @@ METHOD = Method("sparta", SpartaSettings, build, "SPARTA: local steps, and every
                 "average the same small random subset of the parameters", check=check_sparta)
 DILOCO_METHOD = Method("sparta-diloco", SpartaDiLoCoSettings, build, "SPARTA under DiLoCo: a "
                        "sparse average every step and an outer step every H", check=check_run,
-                       outer=True)
+                       outer=True, level=True)

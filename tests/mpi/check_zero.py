@@ -254,15 +254,21 @@ def test_bad_input_is_named(comm):
 @pytest.mark.mpi(sizes=(4,))          # a dc:2,rank:2 topology
 @pytest.mark.parametrize("dc", ["diloco:period=2", "diloco:period=3,compressor=int8",
                                 "streaming-diloco:period=4,fragments=2,delay=1,merge=add-local",
-                                "localsgd:period=2"])
+                                "localsgd:period=2", "sparta-diloco:period=2,fraction=0.25",
+                                "muloco"])
 def test_outer_loops_over_sharded_datacenters_equal_them_unsharded(comm, dc):
     """dc:2,rank:2: each rank keeps and sends only its half of the outer state (with its
     counterpart in the other datacenter); the models equal the same policy over syncdp (two
-    datacenters: the same sums), the outer state per rank is half."""
+    datacenters: the same sums), the outer state per rank is half. ``muloco``: DiLoCo with Muon
+    inside (MuonAdamW; ZeRO gives each rank whole matrices)."""
+    from lowcomm.run.optimizers import MuonAdamW
+
     def train(rank_level):
         model = seeded_mlp(10, 64, 64, 3)
-        opt = lowcomm.policy({"dc": dc, "rank": rank_level}, model,
-                             torch.optim.AdamW(model.parameters(), lr=0.01), comm, topology="dc:2,rank:2")
+        inner = MuonAdamW(model.parameters(), lr=0.01) if dc == "muloco" else \
+            torch.optim.AdamW(model.parameters(), lr=0.01)
+        opt = lowcomm.policy({"dc": "diloco:period=2" if dc == "muloco" else dc, "rank": rank_level},
+                             model, inner, comm, topology="dc:2,rank:2")
         for step in range(7):
             x, y = random_batch(step, SIZE * B)
             opt.zero_grad()
@@ -281,6 +287,13 @@ def test_outer_loops_over_sharded_datacenters_equal_them_unsharded(comm, dc):
         assert abs(outer_sharded - outer_plain / 2) <= len(opt.fragments), (outer_sharded, outer_plain)
     every = comm.allgather(torch.cat([p.detach().reshape(-1) for p in sharded.parameters()]))
     assert all(torch.equal(every[0], every[k]) for k in range(SIZE)), "ranks differ"
+    if dc.startswith("sparta"):     # its sparse averages between the datacenters took place
+        assert opt.sparse.k > 0 and opt._sparse_comm is None if comm.rank % 2 else \
+            opt._sparse_comm.size == 2, "rank 0 of each datacenter averages the subset"
+        dc = "diloco:period=2"
+        without, _, _ = train("zero2")
+        assert not torch.equal(torch.cat([p.detach().reshape(-1) for p in without.parameters()]),
+                               every[0]), "sparta-diloco ended as diloco: no sparse average ran"
 
 
 @pytest.mark.mpi(sizes=(4,))          # a node:2,rank:2 topology
