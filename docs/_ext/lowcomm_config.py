@@ -153,16 +153,20 @@ def run_subtables() -> dict[str, Table]:
 
 
 def method_pages(srcdir: str) -> dict[str, str]:
-    """``{method name: the page under methods/ that describes it}`` (the pages that embed its
-    table)."""
+    """``{method name: the section under methods/ that describes it}``: the page that embeds its
+    table, at the heading above the table (MyST's anchor of that heading)."""
+    from myst_parser.slugs import github_slugify
     out = {}
     folder = os.path.join(srcdir, "methods")
     for page in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
         if page.endswith(".md"):
             with open(os.path.join(folder, page), encoding="utf-8") as fh:
-                for m in re.finditer(r"```\{lowcomm-config\}([^\n]*)", fh.read()):
-                    for name in m.group(1).split():
-                        out.setdefault(name, f"methods/{page}")
+                text = fh.read()
+            for m in re.finditer(r"```\{lowcomm-config\}([^\n]*)", text):
+                headings = re.findall(r"^(#{2,3}) (.+)$", text[:m.start()], re.M)
+                anchor = f"#{github_slugify(headings[-1][1])}" if headings else ""
+                for name in m.group(1).split():
+                    out.setdefault(name, f"methods/{page}{anchor}")
     return out
 
 
@@ -185,7 +189,7 @@ def whole_reference(srcdir: str) -> list[str]:
     for name, m in STRATEGIES.items():
         t = method_table(name, m)
         if name in pages:
-            t.intro += f" Described in [{name}]({pages[name]})."
+            t.intro += f" Described on [its method page]({pages[name]})."
         lines += t.lines(3)
     return lines
 
