@@ -17,7 +17,9 @@ exclude_patterns = ["_build"]
 html_theme = "furo"
 html_title = "lowcomm"
 autodoc_member_order = "bysource"
-autodoc_default_options = {"members": True, "show-inheritance": False}
+# no "members" default: Sphinx 8 lets a boolean default override a directive's own
+# ":members: a, b" list, which the public API page needs; each page says :members: itself
+autodoc_default_options = {"show-inheritance": False}
 autodoc_typehints = "none"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

@@ -79,3 +79,39 @@ def test_every_example_runs():
 def test_markers_parse(text, kind, opts):
     from doc_examples import parse_marker
     assert parse_marker(text) == (kind, opts)
+
+
+def test_every_public_name_is_on_the_api_page():
+    """The public page documents each name of ``lowcomm.__all__`` under that name, and leads
+    with the public API, not the communication layer's modules (those are on Internals)."""
+    import lowcomm
+    text = (ROOT / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^\.\. (?:auto\w+|py:\w+):: lowcomm\.(\w+)$", text, re.M))
+    documented |= set(re.findall(r"^\.\. py:\w+:: (\w+)\n   :module: lowcomm$", text, re.M))
+    missing = [n for n in lowcomm.__all__ if n != "__version__" and n not in documented]
+    assert not missing, f"public names missing from docs/api.md: {missing}"
+    assert "`lowcomm.__version__`" in text
+    assert not re.search(r"automodule:: lowcomm\.(comm|strategies|run)\b", text)
+
+
+def test_configuration_reference_keeps_whole_comments_and_has_a_heading_per_table():
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        import lowcomm_config
+    finally:
+        sys.path.pop(0)
+    from lowcomm.run.registry import STRATEGIES
+    from lowcomm.strategies.syncdp import SyncDPSettings
+    from lowcomm.run.config import CommConfig
+    # a comment continued on the next line, and a block comment above a key
+    assert lowcomm_config.field_comments(SyncDPSettings)["overlap"].endswith(
+        "when a core is left for it (see SyncDP)")
+    assert "$LOWCOMM_TIMEOUT_S" in lowcomm_config.field_comments(CommConfig)["timeout_s"]
+    lines = lowcomm_config.whole_reference(str(ROOT / "docs"))
+    headings = [line for line in lines if line.startswith("#")]
+    for name in STRATEGIES:
+        assert f"### `{name}`" in headings, name
+    for table in ("[data]", "[optimizer]", "[comm]", "[compressor]", "[task]"):
+        assert f"### `{table}`" in headings, table
+    assert not [h for h in headings if re.search(r":(mod|func|class):`", h)]
+    assert not [line for line in lines if re.search(r":(mod|func|class|meth):`", line)]

@@ -1,12 +1,20 @@
 """``{lowcomm-config}`` — the configuration reference, generated from the code, so it is never
 written twice: the run's own tables (:class:`lowcomm.run.config.Config` and the dataclasses of
 its sub-tables) and every registered method's settings dataclass, each key with its type, its
-default and the comment written beside it in the source."""
+default and the comment written beside it in the source (all of it: a comment continued on the
+lines below, and a block comment above a key).
+
+Without an argument the directive writes the whole reference, a heading per table (so the page
+has a contents sidebar and an anchor per table); with arguments (``{lowcomm-config} diloco``) it
+writes only those tables, titled in bold, for a method's own page."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import io
+import os
+import re
 import textwrap
 import tokenize
 
@@ -15,8 +23,20 @@ from docutils.parsers.rst import Directive
 from docutils.statemachine import StringList
 
 
+def _comments(src: str) -> dict[int, tuple[int, str]]:
+    """``{line: (column, text)}`` of every comment in ``src``."""
+    out = {}
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            out[tok.start[0]] = (tok.start[1], tok.string.lstrip("#").strip())
+    return out
+
+
 def field_comments(cls) -> dict[str, str]:
-    """``{field: the comment on its line}`` for ``cls`` and its dataclass bases."""
+    """``{field: its comment}`` for ``cls`` and its dataclass bases: the comments on the field's
+    own lines, the comment-only lines just below it indented further (a continuation), and a
+    block of comment-only lines just above it at its own indentation. A field redefined
+    without a comment (a preset's new default) keeps the comment of its base."""
     out: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass) or klass is object:
@@ -26,14 +46,30 @@ def field_comments(cls) -> dict[str, str]:
         except (OSError, TypeError):
             continue
         names = {f.name for f in dataclasses.fields(klass)}
-        line_field: dict[int, str] = {}
-        for i, line in enumerate(src.splitlines(), 1):
-            head = line.strip().split(":")[0]
-            if head in names and line.startswith("    ") and not line.startswith("     "):
-                line_field[i] = head
-        for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-            if tok.type == tokenize.COMMENT and tok.start[0] in line_field:
-                out[line_field[tok.start[0]]] = tok.string.lstrip("#").strip()
+        lines = src.splitlines()
+        comments = _comments(src)
+        only = {i for i, (col, _) in comments.items() if not lines[i - 1][:col].strip()}
+        body = ast.parse(src).body[0].body
+        for node in body:
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and node.target.id in names):
+                continue
+            indent = node.col_offset
+            above = []
+            i = node.lineno - 1
+            while i in only and comments[i][0] == indent:
+                above.insert(0, comments[i][1])
+                i -= 1
+            own = [comments[i][1] for i in range(node.lineno, node.end_lineno + 1) if i in comments]
+            i = node.end_lineno + 1
+            while i in only and comments[i][0] > indent:
+                own.append(comments[i][1])
+                i += 1
+            text = " ".join(t for t in own if t)
+            if above:
+                text = (text + " — " if text else "") + " ".join(t for t in above if t)
+            if text:                         # a subclass's bare override keeps its base's
+                out[node.target.id] = text
     return out
 
 
@@ -54,26 +90,108 @@ def _cell(text: str) -> str:
     return str(text).replace("\n", " ").replace("|", "\\|") or " "
 
 
-def table(title: str, cls, prefix: str, skip=()) -> list[str]:
+_ROLE = re.compile(r":(?:py:)?(?:mod|func|class|meth|attr|data|obj|exc):`~?([^`]+)`")
+
+
+def markdown(rst: str) -> str:
+    """An inline reST fragment of a docstring as Markdown: ``:mod:`x``` and ````x```` as `x`."""
+    return _ROLE.sub(r"`\1`", rst).replace("``", "`")
+
+
+def rows(cls, prefix: str, skip=()) -> list[str]:
     """A Markdown table of ``cls``'s fields (nested dataclass fields are their own tables)."""
     notes = field_comments(cls)
-    lines = [f"**{title}**", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         value = default_of(f)
         if f.name in skip or dataclasses.is_dataclass(value):
             continue
         shown = repr(value) if not isinstance(value, float) else f"{value:g}"
         lines.append(f"| `{prefix}{f.name}` | {_cell(_type(f))} | `{_cell(shown)}` | "
-                     f"{_cell(notes.get(f.name, ''))} |")
+                     f"{_cell(markdown(notes.get(f.name, '')))} |")
     return lines + [""]
 
 
-def summary_line(cls) -> str:
-    """The first line of ``cls``'s own docstring (not the one dataclasses makes up)."""
-    doc = " ".join((cls.__dict__.get("__doc__") or "").split())
+def summary(cls) -> str:
+    """The first paragraph of ``cls``'s own docstring (not the one dataclasses makes up), in
+    Markdown."""
+    doc = inspect.cleandoc(cls.__dict__.get("__doc__") or "")
     if not doc or doc.startswith(cls.__name__ + "("):
         return ""
-    return doc.split(". ")[0].rstrip(".") + "."
+    return markdown(" ".join(doc.split("\n\n")[0].split()))
+
+
+@dataclasses.dataclass
+class Table:
+    """One table of the reference: its heading, the words under it and its rows."""
+    key: str          # "[data]", or a method's name
+    heading: str      # the heading's text
+    intro: str        # a paragraph under the heading ("" for none)
+    rows: list[str]
+
+    def lines(self, level: int) -> list[str]:
+        """As a section (``level`` > 0: a Markdown heading of that level) or, at 0, a bold title."""
+        title = f"{'#' * level} {self.heading}" if level else f"**{self.heading}**"
+        return [title, ""] + ([self.intro, ""] if self.intro else []) + self.rows
+
+
+def method_table(name: str, m) -> Table:
+    return Table(name, f"`{name}`", f"`[strategy]` with `name = \"{name}\"`: {m.summary}.",
+                 rows(m.settings, "strategy."))
+
+
+def run_subtables() -> dict[str, Table]:
+    """``{"[table]": its Table}`` for the run's sub-tables ([optimizer], [compressor], ...)."""
+    from lowcomm.run.config import Config
+    out = {}
+    for f in dataclasses.fields(Config):
+        value = default_of(f)
+        if dataclasses.is_dataclass(value):
+            key = f"[{f.name}]"
+            out[key] = Table(key, f"`{key}`", summary(type(value)), rows(type(value), f"{f.name}."))
+    return out
+
+
+def method_pages(srcdir: str) -> dict[str, str]:
+    """``{method name: the section under methods/ that describes it}``: the page that embeds its
+    table, at the heading above the table (MyST's anchor of that heading)."""
+    from myst_parser.slugs import github_slugify
+    out = {}
+    folder = os.path.join(srcdir, "methods")
+    for page in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        if page.endswith(".md"):
+            with open(os.path.join(folder, page), encoding="utf-8") as fh:
+                text = fh.read()
+            for m in re.finditer(r"```\{lowcomm-config\}([^\n]*)", text):
+                headings = re.findall(r"^(#{2,3}) (.+)$", text[:m.start()], re.M)
+                anchor = f"#{github_slugify(headings[-1][1])}" if headings else ""
+                for name in m.group(1).split():
+                    out.setdefault(name, f"methods/{page}{anchor}")
+    return out
+
+
+def whole_reference(srcdir: str) -> list[str]:
+    """Every table, a heading each: the run's keys, then every registered method's."""
+    from lowcomm.run.config import Config
+    from lowcomm.run.registry import STRATEGIES
+    lines = ["## The run's tables", "", "### Top level", "",
+             "Keys outside any table.", ""]
+    lines += rows(Config, "", skip=("policy", "strategy", "task"))
+    lines += ["`policy.<level>`: a method's spec string for one level of the topology, e.g. "
+              "`policy.dc = \"diloco:period=50\"`; `strategy.name`: the method, whose keys "
+              "follow under [the methods' keys](#the-methods-keys-strategy).", ""]
+    for t in run_subtables().values():
+        lines += t.lines(3)
+    pages = method_pages(srcdir)
+    lines += ["## The methods' keys (`[strategy]`)", "",
+              "`[strategy]` holds `name` and the keys of that method, below; a key of another "
+              "method is accepted only at its default.", ""]
+    for name, m in STRATEGIES.items():
+        t = method_table(name, m)
+        if name in pages:
+            t.intro += f" Described on [its method page]({pages[name]})."
+        lines += t.lines(3)
+    return lines
 
 
 class LowcommConfig(Directive):
@@ -83,54 +201,26 @@ class LowcommConfig(Directive):
 
     def run(self):
         from lowcomm.run.registry import STRATEGIES
+        env = self.state.document.settings.env
         if not self.arguments:
-            lines = run_tables()
-            for name, m in STRATEGIES.items():
-                lines += method_table(name, m)
+            lines = whole_reference(env.srcdir)
         else:
             lines = []
-            tables = {f"[{k}]": v for k, v in run_subtables().items()}
+            tables = run_subtables()
             for name in self.arguments:
                 if name in tables:
-                    lines += tables[name]
+                    lines += tables[name].lines(0)
                 elif name in STRATEGIES:
-                    lines += method_table(name, STRATEGIES[name])
+                    lines += method_table(name, STRATEGIES[name]).lines(0)
                 else:
                     raise self.error(f"{name!r} is neither a registered method ({', '.join(STRATEGIES)}) "
                                      f"nor a table ({', '.join(tables)})")
         container = nodes.container()
-        self.state.nested_parse(StringList(lines, source="lowcomm-config"), 0, container)
+        self.state.nested_parse(StringList(lines, source="lowcomm-config"), 0, container,
+                                match_titles=not self.arguments)
         return container.children
-
-
-def method_table(name: str, m) -> list[str]:
-    return table(f"[strategy] with name = \"{name}\" — {m.summary}", m.settings, "strategy.")
-
-
-def run_subtables() -> dict[str, list[str]]:
-    """``{table name: its lines}`` for the run's sub-tables ([optimizer], [compressor], ...)."""
-    from lowcomm.run.config import Config
-    out = {}
-    for f in dataclasses.fields(Config):
-        value = default_of(f)
-        if dataclasses.is_dataclass(value):
-            note = summary_line(type(value))
-            out[f.name] = table(f"[{f.name}]" + (f" — {note}" if note else ""), type(value), f"{f.name}.")
-    return out
-
-
-def run_tables() -> list[str]:
-    """The run's own keys and its sub-tables."""
-    from lowcomm.run.config import Config
-    lines = table("The run's own keys (top level)", Config, "", skip=("policy", "strategy", "task"))
-    lines += ["`policy.<level>`: a method's spec string for one level of the topology, e.g. "
-              "`policy.dc = \"diloco:period=50\"`; `strategy.name`: the method, whose keys "
-              "follow.", ""]
-    for lines_of_table in run_subtables().values():
-        lines += lines_of_table
-    return lines
 
 
 def setup(app):
     app.add_directive("lowcomm-config", LowcommConfig)
-    return {"version": "1", "parallel_read_safe": True}
+    return {"version": "2", "parallel_read_safe": True}

@@ -479,6 +479,7 @@ class Comm:
         return self._guard("bcast_object", None, self.mpi.bcast, obj, root)
 
     def barrier(self) -> None:
+        """Wait until every rank of this communicator reaches it (``MPI_Barrier``)."""
         self._guard("barrier", 0, self.mpi.Barrier)
 
     # point-to-point (contiguous CPU tensors: collectives stage once, then talk) -----------------
@@ -490,6 +491,7 @@ class Comm:
                                 f"{describe(t)} on {t.device}; stage with Comm.staged()", _nbytes(t))
 
     def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None:
+        """Blocking send of a contiguous CPU tensor's bytes to rank ``dest`` (``MPI_Send``)."""
         self._host_only("send", t)
         n = _nbytes(t)
         t0 = _clock()
@@ -497,6 +499,8 @@ class Comm:
         self.ledger.record("send", self.level, n, 0, _since(t0))
 
     def recv_(self, t: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
+        """Blocking receive from rank ``source`` into the contiguous CPU tensor ``t`` (``MPI_Recv``);
+        returns ``t``."""
         self._host_only("recv", t)
         n = _nbytes(t)
         t0 = _clock()

@@ -32,10 +32,12 @@ class MuonAdamW(torch.optim.Optimizer):
     arXiv 1711.05101) on the others, as one ``torch.optim.Optimizer``.
 
     Update, per step, for the gradients g:
+
       1. every 2-D parameter W: ``torch.optim.Muon``'s step (momentum B ← μB + g, Nesterov
          B̃ = g + μB, O = Newton–Schulz(B̃), W ← W(1 − lr·λ) − lr'·O with lr' Muon's
          shape-adjusted lr);
       2. every other parameter (1-D, 0-D, more than 2-D): ``torch.optim.AdamW``'s step.
+
     Each step is the torch optimizer's own, on the same group dicts and state: an LR scheduler's
     ``param_groups[i]["lr"]`` reaches the optimizer that steps the group, ``state_dict()``
     saves both, and a lowcomm method wraps it as it wraps any torch optimizer. Group 0 is

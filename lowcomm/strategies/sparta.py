@@ -127,6 +127,7 @@ class Sparta(LocalSteps):
 
     Update, on each of K ranks, step t, with n the number of parameter elements (the frozen
     ones the optimizer holds too: unfrozen later, they are averaged like the others):
+
       1. ranks start from rank 0's parameters and buffers (broadcast at construction);
       2. the wrapped optimizer steps on the local gradient: θ_k ← InnerOpt(θ_k, g_k);
       3. ``I_t`` = a uniformly random subset of ``k = max(1, round(p·n))`` of the n elements,
@@ -134,6 +135,7 @@ class Sparta(LocalSteps):
          and no index is sent (:class:`SparseAverage`);
       4. ``θ_k[I_t] ← (1/K) Σ_j θ_j[I_t]`` (one all-reduce of k values); the other elements are
          untouched.
+
     The optimizer's state (momentum, Adam moments) stays local. At the end (:meth:`finish`) the
     parameters are averaged in full and floating-point buffers averaged (integer ones rank
     0's): one dense all-reduce. Gym draws a Bernoulli(p) mask per element and broadcasts it
@@ -198,17 +200,19 @@ class SpartaDiLoCo(DiLoCo):
     is followed by :class:`Sparta`'s sparse average, and every H steps by DiLoCo's outer step.
 
     Update, on each of K ranks, after inner step t (W = ``warmup_steps``, H = ``period``):
+
       1. t ≤ W: a dense SyncDP step, as DiLoCo's warm-up;
       2. t > W: the wrapped optimizer's local step, then SPARTA's steps 3–4: the ranks average
          the same random ``k = max(1, round(p·n))`` parameter elements;
       3. when (t − W) is a multiple of H: DiLoCo's outer step on the averaged pseudo-gradient
          (steps 3–5 of :class:`~lowcomm.strategies.diloco.DiLoCo`), which sets every rank to
          the same parameters.
+
     Bytes per rank: an all-reduce of k values every step, plus DiLoCo's pseudo-gradient every H.
 
     Args:
-        fraction, seed: SPARTA's (see :class:`Sparta`).
-        (others as :class:`~lowcomm.strategies.diloco.DiLoCo`.)
+        fraction, seed: SPARTA's (see :class:`Sparta`); the others as
+            :class:`~lowcomm.strategies.diloco.DiLoCo`'s.
 
     Example::
 

@@ -50,6 +50,7 @@ class Schedule:
     * t > ``var_freeze_step``: ``"sync"`` when t is a multiple of the local-step interval
       (starting at 1, doubling after every ``local_step_scaler`` such steps, at most H =
       ``local_step_clipper``), else ``"local"``.
+
     Its counters are all its state (``state_dict``)."""
 
     def __init__(self, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
@@ -104,6 +105,7 @@ class ZeroOneAdam(OneBitAdam):
 
     Update at step t on each of K ranks, with Adam's moments m, v, n_v the number of variance
     updates so far, ``δ = √(v / (1 − β2^{n_v})) + ε`` and the kinds of :class:`Schedule`:
+
       1. ``dense`` (t ∈ T_v, t ≤ ``var_freeze_step``): ``g = (1/K) Σ_k g_k`` (dense all-reduce);
          ``m ← β1 m + (1−β1) g``, ``v ← β2 v + (1−β2) g²``, n_v += 1; Adam's step
          ``x ← x − lr/(1−β1^t) · m/δ``. While every step so far was dense (t ≤ κ) this is
@@ -121,6 +123,7 @@ class ZeroOneAdam(OneBitAdam):
          ``x ← x̄·D − ū`` (the same on every rank) and ``m ← ū·δ·(1−β1^t) / Σ lr`` (the
          momentum that, applied with the interval's learning rates, gives ū: the paper's
          ``m = ū / Σγ``); x̄ ← x.
+
     Where v = 0 (a coordinate that had no gradient on any dense step) nothing is sent or moved:
     1 bit cannot say zero (DeepSpeed's momentum mask). DeepSpeed compresses g and ``u·δ`` and
     divides by δ afterwards; here g/δ and u are compressed (step units), so that a coordinate
