@@ -359,9 +359,11 @@ SLOW = [a for o in (f"task={ROOT / 'tests' / 'fleet_task.py'}", "task.step_ms=50
 def stop_slow_run(out, launch, sig):
     """A run of 0.5 s steps started by ``launch`` (a launcher's argv prefix), stopped by ``sig``
     sent to that launcher's process once two steps are logged; its exit status and stderr."""
+    venv = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # as a user's
     p = subprocess.Popen([*launch, "lowcomm", "train", "--quiet", "--out", str(out), *SLOW,
                           "--set", "steps=100000"], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**os.environ, **venv})
     until(lambda: len(lines(out / "metrics.jsonl")) >= 2, "the job did not start")
     p.send_signal(sig)
     return ended(p)
