@@ -95,6 +95,7 @@ class Trainer(transformers.Trainer):
                             f"{type(method).__name__}")
         init(method.comm)
         self.method, self.comm = method, method.comm
+        self._gathered = None          # a sharded model's whole state while rank 0 writes it
         self.is_server = bool(getattr(method, "is_server", False))
         # the ranks that train (all, or the parameter server's workers), for data and metrics
         ctl = self.comm.dup(Ledger(), "control")        # metrics and bookkeeping: not charged
@@ -186,9 +187,7 @@ class Trainer(transformers.Trainer):
             self._gathered = None
 
     def _save(self, output_dir=None, state_dict=None):
-        if state_dict is None:
-            state_dict = getattr(self, "_gathered", None)
-        return super()._save(output_dir, state_dict)
+        return super()._save(output_dir, self._gathered if state_dict is None else state_dict)
 
     def _save_checkpoint(self, model, trial):
         """Rank 0 writes the Trainer's checkpoint (the whole model: a sharded one is gathered
