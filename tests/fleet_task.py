@@ -1,5 +1,5 @@
 """A task for the fleet's tests: noisy linear regression (a fixed teacher), whose steps take
-``task.step_ms`` of wall-clock (a sleep: no CPU) so that a run lasts long enough for a
+``task.step_ms`` of wall-clock (short sleeps: no CPU, held up while the process is stopped) so that a run lasts long enough for a
 datacenter to die, be relaunched and heal back, while the machine's cores stay free.
 Options: ``step_ms`` (40), ``dim`` (16), and a datacenter that keeps failing: ``crash_dc``
 fails at step ``crash_step`` of its first launch and while building the model in every
@@ -46,10 +46,17 @@ def batch(step, rank, world, cfg):
     return _draw(1_000_003 * step + rank, cfg.batch_size, int(_opt(cfg, "dim")))
 
 
+def _work(seconds: float, chunk: float = 0.02) -> None:
+    """Sleep ``seconds`` in chunks of ``chunk``: like computation, it is held up while the
+    process is stopped (``lowcomm fault slow``), where one long sleep would run out meanwhile."""
+    for _ in range(max(1, round(seconds / chunk))):
+        time.sleep(seconds / max(1, round(seconds / chunk)))
+
+
 def loss(model, batch):
     x, y = batch
     if model.training:
-        time.sleep(model.step_ms / 1000)
+        _work(model.step_ms / 1000)
     return torch.nn.functional.mse_loss(model(x), y)
 
 

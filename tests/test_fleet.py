@@ -34,27 +34,41 @@ FSDP = [*SHARDED[:-1], "policy.rank=fsdp"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Five runs at once: one MPI job (today's run), an unfaulted fleet (started from Python by
-    ``lowcomm.train_fleet``), a fleet whose
-    datacenter 1 loses rank 0 to SIGKILL at step 12, one whose coordinator is SIGKILLed at
-    step 45 (checkpoints every 20 steps), one whose datacenter 1 keeps failing."""
+    """Five runs at once: one MPI job (today's run), a fleet started from Python by
+    ``lowcomm.train_fleet`` whose datacenter 2 runs at half speed (``lowcomm fault slow`` from
+    outside: no failure, the result unchanged), a fleet whose datacenter 1 loses rank 0 to
+    SIGKILL at step 12 (``lowcomm fault kill``), one whose coordinator is SIGKILLed at step 45
+    (checkpoints every 20 steps), one whose datacenter 1 keeps failing."""
     tmp = tmp_path_factory.mktemp("fleet")
     deadline = time.monotonic() + scaled(170)
     started = {
         "single": single_job(tmp / "single", *POLICY),
-        "plain": fleet_from_python(tmp / "plain", *RUN),
+        # half the step time at half the speed: as long as the others (the sleep is not numerics)
+        "plain": fleet_from_python(tmp / "plain", *RUN, f"task.step_ms={STEP_MS // 2}"),
         "kill": fleet(tmp / "kill", *RUN),
         "coord": fleet(tmp / "coord", *RUN, f"checkpoint.every={PERIOD}"),
         "flaky": fleet(tmp / "flaky", *RUN, "task.crash_dc=1", "task.crash_step=12",
                        "fleet.max_failures=2"),
     }
+    killed = {}
     when(lambda: reached(tmp / "kill" / "dc1" / "metrics.jsonl", 12),
-         lambda: kill_rank0(tmp / "kill" / "dc1"), deadline)
+         lambda: killed.update(ran=cli("fault", "kill", tmp / "kill", "--dc", "1", "--rank", "0"),
+                               lock=(tmp / "kill" / "dc1" / ".lowcomm.lock").read_text()),
+         deadline)
+    slowed = {}
+    when(lambda: (tmp / "plain" / "dc2" / ".lowcomm.lock").exists(),
+         lambda: slowed.update(ran=Run(tmp / "slow", [sys.executable, "-m", "lowcomm.cli", "fault",
+                                                      "slow", str(tmp / "plain"), "--dc", "2",
+                                                      "--speed", "0.5", "--cycle", "200ms"]),
+                               lock=(tmp / "plain" / "dc2" / ".lowcomm.lock").read_text()),
+         deadline)
     coord = started["coord"].p.pid
     when(lambda: reached(tmp / "coord" / "dc0" / "metrics.jsonl", 45),
          lambda: [os.kill(pid, signal.SIGKILL)
                   for pid in children(coord, "lowcomm.run.coordinator")], deadline)
     done = {name: (r, *r.wait(deadline)) for name, r in started.items()}
+    done["killed"] = killed
+    done["slowed"] = dict(slowed, done=slowed["ran"].wait(deadline) if "ran" in slowed else None)
     return done
 
 
@@ -105,9 +119,37 @@ def test_with_no_failure_a_fleet_ends_with_the_parameters_of_one_mpi_job(runs):
     assert s["method"] == ref["method"], "the fleet runs the dc level of the same policy"
 
 
+def test_a_slowed_datacenter_is_waited_for_and_the_fleet_summary_says_where_the_time_went(runs):
+    slowed = runs["slowed"]
+    assert slowed.get("done"), "lowcomm fault slow never started"
+    rc, out = slowed["done"]
+    assert rc == 0, out[-3000:]
+    done = json.loads(out.strip().splitlines()[-1])
+    rank0 = int(slowed["lock"].split()[1])           # dc2's job: its lock names rank 0's pid
+    assert done["pids"] == [rank0] and done["cycles"] >= 10 and done["stopped_s"] > 0, done
+    plain, rc, out = runs["plain"]
+    assert rc == 0, out[-3000:]
+    t = plain.summary()["fleet"]["time"]
+    by = t["by_dc"]
+    assert sorted(by) == ["0", "1", "2"], by
+    for dc, x in by.items():          # the seconds add up
+        # every step and sample; this task does not say its tokens: none are guessed
+        assert (x["steps"], x["samples"], x["tokens"]) == (STEPS, STEPS * 64, None), x
+        assert abs(x["busy_s"] + x["rounds_s"] - x["run_s"]) < 1e-2 and x["idle_s"] <= x["rounds_s"]
+    # the two at full speed wait for the slowed one at every round; it hardly waits at all
+    assert min(by["0"]["idle_s"], by["1"]["idle_s"]) > 2 * by["2"]["idle_s"], by
+    run = sum(x["run_s"] for x in by.values())
+    assert abs(t["goodput"] - sum(x["busy_s"] for x in by.values()) / run) < 1e-3, t
+    assert abs(t["idle_fraction"] - sum(x["idle_s"] for x in by.values()) / run) < 1e-3, t
+    assert t["goodput"] < 1, t
+
+
 def test_a_killed_datacenter_does_not_stop_the_others_and_heals_back_in_live(runs):
     kill, rc, out = runs["kill"]
     assert rc == 0, out[-3000:]
+    ran = runs["killed"]["ran"]
+    assert ran.returncode == 0, ran.output
+    assert json.loads(ran.stdout)["killed"] == [int(runs["killed"]["lock"].split()[1])], ran.output
     s, plain = kill.summary(), runs["plain"][0].summary()
     f = s["fleet"]
     assert s["finished_dcs"] == [0, 1, 2] and s["dcs_agree"], s["finished_dcs"]

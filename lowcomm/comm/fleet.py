@@ -224,6 +224,10 @@ class Channel:
         self.plane = _Groups(self.store, dc, limits, link, rank)
         self._admit_due = False
         self.halted = 0                       # the signal the fleet was stopped by (a decision says)
+        # where this member's time in rounds went: waiting for the others to be ready (and to be
+        # admitted), and in rounds from its ready to their commit (the waits included)
+        self.wait_s = self.round_s = 0.0
+        self._ready_t: float | None = None
         self._hb = _Heartbeat(lambda t: _store(self.host, self.port, t),
                               key("heartbeat", dc=dc, inc=inc), limits.heartbeat_s,
                               2 * limits.limit_s)
@@ -231,6 +235,8 @@ class Channel:
 
     # messages -----------------------------------------------------------------------------------
     def send(self, kind: str, **fields) -> None:
+        if kind == "ready" and self._ready_t is None:
+            self._ready_t = time.monotonic()
         msg = {"type": kind, "dc": self.dc, "inc": self.inc, "t": time.time(), **fields}
         try:
             self.store.set(key("inbox", dc=self.dc, inc=self.inc, k=self._k), json.dumps(msg))
@@ -289,10 +295,15 @@ class Channel:
                 return comm
 
     def _decision(self, op: str) -> dict:
-        while True:
-            m = self.receive(op)
-            if m["type"] == "decision":
-                return m
+        """The coordinator's next decision (the time waited for it is :attr:`wait_s`)."""
+        t0 = time.monotonic()
+        try:
+            while True:
+                m = self.receive(op)
+                if m["type"] == "decision":
+                    return m
+        finally:
+            self.wait_s += time.monotonic() - t0
 
     def _committed(self, d: dict, err) -> bool:
         o = self.receive("fleet.commit")
@@ -304,6 +315,9 @@ class Channel:
             raise FleetError("fleet.commit", self.rank, f"round {d['round']} committed although "
                              f"datacenter {self.dc}'s reduction failed: {err}")
         self.round, self.members = d["round"] + 1, list(d["members"])
+        if self._ready_t is not None:
+            self.round_s += time.monotonic() - self._ready_t
+            self._ready_t = None
         self._admit_due = self._admit_due or bool(d.get("admit_next"))
         self.halted = self.halted or int(d.get("halt", 0))
         self.epoch_rounds.append({k: d[k] for k in ("round", "tag", "members", "attempt")})

@@ -19,6 +19,8 @@ in its ledger, op ``heal``), and under ``fleet``:
 * ``left_out``, ``fallbacks`` (restarts from checkpoints after the coordinator was lost) and
   every incarnation of every datacenter's job (``started_t``: the wall-clock of its launch;
   ``resumed_from``: the checkpoint's step a resumed one started from);
+* ``time``: each datacenter's steps, samples, tokens and busy and idle seconds, and the fleet's
+  ``goodput`` (training seconds over the members' available seconds, :func:`goodput`);
 * ``stopped`` (a fleet stopped by a signal): the signal, the step every datacenter wrote a
   checkpoint of and the command that continues the run.
 
@@ -174,6 +176,38 @@ def datacenters(fleet) -> dict:
     return out
 
 
+TIME_KEYS = ("steps", "samples", "tokens", "run_s", "idle_s", "rounds_s", "busy_s")
+
+
+def goodput(fleet) -> dict:
+    """Each datacenter's steps, samples, tokens and seconds over its incarnations — ``run_s``
+    from its loop's start, ``idle_s`` waiting for the others at rounds, ``rounds_s`` in rounds
+    (waits and reductions), ``busy_s`` the rest (training) — and the fleet's ``goodput``, the
+    busy seconds over the members' available ones (their ``run_s``), with ``idle_fraction``.
+    A finished incarnation's figures are its summary's; one that failed, its last metrics
+    line's (its steps after that line are lost with it)."""
+    by_dc: dict[str, dict] = {}
+    for who, job, lines in incarnations(fleet):
+        s = _json(job.folder / "summary.json") if job is not None and job.exit == 0 else None
+        t = (s or {}).get("fleet", {}).get("time")
+        if t is None:
+            timed = [x for x in lines if "run_s" in x]
+            if not timed:
+                continue
+            last = timed[-1]
+            t = {"steps": last["step"] - (lines[0]["step"] - 1 if lines else 0), "samples": None,
+                 "tokens": None, **{k: last[k] for k in ("run_s", "idle_s", "rounds_s")},
+                 "busy_s": last["run_s"] - last["rounds_s"]}
+        acc = by_dc.setdefault(str(who["dc"]), {k: 0 for k in TIME_KEYS})
+        for k in TIME_KEYS:
+            acc[k] = None if acc[k] is None or t.get(k) is None else acc[k] + t[k]
+    run = sum(d["run_s"] for d in by_dc.values())
+    return {"by_dc": {k: {**v, **{f: round(v[f], 3) for f in TIME_KEYS[3:]}}
+                      for k, v in sorted(by_dc.items(), key=lambda kv: int(kv[0]))},
+            "goodput": sum(d["busy_s"] for d in by_dc.values()) / run if run else None,
+            "idle_fraction": sum(d["idle_s"] for d in by_dc.values()) / run if run else None}
+
+
 def _result(fleet) -> tuple[dict, list[dict]]:
     """The summary of the datacenter that finished first in index order, and all finished."""
     done = []
@@ -220,7 +254,8 @@ def write_report(fleet, wall_s: float) -> dict:
                   "failures": failures, "heals": heals,
                   "steps_lost": steps_lost(fleet, committed, failed),
                   "left_out": [{"dc": d, "why": w} for d, w in sorted(fleet.retired.items())],
-                  "fallbacks": fleet.fallbacks, "datacenters": datacenters(fleet)},
+                  "fallbacks": fleet.fallbacks, "datacenters": datacenters(fleet),
+                  "time": goodput(fleet)},
         "config": head.get("config"),
     }
     if fleet.stopping:
@@ -244,4 +279,4 @@ def _merged(fleet, committed: list[dict], failures: list[dict], heals: list[dict
                                         "event" in x, x.get("t", 0)))
 
 
-__all__ = ["failures_and_heals", "incarnations", "numbered", "rounds", "steps_lost", "write_report"]
+__all__ = ["failures_and_heals", "goodput", "incarnations", "numbered", "rounds", "steps_lost", "write_report"]

@@ -268,6 +268,7 @@ class FleetLockstep(Lockstep):
             self.t_hello = time.monotonic()
         if self.me["join"]:
             self._join(state)
+        self.first_step, self.t_start = state.step, self.t0
         return state
 
     def _join(self, state) -> None:
@@ -331,12 +332,34 @@ class FleetLockstep(Lockstep):
     def line_extra(self) -> dict:
         if self.channel is None:
             return {}
-        return {"fleet_round": self.channel.round, "members": self.channel.members}
+        ch = self.channel
+        return {"fleet_round": ch.round, "members": ch.members, **self._times()}
+
+    def _times(self) -> dict:
+        """This incarnation's seconds since its loop started (``run_s``), of them waiting for
+        the others at rounds (``idle_s``) and in rounds in all (``rounds_s``: the waits and the
+        reductions)."""
+        ch = self.channel
+        return {"run_s": round(time.perf_counter() - self.t_start, 4),
+                "idle_s": round(ch.wait_s, 4), "rounds_s": round(ch.round_s, 4)}
+
+    def time_use(self) -> dict:
+        """What this incarnation did with its time, for the fleet's goodput: its steps, samples
+        and tokens (where the task says the tokens of a sample), its seconds (:meth:`_times`)
+        and the busy ones (not in a round)."""
+        r, state = self.r, self.state
+        steps = state.step - self.first_step
+        samples = steps * r.cfg.batch_size * r.comm.size
+        per = r.task.tokens_per_sample(r.cfg)
+        times = self._times()
+        return {"steps": steps, "samples": samples, "tokens": samples * per if per else None,
+                **times, "busy_s": round(times["run_s"] - times["rounds_s"], 4)}
 
     def summary_extra(self) -> dict:
         out = {"dc": self.me["dc"], "inc": self.me["inc"], "joined": self.joined}
         if self.channel is not None:
             out["rounds"] = self.channel.epoch_rounds
+            out["time"] = self.time_use()
         return {"fleet": out}
 
     def finish(self, state):

@@ -54,6 +54,16 @@ class Task:
     batch_fn: Callable
     eval_fn: Callable | None = None
     describe_fn: Callable | None = None    # optional describe(cfg) -> str: a line for the log
+    tokens_fn: Callable | None = None      # optional tokens(cfg) -> int: tokens in one sample
+
+    def tokens_per_sample(self, cfg) -> int | None:
+        """The tokens in one sample (``tokens(cfg)``), or None where the task does not say."""
+        if self.tokens_fn is None:
+            return None
+        n = self._call("tokens", self.tokens_fn, cfg)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise TaskError(f"{self.where}: tokens(cfg) must return a whole number >= 1, got {n!r}")
+        return n
 
     def model(self, cfg) -> torch.nn.Module:
         m = self._call("model", self.model_fn, cfg)
@@ -146,7 +156,7 @@ def load_task(name: str) -> Task:
     is missing."""
     module, where = _module(name)
     fns = {}
-    for fname in ("model", "loss", "batch", "eval_batches", "describe"):
+    for fname in ("model", "loss", "batch", "eval_batches", "describe", "tokens"):
         fn = getattr(module, fname, None)
         if fn is None and fname in ("model", "loss", "batch"):
             raise TaskError(f"task {where}: defines no function {fname}() (a task defines model(cfg), "
@@ -155,7 +165,8 @@ def load_task(name: str) -> Task:
         if fn is not None and not callable(fn):
             raise TaskError(f"task {where}: {fname} must be a function, got {type(fn).__name__}")
         fns[fname] = fn
-    return Task(where, fns["model"], fns["loss"], fns["batch"], fns["eval_batches"], fns["describe"])
+    return Task(where, fns["model"], fns["loss"], fns["batch"], fns["eval_batches"], fns["describe"],
+                fns["tokens"])
 
 
 __all__ = ["Task", "TaskError", "dataset_batches", "dataset_eval_batches", "from_functions",

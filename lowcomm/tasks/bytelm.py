@@ -56,6 +56,11 @@ def eval_batches(cfg):
     return c.eval_batches(cfg.eval_batches, cfg.batch_size, cfg.data.seq_len)
 
 
+def tokens(cfg) -> int:
+    """Tokens (bytes) in one sample: a window of ``data.seq_len``."""
+    return int(cfg.data.seq_len)
+
+
 def describe(cfg) -> str:
     """One line on the data read (files, bytes, skipped), for the run's log."""
     return _corpus(cfg).describe()
