@@ -206,13 +206,16 @@ class _Heartbeat(threading.Thread):
 class Channel:
     """Datacenter ``dc``'s side of the fleet (on its leader; module docstring). ``inc``: this
     job's incarnation (0 for the first launch, one more for each relaunch); ``rank``: the world
-    rank named in errors; ``link``: the cross-datacenter links' α–β model (or None)."""
+    rank named in errors; ``link``: the cross-datacenter links' α–β model (or None); ``dcs``:
+    the fleet's datacenters."""
 
     rounds = True        # an outer loop reduces through average(), not through a Comm
 
     def __init__(self, address: str, dc: int, inc: int, limits: Limits, link=None,
-                 rank: int = 0, ledger: Ledger | None = None, connect_s: float | None = None):
+                 rank: int = 0, ledger: Ledger | None = None, connect_s: float | None = None,
+                 *, dcs: int):
         host, _, port = address.rpartition(":")
+        self.dcs = dcs
         self.host, self.port = host, int(port)
         self.dc, self.inc, self.limits, self.link, self.rank = dc, inc, limits, link, rank
         self.ledger = ledger if ledger is not None else Ledger()

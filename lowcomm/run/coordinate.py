@@ -294,6 +294,7 @@ class Lockstep(Coordination):
             "wall_s": max(w for _, w, _, _, _ in every),
             "compute_cpu_s": max(c for _, _, c, _, _ in every),
             "samples": state.samples, "resizes": state.resizes, "skipped_steps": state.skipped,
+            "passed_steps": state.passed,
             **extra, **self.summary_extra(),
             "state_sha256": digest,
             "ranks_agree": len({d for _, _, _, d, _ in every}) == 1,

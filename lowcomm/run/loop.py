@@ -157,8 +157,14 @@ def train(r: Run, coord) -> dict:
 
 def take_step(r: Run, coord, state: LoopState, step: int) -> None:
     """Step ``step``: forward/backward of this rank's batch, then the method's step — or a skip
-    where ``coord`` says so (a non-finite loss or gradient)."""
+    where ``coord`` says so (a non-finite loss or gradient), or a pass where the method says
+    this rank does not compute the step (:meth:`~lowcomm.strategies.base.Strategy.takes_step`)."""
     c0 = compute_cpu_clock()
+    if not r.strategy.takes_step():          # dynamic local updates: passed, not computed
+        r.strategy.pass_step()
+        state.passed += 1
+        state.step = step
+        return
     loss, bad = train_step(r, coord, step)
     if coord.skip_step(bad, step):
         r.strategy.skip()

@@ -44,7 +44,7 @@ ENV = ("LOWCOMM_FLEET", "LOWCOMM_FLEET_DC", "LOWCOMM_FLEET_INC", "LOWCOMM_FLEET_
        "LOWCOMM_FLEET_RANKS")
 
 #: outer methods a fleet runs across datacenters
-OUTER = ("diloco", "streaming-diloco", "localsgd")
+OUTER = ("diloco", "streaming-diloco", "localsgd", "diloco-dylu")
 
 
 def identity() -> dict | None:
@@ -181,7 +181,7 @@ def connect(cfg, comm, me: dict) -> Channel | None:
         return None
     limits, link = _limits(cfg)
     return Channel(me["address"], me["dc"], me["inc"], limits, link, rank=me["offset"],
-                   connect_s=cfg.fleet.join_s if me["join"] else None)
+                   connect_s=cfg.fleet.join_s if me["join"] else None, dcs=cfg.fleet.dcs)
 
 
 def levels(cfg, comm, channel: Channel | None, me: dict) -> FleetLevels:
@@ -268,7 +268,7 @@ class FleetLockstep(Lockstep):
             self.t_hello = time.monotonic()
         if self.me["join"]:
             self._join(state)
-        self.first_step, self.t_start = state.step, self.t0
+        self.first_step, self.first_passed, self.t_start = state.step, state.passed, self.t0
         return state
 
     def _join(self, state) -> None:
@@ -344,11 +344,12 @@ class FleetLockstep(Lockstep):
                 "idle_s": round(ch.wait_s, 4), "rounds_s": round(ch.round_s, 4)}
 
     def time_use(self) -> dict:
-        """What this incarnation did with its time, for the fleet's goodput: its steps, samples
+        """What this incarnation did with its time, for the fleet's goodput: its steps computed
+        (not those dynamic local updates passed over), samples
         and tokens (where the task says the tokens of a sample), its seconds (:meth:`_times`)
         and the busy ones (not in a round)."""
         r, state = self.r, self.state
-        steps = state.step - self.first_step
+        steps = state.step - self.first_step - (state.passed - self.first_passed)   # computed
         samples = steps * r.cfg.batch_size * r.comm.size
         per = r.task.tokens_per_sample(r.cfg)
         times = self._times()

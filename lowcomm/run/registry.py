@@ -23,7 +23,7 @@ import dataclasses
 from .config import Config, parse_override
 from ..compress.settings import CompressorSettings
 from ..errors import ConfigError
-from ..strategies import (demo, desloc, diloco, fsdp, gossip, localsgd, noloco, onebit_adam,
+from ..strategies import (demo, desloc, diloco, dylu, fsdp, gossip, localsgd, noloco, onebit_adam,
                           sparseloco, sparta,
                           syncdp, zero, zeroone_adam)
 from ..strategies.ps import method as async_ps
@@ -51,6 +51,7 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     fsdp.METHOD,
     sparseloco.METHOD,
     diloco.MULOCO_EF_METHOD,
+    dylu.METHOD,
 )}
 
 

@@ -19,9 +19,11 @@ class LoopState:
     ``step`` is the last step taken (a parameter-server worker's own steps); ``wall_s`` and
     ``compute_cpu_s`` add up across resumes; ``window`` holds the losses since the last metrics
     line; ``samples`` counts the samples of every rank; ``resizes`` lists the rank-count changes
-    at resumes (``{"step", "from", "to"}``)."""
+    at resumes (``{"step", "from", "to"}``); ``passed`` counts the steps this rank's method passed
+    over without computing them (dynamic local updates)."""
     step: int = 0
     skipped: int = 0
+    passed: int = 0           # steps the method passed over on this rank (dynamic local updates)
     wall_s: float = 0.0
     window: list = field(default_factory=list)
     recent: float = float("nan")

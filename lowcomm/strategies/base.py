@@ -508,6 +508,18 @@ class Strategy(torch.optim.Optimizer):
         """One step of the method (subclasses add their communication)."""
         return self.optimizer.step(closure)
 
+    def takes_step(self) -> bool:
+        """Whether this rank computes the next step (forward, backward, :meth:`step`); False
+        where the method passes over it (dynamic local updates: a slower member takes fewer
+        of a period's steps). Call :meth:`pass_step` instead of computing such a step."""
+        return True
+
+    def pass_step(self) -> None:
+        """Go past a step this rank does not compute (:meth:`takes_step` is False): the
+        method's schedule moves on, nothing is computed or sent except at a period's end."""
+        raise LowcommError(f"{type(self).__name__} computes every step: pass_step() is for a "
+                           "step that takes_step() says this rank passes over")
+
     def skip(self) -> None:
         """Abandon this step on every rank (all ranks call it together): finish whatever
         communication is in flight, discard the gradients, leave parameters as they are."""

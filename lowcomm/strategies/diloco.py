@@ -15,7 +15,50 @@ from ..errors import ArgumentError, ConfigError
 from .base import Context, Method
 from .outer import Fragment, OuterLoop, OuterSettings, check_merge, check_run
 
-OUTER_OPTIMIZERS = ("nesterov", "sgd")
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")
+
+
+class DelayedNesterov(torch.optim.Optimizer):
+    """Delayed Nesterov momentum (Liu et al. 2024, arXiv 2401.09135, §3.2): the outer optimizer
+    of asynchronous DiLoCo, whose momentum moves only every N outer gradients.
+
+    Update, for outer gradient g_t (the t-th, from 1), learning rate η, momentum β, a buffer d
+    and the momentum m (both 0 at first):
+
+      1. d ← d + g_t;
+      2. where t mod N = 0: m ← β·m + d/N, θ ← θ − η·β·m − η·g_t/N, d ← 0;
+      3. else: θ ← θ − η·g_t/N.
+
+    With N = 1 this is SGD with Nesterov momentum (torch's ``nesterov=True``: m ← β·m + g,
+    θ ← θ − η·(g + β·m)).
+    """
+
+    def __init__(self, params, lr: float, momentum: float, every: int):
+        if every < 1:
+            raise ArgumentError("nesterov_every", f"must be >= 1 outer steps, got {every}")
+        super().__init__(params, {"lr": lr, "momentum": momentum, "every": every})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, beta, n = group["lr"], group["momentum"], group["every"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["t"] = 0
+                    st["buffer"] = torch.zeros_like(p)
+                    st["momentum_buffer"] = torch.zeros_like(p)
+                st["t"] += 1
+                st["buffer"].add_(p.grad)
+                update = p.grad * (1.0 / n)
+                if st["t"] % n == 0:
+                    st["momentum_buffer"].mul_(beta).add_(st["buffer"], alpha=1.0 / n)
+                    update.add_(st["momentum_buffer"], alpha=beta)
+                    st["buffer"].zero_()
+                p.add_(update, alpha=-lr)
+        return None
 
 
 @dataclass
@@ -24,13 +67,19 @@ class DiLoCoSettings(OuterSettings):
     outer_optimizer: str = "nesterov"   # "nesterov" | "sgd"
     outer_lr: float = 0.7          # the outer SGD's learning rate (the paper: 0.7)
     outer_momentum: float = 0.9    # the outer SGD's momentum (the paper: 0.9, Nesterov)
+    nesterov_every: int = 1        # N: outer steps between momentum updates ("delayed-nesterov")
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
         self.one_of(prefix, "outer_optimizer", OUTER_OPTIMIZERS)
+        self.at_least(prefix, "nesterov_every", 1)
+        if self.nesterov_every > 1 and self.outer_optimizer != "delayed-nesterov":
+            raise ConfigError.at(prefix, "nesterov_every", "delays the momentum of "
+                                 "outer_optimizer = \"delayed-nesterov\"; set it, or leave "
+                                 f"nesterov_every = 1 (got {self.nesterov_every})")
         self.within(prefix, "outer_lr", 0, float("inf"), low_open=True)
         self.within(prefix, "outer_momentum", 0, 1, high_open=True)
-        if self.outer_optimizer == "nesterov" and self.outer_momentum == 0:
+        if self.outer_optimizer != "sgd" and self.outer_momentum == 0:
             raise ConfigError.at(prefix, "outer_momentum", "Nesterov needs a momentum > 0; for "
                                  "none use outer_optimizer=\"sgd\"")
 
@@ -111,7 +160,9 @@ class DiLoCo(OuterLoop):
       3. pseudo-gradient Δ_k = θ − θ_k, averaged over the ranks: Δ = (1/K) Σ_k Δ_k (dense
          all-reduce, or ``compressor.reduce`` — its error-feedback memory carries over rounds);
       4. outer step θ ← OuterOpt(θ, Δ): SGD with Nesterov momentum (``outer_lr`` 0.7,
-         ``outer_momentum`` 0.9 in the paper) or SGD with heavy-ball momentum;
+         ``outer_momentum`` 0.9 in the paper), SGD with heavy-ball momentum, or delayed
+         Nesterov (:class:`DelayedNesterov`: the momentum moves every ``nesterov_every``
+         outer steps);
       5. θ_k ← θ on every rank; go to 2.
 
     With ``outer_optimizer="sgd"``, ``outer_lr=1``, ``outer_momentum=0`` step 4 gives
@@ -126,7 +177,8 @@ class DiLoCo(OuterLoop):
             ``algorithm`` (default "mpi"), ... —, checked once by its ``validate`` (a wrong one
             raises :class:`~lowcomm.errors.ArgumentError` naming it):
         period: H ≥ 1 inner steps per outer step.
-        outer_optimizer: "nesterov" or "sgd".
+        outer_optimizer: "nesterov", "sgd" or "delayed-nesterov".
+        nesterov_every: N ≥ 1, outer steps between momentum updates of "delayed-nesterov".
         outer_lr, outer_momentum: the outer SGD's learning rate and momentum.
         warmup_steps: W ≥ 0 dense SyncDP steps before the first round.
         algorithm: all-reduce algorithm of the pseudo-gradient (and the warm-up).
@@ -149,11 +201,17 @@ class DiLoCo(OuterLoop):
                  comm: Comm | None = None, **arguments):
         super().__init__(model, optimizer, comm, **arguments)
         s = self.settings
-        self._init_outer(s.outer_optimizer, s.outer_lr, s.outer_momentum)
+        self._init_outer(s.outer_optimizer, s.outer_lr, s.outer_momentum,
+                         getattr(s, "nesterov_every", 1))
 
-    def _init_outer(self, outer_optimizer: str, outer_lr: float, outer_momentum: float) -> None:
+    def _init_outer(self, outer_optimizer: str, outer_lr: float, outer_momentum: float,
+                    every: int = 1) -> None:
         self.outer_params = [torch.nn.Parameter(self._pack(f), requires_grad=False)
                              for f in self.fragments]
+        if outer_optimizer == "delayed-nesterov":
+            self.outer_optimizer = DelayedNesterov(self.outer_params, outer_lr, outer_momentum,
+                                                   every)
+            return
         self.outer_optimizer = torch.optim.SGD(self.outer_params, lr=outer_lr,
                                                momentum=outer_momentum,
                                                nesterov=outer_optimizer == "nesterov")

@@ -9,7 +9,11 @@ equivalence (2 and 3 ranks)
     simulation of K workers written from the papers (hand-written Nesterov, no lowcomm code);
   * the pseudo-gradient through ``Compressor.reduce`` (identity) == the dense path, and every
     registered compressor runs (outer parameters equal on all ranks, finite);
-  * ledger: one DiLoCo sync moves one all-reduce of the model; P fragments ≈ 1/P each.
+  * ledger: one DiLoCo sync moves one all-reduce of the model; P fragments ≈ 1/P each;
+  * DiLoCo with dynamic local updates: with every member taking every step, DiLoCo bit for bit;
+    with the last rank slowed, it takes fewer steps of each period and passes over the others,
+    and the outer parameters are the tokens-weighted average of the local models
+    (Liu et al. 2024's weighting, checked against the gathered local models).
 resume (2 ranks)
   * run N steps, save ``state_dict()``, rebuild fresh objects, load, continue == uninterrupted,
     bit for bit (in-flight fragments, warm-up, compressor memory).
@@ -29,6 +33,7 @@ from lowcomm.compress import COMPRESSORS, Compressor, build_compressor
 from lowcomm.errors import ArgumentError
 from lowcomm.run.config import CompressorConfig
 from lowcomm.strategies import DiLoCo, LocalSGD, StreamingDiLoCo, SyncDP
+from lowcomm.strategies.dylu import DyLUDiLoCo
 from under_mpi import RANK, SIZE
 
 pytestmark = pytest.mark.mpi(sizes=(2, 3))
@@ -393,3 +398,59 @@ def test_a_bad_argument_is_an_argument_error_before_any_communication(case, comm
     assert e.value.key == key and f"argument '{key}'" in str(e.value) and all(w in str(e.value) for w in words), \
         f"expected {key} {words}: {e.value}"
     assert torch.equal(t, torch.full((3,), float(K))), "communication after the error"
+
+
+def _dylu_run(steps, slow=1.0, **kw):
+    """``steps`` steps of DyLUDiLoCo in a loop that asks takes_step() first, on a clock that
+    each computed step moves on by 1 s (by ``slow`` s on the last rank: a slower member), so the
+    speeds are the loop's, not the machine's; returns (model, opt, the local models and weights
+    of every synchronisation)."""
+    model = make()
+    opt = DyLUDiLoCo(model, sgd(model.parameters()), lowcomm.init(), **kw)
+    now = [0.0]
+    opt.clock = lambda: now[0]
+    rounds = []
+    plain = opt._outgoing
+
+    def outgoing(f, local):                       # each member's local model, at the round
+        rounds.append((local.clone(), opt.h_local))
+        return plain(f, local)
+    opt._outgoing = outgoing
+    for step in range(steps):
+        if not opt.takes_step():
+            opt.pass_step()
+            continue
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        now[0] += slow if RANK == K - 1 else 1.0
+        opt.step()
+    return model, opt, rounds
+
+
+def test_dynamic_local_updates_at_equal_steps_are_diloco_bit_for_bit():
+    model, opt, _ = _dylu_run(8, period=4, outer_optimizer="nesterov")
+    opt.close()
+    assert opt.passed == 0 and opt.history == [4, 4]
+    assert_models_equal(model, run(DiLoCo, 8, period=4), "diloco-dylu (every step) vs diloco")
+
+
+def test_a_slower_member_takes_fewer_steps_and_counts_for_its_tokens():
+    """The last rank at a quarter of the others' speed: H/4 steps of each period after the
+    first (Liu et al.'s rule), the rest passed over; θ the h_k-weighted average."""
+    H = 8
+    model, opt, rounds = _dylu_run(3 * H, slow=4.0, period=H, outer_optimizer="sgd",
+                                   outer_lr=1.0, outer_momentum=0.0)
+    every = lowcomm.init().allgather_object((opt.history, opt.passed))
+    if RANK == K - 1:
+        assert (opt.history, opt.passed) == ([H, H // 4, H // 4], 2 * (H - H // 4)), every
+    else:
+        assert (opt.history, opt.passed) == ([H] * 3, 0), every
+    # the last round's outer parameters: the local models averaged with weights h_k (outer SGD,
+    # lr 1, no momentum: θ ← θ − Σ w_k (θ − θ_k) / Σ w_k = Σ w_k θ_k / Σ w_k)
+    local, w = rounds[-1]
+    seen = lowcomm.init().allgather_object((local, w))
+    expect = sum(x * wk for x, wk in seen) / sum(wk for _, wk in seen)
+    torch.testing.assert_close(opt.outer_params[0].detach(), expect, rtol=1e-5, atol=1e-6)
+    assert agree(opt.outer_params[0].detach())
+    opt.close()

@@ -1,0 +1,193 @@
+"""DiLoCo with dynamic local updates: each member takes as many of a period's inner steps as
+its measured speed allows, so that members of different speeds arrive at the round together."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..comm.comm import Comm
+from ..errors import ArgumentError, ConfigError, LowcommError
+from .base import Context, Method
+from .diloco import DiLoCo, DiLoCoSettings
+from .outer import Fragment, check_run
+
+
+@dataclass
+class DyLUSettings(DiLoCoSettings):
+    """``[strategy]`` keys of ``diloco-dylu``: DiLoCo's, the floor of a member's local steps,
+    and the outer optimizer of asynchronous DiLoCo (delayed Nesterov)."""
+    min_steps: int = 1             # the fewest inner steps a member takes in a period
+    outer_optimizer: str = "delayed-nesterov"
+    nesterov_every: int = 1        # N: with one outer step per round, 1 is Nesterov's momentum
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        self.at_least(prefix, "min_steps", 1)
+        if self.min_steps > self.period:
+            raise ConfigError.at(prefix, "min_steps", f"a member takes at most period={self.period} "
+                                 f"steps a period; min_steps={self.min_steps} would never be met")
+        if self.compressor != "none":
+            raise ConfigError.at(prefix, "compressor", "dynamic local updates send each member's "
+                                 "weight and speed beside its pseudo-gradient, which a compressor "
+                                 "would distort; use compressor = \"none\"")
+
+
+def build(s: DyLUSettings, model, optimizer, comm: Comm, ctx: Context) -> "DyLUDiLoCo":
+    return DyLUDiLoCo(model, optimizer, comm, **s.kwargs(ctx))
+
+
+class DyLUDiLoCo(DiLoCo):
+    """DiLoCo with dynamic local updates (Liu et al. 2024, "Asynchronous Local-SGD Training for
+    Language Modeling", arXiv 2401.09135, §3.3) and their delayed Nesterov outer optimizer
+    (§3.2), in synchronous rounds: a member slower than the others takes fewer inner steps per
+    period, so that nobody waits for it, and its pseudo-gradient counts for the tokens it took.
+
+    Update, with H = ``period``, members k (datacenters of a fleet, or the units of the level
+    the method runs on), h_k the inner steps member k takes in the current period (h_k = H in
+    the first):
+
+      1. as DiLoCo step 1;
+      2. member k computes the first h_k inner steps of the period and passes over the other
+         H − h_k (:meth:`takes_step` is False: the loop neither draws their batches nor
+         computes them); its speed v_k = h_k / (the period's wall-clock seconds);
+      3. at the period's end, the pseudo-gradients averaged with weights w_k = h_k (the tokens
+         each member took): Δ = Σ_k w_k Δ_k / Σ_k w_k; the speeds travel in the same
+         all-reduce (one slot per member);
+      4. outer step θ ← OuterOpt(θ, Δ) (``outer_optimizer``: delayed Nesterov by default,
+         :class:`~lowcomm.strategies.diloco.DelayedNesterov`);
+      5. every member sets h_k ← min(H, max(``min_steps``, round(H · v_k / max_j v_j))): the
+         fastest takes H steps, a member at half its speed about H/2; go to 2.
+
+    The schedule's step counter is the same on every member (passed steps count), so the rounds,
+    checkpoints and a fleet's heals fall on the same steps as DiLoCo's. With equal speeds every
+    h_k = H and this is DiLoCo (with ``outer_optimizer = "nesterov"``: bit for bit on two
+    members). Not over sharded units, not streaming (``fragments`` = 1, ``delay`` = 0), not with
+    a compressor.
+
+    In your own loop, ask before computing a step::
+
+        for step, batch in enumerate(batches):
+            if not opt.takes_step():
+                opt.pass_step()                  # this member's share of the period is done
+                continue
+            opt.zero_grad(); loss_fn(model(batch)).backward(); opt.step()
+    """
+
+    name = "diloco-dylu"
+    Settings = DyLUSettings
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None, **arguments):
+        super().__init__(model, optimizer, comm, **arguments)
+        if self._ranges is not None or self._local is not None:
+            raise ConfigError("policy", "diloco-dylu over sharded units (zero1/zero2/fsdp) is not "
+                              "supported: each rank would reduce its own range's speeds; use "
+                              "syncdp inside the units")
+        if len(self.fragments) != 1 or self.delay:
+            raise ArgumentError("fragments", "diloco-dylu synchronises the whole model at once "
+                                "(fragments = 1, delay = 0)")
+        self.min_steps = self.settings.min_steps
+        self.h_local = self.period               # inner steps this member takes this period
+        self.slot, self.slots = self._place()
+        self.clock = time.perf_counter             # seconds, for the speed (a test may set its own)
+        self._period_t0: float | None = None
+        self.passed = 0
+        self.history: list[int] = []             # h_local of every period, for the summary
+
+    def _place(self) -> tuple[int, int]:
+        """This member's slot among the members of the outer level (a fleet's datacenter
+        index; a rank of the leaders' communicator; a rank of a flat run), agreed by the
+        ranks of its unit."""
+        inside, across = self._inside, self._leaders if self.nest is not None else self._red
+        mine = None
+        if across is not None:                   # a fleet's channel: its datacenter of dcs
+            mine = (across.dc, across.dcs) if hasattr(across, "dcs") else (across.rank, across.size)
+        if inside is not None and inside.size > 1:
+            mine = inside.bcast_object(mine)
+        return mine
+
+    # the schedule ------------------------------------------------------------------------------
+    def _position(self) -> int | None:
+        """The next step's place in its period (1..H), None in the warm-up."""
+        s = self.t - self.warmup_steps
+        return None if s < 0 else s % self.period + 1
+
+    def takes_step(self) -> bool:
+        p = self._position()
+        if p is None:
+            return True
+        if self._period_t0 is None:
+            self._period_t0 = self.clock()
+        return p <= self.h_local
+
+    def pass_step(self) -> None:
+        if self._closed:
+            raise LowcommError("DyLUDiLoCo.pass_step() after finish()/close(): the method has ended")
+        if self.takes_step():
+            raise LowcommError(f"step {self.t + 1} is this member's to compute (it takes "
+                               f"{self.h_local} of every {self.period}): call step() after its "
+                               "backward pass, pass_step() only where takes_step() is False")
+        self.passed += 1
+        self.zero_grad()
+        self._advance()
+
+    def _step(self, closure=None):
+        if not self.takes_step():
+            raise LowcommError(f"step {self.t + 1} is one this member passes over (it takes "
+                               f"{self.h_local} of every {self.period} inner steps, as its speed "
+                               "allows): ask takes_step() before computing a step and call "
+                               "pass_step() where it is False")
+        return super()._step(closure)
+
+    # the round ---------------------------------------------------------------------------------
+    def _reduce(self, f: Fragment, flat: torch.Tensor):
+        """DiLoCo's reduction of [w·Δ_k, w, the speeds' slots] (step 3), then the next h_k
+        from the speeds every member received alike (step 5)."""
+        now = self.clock()
+        elapsed = now - (self._period_t0 if self._period_t0 is not None else now)
+        speed = self.h_local / elapsed if elapsed > 0 else 0.0
+        extra = torch.zeros(1 + self.slots, dtype=flat.dtype)
+        extra[0] = self.h_local
+        extra[1 + self.slot] = speed
+        out, rows = super()._reduce(f, torch.cat([flat * self.h_local, extra]))
+        n = flat.numel()
+        weight, speeds = out[n].item(), out[n + 1:]
+        fastest = speeds.max().item()
+        self.history.append(self.h_local)
+        if fastest > 0 and math.isfinite(fastest):
+            share = speeds[self.slot].item() / fastest
+            self.h_local = min(self.period, max(self.min_steps, round(self.period * share)))
+        self._period_t0 = None
+        return out[:n] / weight, rows
+
+    # state --------------------------------------------------------------------------------------
+    def _state_dict(self) -> dict:
+        return dict(super()._state_dict(), h_local=self.h_local, passed=self.passed)
+
+    def _load_state_dict(self, state: dict) -> None:
+        super()._load_state_dict(state)
+        self.h_local, self.passed = int(state["h_local"]), int(state["passed"])
+
+    def metrics(self, ctl: Comm, final: bool = False) -> dict:
+        out = super().metrics(ctl, final)
+        if final:
+            out["local_steps"] = {"min_steps": self.min_steps, "by_period": list(self.history),
+                                  "passed": self.passed}
+        return out
+
+
+def check_dylu(s: DyLUSettings, cfg, prefix: str) -> None:
+    check_run(s, cfg, prefix)
+    fragments = getattr(s, "fragments", 1)
+    if fragments != 1:
+        raise ConfigError.at(prefix, "fragments", "diloco-dylu synchronises the whole model at once")
+
+
+METHOD = Method("diloco-dylu", DyLUSettings, build, "DiLoCo with dynamic local updates: each "
+                "member takes the share of a period its measured speed allows, weighted by its "
+                "tokens; delayed Nesterov outside", check=check_dylu, outer=True, level=True)
+
+__all__ = ["DyLUDiLoCo", "DyLUSettings", "METHOD"]
