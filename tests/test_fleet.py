@@ -28,6 +28,8 @@ POLICY = [*COMMON, "topology=dc:3,rank:1", f"policy.dc=diloco:{DC}", "policy.ran
 #: DiLoCo between 2 datacenters of 2 ranks that shard inside (ZeRO-2): each rank keeps and
 #: reduces its range of the outer state with its counterpart
 SHARDED = [*COMMON, "topology=dc:2,rank:2", f"policy.dc=diloco:{DC}", "policy.rank=zero2"]
+#: DiLoCo with dynamic local updates: a slowed datacenter takes its speed's share of each period
+DYLU = [*COMMON, "strategy.name=diloco-dylu", *(f"strategy.{kv}" for kv in DC.split(","))]
 #: the same over FSDP inside (each rank keeps its chunk of every parameter; bit for bit ZeRO-2's)
 FSDP = [*SHARDED[:-1], "policy.rank=fsdp"]
 
@@ -78,7 +80,8 @@ def more(runs, tmp_path_factory):
     loses rank 0 at step 12, on whose folder a fleet with --overwrite is tried at step 10, and
     one stopped by SIGTERM at step 25; DiLoCo over ZeRO-2 datacenters (``SHARDED``) as one MPI
     job and as a fleet, and over FSDP datacenters as a fleet whose datacenter 1 loses rank 0 at
-    step 12."""
+    step 12; DiLoCo with dynamic local updates whose datacenter 2 runs at half speed while
+    datacenter 1 is killed at step 12 (both from outside: ``lowcomm fault``)."""
     from lowcomm.errors import RunFolderError
     from lowcomm.tools.fleet_launch import prepare
     tmp = tmp_path_factory.mktemp("fleet-more")
@@ -86,7 +89,16 @@ def more(runs, tmp_path_factory):
     started = {"pair": fleet(tmp / "pair", *RUN, dcs=2, np=2), "stop": fleet(tmp / "stop", *RUN),
                "sharded_single": single_job(tmp / "sharded_single", *SHARDED, np=4),
                "sharded": fleet(tmp / "sharded", *SHARDED, dcs=2, np=4),
-               "sharded_kill": fleet(tmp / "sharded_kill", *FSDP, dcs=2, np=4)}
+               "sharded_kill": fleet(tmp / "sharded_kill", *FSDP, dcs=2, np=4),
+               "dylu": fleet(tmp / "dylu", *DYLU)}
+    when(lambda: reached(tmp / "dylu" / "dc1" / "metrics.jsonl", 12),
+         lambda: cli("fault", "kill", tmp / "dylu", "--dc", "1"), deadline)
+    slow = {}
+    when(lambda: (tmp / "dylu" / "dc2" / ".lowcomm.lock").exists(),
+         lambda: slow.update(ran=Run(tmp / "dylu-slow", [sys.executable, "-m", "lowcomm.cli",
+                                                         "fault", "slow", str(tmp / "dylu"),
+                                                         "--dc", "2", "--speed", "0.5"])),
+         deadline)
     for name in ("pair", "sharded_kill"):
         when(lambda name=name: reached(tmp / name / "dc1" / "metrics.jsonl", 12),
              lambda name=name: kill_rank0(tmp / name / "dc1"), deadline)
@@ -104,6 +116,7 @@ def more(runs, tmp_path_factory):
          lambda: os.kill(started["stop"].p.pid, signal.SIGTERM), deadline)
     done = {name: (r, *r.wait(deadline)) for name, r in started.items()}
     done["overwrite"] = overwrite
+    done["dylu_slow"] = slow["ran"].wait(deadline) if "ran" in slow else None
     return done
 
 
@@ -275,6 +288,25 @@ def test_a_killed_sharded_datacenter_heals_back_rank_by_rank(more):
     assert [x["dc"] for x in f["failures"]] == [1] and f["heals"] and f["heals"][0]["dc"] == 1, f
     assert abs(s["eval_loss"] - plain["eval_loss"]) <= 0.02 * plain["eval_loss"], \
         (s["eval_loss"], plain["eval_loss"])
+
+
+def test_dynamic_local_updates_let_a_slowed_datacenter_take_fewer_steps_while_another_heals(more):
+    """dc2 at half speed, dc1 SIGKILLed and healed back: the run finishes with one model; dc2
+    took its share of each period (the rest passed over, its tokens fewer), the others theirs."""
+    run, rc, out = more["dylu"]
+    assert rc == 0, out[-3000:]
+    assert more["dylu_slow"] and more["dylu_slow"][0] == 0, more["dylu_slow"]
+    s = run.summary()
+    assert s["finished_dcs"] == [0, 1, 2] and s["dcs_agree"], s["finished_dcs"]
+    f = s["fleet"]
+    assert [x["dc"] for x in f["failures"]] == [1] and [h["dc"] for h in f["heals"]] == [1], f
+    dc = {d: json.loads((run.out / f"dc{d}" / "summary.json").read_text()) for d in (0, 2)}
+    slow, fast = dc[2]["local_steps"], dc[0]["local_steps"]
+    assert len(slow["by_period"]) == len(fast["by_period"]) == STEPS // PERIOD, (slow, fast)
+    assert slow["passed"] > fast["passed"] and min(slow["by_period"]) < PERIOD, (slow, fast)
+    assert dc[2]["passed_steps"] == slow["passed"] and dc[2]["steps_done"] == STEPS
+    by = f["time"]["by_dc"]
+    assert by["2"]["steps"] == STEPS - slow["passed"] < by["0"]["steps"], by
 
 
 def test_overwrite_on_a_running_fleets_folder_is_refused_and_deletes_nothing(more):

@@ -53,6 +53,7 @@ METHODS = {
     "sparseloco": ("sparseloco:period=3,chunk=8,topk=4", []),
     "distro": ("distro", []),
     "muloco-ef2bit": ("muloco-ef2bit:period=3", ["optimizer.name=muon"]),
+    "diloco-dylu": ("diloco-dylu:period=3", []),
     "average-every": ("average-every:period=3", []),
     "async-ps": ("async-ps:servers=1", []),
     "policy": ("syncdp", ["topology=dc:2,rank:2+1", "policy.dc=diloco:period=3,compressor=int8"]),

@@ -1,0 +1,126 @@
+"""Datacenters of different speeds: a synchronous fleet against dynamic local updates.
+
+Question: a fleet of 3 datacenters × 1 rank trains DiLoCo (H = 10, 160 steps, the default
+``bytelm`` workload) while datacenters are slowed from outside (``lowcomm fault slow``: a
+duty-cycled SIGSTOP/SIGCONT, 100 ms stopped and 100 ms running at half speed). How long does the
+fleet take, what share of the members' time trains (goodput), and what eval loss does it reach
+after the fast members' 160 steps — synchronous DiLoCo against ``diloco-dylu`` (a slowed member
+takes its speed's share of each period), beside the unslowed synchronous fleet?
+
+    PYTHONPATH=. python experiments/fleet_speeds.py --out runs/fleet-speeds --repeats 3
+
+Rows (each run one after the other, each repetition all rows in turn, so that the machine's load
+falls on every row alike): ``speeds`` 1,1,1 / 1,1,0.5 / 1,0.5,0.25 for ``diloco`` and
+``diloco-dylu``. Read from each fleet's ``summary.json``: its wall-clock (``wall_s``: the
+supervisor's, start-up included, as a user waits for it), ``fleet.time.goodput``, the eval loss,
+and each datacenter's steps computed. The ratio column divides a row's wall-clock by the
+unslowed synchronous fleet's of the same repetition. Writes ``OUT/results.json`` and prints a
+Markdown table (ranges over the repetitions) and ``uptime``'s load before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEEDS = ("1,1,1", "1,1,0.5", "1,0.5,0.25")
+METHODS = ("diloco", "diloco-dylu")
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def lowcomm(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lowcomm.cli", *args]
+
+
+def one(out: Path, method: str, speeds: str, steps: int, period: int, extra: list[str]) -> dict:
+    """One fleet, its slow datacenters slowed from its start to its end; the figures."""
+    if out.exists():
+        shutil.rmtree(out)
+    sets = [f"strategy.name={method}", f"strategy.period={period}", f"steps={steps}",
+            "eval_every=0", *extra]
+    fleet = subprocess.Popen(lowcomm("train", "--dcs", "3", "--np", "3", "--place", "local",
+                                     "--quiet", "--out", str(out),
+                                     *[a for s in sets for a in ("--set", s)]),
+                             cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                             stderr=open(str(out) + ".log", "w"))
+    slow = []
+    for dc, v in enumerate(float(x) for x in speeds.split(",")):
+        if v < 1:
+            lock = out / f"dc{dc}" / ".lowcomm.lock"
+            while not lock.exists() and fleet.poll() is None:
+                time.sleep(0.05)
+            slow.append(subprocess.Popen(lowcomm("fault", "slow", str(out), "--dc", str(dc),
+                                                 "--speed", str(v)), cwd=ROOT, env=env(),
+                                         stdout=subprocess.PIPE, text=True))
+    rc = fleet.wait()
+    for p in slow:
+        p.wait(60)
+    if rc != 0:
+        raise SystemExit(f"{out}: the fleet exited {rc}; see {out}.log")
+    s = json.loads((out / "summary.json").read_text())
+    t = s["fleet"]["time"]
+    return {"method": method, "speeds": speeds, "wall_s": s["wall_s"], "eval_loss": s["eval_loss"],
+            "goodput": t["goodput"], "idle_fraction": t["idle_fraction"],
+            "steps": [t["by_dc"][str(d)]["steps"] for d in range(3)]}
+
+
+def span(xs: list[float], fmt: str) -> str:
+    lo, hi = min(xs), max(xs)
+    return (fmt % lo) if fmt % lo == fmt % hi else f"{fmt % lo}–{fmt % hi}"
+
+
+def table(rows: list[dict]) -> str:
+    base = {r["rep"]: r["wall_s"] for r in rows if r["method"] == "diloco" and r["speeds"] == "1,1,1"}
+    lines = ["| method | speeds | wall-clock s | ÷ unslowed diloco | goodput | eval loss | "
+             "steps computed (dc0, dc1, dc2) |", "|---|---|---:|---:|---:|---:|---|"]
+    for speeds in SPEEDS:
+        for method in METHODS:
+            mine = [r for r in rows if r["method"] == method and r["speeds"] == speeds]
+            if not mine:
+                continue
+            steps = sorted({tuple(r["steps"]) for r in mine})
+            lines.append(f"| {method} | {speeds} | {span([r['wall_s'] for r in mine], '%.1f')} | "
+                         f"{span([r['wall_s'] / base[r['rep']] for r in mine], '%.2f')}× | "
+                         f"{span([r['goodput'] for r in mine], '%.2f')} | "
+                         f"{span([r['eval_loss'] for r in mine], '%.4f')} | "
+                         f"{'; '.join(str(list(s)) for s in steps)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("runs/fleet-speeds"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=160)
+    ap.add_argument("--period", type=int, default=10)
+    ap.add_argument("--speeds", default=";".join(SPEEDS), help="';'-separated, e.g. 1,1,1;1,1,0.5")
+    ap.add_argument("--set", dest="extra", action="append", default=[])
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    load = [os.getloadavg()]
+    rows = []
+    for rep in range(a.repeats):
+        for speeds in a.speeds.split(";"):
+            for method in METHODS:
+                r = one(a.out / f"{method}-{speeds.replace(',', '_')}-{rep}", method, speeds,
+                        a.steps, a.period, a.extra)
+                rows.append(dict(r, rep=rep))
+                print(json.dumps(rows[-1]), flush=True)
+    load.append(os.getloadavg())
+    (a.out / "results.json").write_text(json.dumps({"rows": rows, "load": load}, indent=1))
+    print(table(rows))
+    print(f"load before {load[0]}, after {load[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
