@@ -289,13 +289,23 @@ class Channel:
                 levels=None) -> torch.Tensor:
         """The average of ``flat`` over the members of this round (module docstring): a fresh
         tensor, equal on every member. ``algorithm``: lowcomm's (``auto`` decided as over MPI)."""
-        self.send("ready", round=self.round, tag=tag, numel=flat.numel())
+        return self.round_of("fleet.average", lambda d: self._reduce(d, flat, algorithm, levels),
+                             ready={"tag": tag, "numel": flat.numel()})[1]
+
+    def round_of(self, op: str, work, ready: dict | None = None):
+        """The fleet's one round: say ready (with ``ready``'s fields; not for a joiner, which
+        the coordinator admits), then for each decision of this round — an attempt — run
+        ``work(decision)`` (result, or None and why it failed) and report it done, until an
+        attempt is committed; returns (the committed decision, its result). Every kind of round
+        (an average, an admission, a join, a sharded average's leader) is this loop."""
+        if ready is not None:
+            self.send("ready", round=self.round, **ready)
         while True:
-            d = self._decision("fleet.average")
-            comm, err = self._reduce(d, flat, algorithm, levels)
+            d = self._decision(op)
+            result, err = work(d)
             self.send("done", round=d["round"], attempt=d["attempt"], ok=err is None, error=err)
             if self._committed(d, err):
-                return comm
+                return d, result
 
     def _decision(self, op: str) -> dict:
         """The coordinator's next decision (the time waited for it is :attr:`wait_s`)."""
@@ -343,23 +353,22 @@ class Channel:
     def admit(self, step: int, state, ledger: Ledger | None = None) -> list[int]:
         """The admission round at boundary ``step``: the donor sends ``state()`` (bytes) to
         each datacenter admitted; returns the admitted ones."""
-        self.send("ready", round=self.round, tag=f"t{step}.admit", numel=0, admit=True)
-        payload = None
-        while True:
-            d = self._decision("fleet.admit")
-            err = None
+        made = []                                    # the donor's state, made once
+
+        def donate(d: dict):
             try:
                 comm = self.group(d, 0)
                 if d["joiners"] and d["donor"] == self.dc:
-                    payload = payload if payload is not None else state()
-                    self._send_state(comm, d, payload, ledger or self.ledger)
+                    made[:] = made or [state()]
+                    self._send_state(comm, d, made[0], ledger or self.ledger)
+                return None, None
             except CommError as e:
                 self.plane.forget()
-                err = str(e)
-            self.send("done", round=d["round"], attempt=d["attempt"], ok=err is None, error=err)
-            if self._committed(d, err):
-                self._admit_due = False
-                return list(d["joiners"])
+                return None, str(e)
+        d, _ = self.round_of("fleet.admit", donate,
+                             ready={"tag": f"t{step}.admit", "numel": 0, "admit": True})
+        self._admit_due = False
+        return list(d["joiners"])
 
     def _send_state(self, comm: GlooComm, d: dict, payload: bytes, ledger: Ledger) -> None:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -376,22 +385,18 @@ class Channel:
         """This relaunched datacenter's way back in: wait to be admitted (at most
         ``limits.join_s``), take the donor's state; returns ``{"payload", "step", "round",
         "bytes", "wait_s", "transfer_s"}``."""
-        t0 = time.monotonic()
-        while True:
-            d = self._decision("fleet.join")
-            t1 = time.monotonic()
+        t0, t1 = time.monotonic(), [0.0]
+
+        def take(d: dict):
+            t1[0] = time.monotonic()
             try:
-                comm = self.group(d, 0)
-                payload = self._take_state(comm, d, ledger or self.ledger)
-                err = None
+                return self._take_state(self.group(d, 0), d, ledger or self.ledger), None
             except CommError as e:
                 self.plane.forget()
-                payload, err = None, str(e)
-            self.send("done", round=d["round"], attempt=d["attempt"], ok=err is None, error=err)
-            if self._committed(d, err):
-                return {"payload": payload, "step": int(d["tag"][1:].split(".")[0]),
-                        "round": d["round"], "bytes": len(payload), "wait_s": t1 - t0,
-                        "transfer_s": time.monotonic() - t1}
+                return None, str(e)
+        d, payload = self.round_of("fleet.join", take)
+        return {"payload": payload, "step": int(d["tag"][1:].split(".")[0]), "round": d["round"],
+                "bytes": len(payload), "wait_s": t1[0] - t0, "transfer_s": time.monotonic() - t1[0]}
 
     def _take_state(self, comm: GlooComm, d: dict, ledger: Ledger) -> bytes:
         donor = d["members"].index(d["donor"])
@@ -463,22 +468,29 @@ class RankChannel:
                 levels=None) -> torch.Tensor:
         """The average of this rank's ``flat`` over rank i of the round's members (class
         docstring): a fresh tensor, equal on those ranks."""
-        ch = self.channel
-        if ch is not None:
-            ch.send("ready", round=ch.round, tag=tag, numel=flat.numel())
-        while True:
-            d = self.inside.bcast_object(ch._decision("fleet.average") if ch is not None else None)
+        out = []                                     # this rank's result of the last attempt
+
+        def attempt(d: dict):
+            """Every rank's part of an attempt of decision ``d``."""
             x, err = self.plane.reduce(d, flat, algorithm, levels, self.ledger)
+            out[:] = [x]
             errors = [f"rank {i} of datacenter {self.dc}: {e}"
                       for i, e in enumerate(self.inside.allgather_object(err)) if e]
-            committed = None
-            if ch is not None:
-                ch.send("done", round=d["round"], attempt=d["attempt"], ok=not errors,
-                        error=errors[0] if errors else None)
-                committed = ch._committed(d, None)
-            if self.inside.bcast_object(committed):
-                self.shared["admit_due"] = self.admit_due or bool(d.get("admit_next"))
-                return x
+            return None, errors[0] if errors else None
+        if self.channel is not None:                 # the leader: the round with the coordinator
+            d, _ = self.channel.round_of("fleet.average",
+                                         lambda d: attempt(self.inside.bcast_object(d)),
+                                         ready={"tag": tag, "numel": flat.numel()})
+            self.inside.bcast_object(("committed", d))
+        else:                                        # the others: each attempt, until committed
+            while True:
+                msg = self.inside.bcast_object(None)
+                if isinstance(msg, tuple) and msg[0] == "committed":
+                    d = msg[1]
+                    break
+                attempt(msg)
+        self.shared["admit_due"] = self.admit_due or bool(d.get("admit_next"))
+        return out[0]
 
 
 class Span:

@@ -93,6 +93,10 @@ class Trainer(transformers.Trainer):
             raise TypeError("lowcomm's Trainer takes optimizers=(a lowcomm method, None), e.g. "
                             "lowcomm.build(\"syncdp\", model, torch.optim.AdamW(...)); got "
                             f"{type(method).__name__}")
+        if type(method).takes_step is not Strategy.takes_step:
+            raise TypeError(f"{type(method).__name__} passes over some steps on a slower member "
+                            "(takes_step()), which the Trainer's loop cannot: it computes every "
+                            "step; use lowcomm.train or your own loop, or diloco")
         init(method.comm)
         self.method, self.comm = method, method.comm
         self._gathered = None          # a sharded model's whole state while rank 0 writes it

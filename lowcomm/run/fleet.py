@@ -123,13 +123,8 @@ class Fleet:
 
     # the coordinator ----------------------------------------------------------------------------
     def _limits(self):
-        from ..comm.fleet import Limits
-        from ..comm.topology import Topology
-        from .member import as_policy
-        cfg = as_policy(self.cfg, self.dcs, self.np)
-        link = Topology.parse(cfg.topology).link("dc")
-        return Limits.of(link, cfg.fleet.heartbeat_s, cfg.comm.watchdog_factor, cfg.comm.outage_s,
-                         cfg.fleet.join_s)
+        from .member import plan
+        return plan(self.cfg, self.dcs, self.np).limits()
 
     def _start_coordinator(self) -> None:
         lim = self._limits()

@@ -134,11 +134,8 @@ def steps_lost(fleet, committed: list[dict], failed: set[int]) -> dict:
 
 def _period(cfg, ranks: int) -> int:
     """The period H of the fleet's outer level (its ``dc`` level's settings)."""
-    from ..comm.topology import Topology
-    from .member import as_policy
-    from .registry import policy_levels
-    cfg = as_policy(cfg, cfg.fleet.dcs, ranks)
-    return int(policy_levels(cfg, Topology.parse(cfg.topology).names)[0].settings.period)
+    from .member import plan
+    return plan(cfg, cfg.fleet.dcs, ranks).period
 
 
 def incarnations(fleet) -> list[tuple[dict, object, list[dict]]]:

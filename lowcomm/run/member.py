@@ -4,7 +4,7 @@ datacenter, its outer level across datacenters through the fleet's channel.
 The fleet starts each datacenter's MPI job with its identity in the environment
 (:data:`ENV`). Here, on every rank of that job:
 
-* :func:`as_policy`: the run's outer method becomes the ``dc`` level of a per-level policy
+* :func:`plan`: the run's outer method becomes the ``dc`` level of a per-level policy
   (``dc`` = the method across datacenters, ``rank`` = SyncDP inside each), the form a fleet
   runs; a policy given by the user must have ``dc`` as its outermost level;
 * :class:`FleetLevels`: the topology's communicators as this datacenter sees them: its own
@@ -69,7 +69,32 @@ def _spec(strategy: dict) -> str:
     return strategy["name"] + (":" + opts if opts else "")
 
 
-def as_policy(cfg, dcs: int, ranks: int):
+@dataclasses.dataclass(frozen=True)
+class FleetPlan:
+    """A run in the form a fleet of datacenters runs it (:func:`plan`): ``cfg`` with its outer
+    method on the ``dc`` level of a per-level policy, and that policy's topology, parsed once."""
+    cfg: object
+    topology: Topology
+
+    @property
+    def link(self):
+        """The cross-datacenter links' α–β model (None: not modelled)."""
+        return self.topology.link("dc")
+
+    def limits(self) -> Limits:
+        """How long the fleet waits (:class:`~lowcomm.comm.fleet.Limits`)."""
+        c = self.cfg
+        return Limits.of(self.link, c.fleet.heartbeat_s, c.comm.watchdog_factor, c.comm.outage_s,
+                         c.fleet.join_s)
+
+    @property
+    def period(self) -> int:
+        """H of the outer method across datacenters."""
+        from .registry import policy_levels
+        return int(policy_levels(self.cfg, self.topology.names)[0].settings.period)
+
+
+def plan(cfg, dcs: int, ranks: int) -> FleetPlan:
     """``cfg`` in the form a fleet of ``dcs`` datacenters (``ranks`` in all) runs: its outer
     method on the ``dc`` level of a per-level policy; refuses what a fleet cannot run, naming
     the key."""
@@ -91,7 +116,7 @@ def as_policy(cfg, dcs: int, ranks: int):
         raise ConfigError("topology", f"{cfg.topology!r} places {topo.size} ranks, the fleet "
                           f"launches {ranks}")
     _check_dc_level(cfg)
-    return cfg
+    return FleetPlan(cfg, topo)
 
 
 def _check_dc_level(cfg) -> None:
@@ -168,35 +193,27 @@ class FleetLevels:
         return self
 
 
-def _limits(cfg) -> tuple[Limits, object]:
-    """The fleet's waiting limits and the cross-datacenter link of ``cfg``."""
-    link = Topology.parse(cfg.topology).link("dc")
-    return Limits.of(link, cfg.fleet.heartbeat_s, cfg.comm.watchdog_factor, cfg.comm.outage_s,
-                     cfg.fleet.join_s), link
-
-
-def connect(cfg, comm, me: dict) -> Channel | None:
+def connect(fp: FleetPlan, comm, me: dict) -> Channel | None:
     """The fleet's channel on the datacenter's leader (rank 0), None on its other ranks."""
     if comm.rank != 0:
         return None
-    limits, link = _limits(cfg)
-    return Channel(me["address"], me["dc"], me["inc"], limits, link, rank=me["offset"],
+    cfg = fp.cfg
+    return Channel(me["address"], me["dc"], me["inc"], fp.limits(), fp.link, rank=me["offset"],
                    connect_s=cfg.fleet.join_s if me["join"] else None, dcs=cfg.fleet.dcs)
 
 
-def levels(cfg, comm, channel: Channel | None, me: dict) -> FleetLevels:
+def levels(fp: FleetPlan, comm, channel: Channel | None, me: dict) -> FleetLevels:
     """The topology's communicators of this datacenter, with the span of the whole fleet (what
     the outer loop averages the last partial period and the buffers over)."""
     whole = Span(comm, channel, me["total"], me["offset"] + comm.rank)
 
     def ranked() -> RankChannel:
-        limits, link = _limits(cfg)
-        rank = me["offset"] + comm.rank
+        limits, rank = fp.limits(), me["offset"] + comm.rank
         store = channel.store if channel is not None else \
-            store_client(me["address"], cfg.fleet.join_s if me["join"] else limits.limit_s,
+            store_client(me["address"], fp.cfg.fleet.join_s if me["join"] else limits.limit_s,
                          me["dc"], rank)
-        return RankChannel(comm, channel, store, me["dc"], limits, link, rank)
-    return FleetLevels(Topology.parse(cfg.topology), comm, channel, me["dc"], whole, ranked)
+        return RankChannel(comm, channel, store, me["dc"], limits, fp.link, rank)
+    return FleetLevels(fp.topology, comm, channel, me["dc"], whole, ranked)
 
 
 def run(cfg, task, comm, me: dict, out=None, progress: bool = True, resume=None,
@@ -205,10 +222,11 @@ def run(cfg, task, comm, me: dict, out=None, progress: bool = True, resume=None,
     from .config import apply_comm_settings
     from .loop import run as run_loop
     from .registry import build_strategy
-    cfg = as_policy(cfg, cfg.fleet.dcs, me["total"])
+    fp = plan(cfg, cfg.fleet.dcs, me["total"])
+    cfg = fp.cfg
     apply_comm_settings(cfg, comm)
-    channel = connect(cfg, comm, me)
-    lv = levels(cfg, comm, channel, me)
+    channel = connect(fp, comm, me)
+    lv = levels(fp, comm, channel, me)
     return run_loop(cfg, task, lambda m, o, c, **kw: build_strategy(cfg, m, o, c, lv, **kw), comm, out,
                     progress, resume, overwrite, run_id,
                     coordination=lambda r: FleetLockstep(r, me, channel, lv))
@@ -375,5 +393,5 @@ class FleetLockstep(Lockstep):
             self.channel.close("stopped" if self.stopped else "failed")
 
 
-__all__ = ["ENV", "FleetError", "FleetLevels", "FleetLockstep", "OUTER", "as_policy",
+__all__ = ["ENV", "FleetError", "FleetLevels", "FleetLockstep", "OUTER", "FleetPlan", "plan",
            "connect", "identity", "install", "levels", "payload", "run"]

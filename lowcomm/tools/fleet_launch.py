@@ -103,7 +103,7 @@ def prepare(config, overrides=(), *, dcs: int, np: int | None, out="runs/latest"
     from ..run.fleet import Fleet
     from ..run.fleet_folder import claim, fleet_of, lock_key
     from ..run.folder import close_run
-    from ..run.member import as_policy
+    from ..run.member import plan
     if any(v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
         raise LowcommError("a fleet launches one MPI job per datacenter itself: run 'lowcomm "
                            "train --dcs D --np N ...' (or lowcomm.train_fleet) outside mpirun")
@@ -126,7 +126,7 @@ def prepare(config, overrides=(), *, dcs: int, np: int | None, out="runs/latest"
         raise ArgumentError("np", "--dcs needs --np (the ranks of all datacenters together)")
     overrides = (*overrides, f"fleet.dcs={dcs}")
     cfg = load_config(config, overrides)
-    as_policy(cfg, dcs, np)
+    plan(cfg, dcs, np)                              # refuses what a fleet cannot run
     args = [*(["--config", str(config)] if config else []), *[a for o in overrides for a in ("--set", o)]]
     launch, coordinator, where, env = placement(dcs, place, hostfiles_, host, launcher)
     claim(out, overwrite, resume is not None)

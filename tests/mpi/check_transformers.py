@@ -116,6 +116,18 @@ def test_a_plain_optimizer_is_refused(comm):
                    optimizers=(torch.optim.AdamW(model.parameters()), None))
 
 
+def test_a_method_that_passes_over_steps_is_refused_naming_why(comm):
+    lt.init(comm)
+    model = gpt2()
+    method = lowcomm.build("diloco-dylu:period=4", model, torch.optim.AdamW(model.parameters()),
+                           comm=comm)
+    with pytest.raises(TypeError, match="passes over some steps"):
+        lt.Trainer(model=model, args=transformers.TrainingArguments("unused", report_to="none",
+                                                                    use_cpu=True),
+                   optimizers=(method, None))
+    method.close()
+
+
 def trainer_run(comm, spec: str, out: str, resume=None, steps: int = 6) -> str:
     """A 1-layer GPT-2 under ``spec`` through the Trainer, checkpointed every 3 steps; the
     final model's digest."""
