@@ -42,6 +42,14 @@ def test_docs_build_without_a_warning(tmp_path):
                        capture_output=True, text=True, timeout=scaled(300))
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "html" / "configuration.html").exists()
+    # offline: no page loads a script or a stylesheet from elsewhere (MathJax from a CDN did),
+    # and the formulas are MathML in the page, not TeX left for a script to typeset
+    remote = re.compile(r"<(?:script|link)\b[^>]*(?:src|href)=\"(?:https?:)?//[^\"]*\"")
+    pages = sorted((tmp_path / "html").rglob("*.html"))
+    hits = [f"{p.name}: {m}" for p in pages for m in remote.findall(p.read_text())]
+    assert not hits, "pages load from the network: " + "; ".join(hits[:5])
+    html = (tmp_path / "html" / "methods" / "data-parallel.html").read_text()
+    assert html.count("<math") >= 10 and "\\frac" not in html
 
 
 def run_local(example, folder: Path) -> None:
