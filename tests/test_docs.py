@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_mpi_suite, scaled
-from doc_examples import PRELUDES, all_examples, work_dir
+from doc_examples import all_examples, work_dir
 
 KINDS = ("python", "bash", "file", "skip")
 
@@ -21,7 +21,9 @@ def test_every_example_is_marked_with_how_it_runs():
     bad = [f"{e.id}: {e.kind}" for e in found if e.kind not in KINDS]
     assert not bad, "examples without a known '<!-- test: ... -->' marker:\n" + "\n".join(bad)
     assert all(e.options.get("reason") for e in found if e.kind == "skip"), "a skip needs its reason"
-    assert all(e.options.get("prelude", "toy") in PRELUDES for e in found)
+    # what a block may say of how it runs: nothing it does not show runs before it
+    assert all(set(e.options) <= {"np"} for e in found if e.kind in ("python", "bash")), \
+        [e.id for e in found if e.kind in ("python", "bash") and set(e.options) - {"np"}]
 
 
 def test_readme_is_short_and_no_work_item_numbers_anywhere():
@@ -81,7 +83,7 @@ def test_every_example_runs():
 
 
 @pytest.mark.parametrize("text,kind,opts", [
-    ("python np=2 prelude=toy", "python", {"np": "2", "prelude": "toy"}),
+    ("python np=2", "python", {"np": "2"}),
     ("file my_task.py", "file", {"name": "my_task.py"}),
     ("skip: CI's own", "skip", {"reason": "CI's own"})])
 def test_markers_parse(text, kind, opts):
