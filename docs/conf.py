@@ -10,7 +10,8 @@ sys.path.insert(0, os.path.abspath("_ext"))
 project = "lowcomm"
 author = "the lowcomm developers"
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon",
-              "sphinx.ext.viewcode", "lowcomm_config", "lowcomm_mathml"]
+              "sphinx.ext.viewcode", "lowcomm_config", "lowcomm_mathml",
+              "lowcomm_project"]
 # math is MathML written into the pages at build time (_ext/lowcomm_mathml.py): no MathJax from a
 # CDN, so formulas render offline
 html_math_renderer = "mathml"
