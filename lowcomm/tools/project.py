@@ -299,7 +299,7 @@ def memory_table(done: list[dict], ranks) -> str:
 
 
 def _size(b: float) -> str:
-    for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    for unit, f in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if b >= f:
             return f"{b / f:.3g} {unit}"
     return f"{b:.0f} B"
