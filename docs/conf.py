@@ -1,5 +1,6 @@
 """Sphinx configuration: Markdown pages (MyST), the API from docstrings (autodoc + napoleon),
-the configuration reference generated from the settings dataclasses (_ext/lowcomm_config.py)."""
+the configuration reference generated from the settings dataclasses (_ext/lowcomm_config.py),
+math as MathML written at build time (_ext/lowcomm_mathml.py)."""
 import os
 import sys
 
@@ -8,8 +9,12 @@ sys.path.insert(0, os.path.abspath("_ext"))
 
 project = "lowcomm"
 author = "the lowcomm developers"
-extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.mathjax",
-              "sphinx.ext.viewcode", "lowcomm_config"]
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon",
+              "sphinx.ext.viewcode", "lowcomm_config", "lowcomm_mathml",
+              "lowcomm_project"]
+# math is MathML written into the pages at build time (_ext/lowcomm_mathml.py): no MathJax from a
+# CDN, so formulas render offline
+html_math_renderer = "mathml"
 source_suffix = {".md": "markdown"}
 myst_enable_extensions = ["dollarmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3

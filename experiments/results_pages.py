@@ -283,7 +283,9 @@ def plot_all() -> list[Path]:
     return written
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line: ``export-compare FOLDER DEST``, ``plot``, ``bundle-bench FOLDER DEST``,
+    ``bench-table FILE`` (the results pages' commands; tests/test_results_pages.py parses them)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("export-compare")
@@ -295,7 +297,15 @@ def main(argv=None) -> None:
     bb.add_argument("dest", type=Path)
     bt = sub.add_parser("bench-table")
     bt.add_argument("file", type=Path)
-    a = ap.parse_args(argv)
+    return ap
+
+
+#: what each command reads, by its argument's name (it must exist when the command runs)
+READS = {"export-compare": "folder", "bundle-bench": "folder", "bench-table": "file"}
+
+
+def main(argv=None) -> None:
+    a = parser().parse_args(argv)
     if a.cmd == "export-compare":
         export_compare(a.folder, a.dest)
     elif a.cmd == "bench-table":

@@ -4,16 +4,17 @@ Every fenced ``python`` or ``bash`` block is preceded by a marker comment saying
 
 * ``<!-- test: python -->`` — a script, in one process;
 * ``<!-- test: python np=2 -->`` — a script on 2 ranks under mpirun (tests/mpi/check_docs.py);
-  ``prelude=NAME`` runs :data:`PRELUDES` ``[NAME]`` first (the user's model, data and loss that
-  a fragment takes as given);
 * ``<!-- test: bash -->`` — shell commands, with the virtual environment on ``PATH``;
 * ``<!-- test: file NAME -->`` — the block is the content of file NAME, which later blocks of
-  the same page use;
+  the same page use; above a ``{literalinclude} PATH`` block (the page shows the file at PATH,
+  relative to the page, e.g. the small model of ``docs/examples/toy.py``) that file's content;
 * ``<!-- test: skip: REASON -->`` — not run, for the reason given (CI's own commands, a cluster).
 
-Blocks of one page run in order, in one work folder of their own (with ``launchers`` and
-``experiments`` linked in), so a page reads as a session a newcomer would type. A ``python``
-or ``bash`` block without a marker is an error: no example escapes the tests.
+Blocks of one page run in order, in one work folder of their own (with ``launchers``,
+``experiments`` and ``docs`` linked in), so a page reads as a session a newcomer would type.
+A ``python`` or ``bash`` block without a marker is an error: no example escapes the tests.
+Nothing is run that the page does not show: a block runs as a reader pastes it (into a file,
+with the page's files beside it).
 """
 from __future__ import annotations
 
@@ -28,34 +29,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
          *sorted((ROOT / "docs").glob("methods/*.md"))]
 MARK = re.compile(r"<!--\s*test:\s*(.*?)\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")
+INCLUDE = re.compile(r"^```\{literalinclude\}\s+(\S+)\s*$")
 RUNNABLE = ("python", "bash")
-
-PRELUDES = {
-    # a small model with BatchNorm, its loss and 20 steps of this rank's batches
-    "toy": """
-import torch, lowcomm
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
-                            torch.nn.Linear(16, 1))
-loss_fn = torch.nn.functional.mse_loss
-steps = 20
-_g = torch.Generator().manual_seed(lowcomm.init().rank)
-batches = [(x, x.sum(1, keepdim=True)) for x in (torch.randn(16, 8, generator=_g) for _ in range(steps))]
-""",
-    # language-model examples of real text: {"input_ids", "labels"} windows of 32 bytes
-    "text": """
-import torch
-from pathlib import Path
-_text = b"".join(p.read_bytes() for p in sorted(Path("/usr/share/common-licenses").iterdir())
-                 if p.is_file())[:120_000]
-class _Windows(torch.utils.data.Dataset):
-    def __init__(self, data): self.x = torch.tensor(list(data), dtype=torch.long).view(-1, 32)
-    def __len__(self): return len(self.x)
-    def __getitem__(self, i): return {"input_ids": self.x[i], "labels": self.x[i]}
-train, held_out = _Windows(_text[:96_000]), _Windows(_text[96_000:96_000 + 8_192])
-""",
-}
-
 
 @dataclass
 class Example:
@@ -71,13 +46,12 @@ class Example:
         return f"{self.page.relative_to(ROOT)}:{self.line}"
 
     def script(self) -> str:
-        """The code to run, its prelude first."""
-        prelude = PRELUDES[self.options["prelude"]] if "prelude" in self.options else ""
-        return prelude + "\n" + self.code
+        """The code to run: the block as the page shows it."""
+        return self.code
 
 
 def parse_marker(text: str) -> tuple[str, dict]:
-    """``"python np=2 prelude=toy"`` -> ("python", {"np": "2", "prelude": "toy"})."""
+    """``"python np=2"`` -> ("python", {"np": "2"}); ``"file toy.py"`` -> ("file", {"name": "toy.py"})."""
     if text.startswith("skip:"):
         return "skip", {"reason": text[5:].strip()}
     words = shlex.split(text)
@@ -95,6 +69,17 @@ def examples(page: Path) -> list[Example]:
     lines = page.read_text().splitlines()
     out, i = [], 0
     while i < len(lines):
+        inc = INCLUDE.match(lines[i])
+        if inc:                     # a file the page shows from docs/: its content, as it is
+            j = i + 1
+            while j < len(lines) and lines[j].strip() != "```":
+                j += 1
+            marker = _marker_above(lines, i)
+            if marker and marker[0] == "file":
+                code = (page.parent / inc.group(1)).read_text()
+                out.append(Example(page, i + 1, "python", "file", code, marker[1]))
+            i = j + 1
+            continue
         m = FENCE.match(lines[i])
         if not m or not m.group(1) and i == 0:
             i += 1
@@ -107,12 +92,9 @@ def examples(page: Path) -> list[Example]:
         while j < len(lines) and lines[j].strip() != "```":
             j += 1
         code = "\n".join(lines[i + 1:j]) + "\n"
-        k = start - 1
-        while k >= 0 and not lines[k].strip():
-            k -= 1
-        marker = MARK.match(lines[k].strip()) if k >= 0 else None
+        marker = _marker_above(lines, start)
         if marker:
-            kind, opts = parse_marker(marker.group(1))
+            kind, opts = marker
             out.append(Example(page, start + 1, lang, kind, code, opts))
         elif lang in RUNNABLE:
             out.append(Example(page, start + 1, lang, "unmarked", code))
@@ -120,16 +102,25 @@ def examples(page: Path) -> list[Example]:
     return out
 
 
+def _marker_above(lines: list[str], start: int) -> tuple[str, dict] | None:
+    """The parsed marker on the last non-blank line above line ``start``, if there is one."""
+    k = start - 1
+    while k >= 0 and not lines[k].strip():
+        k -= 1
+    marker = MARK.match(lines[k].strip()) if k >= 0 else None
+    return parse_marker(marker.group(1)) if marker else None
+
+
 def all_examples() -> list[Example]:
     return [e for p in PAGES for e in examples(p)]
 
 
 def work_dir(page: Path, base: Path) -> Path:
-    """The page's work folder under ``base``, with the repository's launchers and experiments
-    linked in."""
+    """The page's work folder under ``base``, with the repository's launchers, experiments and
+    docs linked in."""
     d = base / str(page.relative_to(ROOT)).replace("/", "_").replace(".md", "")
     d.mkdir(parents=True, exist_ok=True)
-    for name in ("launchers", "experiments"):
+    for name in ("launchers", "experiments", "docs"):
         try:
             os.symlink(ROOT / name, d / name)
         except FileExistsError:      # made already (by this page's earlier block, or another rank)

@@ -413,3 +413,60 @@ def test_train_refuses_a_comparison_folder(tmp_path):
         r = cli("train", "--out", tmp_path, *extra)
         assert r.returncode == 2 and "holds a comparison" in r.stderr, r.output
     assert digest(tmp_path) == before
+
+
+def _measured_folder(tmp_path):
+    """A comparison's folder of two methods on 4 ranks, 100 steps, 1000 parameters: 'dense'
+    all-reduces 4000 bytes every step and reaches eval loss 2.0 at step 40; 'outer' all-reduces
+    them once in 10 steps and reaches it at step 80; 'never' stays above it."""
+    from lowcomm.comm.ledger import wire_bytes
+    per_call = wire_bytes("allreduce", 4000, 4)[0]
+    results = []
+    for name, calls, reach in (("dense", 100, 40), ("outer", 10, 80), ("never", 10, None)):
+        s = {**_summary([{"op": "allreduce.mpi", "calls": calls, "bytes_sent": calls * per_call}],
+                        steps=100, cpu=1.0), "method": name, "eval_loss": 1.9 if reach else 2.55}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(s))
+        evals = [(20, 3.0), (reach or 60, 2.0 if reach else 2.6), (100, s["eval_loss"])]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": st, "loss": e, "eval_loss": e}) + "\n" for st, e in evals))
+        results.append({"method": name, "status": "ok"})
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    return tmp_path
+
+
+def test_project_ranks_the_methods_by_modelled_time_to_a_target_loss(tmp_path):
+    """Time to target = the measured steps to the target × the projected seconds per step: on a
+    fast link the method that needs fewer steps wins, on a slow one the one that sends less;
+    the table says which never reached it and states the assumptions; a projection's JSON
+    file is read again as the measurements."""
+    from lowcomm.tools.project import projections, ranking
+    folder = _measured_folder(tmp_path)
+    fast, slow = Link(0, 1e6), Link(25, 100)
+    done, skipped = projections(folder, [64], [fast, slow], target=2.5)
+    assert not skipped
+    by = {p["name"]: p for p in done}
+    # linear between evaluations: 3.0 at step 20, 2.0 at 40 -> 2.5 at 30; 'outer' 3.0@20, 2.0@80
+    assert by["dense"]["steps_to_target"] == pytest.approx(30)
+    assert by["outer"]["steps_to_target"] == pytest.approx(50)
+    assert by["never"]["steps_to_target"] is None and by["never"]["best_eval_loss"] == 2.55
+    text = ranking(done, [64], [fast, slow], 2.5)
+    fast_part, slow_part = text.split("**K = 64, 25 ms")
+    assert fast_part.index("| 1 | dense |") < fast_part.index("| 2 | outer |")
+    assert slow_part.index("| 1 | outer |") < slow_part.index("| 2 | dense |")
+    assert "| – | never | not reached in 100 (best 2.55) |" in slow_part
+    assert "not re-modelled for another rank count" in text
+    s_step = next(r["seconds_per_step"] for r in by["outer"]["rows"] if r["link"] == str(slow))
+    assert f"| {50 * s_step:.3g} s |" in slow_part
+    # the CLI: --target prints the ranking; --json keeps the measurements, read again
+    r = cli("project", str(folder), "--ranks", "64", "--link", "25,100", "--target", "2.5",
+            "--json", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.output
+    assert "| 1 | outer |" in r.stdout and "time to eval loss 2.5" in r.stdout
+    again = cli("project", str(tmp_path / "p.json"), "--ranks", "64", "--link", "25,100",
+                "--target", "2.5")
+    assert again.returncode == 0 and again.stdout == r.stdout.replace(
+        f"wrote {tmp_path / 'p.json'}\n", ""), again.output
+    (tmp_path / "other.json").write_text("{}")
+    bad = cli("project", str(tmp_path / "other.json"))
+    assert bad.returncode != 0 and "is not a projection's JSON file" in bad.stderr, bad.output

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_mpi_suite, scaled
-from doc_examples import PRELUDES, all_examples, work_dir
+from doc_examples import all_examples, work_dir
 
 KINDS = ("python", "bash", "file", "skip")
 
@@ -21,7 +21,9 @@ def test_every_example_is_marked_with_how_it_runs():
     bad = [f"{e.id}: {e.kind}" for e in found if e.kind not in KINDS]
     assert not bad, "examples without a known '<!-- test: ... -->' marker:\n" + "\n".join(bad)
     assert all(e.options.get("reason") for e in found if e.kind == "skip"), "a skip needs its reason"
-    assert all(e.options.get("prelude", "toy") in PRELUDES for e in found)
+    # what a block may say of how it runs: nothing it does not show runs before it
+    assert all(set(e.options) <= {"np"} for e in found if e.kind in ("python", "bash")), \
+        [e.id for e in found if e.kind in ("python", "bash") and set(e.options) - {"np"}]
 
 
 def test_readme_is_short_and_no_work_item_numbers_anywhere():
@@ -42,6 +44,14 @@ def test_docs_build_without_a_warning(tmp_path):
                        capture_output=True, text=True, timeout=scaled(300))
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "html" / "configuration.html").exists()
+    # offline: no page loads a script or a stylesheet from elsewhere (MathJax from a CDN did),
+    # and the formulas are MathML in the page, not TeX left for a script to typeset
+    remote = re.compile(r"<(?:script|link)\b[^>]*(?:src|href)=\"(?:https?:)?//[^\"]*\"")
+    pages = sorted((tmp_path / "html").rglob("*.html"))
+    hits = [f"{p.name}: {m}" for p in pages for m in remote.findall(p.read_text())]
+    assert not hits, "pages load from the network: " + "; ".join(hits[:5])
+    html = (tmp_path / "html" / "methods" / "data-parallel.html").read_text()
+    assert html.count("<math") >= 10 and "\\frac" not in html
 
 
 def run_local(example, folder: Path) -> None:
@@ -73,7 +83,7 @@ def test_every_example_runs():
 
 
 @pytest.mark.parametrize("text,kind,opts", [
-    ("python np=2 prelude=toy", "python", {"np": "2", "prelude": "toy"}),
+    ("python np=2", "python", {"np": "2"}),
     ("file my_task.py", "file", {"name": "my_task.py"}),
     ("skip: CI's own", "skip", {"reason": "CI's own"})])
 def test_markers_parse(text, kind, opts):

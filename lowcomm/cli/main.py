@@ -491,7 +491,7 @@ def _compare_end(results, names) -> None:
 
 
 @cli.command()
-@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.argument("folder", type=click.Path(exists=True))
 @click.option("--ranks", default=",".join(map(str, (8, 64, 512, 4096))), show_default=True,
               help="Comma list of rank counts to project to.")
 @click.option("--link", "links", multiple=True, metavar="DELAY_MS,RATE_MBIT",
@@ -501,14 +501,21 @@ def _compare_end(results, names) -> None:
                    "with params / the run's).")
 @click.option("--step-compute-s", type=click.FloatRange(min=0), default=None,
               help="Computation seconds per step to assume (e.g. a GPU's) instead of the run's.")
+@click.option("--target", type=float, default=None, metavar="EVAL_LOSS",
+              help="Rank the methods by modelled time to this eval loss at each K and link "
+                   "(the steps each needed to reach it in the measured run × its projected "
+                   "seconds per step).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help="Also write the projections as JSON.")
-def project(folder, ranks, links, params, step_compute_s, json_path):
+              help="Also write the projections as JSON, with what they were projected from "
+                   "(which `lowcomm project FILE` reads again).")
+def project(folder, ranks, links, params, step_compute_s, target, json_path):
     """Project a measured run (or every method of a comparison) to thousands of ranks: each
     method's modelled seconds per step and bytes per rank per step at each K over each link,
-    from its ledger's ops re-costed by their algorithms' α–β formulas."""
+    from its ledger's ops re-costed by their algorithms' α–β formulas; with --target, the
+    methods ranked by modelled time to that eval loss. FOLDER: a comparison's or a run's
+    folder, or a JSON file an earlier projection wrote."""
     from ..comm.ledger import Link
-    from ..tools.project import projections, table
+    from ..tools.project import projections, ranking, summaries, table
     try:
         ks = [int(k) for k in ranks.split(",")]
         if any(k < 2 for k in ks):
@@ -521,11 +528,17 @@ def project(folder, ranks, links, params, step_compute_s, json_path):
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--link") from None
     try:
-        done, skipped = projections(folder, ks, the_links, params, step_compute_s)
+        done, skipped = projections(folder, ks, the_links, params, step_compute_s, target)
+        measured = summaries(folder) if json_path else None
     except FileNotFoundError as e:
         raise click.BadParameter(str(e), param_hint="FOLDER") from None
-    click.echo(table(done, skipped, ks, the_links))
-    _write_json(json_path, {"kind": "projection", "projections": done, "not_projected": skipped})
+    if target is None:
+        click.echo(table(done, skipped, ks, the_links))
+    else:
+        click.echo(ranking(done, ks, the_links, target) + "".join(
+            f"\n\nnot projected: {m} ({why})" for m, why in skipped.items()))
+    _write_json(json_path, {"kind": "projection", "projections": done, "not_projected": skipped,
+                            "measured": measured})
 
 
 @cli.command()

@@ -34,6 +34,16 @@ rank is what was measured (weak scaling: the same batch per rank) — or ``param
 it with ``--params P``, which also scales every message by ``P/P₀`` — or ``--step-compute-s``;
 no overlap of communication with computation; point-to-point methods (gossip, the parameter
 server) keep their measured messages per step (a fixed-degree graph, a fixed number of servers).
+
+With a target eval loss (``--target``) the methods are ranked by modelled time to it:
+
+1. steps to the target: the first step at which the method's measured eval loss reached it
+   (linear between its evaluations; the final model's evaluation last);
+2. time to the target = those steps × the projected seconds per step at K over the link;
+3. methods that never reached it in their measured steps are listed after the ranked ones.
+
+The steps come from the measured run as they are (its ranks, batch per rank, model, data): the
+projection re-costs the communication, not the convergence, which changes with K and the model.
 """
 from __future__ import annotations
 
@@ -140,12 +150,46 @@ def project(summary: dict, ranks, links, params: float | None = None,
     return {"method": summary["method"], "compute_s": compute, "rows": rows}
 
 
+#: what a projection keeps of a run's summary (with its eval curve, in its --json file)
+MEASURED_KEYS = ("method", "ranks", "steps", "steps_done", "params", "compute_cpu_s",
+                 "eval_loss", "ledger_rank0")
+
+
+def eval_curve(run: Path, summary: dict) -> list[tuple[int, float]]:
+    """(step, eval loss) at every evaluation of a run (its metrics.jsonl), its final model's
+    last."""
+    path = run / "metrics.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    pts = [(ln["step"], ln["eval_loss"]) for ln in lines
+           if math.isfinite(ln.get("eval_loss", math.nan))]
+    end, final = summary.get("steps_done", summary["steps"]), summary.get("eval_loss")
+    if final is not None and math.isfinite(final) and (not pts or pts[-1][0] <= end):
+        pts.append((end, final))
+    return pts
+
+
+def _measured(run: Path) -> dict:
+    s = json.loads((run / "summary.json").read_text())
+    return {**{k: s[k] for k in MEASURED_KEYS if k in s}, "curve": eval_curve(run, s)}
+
+
 def summaries(folder: str | Path) -> dict[str, dict]:
-    """Method name → summary: a comparison's folder (its results.json's finished methods) or
-    one run's folder (its summary.json)."""
+    """Method name → summary with its eval curve (``"curve"``: (step, eval loss) pairs): a
+    comparison's folder (its results.json's finished methods), one run's folder (its
+    summary.json), or the JSON file an earlier projection wrote (``--json``), which keeps what
+    it was projected from."""
     folder = Path(folder)
+    if folder.is_file():
+        try:
+            measured = json.loads(folder.read_text()).get("measured")
+        except (ValueError, AttributeError):
+            measured = None
+        if not measured:
+            raise FileNotFoundError(f"{folder} is not a projection's JSON file with its "
+                                    "measurements (lowcomm project ... --json FILE writes one)")
+        return measured
     if (folder / "summary.json").exists():
-        s = json.loads((folder / "summary.json").read_text())
+        s = _measured(folder)
         return {s["method"]: s}
     if not (folder / "results.json").exists():
         raise FileNotFoundError(f"{folder} holds neither a run's summary.json nor a comparison's "
@@ -154,23 +198,76 @@ def summaries(folder: str | Path) -> dict[str, dict]:
     for r in json.loads((folder / "results.json").read_text()):
         path = folder / r["method"] / "summary.json"
         if r.get("status") == "ok" and path.exists():
-            out[r["method"]] = json.loads(path.read_text())
+            out[r["method"]] = _measured(folder / r["method"])
     if not out:
         raise FileNotFoundError(f"{folder}/results.json lists no finished method")
     return out
 
 
 def projections(folder, ranks=DEFAULT_RANKS, links=(Link(25, 100),), params=None,
-                step_compute_s=None) -> tuple[list[dict], dict[str, str]]:
-    """Every method of ``folder`` projected; returns (projections, method → why it was not)."""
+                step_compute_s=None, target=None) -> tuple[list[dict], dict[str, str]]:
+    """Every method of ``folder`` projected; returns (projections, method → why it was not).
+    With ``target`` (an eval loss) each projection also has ``steps_to_target``: the step at
+    which its measured eval loss first reached it (linear between evaluations; None if never)."""
+    from .compare import time_to_target
     done, skipped = [], {}
     for name, s in summaries(folder).items():
         try:
-            done.append({**project(s, ranks, links, params, step_compute_s), "name": name,
-                         "measured_ranks": s["ranks"], "params": params or s["params"]})
+            p = {**project(s, ranks, links, params, step_compute_s), "name": name,
+                 "measured_ranks": s["ranks"], "params": params or s["params"]}
         except ValueError as e:
             skipped[name] = str(e)
+            continue
+        if target is not None:
+            curve = [tuple(x) for x in s.get("curve", [])]
+            p["steps_to_target"] = time_to_target(curve, target)
+            p["measured_steps"] = s.get("steps_done", s["steps"])
+            p["best_eval_loss"] = min((e for _, e in curve), default=None)
+        done.append(p)
     return done, skipped
+
+
+TARGET_ASSUMPTIONS = ("the steps a method needs to reach the target are those it needed in the "
+                      "measured run (its ranks, batch per rank, model and data): they are not "
+                      "re-modelled for another rank count or model size, where they change; "
+                      "time to target = those steps × the projected seconds per step")
+
+
+def ranking(done: list[dict], ranks, links, target: float) -> str:
+    """One Markdown table per link and rank count: the methods by modelled time to eval loss
+    ``target`` (steps to it as measured × projected seconds per step), then those that never
+    reached it in their measured steps, and the assumptions."""
+    parts = []
+    for link in links:
+        for k in ranks:
+            rows, never = [], []
+            for p in done:
+                r = next(r for r in p["rows"] if r["ranks"] == k and r["link"] == str(link))
+                if p["steps_to_target"] is None:
+                    never.append(p)
+                else:
+                    rows.append((p["steps_to_target"] * r["seconds_per_step"], p, r))
+            lines = ["| # | method | steps to target (measured) | s/step | comm share | "
+                     "time to target | sent per rank to target |", "|---" * 7 + "|"]
+            for i, (t, p, r) in enumerate(sorted(rows, key=lambda x: x[0]), 1):
+                lines.append(f"| {i} | {p['name']} | {p['steps_to_target']:.0f} | "
+                             f"{r['seconds_per_step']:.3g} | {r['comm_share']:.0%} | "
+                             f"{_duration(t)} | {_size(p['steps_to_target'] * r['bytes_per_rank_per_step'])} |")
+            for p in never:
+                best = p["best_eval_loss"]
+                lines.append(f"| – | {p['name']} | not reached in {p['measured_steps']} "
+                             f"(best {best:.4g}) | | | | |" if best is not None else
+                             f"| – | {p['name']} | no evaluation measured | | | | |")
+            parts.append(f"**K = {k}, {link}**: time to eval loss {target:g}\n\n" + "\n".join(lines))
+    parts.append("assumptions: " + TARGET_ASSUMPTIONS + "; " + ASSUMPTIONS + ".")
+    return "\n\n".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    for unit, f in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= f:
+            return f"{seconds / f:.3g} {unit}"
+    return f"{seconds:.3g} s"
 
 
 #: model shapes whose memory per rank every projection prints (parameters)
@@ -202,7 +299,7 @@ def memory_table(done: list[dict], ranks) -> str:
 
 
 def _size(b: float) -> str:
-    for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    for unit, f in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if b >= f:
             return f"{b / f:.3g} {unit}"
     return f"{b:.0f} B"

@@ -23,3 +23,7 @@ def test_example(example, comm):
     finally:
         sys.path.remove(str(folder))
         os.chdir(here)
+        # the page's own modules (toy.py) afresh for the next block, as a new script gets them
+        for name in [n for n, m in sys.modules.items()
+                     if str(getattr(m, "__file__", None) or "").startswith(str(folder))]:
+            del sys.modules[name]
