@@ -165,11 +165,18 @@ class DyLUDiLoCo(DiLoCo):
 
     # state --------------------------------------------------------------------------------------
     def _state_dict(self) -> dict:
-        return dict(super()._state_dict(), h_local=self.h_local, passed=self.passed)
+        """DiLoCo's, the steps this member takes this period, those it passed over, and the
+        seconds the period has taken so far (a resumed period measures its speed on)."""
+        spent = None if self._period_t0 is None else self.clock() - self._period_t0
+        return dict(super()._state_dict(), h_local=self.h_local, passed=self.passed,
+                    period_s=spent, history=list(self.history))
 
     def _load_state_dict(self, state: dict) -> None:
         super()._load_state_dict(state)
         self.h_local, self.passed = int(state["h_local"]), int(state["passed"])
+        self.history = [int(h) for h in state["history"]]
+        spent = state["period_s"]
+        self._period_t0 = None if spent is None else self.clock() - float(spent)
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         out = super().metrics(ctl, final)

@@ -382,6 +382,11 @@ ERRORS = {
                        ["Nesterov"]),
     "outer-optimizer": ("outer_optimizer",
                         lambda m, o, c: DiLoCo(m, o, c, period=4, outer_optimizer="adam"), []),
+    "dylu-min-steps": ("min_steps", lambda m, o, c: DyLUDiLoCo(m, o, c, period=4, min_steps=5),
+                       ["period=4"]),
+    "nesterov-every": ("nesterov_every", lambda m, o, c: DiLoCo(m, o, c, period=4,
+                                                                nesterov_every=3),
+                       ["delayed-nesterov"]),
 }
 
 
@@ -400,15 +405,18 @@ def test_a_bad_argument_is_an_argument_error_before_any_communication(case, comm
     assert torch.equal(t, torch.full((3,), float(K))), "communication after the error"
 
 
-def _dylu_run(steps, slow=1.0, **kw):
-    """``steps`` steps of DyLUDiLoCo in a loop that asks takes_step() first, on a clock that
-    each computed step moves on by 1 s (by ``slow`` s on the last rank: a slower member), so the
-    speeds are the loop's, not the machine's; returns (model, opt, the local models and weights
-    of every synchronisation)."""
-    model = make()
-    opt = DyLUDiLoCo(model, sgd(model.parameters()), lowcomm.init(), **kw)
-    now = [0.0]
-    opt.clock = lambda: now[0]
+def _dylu_run(steps, slow=1.0, opt=None, first=0, now=None, **kw):
+    """``steps`` steps of DyLUDiLoCo (``opt``, or a new one) from step ``first`` in a loop that
+    asks takes_step() first, on a clock (``now``: a one-element list) that each computed step
+    moves on by 1 s (by ``slow`` s on the last rank: a slower member), so the speeds are the
+    loop's, not the machine's; returns (model, opt, the local models and weights of every
+    synchronisation)."""
+    now = now if now is not None else [0.0]
+    if opt is None:
+        model = make()
+        opt = DyLUDiLoCo(model, sgd(model.parameters()), lowcomm.init(), **kw)
+        opt.clock = lambda: now[0]
+    model = opt.model
     rounds = []
     plain = opt._outgoing
 
@@ -416,7 +424,7 @@ def _dylu_run(steps, slow=1.0, **kw):
         rounds.append((local.clone(), opt.h_local))
         return plain(f, local)
     opt._outgoing = outgoing
-    for step in range(steps):
+    for step in range(first, first + steps):
         if not opt.takes_step():
             opt.pass_step()
             continue
@@ -454,3 +462,30 @@ def test_a_slower_member_takes_fewer_steps_and_counts_for_its_tokens():
     torch.testing.assert_close(opt.outer_params[0].detach(), expect, rtol=1e-5, atol=1e-6)
     assert agree(opt.outer_params[0].detach())
     opt.close()
+
+
+@on_two
+def test_dynamic_local_updates_resume_mid_period_bit_identically(comm):
+    """A state dict taken mid-period (the slow member part-way through its share, its period's
+    seconds so far saved) continues as the run never stopped."""
+    H, kw = 8, dict(period=8, outer_optimizer="delayed-nesterov", nesterov_every=2)
+    ref, ref_opt, _ = _dylu_run(4 * H, slow=4.0, **kw)
+    ref_opt.close()
+    now = [0.0]
+    model, opt, _ = _dylu_run(H + 1, slow=4.0, now=now, **kw)
+    state = saved(opt, model)
+    opt.close()
+    fresh = make()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(-1.0)        # the load, not the init, must decide
+    opt2 = DyLUDiLoCo(fresh, sgd(fresh.parameters()), comm, **kw)
+    opt2.clock = lambda: now[0]
+    fresh.load_state_dict(state["model"])
+    opt2.load_state_dict(state["strategy"])
+    _dylu_run(3 * H - 1, slow=4.0, opt=opt2, first=H + 1, now=now)
+    assert opt2.history == ref_opt.history and opt2.passed == ref_opt.passed, \
+        (opt2.history, ref_opt.history)
+    opt2.close()
+    assert_models_equal(fresh, ref, "diloco-dylu resumed mid-period")
+
