@@ -26,6 +26,12 @@ def test_accelerate_under_mpirun_with_lowcomm_methods():
     assert any("diloco" in name for name in cases) and any("int8" in name for name in cases)
 
 
+@pytest.mark.mpi_checks("check_lightning.py", np=2, timeout=150)
+def test_lightning_under_mpirun_with_lowcomm_methods():
+    cases = shared_mpi_suite(2, "check_lightning.py")
+    assert any("diloco" in name for name in cases) and any("int8" in name for name in cases)
+
+
 def test_a_ddp_script_ported_in_ten_lines_trains_the_same_model_as_ddp():
     ddp, ours = (PORT / "train_ddp.py").read_text(), (PORT / "train_lowcomm.py").read_text()
     changed = [line for line in difflib.unified_diff(ddp.splitlines(), ours.splitlines(), n=0)

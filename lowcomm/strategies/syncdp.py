@@ -224,12 +224,26 @@ class SyncDP(Strategy):
         if self.reducer is not None:
             self.reducer.withheld = []
 
-    def _step(self, closure=None):
-        self.passes.before_step()            # gradients accumulated unexchanged: exchange them
+    def _gradients_ready(self) -> None:
+        """Before the wrapped optimizer uses the gradients: those accumulated unexchanged
+        (under no_sync) are exchanged, and a non-finite one withheld is an error."""
+        self.passes.before_step()
         bad = self.local_nonfinite()
         if bad is not None and self.nonfinite == "raise":
             raise NonFiniteError(self.comm.rank, bad)
-        loss = self.optimizer.step(closure)
+
+    def _step(self, closure=None):
+        if closure is None:
+            self._gradients_ready()
+            loss = self.optimizer.step()
+        else:
+            # The closure's backward (Lightning runs the last micro-batch's there) exchanges
+            # the gradients accumulated under no_sync with its own: once, as DDP does.
+            def run():
+                out = closure()
+                self._gradients_ready()
+                return out
+            loss = self.optimizer.step(run)
         self._withheld_clear()
         self.buffers.broadcast(self.comm)
         return loss
