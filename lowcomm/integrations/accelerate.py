@@ -82,7 +82,7 @@ class Accelerator(accelerate.Accelerator):
             ``prepare()`` a method built yourself.
         compressor: the gradient compressor's name (``"int8"``, ``"powersgd"``) or settings.
         comm: the communicator (default: the world).
-        *args, **kwargs: ``accelerate.Accelerator``'s.
+        args, kwargs: ``accelerate.Accelerator``'s.
     """
 
     def __init__(self, *args, method: str | None = None, compressor=None,

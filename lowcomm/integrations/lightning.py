@@ -135,7 +135,8 @@ class LowcommStrategy(ParallelStrategy):
         method: the method's spec (``"syncdp"``, ``"diloco:period=50"``; :func:`lowcomm.build`).
         compressor: the gradient compressor's name (``"int8"``, ``"powersgd"``) or settings.
         comm: the communicator (default: the world).
-        **options: more of the method's settings (they win over the spec's).
+        options: more of the method's settings (they win over the spec's).
+        accelerator, checkpoint_io, precision_plugin: Lightning's, as for its other strategies.
     """
 
     strategy_name = "lowcomm"
