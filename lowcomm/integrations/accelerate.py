@@ -16,8 +16,9 @@ runs as it would under ``accelerate launch``:
    MPI ranks'; ``print``, ``save``, ``save_model`` act on the main rank only; ``gather``,
    ``reduce`` and ``wait_for_everyone`` go over MPI; a scheduler steps once per rank per
    optimizer step, as accelerate's does in a K-process job (unless ``split_batches``);
-5. ``clip_grad_norm_`` under ``mixed_precision="bf16"`` or ``"fp16"`` clips the gradients the
-   method applies (SyncDP's: the average over the ranks);
+5. ``clip_grad_norm_``, also under ``mixed_precision="bf16"``, clips the gradients the method
+   applies (SyncDP's: the average over the ranks); under ``"fp16"`` (a GPU's GradScaler, not
+   tested here: on CPU accelerate makes none) they are unscaled once, before clipping;
 6. ``save_state()`` writes accelerate's checkpoint from rank 0 and, from every rank, that rank's
    own model, method state and random generators (``lowcomm-rank<r>-of-<K>.pt``: DiLoCo's local
    models and error feedback differ between ranks); ``load_state()`` resumes each rank from its

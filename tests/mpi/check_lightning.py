@@ -94,23 +94,32 @@ def trainer(strategy, watch=None, **kwargs):
     return L.Trainer(strategy=strategy, **{**args, **kwargs})
 
 
-def test_syncdp_is_one_process_on_the_ranks_batches_and_exchanges_once_per_step(comm):
+@pytest.mark.parametrize("precision,atol", [("32-true", 1e-6), ("16-mixed", 2e-3)])
+def test_syncdp_is_one_process_on_the_ranks_batches_and_exchanges_once_per_step(precision, atol, comm):
     """SyncDP, 2 micro-batches per step, clipping at 0.2 and a per-step scheduler: the ranks
     train on disjoint shares of the data (Lightning's DistributedSampler), every rank's model
     equals one process training on the 16 points the ranks' micro-batches of each step hold
     together, and the method's ledger shows one all-reduce of the gradients per optimizer step,
-    none on the other micro-batches."""
+    none on the other micro-batches. Under ``16-mixed`` (a GradScaler) the gradients are unscaled
+    once, before clipping: the model is the fp32 one's to fp16's precision (clipping the scaled
+    gradients, or unscaling twice, would leave the updates 65536 times too small)."""
     method_comm = comm.dup(Ledger())
     strategy = LowcommStrategy("syncdp:algorithm=mpi", comm=method_comm)
     module, watch = Classifier(), Watch(method_comm.ledger)
     n = STEPS * ACCUM * BATCH * comm.size
-    t = trainer(strategy, watch)
+    # Lightning makes "16-mixed" bf16 on a CPU: its fp16 plugin with a GradScaler, given as is
+    amp = {"plugins": [L.pytorch.plugins.MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]} \
+        if precision == "16-mixed" else {"precision": precision}
+    t = trainer(strategy, watch, **amp)
     assert (t.global_rank, t.world_size, t.is_global_zero) == (comm.rank, comm.size, comm.rank == 0)
     t.fit(module, loader(n))
+    if precision == "16-mixed":       # the scaler did scale (and stepped through the method)
+        assert t.precision_plugin.scaler.get_scale() >= 2.0 ** 16 and t.precision_plugin.precision == "16-mixed"
     assert [s for s, _ in watch.traffic] == [False, True] * STEPS
     assert all(b == 0 for s, b in watch.traffic if not s), watch.traffic
     calls = sum(r["calls"] for r in method_comm.ledger.rows() if r["op"].startswith("allreduce"))
-    assert calls == STEPS, method_comm.ledger.rows()
+    votes = STEPS if precision == "16-mixed" else 0     # a GradScaler's skip, agreed: 4 bytes a step
+    assert calls == STEPS + votes, method_comm.ledger.rows()
     assert len(module.clipped) == STEPS and max(module.clipped) <= CLIP * (1 + 1e-5), module.clipped
 
     ref = seeded_mlp(10, 16, 3)
@@ -126,7 +135,8 @@ def test_syncdp_is_one_process_on_the_ranks_batches_and_exchanges_once_per_step(
         assert torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP) > CLIP   # clipping acts
         opt.step()
         sched.step()
-    assert_models_close(module.net, ref, "SyncDP under Lightning against one process")
+    assert_models_close(module.net, ref, f"SyncDP under Lightning ({precision}) against one process",
+                        atol=atol)
 
 
 @pytest.mark.parametrize("spec,compressor", [("diloco:period=3", None), ("syncdp", "int8"),
