@@ -20,13 +20,13 @@ def test_transformers_trainer_under_mpirun_with_lowcomm_methods():
     assert any("async-ps" in name for name in cases) and any("int8" in name for name in cases)
 
 
-@pytest.mark.mpi_checks("check_accelerate.py", np=2, timeout=120)
+@pytest.mark.mpi_checks("check_accelerate.py", np=2, timeout=150)
 def test_accelerate_under_mpirun_with_lowcomm_methods():
     cases = shared_mpi_suite(2, "check_accelerate.py")
     assert any("diloco" in name for name in cases) and any("int8" in name for name in cases)
 
 
-@pytest.mark.mpi_checks("check_lightning.py", np=2, timeout=150)
+@pytest.mark.mpi_checks("check_lightning.py", np=2, timeout=200)
 def test_lightning_under_mpirun_with_lowcomm_methods():
     cases = shared_mpi_suite(2, "check_lightning.py")
     assert any("diloco" in name for name in cases) and any("int8" in name for name in cases)
