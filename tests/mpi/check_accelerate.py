@@ -164,6 +164,25 @@ def test_save_state_and_load_state_resume_exactly(spec, comm, tmp_path_factory):
     assert run(f"{folder}/ckpt") == whole, "the resumed run ends with another model"
 
 
+def test_a_shuffling_loader_gives_the_ranks_disjoint_shares_of_each_epoch(comm):
+    """Ranks seeded differently (as unseeded processes are) still draw one permutation per
+    epoch (accelerate gives the sampler a generator of its own, the same on every rank): their
+    shares are disjoint and cover the data, and the order changes between epochs."""
+    ctl = control(comm)
+    torch.manual_seed(1000 + comm.rank)
+    accelerator = Accelerator(method="syncdp", comm=comm, cpu=True)
+    model = seeded_mlp(10, 16, 3)
+    indices = torch.utils.data.TensorDataset(torch.arange(64))
+    _, _, data = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     torch.utils.data.DataLoader(indices, batch_size=4, shuffle=True))
+    epochs = [[int(i) for (b,) in data for i in b] for _ in range(2)]
+    accelerator.finish()
+    every = ctl.allgather_object(epochs)          # [rank][epoch][index]
+    for e in range(2):
+        assert sorted(i for rank in every for i in rank[e]) == list(range(64)), every
+    assert every[0][0] != every[0][1] and every[0][0] != sorted(every[0][0]), "not shuffled"
+
+
 def test_a_plain_optimizer_without_a_method_and_the_parameter_server_are_refused(comm):
     accelerator = Accelerator(comm=comm, cpu=True)
     model = seeded_mlp(10, 16, 3)
