@@ -86,7 +86,8 @@ class SyncDP(Strategy):
     Gradient accumulation: with ``backward_passes_per_step = N`` the exchange happens at the end
     of every N-th backward (local gradients accumulate by summation in between, as in
     Horovod); backward passes inside :meth:`no_sync` accumulate locally and the next one outside
-    exchanges (as in DDP). A NaN/Inf gradient is never sent: it is reduced as zero on its rank,
+    exchanges (as in DDP), also when it runs inside ``step(closure)`` (Lightning's way): one
+    exchange per step. A NaN/Inf gradient is never sent: it is reduced as zero on its rank,
     :meth:`local_nonfinite` names it, and ``step()`` raises unless the step is skipped (the
     loop's ``on_nonfinite = "skip"``, or a GradScaler, whose skip every rank then agrees on).
 
