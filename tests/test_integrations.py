@@ -1,5 +1,6 @@
-"""lowcomm inside training code it did not write: the Hugging Face Trainer under mpirun
-(tests/mpi/check_transformers.py) and a plain torch DDP script ported in 10 lines."""
+"""lowcomm inside training code it did not write: the Hugging Face Trainer, accelerate and
+Lightning under mpirun (tests/mpi/check_transformers.py, check_accelerate.py,
+check_lightning.py) and a plain torch DDP script ported in 10 lines."""
 import difflib
 import re
 import subprocess
@@ -17,6 +18,18 @@ RESULT = re.compile(r"rank (\d+): eval loss ([0-9.]+) state ([0-9a-f]{16})")
 def test_transformers_trainer_under_mpirun_with_lowcomm_methods():
     cases = shared_mpi_suite(2, "check_transformers.py")
     assert any("async-ps" in name for name in cases) and any("int8" in name for name in cases)
+
+
+@pytest.mark.mpi_checks("check_accelerate.py", np=2, timeout=150)
+def test_accelerate_under_mpirun_with_lowcomm_methods():
+    cases = shared_mpi_suite(2, "check_accelerate.py")
+    assert any("diloco" in name for name in cases) and any("int8" in name for name in cases)
+
+
+@pytest.mark.mpi_checks("check_lightning.py", np=2, timeout=200)
+def test_lightning_under_mpirun_with_lowcomm_methods():
+    cases = shared_mpi_suite(2, "check_lightning.py")
+    assert any("diloco" in name for name in cases) and any("int8" in name for name in cases)
 
 
 def test_a_ddp_script_ported_in_ten_lines_trains_the_same_model_as_ddp():

@@ -45,43 +45,10 @@ import torch
 import transformers
 from torch.utils.data import DistributedSampler
 
-from ..comm.comm import Comm, init as init_comm
 from ..comm.ledger import Ledger
-from ..errors import LowcommError
 from ..run.snapshot import model_state
 from ..strategies.base import Strategy
-
-#: the launcher's variables that make accelerate and torch.distributed see a multi-process job
-LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
-                 "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_SIZE", "PMI_RANK", "MV2_COMM_WORLD_SIZE",
-                 "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE",
-                 "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "WORLD_SIZE", "RANK", "LOCAL_RANK",
-                 "LOCAL_WORLD_SIZE")
-#: what :func:`init` moved out of ``os.environ``
-LAUNCHER_ENV: dict[str, str] = {}
-
-
-def init(comm: Comm | None = None) -> Comm:
-    """Start MPI (or take ``comm``) and keep accelerate to one process per rank; call it before
-    building ``TrainingArguments``. Idempotent. Returns the world communicator."""
-    comm = comm or init_comm()
-    _refuse_distributed_state()
-    for name in LAUNCHER_VARS:
-        if name in os.environ:
-            LAUNCHER_ENV[name] = os.environ.pop(name)
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        local = comm.split_shared().rank
-        torch.cuda.set_device(local % torch.cuda.device_count())
-    return comm
-
-
-def _refuse_distributed_state() -> None:
-    from accelerate.state import PartialState
-    if PartialState._shared_state and PartialState().num_processes > 1:
-        raise LowcommError("accelerate set up a multi-process job before "
-                           "lowcomm.integrations.transformers.init() ran: call init() before "
-                           "building TrainingArguments (lowcomm's method does the communication)")
-
+from .launcher import LAUNCHER_ENV, LAUNCHER_VARS, init, own_state_file
 
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` for a run launched with mpirun whose optimizer is a lowcomm
@@ -177,7 +144,7 @@ class Trainer(transformers.Trainer):
 
     # saving -------------------------------------------------------------------------------------
     def _own_state(self, checkpoint: str) -> str:
-        return os.path.join(checkpoint, f"lowcomm-rank{self.comm.rank}-of-{self.comm.size}.pt")
+        return own_state_file(checkpoint, self.comm)
 
     @contextlib.contextmanager
     def _whole_model(self):

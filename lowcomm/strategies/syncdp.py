@@ -86,7 +86,8 @@ class SyncDP(Strategy):
     Gradient accumulation: with ``backward_passes_per_step = N`` the exchange happens at the end
     of every N-th backward (local gradients accumulate by summation in between, as in
     Horovod); backward passes inside :meth:`no_sync` accumulate locally and the next one outside
-    exchanges (as in DDP). A NaN/Inf gradient is never sent: it is reduced as zero on its rank,
+    exchanges (as in DDP), also when it runs inside ``step(closure)`` (Lightning's way): one
+    exchange per step. A NaN/Inf gradient is never sent: it is reduced as zero on its rank,
     :meth:`local_nonfinite` names it, and ``step()`` raises unless the step is skipped (the
     loop's ``on_nonfinite = "skip"``, or a GradScaler, whose skip every rank then agrees on).
 
@@ -224,12 +225,26 @@ class SyncDP(Strategy):
         if self.reducer is not None:
             self.reducer.withheld = []
 
-    def _step(self, closure=None):
-        self.passes.before_step()            # gradients accumulated unexchanged: exchange them
+    def _gradients_ready(self) -> None:
+        """Before the wrapped optimizer uses the gradients: those accumulated unexchanged
+        (under no_sync) are exchanged, and a non-finite one withheld is an error."""
+        self.passes.before_step()
         bad = self.local_nonfinite()
         if bad is not None and self.nonfinite == "raise":
             raise NonFiniteError(self.comm.rank, bad)
-        loss = self.optimizer.step(closure)
+
+    def _step(self, closure=None):
+        if closure is None:
+            self._gradients_ready()
+            loss = self.optimizer.step()
+        else:
+            # The closure's backward (Lightning runs the last micro-batch's there) exchanges
+            # the gradients accumulated under no_sync with its own: once, as DDP does.
+            def run():
+                out = closure()
+                self._gradients_ready()
+                return out
+            loss = self.optimizer.step(run)
         self._withheld_clear()
         self.buffers.broadcast(self.comm)
         return loss

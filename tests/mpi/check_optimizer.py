@@ -262,6 +262,39 @@ def test_gradient_accumulation_under_no_sync(name, comm):
             assert torch.allclose(v, dict(other.named_parameters())[k], rtol=1e-5, atol=1e-6), k
 
 
+def test_syncdp_step_with_a_closure_exchanges_the_accumulated_gradients_once(comm):
+    """The last micro-batch's backward inside ``step(closure)`` (Lightning's way) after one
+    under ``no_sync()``: one all-reduce per step, as when that backward runs before ``step()``,
+    and the same model (before: the step exchanged the first micro-batch's gradients, then the
+    closure's backward exchanged again, 2 all-reduces a step)."""
+    from lowcomm.comm.ledger import Ledger
+    models = []
+    for in_closure in (False, True):
+        model, c = make_model(), comm.dup(Ledger())
+        opt = lowcomm.build("syncdp:algorithm=mpi", model, torch.optim.SGD(model.parameters(), lr=0.1), c)
+        torch.manual_seed(comm.rank)                    # dropout: the same masks in both runs
+        for step in range(1, STEPS + 1):
+            opt.zero_grad()
+            x, y = batch(step, comm.rank, 16)
+            with opt.no_sync():
+                (loss_of(model, x[:8], y[:8]) / 2).backward()
+
+            def last():
+                loss = loss_of(model, x[8:], y[8:]) / 2
+                loss.backward()
+                return loss
+            if in_closure:
+                opt.step(last)
+            else:
+                last()
+                opt.step()
+        opt.finish()
+        calls = sum(r["calls"] for r in c.ledger.rows() if r["op"].startswith("allreduce"))
+        assert calls == STEPS, (in_closure, c.ledger.rows())
+        models.append(model)
+    assert state_sha256(models[0]) == state_sha256(models[1])
+
+
 @pytest.mark.parametrize("name", METHODS)
 def test_a_with_block_ends_it_with_one_model_and_moved_buffers(name, comm):
     model = None
