@@ -60,10 +60,21 @@ def own_state_file(folder: str, comm: Comm) -> str:
     return os.path.join(folder, f"lowcomm-rank{comm.rank}-of-{comm.size}.pt")
 
 
+def refuse_passing(method, where: str) -> None:
+    """A method that passes over some steps on a slower member (``takes_step()``, dynamic local
+    updates) needs a loop that asks it first; ``where``'s loop computes every step."""
+    from ..strategies.base import Strategy
+    if type(method).takes_step is not Strategy.takes_step:
+        raise LowcommError(f"{where} does not run lowcomm's {method.name}: it passes over some "
+                           "steps on a slower member (takes_step()), and this loop computes every "
+                           "step; use lowcomm.train or your own loop, or diloco")
+
+
 def refuse_unsupported(method, where: str) -> None:
     """Methods an integration cannot drive yet, refused with what to use instead: the parameter
-    server (its server ranks serve instead of training) and the sharding methods (their model
-    state and gradient norm are per shard)."""
+    server (its server ranks serve instead of training), the sharding methods (their model
+    state and gradient norm are per shard) and those that pass over steps (:func:`refuse_passing`)."""
+    refuse_passing(method, where)
     if hasattr(method, "is_server"):
         raise LowcommError(f"{where} does not run lowcomm's {method.name} (its server ranks serve "
                            "instead of training): use lowcomm.integrations.transformers.Trainer "

@@ -48,7 +48,7 @@ from torch.utils.data import DistributedSampler
 from ..comm.ledger import Ledger
 from ..run.snapshot import model_state
 from ..strategies.base import Strategy
-from .launcher import LAUNCHER_ENV, LAUNCHER_VARS, init, own_state_file
+from .launcher import LAUNCHER_ENV, LAUNCHER_VARS, init, own_state_file, refuse_passing
 
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` for a run launched with mpirun whose optimizer is a lowcomm
@@ -60,10 +60,7 @@ class Trainer(transformers.Trainer):
             raise TypeError("lowcomm's Trainer takes optimizers=(a lowcomm method, None), e.g. "
                             "lowcomm.build(\"syncdp\", model, torch.optim.AdamW(...)); got "
                             f"{type(method).__name__}")
-        if type(method).takes_step is not Strategy.takes_step:
-            raise TypeError(f"{type(method).__name__} passes over some steps on a slower member "
-                            "(takes_step()), which the Trainer's loop cannot: it computes every "
-                            "step; use lowcomm.train or your own loop, or diloco")
+        refuse_passing(method, "the Trainer")
         init(method.comm)
         self.method, self.comm = method, method.comm
         self._gathered = None          # a sharded model's whole state while rank 0 writes it

@@ -20,12 +20,14 @@ class DyLUSettings(DiLoCoSettings):
     """``[strategy]`` keys of ``diloco-dylu``: DiLoCo's, the floor of a member's local steps,
     and the outer optimizer of asynchronous DiLoCo (delayed Nesterov)."""
     min_steps: int = 1             # the fewest inner steps a member takes in a period
+    tolerance: float = 0.1         # a member this close to the fastest takes the whole period
     outer_optimizer: str = "delayed-nesterov"
     nesterov_every: int = 1        # N: with one outer step per round, 1 is Nesterov's momentum
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
         self.at_least(prefix, "min_steps", 1)
+        self.within(prefix, "tolerance", 0, 1, high_open=True)
         if self.min_steps > self.period:
             raise ConfigError.at(prefix, "min_steps", f"a member takes at most period={self.period} "
                                  f"steps a period; min_steps={self.min_steps} would never be met")
@@ -58,8 +60,10 @@ class DyLUDiLoCo(DiLoCo):
          all-reduce (one slot per member);
       4. outer step θ ← OuterOpt(θ, Δ) (``outer_optimizer``: delayed Nesterov by default,
          :class:`~lowcomm.strategies.diloco.DelayedNesterov`);
-      5. every member sets h_k ← min(H, max(``min_steps``, round(H · v_k / max_j v_j))): the
-         fastest takes H steps, a member at half its speed about H/2; go to 2.
+      5. every member sets h_k ← H where v_k ≥ (1 − ``tolerance``)·max_j v_j (members that
+         differ by no more than timing noise, e.g. processes sharing cores, are equals), else
+         h_k ← max(``min_steps``, round(H · v_k / max_j v_j)): a member at half the fastest's
+         speed takes about H/2; go to 2. (The paper's rule is ``tolerance`` = 0.)
 
     The schedule's step counter is the same on every member (passed steps count), so the rounds,
     checkpoints and a fleet's heals fall on the same steps as DiLoCo's. With equal speeds every
@@ -89,7 +93,7 @@ class DyLUDiLoCo(DiLoCo):
         if len(self.fragments) != 1 or self.delay:
             raise ArgumentError("fragments", "diloco-dylu synchronises the whole model at once "
                                 "(fragments = 1, delay = 0)")
-        self.min_steps = self.settings.min_steps
+        self.min_steps, self.tolerance = self.settings.min_steps, self.settings.tolerance
         self.h_local = self.period               # inner steps this member takes this period
         self.slot, self.slots = self._place()
         self.clock = time.perf_counter             # seconds, for the speed (a test may set its own)
@@ -159,7 +163,8 @@ class DyLUDiLoCo(DiLoCo):
         self.history.append(self.h_local)
         if fastest > 0 and math.isfinite(fastest):
             share = speeds[self.slot].item() / fastest
-            self.h_local = min(self.period, max(self.min_steps, round(self.period * share)))
+            self.h_local = self.period if share >= 1 - self.tolerance else \
+                min(self.period, max(self.min_steps, round(self.period * share)))
         self._period_t0 = None
         return out[:n] / weight, rows
 
