@@ -21,6 +21,7 @@ class DyLUSettings(DiLoCoSettings):
     and the outer optimizer of asynchronous DiLoCo (delayed Nesterov)."""
     min_steps: int = 1             # the fewest inner steps a member takes in a period
     tolerance: float = 0.1         # a member this close to the fastest takes the whole period
+    smoothing: float = 0.5         # weight of the newest period in each member's speed (EMA)
     outer_optimizer: str = "delayed-nesterov"
     nesterov_every: int = 1        # N: with one outer step per round, 1 is Nesterov's momentum
 
@@ -28,6 +29,7 @@ class DyLUSettings(DiLoCoSettings):
         super().validate(prefix)
         self.at_least(prefix, "min_steps", 1)
         self.within(prefix, "tolerance", 0, 1, high_open=True)
+        self.within(prefix, "smoothing", 0, 1, low_open=True)
         if self.min_steps > self.period:
             raise ConfigError.at(prefix, "min_steps", f"a member takes at most period={self.period} "
                                  f"steps a period; min_steps={self.min_steps} would never be met")
@@ -54,15 +56,16 @@ class DyLUDiLoCo(DiLoCo):
       1. as DiLoCo step 1;
       2. member k computes the first h_k inner steps of the period and passes over the other
          H − h_k (:meth:`takes_step` is False: the loop neither draws their batches nor
-         computes them); its speed v_k = h_k / (the period's wall-clock seconds);
+         computes them); its speed v_k = h_k / (the period's wall-clock seconds), smoothed
+         over the periods: v̄_k ← s·v_k + (1 − s)·v̄_k (s = ``smoothing``; the paper's is 1);
       3. at the period's end, the pseudo-gradients averaged with weights w_k = h_k (the tokens
          each member took): Δ = Σ_k w_k Δ_k / Σ_k w_k; the speeds travel in the same
          all-reduce (one slot per member);
       4. outer step θ ← OuterOpt(θ, Δ) (``outer_optimizer``: delayed Nesterov by default,
          :class:`~lowcomm.strategies.diloco.DelayedNesterov`);
-      5. every member sets h_k ← H where v_k ≥ (1 − ``tolerance``)·max_j v_j (members that
+      5. every member sets h_k ← H where v̄_k ≥ (1 − ``tolerance``)·max_j v̄_j (members that
          differ by no more than timing noise, e.g. processes sharing cores, are equals), else
-         h_k ← max(``min_steps``, round(H · v_k / max_j v_j)): a member at half the fastest's
+         h_k ← max(``min_steps``, round(H · v̄_k / max_j v̄_j)): a member at half the fastest's
          speed takes about H/2; go to 2. (The paper's rule is ``tolerance`` = 0.)
 
     The schedule's step counter is the same on every member (passed steps count), so the rounds,
@@ -94,6 +97,8 @@ class DyLUDiLoCo(DiLoCo):
             raise ArgumentError("fragments", "diloco-dylu synchronises the whole model at once "
                                 "(fragments = 1, delay = 0)")
         self.min_steps, self.tolerance = self.settings.min_steps, self.settings.tolerance
+        self.smoothing = self.settings.smoothing
+        self.speed: float | None = None          # v̄_k, steps per second (smoothed)
         self.h_local = self.period               # inner steps this member takes this period
         self.slot, self.slots = self._place()
         self.clock = time.perf_counter             # seconds, for the speed (a test may set its own)
@@ -152,7 +157,10 @@ class DyLUDiLoCo(DiLoCo):
         from the speeds every member received alike (step 5)."""
         now = self.clock()
         elapsed = now - (self._period_t0 if self._period_t0 is not None else now)
-        speed = self.h_local / elapsed if elapsed > 0 else 0.0
+        measured = self.h_local / elapsed if elapsed > 0 else 0.0
+        self.speed = measured if self.speed is None else \
+            self.smoothing * measured + (1 - self.smoothing) * self.speed
+        speed = self.speed
         extra = torch.zeros(1 + self.slots, dtype=flat.dtype)
         extra[0] = self.h_local
         extra[1 + self.slot] = speed
@@ -174,12 +182,13 @@ class DyLUDiLoCo(DiLoCo):
         seconds the period has taken so far (a resumed period measures its speed on)."""
         spent = None if self._period_t0 is None else self.clock() - self._period_t0
         return dict(super()._state_dict(), h_local=self.h_local, passed=self.passed,
-                    period_s=spent, history=list(self.history))
+                    period_s=spent, history=list(self.history), speed=self.speed)
 
     def _load_state_dict(self, state: dict) -> None:
         super()._load_state_dict(state)
         self.h_local, self.passed = int(state["h_local"]), int(state["passed"])
         self.history = [int(h) for h in state["history"]]
+        self.speed = None if state["speed"] is None else float(state["speed"])
         spent = state["period_s"]
         self._period_t0 = None if spent is None else self.clock() - float(spent)
 
