@@ -13,6 +13,23 @@ import click
 from ..errors import ConfigError, EnvError
 
 
+def click_errors(usage, failure=lambda: ()):
+    """A command's errors as click's: the exception types ``usage()`` returns become usage
+    errors (exit 2, with the command's usage), those of ``failure()`` plain failures (exit 1).
+    The types are named by functions so that a command module imports its tools only when run."""
+    def wrap(fn):
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except usage() as e:
+                raise click.UsageError(str(e)) from None
+            except failure() as e:
+                raise click.ClickException(str(e)) from None
+        run.__name__, run.__doc__ = fn.__name__, fn.__doc__
+        return run
+    return wrap
+
+
 def launcher_rank() -> int:
     """This process's rank as the launcher tells it, before MPI is initialised (0 if none)."""
     for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):

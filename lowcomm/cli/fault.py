@@ -8,17 +8,16 @@ import signal
 
 import click
 
+from .common import click_errors
 
-def _fault_error(fn):
-    def run(*args, **kwargs):
-        from ..tools.slow import SlowError
-        from ..tools.wan_faults import FaultError
-        try:
-            return fn(*args, **kwargs)
-        except (SlowError, FaultError) as e:
-            raise click.UsageError(str(e)) from None
-    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
-    return run
+
+def _refusals():
+    from ..tools.slow import SlowError
+    from ..tools.wan_faults import FaultError
+    return SlowError, FaultError
+
+
+_fault_error = click_errors(_refusals)
 
 
 @click.group()

@@ -6,19 +6,16 @@ import json
 
 import click
 
+from .common import click_errors
 
-def _wan_error(fn):
-    def run(*args, **kwargs):
-        from ..tools.wan import WanError
-        from ..tools.wan_faults import FaultError
-        try:
-            return fn(*args, **kwargs)
-        except FaultError as e:
-            raise click.UsageError(str(e)) from None
-        except WanError as e:
-            raise click.ClickException(str(e)) from None
-    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
-    return run
+
+def _tools():
+    from ..tools.wan import WanError
+    from ..tools.wan_faults import FaultError
+    return FaultError, WanError
+
+
+_wan_error = click_errors(lambda: _tools()[:1], lambda: _tools()[1:])
 
 
 @click.group()

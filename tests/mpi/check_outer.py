@@ -332,6 +332,15 @@ RESUME = {
 TOTAL = 11
 
 
+def unlike():
+    """A fresh model whose parameters differ from any run's: the load, not the init, decides."""
+    fresh = make()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(-1.0)
+    return fresh
+
+
 def saved(st, model):
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "strategy": st.state_dict()}, buf)
@@ -351,10 +360,7 @@ def test_a_state_dict_round_trip_continues_bit_identically(case, comm):
     in_flight = bool(st._in_flight)
     state = saved(st, model)
     st.close()
-    fresh = make()
-    with torch.no_grad():
-        for p in fresh.parameters():
-            p.mul_(-1.0)        # the load, not the init, must decide
+    fresh = unlike()
     st2 = cls(fresh, inner(fresh.parameters()), comm, **kwargs())
     fresh.load_state_dict(state["model"])
     st2.load_state_dict(state["strategy"])
@@ -475,10 +481,7 @@ def test_dynamic_local_updates_resume_mid_period_bit_identically(comm):
     model, opt, _ = _dylu_run(H + 1, slow=4.0, now=now, **kw)
     state = saved(opt, model)
     opt.close()
-    fresh = make()
-    with torch.no_grad():
-        for p in fresh.parameters():
-            p.mul_(-1.0)        # the load, not the init, must decide
+    fresh = unlike()
     opt2 = DyLUDiLoCo(fresh, sgd(fresh.parameters()), comm, **kw)
     opt2.clock = lambda: now[0]
     fresh.load_state_dict(state["model"])
