@@ -64,10 +64,15 @@ def check_run(s: DeMoSettings, cfg, prefix: str) -> None:
                           f"compressor.name = \"none\", got {cfg.compressor.name!r}")
 
 
+#: ``lowcomm compare``'s settings: the paper's update is sign(u) through plain SGD, so lr is the
+#: sign step's size (another method's Adam lr diverges)
+SIGN_STEP = ("optimizer.name=sgd", "lr=0.001")
 METHOD = Method("demo", DeMoSettings, build, "DeMo: local momentum, its top-k DCT coefficients "
-                "per chunk exchanged and removed from it, a sign step", check=check_run)
+                "per chunk exchanged and removed from it, a sign step", check=check_run,
+                python="DeMo", example="demo:topk=4,chunk=8", compare=SIGN_STEP)
 DISTRO_METHOD = Method("distro", DisTrOSettings, build, "DisTrO (preset of DeMo): chunk 64, top-4 "
-                       "coefficients per chunk, 1-bit values, all-gathered", check=check_run)
+                       "coefficients per chunk, 1-bit values, all-gathered", check=check_run,
+                       python="DisTrOSettings", compare=SIGN_STEP)
 
 
 @dataclass

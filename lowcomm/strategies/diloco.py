@@ -249,10 +249,15 @@ class StreamingDiLoCo(DiLoCo):
 
 METHOD = Method("diloco", DiLoCoSettings, build, "DiLoCo: H inner steps, then an outer "
                 "Nesterov step on the averaged pseudo-gradient", check=check_run, outer=True,
-                level=True)
+                level=True, python="DiLoCo", example="diloco:period=3,compressor=ef-sign",
+                compare=("strategy.period=50",))
 STREAMING_METHOD = Method("streaming-diloco", StreamingDiLoCoSettings, build, "streaming DiLoCo: "
                           "DiLoCo over P staggered fragments, overlapped with τ inner steps",
-                          check=check_run, outer=True, level=True)
+                          check=check_run, outer=True, level=True, python="StreamingDiLoCo",
+                          example="streaming-diloco:period=4,fragments=2,delay=2",
+                          compare=("strategy.period=50", "strategy.fragments=4", "strategy.delay=5"))
 MULOCO_EF_METHOD = Method("muloco-ef2bit", MuLoCoEFSettings, build, "MuLoCo's error-feedback "
                           "2-bit variant (preset of DiLoCo): Muon inside, the pseudo-gradient "
-                          "2-bit quantised with error feedback", check=check_muloco, outer=True)
+                          "2-bit quantised with error feedback", check=check_muloco, outer=True,
+                          python="MuLoCoEFSettings", optimizer="muon",
+                          example="muloco-ef2bit:period=3", compare=("optimizer.name=muon",))

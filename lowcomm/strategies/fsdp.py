@@ -58,7 +58,11 @@ def torch_internal(module: str, *names: str) -> tuple:
 @dataclass
 class FSDPSettings(Settings):
     """``[strategy]`` keys of ``fsdp``."""
-    wrap: str = "auto"          # the units sharded on their own (see wrap_units)
+    # the units sharded on their own before the whole model: "auto" = every block of every
+    # nn.ModuleList (a transformer's layers), "none" = the model as one unit, or class names such
+    # as "GPT2Block"; from Python also a callable module -> bool (see wrap_units). Names or a
+    # callable that match no module are an error naming wrap
+    wrap: str = "auto"
     reshard_after_forward: bool = True   # free gathered block parameters after forward
     param_dtype: str = ""       # mixed precision: the dtype forward/backward compute in ("": the parameters')
     reduce_dtype: str = ""      # the gradient reduce-scatter's dtype ("": param_dtype's)
@@ -245,7 +249,7 @@ def build(s: FSDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Strate
 
 METHOD = Method("fsdp", FSDPSettings, build,
                 "fully sharded data parallelism (ZeRO-3) through torch's FSDP2 fully_shard",
-                check=check, level=True)
+                check=check, level=True, python="FSDP")
 
 
 class FSDP(Strategy):

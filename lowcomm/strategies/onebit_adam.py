@@ -76,7 +76,8 @@ def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
 
 METHOD = Method("onebit-adam", OneBitAdamSettings, build,
                 "1-bit Adam: dense Adam warm-up, then the momentum exchanged with 1 bit per "
-                "element", check=check_run)
+                "element", check=check_run, python="OneBitAdam", optimizer="adam",
+                example="onebit-adam:freeze_step=3")
 
 
 class OneBitAdam(Strategy):

@@ -38,7 +38,9 @@ def build(s: ZeroOneAdamSettings, model, optimizer, comm: Comm, ctx: Context) ->
 METHOD = Method("zeroone-adam", ZeroOneAdamSettings, build,
                 "0/1 Adam: variance updated on ever fewer steps with 1-bit steps between, then "
                 "frozen, with local steps between 1-bit synchronisations",
-                check=adam_only("zeroone-adam"))
+                check=adam_only("zeroone-adam"), python="ZeroOneAdam", optimizer="adam",
+                example="zeroone-adam:var_freeze_step=2,local_step_scaler=1,local_step_clipper=2",
+                compare=("strategy.local_step_scaler=20",))
 
 
 class Schedule:

@@ -736,12 +736,12 @@ def test_new_method_trains_the_built_in_task_at_its_defaults(method, comm, tmp_p
     eval loss after 150 steps is below that after one step (nearly untrained) by 0.3 nats, the
     ranks agree."""
     from lowcomm.run.config import DEFAULT_TASK
-    from lowcomm.tools.compare import METHODS
+    from lowcomm.tools.compare import methods
     group = comm.split(comm.rank * 2 // comm.size)        # 2 ranks (each half of the world)
     out = group.bcast_object(str(tmp_path_factory.mktemp(method)) if group.rank == 0 else None)
     small = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=8",
              "data.seq_len=32", "data.max_bytes=300000", "eval_batches=4", "log_every=10"]
-    first = lowcomm.train(DEFAULT_TASK, set=[*small, *METHODS[method], "steps=1"], out=out + "/0", comm=group)
-    done = lowcomm.train(DEFAULT_TASK, set=[*small, *METHODS[method], "steps=150"], out=out + "/1", comm=group)
+    first = lowcomm.train(DEFAULT_TASK, set=[*small, *methods()[method], "steps=1"], out=out + "/0", comm=group)
+    done = lowcomm.train(DEFAULT_TASK, set=[*small, *methods()[method], "steps=150"], out=out + "/1", comm=group)
     assert done["ranks_agree"] is True
     assert done["eval_loss"] < first["eval_loss"] - 0.3, (first["eval_loss"], done["eval_loss"])
