@@ -235,11 +235,13 @@ def _checked(model, optimizer, wrap) -> tuple[list, dict, torch.device]:
         raise ArgumentError("model", f"FSDP needs the model's parameters on one device, found "
                             f"{sorted(map(str, devices)) or 'none'}")
     names = {id(p): n for n, p in model.named_parameters()}
-    strangers = [i for i, g in enumerate(optimizer.param_groups)
+    strangers = [(i, p) for i, g in enumerate(optimizer.param_groups)
                  for p in g["params"] if id(p) not in names]
     if strangers:
-        raise ArgumentError("optimizer", f"param_groups[{strangers[0]}] holds a tensor that is "
-                            "not a parameter of the model: FSDP shards the model's parameters only")
+        i, p = strangers[0]
+        raise ArgumentError("optimizer", f"param group {i} holds a tensor of shape "
+                            f"{tuple(p.shape)} that is not a parameter of the model: FSDP shards "
+                            "the model's parameters only")
     return wrap_units(model, wrap), names, devices.pop()
 
 
