@@ -63,6 +63,36 @@ def test_chunk_sides_are_the_largest_divisors_within_the_target():
     assert ChunkedDCT(torch.Size([128, 96]), 64).sides == (64, 48)
 
 
+@pytest.mark.parametrize("average", ["all", "senders"])
+@pytest.mark.parametrize("bits", [0, 1])
+def test_chunk_topk_mean_of_k_ranks_is_the_chosen_average(average, bits):
+    """The mean of K = 3 ranks' top-3 of 16-element chunks, against a loop over the ranks'
+    (index, value) pairs: "all" divides each coefficient's sum by K, "senders" (the DeMo
+    reference's scatter_reduce mean) by the number of ranks that sent it; both differ here."""
+    K, row, k, rows = 3, 16, 3, 5
+    codec = QuantizedChunkTopK(row, k, 1, packed_indices=False, average=average) if bits else \
+        ChunkTopK(row, k, average)
+    payloads = [codec.encode(torch.randn(rows * row, generator=torch.Generator().manual_seed(r)),
+                             "w", None) for r in range(K)]
+    got = codec.decompress_mean([torch.stack([p[0][i] for p in payloads]) for i in
+                                 range(len(payloads[0][0]))], payloads[0][1], K)
+    sums, senders = {}, {}
+    for r in range(K):
+        x = torch.randn(rows * row, generator=torch.Generator().manual_seed(r)).view(rows, row)
+        for j in range(rows):
+            for i in x[j].abs().topk(k).indices.tolist():
+                v = (1.0 if x[j, i] > 0 else -1.0) if bits else float(x[j, i])
+                sums[j, i] = sums.get((j, i), 0.0) + v
+                senders[j, i] = senders.get((j, i), 0) + 1
+    want = torch.zeros(rows, row)
+    for (j, i), total in sums.items():
+        want[j, i] = total / (senders[j, i] if average == "senders" else K)
+    assert torch.allclose(got.view(rows, row), want, rtol=0, atol=1e-6)
+    assert any(n < K for n in senders.values())       # the two rules differ on this data
+    with pytest.raises(ValueError, match="average must be one of all, senders, got 'mean'"):
+        ChunkTopK(row, k, "mean")
+
+
 def test_chunk_topk_at_full_k_is_exact_and_its_bytes_are_k_value_and_index_per_chunk():
     x = torch.randn(6 * 16, generator=torch.Generator().manual_seed(2))
     full = ChunkTopK(16, 32)                           # k is clamped to the chunk's 16
@@ -160,6 +190,8 @@ def test_zeroone_adam_schedule_follows_the_papers_policies():
     (["strategy.name=sparseloco", "strategy.compressor=int8"], "strategy.compressor", "itself"),
     (["strategy.name=distro", "strategy.exchange=two-phase"], "strategy.exchange", "allgather"),
     (["strategy.name=demo", "strategy.value_bits=2"], "strategy.value_bits", "0 .full values. or 1"),
+    (["strategy.name=demo", "strategy.average=senders"], "strategy.exchange", "needs every rank's pairs"),
+    (["strategy.name=demo", "strategy.average=some"], "strategy.average", "senders"),
     (["strategy.name=muloco-ef2bit"], "optimizer.name", "Muon inside"),
     (["strategy.name=muloco-ef2bit", "optimizer.name=muon", "strategy.compressor=int8"],
      "strategy.compressor", "2-bit quantiser"),

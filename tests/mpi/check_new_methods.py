@@ -118,7 +118,8 @@ def paper_inverse(q: np.ndarray, shape, s: int) -> np.ndarray:
 
 
 def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int, wd: float = 0.0,
-               nesterov: float = 0.0, reselect: bool = False, signs: bool = False):
+               nesterov: float = 0.0, reselect: bool = False, signs: bool = False,
+               senders: bool = False):
     """Algorithm 1 of Peng et al. 2024 on K simulated ranks, with the reference implementation's
     decoupled weight decay ``x ← x(1 − lr·wd)`` and, where ``nesterov`` = μ > 0, torch SGD's
     Nesterov momentum on the synchronised sign; ``reselect``: the mean Q of the ranks' q is
@@ -129,7 +130,9 @@ def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int, wd: f
     step with u itself (a sign step would meet exact ties: u = 0 where ±1 coefficients cancel,
     whose sign float rounding decides; and k below a chunk's size: the output layer's gradient
     sums to zero over the classes, so some coefficients are zero up to rounding, and one bit,
-    which cannot say zero, would send whichever sign the rounding left)."""
+    which cannot say zero, would send whichever sign the rounding left). ``senders``: the
+    reference code's mean, each coefficient over the ranks whose q holds it (``scatter_reduce``
+    mean), instead of over all K."""
     model = mlp(torch.float64)
     x = [p.detach().numpy().copy() for p in model.parameters()]
     m = [[np.zeros_like(p) for p in x] for _ in range(K)]
@@ -149,7 +152,9 @@ def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int, wd: f
                 m[r][i] = m[r][i] - paper_inverse(q[-1], x[i].shape, s)
             qs.append(q)
         for i in range(len(x)):
-            mean = sum(np.sign(q[i]) if signs else q[i] for q in qs) / K
+            mean = sum(np.sign(q[i]) if signs else q[i] for q in qs)
+            mean = mean / np.maximum(sum((q[i] != 0).astype(float) for q in qs), 1) if senders \
+                else mean / K
             if reselect:
                 mean, err[i] = top(mean + err[i], k), mean + err[i] - top(mean + err[i], k)
             d = paper_inverse(mean, x[i].shape, s)
@@ -162,26 +167,32 @@ def paper_demo(K: int, steps: int, lr: float, beta: float, s: int, k: int, wd: f
     return after
 
 
-@pytest.mark.parametrize("exchange,topk,wd,nesterov,signs", [("allgather", 5, 0.1, 0.0, False),
-                                                             ("two-phase", 64, 0.0, 0.0, False),
-                                                             ("allgather", 5, 0.0, 0.9, False),
-                                                             ("two-phase", 5, 0.0, 0.0, False),
-                                                             ("allgather", 3, 0.0, 0.0, True)])
-def test_demo_equals_the_papers_equations(group, exchange, topk, wd, nesterov, signs):
+@pytest.mark.parametrize("exchange,topk,wd,nesterov,signs,average", [
+    ("allgather", 5, 0.1, 0.0, False, "all"), ("two-phase", 64, 0.0, 0.0, False, "all"),
+    ("allgather", 5, 0.0, 0.9, False, "all"), ("two-phase", 5, 0.0, 0.0, False, "all"),
+    ("allgather", 3, 0.0, 0.0, True, "all"), ("allgather", 5, 0.1, 0.0, False, "senders"),
+    ("allgather", 3, 0.0, 0.0, True, "senders")])
+def test_demo_equals_the_papers_equations(group, exchange, topk, wd, nesterov, signs, average):
     """With the all-gather at k = 5 of chunks up to 48 elements, and two-phase at full k (its
     owners' re-selection keeps everything): the paper's update and each rank's momentum, step by
     step, to 1e-12; SGD's weight decay is the reference's decoupled one, a Nesterov SGD adds
     Nesterov momentum on the sign. Two-phase at k = 5: the paper's with the mean re-sparsified
     per chunk, the rest carried by the owners' server error. With 1-bit values (DisTrO's wire
-    format): the mean of the sent coefficients' signs, stepped with u (see paper_demo)."""
+    format): the mean of the sent coefficients' signs, stepped with u (see paper_demo).
+    ``average = "senders"``: each coefficient averaged over the ranks that sent it (the
+    reference code's rule), which differs from the mean over K on these steps."""
     lr, beta, s, steps = 0.01, 0.9, 8, 4
     reselect = exchange == "two-phase" and topk < 48
-    want = paper_demo(group.size, steps, lr, beta, s, topk, wd, nesterov, reselect, signs)
+    want = paper_demo(group.size, steps, lr, beta, s, topk, wd, nesterov, reselect, signs,
+                      average == "senders")
+    if average == "senders":
+        other = paper_demo(group.size, steps, lr, beta, s, topk, wd, nesterov, reselect, signs)
+        assert not np.allclose(other[-1][0][0], want[-1][0][0], rtol=0, atol=1e-6)
     model = mlp(torch.float64)
     inner = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd, momentum=nesterov,
                             nesterov=nesterov > 0)
     opt = lowcomm.DeMo(model, inner, group, topk=topk, chunk=s, decay=beta, exchange=exchange,
-                       value_bits=int(signs), sign=not signs)
+                       value_bits=int(signs), sign=not signs, average=average)
     names = [n for n, _ in model.named_parameters()]
 
     def check(step):
