@@ -164,7 +164,67 @@ def test_zeroone_adam_schedule_follows_the_papers_policies():
     assert schedule(16, 100)[:16] == ["dense"] * 16            # DeepSpeed's κ = 16
 
 
+def deepspeed_zeroone_kinds(steps, F, kappa, scaler, clipper):
+    """The kinds of DeepSpeed's ZeroOneAdam steps (zoadam.py's control flow, transcribed as
+    rules): its counter s starts with an initialisation step that updates nothing; while not
+    frozen, s is dense when s % var_interval == 0 (else 1-bit) and every such step counts towards
+    κ, which doubles the interval; frozen, s syncs when s % local_interval == 0, every step counts
+    towards local_step_scaler, which doubles the interval up to the clipper; it freezes after a
+    step with s > var_freeze_step."""
+    s, vi, vc, li, lc, frozen, kinds = 1, 1, 0, 1, 0, False, []
+    for _ in range(steps):
+        s += 1
+        if not frozen:
+            kinds.append("dense" if s % vi == 0 else "onebit")
+            if s % vi == 0:
+                vc += 1
+                if vc == kappa:
+                    vc, vi = 0, 2 * vi
+        else:
+            kinds.append("sync" if s % li == 0 else "local")
+            lc += 1
+            if lc == scaler:
+                lc, li = 0, min(clipper, 2 * li)
+        frozen = frozen or s > F
+    return kinds
+
+
+def deepspeed_onebit_dense_updates(freeze_step, steps=50):
+    """DeepSpeed's OnebitAdam (adam.py's control flow): the initialisation step s = 1 updates
+    nothing; every later step is dense Adam until one ends with s >= freeze_step."""
+    s, frozen, dense = 1, False, 0
+    for _ in range(steps):
+        s += 1
+        if frozen:
+            break
+        dense += 1
+        frozen = s >= freeze_step
+    return dense
+
+
+@pytest.mark.parametrize("F,kappa,scaler,clipper", [(10, 2, 2, 4), (9, 3, 1, 8), (6, 1, 3, 2),
+                                                    (1, 16, 2, 16)])
+def test_zeroone_adam_on_deepspeeds_counter_takes_deepspeeds_steps(F, kappa, scaler, clipper):
+    want = deepspeed_zeroone_kinds(30, F, kappa, scaler, clipper)
+    assert schedule(30, F, kappa, scaler, clipper, counter="deepspeed") == want
+    steps = schedule(30, F, kappa, scaler, clipper)          # the default: one step out of phase
+    assert steps[:F].count("dense") + steps[:F].count("onebit") == F == \
+        want[:F].count("dense") + want[:F].count("onebit")   # frozen after the same step
+    if kappa < F or clipper > 1:
+        assert steps != want
+
+
+@pytest.mark.parametrize("freeze_step", [1, 2, 3, 10])
+def test_onebit_adam_on_deepspeeds_counter_warms_up_as_deepspeed(freeze_step):
+    from lowcomm.strategies.onebit_adam import warmup_steps
+    assert warmup_steps(freeze_step, "deepspeed") == deepspeed_onebit_dense_updates(freeze_step)
+    assert warmup_steps(freeze_step) == freeze_step
+
+
 @pytest.mark.parametrize("overrides,key,message", [
+    (["strategy.name=onebit-adam", "strategy.counter=ds"], "strategy.counter", "deepspeed"),
+    (["strategy.name=zeroone-adam", "optimizer.name=adam", "strategy.counter=ds"], "strategy.counter",
+     "deepspeed"),
     (["strategy.name=zeroone-adam", "optimizer.name=sgd"], "optimizer.name", "zeroone-adam steps torch Adam"),
     (["strategy.name=zeroone-adam", "optimizer.name=adam", "compressor.name=int8"], "compressor.name",
      "zeroone-adam compresses"),

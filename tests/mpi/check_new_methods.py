@@ -305,9 +305,14 @@ def train_one(opt, model, comm, step):
     opt.step()
 
 
-def test_zeroone_adam_freezes_the_variance_and_steps_locally_between_synchronisations(group):
-    kw = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
-    kinds = schedule(15, **kw)
+@pytest.mark.parametrize("counter", ["steps", "deepspeed"])
+def test_zeroone_adam_freezes_the_variance_and_steps_locally_between_synchronisations(group, counter):
+    """Each step of the schedule, on our step count or DeepSpeed's (one step out of phase):
+    the variance moves on dense steps only, the bytes are the kind's, the ranks differ after
+    local steps only."""
+    kw = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4,
+              counter=counter)
+    kinds = schedule(15 if counter == "steps" else 14, **kw)      # ending after a local step
     model = mlp()
     opt = lowcomm.ZeroOneAdam(model, torch.optim.Adam(model.parameters(), lr=0.01), group, **kw)
     d = sum(p.numel() for p in model.parameters())
@@ -332,6 +337,62 @@ def test_zeroone_adam_freezes_the_variance_and_steps_locally_between_synchronisa
     assert kinds[-1] == "local"
     opt.finish()                                 # ends after local steps: one dense average
     assert len(set(group.allgather_object(state_sha256(model)))) == 1
+
+
+def adam_reference(steps: int, dense, lr=0.01, betas=(0.9, 0.999), eps=1e-8, clip=False):
+    """Adam on one rank's batches (rank 0's) in float64, its variance updated only on the steps
+    ``dense(t)`` says (bias-corrected by their count): the parameters after each step. ``clip``:
+    1-bit Adam's step 3 on the other steps, ``m/δ`` bounded by ``B·(1 − β1^t)``, B =
+    max(1, (1 − β1)/√(1 − β2)), and m ← the bounded value times δ."""
+    bound = max(1.0, (1 - betas[0]) / (1 - betas[1]) ** 0.5)
+    model = mlp(torch.float64)
+    x = [p.detach().clone() for p in model.parameters()]
+    m, v, n_v, out = [torch.zeros_like(p) for p in x], [torch.zeros_like(p) for p in x], 0, []
+    for t in range(1, steps + 1):
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), x):
+                p.copy_(w)
+        g = grads(model, t, 0)
+        n_v += bool(dense(t))
+        for i in range(len(x)):
+            m[i] = betas[0] * m[i] + (1 - betas[0]) * g[i]
+            if dense(t):
+                v[i] = betas[1] * v[i] + (1 - betas[1]) * g[i] * g[i]
+            delta = v[i].sqrt() / (1 - betas[1] ** n_v) ** 0.5 + eps
+            if clip and not dense(t):
+                m[i] = (m[i] / delta).clamp(-bound * (1 - betas[0] ** t), bound * (1 - betas[0] ** t)) * delta
+            x[i] = x[i] - lr / (1 - betas[0] ** t) * m[i] / delta
+        out.append([w.clone() for w in x])
+    return out
+
+
+def test_the_one_bit_methods_on_one_rank_compress_nothing(comm):
+    """One rank has nothing to exchange (DeepSpeed's ``size > 1``): 1-bit Adam past its warm-up
+    is Adam with the variance frozen at the switch, and 0/1 Adam's 1-bit steps take the exact
+    gradient into the momentum (against Adam written out step by step); neither sends a byte."""
+    one = comm.split(comm.rank).dup(Ledger())
+    model = mlp(torch.float64)
+    opt = lowcomm.OneBitAdam(model, torch.optim.Adam(model.parameters(), lr=0.01), one, freeze_step=3)
+    want = adam_reference(8, lambda t: t <= 3, clip=True)
+
+    def check(step):
+        for p, w in zip(model.parameters(), want[step - 1]):
+            assert torch.allclose(p.detach(), w, rtol=0, atol=1e-12), f"1-bit Adam, step {step}"
+    train(opt, model, one, 8, check)
+    assert sent(one) == 0 and not opt.worker_error.any() and not opt.server_error.any()
+    opt.finish()
+    kinds = schedule(10, var_freeze_step=6, var_update_scaler=2)
+    assert "onebit" in kinds[:6]
+    model = mlp(torch.float64)
+    opt = lowcomm.ZeroOneAdam(model, torch.optim.Adam(model.parameters(), lr=0.01), one,
+                              var_freeze_step=6, var_update_scaler=2)
+    want = adam_reference(6, lambda t: kinds[t - 1] == "dense")
+    train(opt, model, one, 6, lambda step: [
+        torch.testing.assert_close(p.detach(), w, rtol=0, atol=1e-12, msg=f"0/1 Adam, step {step}")
+        for p, w in zip(model.parameters(), want[step - 1])])
+    train(opt, model, one, 4)                    # local and sync steps
+    assert sent(one) == 0 and opt.counts["onebit"] == kinds[:6].count("onebit")
+    opt.finish()
 
 
 def test_zeroone_adam_rank_alone_skips_a_local_step_under_amp(group):
