@@ -223,6 +223,8 @@ def test_onebit_adam_on_deepspeeds_counter_warms_up_as_deepspeed(freeze_step):
 
 @pytest.mark.parametrize("overrides,key,message", [
     (["strategy.name=onebit-adam", "strategy.counter=ds"], "strategy.counter", "deepspeed"),
+    (["strategy.name=onebit-adam", "strategy.scale=layer"], "strategy.scale", "tensor"),
+    (["strategy.name=streaming-diloco", "strategy.slot=middle"], "strategy.slot", "merge"),
     (["strategy.name=zeroone-adam", "optimizer.name=adam", "strategy.counter=ds"], "strategy.counter",
      "deepspeed"),
     (["strategy.name=zeroone-adam", "optimizer.name=sgd"], "optimizer.name", "zeroone-adam steps torch Adam"),

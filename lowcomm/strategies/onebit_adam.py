@@ -12,7 +12,7 @@ from ..comm.comm import Comm
 from ..compress.base import Segment, nonfinite_segments
 from ..compress.compressor import Compressor
 from ..compress.error_feedback import ErrorFeedback
-from ..compress.sign import MomentumSign
+from ..compress.sign import MomentumSign, TensorMomentumSign
 from ..compress.twophase import TwoPhase
 from ..errors import ConfigError, NonFiniteError
 from ..settings import Settings
@@ -22,6 +22,13 @@ from .buffers import Buffers
 
 #: the step counts a schedule may read (1-bit and 0/1 Adam's ``counter``)
 COUNTERS = ("steps", "deepspeed")
+#: what one compression scale covers (1-bit and 0/1 Adam's ``scale``)
+SCALES = ("model", "tensor")
+
+
+def onebit_codec(scale: str):
+    """The 1-bit codec: one scale for the whole vector, or one per parameter tensor."""
+    return TensorMomentumSign() if scale == "tensor" else MomentumSign()
 
 
 def counter_offset(counter: str) -> int:
@@ -45,10 +52,14 @@ class OneBitAdamSettings(Settings):
     # "deepspeed" = DeepSpeed's counter, which counts its initialisation step (one that discards
     # its gradient): max(1, freeze_step - 1) dense updates, as a DeepSpeed run with that value
     counter: str = "steps"
+    # the 1-bit compression's scale ‖·‖₂/√d: "model" = one for all the method's parameters;
+    # "tensor" = one per parameter tensor, as DeepSpeed (4 more bytes per tensor and message)
+    scale: str = "model"
 
     def validate(self, prefix: str = "") -> None:
         self.at_least(prefix, "freeze_step", 1)
         self.one_of(prefix, "counter", COUNTERS)
+        self.one_of(prefix, "scale", SCALES)
 
 
 def build(s: OneBitAdamSettings, model, optimizer, comm: Comm, ctx: Context) -> "OneBitAdam":
@@ -150,9 +161,12 @@ class OneBitAdam(Strategy):
     points above: (a) its first step initialises and discards the gradient, and its counter
     includes that step, so ``freeze_step = N`` there makes N − 1 dense updates; here N, unless
     ``counter="deepspeed"``; (b) it scales the 1-bit momentum per parameter tensor (each tensor
-    all-reduced on its own, padded to 8K), here one scale ``‖·‖₂/√d`` for all of the method's
-    parameters (one exchange, fewer messages); the signs are the same, the magnitudes differ where
-    the tensors' momenta differ in size; (c) on one rank neither compresses (nothing to send),
+    all-reduced on its own, padded to 8K), here by default one scale ``‖·‖₂/√d`` for all of the
+    method's parameters (one exchange, fewer bytes); the signs are the same, the magnitudes
+    differ where the tensors' momenta differ in size; ``scale="tensor"`` scales each tensor on
+    its own (:class:`~lowcomm.compress.sign.TensorMomentumSign`, still one exchange: the owners
+    scale each piece of a tensor they hold, and a tensor's scale counts its own elements,
+    DeepSpeed's its padding too); (c) on one rank neither compresses (nothing to send),
     so the compression stage is Adam with the frozen variance.
     Bytes per rank and compressed step: the all-to-all and the all-gather each send
     ``(K-1)·(D/(8K) + 4)``, D = d rounded up to a multiple of 8K (d: parameter count), plus
@@ -167,6 +181,8 @@ class OneBitAdam(Strategy):
         freeze_step: warm-up steps with dense Adam, ≥ 1.
         counter: "steps" (T_w = freeze_step) or "deepspeed" (T_w = max(1, freeze_step − 1),
             DeepSpeed's count, which includes its initialisation step).
+        scale: "model" (one compression scale) or "tensor" (one per parameter tensor, as
+            DeepSpeed); bytes per message grow by 4 per tensor piece.
 
     Example::
 
@@ -204,7 +220,7 @@ class OneBitAdam(Strategy):
         K = self.comm.size
         self.D = -(-self.d // (8 * K)) * 8 * K          # chunks of whole bytes, one per rank
         self.chunk = self.D // K
-        self.exchange = Compressor(ErrorFeedback(MomentumSign()), TwoPhase())
+        self.exchange = Compressor(ErrorFeedback(onebit_codec(s.scale)), TwoPhase())
         self.t = 0
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self._comm = self.comm.dup()          # fixed shapes: no per-call agreement check

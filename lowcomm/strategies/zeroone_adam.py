@@ -9,11 +9,11 @@ import torch
 from ..comm.comm import Comm
 from ..compress.compressor import Compressor
 from ..compress.error_feedback import ErrorFeedback
-from ..compress.sign import MomentumSign
 from ..compress.twophase import TwoPhase
 from ..settings import Settings
 from .base import Context, Method
-from .onebit_adam import COUNTERS, OneBitAdam, OneBitAdamSettings, adam_only, counter_offset
+from .onebit_adam import (COUNTERS, SCALES, OneBitAdam, OneBitAdamSettings, adam_only, counter_offset,
+                          onebit_codec)
 from .outer import average_parameters
 
 
@@ -28,11 +28,14 @@ class ZeroOneAdamSettings(Settings):
     # which count the intervals read: "steps" = the steps taken (step 1 first); "deepspeed" =
     # DeepSpeed's counter, one ahead (it counts its initialisation step), as a DeepSpeed run
     counter: str = "steps"
+    # the 1-bit compression's scale: "model" = one for all parameters; "tensor" = one per tensor
+    scale: str = "model"
 
     def validate(self, prefix: str = "") -> None:
         for key in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
             self.at_least(prefix, key, 1)
         self.one_of(prefix, "counter", COUNTERS)
+        self.one_of(prefix, "scale", SCALES)
 
 
 def build(s: ZeroOneAdamSettings, model, optimizer, comm: Comm, ctx: Context) -> "ZeroOneAdam":
@@ -154,9 +157,10 @@ class ZeroOneAdam(OneBitAdam):
     the points above: (a) its step counter includes its initialisation step, so each step's kind
     there is decided one step out of phase with t here (the same steps are dense, 1-bit, local
     or sync with ``counter="deepspeed"``); (b) it runs a compressed all-reduce per parameter
-    tensor, each with its own scale, here one exchange with one scale ``‖·‖₂/√d`` over all of
-    the method's parameters (the signs agree, the magnitudes differ where the tensors differ
-    in size); (c) on one rank neither compresses; DeepSpeed then also skips the momentum
+    tensor, each with its own scale, here one exchange with by default one scale ``‖·‖₂/√d``
+    over all of the method's parameters (the signs agree, the magnitudes differ where the
+    tensors differ in size), or with ``scale="tensor"`` one per tensor (as 1-bit Adam's);
+    (c) on one rank neither compresses; DeepSpeed then also skips the momentum
     update of a 1-bit step (it sits inside its ``size > 1`` branch), here the momentum takes
     the exact gradient.
     Bytes per rank: dense steps an all-reduce of 4(d + n), 1-bit and sync steps
@@ -173,6 +177,7 @@ class ZeroOneAdam(OneBitAdam):
         local_step_scaler: steps per local-step interval before it doubles (DeepSpeed: 32678).
         local_step_clipper: H, the longest local-step interval.
         counter: "steps" or "deepspeed": the count the intervals read (:class:`Schedule`).
+        scale: "model" or "tensor": what one 1-bit compression scale covers.
 
     Example::
 
@@ -188,11 +193,11 @@ class ZeroOneAdam(OneBitAdam):
                  **options):
         s = settings if settings is not None else self.settings_from(options)
         super().__init__(model, optimizer, comm,
-                         settings=OneBitAdamSettings(freeze_step=s.var_freeze_step))
+                         settings=OneBitAdamSettings(freeze_step=s.var_freeze_step, scale=s.scale))
         self.settings = s
         self.schedule = Schedule(s.var_freeze_step, s.var_update_scaler, s.local_step_scaler,
                                  s.local_step_clipper, counter_offset(s.counter))
-        self.grad_exchange = Compressor(ErrorFeedback(MomentumSign()), TwoPhase())
+        self.grad_exchange = Compressor(ErrorFeedback(onebit_codec(s.scale)), TwoPhase())
         self.n_v = 0
         self.counts = {"dense": 0, "onebit": 0, "local": 0, "sync": 0}
         self._anchor: list[torch.Tensor] | None = None   # x̄, from the freeze on

@@ -37,6 +37,11 @@ METHODS = every_method({
     "zero2-qgz-qwz": ("zero2:qgz=int4,qwz=int8,partition=tensor", []),
     "gossip-push-sum": ("gossip:graph=one-peer-exponential,gossip_mode=push-sum", []),
     "muloco": ("diloco:period=3", ["optimizer.name=muon"]),
+    # DeepSpeed's conventions: a compression scale per tensor, its step counter
+    "onebit-adam-deepspeed": ("onebit-adam:freeze_step=3,scale=tensor,counter=deepspeed",
+                              ["optimizer.name=adam"]),
+    "zeroone-adam-deepspeed": ("zeroone-adam:var_freeze_step=2,local_step_scaler=1,local_step_clipper=2,"
+                               "scale=tensor,counter=deepspeed", ["optimizer.name=adam"]),
     "policy": ("syncdp", ["topology=dc:2,rank:2+1", "policy.dc=diloco:period=3,compressor=int8"]),
 })
 
