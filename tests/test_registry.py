@@ -81,11 +81,11 @@ def test_a_method_registered_from_outside_appears_in_every_derived_table(toy):
     assert methods()["toy"] == ["strategy.name=toy-average", "strategy.period=5"]
     assert "toy" in resolve_methods("all") and resolve_methods("toy") == ["toy"]
     # lowcomm methods, the docs' method table and the configuration reference
-    assert {"name": "toy-average", "python": "ToyAverage", "optimizer": "adam",
+    assert {"name": "toy-average", "python": "toy_method.build", "optimizer": "adam",
             "example": "toy-average:period=2", "compare": "toy",
             "summary": "a toy: average the parameters every H steps"} in catalogue()
     rows = lowcomm_config.methods_table(str(ROOT / "docs"))
-    assert "| `toy-average` | `lowcomm.ToyAverage` | `optimizer.name = \"adam\"` | `toy` | " \
+    assert "| `toy-average` | `toy_method.build` | `optimizer.name = \"adam\"` | `toy` | " \
            "a toy: average the parameters every H steps |" in rows
     ref = lowcomm_config.whole_reference(str(ROOT / "docs"))
     at = ref.index("### `toy-average`")
@@ -115,7 +115,7 @@ def test_lowcomm_methods_lists_the_built_in_ones_and_a_task_s():
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["name"] for row in rows] == [*BUILT_IN, "toy-average"]
-    assert rows[-1]["compare"] == "toy" and rows[-1]["python"] == "ToyAverage"
+    assert rows[-1]["compare"] == "toy" and rows[-1]["python"] == "toy_method.build"
 
 
 def test_register_refuses_a_name_a_compare_name_or_an_example_it_cannot_take(toy):

@@ -210,7 +210,8 @@ def methods_table(srcdir: str, docname: str = "methods/index") -> list[str]:
         if r["name"] in pages:
             page, _, anchor = pages[r["name"]].partition("#")
             name = f"[{name}]({os.path.relpath(page, here or '.')}{'#' + anchor if anchor else ''})"
-        python = f"`lowcomm.{r['python']}`" if r["python"] else ""
+        python = r["python"] if "." in r["python"] else f"lowcomm.{r['python']}" if r["python"] else ""
+        python = f"`{python}`" if python else ""
         need = f"`optimizer.name = \"{r['optimizer']}\"`" if r["optimizer"] else ""
         lines.append(f"| {name} | {python} | {need} | `{r['compare']}` | {r['summary']} |")
     return lines + [""]

@@ -140,7 +140,8 @@ class Method:
 
     What the derived tables read (the method list of ``lowcomm compare``, ``lowcomm methods``,
     the docs' method table, the every-method tests), so that a method is its module and this
-    one entry: ``python`` the name a user constructs it by (its class, or a preset's settings);
+    one entry: ``python`` the name a user constructs it by (its class, or a preset's settings:
+    a ``lowcomm`` attribute for a built-in method, a dotted path for one from outside);
     ``optimizer`` the inner optimizer it needs (a name of
     :data:`lowcomm.run.optimizers.OPTIMIZERS`; empty when any will do); ``example`` a spec that
     runs it on a small model within a few steps (short periods, small chunks; default: the
