@@ -371,16 +371,19 @@ def test_the_one_bit_methods_on_one_rank_compress_nothing(comm):
     is Adam with the variance frozen at the switch, and 0/1 Adam's 1-bit steps take the exact
     gradient into the momentum (against Adam written out step by step); neither sends a byte."""
     one = comm.split(comm.rank).dup(Ledger())
-    model = mlp(torch.float64)
-    opt = lowcomm.OneBitAdam(model, torch.optim.Adam(model.parameters(), lr=0.01), one, freeze_step=3)
     want = adam_reference(8, lambda t: t <= 3, clip=True)
+    # three dense steps: freeze_step 3 on the steps taken, 4 on DeepSpeed's counter
+    for freeze_step, counter in ((3, "steps"), (4, "deepspeed")):
+        model = mlp(torch.float64)
+        opt = lowcomm.OneBitAdam(model, torch.optim.Adam(model.parameters(), lr=0.01), one,
+                                 freeze_step=freeze_step, counter=counter)
 
-    def check(step):
-        for p, w in zip(model.parameters(), want[step - 1]):
-            assert torch.allclose(p.detach(), w, rtol=0, atol=1e-12), f"1-bit Adam, step {step}"
-    train(opt, model, one, 8, check)
-    assert sent(one) == 0 and not opt.worker_error.any() and not opt.server_error.any()
-    opt.finish()
+        def check(step):
+            for p, w in zip(model.parameters(), want[step - 1]):
+                assert torch.allclose(p.detach(), w, rtol=0, atol=1e-12), f"1-bit Adam ({counter}), step {step}"
+        train(opt, model, one, 8, check)
+        assert sent(one) == 0 and not opt.worker_error.any() and not opt.server_error.any()
+        opt.finish()
     kinds = schedule(10, var_freeze_step=6, var_update_scaler=2)
     assert "onebit" in kinds[:6]
     model = mlp(torch.float64)
