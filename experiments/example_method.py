@@ -39,4 +39,5 @@ class AverageEvery(lowcomm.Strategy):
 
 METHOD = lowcomm.register(lowcomm.Method(
     "average-every", AverageEverySettings, summary="average the parameters every H steps",
-    build=lambda s, model, optimizer, comm, ctx: AverageEvery(model, optimizer, comm, s.period)))
+    build=lambda s, model, optimizer, comm, ctx: AverageEvery(model, optimizer, comm, s.period),
+    example="average-every:period=3", compare=("strategy.period=10",)))

@@ -63,6 +63,36 @@ def test_chunk_sides_are_the_largest_divisors_within_the_target():
     assert ChunkedDCT(torch.Size([128, 96]), 64).sides == (64, 48)
 
 
+@pytest.mark.parametrize("average", ["all", "senders"])
+@pytest.mark.parametrize("bits", [0, 1])
+def test_chunk_topk_mean_of_k_ranks_is_the_chosen_average(average, bits):
+    """The mean of K = 3 ranks' top-3 of 16-element chunks, against a loop over the ranks'
+    (index, value) pairs: "all" divides each coefficient's sum by K, "senders" (the DeMo
+    reference's scatter_reduce mean) by the number of ranks that sent it; both differ here."""
+    K, row, k, rows = 3, 16, 3, 5
+    codec = QuantizedChunkTopK(row, k, 1, packed_indices=False, average=average) if bits else \
+        ChunkTopK(row, k, average)
+    payloads = [codec.encode(torch.randn(rows * row, generator=torch.Generator().manual_seed(r)),
+                             "w", None) for r in range(K)]
+    got = codec.decompress_mean([torch.stack([p[0][i] for p in payloads]) for i in
+                                 range(len(payloads[0][0]))], payloads[0][1], K)
+    sums, senders = {}, {}
+    for r in range(K):
+        x = torch.randn(rows * row, generator=torch.Generator().manual_seed(r)).view(rows, row)
+        for j in range(rows):
+            for i in x[j].abs().topk(k).indices.tolist():
+                v = (1.0 if x[j, i] > 0 else -1.0) if bits else float(x[j, i])
+                sums[j, i] = sums.get((j, i), 0.0) + v
+                senders[j, i] = senders.get((j, i), 0) + 1
+    want = torch.zeros(rows, row)
+    for (j, i), total in sums.items():
+        want[j, i] = total / (senders[j, i] if average == "senders" else K)
+    assert torch.allclose(got.view(rows, row), want, rtol=0, atol=1e-6)
+    assert any(n < K for n in senders.values())       # the two rules differ on this data
+    with pytest.raises(ValueError, match="average must be one of all, senders, got 'mean'"):
+        ChunkTopK(row, k, "mean")
+
+
 def test_chunk_topk_at_full_k_is_exact_and_its_bytes_are_k_value_and_index_per_chunk():
     x = torch.randn(6 * 16, generator=torch.Generator().manual_seed(2))
     full = ChunkTopK(16, 32)                           # k is clamped to the chunk's 16
@@ -134,7 +164,69 @@ def test_zeroone_adam_schedule_follows_the_papers_policies():
     assert schedule(16, 100)[:16] == ["dense"] * 16            # DeepSpeed's κ = 16
 
 
+def deepspeed_zeroone_kinds(steps, F, kappa, scaler, clipper):
+    """The kinds of DeepSpeed's ZeroOneAdam steps (zoadam.py's control flow, transcribed as
+    rules): its counter s starts with an initialisation step that updates nothing; while not
+    frozen, s is dense when s % var_interval == 0 (else 1-bit) and every such step counts towards
+    κ, which doubles the interval; frozen, s syncs when s % local_interval == 0, every step counts
+    towards local_step_scaler, which doubles the interval up to the clipper; it freezes after a
+    step with s > var_freeze_step."""
+    s, vi, vc, li, lc, frozen, kinds = 1, 1, 0, 1, 0, False, []
+    for _ in range(steps):
+        s += 1
+        if not frozen:
+            kinds.append("dense" if s % vi == 0 else "onebit")
+            if s % vi == 0:
+                vc += 1
+                if vc == kappa:
+                    vc, vi = 0, 2 * vi
+        else:
+            kinds.append("sync" if s % li == 0 else "local")
+            lc += 1
+            if lc == scaler:
+                lc, li = 0, min(clipper, 2 * li)
+        frozen = frozen or s > F
+    return kinds
+
+
+def deepspeed_onebit_dense_updates(freeze_step, steps=50):
+    """DeepSpeed's OnebitAdam (adam.py's control flow): the initialisation step s = 1 updates
+    nothing; every later step is dense Adam until one ends with s >= freeze_step."""
+    s, frozen, dense = 1, False, 0
+    for _ in range(steps):
+        s += 1
+        if frozen:
+            break
+        dense += 1
+        frozen = s >= freeze_step
+    return dense
+
+
+@pytest.mark.parametrize("F,kappa,scaler,clipper", [(10, 2, 2, 4), (9, 3, 1, 8), (6, 1, 3, 2),
+                                                    (1, 16, 2, 16)])
+def test_zeroone_adam_on_deepspeeds_counter_takes_deepspeeds_steps(F, kappa, scaler, clipper):
+    want = deepspeed_zeroone_kinds(30, F, kappa, scaler, clipper)
+    assert schedule(30, F, kappa, scaler, clipper, counter="deepspeed") == want
+    steps = schedule(30, F, kappa, scaler, clipper)          # the default: one step out of phase
+    assert steps[:F].count("dense") + steps[:F].count("onebit") == F == \
+        want[:F].count("dense") + want[:F].count("onebit")   # frozen after the same step
+    if kappa < F or clipper > 1:
+        assert steps != want
+
+
+@pytest.mark.parametrize("freeze_step", [1, 2, 3, 10])
+def test_onebit_adam_on_deepspeeds_counter_warms_up_as_deepspeed(freeze_step):
+    from lowcomm.strategies.onebit_adam import warmup_steps
+    assert warmup_steps(freeze_step, "deepspeed") == deepspeed_onebit_dense_updates(freeze_step)
+    assert warmup_steps(freeze_step) == freeze_step
+
+
 @pytest.mark.parametrize("overrides,key,message", [
+    (["strategy.name=onebit-adam", "strategy.counter=ds"], "strategy.counter", "deepspeed"),
+    (["strategy.name=onebit-adam", "strategy.scale=layer"], "strategy.scale", "tensor"),
+    (["strategy.name=streaming-diloco", "strategy.slot=middle"], "strategy.slot", "merge"),
+    (["strategy.name=zeroone-adam", "optimizer.name=adam", "strategy.counter=ds"], "strategy.counter",
+     "deepspeed"),
     (["strategy.name=zeroone-adam", "optimizer.name=sgd"], "optimizer.name", "zeroone-adam steps torch Adam"),
     (["strategy.name=zeroone-adam", "optimizer.name=adam", "compressor.name=int8"], "compressor.name",
      "zeroone-adam compresses"),
@@ -160,6 +252,8 @@ def test_zeroone_adam_schedule_follows_the_papers_policies():
     (["strategy.name=sparseloco", "strategy.compressor=int8"], "strategy.compressor", "itself"),
     (["strategy.name=distro", "strategy.exchange=two-phase"], "strategy.exchange", "allgather"),
     (["strategy.name=demo", "strategy.value_bits=2"], "strategy.value_bits", "0 .full values. or 1"),
+    (["strategy.name=demo", "strategy.average=senders"], "strategy.exchange", "needs every rank's pairs"),
+    (["strategy.name=demo", "strategy.average=some"], "strategy.average", "senders"),
     (["strategy.name=muloco-ef2bit"], "optimizer.name", "Muon inside"),
     (["strategy.name=muloco-ef2bit", "optimizer.name=muon", "strategy.compressor=int8"],
      "strategy.compressor", "2-bit quantiser"),

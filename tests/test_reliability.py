@@ -27,7 +27,7 @@ from conftest import ROOT, WORKERS, cli, run_mpi_suite, run_ranks, shared_mpi_su
 from lowcomm.compress import COMPRESSORS, Codec, build_compressor
 from lowcomm.run.config import CompressorConfig
 from lowcomm.run.loop import STOP_VOTE_LAG
-from lowcomm.run.registry import STRATEGIES
+from lowcomm.run.registry import STRATEGIES, example
 
 NP, STEPS, EVERY = 2, 12, 3
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",
@@ -55,8 +55,8 @@ def methods() -> dict[str, list[str]]:
     # optimizer): streaming-diloco's row, and the policy's nested one, resume them
     for name, method in STRATEGIES.items():   # each with the outer-loop keys it takes
         if name not in ("syncdp", "localsgd", "diloco"):
-            m[name] = [f"strategy.name={name}", *[o for o in OUTER
-                                                  if o[9:o.index("=")] in method.settings.fields()]]
+            m[name] = [f"strategy.name={name}", *example(method)[1],     # its inner optimizer
+                       *[o for o in OUTER if o[9:o.index("=")] in method.settings.fields()]]
     kinds = {}
     for name in COMPRESSORS:          # one compressor per kind of state, in registry order
         kind = state_kind(name) if name != "none" else None
@@ -77,8 +77,6 @@ def methods() -> dict[str, list[str]]:
         m["demo"] = ["strategy.name=demo", "optimizer.name=sgd", "optimizer.schedule=cosine"]
     # MuLoCo: DiLoCo over torch's Muon and AdamW (the inner optimizer's two parts resume)
     m["muloco"] = ["strategy.name=diloco", "strategy.period=4", "optimizer.name=muon"]
-    if "muloco-ef2bit" in m:   # its preset: Muon inside, the error feedback of its 2-bit quantiser
-        m["muloco-ef2bit"].append("optimizer.name=muon")
     if "sparseloco" in m:      # chunks the small model has several of, so top-k leaves some
         m["sparseloco"] += ["strategy.chunk=8", "strategy.topk=4"]
     if "async-ps" in STRATEGIES:   # checkpoints need its synchronous mode (1 server, 1 worker here)

@@ -6,7 +6,8 @@ lines below, and a block comment above a key).
 
 Without an argument the directive writes the whole reference, a heading per table (so the page
 has a contents sidebar and an anchor per table); with arguments (``{lowcomm-config} diloco``) it
-writes only those tables, titled in bold, for a method's own page."""
+writes only those tables, titled in bold, for a method's own page. ``{lowcomm-methods}`` writes
+the table of every registered method (its page, Python name, compare name, summary)."""
 from __future__ import annotations
 
 import ast
@@ -194,6 +195,39 @@ def whole_reference(srcdir: str) -> list[str]:
     return lines
 
 
+def methods_table(srcdir: str, docname: str = "methods/index") -> list[str]:
+    """Every registered method (:func:`lowcomm.run.registry.catalogue`) as a Markdown table: its
+    spec name linked to the section that describes it, its Python name, the inner optimizer it
+    needs, its name in ``lowcomm compare`` and its summary. A method no page describes is listed
+    without a link (``test_docs`` asks every built-in one to have a page)."""
+    from lowcomm.run.registry import catalogue
+    pages = method_pages(srcdir)
+    here = os.path.dirname(docname)
+    lines = ["| spec name | Python | needs | `lowcomm compare` | what it does |",
+             "|---|---|---|---|---|"]
+    for r in catalogue():
+        name = f"`{r['name']}`"
+        if r["name"] in pages:
+            page, _, anchor = pages[r["name"]].partition("#")
+            name = f"[{name}]({os.path.relpath(page, here or '.')}{'#' + anchor if anchor else ''})"
+        python = r["python"] if "." in r["python"] else f"lowcomm.{r['python']}" if r["python"] else ""
+        python = f"`{python}`" if python else ""
+        need = f"`optimizer.name = \"{r['optimizer']}\"`" if r["optimizer"] else ""
+        lines.append(f"| {name} | {python} | {need} | `{r['compare']}` | {r['summary']} |")
+    return lines + [""]
+
+
+class LowcommMethods(Directive):
+    """``{lowcomm-methods}``: the table of every registered method (:func:`methods_table`)."""
+
+    def run(self):
+        env = self.state.document.settings.env
+        container = nodes.container()
+        self.state.nested_parse(StringList(methods_table(env.srcdir, env.docname),
+                                           source="lowcomm-methods"), 0, container)
+        return container.children
+
+
 class LowcommConfig(Directive):
     """The whole reference; with an argument, only the tables of the methods it names
     (``{lowcomm-config} diloco streaming-diloco``)."""
@@ -223,4 +257,5 @@ class LowcommConfig(Directive):
 
 def setup(app):
     app.add_directive("lowcomm-config", LowcommConfig)
+    app.add_directive("lowcomm-methods", LowcommMethods)
     return {"version": "2", "parallel_read_safe": True}

@@ -344,12 +344,34 @@ def bench_compress(config, overrides, size, methods, iters, warmup, threads, lin
     _write_json(json_path, rows)
 
 
+@cli.command("methods")
+@config_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per method instead of a table.")
+def methods_command(config, overrides, as_json):
+    """Every registered method: its spec name, Python name, the inner optimizer it needs, a
+    small example spec, its name in 'lowcomm compare' and what it does. Methods a task
+    registers are listed too (--set task=my_task.py)."""
+    _config(config, overrides)              # loads the task: its registrations count
+    from ..run.registry import catalogue
+    rows = catalogue()
+    if as_json:
+        click.echo("\n".join(json.dumps(r) for r in rows))
+        return
+    cols = ("name", "python", "optimizer", "example", "compare")
+    width = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    click.echo("  ".join(c.ljust(width[c]) for c in cols) + "  summary")
+    for r in rows:
+        click.echo("  ".join((r[c] or "-").ljust(width[c]) for c in cols) + "  " + r["summary"])
+
+
 @cli.command()
 @config_options
 @click.option("--np", "np_", type=click.IntRange(min=1), default=None,
               help="Ranks per run [default: compare.np of the config, 4].")
 @click.option("--methods", default=None,
-              help="Comma list of methods, 'main' or 'all' (see lowcomm.tools.compare.METHODS) "
+              help="Comma list of methods, 'main' or 'all' (every registered method under its "
+                   "compare name (see 'lowcomm methods'), every compressor, and the variants of "
+                   "lowcomm.tools.compare.VARIANTS) "
                    "[default: compare.methods of the config, 'main'].")
 @click.option("--steps", type=click.IntRange(min=1), default=None,
               help="Steps per method [default: the config's steps, 300].")

@@ -132,20 +132,27 @@ class ChunkTopK(Codec):
     Update, per bucket x of n = rows·row elements:
       1. per row, the indices I of the ``k = min(topk, row)`` largest ``|x_i|`` (``torch.topk``);
       2. send ``x_I`` (x's dtype) and I (int16 while row ≤ 32767, else int32);
-      3. the mean of K ranks' payloads is ``(1/K) Σ_k scatter_add(I_k, x_{I_k})``, row by row.
+      3. the mean of K ranks' payloads, row by row: ``average = "all"``:
+         ``(1/K) Σ_k scatter_add(I_k, x_{I_k})``; ``"senders"`` (the DeMo reference code's
+         ``scatter_reduce(reduce="mean", include_self=False)``): each coefficient's sum over the
+         ranks that sent it divided by their number, ``n_i = |{k : i ∈ I_k}|`` (0 where none did).
     Bytes of a payload: ``rows · k · (value bytes + index bytes)``.
 
     Args:
         row: elements of one chunk.
         topk: coefficients kept per chunk.
+        average: "all" or "senders" (step 3).
     """
 
     name, summable = "demo", False
+    AVERAGES = ("all", "senders")
 
-    def __init__(self, row: int, topk: int):
+    def __init__(self, row: int, topk: int, average: str = "all"):
         if row < 1 or topk < 1:
             raise ValueError(f"row and topk must be >= 1, got {row}, {topk}")
-        self.row, self.k = int(row), min(int(topk), int(row))
+        if average not in self.AVERAGES:
+            raise ValueError(f"average must be one of {', '.join(self.AVERAGES)}, got {average!r}")
+        self.row, self.k, self.average = int(row), min(int(topk), int(row)), average
         self.index_dtype = torch.int16 if row <= torch.iinfo(torch.int16).max else torch.int32
 
     def bounds(self, n: int, K: int) -> list[int]:
@@ -172,7 +179,11 @@ class ChunkTopK(Codec):
         v = values.reshape(K, rows, self.k).permute(1, 0, 2).reshape(rows, K * self.k)
         i = idx.reshape(K, rows, self.k).permute(1, 0, 2).reshape(rows, K * self.k).long()
         out = torch.zeros(rows, self.row, dtype=values.dtype, device=values.device)
-        return out.scatter_add_(1, i, v).div_(K).view(-1)
+        out.scatter_add_(1, i, v)
+        if self.average == "all":
+            return out.div_(K).view(-1)
+        senders = torch.zeros_like(out).scatter_add_(1, i, torch.ones_like(v))
+        return out.div_(senders.clamp_(min=1)).view(-1)
 
     def subtract_decoded_(self, p, payload, ctx):
         values, idx = payload                   # only the k sent entries of each row change
@@ -200,18 +211,19 @@ class QuantizedChunkTopK(ChunkTopK):
 
     Bytes of a payload: ``⌈m·value_bits/8⌉`` (+ ``4·5·⌈m/block⌉`` for the 2-bit tables) +
     ``⌈m·⌈log2 row⌉/8⌉`` packed indices (or ``m·2``, int16). The mean of K payloads is
-    ``(1/K) Σ_k scatter_add(I_k, D(v_k))``, row by row.
+    ``(1/K) Σ_k scatter_add(I_k, D(v_k))``, row by row (or over the senders, as ChunkTopK's).
 
     Args:
         row, topk: as :class:`ChunkTopK`.
         value_bits: 1 or 2.
         packed_indices: indices in ``⌈log2 row⌉`` bits (True) or ChunkTopK's integers.
         block: values sharing one quantisation table (2 bits).
+        average: as :class:`ChunkTopK`'s.
     """
 
     def __init__(self, row: int, topk: int, value_bits: int = 2, packed_indices: bool = True,
-                 block: int = QUANT_BLOCK):
-        super().__init__(row, topk)
+                 block: int = QUANT_BLOCK, average: str = "all"):
+        super().__init__(row, topk, average)
         if value_bits not in (1, 2):
             raise ValueError(f"value_bits must be 1 or 2, got {value_bits}")
         self.value_bits, self.packed_indices, self.block = int(value_bits), bool(packed_indices), int(block)
@@ -254,8 +266,10 @@ class QuantizedChunkTopK(ChunkTopK):
         return self.decompress_mean([t.unsqueeze(0) for t in payload], ctx, 1)
 
     def decompress_mean(self, gathered, ctx, K):
-        n = ctx[0]
-        values, idx = self._unpacked(gathered, n, torch.float32)
+        n, selected = ctx
+        # 1 bit: ±1 in the values' own dtype, so a mean over 3 senders rounds as theirs would
+        dtype = torch.float32 if selected is None else selected.dtype
+        values, idx = self._unpacked(gathered, n, dtype)
         return super().decompress_mean([values, idx], n, K)
 
     def subtract_decoded_(self, p, payload, ctx):

@@ -349,3 +349,77 @@ class MomentumSign(Codec):
             check_finite(x, key, segments, rank, self.name)
         return [([scale, pack_signs(x[lo:hi])], (hi - lo, x.dtype)) if hi > lo else ([], None)
                 for lo, hi in zip(bounds, bounds[1:])]
+
+
+class TensorMomentumSign(MomentumSign):
+    """:class:`MomentumSign` with one scale per parameter tensor, as DeepSpeed's 1-bit
+    optimizers compress each tensor on its own: ``C(x) = (‖x_s‖₂/√d_s) sign(x)`` on every
+    segment s (its d_s elements); an element no segment covers (padding) decodes to 0.
+
+    In the two-phase exchange a chunk's payload holds, for each segment piece in it, its
+    tensor's worker scale (float32) and the chunk's packed signs; the owners re-encode every
+    piece of their chunk with a scale of its own (DeepSpeed's server scale is per 1/K of a
+    tensor; here per piece of a tensor an owner holds). Bytes of a chunk: 4 per piece plus
+    ``⌈n/8⌉``."""
+
+    name = "onebit-adam-tensor"
+
+    def payload_layout(self, n, dtype, nseg=1):
+        return [(torch.float32, (nseg,)), (torch.uint8, (packed_size(n),))]
+
+    @staticmethod
+    def _spans(segments: list[Segment] | None, n: int) -> tuple:
+        """The segments' ``(start, stop)`` (None: all n elements are one tensor)."""
+        return ((0, n),) if segments is None else tuple((s.start, s.stop) for s in segments)
+
+    @staticmethod
+    def _per_element(scales: torch.Tensor, n: int, spans: tuple, dtype) -> torch.Tensor:
+        """``scales`` (..., pieces) spread over their spans of n elements (0 outside them)."""
+        out = torch.zeros(*scales.shape[:-1], n, dtype=dtype, device=scales.device)
+        for i, (a, b) in enumerate(spans):
+            out[..., a:b] = scales[..., i:i + 1].to(dtype)
+        return out
+
+    def _check(self, scales, x, key, segments, rank) -> None:
+        if not bool(torch.isfinite(scales).all()):
+            check_finite(x, key, segments, rank, self.name)
+
+    def encode(self, x, key, segments, rank=None):
+        spans = self._spans(segments, x.numel())
+        scales = torch.stack([torch.linalg.vector_norm(x[a:b]) / math.sqrt(b - a) for a, b in spans]) \
+            .float() if spans else torch.zeros(0, dtype=torch.float32, device=x.device)
+        self._check(scales, x, key, segments, rank)
+        return [scales, pack_signs(x)], (x.numel(), x.dtype, spans)
+
+    def decompress(self, payload, ctx):
+        scales, packed = payload
+        n, dtype, spans = ctx
+        return unpack_signs(packed, n, dtype).mul_(self._per_element(scales, n, spans, dtype))
+
+    def decompress_mean(self, gathered, ctx, K):
+        scales, packed = gathered                      # (K, pieces), (K, ⌈n/8⌉)
+        n, dtype, spans = ctx
+        signs = unpack_signs(packed, n, dtype)         # (K, n)
+        return signs.mul_(self._per_element(scales, n, spans, dtype)).sum(0).div_(K)
+
+    def subtract_decoded_(self, p, payload, ctx):
+        return p.sub_(self.decompress(payload, ctx).to(p.dtype))
+
+    def compress_chunks(self, x, key, segments, bounds, rank=None):
+        """Each tensor's worker scale over all of it, sent with every chunk that holds a piece
+        of it; each chunk's signs."""
+        x = x.detach().reshape(-1)
+        segments = segments or whole(key, x)
+        whole_scale = {s.name: torch.linalg.vector_norm(x[s.start:s.stop]) / math.sqrt(s.stop - s.start)
+                       for s in segments}
+        out = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            if hi <= lo:
+                out.append(([], None))
+                continue
+            own = pieces(segments, lo, hi)
+            scales = torch.stack([whole_scale[s.name] for s in own]).float().reshape(-1) if own else \
+                torch.zeros(0, dtype=torch.float32, device=x.device)
+            self._check(scales, x, key, segments, rank)
+            out.append(([scales, pack_signs(x[lo:hi])], (hi - lo, x.dtype, self._spans(own, 0))))
+        return out

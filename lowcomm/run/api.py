@@ -32,14 +32,15 @@ from .registry import build_strategy, check, parse_spec
 
 def load_config(path=None, overrides=(), base: dict | None = None) -> Config:
     """A run's resolved config: :func:`lowcomm.run.config.load_config` (TOML, ``--set``), then
-    every method-level check (:func:`lowcomm.run.registry.check`) and the task (a missing file or
-    function fails here, before any rank starts); errors name the key."""
+    the task (a missing file or function fails here, before any rank starts; a method the task's
+    module registers is known from here on) and every method-level check
+    (:func:`lowcomm.run.registry.check`); errors name the key."""
     cfg = load_config_file(path, overrides, base)
-    check(cfg)
     try:
         load_task(cfg.task.name)
     except TaskError as e:
         raise ConfigError("task", str(e)) from None
+    check(cfg)
     return cfg
 
 

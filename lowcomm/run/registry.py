@@ -2,7 +2,9 @@
 
 Each strategy module publishes a :class:`~lowcomm.strategies.base.Method` (its settings
 dataclass, its builder and an optional check against the run's other keys); adding a method is
-its module plus one line in :data:`STRATEGIES` (or :func:`register` from user code).
+its module plus one line in :data:`STRATEGIES` (or :func:`register` from user code). Every
+other list of methods -- ``lowcomm compare``'s, ``lowcomm methods``, the docs' method table, the
+every-method tests -- is derived from it (:func:`catalogue`, :func:`example`).
 
 A method is named by a spec string ``NAME[:key=value,...]`` — the same strings in
 ``policy.<level>``, in ``--set strategy.name=...`` plus ``strategy.<key>`` keys, and from Python::
@@ -62,8 +64,30 @@ def register(method: Method) -> Method:
         raise TypeError(f"register() takes a lowcomm.Method, got {type(method).__name__}")
     if method.name in STRATEGIES:
         raise ValueError(f"a method named {method.name!r} is registered already")
+    if method.example and method.example.partition(":")[0].strip() != method.name:
+        raise ValueError(f"method {method.name!r}: example {method.example!r} must be a spec of "
+                         f"{method.name!r} itself (\"{method.name}:key=value,...\")")
+    taken = {m.compare_name or n: n for n, m in STRATEGIES.items()}
+    if (method.compare_name or method.name) in taken:
+        raise ValueError(f"method {method.name!r}: lowcomm compare already has "
+                         f"{method.compare_name or method.name!r} (method "
+                         f"{taken[method.compare_name or method.name]!r}); give another compare_name")
     STRATEGIES[method.name] = method
     return method
+
+
+def example(m: Method) -> tuple[str, list[str]]:
+    """``m`` as the every-method tests run it on a small model: (its example spec, the run keys
+    it needs: ``optimizer.name`` where it needs an inner optimizer of its own)."""
+    return m.example or m.name, [f"optimizer.name={m.optimizer}"] if m.optimizer else []
+
+
+def catalogue() -> list[dict]:
+    """One row per registered method (user-registered ones included), in registry order: its
+    spec name, Python name, inner optimizer, example spec, ``lowcomm compare`` name and summary
+    -- what ``lowcomm methods`` prints and the docs' method table shows."""
+    return [{"name": n, "python": m.python, "optimizer": m.optimizer, "example": example(m)[0],
+             "compare": m.compare_name or n, "summary": m.summary} for n, m in STRATEGIES.items()]
 
 
 def method(name: str, key: str = "strategy.name") -> Method:
@@ -239,5 +263,5 @@ def policy(levels: dict[str, str], model, optimizer, comm=None, *, topology: str
                         _python_context(compressor, nonfinite, None, comms))
 
 
-__all__ = ["STRATEGIES", "build", "build_strategy", "check", "context", "method",
+__all__ = ["STRATEGIES", "build", "build_strategy", "catalogue", "check", "context", "example", "method",
            "parse_spec", "policy", "policy_levels", "register", "settings", "strategy_settings"]

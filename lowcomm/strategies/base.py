@@ -136,7 +136,17 @@ class Method:
     ``build(settings, model, optimizer, comm, ctx) -> Strategy``; ``check(settings, cfg,
     prefix)`` (optional) rejects combinations with the run's other keys before MPI starts,
     naming the key; ``outer`` is True for outer loops (they may wrap a lower policy level);
-    ``level``: the method may be a level of a per-level policy."""
+    ``level``: the method may be a level of a per-level policy.
+
+    What the derived tables read (the method list of ``lowcomm compare``, ``lowcomm methods``,
+    the docs' method table, the every-method tests), so that a method is its module and this
+    one entry: ``python`` the name a user constructs it by (its class, or a preset's settings:
+    a ``lowcomm`` attribute for a built-in method, a dotted path for one from outside);
+    ``optimizer`` the inner optimizer it needs (a name of
+    :data:`lowcomm.run.optimizers.OPTIMIZERS`; empty when any will do); ``example`` a spec that
+    runs it on a small model within a few steps (short periods, small chunks; default: the
+    name); ``compare`` the overrides ``lowcomm compare`` adds to ``strategy.name=NAME`` (its
+    own good settings), under ``compare_name`` (default: the name)."""
     name: str
     settings: type
     build: Callable
@@ -144,6 +154,11 @@ class Method:
     check: Callable | None = None
     outer: bool = False
     level: bool = False     # may be a level of a per-level policy (per-step or outer loop)
+    python: str = ""
+    optimizer: str = ""
+    example: str = ""
+    compare: tuple[str, ...] = ()
+    compare_name: str = ""
 
 
 def balance(sizes: list[int], bins: int) -> list[int]:

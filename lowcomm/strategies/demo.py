@@ -28,6 +28,10 @@ class DeMoSettings(Settings):
     sign: bool = True              # step with sign(u) (the paper's); false: with u itself
     exchange: str = "two-phase"    # "two-phase" (bytes flat in K) | "allgather" (the paper's) | "auto"
     value_bits: int = 0            # 0: values in the momentum's dtype; 1: their signs (DisTrO)
+    # how the ranks' coefficients are averaged: "all" = over the K ranks (a coefficient a rank did
+    # not send counts as 0); "senders" = each over the ranks that sent it, as the paper's reference
+    # code (scatter_reduce mean); "senders" needs exchange = "allgather"
+    average: str = "all"
 
     def validate(self, prefix: str = "") -> None:
         self.at_least(prefix, "topk", 1)
@@ -37,6 +41,11 @@ class DeMoSettings(Settings):
         if self.value_bits not in (0, 1):
             raise ConfigError.at(prefix, "value_bits", f"must be 0 (full values) or 1 (signs), "
                                  f"got {self.value_bits}")
+        self.one_of(prefix, "average", ChunkTopK.AVERAGES)
+        if self.average == "senders" and self.exchange != "allgather":
+            raise ConfigError.at(prefix, "exchange", "average = \"senders\" (the reference's mean "
+                                 "over the ranks that sent a coefficient) needs every rank's pairs: "
+                                 f"use exchange = \"allgather\", got {self.exchange!r}")
         if self.value_bits and self.exchange != "allgather":
             raise ConfigError.at(prefix, "exchange", "1-bit values are decoded as ±1 without a "
                                  "scale, which the two-phase owners could not re-select; use "
@@ -64,10 +73,15 @@ def check_run(s: DeMoSettings, cfg, prefix: str) -> None:
                           f"compressor.name = \"none\", got {cfg.compressor.name!r}")
 
 
+#: ``lowcomm compare``'s settings: the paper's update is sign(u) through plain SGD, so lr is the
+#: sign step's size (another method's Adam lr diverges)
+SIGN_STEP = ("optimizer.name=sgd", "lr=0.001")
 METHOD = Method("demo", DeMoSettings, build, "DeMo: local momentum, its top-k DCT coefficients "
-                "per chunk exchanged and removed from it, a sign step", check=check_run)
+                "per chunk exchanged and removed from it, a sign step", check=check_run,
+                python="DeMo", example="demo:topk=4,chunk=8", compare=SIGN_STEP)
 DISTRO_METHOD = Method("distro", DisTrOSettings, build, "DisTrO (preset of DeMo): chunk 64, top-4 "
-                       "coefficients per chunk, 1-bit values, all-gathered", check=check_run)
+                       "coefficients per chunk, 1-bit values, all-gathered", check=check_run,
+                       python="DisTrOSettings", compare=SIGN_STEP)
 
 
 @dataclass
@@ -136,11 +150,15 @@ class DeMo(Strategy):
          otherwise chunks of s; :class:`~lowcomm.compress.demo.ChunkedDCT`), and ``q`` = the k
          largest magnitudes of c per chunk (:class:`~lowcomm.compress.demo.ChunkTopK`);
       3. ``m ← m − IDCT(q)``: what is sent leaves the momentum;
-      4. the ranks' q are averaged, ``Q = (1/K) Σ_k q_k`` (``exchange = "allgather"``: every
-         rank's (value, index) pairs all-gathered, as the paper; ``"two-phase"``: each owner of
-         a range of chunks sums the K ranks' pairs and keeps the k largest of each chunk, with
-         a server error that carries what it drops to its next step, then an all-gather of the
-         owners' pairs: exact at ``k = s²``, bytes flat in K);
+      4. the ranks' q are averaged (``exchange = "allgather"``: every rank's (value, index)
+         pairs all-gathered, as the paper; ``"two-phase"``: each owner of a range of chunks sums
+         the K ranks' pairs and keeps the k largest of each chunk, with a server error that
+         carries what it drops to its next step, then an all-gather of the owners' pairs: exact
+         at ``k = s²``, bytes flat in K). ``average = "all"`` (the default):
+         ``Q = (1/K) Σ_k q_k``, a coefficient a rank did not send counting as 0;
+         ``"senders"`` (the paper's reference code, ``scatter_reduce(reduce="mean",
+         include_self=False)``; all-gather only): ``Q_i = Σ_{k: i ∈ I_k} q_{k,i} / n_i``, each
+         coefficient over the ``n_i`` ranks that sent it;
       5. ``u = IDCT(Q)``; the wrapped optimizer steps with gradient ``sign(u)`` (``sign``, the
          paper's update) or ``u``.
 
@@ -151,8 +169,10 @@ class DeMo(Strategy):
     orthonormal, so ``DCT(βm + ηg) = β DCT(m) + η DCT(g)``): :class:`~lowcomm.compress.
     error_feedback.ErrorFeedback` around the chunked top-k, its residual scaled by β before each
     step. Every rank applies the same u, so the model stays replicated; buffers are rank 0's
-    after every step (DDP's rule). The reference averages a coefficient over the ranks that sent
-    it (``scatter_reduce(mean)``); here over all K, the mean of the ranks' q.
+    after every step (DDP's rule). The default averages over all K (the mean of the ranks' q,
+    which two-phase can re-select); ``average="senders"`` is the reference's rule: the two differ
+    where the ranks pick different coefficients (a coefficient one of K ranks sent weighs K
+    times more under "senders").
     Bytes per rank and step, P = Σ_chunks k·(value bytes + index bytes) (int16 indices while
     s² ≤ 32767): ``(K−1)·P`` with the all-gather, ``≈ 2(K−1)/K·P`` two-phase.
 
@@ -165,6 +185,8 @@ class DeMo(Strategy):
         decay: β in [0, 1).
         sign: step with ``sign(u)`` (True) or ``u``.
         exchange: "two-phase", "allgather" or "auto" (the faster by the α–β model).
+        average: "all" (over the K ranks) or "senders" (each coefficient over the ranks that
+            sent it, the reference's; needs ``exchange="allgather"``): step 4.
         value_bits: 0 (values in the momentum's dtype) or 1: the values' signs, one bit each,
             decoded as ±1 (:class:`~lowcomm.compress.demo.QuantizedChunkTopK`; the whole selected
             coefficients leave the momentum), as Psyche's DisTrO sends them; needs
@@ -202,8 +224,9 @@ class DeMo(Strategy):
         self.value_bits = s.value_bits
 
         def compressor(row: int) -> Compressor:
-            codec = QuantizedChunkTopK(row, self.topk, s.value_bits, packed_indices=False) \
-                if s.value_bits else ChunkTopK(row, self.topk)
+            codec = QuantizedChunkTopK(row, self.topk, s.value_bits, packed_indices=False,
+                                       average=s.average) \
+                if s.value_bits else ChunkTopK(row, self.topk, s.average)
             return Compressor(ErrorFeedback(codec), exchange)
         self.buckets = chunk_buckets(items, "demo", compressor)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
@@ -285,7 +308,8 @@ class DeMo(Strategy):
         if not final:
             return {}
         return {"topk": self.topk, "chunk": self.chunk, "decay": self.decay, "sign": self.sign,
-                "exchange": self.exchange, "value_bits": self.value_bits, "payload_bytes_per_step": self.payload_bytes()}
+                "exchange": self.exchange, "value_bits": self.value_bits,
+                "average": self.settings.average, "payload_bytes_per_step": self.payload_bytes()}
 
     def _finish(self) -> None:
         self.buffers.broadcast(self.comm)

@@ -188,4 +188,7 @@ class DesLoc(LocalSteps):
 
 
 METHOD = Method("desloc", DesLocSettings, build, "DES-LOC: local Adam, the parameters and each "
-                "Adam moment averaged on periods of their own", check=check_run)
+                "Adam moment averaged on periods of their own", check=check_run,
+                python="DesLoc", optimizer="adam", example="desloc:period=2,period_u=3,period_v=4",
+                # the paper's recommendation: K_u = 3 K_x, K_v = 6 K_x
+                compare=("strategy.period=16", "strategy.period_u=48", "strategy.period_v=96"))

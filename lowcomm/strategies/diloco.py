@@ -94,12 +94,16 @@ class StreamingDiLoCoSettings(DiLoCoSettings):
     delay: int = 0                 # τ inner steps between sending a fragment and applying it
     alpha: float = 0.0             # share of the local parameters kept when merging ("mix")
     merge: str = "mix"             # "mix" (α) | "add-local" (keep the τ steps' local progress)
+    # what falls on a fragment's slot ⌊(p+1)H/P⌋: "send" = it is sent there and merged τ steps
+    # later (the paper's figure); "merge" = sent τ steps earlier and merged there (torchft's)
+    slot: str = "send"
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
         self.at_least(prefix, "fragments", 1)
         self.at_least(prefix, "delay", 0)
         self.within(prefix, "alpha", 0, 1)
+        self.one_of(prefix, "slot", ("send", "merge"))
         if self.delay >= self.period:
             raise ConfigError.at(prefix, "delay", f"must be < period={self.period} (a fragment's "
                               f"reduction has to land before its next synchronisation), got {self.delay}")
@@ -287,11 +291,19 @@ class StreamingDiLoCo(DiLoCo):
     With P = 1, τ = 0 and α = 0 this is :class:`DiLoCo` (either merge: with τ = 0 the local
     progress is zero). Each fragment is its own outer parameter, so momentum is kept per fragment.
 
+    Against torchft's ``DiLoCo`` (``fragment_sync_delay`` = τ): torchft prepares (sends) a
+    fragment τ steps before its slot and performs the sync (outer step and merge) on the slot;
+    here, by default (``slot = "send"``), the fragment is sent on its slot and merged τ steps
+    later. The two are one schedule shifted by τ steps; ``slot = "merge"`` takes torchft's
+    (each fragment sent at s mod H = ⌊(p+1)H/P⌋ − τ, merged on the slot).
+
     Args:
         fragments: P, at most the number of parameter tensors (a tensor is never split).
         delay: τ in [0, period), inner steps between sending a fragment and applying it.
         alpha: α in [0, 1], the share of the local parameters kept when merging ("mix").
         merge: "mix" or "add-local" (α must be 0), see step 3.
+        slot: "send" (sent on the fragment's slot, merged τ steps later) or "merge"
+            (torchft's: sent τ steps earlier, merged on the slot).
         others: as :class:`DiLoCo`.
 
     Example::
@@ -307,10 +319,15 @@ class StreamingDiLoCo(DiLoCo):
 
 METHOD = Method("diloco", DiLoCoSettings, build, "DiLoCo: H inner steps, then an outer "
                 "Nesterov step on the averaged pseudo-gradient", check=check_run, outer=True,
-                level=True)
+                level=True, python="DiLoCo", example="diloco:period=3,compressor=ef-sign",
+                compare=("strategy.period=50",))
 STREAMING_METHOD = Method("streaming-diloco", StreamingDiLoCoSettings, build, "streaming DiLoCo: "
                           "DiLoCo over P staggered fragments, overlapped with τ inner steps",
-                          check=check_run, outer=True, level=True)
+                          check=check_run, outer=True, level=True, python="StreamingDiLoCo",
+                          example="streaming-diloco:period=4,fragments=2,delay=2",
+                          compare=("strategy.period=50", "strategy.fragments=4", "strategy.delay=5"))
 MULOCO_EF_METHOD = Method("muloco-ef2bit", MuLoCoEFSettings, build, "MuLoCo's error-feedback "
                           "2-bit variant (preset of DiLoCo): Muon inside, the pseudo-gradient "
-                          "2-bit quantised with error feedback", check=check_muloco, outer=True)
+                          "2-bit quantised with error feedback", check=check_muloco, outer=True,
+                          python="MuLoCoEFSettings", optimizer="muon",
+                          example="muloco-ef2bit:period=3", compare=("optimizer.name=muon",))

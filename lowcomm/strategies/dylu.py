@@ -209,6 +209,8 @@ def check_dylu(s: DyLUSettings, cfg, prefix: str) -> None:
 
 METHOD = Method("diloco-dylu", DyLUSettings, build, "DiLoCo with dynamic local updates: each "
                 "member takes the share of a period its measured speed allows, weighted by its "
-                "tokens; delayed Nesterov outside", check=check_dylu, outer=True, level=True)
+                "tokens; delayed Nesterov outside", check=check_dylu, outer=True, level=True,
+                python="DyLUDiLoCo", example="diloco-dylu:period=3",
+                compare=("strategy.period=50",))
 
 __all__ = ["DyLUDiLoCo", "DyLUSettings", "METHOD"]

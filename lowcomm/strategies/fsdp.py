@@ -58,7 +58,11 @@ def torch_internal(module: str, *names: str) -> tuple:
 @dataclass
 class FSDPSettings(Settings):
     """``[strategy]`` keys of ``fsdp``."""
-    wrap: str = "auto"          # the units sharded on their own (see wrap_units)
+    # the units sharded on their own before the whole model: "auto" = every block of every
+    # nn.ModuleList (a transformer's layers), "none" = the model as one unit, or class names such
+    # as "GPT2Block"; from Python also a callable module -> bool (see wrap_units). Names or a
+    # callable that match no module are an error naming wrap
+    wrap: str = "auto"
     reshard_after_forward: bool = True   # free gathered block parameters after forward
     param_dtype: str = ""       # mixed precision: the dtype forward/backward compute in ("": the parameters')
     reduce_dtype: str = ""      # the gradient reduce-scatter's dtype ("": param_dtype's)
@@ -231,11 +235,13 @@ def _checked(model, optimizer, wrap) -> tuple[list, dict, torch.device]:
         raise ArgumentError("model", f"FSDP needs the model's parameters on one device, found "
                             f"{sorted(map(str, devices)) or 'none'}")
     names = {id(p): n for n, p in model.named_parameters()}
-    strangers = [i for i, g in enumerate(optimizer.param_groups)
+    strangers = [(i, p) for i, g in enumerate(optimizer.param_groups)
                  for p in g["params"] if id(p) not in names]
     if strangers:
-        raise ArgumentError("optimizer", f"param_groups[{strangers[0]}] holds a tensor that is "
-                            "not a parameter of the model: FSDP shards the model's parameters only")
+        i, p = strangers[0]
+        raise ArgumentError("optimizer", f"param group {i} holds a tensor of shape "
+                            f"{tuple(p.shape)} that is not a parameter of the model: FSDP shards "
+                            "the model's parameters only")
     return wrap_units(model, wrap), names, devices.pop()
 
 
@@ -245,7 +251,7 @@ def build(s: FSDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Strate
 
 METHOD = Method("fsdp", FSDPSettings, build,
                 "fully sharded data parallelism (ZeRO-3) through torch's FSDP2 fully_shard",
-                check=check, level=True)
+                check=check, level=True, python="FSDP")
 
 
 class FSDP(Strategy):

@@ -603,4 +603,5 @@ def build(s: GossipSettings, model, optimizer, comm: Comm, ctx: Context) -> Goss
 
 
 METHOD = Method("gossip", GossipSettings, build, "decentralized gossip (D-PSGD, SGP, AD-PSGD, "
-                "CHOCO): average with graph neighbours", check=check_run)
+                "CHOCO): average with graph neighbours", check=check_run, python="Gossip",
+                example="gossip:graph=ring", compare=("strategy.graph=one-peer-exponential",))

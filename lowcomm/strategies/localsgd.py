@@ -76,4 +76,5 @@ class LocalSGD(OuterLoop):
 
 
 METHOD = Method("localsgd", LocalSGDSettings, build, "Local SGD: H local steps, then average "
-                "the parameters", check=check_run, outer=True, level=True)
+                "the parameters", check=check_run, outer=True, level=True, python="LocalSGD",
+                example="localsgd:period=3", compare=("strategy.period=10",))

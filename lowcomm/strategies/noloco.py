@@ -202,4 +202,5 @@ class NoLoCo(LocalSteps):
 
 METHOD = Method("noloco", NoLoCoSettings, build, "NoLoCo: local steps, then an outer step "
                 "averaging with one random peer through a modified Nesterov momentum (no "
-                "collective)", check=check_run)
+                "collective)", check=check_run, python="NoLoCo",
+                example="noloco:period=2", compare=("strategy.period=50",))

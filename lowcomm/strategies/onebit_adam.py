@@ -12,7 +12,7 @@ from ..comm.comm import Comm
 from ..compress.base import Segment, nonfinite_segments
 from ..compress.compressor import Compressor
 from ..compress.error_feedback import ErrorFeedback
-from ..compress.sign import MomentumSign
+from ..compress.sign import MomentumSign, TensorMomentumSign
 from ..compress.twophase import TwoPhase
 from ..errors import ConfigError, NonFiniteError
 from ..settings import Settings
@@ -20,14 +20,46 @@ from .base import Context, Method, Strategy
 from .buffers import Buffers
 
 
+#: the step counts a schedule may read (1-bit and 0/1 Adam's ``counter``)
+COUNTERS = ("steps", "deepspeed")
+#: what one compression scale covers (1-bit and 0/1 Adam's ``scale``)
+SCALES = ("model", "tensor")
+
+
+def onebit_codec(scale: str):
+    """The 1-bit codec: one scale for the whole vector, or one per parameter tensor."""
+    return TensorMomentumSign() if scale == "tensor" else MomentumSign()
+
+
+def counter_offset(counter: str) -> int:
+    """What DeepSpeed's step counter adds to the steps taken: its initialisation step (``step``
+    1 of its 1-bit optimizers updates nothing), so its step s is our step t = s − 1."""
+    return 1 if counter == "deepspeed" else 0
+
+
+def warmup_steps(freeze_step: int, counter: str = "steps") -> int:
+    """T_w, the dense Adam updates before the variance is frozen: ``freeze_step``, or with
+    DeepSpeed's counter (which counts its initialisation step) ``max(1, freeze_step − 1)``."""
+    return max(1, freeze_step - counter_offset(counter))
+
+
 @dataclass
 class OneBitAdamSettings(Settings):
     """``[strategy]`` keys of ``onebit-adam`` (``strategy.name = "onebit-adam"``, or the spec
     ``onebit-adam:freeze_step=100``)."""
     freeze_step: int = 100         # dense Adam warm-up steps before the variance is frozen
+    # which count freeze_step reads: "steps" = the steps taken (freeze_step dense updates);
+    # "deepspeed" = DeepSpeed's counter, which counts its initialisation step (one that discards
+    # its gradient): max(1, freeze_step - 1) dense updates, as a DeepSpeed run with that value
+    counter: str = "steps"
+    # the 1-bit compression's scale ‖·‖₂/√d: "model" = one for all the method's parameters;
+    # "tensor" = one per parameter tensor, as DeepSpeed (4 more bytes per tensor and message)
+    scale: str = "model"
 
     def validate(self, prefix: str = "") -> None:
         self.at_least(prefix, "freeze_step", 1)
+        self.one_of(prefix, "counter", COUNTERS)
+        self.one_of(prefix, "scale", SCALES)
 
 
 def build(s: OneBitAdamSettings, model, optimizer, comm: Comm, ctx: Context) -> "OneBitAdam":
@@ -76,16 +108,18 @@ def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
 
 METHOD = Method("onebit-adam", OneBitAdamSettings, build,
                 "1-bit Adam: dense Adam warm-up, then the momentum exchanged with 1 bit per "
-                "element", check=check_run)
+                "element", check=check_run, python="OneBitAdam", optimizer="adam",
+                example="onebit-adam:freeze_step=3")
 
 
 class OneBitAdam(Strategy):
     """1-bit Adam (Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang & He 2021,
     arXiv 2102.02888, Algorithm 1) on a plain ``torch.optim.Adam``.
 
-    Warm-up, steps t = 1 … ``freeze_step`` = T_w: the gradients are averaged with one dense
-    all-reduce and the wrapped ``torch.optim.Adam`` steps, so the run equals torch Adam on the
-    averaged gradient exactly. Compression stage, t > T_w, on each of K ranks:
+    Warm-up, steps t = 1 … T_w (``freeze_step``; ``counter="deepspeed"``: ``freeze_step − 1``,
+    at least 1): the gradients are averaged with one dense all-reduce and the wrapped
+    ``torch.optim.Adam`` steps, so the run equals torch Adam on the averaged gradient exactly.
+    Compression stage, t > T_w, on each of K ranks:
 
       1. the variance is frozen: ``v = v_{T_w}``, and with it Adam's denominator
          ``δ = √v/√(1-β2^{T_w}) + ε`` (torch Adam's bias correction, frozen at the switch);
@@ -123,6 +157,17 @@ class OneBitAdam(Strategy):
     not taken) is left alone, as torch Adam and DDP leave it: the ranks agree on it with one
     slot per parameter tensor (n tensors), carried in the warm-up's all-reduce and, in the
     compression stage, in a small all-reduce of its own.
+    Against DeepSpeed's ``OnebitAdam`` (``deepspeed/runtime/fp16/onebit/adam.py``), beside the
+    points above: (a) its first step initialises and discards the gradient, and its counter
+    includes that step, so ``freeze_step = N`` there makes N − 1 dense updates; here N, unless
+    ``counter="deepspeed"``; (b) it scales the 1-bit momentum per parameter tensor (each tensor
+    all-reduced on its own, padded to 8K), here by default one scale ``‖·‖₂/√d`` for all of the
+    method's parameters (one exchange, fewer bytes); the signs are the same, the magnitudes
+    differ where the tensors' momenta differ in size; ``scale="tensor"`` scales each tensor on
+    its own (:class:`~lowcomm.compress.sign.TensorMomentumSign`, still one exchange: the owners
+    scale each piece of a tensor they hold, and a tensor's scale counts its own elements,
+    DeepSpeed's its padding too); (c) on one rank neither compresses (nothing to send),
+    so the compression stage is Adam with the frozen variance.
     Bytes per rank and compressed step: the all-to-all and the all-gather each send
     ``(K-1)·(D/(8K) + 4)``, D = d rounded up to a multiple of 8K (d: parameter count), plus
     an all-reduce of 4n; during warm-up a dense all-reduce of 4(d + n).
@@ -134,6 +179,10 @@ class OneBitAdam(Strategy):
             (no amsgrad, no maximize).
         comm: communicator (default: world).
         freeze_step: warm-up steps with dense Adam, ≥ 1.
+        counter: "steps" (T_w = freeze_step) or "deepspeed" (T_w = max(1, freeze_step − 1),
+            DeepSpeed's count, which includes its initialisation step).
+        scale: "model" (one compression scale) or "tensor" (one per parameter tensor, as
+            DeepSpeed); bytes per message grow by 4 per tensor piece.
 
     Example::
 
@@ -156,6 +205,7 @@ class OneBitAdam(Strategy):
         self.settings = s
         self.decoupled = torch_adam(optimizer, "1-bit Adam")   # AdamW's weight decay
         self.freeze_step = s.freeze_step
+        self.warmup = warmup_steps(s.freeze_step, s.counter)          # T_w: dense updates
         names = {p: n for n, p in model.named_parameters()}
         self._params = [(names.get(p, f"param{i}"), p, g) for g in optimizer.param_groups
                         for i, p in enumerate(g["params"]) if p.requires_grad]
@@ -170,7 +220,7 @@ class OneBitAdam(Strategy):
         K = self.comm.size
         self.D = -(-self.d // (8 * K)) * 8 * K          # chunks of whole bytes, one per rank
         self.chunk = self.D // K
-        self.exchange = Compressor(ErrorFeedback(MomentumSign()), TwoPhase())
+        self.exchange = Compressor(ErrorFeedback(onebit_codec(s.scale)), TwoPhase())
         self.t = 0
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self._comm = self.comm.dup()          # fixed shapes: no per-call agreement check
@@ -210,7 +260,7 @@ class OneBitAdam(Strategy):
     def _step(self, closure=None):
         loss = closure() if closure is not None else None
         flat, mine = self._grads()
-        if self.t < self.freeze_step:
+        if self.t < self.warmup:
             flat, present = self._dense_average(flat, mine)
             for (_, p, _), s, here in zip(self._params, self._segments, present):
                 g = flat[s.start:s.stop].view_as(p)
@@ -272,14 +322,21 @@ class OneBitAdam(Strategy):
             self._frozen = []
             for _, p, g in self._params:
                 v = self._state(p)["exp_avg_sq"]     # none: no gradient in the warm-up, v = 0
-                denom = (v.sqrt() / math.sqrt(1 - g["betas"][1] ** self.freeze_step)).add_(g["eps"])
+                denom = (v.sqrt() / math.sqrt(1 - g["betas"][1] ** self.warmup)).add_(g["eps"])
                 self._frozen.append((denom, v > 0))
         return self._frozen
 
     def compressed_allreduce(self, u: torch.Tensor) -> torch.Tensor:
         """The error-compensated 1-bit average of ``u`` (D elements) over all ranks: steps 3–5
-        above. Every rank returns the same tensor. Updates both error buffers."""
-        return self.exchange.reduce(u, "momentum", self._comm, self._segments)
+        above. Every rank returns the same tensor. Updates both error buffers. On one rank
+        there is nothing to exchange: ``u`` itself, uncompressed (DeepSpeed's ``size > 1``)."""
+        return self.onebit_average(self.exchange, u, "momentum")
+
+    def onebit_average(self, exchange: Compressor, x: torch.Tensor, key: str) -> torch.Tensor:
+        """``exchange``'s 1-bit average of ``x`` over the ranks, or ``x`` on one rank."""
+        if self._comm.size == 1:
+            return x
+        return exchange.reduce(x, key, self._comm, self._segments)
 
     @property
     def worker_error(self) -> torch.Tensor:
@@ -346,5 +403,5 @@ class OneBitAdam(Strategy):
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         if not final:
             return {}
-        return {"freeze_step": self.freeze_step, "compressed_steps": max(0, self.t - self.freeze_step)}
+        return {"freeze_step": self.freeze_step, "compressed_steps": max(0, self.t - self.warmup)}
 

@@ -85,14 +85,16 @@ class Fragment:
                 p.mul_(alpha).add_(src.to(p.device, p.dtype), alpha=1.0 - alpha)
 
 
-def partition(named: list[tuple[str, torch.nn.Parameter]], fragments: int, period: int) -> list[Fragment]:
+def partition(named: list[tuple[str, torch.nn.Parameter]], fragments: int, period: int,
+              early: int = 0) -> list[Fragment]:
     """Split parameter tensors into ``fragments`` sets of near-equal size.
 
     Largest tensor first into the fragment holding the fewest elements so far (ties: the lower
     index), so each fragment's message is close to 1/P of the model; inside a fragment tensors
     keep model order. Fragment p is synchronised at local steps s with
-    ``s % period == ((p + 1) * period // P) % period``: the P fragments are spread evenly over
-    the period and the last one (all of them when P = 1) at its end, as in DiLoCo."""
+    ``s % period == ((p + 1) * period // P − early) % period``: the P fragments are spread
+    evenly over the period and the last one (all of them when P = 1) at its end, as in DiLoCo
+    (``early``: sent that many steps before those slots, torchft's convention)."""
     if int(fragments) != fragments or fragments < 1:
         raise ArgumentError("fragments", f"must be an integer >= 1, got {fragments}")
     if fragments > len(named):
@@ -108,7 +110,7 @@ def partition(named: list[tuple[str, torch.nn.Parameter]], fragments: int, perio
                 members.append((name, p, n, n + p.numel()))
                 n += p.numel()
                 dtype = torch.promote_types(dtype, p.dtype)
-        out.append(Fragment(f, members, dtype, ((f + 1) * period // fragments) % period))
+        out.append(Fragment(f, members, dtype, ((f + 1) * period // fragments - early) % period))
     return out
 
 
@@ -274,7 +276,8 @@ class OuterLoop(Strategy):
             # checkpoints and a fleet's heal hold the model as FSDP keeps it: each rank's shards
             self.model_state_dict = nest.inner.model_state_dict
             self.load_model_state_dict = nest.inner.load_model_state_dict
-        self.fragments = partition(named, fragments, self.period)
+        early = self.delay if getattr(s, "slot", "send") == "merge" else 0   # torchft's slots
+        self.fragments = partition(named, fragments, self.period, early)
         self.buffers = Buffers(model)
         self._bn = self._statistics_source(model, s, bn_batches, bn_forward)
         self.t = 0                                   # inner steps taken

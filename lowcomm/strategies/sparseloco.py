@@ -44,7 +44,8 @@ def build(s: SparseLoCoSettings, model, optimizer, comm: Comm, ctx: Context) -> 
 
 METHOD = Method("sparseloco", SparseLoCoSettings, build, "SparseLoCo: DiLoCo with a chunked "
                 "top-k 2-bit pseudo-gradient and an error-feedback accumulator for outer momentum",
-                check=check_run, outer=True)
+                check=check_run, outer=True, python="SparseLoCo",
+                example="sparseloco:period=3,chunk=8,topk=4")
 
 
 class SparseLoCo(OuterLoop):

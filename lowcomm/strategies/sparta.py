@@ -273,7 +273,10 @@ class SpartaDiLoCo(DiLoCo):
 
 
 METHOD = Method("sparta", SpartaSettings, build, "SPARTA: local steps, and every step the ranks "
-                "average the same small random subset of the parameters", check=check_sparta)
+                "average the same small random subset of the parameters", check=check_sparta,
+                python="Sparta", example="sparta:fraction=0.05", compare=("strategy.fraction=0.005",))
 DILOCO_METHOD = Method("sparta-diloco", SpartaDiLoCoSettings, build, "SPARTA under DiLoCo: a "
                        "sparse average every step and an outer step every H", check=check_run,
-                       outer=True, level=True)
+                       outer=True, level=True, python="SpartaDiLoCo",
+                       example="sparta-diloco:period=3,fraction=0.05",
+                       compare=("strategy.period=50", "strategy.fraction=0.005"))

@@ -60,7 +60,8 @@ def build(s: SyncDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Stra
 
 
 METHOD = Method("syncdp", SyncDPSettings, build,
-                "synchronous data parallelism: gradients averaged every step", level=True)
+                "synchronous data parallelism: gradients averaged every step", level=True,
+                python="SyncDP", compare_name="ddp")
 
 
 class SyncDP(Strategy):

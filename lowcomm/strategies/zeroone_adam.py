@@ -9,11 +9,11 @@ import torch
 from ..comm.comm import Comm
 from ..compress.compressor import Compressor
 from ..compress.error_feedback import ErrorFeedback
-from ..compress.sign import MomentumSign
 from ..compress.twophase import TwoPhase
 from ..settings import Settings
 from .base import Context, Method
-from .onebit_adam import OneBitAdam, OneBitAdamSettings, adam_only
+from .onebit_adam import (COUNTERS, SCALES, OneBitAdam, OneBitAdamSettings, adam_only, counter_offset,
+                          onebit_codec)
 from .outer import average_parameters
 
 
@@ -25,10 +25,17 @@ class ZeroOneAdamSettings(Settings):
     var_update_scaler: int = 16      # κ: variance updates per interval before it doubles
     local_step_scaler: int = 32678   # steps per local-step interval before it doubles
     local_step_clipper: int = 16     # H: the longest local-step interval
+    # which count the intervals read: "steps" = the steps taken (step 1 first); "deepspeed" =
+    # DeepSpeed's counter, one ahead (it counts its initialisation step), as a DeepSpeed run
+    counter: str = "steps"
+    # the 1-bit compression's scale: "model" = one for all parameters; "tensor" = one per tensor
+    scale: str = "model"
 
     def validate(self, prefix: str = "") -> None:
         for key in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
             self.at_least(prefix, key, 1)
+        self.one_of(prefix, "counter", COUNTERS)
+        self.one_of(prefix, "scale", SCALES)
 
 
 def build(s: ZeroOneAdamSettings, model, optimizer, comm: Comm, ctx: Context) -> "ZeroOneAdam":
@@ -38,7 +45,9 @@ def build(s: ZeroOneAdamSettings, model, optimizer, comm: Comm, ctx: Context) ->
 METHOD = Method("zeroone-adam", ZeroOneAdamSettings, build,
                 "0/1 Adam: variance updated on ever fewer steps with 1-bit steps between, then "
                 "frozen, with local steps between 1-bit synchronisations",
-                check=adam_only("zeroone-adam"))
+                check=adam_only("zeroone-adam"), python="ZeroOneAdam", optimizer="adam",
+                example="zeroone-adam:var_freeze_step=2,local_step_scaler=1,local_step_clipper=2",
+                compare=("strategy.local_step_scaler=20",))
 
 
 class Schedule:
@@ -51,24 +60,28 @@ class Schedule:
       (starting at 1, doubling after every ``local_step_scaler`` such steps, at most H =
       ``local_step_clipper``), else ``"local"``.
 
-    Its counters are all its state (``state_dict``)."""
+    "A multiple of the interval" is read on ``t + offset``: ``offset = 1`` is DeepSpeed's
+    counter, which counts its initialisation step, so its step s is step t = s − 1 here and
+    every interval ≥ 2 falls one step earlier than on t (the variance is frozen after the same
+    step t = ``var_freeze_step`` either way). Its counters are all its state (``state_dict``)."""
 
     def __init__(self, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
-                 local_step_clipper: int):
+                 local_step_clipper: int, offset: int = 0):
         self.freeze, self.kappa = var_freeze_step, var_update_scaler
-        self.scaler, self.clipper = local_step_scaler, local_step_clipper
+        self.scaler, self.clipper, self.offset = local_step_scaler, local_step_clipper, offset
         self.var_interval, self.var_counter = 1, 0
         self.local_interval, self.local_counter = 1, 0
 
     def kind(self, t: int) -> str:
+        s = t + self.offset
         if t <= self.freeze:
-            return "dense" if t % self.var_interval == 0 else "onebit"
-        return "sync" if t % self.local_interval == 0 else "local"
+            return "dense" if s % self.var_interval == 0 else "onebit"
+        return "sync" if s % self.local_interval == 0 else "local"
 
     def advance(self, t: int) -> None:
         """After step t (whatever its kind): the intervals' counters."""
         if t <= self.freeze:
-            if t % self.var_interval == 0:
+            if (t + self.offset) % self.var_interval == 0:
                 self.var_counter += 1
                 if self.var_counter == self.kappa:
                     self.var_counter, self.var_interval = 0, 2 * self.var_interval
@@ -88,9 +101,11 @@ class Schedule:
 
 
 def schedule(steps: int, var_freeze_step: int, var_update_scaler: int = 16,
-             local_step_scaler: int = 32678, local_step_clipper: int = 16) -> list[str]:
-    """The kinds of steps 1..``steps`` (:class:`Schedule`)."""
-    s = Schedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
+             local_step_scaler: int = 32678, local_step_clipper: int = 16,
+             counter: str = "steps") -> list[str]:
+    """The kinds of steps 1..``steps`` (:class:`Schedule`; ``counter``: as the setting's)."""
+    s = Schedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper,
+                 counter_offset(counter))
     out = []
     for t in range(1, steps + 1):
         out.append(s.kind(t))
@@ -138,6 +153,16 @@ class ZeroOneAdam(OneBitAdam):
     no rank has one (one slot per parameter tensor says so, n tensors), on a local or sync step
     where this rank has none; a sync leaves alone a parameter no rank stepped since the last one
     (the 1-bit average of zeros is not zero).
+    Against DeepSpeed's ``ZeroOneAdam`` (``deepspeed/runtime/fp16/onebit/zoadam.py``), beside
+    the points above: (a) its step counter includes its initialisation step, so each step's kind
+    there is decided one step out of phase with t here (the same steps are dense, 1-bit, local
+    or sync with ``counter="deepspeed"``); (b) it runs a compressed all-reduce per parameter
+    tensor, each with its own scale, here one exchange with by default one scale ``‖·‖₂/√d``
+    over all of the method's parameters (the signs agree, the magnitudes differ where the
+    tensors differ in size), or with ``scale="tensor"`` one per tensor (as 1-bit Adam's);
+    (c) on one rank neither compresses; DeepSpeed then also skips the momentum
+    update of a 1-bit step (it sits inside its ``size > 1`` branch), here the momentum takes
+    the exact gradient.
     Bytes per rank: dense steps an all-reduce of 4(d + n), 1-bit and sync steps
     ``2(K−1)·(D/(8K) + 4)`` (D = d rounded up to a multiple of 8K) and an all-reduce of 4n,
     local steps nothing.
@@ -151,6 +176,8 @@ class ZeroOneAdam(OneBitAdam):
         var_update_scaler: κ, variance updates per interval before the interval doubles.
         local_step_scaler: steps per local-step interval before it doubles (DeepSpeed: 32678).
         local_step_clipper: H, the longest local-step interval.
+        counter: "steps" or "deepspeed": the count the intervals read (:class:`Schedule`).
+        scale: "model" or "tensor": what one 1-bit compression scale covers.
 
     Example::
 
@@ -166,11 +193,11 @@ class ZeroOneAdam(OneBitAdam):
                  **options):
         s = settings if settings is not None else self.settings_from(options)
         super().__init__(model, optimizer, comm,
-                         settings=OneBitAdamSettings(freeze_step=s.var_freeze_step))
+                         settings=OneBitAdamSettings(freeze_step=s.var_freeze_step, scale=s.scale))
         self.settings = s
         self.schedule = Schedule(s.var_freeze_step, s.var_update_scaler, s.local_step_scaler,
-                                 s.local_step_clipper)
-        self.grad_exchange = Compressor(ErrorFeedback(MomentumSign()), TwoPhase())
+                                 s.local_step_clipper, counter_offset(s.counter))
+        self.grad_exchange = Compressor(ErrorFeedback(onebit_codec(s.scale)), TwoPhase())
         self.n_v = 0
         self.counts = {"dense": 0, "onebit": 0, "local": 0, "sync": 0}
         self._anchor: list[torch.Tensor] | None = None   # x̄, from the freeze on
@@ -253,7 +280,7 @@ class ZeroOneAdam(OneBitAdam):
             denom, moved = self._denom(st, g), st["exp_avg_sq"] > 0
             x[s.start:s.stop].view_as(p).copy_(flat[s.start:s.stop].view_as(p) / denom * moved)
             masks.append((denom, moved))
-        avg = self.grad_exchange.reduce(x, "gradient", self._comm, self._segments)
+        avg = self.onebit_average(self.grad_exchange, x, "gradient")
         out = torch.empty_like(flat)
         for s, (_, p, _), (denom, moved) in zip(self._segments, self._params, masks):
             out[s.start:s.stop].view_as(p).copy_(avg[s.start:s.stop].view_as(p) * denom * moved)

@@ -1,7 +1,7 @@
 """``lowcomm compare``: every method on one model and one data order, one command.
 
 Each method is its own ``mpirun`` of ``lowcomm train`` with the same config, seed, data order
-and sample count, differing only in the method's overrides (:data:`METHODS`). The driver runs
+and sample count, differing only in the method's overrides (:func:`methods`). The driver runs
 outside MPI, shows one progress bar over all steps, and writes into ``--out``:
 
 * ``<method>/``: each run's config.json, metrics.jsonl, summary.json, stdout/stderr logs;
@@ -51,42 +51,14 @@ from ..errors import RunFolderError
 from ..run.folder import close_run, json_text, lock, write_text
 from ..run.supervise import supervise
 
-# Method name -> the config overrides that select it (on top of the shared config).
-METHODS: dict[str, list[str]] = {
-    "ddp": [],
+#: The comparisons that are not one registered method on its own: compositions of registered
+#: pieces (a backend, an inner optimizer, a per-level policy, a topology-aware collective).
+#: Every registered method and every compressor join them by themselves (:func:`methods`).
+VARIANTS: dict[str, list[str]] = {
     "horovod": ["strategy.backend=horovod"],
-    **{name: [f"compressor.name={name}"] for name in
-       ("fp16", "bf16", "int8", "qsgd", "topk", "randomk", "sign", "sign-mv", "ef-sign", "powersgd")},
-    "onebit-adam": ["strategy.name=onebit-adam"],
-    "zeroone-adam": ["strategy.name=zeroone-adam", "strategy.local_step_scaler=20"],
-    # DeMo steps with sign(u) through plain SGD (the paper's update); lr is the sign step's size
-    "demo": ["strategy.name=demo", "optimizer.name=sgd", "lr=0.001"],
-    "sparta": ["strategy.name=sparta", "strategy.fraction=0.005"],
-    "sparta-diloco": ["strategy.name=sparta-diloco", "strategy.period=50", "strategy.fraction=0.005"],
     "muloco": ["strategy.name=diloco", "strategy.period=50", "optimizer.name=muon"],
-    # DES-LOC: local Adam, parameters every 16 steps, moments every 48 and 96 (K_u = 3 K_x,
-    # K_v = 6 K_x, the paper's recommendation)
-    "desloc": ["strategy.name=desloc", "strategy.period=16", "strategy.period_u=48",
-               "strategy.period_v=96"],
-    # NoLoCo: DiLoCo's outer step with one random peer, no collective
-    "noloco": ["strategy.name=noloco", "strategy.period=50"],
-    # presets: DisTrO (DeMo at Psyche's configuration), MuLoCo's error-feedback 2-bit variant
-    "distro": ["strategy.name=distro", "optimizer.name=sgd", "lr=0.001"],
-    "muloco-ef2bit": ["strategy.name=muloco-ef2bit", "optimizer.name=muon"],
-    "sparseloco": ["strategy.name=sparseloco"],
-    "localsgd": ["strategy.name=localsgd", "strategy.period=10"],
-    "diloco": ["strategy.name=diloco", "strategy.period=50"],
-    "streaming-diloco": ["strategy.name=streaming-diloco", "strategy.period=50",
-                         "strategy.fragments=4", "strategy.delay=5"],
-    "gossip": ["strategy.name=gossip", "strategy.graph=one-peer-exponential"],
-    "async-ps": ["strategy.name=async-ps"],
-    # ZeRO-1/2 on lowcomm's collectives: 1/K of the optimizer state (and gradients) per rank,
-    # SyncDP's bytes; ZeRO++'s quantized gradients and weights: about a quarter of them
-    "zero1": ["strategy.name=zero1"],
-    "zero2": ["strategy.name=zero2"],
+    # ZeRO++'s quantized gradients and weights: about a quarter of SyncDP's bytes
     "zero2-qgz": ["strategy.name=zero2", "strategy.qgz=int8", "strategy.qwz=int8"],
-    # ZeRO-3 through torch's FSDP2: each rank holds 1/K of the parameters and optimizer state
-    "fsdp": ["strategy.name=fsdp"],
     # sharded inside each datacenter, DiLoCo between them on the shards
     "dc-diloco-zero2": ["policy.rank=zero2", "policy.dc=diloco:period=50"],
     # the compute floor: every rank trains alone, one average at the end (one-shot averaging,
@@ -106,6 +78,33 @@ METHODS: dict[str, list[str]] = {
                      "policy.dc=streaming-diloco:period=32,fragments=4,delay=2,merge=add-local,"
                      "outer_optimizer=sgd,outer_lr=1.0,outer_momentum=0,compressor=int8"],
 }
+
+
+def methods() -> dict[str, list[str]]:
+    """Compare's name -> the config overrides that select it (on top of the shared config):
+    every registered method (:data:`lowcomm.run.registry.STRATEGIES`, under its
+    ``compare_name`` with its ``compare`` overrides; user-registered ones included), SyncDP with
+    every registered compressor, then :data:`VARIANTS`. Read at call time, so a method
+    registered after import is listed."""
+    from ..compress import COMPRESSORS
+    from ..run.registry import STRATEGIES
+    out: dict[str, list[str]] = {}
+
+    def add(name: str, overrides: list[str], what: str) -> None:
+        if name in out:
+            raise ValueError(f"lowcomm compare: {what} takes the name {name!r}, which another "
+                             f"comparison has already; give it another compare_name")
+        out[name] = overrides
+    for name, m in STRATEGIES.items():
+        add(m.compare_name or name, [f"strategy.name={name}", *m.compare], f"method {name!r}")
+    for name in COMPRESSORS:
+        if name != "none":
+            add(name, [f"compressor.name={name}"], f"compressor {name!r}")
+    for name, overrides in VARIANTS.items():
+        add(name, list(overrides), f"variant {name!r}")
+    return out
+
+
 MAIN_METHODS = ("ddp", "fp16", "int8", "topk", "ef-sign", "powersgd", "localsgd", "diloco")
 
 
@@ -114,7 +113,7 @@ def available(name: str) -> bool:
     from ..compress import COMPRESSORS
     from ..run.optimizers import OPTIMIZERS
     from ..run.registry import STRATEGIES
-    for o in METHODS[name]:
+    for o in methods()[name]:
         key, _, value = o.partition("=")
         if (key == "compressor.name" and value not in COMPRESSORS) or \
            (key == "strategy.name" and value not in STRATEGIES) or \
@@ -126,18 +125,19 @@ def available(name: str) -> bool:
 def resolve_methods(text: str) -> list[str]:
     """``"all"``, ``"main"`` or a comma list -> method names; unknown names are a ValueError
     listing the known ones."""
+    known = methods()
     if text == "all":
-        return [m for m in METHODS if available(m)]
+        return [m for m in known if available(m)]
     if text == "main":
         return [m for m in MAIN_METHODS if available(m)]
     names = [m.strip() for m in text.split(",") if m.strip()]
     twice = sorted({m for m in names if names.count(m) > 1})
     if twice:
         raise ValueError(f"method(s) {', '.join(twice)} given more than once")
-    unknown = [m for m in names if m not in METHODS]
+    unknown = [m for m in names if m not in known]
     if unknown or not names:
         raise ValueError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; known: "
-                         f"{', '.join(METHODS)} (or 'all', 'main')")
+                         f"{', '.join(known)} (or 'all', 'main')")
     missing = [m for m in names if not available(m)]
     if missing:
         raise ValueError(f"method(s) {', '.join(missing)} are not available in this installation")
@@ -193,7 +193,7 @@ def default_topology(np: int, dcs: int = 2) -> str:
 
 
 def needs_topology(method: str) -> bool:
-    return any(o.startswith("policy.") or o.endswith("=hierarchical") for o in METHODS[method])
+    return any(o.startswith("policy.") or o.endswith("=hierarchical") for o in methods()[method])
 
 
 def mpirun_command(np: int, launcher: str | list[str] | None) -> list[str]:
@@ -222,7 +222,7 @@ def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
     in that folder (only a lowcomm run's files)."""
     run_dir = out / method
     run_dir.mkdir(parents=True, exist_ok=True)
-    sets = [*overrides, *METHODS[method], f"steps={steps}"]
+    sets = [*overrides, *methods()[method], f"steps={steps}"]
     launch = mpirun_command(np, launcher)
     args = [sys.executable, "-m", "lowcomm.cli", "train", "--quiet",
             *(["--config", config] if config else []), *[a for s in sets for a in ("--set", s)]]
@@ -232,7 +232,7 @@ def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
         env.setdefault("LOWCOMM_TOPOLOGY", default_topology(np, dcs))   # wan.sh sets the same
         prefix = f"LOWCOMM_TOPOLOGY={env['LOWCOMM_TOPOLOGY']} "
     write_text(run_dir / "command.txt", prefix + " ".join(cmd) + "\n")
-    record = {"method": method, "overrides": METHODS[method]}
+    record = {"method": method, "overrides": methods()[method]}
     last = [0]
 
     def poll():
@@ -556,7 +556,7 @@ def _run_methods(methods, kept, np, steps, out, config, overrides, link, launche
                                    timeout_s, on_step=bar.update, dcs=dcs,
                                    max_restarts=max_restarts, overwrite=overwrite)
                 except KeyboardInterrupt:   # SIGINT while no job ran (it had not started)
-                    r = {"method": method, "overrides": METHODS[method], "status": "interrupted",
+                    r = {"method": method, "overrides": methods()[method], "status": "interrupted",
                          "error": "stopped by SIGINT"}
                 bar.update(done_before + steps - bar.n)
                 stopped = r.pop("stopped", None)     # it finished before the stop took

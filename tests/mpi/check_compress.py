@@ -391,6 +391,44 @@ def test_onebit_adams_compressed_allreduce_matches_its_definition_and_its_error_
     assert err < 0.2 * one, f"error feedback must shrink the error: {one:.3f} -> {err:.3f}"
 
 
+def test_onebit_adams_per_tensor_scales_match_their_definition(comm, ctl):
+    """``scale = "tensor"`` (DeepSpeed's): each rank's 1-bit image of every parameter tensor
+    carries that tensor's own scale ‖u_s‖₂/√d_s, and each owner re-scales every piece of a tensor
+    in its chunk on its own; here against that definition written out, on the first call (zero
+    errors), for a model whose tensors' sizes differ."""
+    model = make()
+    with torch.no_grad():            # tensors of very different magnitudes: one scale would not do
+        for i, p in enumerate(model.parameters()):
+            p.mul_(10.0 ** (i % 3))
+    ob = OneBitAdam(model, torch.optim.Adam(model.parameters()), comm.dup(Ledger()), freeze_step=1,
+                    scale="tensor")
+    u = torch.zeros(ob.D)
+    for s, p in zip(ob._segments, model.parameters()):
+        u[s.start:s.stop] = p.detach().reshape(-1) * torch.randn(
+            s.stop - s.start, generator=torch.Generator().manual_seed(9 + comm.rank + s.start))
+    U = ctl.allgather(u)                                      # (K, D)
+    worker = torch.zeros_like(U)
+    for k in range(K):
+        for s in ob._segments:
+            worker[k, s.start:s.stop] = C(U[k, s.start:s.stop], s.stop - s.start)
+    c, expect = ob.chunk, torch.zeros(ob.D)
+    w = worker.mean(0)
+    for j in range(K):
+        for s in ob._segments:
+            lo, hi = max(s.start, j * c), min(s.stop, (j + 1) * c)
+            if hi > lo:
+                expect[lo:hi] = C(w[lo:hi], hi - lo)
+    m = ob.compressed_allreduce(u.clone())
+    d = ob._segments[-1].stop
+    assert torch.allclose(m[:d], expect[:d], rtol=1e-5, atol=1e-6), "per-tensor 1-bit all-reduce != definition"
+    assert not m[d:].any() and agree(ctl, m)
+    other = make()
+    one = OneBitAdam(other, torch.optim.Adam(other.parameters()), comm.dup(Ledger()), freeze_step=1)
+    assert not torch.allclose(one.compressed_allreduce(u.clone())[:d], expect[:d], rtol=1e-3, atol=1e-4)
+    ob.close()
+    one.close()
+
+
 # state_dict round trip: continue bit-identically ------------------------------------------------
 ROUND_TRIP = [n for n in COMPRESSORS if n != "none"] + (["onebit-adam"] if COLLECTIVE == "allgather" else [])
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import lowcomm
-from helpers import assert_models_close, seeded_mlp, toy_dataset
+from helpers import assert_models_close, every_method, inner_optimizer, seeded_mlp, toy_dataset
 from lowcomm.run.evaluate import state_sha256
 from lowcomm.tasks import dataset_batches
 from under_mpi import RANK, SIZE
@@ -30,34 +30,20 @@ importlib.import_module("example_method")     # the README's method registers "a
 
 DATA = toy_dataset()
 STEPS = 7        # not a multiple of any period below: every outer loop ends between syncs
-METHODS = {
-    "syncdp": ("syncdp", []),
+#: every registered method at its example (helpers.every_method), and variants of some
+METHODS = every_method({
     "syncdp-ring-int8": ("syncdp:algorithm=ring", ["compressor.name=int8"]),
     "horovod": ("syncdp:backend=horovod", []),
-    "zero1": ("zero1", []),
     "zero2-qgz-qwz": ("zero2:qgz=int4,qwz=int8,partition=tensor", []),
-    "localsgd": ("localsgd:period=3", []),
-    "diloco": ("diloco:period=3,compressor=ef-sign", []),
-    "streaming-diloco": ("streaming-diloco:period=4,fragments=2,delay=2", []),
-    "gossip": ("gossip:graph=ring", []),
     "gossip-push-sum": ("gossip:graph=one-peer-exponential,gossip_mode=push-sum", []),
-    "onebit-adam": ("onebit-adam:freeze_step=3", ["optimizer.name=adam"]),
-    "zeroone-adam": ("zeroone-adam:var_freeze_step=2,local_step_scaler=1,local_step_clipper=2",
-                     ["optimizer.name=adam"]),
-    "demo": ("demo:topk=4,chunk=8", []),
-    "sparta": ("sparta:fraction=0.05", []),
-    "sparta-diloco": ("sparta-diloco:period=3,fraction=0.05", []),
     "muloco": ("diloco:period=3", ["optimizer.name=muon"]),
-    "desloc": ("desloc:period=2,period_u=3,period_v=4", ["optimizer.name=adam"]),
-    "noloco": ("noloco:period=2", []),          # 3 ranks: one sits out each outer step
-    "sparseloco": ("sparseloco:period=3,chunk=8,topk=4", []),
-    "distro": ("distro", []),
-    "muloco-ef2bit": ("muloco-ef2bit:period=3", ["optimizer.name=muon"]),
-    "diloco-dylu": ("diloco-dylu:period=3", []),
-    "average-every": ("average-every:period=3", []),
-    "async-ps": ("async-ps:servers=1", []),
+    # DeepSpeed's conventions: a compression scale per tensor, its step counter
+    "onebit-adam-deepspeed": ("onebit-adam:freeze_step=3,scale=tensor,counter=deepspeed",
+                              ["optimizer.name=adam"]),
+    "zeroone-adam-deepspeed": ("zeroone-adam:var_freeze_step=2,local_step_scaler=1,local_step_clipper=2,"
+                               "scale=tensor,counter=deepspeed", ["optimizer.name=adam"]),
     "policy": ("syncdp", ["topology=dc:2,rank:2+1", "policy.dc=diloco:period=3,compressor=int8"]),
-}
+})
 
 
 def loss(m, batch):
@@ -172,9 +158,7 @@ def test_build_makes_every_registered_method_from_its_spec(name, comm):
     """From Python, no config machinery (async-ps needs the loop's serving side: see the CLI
     tests)."""
     m = seeded_mlp(10, 16, 3)
-    adam = name in ("onebit-adam", "zeroone-adam", "desloc")
-    inner = lowcomm.MuonAdamW(m.parameters(), lr=0.01) if name == "muloco-ef2bit" else \
-        (torch.optim.Adam if adam else torch.optim.SGD)(m.parameters(), lr=0.1)
+    inner = inner_optimizer(name, m.parameters())
     opt = lowcomm.build(name, m, inner, comm, steps=STEPS)
     opt.close()
     assert isinstance(opt, lowcomm.Strategy), f"build({name!r}) gave {type(opt).__name__}"

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowcomm
+from helpers import every_method
 from lowcomm.run.evaluate import state_sha256
 
 STEPS = 4
@@ -33,40 +34,38 @@ def loss_of(model, x, y):
     return F.cross_entropy(model(x), y)
 
 
-# name -> how to build it on (model, inner optimizer, comm); every registered method appears
-METHODS = {
-    "syncdp": lambda m, o, c: lowcomm.build("syncdp", m, o, c),
-    "syncdp-int8": lambda m, o, c: lowcomm.build("syncdp", m, o, c, compressor="int8"),
-    "zero2": lambda m, o, c: lowcomm.build("zero2", m, o, c),
-    "zero1": lambda m, o, c: lowcomm.build("zero1:qgz=int8", m, o, c),
-    "horovod": lambda m, o, c: lowcomm.build("syncdp:backend=horovod", m, o, c),
-    "localsgd": lambda m, o, c: lowcomm.build("localsgd:period=2", m, o, c),
-    "diloco": lambda m, o, c: lowcomm.build("diloco:period=2,compressor=int8", m, o, c),
-    "streaming-diloco": lambda m, o, c: lowcomm.build(
-        "streaming-diloco:period=4,fragments=2,delay=1,merge=add-local", m, o, c),
-    "gossip": lambda m, o, c: lowcomm.build("gossip", m, o, c),
-    "async-ps": lambda m, o, c: lowcomm.build("async-ps:max_staleness=0", m, o, c,
-                                              nonfinite="skip"),
-    "onebit-adam": lambda m, o, c: lowcomm.build("onebit-adam:freeze_step=2", m,
-                                                 torch.optim.Adam(m.parameters(), lr=0.01), c),
-    "zeroone-adam": lambda m, o, c: lowcomm.build("zeroone-adam:var_freeze_step=8,var_update_scaler=2", m,
-                                                  torch.optim.Adam(m.parameters(), lr=0.01), c),
-    "demo": lambda m, o, c: lowcomm.build("demo:topk=4,chunk=8", m, o, c),
-    "sparta": lambda m, o, c: lowcomm.build("sparta:fraction=0.1", m, o, c),
-    "sparta-diloco": lambda m, o, c: lowcomm.build("sparta-diloco:period=2,fraction=0.1", m, o, c),
-    "desloc": lambda m, o, c: lowcomm.build("desloc:period=2,period_u=3,period_v=4", m,
-                                            torch.optim.Adam(m.parameters(), lr=0.01), c),
-    "noloco": lambda m, o, c: lowcomm.build("noloco:period=2", m, o, c),
-    "fsdp": lambda m, o, c: lowcomm.build("fsdp", m, o, c),
-    "sparseloco": lambda m, o, c: lowcomm.build("sparseloco:period=2,chunk=8,topk=4", m, o, c),
-    "distro": lambda m, o, c: lowcomm.build("distro", m, o, c),
-    "muloco-ef2bit": lambda m, o, c: lowcomm.build("muloco-ef2bit:period=2", m,
-                                                   lowcomm.MuonAdamW(m.parameters(), lr=0.01), c),
-    "policy": lambda m, o, c: lowcomm.policy({"dc": "diloco:period=2"}, m, o, c,
-                                             topology="dc:2,rank:1"),
-}
-LOCKSTEP = {"syncdp", "syncdp-int8", "zero2", "zero1", "horovod", "onebit-adam", "zeroone-adam",   # gradients meet
-            "demo", "distro", "fsdp"}                                                               # every step
+def by_spec(spec: str, needs: list[str], **kw):
+    """A builder on (model, inner optimizer, comm): the spec, on the inner optimizer the
+    method needs (``needs``: ``["optimizer.name=X"]``) or the test's SGD."""
+    def make(m, o, c):
+        if needs:
+            from lowcomm.run.optimizers import OPTIMIZERS
+            o = OPTIMIZERS[needs[0].partition("=")[2]](m.parameters(), lr=0.01)
+        return lowcomm.build(spec, m, o, c, **kw)
+    return make
+
+
+# name -> how to build it on (model, inner optimizer, comm): every registered method at its
+# example (helpers.every_method), and the variants and settings these checks need
+METHODS = {name: by_spec(spec, needs) for name, (spec, needs) in every_method({
+    "syncdp-int8": ("syncdp", []),
+    "zero1": ("zero1:qgz=int8", []),
+    "horovod": ("syncdp:backend=horovod", []),
+    "localsgd": ("localsgd:period=2", []),
+    "diloco": ("diloco:period=2,compressor=int8", []),
+    "streaming-diloco": ("streaming-diloco:period=4,fragments=2,delay=1,merge=add-local", []),
+    "gossip": ("gossip", []),
+    "onebit-adam": ("onebit-adam:freeze_step=2", ["optimizer.name=adam"]),
+    "zeroone-adam": ("zeroone-adam:var_freeze_step=8,var_update_scaler=2", ["optimizer.name=adam"]),
+    "sparta": ("sparta:fraction=0.1", []),
+    "sparta-diloco": ("sparta-diloco:period=2,fraction=0.1", []),
+    "sparseloco": ("sparseloco:period=2,chunk=8,topk=4", []),
+    "muloco-ef2bit": ("muloco-ef2bit:period=2", ["optimizer.name=muon"]),
+}).items()}
+METHODS["syncdp-int8"] = by_spec("syncdp", [], compressor="int8")
+METHODS["async-ps"] = by_spec("async-ps:max_staleness=0", [], nonfinite="skip")
+METHODS["policy"] = lambda m, o, c: lowcomm.policy({"dc": "diloco:period=2"}, m, o, c,
+                                                   topology="dc:2,rank:1")
 
 
 def build(name: str, comm, lr: float = 0.1):
@@ -116,9 +115,6 @@ def hashes(comm, model) -> list[str]:
     return comm.allgather_object(state_sha256(model))
 
 
-def test_every_registered_method_is_checked():
-    assert set(lowcomm.STRATEGIES) <= set(METHODS), \
-        f"add a builder for {sorted(set(lowcomm.STRATEGIES) - set(METHODS))}"
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before")
@@ -208,6 +204,9 @@ def test_grad_scaler_skips_a_step_whose_gradients_are_not_finite(name, comm):
     skips that step and halves its scale; elsewhere rank 1 alone skips its update (its inner
     optimizer steps once less) and the method's schedule goes on together."""
     model, inner, opt = build(name, comm)
+    # the method's own word: the ranks' gradients meet every step (a policy's is its per-step
+    # level's, here one rank per datacenter: the world's ranks do not meet every step)
+    lockstep = opt.lockstep and name != "policy"
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     inner_steps = [0]
     inner.register_step_post_hook(lambda *_: inner_steps.__setitem__(0, inner_steps[0] + 1))
@@ -224,9 +223,9 @@ def test_grad_scaler_skips_a_step_whose_gradients_are_not_finite(name, comm):
     if getattr(opt, "is_server", False):
         assert opt.server.stats()["skipped"] == [1]
         return
-    skipped = comm.rank == 1 or name in LOCKSTEP
+    skipped = comm.rank == 1 or lockstep
     assert seen[2][1] == (seen[1][1] / 2 if skipped else seen[1][1])
-    if name in LOCKSTEP:
+    if lockstep:
         for k in seen[1][0]:
             assert torch.equal(seen[1][0][k], seen[2][0][k]), f"{k} moved in a skipped step"
     elif name != "async-ps":                  # a worker's optimizer is stepped by the servers

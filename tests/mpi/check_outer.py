@@ -492,3 +492,27 @@ def test_dynamic_local_updates_resume_mid_period_bit_identically(comm):
     opt2.close()
     assert_models_equal(fresh, ref, "diloco-dylu resumed mid-period")
 
+
+
+@on_two
+@pytest.mark.parametrize("slot,merged", [
+    ("send", {0: [6, 14], 1: [10]}),          # sent on the slots 4 and 8 (fragment 1), τ = 2 later
+    ("merge", {0: [4, 12], 1: [8, 16]}),      # torchft's: sent τ = 2 before the slots, merged on them
+])
+def test_streaming_fragments_merge_where_the_slot_convention_says(slot, merged, comm):
+    """H = 8, P = 2, τ = 2, α = 0: a fragment is equal on every rank exactly after the steps that
+    merge it (the ranks' batches differ, so local steps take them apart). ``slot = "send"``
+    merges τ steps after the slots ⌊(p+1)H/P⌋ = 4, 8; ``slot = "merge"`` (torchft's
+    convention, ``fragment_sync_delay`` = τ) merges on them."""
+    model = make()
+    opt = StreamingDiLoCo(model, sgd(model.parameters()), comm, period=8, fragments=2, delay=2,
+                          slot=slot)
+    seen = {0: [], 1: []}
+    for step in range(1, 17):
+        train(None, 1, model=model, first=step, strategy=opt)
+        for f in opt.fragments:
+            mine = torch.cat([p.detach().reshape(-1) for _, p, _, _ in f.members])
+            if all(torch.equal(mine, other) for other in comm.allgather_object(mine)):
+                seen[f.index].append(step)
+    assert seen == merged, seen
+    opt.close()

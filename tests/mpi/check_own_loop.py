@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 import lowcomm
-from helpers import agree, assert_models_close, control, sent, train_steps
+from helpers import agree, assert_models_close, control, every_method, sent, train_steps
 from lowcomm.comm.ledger import Ledger
 from lowcomm.errors import CommError, LowcommError
+from lowcomm.run.optimizers import OPTIMIZERS
 from under_mpi import RANK
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -53,9 +54,9 @@ def train(model, opt, steps, first=0):
     train_steps(model, opt, batch, steps, first)
 
 
-def build(spec, model, params=None, comm=None, adam=False):
+def build(spec, model, params=None, comm=None, needs=""):
     params = list(model.parameters()) if params is None else params
-    inner = torch.optim.Adam(params, lr=0.01) if adam else torch.optim.SGD(params, lr=0.1)
+    inner = OPTIMIZERS[needs](params, lr=0.01) if needs else torch.optim.SGD(params, lr=0.1)
     return lowcomm.build(spec, model, inner, comm.dup(Ledger()))
 
 
@@ -74,12 +75,15 @@ def one_model(ctl, model) -> bool:
     return all(agree(ctl, t) for t in model.state_dict().values())
 
 
-SPECS = {"syncdp": "syncdp", "syncdp-int8": "syncdp:compressor=int8", "localsgd": "localsgd:period=2",
-         "diloco": "diloco:period=2", "gossip": "gossip", "onebit-adam": "onebit-adam:freeze_step=2",
-         "zeroone-adam": "zeroone-adam:var_freeze_step=2", "demo": "demo:topk=4,chunk=8",
-         "sparta": "sparta:fraction=0.5", "desloc": "desloc:period=2,period_u=3,period_v=4",
-         "noloco": "noloco:period=2"}
-ADAM = ("onebit-adam", "zeroone-adam", "desloc")
+#: every registered method at its example (helpers.every_method), and the settings these checks
+#: train with
+SPECS = {name: spec for name, (spec, _) in every_method({
+    "syncdp-int8": ("syncdp:compressor=int8", []), "localsgd": ("localsgd:period=2", []),
+    "diloco": ("diloco:period=2", []), "gossip": ("gossip", []),
+    "onebit-adam": ("onebit-adam:freeze_step=2", []),
+    "zeroone-adam": ("zeroone-adam:var_freeze_step=2", []), "sparta": ("sparta:fraction=0.5", [])}).items()}
+#: the inner optimizer each method needs (its registry entry's), else SGD
+NEEDS = {name: m.optimizer for name, m in lowcomm.STRATEGIES.items()}
 
 
 # parameters the method was not built for ----------------------------------------------------
@@ -88,15 +92,16 @@ def test_an_optimizer_tensor_outside_the_model_is_refused_at_build(name, comm):
     model = Net()
     extra = torch.nn.Parameter(torch.zeros(5))
     e = raised(comm, lambda: build(SPECS[name], model, [*model.parameters(), extra], comm,
-                                   adam=name in ADAM))
+                                   needs=NEEDS.get(name, "")))
     assert isinstance(e, LowcommError), f"{name}: {e!r}"
-    assert "param group 0" in str(e) and "(5,)" in str(e) and "not a parameter of the model" in str(e), e
+    group = 1 if NEEDS.get(name) == "muon" else 0      # MuonAdamW steps 1-D tensors in its AdamW group
+    assert f"param group {group}" in str(e) and "(5,)" in str(e) and "not a parameter of the model" in str(e), e
 
 
 @pytest.mark.parametrize("name", ["syncdp", "diloco", "gossip", "onebit-adam"])
 def test_a_group_added_after_build_is_refused_at_the_next_step_naming_it(name, comm, ctl):
     model = Net()
-    opt = build(SPECS[name], model, list(model.a.parameters()), comm, adam=name in ADAM)
+    opt = build(SPECS[name], model, list(model.a.parameters()), comm, needs=NEEDS.get(name, ""))
     train(model, opt, 2)
     opt.optimizer.add_param_group({"params": list(model.b.parameters())})
     e = raised(comm, lambda: train(model, opt, 1, 2))
@@ -191,7 +196,7 @@ def test_a_method_that_does_not_take_unfrozen_parameters_in_refuses_them_naming_
     parameters that trained at build: the step that first sees the unfrozen one's gradient raises, naming it,
     before anything diverges."""
     model = frozen_b()
-    opt = build(SPECS.get(name, name), model, None, comm, adam=name in ADAM)
+    opt = build(SPECS.get(name, name), model, None, comm, needs=NEEDS.get(name, ""))
     train(model, opt, 2)
     for p in model.b.parameters():
         p.requires_grad_(True)
@@ -216,7 +221,7 @@ class Odd(torch.nn.Module):
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_the_same_size_in_another_shape_on_one_rank_is_refused_at_build(name, comm):
-    e = raised(comm, lambda: build(SPECS[name], Odd(), None, comm, adam=name in ADAM))
+    e = raised(comm, lambda: build(SPECS[name], Odd(), None, comm, needs=NEEDS.get(name, "")))
     assert isinstance(e, CommError), f"{name}: {e!r}"
     assert "differently named or shaped" in str(e) and "ranks [1" in str(e), str(e)
 
@@ -274,7 +279,7 @@ def test_a_replicated_state_loads_on_every_rank(comm):
 @pytest.mark.parametrize("name", ["syncdp", "demo", "onebit-adam"])
 def test_a_sparse_gradient_embedding_is_refused_naming_it(name, comm):
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 3))
-    e = raised(comm, lambda: build(SPECS[name], model, None, comm, adam=name in ADAM))
+    e = raised(comm, lambda: build(SPECS[name], model, None, comm, needs=NEEDS.get(name, "")))
     assert isinstance(e, LowcommError), repr(e)
     assert "'0.weight'" in str(e) and "sparse gradients" in str(e) and name in str(e), str(e)
 

@@ -108,3 +108,21 @@ def train_steps(model, opt, batch, steps: int, first: int = 0) -> None:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
+
+
+def every_method(variants: dict) -> dict:
+    """Every registered method as its registry entry's example runs it: ``{name: (spec, run
+    keys)}`` (:func:`lowcomm.run.registry.example`; user-registered methods included, so a new
+    method is checked without editing a test), then ``variants`` (more of one method: another
+    algorithm, compressor, backend, policy, or the settings a check needs)."""
+    from lowcomm.run.registry import STRATEGIES, example
+    return {**{name: example(m) for name, m in STRATEGIES.items()}, **variants}
+
+
+def inner_optimizer(name: str, params, lr: float = 0.1):
+    """The inner optimizer method ``name`` needs (its registry entry's ``optimizer``, at lr/10),
+    else plain SGD."""
+    from lowcomm.run.optimizers import OPTIMIZERS
+    from lowcomm.run.registry import STRATEGIES
+    needs = STRATEGIES[name].optimizer if name in STRATEGIES else ""
+    return OPTIMIZERS[needs](params, lr=lr / 10) if needs else torch.optim.SGD(params, lr=lr)

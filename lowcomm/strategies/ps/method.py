@@ -30,4 +30,5 @@ def build(s: AsyncPSSettings, model, optimizer, comm: Comm, ctx: Context):
 
 
 METHOD = Method("async-ps", AsyncPSSettings, build, "asynchronous parameter server: sharded, "
-                "with a staleness bound", check=check_run)
+                "with a staleness bound", check=check_run, python="AsyncPS",
+                example="async-ps:servers=1")
