@@ -356,6 +356,12 @@ SLOW = [a for o in (f"task={ROOT / 'tests' / 'fleet_task.py'}", "task.step_ms=50
         for a in ("--set", o)]
 
 
+def _as_from_a_terminal() -> None:
+    """The launcher's SIGINT as a terminal gives it: a suite started in the background (``make
+    test &``) ignores SIGINT, which its children inherit and a shell then cannot trap."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def stop_slow_run(out, launch, sig):
     """A run of 0.5 s steps started by ``launch`` (a launcher's argv prefix), stopped by ``sig``
     sent to that launcher's process once two steps are logged; its exit status and stderr."""
@@ -363,7 +369,7 @@ def stop_slow_run(out, launch, sig):
     p = subprocess.Popen([*launch, "lowcomm", "train", "--quiet", "--out", str(out), *SLOW,
                           "--set", "steps=100000"], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         env={**os.environ, **venv})
+                         env={**os.environ, **venv}, preexec_fn=_as_from_a_terminal)
     until(lambda: len(lines(out / "metrics.jsonl")) >= 2, "the job did not start")
     p.send_signal(sig)
     return ended(p)
