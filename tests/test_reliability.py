@@ -63,6 +63,8 @@ def methods() -> dict[str, list[str]]:
         if kind and kind not in kinds:
             kinds[kind] = name
             m[f"compressor-{name}"] = [f"compressor.name={name}", "compressor.start_iter=2"]
+    if "diloco-dylu" in STRATEGIES:   # ranks sharing cores differ in speed by timing alone:
+        m["diloco-dylu"].append("strategy.tolerance=0.99")   # every step taken, reproducibly
     if "onebit-adam" in STRATEGIES:   # past its warm-up within the run
         m["onebit-adam"] = ["strategy.name=onebit-adam", "strategy.freeze_step=4", "optimizer.name=adam",
                             "optimizer.schedule=cosine"]     # the lr a resumed step reads moves

@@ -161,8 +161,12 @@ def take_step(r: Run, coord, state: LoopState, step: int) -> None:
     this rank does not compute the step (:meth:`~lowcomm.strategies.base.Strategy.takes_step`)."""
     c0 = compute_cpu_clock()
     if not r.strategy.takes_step():          # dynamic local updates: passed, not computed
-        r.strategy.pass_step()
-        state.passed += 1
+        if coord.skip_step(None, step):      # its vote still counts: all skip a non-finite step
+            r.strategy.skip()
+            state.skipped += 1
+        else:
+            r.strategy.pass_step()
+            state.passed += 1
         state.step = step
         return
     loss, bad = train_step(r, coord, step)
