@@ -192,7 +192,7 @@ def goodput(fleet) -> dict:
             if not timed:
                 continue
             last = timed[-1]
-            t = {"steps": last["step"] - (lines[0]["step"] - 1 if lines else 0), "samples": None,
+            t = {"steps": last["step"] - lines[0]["step"] + 1, "samples": None,
                  "tokens": None, **{k: last[k] for k in ("run_s", "idle_s", "rounds_s")},
                  "busy_s": last["run_s"] - last["rounds_s"]}
         acc = by_dc.setdefault(str(who["dc"]), {k: 0 for k in TIME_KEYS})

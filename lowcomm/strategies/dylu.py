@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.comm import Comm
-from ..errors import ArgumentError, ConfigError, LowcommError
+from ..errors import ConfigError, LowcommError
 from .base import Context, Method
 from .diloco import DiLoCo, DiLoCoSettings
 from .outer import Fragment, check_run
@@ -93,9 +93,6 @@ class DyLUDiLoCo(DiLoCo):
             raise ConfigError("policy", "diloco-dylu over sharded units (zero1/zero2/fsdp) is not "
                               "supported: each rank would reduce its own range's speeds; use "
                               "syncdp inside the units")
-        if len(self.fragments) != 1 or self.delay:
-            raise ArgumentError("fragments", "diloco-dylu synchronises the whole model at once "
-                                "(fragments = 1, delay = 0)")
         self.min_steps, self.tolerance = self.settings.min_steps, self.settings.tolerance
         self.smoothing = self.settings.smoothing
         self.speed: float | None = None          # v̄_k, steps per second (smoothed)
@@ -200,16 +197,9 @@ class DyLUDiLoCo(DiLoCo):
         return out
 
 
-def check_dylu(s: DyLUSettings, cfg, prefix: str) -> None:
-    check_run(s, cfg, prefix)
-    fragments = getattr(s, "fragments", 1)
-    if fragments != 1:
-        raise ConfigError.at(prefix, "fragments", "diloco-dylu synchronises the whole model at once")
-
-
 METHOD = Method("diloco-dylu", DyLUSettings, build, "DiLoCo with dynamic local updates: each "
                 "member takes the share of a period its measured speed allows, weighted by its "
-                "tokens; delayed Nesterov outside", check=check_dylu, outer=True, level=True,
+                "tokens; delayed Nesterov outside", check=check_run, outer=True, level=True,
                 # the example's ranks share cores, so their speeds differ by timing alone: with
                 # tolerance 0.99 every rank takes every step and a run is reproducible (resumes
                 # bit for bit); check_outer tests the speeds' rule on a loop clock
