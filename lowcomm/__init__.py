@@ -29,6 +29,7 @@ _LAZY = {
     "AsyncPS": "strategies.async_ps", "OneBitAdam": "strategies.onebit_adam",
     "ZeroOneAdam": "strategies.zeroone_adam", "DeMo": "strategies.demo", "DisTrOSettings": "strategies.demo",
     "SparseLoCo": "strategies.sparseloco", "MuLoCoEFSettings": "strategies.diloco",
+    "EagerDiLoCoSettings": "strategies.diloco",
     "DelayedNesterov": "strategies.diloco", "DyLUDiLoCo": "strategies.dylu", "Sparta": "strategies.sparta",
     "SpartaDiLoCo": "strategies.sparta", "DesLoc": "strategies.desloc", "NoLoCo": "strategies.noloco",
     "ZeRO1": "strategies.zero", "ZeRO2": "strategies.zero",

@@ -40,6 +40,7 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     localsgd.METHOD,
     diloco.METHOD,
     diloco.STREAMING_METHOD,
+    diloco.EAGER_METHOD,
     gossip.METHOD,
     async_ps.METHOD,
     onebit_adam.METHOD,

@@ -94,6 +94,7 @@ class StreamingDiLoCoSettings(DiLoCoSettings):
     delay: int = 0                 # τ inner steps between sending a fragment and applying it
     alpha: float = 0.0             # share of the local parameters kept when merging ("mix")
     merge: str = "mix"             # "mix" (α) | "add-local" (keep the τ steps' local progress)
+    #                                | "eager" (restart from an eager outer step, Kale et al. 2025)
     # what falls on a fragment's slot ⌊(p+1)H/P⌋: "send" = it is sent there and merged τ steps
     # later (the paper's figure); "merge" = sent τ steps earlier and merged there (torchft's)
     slot: str = "send"
@@ -108,6 +109,28 @@ class StreamingDiLoCoSettings(DiLoCoSettings):
             raise ConfigError.at(prefix, "delay", f"must be < period={self.period} (a fragment's "
                               f"reduction has to land before its next synchronisation), got {self.delay}")
         check_merge(self.merge, self.alpha, prefix)
+        if self.merge == "eager" and self.delay == 0:
+            raise ConfigError.at(prefix, "delay", "eager updates stand in for the average during "
+                                 "the τ inner steps its reduction is in flight; with delay = 0 "
+                                 "there are none (that is DiLoCo): set delay ≥ 1")
+
+
+@dataclass
+class EagerDiLoCoSettings(StreamingDiLoCoSettings):
+    """``[strategy]`` keys of ``diloco-eager``: DiLoCo with eager updates (Kale et al. 2025,
+    arXiv 2502.12996) as a preset of streaming DiLoCo: the average's reduction overlaps τ =
+    ``delay`` inner steps, during which each rank trains from the outer step its own fresh
+    pseudo-gradient and the others' last ones give (:class:`StreamingDiLoCo`, merge
+    "eager"). One fragment unless ``fragments`` says more."""
+    period: int = 50
+    delay: int = 5
+    merge: str = "eager"
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        if self.merge != "eager":
+            raise ConfigError.at(prefix, "merge", "diloco-eager is streaming DiLoCo with merge = "
+                                 f"\"eager\"; for {self.merge!r} use streaming-diloco")
 
 
 @dataclass
@@ -147,7 +170,7 @@ def build(s: DiLoCoSettings, model, optimizer, comm: Comm, ctx: Context) -> "DiL
         raise ArgumentError("optimizer", "muloco-ef2bit is DiLoCo with Muon inside: pass a "
                             "lowcomm.MuonAdamW (with a Muon group: the model's matrices), got "
                             f"{type(optimizer).__name__}")
-    cls = StreamingDiLoCo if isinstance(s, StreamingDiLoCoSettings) else DiLoCo
+    cls = StreamingDiLoCo if isinstance(s, StreamingDiLoCoSettings) else DiLoCo   # presets too
     return cls(model, optimizer, comm, **s.kwargs(ctx))
 
 
@@ -207,6 +230,7 @@ class DiLoCo(OuterLoop):
         s = self.settings
         self._init_outer(s.outer_optimizer, s.outer_lr, s.outer_momentum,
                          getattr(s, "nesterov_every", 1))
+        self._eager = self._init_eager() if self.merge == "eager" else None
 
     def _init_outer(self, outer_optimizer: str, outer_lr: float, outer_momentum: float,
                     every: int = 1) -> None:
@@ -219,6 +243,48 @@ class DiLoCo(OuterLoop):
         self.outer_optimizer = torch.optim.SGD(self.outer_params, lr=outer_lr,
                                                momentum=outer_momentum,
                                                nesterov=outer_optimizer == "nesterov")
+
+    def _init_eager(self) -> list[list[torch.Tensor]]:
+        """Eager updates' memory per fragment: [the last average Δ̄, this rank's last Δ_k]."""
+        nest = self.nest
+        if nest is not None and nest.average_inside:
+            raise ConfigError("policy", f"{self.name} with merge = \"eager\": the ranks of a unit "
+                              "differ (the level below does not keep them in step), so a rank's "
+                              "own pseudo-gradient is not its unit's; keep them in step (syncdp, "
+                              "zero, fsdp inside) or use merge = \"add-local\"")
+        inside = nest.inside.size if nest is not None and nest.inside is not None else 1
+        self._contributors = self._whole.size // inside     # K: one pseudo-gradient per unit
+        return [[torch.zeros_like(p), torch.zeros_like(p)] for p in self.outer_params]
+
+    def _base(self, f: Fragment, local: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        """``merge = "eager"`` (Kale et al. 2025): the model restarts from the outer step taken
+        with the eager proxy (see :class:`StreamingDiLoCo`), which is returned; otherwise as
+        the outer loop."""
+        if self._eager is None:
+            return super()._base(f, local, out)
+        last_avg, last_mine = self._eager[f.index]
+        proxy = last_avg + (out - last_mine) / self._contributors
+        last_mine.copy_(out)
+        eager = self._trial_step(f.index, proxy)
+        f.unpack_(eager if self._ranges is None else self._gather_range(f, eager))
+        if self._inner is not None:
+            self._inner.parameters_changed()
+        return eager
+
+    @torch.no_grad()
+    def _trial_step(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """θ_i after an outer step on ``grad``, the outer parameters and optimizer state left
+        as they were."""
+        outer = self.outer_params[i]
+        state = self.outer_optimizer.state.get(outer, {})
+        saved = ({k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()},
+                 outer.detach().clone())
+        after = self._apply(self.fragments[i], grad, record=False).clone()
+        self.outer_optimizer.state[outer] = saved[0]
+        if not saved[0]:
+            del self.outer_optimizer.state[outer]
+        outer.copy_(saved[1])
+        return after
 
     def _warmup_done(self) -> None:
         for f, outer in zip(self.fragments, self.outer_params):
@@ -234,7 +300,9 @@ class DiLoCo(OuterLoop):
         for f, outer in zip(self.fragments, self.outer_params):
             f.unpack_(outer.detach() if self._ranges is None else self._gather_range(f, outer.detach()))
 
-    def _apply(self, f: Fragment, avg: torch.Tensor) -> torch.Tensor:
+    def _apply(self, f: Fragment, avg: torch.Tensor, record: bool = True) -> torch.Tensor:
+        if record and self._eager is not None:      # the next eager proxy's Δ̄
+            self._eager[f.index][0].copy_(avg)
         outer = self.outer_params[f.index]
         outer.grad = avg.to(outer.dtype)
         self.outer_optimizer.step()             # only parameters with a gradient move
@@ -249,6 +317,8 @@ class DiLoCo(OuterLoop):
         state = super()._state_dict()
         state["outer_params"] = [p.detach().clone() for p in self.outer_params]
         state["outer_optimizer"] = self.outer_optimizer.state_dict()
+        if self._eager is not None:
+            state["eager"] = [[t.clone() for t in pair] for pair in self._eager]
         return state
 
     def _reshard_extra(self, old: list[dict]) -> dict:
@@ -257,7 +327,9 @@ class DiLoCo(OuterLoop):
         from .reshard import average, average_optimizer
         return {"outer_params": [average([s["outer_params"][i] for s in old])
                                  for i in range(len(self.outer_params))],
-                "outer_optimizer": average_optimizer([s["outer_optimizer"] for s in old])}
+                "outer_optimizer": average_optimizer([s["outer_optimizer"] for s in old]),
+                **({"eager": [[average([s["eager"][i][j] for s in old]) for j in range(2)]
+                              for i in range(len(self._eager))]} if self._eager is not None else {})}
 
     def _load_state_dict(self, state: dict) -> None:
         super()._load_state_dict(state)
@@ -265,6 +337,10 @@ class DiLoCo(OuterLoop):
             for p, saved in zip(self.outer_params, state["outer_params"], strict=True):
                 p.copy_(saved)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        if self._eager is not None:
+            for pair, saved in zip(self._eager, state["eager"], strict=True):
+                for t, v in zip(pair, saved, strict=True):
+                    t.copy_(v)
 
 
 class StreamingDiLoCo(DiLoCo):
@@ -286,7 +362,19 @@ class StreamingDiLoCo(DiLoCo):
          fragment (the delayed-averaging correction of DaSGD, Zhou et al. 2020,
          arXiv 2006.00441). With α = 0, "mix" drops those τ steps: at small H a large share of
          the inner work (τ/H of it); "add-local" keeps it, at one fragment copy per reduction
-         in flight.
+         in flight; ``merge = "eager"``, eager updates (Kale et al. 2025, arXiv 2502.12996),
+         below.
+
+    Eager updates: at step s rank k does not wait for the average: it takes the outer step on
+    a proxy in which its own fresh pseudo-gradient stands in for its share and the other
+    ranks' shares are last round's, g̃_k = Δ̄_p^{prev} + (Δ_{k,p} − Δ_{k,p}^{prev})/K (K
+    contributions: ranks, or units of a per-level policy; both terms 0 before the first
+    round), θ̃_p = OuterOpt(θ_p, g̃_k) computed without moving θ_p or the outer optimizer's
+    state, and restarts its fragment there: θ_{k,p}(s) ← θ̃_p. When Δ̄_p lands after step s + τ,
+    θ_p ← OuterOpt(θ_p, Δ̄_p) as in step 3 (the same on every rank) and the local progress made
+    from θ̃_p is kept on top: θ_{k,p} ← θ_p + (θ_{k,p}(s + τ) − θ̃_p). It needs τ ≥ 1 and α = 0
+    and keeps two copies of the fragment (Δ̄^{prev}, Δ_k^{prev}). The paper overlaps a whole
+    outer step (τ = H); here τ < H, so the average lands before the fragment's next send.
 
     With P = 1, τ = 0 and α = 0 this is :class:`DiLoCo` (either merge: with τ = 0 the local
     progress is zero). Each fragment is its own outer parameter, so momentum is kept per fragment.
@@ -301,7 +389,7 @@ class StreamingDiLoCo(DiLoCo):
         fragments: P, at most the number of parameter tensors (a tensor is never split).
         delay: τ in [0, period), inner steps between sending a fragment and applying it.
         alpha: α in [0, 1], the share of the local parameters kept when merging ("mix").
-        merge: "mix" or "add-local" (α must be 0), see step 3.
+        merge: "mix", "add-local" or "eager" (α must be 0 for the last two), see step 3.
         slot: "send" (sent on the fragment's slot, merged τ steps later) or "merge"
             (torchft's: sent τ steps earlier, merged on the slot).
         others: as :class:`DiLoCo`.
@@ -326,6 +414,12 @@ STREAMING_METHOD = Method("streaming-diloco", StreamingDiLoCoSettings, build, "s
                           check=check_run, outer=True, level=True, python="StreamingDiLoCo",
                           example="streaming-diloco:period=4,fragments=2,delay=2",
                           compare=("strategy.period=50", "strategy.fragments=4", "strategy.delay=5"))
+EAGER_METHOD = Method("diloco-eager", EagerDiLoCoSettings, build, "DiLoCo with eager updates: "
+                      "the outer step taken at once on a proxy (own fresh pseudo-gradient, the "
+                      "others' last), corrected when the overlapped average lands",
+                      check=check_run, outer=True, level=True, python="EagerDiLoCoSettings",
+                      example="diloco-eager:period=4,delay=2",
+                      compare=("strategy.period=50", "strategy.delay=5"))
 MULOCO_EF_METHOD = Method("muloco-ef2bit", MuLoCoEFSettings, build, "MuLoCo's error-feedback "
                           "2-bit variant (preset of DiLoCo): Muon inside, the pseudo-gradient "
                           "2-bit quantised with error feedback", check=check_muloco, outer=True,

@@ -155,7 +155,7 @@ class _InFlight:
     start: int             # local step at which it was sent
     apply_at: int          # local step after which the average is applied
     future: Future         # -> (averaged flat tensor, ledger rows of its traffic)
-    base: torch.Tensor | None = None   # this rank's fragment when sent (merge="add-local")
+    base: torch.Tensor | None = None   # what the local progress is added onto (add-local, eager)
 
 
 def _hand_on(inside: Comm | None, avg: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -502,9 +502,16 @@ class OuterLoop(Strategy):
         if self._pool is None:
             self._land(_InFlight(f.index, s, s, _done(self._reduce(f, out))))
         else:
-            base = None if self.merge != "add-local" else local.clone() if out is local else local
+            base = self._base(f, local, out)
             future = self._post(f, out) if self._posting else self._pool.submit(self._reduce, f, out)
             self._in_flight.append(_InFlight(f.index, s, s + self.delay, future, base))
+
+    def _base(self, f: Fragment, local: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        """What :meth:`_land` adds the local progress of the τ steps onto (``merge =
+        "add-local"``: the fragment when sent), or None (``mix``)."""
+        if self.merge != "add-local":
+            return None
+        return local.clone() if out is local else local
 
     def _can_post(self) -> bool:
         """Whether every fragment's reduction is posted from the training thread instead of
@@ -571,8 +578,9 @@ class OuterLoop(Strategy):
 
     def _land(self, item: _InFlight) -> None:
         """Apply a finished reduction and merge the result into the model: ``mix`` sets the
-        fragment to α·local + (1 − α)·synchronised; ``add-local`` to synchronised + (local −
-        ``item.base``), the local progress of the τ steps the reduction was in flight."""
+        fragment to α·local + (1 − α)·synchronised; ``add-local`` and ``eager`` to synchronised +
+        (local − ``item.base``), the local progress of the τ steps the reduction was in flight
+        (``base``: the fragment when sent, or the eager outer step it restarted from)."""
         avg, rows = self._result(item)
         self._charge(item, rows)
         f = self.fragments[item.fragment]
@@ -803,7 +811,7 @@ class OuterSettings(SyncDPSettings):
                     bn_batches=ctx.batches, bn_forward=ctx.forward)
 
 
-MERGES = ("mix", "add-local")
+MERGES = ("mix", "add-local", "eager")
 BN_RECOMPUTE_AT = ("end", "sync")
 
 
@@ -811,8 +819,8 @@ def check_merge(merge: str, alpha: float, prefix: str = "") -> None:
     """A streaming fragment's merge rule (:class:`~lowcomm.strategies.diloco.StreamingDiLoCo`)."""
     if merge not in MERGES:
         raise ConfigError.at(prefix, "merge", f"unknown value {merge!r}; known: {', '.join(MERGES)}")
-    if merge == "add-local" and alpha != 0:
-        raise ConfigError.at(prefix, "alpha", f"merge = \"add-local\" keeps all the local progress "
+    if merge != "mix" and alpha != 0:
+        raise ConfigError.at(prefix, "alpha", f"merge = \"{merge}\" keeps all the local progress "
                           f"on top of the synchronised fragment; α mixes instead: use alpha = 0 "
                           f"with it, got {alpha}")
 

@@ -102,23 +102,32 @@ def simulate(steps, inner, period, fragments, delay, alpha, lr=0.7, mu=0.9, nest
     """K workers in one process, from the papers: inner steps, then per fragment p at local step
     s with s % H == offset_p: Δ_p = mean_k(θ_p − θ_{k,p}); after step s + τ: Nesterov (or plain)
     SGD on θ_p with Δ_p, and θ_{k,p} ← α θ_{k,p} + (1 − α) θ_p (merge "mix", Douillard et al.)
-    or θ_{k,p} ← θ_p + θ_{k,p} − θ_{k,p}(s) (merge "add-local", DaSGD). Returns this rank's model."""
+    or θ_{k,p} ← θ_p + θ_{k,p} − θ_{k,p}(s) (merge "add-local", DaSGD); merge "eager" (Kale et al.
+    2025): at s worker k restarts from θ̃_k = the outer step on g̃_k = Δ̄_p^prev + (Δ_{k,p} −
+    Δ_{k,p}^prev)/K (θ_p and momentum untouched), and after s + τ takes θ_p + θ_{k,p} − θ̃_k.
+    Returns this rank's model."""
     models = [make(perturb=False) for _ in range(K)]
     opts = [inner(m.parameters()) for m in models]
     names = [n for n, _ in models[0].named_parameters()]
     outer = {n: p.detach().clone() for n, p in models[0].named_parameters()}
     buf = {}
     pending = []                                  # (apply_at, members, {name: Δ}, [{name: θ_k(s)}])
+    last_avg = {n: torch.zeros_like(outer[n]) for n in names}           # eager: Δ̄^prev
+    last_mine = [{n: torch.zeros_like(outer[n]) for n in names} for _ in range(K)]   # Δ_k^prev
+
+    def outer_step(n, g):
+        b = mu * buf[n] + g if n in buf else g.clone()
+        return outer[n] - lr * (g + mu * b if nesterov else b), b
 
     def apply(item):
         _, members, delta, sent = item
         for n in members:
-            buf[n] = mu * buf[n] + delta[n] if n in buf else delta[n].clone()
-            outer[n] = outer[n] - lr * (delta[n] + mu * buf[n] if nesterov else buf[n])
+            outer[n], buf[n] = outer_step(n, delta[n])
+            last_avg[n] = delta[n]
             with torch.no_grad():
                 for k, m in enumerate(models):
                     p = dict(m.named_parameters())[n]
-                    if merge == "add-local":
+                    if merge in ("add-local", "eager"):
                         p.copy_(outer[n] + (p - sent[k][n]))
                     else:
                         p.copy_(alpha * p + (1 - alpha) * outer[n])
@@ -141,6 +150,16 @@ def simulate(steps, inner, period, fragments, delay, alpha, lr=0.7, mu=0.9, nest
                                         for m in models) / K for n in members}
                         sent = [{n: dict(m.named_parameters())[n].detach().clone() for n in members}
                                 for m in models]
+                        if merge == "eager":
+                            for k, m in enumerate(models):
+                                params = dict(m.named_parameters())
+                                for n in members:
+                                    mine = outer[n] - sent[k][n]
+                                    proxy = last_avg[n] + (mine - last_mine[k][n]) / K
+                                    last_mine[k][n] = mine
+                                    sent[k][n] = outer_step(n, proxy)[0]
+                                    with torch.no_grad():
+                                        params[n].copy_(sent[k][n])
                         pending.append((s + delay, members, delta, sent))
     assert set(names) == {n for f, _ in fragments for n in f}
     return models[RANK]
@@ -216,7 +235,8 @@ def test_diloco_heavy_ball_equals_the_simulation():
 
 @pytest.mark.parametrize("P, delay, alpha, merge, inner", [
     (3, 1, 0.5, "mix", "sgd"), (2, 3, 0.0, "mix", "adamw"), (N_TENSORS, 2, 0.25, "mix", "sgd"),
-    (2, 3, 0.0, "add-local", "adamw"), (N_TENSORS, 1, 0.0, "add-local", "sgd")])
+    (2, 3, 0.0, "add-local", "adamw"), (N_TENSORS, 1, 0.0, "add-local", "sgd"),
+    (1, 2, 0.0, "eager", "adamw"), (3, 3, 0.0, "eager", "sgd")])
 def test_streaming_equals_the_simulation(P, delay, alpha, merge, inner):
     model, st = train(StreamingDiLoCo, 11, INNER[inner], period=4, fragments=P, delay=delay,
                       alpha=alpha, merge=merge)
@@ -231,6 +251,19 @@ def test_add_local_keeps_the_delays_progress_that_mix_drops():
     far = flat(run(StreamingDiLoCo, 11, period=4, fragments=2, delay=3, merge="add-local")) - \
         flat(run(StreamingDiLoCo, 11, period=4, fragments=2, delay=3))
     assert float(far.abs().max()) > 1e-4
+
+
+def test_eager_updates_differ_from_add_local_and_keep_the_outer_state_agreed():
+    """The sensitivity: restarting from the eager outer step is not add-local; θ and the outer
+    momentum stay the exact average's on every rank (only the local models differ)."""
+    model, st = train(StreamingDiLoCo, 11, adamw, period=4, delay=2, merge="eager")
+    st.close()
+    far = flat(model) - flat(run(StreamingDiLoCo, 11, adamw, period=4, delay=2, merge="add-local"))
+    assert float(far.abs().max()) > 1e-5
+    assert all(agree(p.detach()) for p in st.outer_params), "outer parameters differ across ranks"
+    assert all(agree(v) for s in st.outer_optimizer.state.values() for v in s.values()
+               if torch.is_tensor(v)), "outer momentum differs across ranks"
+    assert not agree(flat(model)), "the local models should differ after the eager restarts"
 
 
 def test_add_local_at_delay_0_equals_mix_bit_for_bit():
@@ -321,6 +354,8 @@ RESUME = {
                             dict(period=4, fragments=2, delay=2, alpha=0.5, warmup_steps=2)),
     "streaming-add-local-in-flight": (StreamingDiLoCo, adamw, 6,
                                       dict(period=4, fragments=2, delay=3, merge="add-local")),
+    "eager-in-flight": (StreamingDiLoCo, adamw, 7, dict(period=4, fragments=2, delay=2,
+                                                       merge="eager")),
     "streaming-in-warm-up": (StreamingDiLoCo, adamw, 1,
                              dict(period=4, fragments=2, delay=2, alpha=0.5, warmup_steps=2)),
     "localsgd-momentum-in-warm-up": (LocalSGD, momentum_sgd, 2, dict(period=3, warmup_steps=3)),
@@ -384,6 +419,10 @@ ERRORS = {
               ["add-local"]),
     "add-local-alpha": ("alpha", lambda m, o, c: StreamingDiLoCo(
         m, o, c, period=4, merge="add-local", alpha=0.5), ["alpha = 0"]),
+    "eager-delay-0": ("delay", lambda m, o, c: StreamingDiLoCo(m, o, c, period=4, merge="eager"),
+                      ["delay ≥ 1"]),
+    "eager-alpha": ("alpha", lambda m, o, c: StreamingDiLoCo(
+        m, o, c, period=4, delay=1, merge="eager", alpha=0.5), ["alpha = 0"]),
     "outer-momentum": ("outer_momentum", lambda m, o, c: DiLoCo(m, o, c, period=4, outer_momentum=0.0),
                        ["Nesterov"]),
     "outer-optimizer": ("outer_optimizer",
