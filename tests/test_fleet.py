@@ -32,6 +32,12 @@ SHARDED = [*COMMON, "topology=dc:2,rank:2", f"policy.dc=diloco:{DC}", "policy.ra
 DYLU = [*COMMON, "strategy.name=diloco-dylu", *(f"strategy.{kv}" for kv in DC.split(","))]
 #: the same over FSDP inside (each rank keeps its chunk of every parameter; bit for bit ZeRO-2's)
 FSDP = [*SHARDED[:-1], "policy.rank=fsdp"]
+#: DiLoCo with eager updates: each round in flight on a thread for DELAY steps
+DELAY = 5
+EAGER = [*COMMON, "strategy.name=diloco-eager", *(f"strategy.{kv}" for kv in DC.split(",")),
+         f"strategy.delay={DELAY}"]
+EAGER_POLICY = [*COMMON, "topology=dc:3,rank:1", f"policy.dc=diloco-eager:{DC},delay={DELAY}",
+                "policy.rank=syncdp"]
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +82,10 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def more(runs, tmp_path_factory):
-    """After those (not to slow their start-up): a fleet of 2 datacenters whose datacenter 1
-    loses rank 0 at step 12, on whose folder a fleet with --overwrite is tried at step 10, and
+    """After those (not to slow their start-up): a fleet of 2 datacenters under DiLoCo with
+    eager updates (rounds in flight on a thread) whose datacenter 1 loses rank 0 at step 12, on
+    whose folder a fleet with --overwrite is tried at step 10; the same method over 3
+    datacenters as a fleet and as one MPI job; and
     one stopped by SIGTERM at step 25; DiLoCo over ZeRO-2 datacenters (``SHARDED``) as one MPI
     job and as a fleet, and over FSDP datacenters as a fleet whose datacenter 1 loses rank 0 at
     step 12; DiLoCo with dynamic local updates whose datacenter 2 runs at half speed while
@@ -86,7 +94,9 @@ def more(runs, tmp_path_factory):
     from lowcomm.tools.fleet_launch import prepare
     tmp = tmp_path_factory.mktemp("fleet-more")
     deadline = time.monotonic() + scaled(170)
-    started = {"pair": fleet(tmp / "pair", *RUN, dcs=2, np=2), "stop": fleet(tmp / "stop", *RUN),
+    started = {"pair": fleet(tmp / "pair", *EAGER, dcs=2, np=2), "stop": fleet(tmp / "stop", *RUN),
+               "eager": fleet(tmp / "eager", *EAGER),
+               "eager_single": single_job(tmp / "eager_single", *EAGER_POLICY),
                "sharded_single": single_job(tmp / "sharded_single", *SHARDED, np=4),
                "sharded": fleet(tmp / "sharded", *SHARDED, dcs=2, np=4),
                "sharded_kill": fleet(tmp / "sharded_kill", *FSDP, dcs=2, np=4),
@@ -214,8 +224,8 @@ def test_a_datacenter_that_keeps_failing_is_left_out_and_the_run_goes_on(runs):
     (["--np", "3", "--set", "strategy.name=syncdp"], "'strategy.name': syncdp synchronises every step"),
     (["--np", "3", "--set", "strategy.name=diloco", "--set", "strategy.compressor=int8"],
      "'policy.dc.compressor'"),
-    (["--np", "3", "--set", "strategy.name=streaming-diloco", "--set", "strategy.period=4",
-      "--set", "strategy.delay=1"], "'policy.dc.delay'"),
+    (["--np", "4", "--dcs", "2", *sets(*SHARDED[len(COMMON):]), "--set",
+      "policy.dc=diloco-eager:period=4,delay=1"], "'policy.dc.delay'"),
     (["--np", "3", "--set", "strategy.name=diloco", "--set", "fleet.heal_inner=keep"],
      "'fleet.heal_inner': unknown value 'keep'"),
     (["--set", "strategy.name=diloco"], "--dcs needs --np"),
@@ -253,6 +263,32 @@ def test_of_two_datacenters_a_killed_one_is_admitted_back_to_restore_the_quorum(
     assert back and back[0]["members"] == [0, 1], f["membership"]
     assert f["membership"][-1]["members"] == [0, 1]
     assert metrics(pair.out / "dc1.1")[-1]["step"] == STEPS
+
+
+def test_eager_updates_across_datacenters_overlap_each_round_and_train_as_one_mpi_job(more):
+    """diloco-eager as a fleet: each round runs on the reduction thread while DELAY steps go on,
+    lands at the same step as in one MPI job of the same policy, so every step's loss is the
+    job's (bit for bit up to the mean's order); the last rounds, still in flight at the end,
+    are averaged by the fleet's ring instead of MPI's (eval loss equal to 1e-6)."""
+    fl, rc, out = more["eager"]
+    assert rc == 0, out[-3000:]
+    single, rc, out = more["eager_single"]
+    assert rc == 0, out[-3000:]
+    s, ref = fl.summary(), single.summary()
+    assert s["finished_dcs"] == [0, 1, 2] and s["dcs_agree"] and not s["fleet"]["failures"], s
+    assert s["method"] == ref["method"]
+    tags = [r["tag"] for r in s["fleet"]["membership"] if r.get("tag", "").startswith("t")]
+    assert tags == [f"t{t}.f0" for t in range(PERIOD, STEPS + 1, PERIOD)], tags
+    ours = {}
+    for line in metrics(fl.out):
+        if "loss" in line and "dc" in line:
+            ours.setdefault(line["step"], {})[line["dc"]] = line["loss"]
+    theirs = {line["step"]: line["loss"] for line in metrics(single.out) if "loss" in line}
+    assert theirs and set(theirs) <= set(ours), (sorted(theirs), sorted(ours))
+    for step, loss in theirs.items():
+        mean = sum(ours[step].values()) / len(ours[step])
+        assert len(ours[step]) == 3 and abs(mean - loss) <= 1e-9 * abs(loss), (step, mean, loss)
+    assert abs(s["eval_loss"] - ref["eval_loss"]) <= 1e-6 * abs(ref["eval_loss"])
 
 
 def test_a_fleet_of_sharded_datacenters_is_the_one_mpi_job_and_spreads_its_traffic(more):

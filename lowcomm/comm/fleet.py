@@ -225,11 +225,14 @@ class Channel:
         self.epoch_rounds: list[dict] = []    # committed decisions (the membership log)
         self._k = self._n = 0                 # messages sent / mailbox messages read
         self.plane = _Groups(self.store, dc, limits, link, rank)
-        self._admit_due = False
-        self.halted = 0                       # the signal the fleet was stopped by (a decision says)
+        # what committed decisions said, by the step of the round's tag (-1: a round the
+        # training thread held): [step, a datacenter waits to be admitted, the halt's signal]
+        self._said: list[tuple[int, bool, int]] = []
         # where this member's time in rounds went: waiting for the others to be ready (and to be
-        # admitted), and in rounds from its ready to their commit (the waits included)
+        # admitted), and in rounds from its ready to their commit (the waits included); the
+        # part of each spent on a thread that overlapped the steps (a delayed outer loop)
         self.wait_s = self.round_s = 0.0
+        self.overlapped = {"wait_s": 0.0, "round_s": 0.0}
         self._ready_t: float | None = None
         self._hb = _Heartbeat(lambda t: _store(self.host, self.port, t),
                               key("heartbeat", dc=dc, inc=inc), limits.heartbeat_s,
@@ -316,7 +319,12 @@ class Channel:
                 if m["type"] == "decision":
                     return m
         finally:
-            self.wait_s += time.monotonic() - t0
+            self._spent("wait_s", time.monotonic() - t0)
+
+    def _spent(self, what: str, seconds: float) -> None:
+        setattr(self, what, getattr(self, what) + seconds)
+        if threading.current_thread() is not threading.main_thread():
+            self.overlapped[what] += seconds
 
     def _committed(self, d: dict, err) -> bool:
         o = self.receive("fleet.commit")
@@ -329,10 +337,11 @@ class Channel:
                              f"datacenter {self.dc}'s reduction failed: {err}")
         self.round, self.members = d["round"] + 1, list(d["members"])
         if self._ready_t is not None:
-            self.round_s += time.monotonic() - self._ready_t
+            self._spent("round_s", time.monotonic() - self._ready_t)
             self._ready_t = None
-        self._admit_due = self._admit_due or bool(d.get("admit_next"))
-        self.halted = self.halted or int(d.get("halt", 0))
+        tag = str(d.get("tag", ""))
+        step = int(tag[1:].split(".")[0]) if tag[:1] == "t" and tag[1:].split(".")[0].isdigit() else -1
+        self._said.append((step, bool(d.get("admit_next")), int(d.get("halt", 0))))
         self.epoch_rounds.append({k: d[k] for k in ("round", "tag", "members", "attempt")})
         return True
 
@@ -345,10 +354,23 @@ class Channel:
         return self.plane.group(d, nbytes, self.ledger)
 
     # admission ----------------------------------------------------------------------------------
-    def admission_due(self) -> bool:
-        """Whether a datacenter waits to be admitted at this round boundary (every member
-        reads the same committed decisions, so they agree)."""
-        return self._admit_due
+    def admission_due(self, through: int | None = None) -> bool:
+        """Whether a datacenter waits to be admitted at this round boundary, by the committed
+        rounds sent at inner step ``through`` or earlier (None: every committed round). Every
+        member reads the same decisions, so they agree — also while a delayed outer loop's
+        round is in flight on a thread: it is counted from the boundary after it landed."""
+        return any(admit for step, admit, _ in self._said if through is None or step <= through)
+
+    def halted_by(self, through: int | None = None) -> int:
+        """The signal the fleet was stopped by, as the committed rounds sent at inner step
+        ``through`` or earlier said (0: none); see :meth:`admission_due`."""
+        return next((halt for step, _, halt in self._said
+                     if halt and (through is None or step <= through)), 0)
+
+    @property
+    def halted(self) -> int:
+        """The signal the fleet was stopped by, as any committed round said (0: none)."""
+        return self.halted_by()
 
     def admit(self, step: int, state, ledger: Ledger | None = None) -> list[int]:
         """The admission round at boundary ``step``: the donor sends ``state()`` (bytes) to
@@ -367,7 +389,7 @@ class Channel:
                 return None, str(e)
         d, _ = self.round_of("fleet.admit", donate,
                              ready={"tag": f"t{step}.admit", "numel": 0, "admit": True})
-        self._admit_due = False
+        self._said = [(at, False, halt) for at, _, halt in self._said]   # held
         return list(d["joiners"])
 
     def _send_state(self, comm: GlooComm, d: dict, payload: bytes, ledger: Ledger) -> None:

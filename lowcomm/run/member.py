@@ -44,7 +44,7 @@ ENV = ("LOWCOMM_FLEET", "LOWCOMM_FLEET_DC", "LOWCOMM_FLEET_INC", "LOWCOMM_FLEET_
        "LOWCOMM_FLEET_RANKS")
 
 #: outer methods a fleet runs across datacenters
-OUTER = ("diloco", "streaming-diloco", "localsgd", "diloco-dylu")
+OUTER = ("diloco", "streaming-diloco", "diloco-eager", "localsgd", "diloco-dylu")
 
 
 def identity() -> dict | None:
@@ -126,13 +126,15 @@ def _check_dc_level(cfg) -> None:
         raise ConfigError("policy.dc", f"{m.name} across datacenters: a fleet runs an outer "
                           f"method there ({', '.join(OUTER)})")
     merged = {**{k: v for k, v in cfg.strategy.items() if k != "name"}, **opts}
+    inside = str(cfg.policy.get("rank", "syncdp")).partition(":")[0]
+    if int(merged.get("delay", getattr(m.settings, "delay", 0))) and inside != "syncdp":
+        raise ConfigError("policy.dc.delay", f"a delayed outer loop over datacenters sharded "
+                          f"inside ({inside}): their ranks hand each round on in step; use "
+                          "delay=0, or syncdp inside")
     if merged.get("compressor", "none") not in ("none", ""):
         raise ConfigError("policy.dc.compressor", "a fleet reduces dense pseudo-gradients across "
                           "datacenters (a compressor's error feedback would count a retried "
                           "round twice); use compressor=none")
-    if int(merged.get("delay", 0)):
-        raise ConfigError("policy.dc.delay", "a fleet admits datacenters at round boundaries, "
-                          "where nothing may be in flight: use delay=0")
 
 
 class FleetLevels:
@@ -326,8 +328,16 @@ class FleetLockstep(Lockstep):
                 if self.channel is not None:
                     self._admit(state, lambda: bundle(parts))
                 self.ranked.admitted()
-        elif self.channel is not None and self.channel.admission_due():
+        elif self.channel is not None and self.channel.admission_due(self._landed()):
+            if hasattr(s, "drain"):                  # no round of the outer loop in flight
+                s.drain()
             self._admit(state, lambda: payload(self.r))
+
+    def _landed(self) -> int:
+        """The last inner step whose rounds have landed on every member: a delayed outer loop
+        (τ = ``delay``) applies a round sent at step t after step t + τ."""
+        s = self.r.strategy
+        return getattr(s, "t", self.state.step) - getattr(s, "delay", 0)
 
     def _admit(self, state, make) -> None:
         admitted = self.channel.admit(state.step, make, self.r.comm.ledger)
@@ -338,8 +348,9 @@ class FleetLockstep(Lockstep):
         """The loop's stop vote; the leader votes to stop once a committed round said the
         fleet halts (every datacenter then stops at the same step, :data:`STOP_VOTE_LAG` after
         that round's boundary, and writes its checkpoint)."""
-        if self.channel is not None and self.channel.halted and not flag.signum:
-            flag.signum = self.channel.halted
+        halted = self.channel.halted_by(self._landed()) if self.channel is not None else 0
+        if halted and not flag.signum:
+            flag.signum = halted
             outcome.stop_signal(flag.signum)
         try:
             return super().stop(state, flag)
@@ -357,9 +368,12 @@ class FleetLockstep(Lockstep):
         """This incarnation's seconds since its loop started (``run_s``), of them waiting for
         the others at rounds (``idle_s``) and in rounds in all (``rounds_s``: the waits and the
         reductions)."""
-        ch = self.channel
+        ch, held = self.channel, getattr(self.r.strategy, "wait_s", 0.0)
+        if not getattr(self.r.strategy, "delay", 0):
+            held = 0.0             # a blocking outer loop's rounds are the channel's own
         return {"run_s": round(time.perf_counter() - self.t_start, 4),
-                "idle_s": round(ch.wait_s, 4), "rounds_s": round(ch.round_s, 4)}
+                "idle_s": round(ch.wait_s - ch.overlapped["wait_s"] + held, 4),
+                "rounds_s": round(ch.round_s - ch.overlapped["round_s"] + held, 4)}
 
     def time_use(self) -> dict:
         """What this incarnation did with its time, for the fleet's goodput: its steps computed

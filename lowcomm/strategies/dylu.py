@@ -149,7 +149,7 @@ class DyLUDiLoCo(DiLoCo):
         return super()._step(closure)
 
     # the round ---------------------------------------------------------------------------------
-    def _reduce(self, f: Fragment, flat: torch.Tensor):
+    def _reduce(self, f: Fragment, flat: torch.Tensor, t: int):
         """DiLoCo's reduction of [w·Δ_k, w, the speeds' slots] (step 3), then the next h_k
         from the speeds every member received alike (step 5)."""
         now = self.clock()
@@ -161,7 +161,7 @@ class DyLUDiLoCo(DiLoCo):
         extra = torch.zeros(1 + self.slots, dtype=flat.dtype)
         extra[0] = self.h_local
         extra[1 + self.slot] = speed
-        out, rows = super()._reduce(f, torch.cat([flat * self.h_local, extra]))
+        out, rows = super()._reduce(f, torch.cat([flat * self.h_local, extra]), t)
         n = flat.numel()
         weight, speeds = out[n].item(), out[n + 1:]
         fastest = speeds.max().item()

@@ -307,6 +307,14 @@ class OuterLoop(Strategy):
             for c in (self._inside, self._leaders):
                 if c is not None:
                     c.validate = False
+        # a fleet's channel across (its rounds, one sequence per member, also on the leader's
+        # span of the whole fleet)
+        self._fleet = getattr(nest.peers if nest is not None else None, "rounds", False) or \
+            getattr(self._whole, "channel", None) is not None
+        if self.delay and self._fleet and (self._ranges is not None or self._local is not None):
+            raise ConfigError(f"policy.{self.name}", "delay > 0 over a datacenter sharded inside "
+                              f"({nest.inner.name}): its ranks' rounds are handed on in step; use "
+                              "delay = 0, or syncdp inside")
         self._start_reductions()
 
     def _start_reductions(self) -> None:
@@ -486,9 +494,17 @@ class OuterLoop(Strategy):
                     self._start(f, s)
             if s % self.period == 0:
                 if self._bn is not None and self.settings.bn_recompute_at == "sync":
-                    self._settle_buffers()
+                    self._in_turn(self._settle_buffers)
                 else:
-                    self.buffers.average(self._whole)
+                    self._in_turn(self.buffers.average, self._whole)
+
+    def _in_turn(self, fn, *args) -> None:
+        """``fn(*args)`` now, after the reductions in flight where they share a fleet's
+        channel (its rounds are one sequence per member: the reduction thread runs it next)."""
+        if self._pool is not None and self._fleet:
+            self._pool.submit(fn, *args).result()
+        else:
+            fn(*args)
 
     def _end_warmup(self) -> None:
         if self._dense is not None:
@@ -500,10 +516,11 @@ class OuterLoop(Strategy):
         local = self._pack(f)
         out = self._outgoing(f, local)
         if self._pool is None:
-            self._land(_InFlight(f.index, s, s, _done(self._reduce(f, out))))
+            self._land(_InFlight(f.index, s, s, _done(self._reduce(f, out, self.t))))
         else:
             base = self._base(f, local, out)
-            future = self._post(f, out) if self._posting else self._pool.submit(self._reduce, f, out)
+            future = self._post(f, out) if self._posting else \
+                self._pool.submit(self._reduce, f, out, self.t)
             self._in_flight.append(_InFlight(f.index, s, s + self.delay, future, base))
 
     def _base(self, f: Fragment, local: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
@@ -541,9 +558,10 @@ class OuterLoop(Strategy):
                 pending = self.compressor.start(flat, f"fragment{f.index}", across, f.segments)
         return _Posted(pending, flat, inside, ledger, self._idle)
 
-    def _reduce(self, f: Fragment, flat: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
-        """Average ``flat`` over the ranks; runs on the reduction thread when delay > 0 (the
-        only writer of the reduction ledger, one reduction at a time)."""
+    def _reduce(self, f: Fragment, flat: torch.Tensor, t: int) -> tuple[torch.Tensor, list[dict]]:
+        """Average ``flat``, sent at inner step ``t``, over the ranks; runs on the reduction
+        thread when delay > 0 (the only writer of the reduction ledger, one reduction at a
+        time)."""
         self._red.ledger.reset()
         inside = self._inside
         if inside is not None and self.nest.average_inside:
@@ -555,7 +573,7 @@ class OuterLoop(Strategy):
             across = self._leaders if self._ranges is not None or self._local is not None or \
                 inside is not None else self._red
             if getattr(across, "rounds", False):     # a fleet's channel: rounds it may retry
-                avg = across.average(flat, f"t{self.t}.f{f.index}", self.algorithm, self._levels)
+                avg = across.average(flat, f"t{t}.f{f.index}", self.algorithm, self._levels)
             elif self.compressor is None:
                 avg = allreduce_(flat, across, self.algorithm, op="avg", levels=self._levels)
             else:
@@ -610,6 +628,11 @@ class OuterLoop(Strategy):
         """Wait for every reduction in flight (their results stay queued for their step)."""
         for item in self._in_flight:
             item.future = _done(self._result(item))
+
+    def drain(self) -> None:
+        """Wait for every reduction in flight; each is still applied at its step (a fleet's
+        admission round waits so: a member's rounds are one sequence)."""
+        self._drain()
 
     # the optimizer interface ------------------------------------------------------------------
     def skip(self) -> None:
@@ -737,6 +760,8 @@ class OuterLoop(Strategy):
         nothing); with ``bn_recompute`` BatchNorm's statistics are first recomputed under the
         delivered weights."""
         over = self._leaders if self._local is not None else self._whole   # FSDP: my chunks' peers
+        if self._fleet:                              # the channel's rounds are one sequence
+            self._drain()
         for f in self.fragments:
             if f.index not in self._dirty:
                 continue

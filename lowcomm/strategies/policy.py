@@ -72,8 +72,8 @@ def check_plan(plan: list[Level], gradient_compressor: str = "none") -> int:
                               "synchronisations for its own progress; use syncdp or localsgd "
                               "below")
         s = upper.settings
-        if getattr(s, "delay", 0) > 0 and getattr(s, "merge", "mix") == "add-local":
-            raise ConfigError(f"policy.{upper.name}.merge", "add-local over an outer loop "
+        if getattr(s, "delay", 0) > 0 and getattr(s, "merge", "mix") in ("add-local", "eager"):
+            raise ConfigError(f"policy.{upper.name}.merge", f"{s.merge} over an outer loop "
                               f"(policy.{lower.name}={lower.method.name}): the τ steps' local "
                               "progress it adds back would count the lower level's averaging "
                               "twice; use merge=mix, delay=0, or syncdp below")

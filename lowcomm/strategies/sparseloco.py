@@ -113,7 +113,7 @@ class SparseLoCo(OuterLoop):
     def _outgoing(self, f: Fragment, local: torch.Tensor) -> torch.Tensor:
         return torch.sub(self.outer, local, out=local)          # step 2: Δ_k = θ − θ_k
 
-    def _reduce(self, f: Fragment, flat: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+    def _reduce(self, f: Fragment, flat: torch.Tensor, t: int) -> tuple[torch.Tensor, list[dict]]:
         """Steps 3–6, bucket by bucket (chunks of one size travel together)."""
         self._red.ledger.reset()
         avg = torch.empty_like(flat)
