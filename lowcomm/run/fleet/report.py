@@ -34,7 +34,7 @@ import json
 import signal
 from pathlib import Path
 
-from .folder import json_text, write_text
+from ..folder import json_text, write_text
 
 
 def _events(path: Path) -> list[dict]:
@@ -134,7 +134,7 @@ def steps_lost(fleet, committed: list[dict], failed: set[int]) -> dict:
 
 def _period(cfg, ranks: int) -> int:
     """The period H of the fleet's outer level (its ``dc`` level's settings)."""
-    from .member import plan
+    from .plan import plan
     return plan(cfg, cfg.fleet.dcs, ranks).period
 
 

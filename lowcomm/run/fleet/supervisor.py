@@ -4,13 +4,14 @@ live.
 
 ``lowcomm train --dcs D --np N ...`` (outside mpirun) runs :class:`Fleet`:
 
-1. it starts the coordinator (:mod:`lowcomm.run.coordinator`: the ``TCPStore`` and the
+1. it starts the coordinator (:mod:`lowcomm.run.fleet.coordinator`: the ``TCPStore`` and the
    membership), where the caller says (on the emulated WAN: in datacenter 0's namespace);
 2. it launches one job of N/D ranks per datacenter (``launch(dc, n)`` is the launch prefix:
    mpirun on that datacenter's hostfile, or in its emulated-WAN namespace), each ``lowcomm
    train`` in its own run folder ``OUT/dc<i>`` with the fleet's identity in its environment
-   (:data:`lowcomm.run.member.ENV`): inside a datacenter everything is as in one job, the outer
-   level goes across through the coordinator's rounds (:mod:`lowcomm.comm.fleet`);
+   (:data:`lowcomm.run.fleet.plan.ENV`): inside a datacenter everything is as in one job
+   (:mod:`lowcomm.run.fleet.member`), the outer level goes across through the coordinator's
+   rounds (:mod:`lowcomm.run.fleet.channel`);
 3. when a datacenter's job ends with a failure — any rank killed, its link down past the
    allowance (the coordinator fences it and this supervisor tears the job down) — it tells the
    coordinator at once (the others finish their round without it) and relaunches the job after
@@ -22,7 +23,7 @@ live.
    datacenters hold a checkpoint of, those resumed from it, the others admitted live (up to
    ``max_restarts`` times);
 5. at the end it writes ``OUT/summary.json`` and ``OUT/metrics.jsonl``
-   (:mod:`lowcomm.run.fleet_report`): the membership of every round, every failure with its
+   (:mod:`lowcomm.run.fleet.report`): the membership of every round, every failure with its
    cause and detection time, every heal with its bytes and seconds, and what each datacenter
    ran.
 """
@@ -42,13 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import LowcommError
-from . import outcome
-from .checkpoint import checkpoint_steps
-from .fleet_folder import fleet_of, lock_key, mark
-from .folder import close_run, new_run_id, read_marker
-from .signals import StopSignals
-from .supervise import _dies_with, cause
+from ...errors import LowcommError
+from .. import outcome
+from ..checkpoint import checkpoint_steps
+from ..folder import close_run, new_run_id, read_marker, run_id_of
+from ..signals import StopSignals
+from ..supervise import _dies_with, cause
+from .folder import fleet_of, lock_key, mark
 
 log = logging.getLogger("lowcomm.fleet")
 
@@ -123,12 +124,12 @@ class Fleet:
 
     # the coordinator ----------------------------------------------------------------------------
     def _limits(self):
-        from .member import plan
+        from .plan import plan
         return plan(self.cfg, self.dcs, self.np).limits()
 
     def _start_coordinator(self) -> None:
         lim = self._limits()
-        cmd = [*self.coord_prefix, sys.executable, "-m", "lowcomm.run.coordinator",
+        cmd = [*self.coord_prefix, sys.executable, "-m", "lowcomm.run.fleet.coordinator",
                "--dcs", str(self.dcs), "--min-dcs", str(self.min_dcs),
                "--limit-s", f"{lim.limit_s:.6g}", "--heartbeat-s", f"{lim.heartbeat_s:.6g}",
                "--log", str(self.out / "membership.jsonl")]
@@ -234,7 +235,7 @@ class Fleet:
         """Run the fleet to its end; the summary (also written to ``OUT/summary.json``). A
         SIGINT/SIGTERM/SIGHUP stops every datacenter after the same round, each writing its
         checkpoint (a second one kills the jobs at once); ``--resume`` continues from there."""
-        from .fleet_report import write_report
+        from .report import write_report
         self.out.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         try:
@@ -401,7 +402,6 @@ class Fleet:
 
 
 def _run_id(folder: Path) -> str:
-    from .folder import run_id_of
     return run_id_of(folder) or new_run_id()
 
 
