@@ -127,12 +127,12 @@ def prepare(config, overrides=(), *, dcs: int, np: int | None, out="runs/latest"
         raise ArgumentError("np", "--dcs needs --np (the ranks of all datacenters together)")
     overrides = (*overrides, f"fleet.dcs={dcs}")
     cfg = load_config(config, overrides)
-    plan(cfg, dcs, np)                              # refuses what a fleet cannot run
+    fp = plan(cfg, dcs, np)                         # refuses what a fleet cannot run
     args = [*(["--config", str(config)] if config else []), *[a for o in overrides for a in ("--set", o)]]
     launch, coordinator, where, env = placement(dcs, place, hostfiles_, host, launcher)
     claim(out, overwrite, resume is not None)
     try:
-        return Fleet(cfg, args, out, np, launch, coordinator, where, env,
+        return Fleet(fp, args, out, launch, coordinator, where, env,
                      max_restarts=max_restarts, resume=resume is not None)
     except BaseException:
         close_run(lock_key(out))

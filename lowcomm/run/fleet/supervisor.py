@@ -50,6 +50,7 @@ from ..folder import close_run, new_run_id, read_marker, run_id_of
 from ..signals import StopSignals
 from ..supervise import _dies_with, cause
 from .folder import fleet_of, lock_key, mark
+from .plan import FleetPlan
 
 log = logging.getLogger("lowcomm.fleet")
 
@@ -80,19 +81,21 @@ class Incarnation:
 
 
 class Fleet:
-    """Run ``args`` (``lowcomm train`` options without ``--out``) as a fleet of ``cfg.fleet.dcs``
-    datacenters of ``np // dcs`` ranks (module docstring). ``launch(dc, n)``: the launch prefix
-    of datacenter ``dc``'s job; ``coordinator``: a prefix for the coordinator's process (where
+    """Run ``args`` (``lowcomm train`` options without ``--out``) as the fleet ``plan`` says
+    (:class:`~lowcomm.run.fleet.plan.FleetPlan`: ``fleet.dcs`` datacenters sharing the
+    topology's ranks evenly; module docstring). ``launch(dc, n)``: the launch prefix of
+    datacenter ``dc``'s job; ``coordinator``: a prefix for the coordinator's process (where
     it runs), ``host``: the address the leaders reach it at; ``env(dc)``: variables for
     datacenter ``dc``'s job (e.g. ``GLOO_SOCKET_IFNAME``); ``timeout_s``: end everything after
     that long. ``resume``: continue the stopped fleet in ``out`` (its marker names its folders
     and launch arguments) from the newest step ``min_dcs`` datacenters hold a checkpoint of."""
 
-    def __init__(self, cfg, args: list[str], out: Path, np: int,
+    def __init__(self, plan: FleetPlan, args: list[str], out: Path,
                  launch: Callable[[int, int], list[str]], coordinator: list[str] = (),
                  host: str = "127.0.0.1", env: Callable[[int], dict] | None = None,
                  max_restarts: int = 1, timeout_s: float | None = None, resume: bool = False):
-        self.cfg, self.args, self.out, self.np = cfg, list(args), Path(out), np
+        self.plan, self.cfg, cfg = plan, plan.cfg, plan.cfg
+        self.args, self.out, self.np = list(args), Path(out), plan.topology.size
         self.dcs = cfg.fleet.dcs
         self.min_dcs = cfg.fleet.min_dcs or self.dcs // 2 + 1
         self.launch, self.coord_prefix, self.host = launch, list(coordinator), host
@@ -110,7 +113,7 @@ class Fleet:
         self.over = False
         self.next_inc = {dc: 0 for dc in range(self.dcs)}
         self.resuming = resume
-        self.entry = {"dcs": self.dcs, "np": np, "args": self.args, "folders": []}
+        self.entry = {"dcs": self.dcs, "np": self.np, "args": self.args, "folders": []}
         self.run_id = new_run_id()
         self.earlier: list[dict] = []                # a resumed fleet's incarnations before it
         if resume:
@@ -123,12 +126,8 @@ class Fleet:
         self.halted = False                          # the coordinator was told
 
     # the coordinator ----------------------------------------------------------------------------
-    def _limits(self):
-        from .plan import plan
-        return plan(self.cfg, self.dcs, self.np).limits()
-
     def _start_coordinator(self) -> None:
-        lim = self._limits()
+        lim = self.plan.limits()
         cmd = [*self.coord_prefix, sys.executable, "-m", "lowcomm.run.fleet.coordinator",
                "--dcs", str(self.dcs), "--min-dcs", str(self.min_dcs),
                "--limit-s", f"{lim.limit_s:.6g}", "--heartbeat-s", f"{lim.heartbeat_s:.6g}",
