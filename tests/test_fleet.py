@@ -73,7 +73,7 @@ def runs(tmp_path_factory):
     coord = started["coord"].p.pid
     when(lambda: reached(tmp / "coord" / "dc0" / "metrics.jsonl", 45),
          lambda: [os.kill(pid, signal.SIGKILL)
-                  for pid in children(coord, "lowcomm.run.coordinator")], deadline)
+                  for pid in children(coord, "lowcomm.run.fleet.coordinator")], deadline)
     done = {name: (r, *r.wait(deadline)) for name, r in started.items()}
     done["killed"] = killed
     done["slowed"] = dict(slowed, done=slowed["ran"].wait(deadline) if "ran" in slowed else None)
@@ -427,7 +427,7 @@ def test_fleet_overwrite_removes_only_what_a_fleet_wrote_by_its_marker(stopped_s
     folders its marker names go."""
     import shutil
     from lowcomm.errors import RunFolderError
-    from lowcomm.run.fleet_folder import lock_key
+    from lowcomm.run.fleet.folder import lock_key
     from lowcomm.run.folder import close_run
     from lowcomm.tools.fleet_launch import prepare
     user = {"dc2023_backup/model.bin": b"weights", "dc1-notes.txt": b"notes", "dc7/mine.txt": b"mine"}

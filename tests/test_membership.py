@@ -1,8 +1,8 @@
-"""The fleet coordinator's decisions (lowcomm.run.membership), with no process: rounds, the
+"""The fleet coordinator's decisions (lowcomm.run.fleet.membership), with no process: rounds, the
 quorum that keeps a partition from splitting the run, fencing, admission, retries, the end."""
 import pytest
 
-from lowcomm.run.membership import MAX_ATTEMPTS, Membership, NoQuorum
+from lowcomm.run.fleet.membership import MAX_ATTEMPTS, Membership, NoQuorum
 
 
 class Fleet:

@@ -328,7 +328,7 @@ def test_a_full_disk_while_appending_metrics_names_the_file_and_leaves_no_cut_li
     import errno
     from unittest import mock
     from lowcomm.errors import LowcommError
-    from lowcomm.run.coordinate import _append
+    from lowcomm.run.lockstep import _append
     path = tmp_path / "metrics.jsonl"
     real = os.write
     with open(path, "w") as f:
@@ -340,7 +340,7 @@ def test_a_full_disk_while_appending_metrics_names_the_file_and_leaves_no_cut_li
             if len(calls) == 1:
                 return real(fd, data[:len(data) // 2])
             raise OSError(errno.ENOSPC, "No space left on device")
-        with mock.patch("lowcomm.run.coordinate.os.write", half_then_full):
+        with mock.patch("lowcomm.run.lockstep.os.write", half_then_full):
             with pytest.raises(LowcommError, match=r"cannot write .*metrics\.jsonl: No space left"):
                 _append(f, '{"step": 2, "loss": 1.25}\n')
         assert len(calls) == 2, "the check can fail: half the line was written first"

@@ -36,7 +36,7 @@ def fleet_options(f):
 
 def refuse_outside(cfg) -> None:
     """``fleet.dcs`` in a job that no fleet started: a usage error before MPI starts."""
-    from ..run.member import identity
+    from ..run.fleet.plan import identity
     if cfg.fleet.dcs and identity() is None:
         raise click.UsageError(f"config key 'fleet.dcs': a fleet is launched from outside mpirun "
                                f"by 'lowcomm train --dcs {cfg.fleet.dcs} --np N', which starts "

@@ -1,15 +1,15 @@
 """GlooComm: the part of :class:`~lowcomm.comm.comm.Comm` that lowcomm's all-reduce algorithms
 use, over a torch gloo process group instead of an MPI communicator.
 
-A fleet of datacenters (:mod:`lowcomm.comm.fleet`) runs one MPI job per datacenter; between them
-there is no MPI communicator, so the outer level's reduction runs over a gloo process group that
-the datacenters' leaders re-create whenever the membership changes (torch's
+A fleet of datacenters (:mod:`lowcomm.run.fleet`) runs one MPI job per datacenter; between
+them there is no MPI communicator, so the outer level's reduction runs over a gloo process
+group that the datacenters' leaders re-create whenever the membership changes (torch's
 ``ProcessGroupGloo`` on a ``PrefixStore`` of the coordinator's ``TCPStore``, as torchelastic and
 torchft rendezvous). lowcomm's own algorithms (``ring``, ``rabenseifner``, ``tree``) are plain
 functions of a Comm's point-to-point calls, so the same function runs here and sums in the same
 order as it does over MPI: a fleet with no failure gives the parameters of one MPI job, bit for
 bit. ``mpi`` (the vendor all-reduce) has no counterpart between separately launched jobs: the
-channel runs the ring instead (:meth:`lowcomm.comm.fleet.Channel._algorithm`).
+channel runs the ring instead (:func:`lowcomm.run.fleet.channel._across`).
 
 Every call records bytes and seconds in the ledger, under the level given (``"dc"``), and waits
 at most ``timeout_s``; a peer that died or a call that times out raises

@@ -5,7 +5,7 @@ DTensor) talk over a process group, not over MPI. :func:`default_group` makes on
 job lowcomm already runs, without torchrun's environment: rank and size are the Comm's, and the
 rendezvous is a ``TCPStore`` whose master rank 0 of the Comm starts on a port the OS picks and
 whose address (host, port) it broadcasts through the Comm (the same store torchelastic and the
-fleet's coordinator use, :mod:`lowcomm.comm.fleet`). Gloo carries CPU tensors; on CUDA the
+fleet's coordinator use, :mod:`lowcomm.run.fleet.channel`). Gloo carries CPU tensors; on CUDA the
 group is ``cuda:nccl,cpu:gloo`` (NCCL for the model's tensors, gloo for the CPU objects that
 torch.distributed.checkpoint exchanges).
 

@@ -74,7 +74,7 @@ def run(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
         overwrite: bool = False, run_id: str | None = None) -> dict:
     """Train a resolved config (:func:`lowcomm.run.api.load_config`) on ``comm`` (default: the
     world): the task it names (or ``task``), the strategy it names."""
-    from .member import identity
+    from .fleet.plan import identity
     me = identity()                        # a datacenter's job in a fleet (lowcomm.run.fleet)
     if me is None and cfg.fleet.dcs:       # (before MPI starts)
         raise ConfigError("fleet.dcs", "a fleet is launched from outside mpirun by 'lowcomm "
@@ -83,7 +83,7 @@ def run(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
     comm = comm or init()
     task = task or task_of(cfg)
     if me is not None:
-        from .member import run as run_member
+        from .fleet.member import run as run_member
         return run_member(cfg, task, comm, me, out, progress, resume, overwrite, run_id)
     apply_comm_settings(cfg, comm)         # the watchdog's limits, before the first collective
     levels = topology_comms(cfg, comm)     # the topology's communicators: hierarchical/policy

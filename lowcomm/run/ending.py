@@ -2,7 +2,7 @@
 reports to rank 0, the final model's delivery and its hashes, the stop notice and the final
 checkpoint it asks for, and leaving without ``MPI_Finalize`` after a lost rank. Shared by the
 servers (:mod:`lowcomm.run.serve`) and the workers' coordination
-(:class:`lowcomm.run.coordinate.Detached`)."""
+(:class:`lowcomm.run.lockstep.Detached`)."""
 from __future__ import annotations
 
 import atexit

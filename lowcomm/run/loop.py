@@ -6,9 +6,9 @@ writes ``config.json`` (the resolved config), ``metrics.jsonl`` (one line per lo
 ``summary.json`` into the output folder from rank 0, and checkpoints into
 ``<out>/checkpoints`` (see :mod:`lowcomm.run.checkpoint`). Losses and byte counts are over all ranks;
 the reductions that gather them run on a separate control communicator whose traffic is not
-charged to the method. How the ranks keep step is a :mod:`~lowcomm.run.coordinate` object: every
-rank together (:class:`~lowcomm.run.coordinate.Lockstep`), or, for the asynchronous parameter
-server's workers, each on its own (:class:`~lowcomm.run.coordinate.Detached`) while its server
+charged to the method. How the ranks keep step is a :mod:`~lowcomm.run.lockstep` object: every
+rank together (:class:`~lowcomm.run.lockstep.Lockstep`), or, for the asynchronous parameter
+server's workers, each on its own (:class:`~lowcomm.run.lockstep.Detached`) while its server
 ranks serve (:mod:`lowcomm.run.serve`).
 
 Reliability, per step boundary:
@@ -21,7 +21,7 @@ Reliability, per step boundary:
 * SIGINT / SIGTERM: every rank finishes the step it is in, a final checkpoint is written, and
   the job exits with status 128 + signal. Ranks agree on the stop through non-blocking
   all-reduces of their stop flags, one started after every step and read
-  :data:`~lowcomm.run.coordinate.STOP_VOTE_LAG` steps later (polled once per step meanwhile, which is what moves an
+  :data:`~lowcomm.run.lockstep.STOP_VOTE_LAG` steps later (polled once per step meanwhile, which is what moves an
   MPI non-blocking collective along), so a signal that reaches only some ranks stops all of
   them at the same step, at most ``STOP_VOTE_LAG + 1`` steps after it came, and a run without
   signals pays no waiting for it: not even over a WAN, where a vote read one step later cost
@@ -51,7 +51,7 @@ from typing import Callable
 from ..comm.comm import Comm
 from ..comm.ledger import compute_cpu_clock
 from ..tasks import Task
-from .coordinate import STOP_VOTE_LAG, Detached, Lockstep
+from .lockstep import STOP_VOTE_LAG, Detached, Lockstep
 from .evaluate import nonfinite
 from .folder import close_run, open_run
 from .schedule import build_optimizer, lr_at, set_lr
@@ -75,7 +75,7 @@ def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = N
     hold another run unless it is the one resumed, or ``overwrite`` (see
     :func:`lowcomm.run.folder.open_run`; ``run_id`` names the run there). ``coordination``:
     how the ranks keep step (a function of the :class:`~lowcomm.run.state.Run`; default
-    :class:`~lowcomm.run.coordinate.Lockstep`, a fleet's datacenter passes its own)."""
+    :class:`~lowcomm.run.lockstep.Lockstep`, a fleet's datacenter passes its own)."""
     ctl, out, ckpt = open_run(cfg, comm, out, resume, overwrite, run_id)
     try:
         seed_all(cfg.seed)

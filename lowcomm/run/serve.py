@@ -1,5 +1,5 @@
 """The parameter server's server ranks in a run (``strategy.name = "async-ps"``): they serve
-while the workers take the one loop's steps (:class:`~lowcomm.run.coordinate.Detached`), and
+while the workers take the one loop's steps (:class:`~lowcomm.run.lockstep.Detached`), and
 rank 0 — server 0 — keeps the run's log and writes its files. Outputs are every run's files:
 
 * ``steps`` is the run's budget in step-equivalents: the servers take ``steps × W`` gradients
@@ -39,7 +39,7 @@ import math
 from ..comm.comm import Comm
 from ..errors import LowcommError
 from ..strategies.async_ps import PUSH, WorkersLost, recovery_enabled
-from .coordinate import Coordination
+from .lockstep import Coordination
 from .ending import (TAG_FINAL, TAG_STATS, deliver_final_model, recv_from, report_to_rank0,
                      send_sync, skip_mpi_finalize, stopped, take_final_model)
 from .evaluate import evaluate, state_sha256
@@ -53,7 +53,7 @@ log = logging.getLogger("lowcomm.train")
 # a server rank's run ---------------------------------------------------------------------------
 class Serving(Coordination):
     """One server rank's part of a run; rank 0 (server 0) also keeps the run's log. The loop's
-    coordination (:class:`~lowcomm.run.coordinate.Coordination`) for what every run does — the
+    coordination (:class:`~lowcomm.run.lockstep.Coordination`) for what every run does — the
     resume, the clock, checkpoints, the progress bar and the checked metrics file — with the
     servers' log ``lg`` as the loop's counters."""
 

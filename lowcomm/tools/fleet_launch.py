@@ -12,7 +12,8 @@ coordinator are launched, and how the leaders reach the coordinator and each oth
   the fleet's variables passed on with ``-x``), the coordinator on this machine at ``host``
   (an address every datacenter reaches); ``GLOO_SOCKET_IFNAME`` is passed on when set.
 
-Each returns ``(launch, coordinator_prefix, host, env)`` for :class:`~lowcomm.run.fleet.Fleet`.
+Each returns ``(launch, coordinator_prefix, host, env)`` for
+:class:`~lowcomm.run.fleet.supervisor.Fleet`.
 Every mpirun gets ``--mca odls_base_sigkill_timeout 0``: when one of its ranks is killed, Open
 MPI otherwise waits a second per signal to the others and exits about 2 s later (measured
 here); a fleet's job is torn down at once, so the coordinator hears of the failure in
@@ -25,7 +26,7 @@ import socket
 from pathlib import Path
 
 from ..errors import ArgumentError, LowcommError
-from ..run.member import ENV
+from ..run.fleet.plan import ENV
 from .compare import mpirun_command
 
 #: tear a job down at once when one of its ranks dies (module docstring)
@@ -94,16 +95,16 @@ def placement(dcs: int, place: str = "auto", hostfiles_: list[str] | None = None
 def prepare(config, overrides=(), *, dcs: int, np: int | None, out="runs/latest",
             place: str = "auto", hostfiles_: list[str] | None = None, host: str | None = None,
             launcher=None, overwrite: bool = False, max_restarts: int = 1, resume=None):
-    """A :class:`~lowcomm.run.fleet.Fleet` ready to run, everything checked before anything
-    starts (a LowcommError names what is wrong: the config key, the argument, the folder).
-    The folder is locked for the fleet and checked (:mod:`lowcomm.run.fleet_folder`).
+    """A :class:`~lowcomm.run.fleet.supervisor.Fleet` ready to run, everything checked before
+    anything starts (a LowcommError names what is wrong: the config key, the argument, the
+    folder). The folder is locked for the fleet and checked (:mod:`lowcomm.run.fleet.folder`).
     ``resume``: the folder of a stopped fleet to continue (its launch arguments, then
     ``overrides``; ``np`` may be None: the fleet's own)."""
     from ..run.api import load_config
-    from ..run.fleet import Fleet
-    from ..run.fleet_folder import claim, fleet_of, lock_key
+    from ..run.fleet.folder import claim, fleet_of, lock_key
+    from ..run.fleet.plan import plan
+    from ..run.fleet.supervisor import Fleet
     from ..run.folder import close_run
-    from ..run.member import plan
     if any(v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
         raise LowcommError("a fleet launches one MPI job per datacenter itself: run 'lowcomm "
                            "train --dcs D --np N ...' (or lowcomm.train_fleet) outside mpirun")
@@ -126,12 +127,12 @@ def prepare(config, overrides=(), *, dcs: int, np: int | None, out="runs/latest"
         raise ArgumentError("np", "--dcs needs --np (the ranks of all datacenters together)")
     overrides = (*overrides, f"fleet.dcs={dcs}")
     cfg = load_config(config, overrides)
-    plan(cfg, dcs, np)                              # refuses what a fleet cannot run
+    fp = plan(cfg, dcs, np)                         # refuses what a fleet cannot run
     args = [*(["--config", str(config)] if config else []), *[a for o in overrides for a in ("--set", o)]]
     launch, coordinator, where, env = placement(dcs, place, hostfiles_, host, launcher)
     claim(out, overwrite, resume is not None)
     try:
-        return Fleet(cfg, args, out, np, launch, coordinator, where, env,
+        return Fleet(fp, args, out, launch, coordinator, where, env,
                      max_restarts=max_restarts, resume=resume is not None)
     except BaseException:
         close_run(lock_key(out))

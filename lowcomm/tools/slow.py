@@ -37,7 +37,7 @@ def check(speed: float, cycle_s: float) -> None:
 
 def newest_folder(out: Path, dc: int) -> Path:
     """The newest folder the fleet in ``out`` made for datacenter ``dc``."""
-    from ..run.fleet_folder import fleet_of
+    from ..run.fleet.folder import fleet_of
     entry = fleet_of(Path(out))
     if entry is None:
         raise SlowError(f"{out} holds no fleet (no fleet marker): give the folder of "

@@ -328,11 +328,11 @@ def test_a_build_that_fails_leaves_the_optimizer_free_for_another_method(comm, c
 
 
 def test_a_fleet_donors_state_installs_on_another_rank(comm, ctl):
-    """A rejoining datacenter takes a donor's live state (lowcomm.run.member's payload and
+    """A rejoining datacenter takes a donor's live state (lowcomm.run.fleet.member's payload and
     install): rank 0's DiLoCo state, per-rank, is installed on every rank on purpose."""
     from types import SimpleNamespace
 
-    from lowcomm.run.member import install, payload
+    from lowcomm.run.fleet.member import install, payload
     model, opt = trained("diloco:period=2", comm, steps=3)
     data = comm.bcast_object(payload(SimpleNamespace(model=model, strategy=opt)), root=0)
     assert raised(comm, lambda: install(SimpleNamespace(model=model, strategy=opt), data, False)) is None

@@ -39,11 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CommError
-from .collectives import allreduce_
-from .gloo import GlooComm
-from .ledger import Ledger
-from .watchdog import predict
+from ...comm.collectives import allreduce_
+from ...comm.gloo import GlooComm
+from ...comm.ledger import Ledger
+from ...comm.watchdog import predict
+from ...errors import CommError
 
 log = logging.getLogger("lowcomm.fleet")
 
@@ -100,7 +100,7 @@ def _across(name: str, comm: GlooComm, x: torch.Tensor, levels, link) -> str:
     datacenter."""
     if name != "auto":
         return "ring" if name in ("hierarchical", "mpi") else name
-    from .tuning import Policy
+    from ...comm.tuning import Policy
     policy = Policy(comm.size, False, link.alpha_s if link else 25e-3,
                     link.bytes_per_s if link else 12.5e6)
     chosen = policy.choose(x.numel() * x.element_size(),

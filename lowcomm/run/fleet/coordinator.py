@@ -1,18 +1,19 @@
 """The fleet's coordinator: a small process holding the ``TCPStore`` that the datacenters'
-leaders talk through (:mod:`lowcomm.comm.fleet`) and the membership's decisions
-(:mod:`lowcomm.run.membership`).
+leaders talk through (:mod:`lowcomm.run.fleet.channel`) and the membership's decisions
+(:mod:`lowcomm.run.fleet.membership`).
 
-``python -m lowcomm.run.coordinator --dcs D --min-dcs M --limit-s L --log FILE`` prints
+``python -m lowcomm.run.fleet.coordinator --dcs D --min-dcs M --limit-s L --log FILE`` prints
 ``ready PORT`` once the store listens, then serves until told ``stop`` on stdin (or stdin
-closes: the fleet that started it is gone). The fleet (:mod:`lowcomm.run.fleet`) writes one
-JSON command a line on its stdin — ``launch`` (a datacenter's job incarnation was started),
-``down`` (it ended, with the cause), ``retire`` (left out), ``halt`` (stop every member after the next round), ``stop`` — and reads the log's
+closes: the fleet that started it is gone). The fleet's supervisor
+(:mod:`lowcomm.run.fleet.supervisor`) writes one JSON command a line on its stdin — ``launch``
+(a datacenter's job incarnation was started), ``down`` (it ended, with the cause), ``retire``
+(left out), ``halt`` (stop every member after the next round), ``stop`` — and reads the log's
 events, one JSON line each, on its stdout. A thread per launched incarnation waits on that
 incarnation's next message key (the store answers a wait when the key is set, so nothing
 polls the network); the main loop reads heartbeats every half heartbeat, counts its own
 heartbeat up, and moves the decisions' messages into the members' mailboxes. When the
-membership gives up (:class:`~lowcomm.run.membership.NoQuorum`) it logs why and exits with
-status 3.
+membership gives up (:class:`~lowcomm.run.fleet.membership.NoQuorum`) it logs why and exits
+with status 3.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 
-from ..comm.fleet import _store, key
+from .channel import _store, key
 from .membership import LIVE, Membership, NoQuorum
 
 

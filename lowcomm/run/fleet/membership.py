@@ -1,6 +1,6 @@
 """The fleet coordinator's decisions, as a state machine: messages and the clock go in, mailbox
-messages and log events come out (:mod:`lowcomm.run.coordinator` moves them through the store;
-:mod:`lowcomm.comm.fleet` is the members' side).
+messages and log events come out (:mod:`lowcomm.run.fleet.coordinator` moves them through the
+store; :mod:`lowcomm.run.fleet.channel` is the members' side).
 
 Each datacenter (a *site*) is ``expected`` (a founder not heard of yet), ``active`` (takes part
 in rounds), ``joining`` (a relaunched job waiting to be admitted), ``gone`` (failed: fenced),
@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..errors import LowcommError
+from ...errors import LowcommError
 
 #: attempts of one round before the coordinator gives up (a fault that every retry meets)
 MAX_ATTEMPTS = 8

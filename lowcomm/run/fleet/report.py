@@ -34,7 +34,7 @@ import json
 import signal
 from pathlib import Path
 
-from .folder import json_text, write_text
+from ..folder import json_text, write_text
 
 
 def _events(path: Path) -> list[dict]:
@@ -122,7 +122,7 @@ def failures_and_heals(events: list[dict], committed: list[dict]) -> tuple[list,
 
 def steps_lost(fleet, committed: list[dict], failed: set[int]) -> dict:
     """Per datacenter that never failed: the inner steps no committed round took its work of."""
-    period = _period(fleet.cfg, fleet.np)
+    period = fleet.plan.period
     out = {}
     for dc in range(fleet.dcs):
         if dc in failed:
@@ -130,12 +130,6 @@ def steps_lost(fleet, committed: list[dict], failed: set[int]) -> dict:
         missed = [r for r in committed if ".f" in r["tag"] and dc not in r["members"]]
         out[str(dc)] = len(missed) * period
     return out
-
-
-def _period(cfg, ranks: int) -> int:
-    """The period H of the fleet's outer level (its ``dc`` level's settings)."""
-    from .member import plan
-    return plan(cfg, cfg.fleet.dcs, ranks).period
 
 
 def incarnations(fleet) -> list[tuple[dict, object, list[dict]]]:

@@ -4,13 +4,14 @@ live.
 
 ``lowcomm train --dcs D --np N ...`` (outside mpirun) runs :class:`Fleet`:
 
-1. it starts the coordinator (:mod:`lowcomm.run.coordinator`: the ``TCPStore`` and the
+1. it starts the coordinator (:mod:`lowcomm.run.fleet.coordinator`: the ``TCPStore`` and the
    membership), where the caller says (on the emulated WAN: in datacenter 0's namespace);
 2. it launches one job of N/D ranks per datacenter (``launch(dc, n)`` is the launch prefix:
    mpirun on that datacenter's hostfile, or in its emulated-WAN namespace), each ``lowcomm
    train`` in its own run folder ``OUT/dc<i>`` with the fleet's identity in its environment
-   (:data:`lowcomm.run.member.ENV`): inside a datacenter everything is as in one job, the outer
-   level goes across through the coordinator's rounds (:mod:`lowcomm.comm.fleet`);
+   (:data:`lowcomm.run.fleet.plan.ENV`): inside a datacenter everything is as in one job
+   (:mod:`lowcomm.run.fleet.member`), the outer level goes across through the coordinator's
+   rounds (:mod:`lowcomm.run.fleet.channel`);
 3. when a datacenter's job ends with a failure — any rank killed, its link down past the
    allowance (the coordinator fences it and this supervisor tears the job down) — it tells the
    coordinator at once (the others finish their round without it) and relaunches the job after
@@ -22,7 +23,7 @@ live.
    datacenters hold a checkpoint of, those resumed from it, the others admitted live (up to
    ``max_restarts`` times);
 5. at the end it writes ``OUT/summary.json`` and ``OUT/metrics.jsonl``
-   (:mod:`lowcomm.run.fleet_report`): the membership of every round, every failure with its
+   (:mod:`lowcomm.run.fleet.report`): the membership of every round, every failure with its
    cause and detection time, every heal with its bytes and seconds, and what each datacenter
    ran.
 """
@@ -42,13 +43,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import LowcommError
-from . import outcome
-from .checkpoint import checkpoint_steps
-from .fleet_folder import fleet_of, lock_key, mark
-from .folder import close_run, new_run_id, read_marker
-from .signals import StopSignals
-from .supervise import _dies_with, cause
+from ...errors import LowcommError
+from .. import outcome
+from ..checkpoint import checkpoint_steps
+from ..folder import close_run, new_run_id, read_marker, run_id_of
+from ..signals import StopSignals
+from ..supervise import _dies_with, cause
+from .folder import fleet_of, lock_key, mark
+from .plan import FleetPlan
 
 log = logging.getLogger("lowcomm.fleet")
 
@@ -79,19 +81,21 @@ class Incarnation:
 
 
 class Fleet:
-    """Run ``args`` (``lowcomm train`` options without ``--out``) as a fleet of ``cfg.fleet.dcs``
-    datacenters of ``np // dcs`` ranks (module docstring). ``launch(dc, n)``: the launch prefix
-    of datacenter ``dc``'s job; ``coordinator``: a prefix for the coordinator's process (where
+    """Run ``args`` (``lowcomm train`` options without ``--out``) as the fleet ``plan`` says
+    (:class:`~lowcomm.run.fleet.plan.FleetPlan`: ``fleet.dcs`` datacenters sharing the
+    topology's ranks evenly; module docstring). ``launch(dc, n)``: the launch prefix of
+    datacenter ``dc``'s job; ``coordinator``: a prefix for the coordinator's process (where
     it runs), ``host``: the address the leaders reach it at; ``env(dc)``: variables for
     datacenter ``dc``'s job (e.g. ``GLOO_SOCKET_IFNAME``); ``timeout_s``: end everything after
     that long. ``resume``: continue the stopped fleet in ``out`` (its marker names its folders
     and launch arguments) from the newest step ``min_dcs`` datacenters hold a checkpoint of."""
 
-    def __init__(self, cfg, args: list[str], out: Path, np: int,
+    def __init__(self, plan: FleetPlan, args: list[str], out: Path,
                  launch: Callable[[int, int], list[str]], coordinator: list[str] = (),
                  host: str = "127.0.0.1", env: Callable[[int], dict] | None = None,
                  max_restarts: int = 1, timeout_s: float | None = None, resume: bool = False):
-        self.cfg, self.args, self.out, self.np = cfg, list(args), Path(out), np
+        self.plan, self.cfg, cfg = plan, plan.cfg, plan.cfg
+        self.args, self.out, self.np = list(args), Path(out), plan.topology.size
         self.dcs = cfg.fleet.dcs
         self.min_dcs = cfg.fleet.min_dcs or self.dcs // 2 + 1
         self.launch, self.coord_prefix, self.host = launch, list(coordinator), host
@@ -109,7 +113,7 @@ class Fleet:
         self.over = False
         self.next_inc = {dc: 0 for dc in range(self.dcs)}
         self.resuming = resume
-        self.entry = {"dcs": self.dcs, "np": np, "args": self.args, "folders": []}
+        self.entry = {"dcs": self.dcs, "np": self.np, "args": self.args, "folders": []}
         self.run_id = new_run_id()
         self.earlier: list[dict] = []                # a resumed fleet's incarnations before it
         if resume:
@@ -122,13 +126,9 @@ class Fleet:
         self.halted = False                          # the coordinator was told
 
     # the coordinator ----------------------------------------------------------------------------
-    def _limits(self):
-        from .member import plan
-        return plan(self.cfg, self.dcs, self.np).limits()
-
     def _start_coordinator(self) -> None:
-        lim = self._limits()
-        cmd = [*self.coord_prefix, sys.executable, "-m", "lowcomm.run.coordinator",
+        lim = self.plan.limits()
+        cmd = [*self.coord_prefix, sys.executable, "-m", "lowcomm.run.fleet.coordinator",
                "--dcs", str(self.dcs), "--min-dcs", str(self.min_dcs),
                "--limit-s", f"{lim.limit_s:.6g}", "--heartbeat-s", f"{lim.heartbeat_s:.6g}",
                "--log", str(self.out / "membership.jsonl")]
@@ -234,7 +234,7 @@ class Fleet:
         """Run the fleet to its end; the summary (also written to ``OUT/summary.json``). A
         SIGINT/SIGTERM/SIGHUP stops every datacenter after the same round, each writing its
         checkpoint (a second one kills the jobs at once); ``--resume`` continues from there."""
-        from .fleet_report import write_report
+        from .report import write_report
         self.out.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         try:
@@ -401,7 +401,6 @@ class Fleet:
 
 
 def _run_id(folder: Path) -> str:
-    from .folder import run_id_of
     return run_id_of(folder) or new_run_id()
 
 

@@ -25,8 +25,8 @@ import logging
 import shutil
 from pathlib import Path
 
-from ..errors import RunFolderError
-from .folder import (MARKER, RUN_FILES, close_run, lock, read_marker, remove_run, usable,
+from ...errors import RunFolderError
+from ..folder import (MARKER, RUN_FILES, close_run, lock, read_marker, remove_run, usable,
                      write_text)
 
 log = logging.getLogger("lowcomm.fleet")

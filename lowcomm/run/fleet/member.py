@@ -2,14 +2,12 @@
 datacenter, its outer level across datacenters through the fleet's channel.
 
 The fleet starts each datacenter's MPI job with its identity in the environment
-(:data:`ENV`). Here, on every rank of that job:
+(:data:`~lowcomm.run.fleet.plan.ENV`). Here, on every rank of that job, the run in the form a
+fleet runs it (:func:`~lowcomm.run.fleet.plan.plan`), then:
 
-* :func:`plan`: the run's outer method becomes the ``dc`` level of a per-level policy
-  (``dc`` = the method across datacenters, ``rank`` = SyncDP inside each), the form a fleet
-  runs; a policy given by the user must have ``dc`` as its outermost level;
 * :class:`FleetLevels`: the topology's communicators as this datacenter sees them: its own
-  ranks (MPI) for the levels inside, the fleet's :class:`~lowcomm.comm.fleet.Channel` (on the
-  datacenter's rank 0) as its peers across;
+  ranks (MPI) for the levels inside, the fleet's :class:`~lowcomm.run.fleet.channel.Channel`
+  (on the datacenter's rank 0) as its peers across;
 * :class:`FleetLockstep`: the loop's coordination with the batches of the rank's place in the
   whole fleet; a relaunched datacenter first waits to be admitted and takes the live state from
   a peer (no checkpoint is read) and starts at the step it was admitted at; at every round
@@ -19,122 +17,23 @@ The fleet starts each datacenter's MPI job with its identity in the environment
 """
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
-import os
 import time
 
 import torch
 
-from ..comm.fleet import Channel, FleetError, Limits, RankChannel, Span, store_client
-from ..comm.topology import Topology
-from ..errors import ConfigError
-from . import outcome
-from ..strategies.base import adopt
-from .coordinate import Lockstep
-from .signals import Interrupted
-from .snapshot import model_state
+from ...comm.topology import Topology
+from ...errors import ConfigError
+from ...strategies.base import adopt
+from .. import outcome
+from ..lockstep import Lockstep
+from ..signals import Interrupted
+from ..snapshot import model_state
+from .channel import Channel, RankChannel, Span, store_client
+from .plan import FleetPlan, plan
 
 log = logging.getLogger("lowcomm.fleet")
-
-#: what the fleet tells each datacenter's job: the coordinator's address, the datacenter,
-#: its incarnation, whether it rejoins, and its ranks' place in the fleet ("offset,total")
-ENV = ("LOWCOMM_FLEET", "LOWCOMM_FLEET_DC", "LOWCOMM_FLEET_INC", "LOWCOMM_FLEET_JOIN",
-       "LOWCOMM_FLEET_RANKS")
-
-#: outer methods a fleet runs across datacenters
-OUTER = ("diloco", "streaming-diloco", "diloco-eager", "localsgd", "diloco-dylu")
-
-
-def identity() -> dict | None:
-    """This job's place in a fleet, from :data:`ENV`, or None outside a fleet."""
-    if not os.environ.get("LOWCOMM_FLEET"):
-        return None
-    try:
-        offset, total = (int(x) for x in os.environ["LOWCOMM_FLEET_RANKS"].split(","))
-        return {"address": os.environ["LOWCOMM_FLEET"], "dc": int(os.environ["LOWCOMM_FLEET_DC"]),
-                "inc": int(os.environ.get("LOWCOMM_FLEET_INC", "0")),
-                "join": os.environ.get("LOWCOMM_FLEET_JOIN", "0") == "1",
-                "offset": offset, "total": total}
-    except (KeyError, ValueError) as e:
-        raise ConfigError("LOWCOMM_FLEET", f"a fleet's job needs {', '.join(ENV)} (set by "
-                          f"lowcomm train --dcs): {e}") from None
-
-
-def _spec(strategy: dict) -> str:
-    def lit(v):
-        return str(v).lower() if isinstance(v, bool) else str(v)
-    opts = ",".join(f"{k}={lit(v)}" for k, v in strategy.items() if k != "name")
-    return strategy["name"] + (":" + opts if opts else "")
-
-
-@dataclasses.dataclass(frozen=True)
-class FleetPlan:
-    """A run in the form a fleet of datacenters runs it (:func:`plan`): ``cfg`` with its outer
-    method on the ``dc`` level of a per-level policy, and that policy's topology, parsed once."""
-    cfg: object
-    topology: Topology
-
-    @property
-    def link(self):
-        """The cross-datacenter links' α–β model (None: not modelled)."""
-        return self.topology.link("dc")
-
-    def limits(self) -> Limits:
-        """How long the fleet waits (:class:`~lowcomm.comm.fleet.Limits`)."""
-        c = self.cfg
-        return Limits.of(self.link, c.fleet.heartbeat_s, c.comm.watchdog_factor, c.comm.outage_s,
-                         c.fleet.join_s)
-
-    @property
-    def period(self) -> int:
-        """H of the outer method across datacenters."""
-        from .registry import policy_levels
-        return int(policy_levels(self.cfg, self.topology.names)[0].settings.period)
-
-
-def plan(cfg, dcs: int, ranks: int) -> FleetPlan:
-    """``cfg`` in the form a fleet of ``dcs`` datacenters (``ranks`` in all) runs: its outer
-    method on the ``dc`` level of a per-level policy; refuses what a fleet cannot run, naming
-    the key."""
-    if ranks % dcs:
-        raise ConfigError("fleet.dcs", f"{ranks} ranks do not split evenly over {dcs} datacenters")
-    if not cfg.policy:
-        name = cfg.strategy.get("name", "syncdp")
-        if name not in OUTER:
-            raise ConfigError("strategy.name", f"{name} synchronises every step; across "
-                              f"datacenters a fleet runs an outer method: {', '.join(OUTER)}")
-        cfg = dataclasses.replace(cfg, topology=f"dc:{dcs},rank:{ranks // dcs}",
-                                  policy={"dc": _spec(cfg.strategy), "rank": "syncdp"},
-                                  strategy={"name": "syncdp"})
-    topo = Topology.parse(cfg.topology) if cfg.topology else None
-    if topo is None or topo.names[0] != "dc" or len(topo.units("dc")) != dcs:
-        raise ConfigError("topology", f"a fleet of {dcs} datacenters needs a topology whose "
-                          f"outermost level is dc with {dcs} units, got {cfg.topology!r}")
-    if topo.size != ranks:
-        raise ConfigError("topology", f"{cfg.topology!r} places {topo.size} ranks, the fleet "
-                          f"launches {ranks}")
-    _check_dc_level(cfg)
-    return FleetPlan(cfg, topo)
-
-
-def _check_dc_level(cfg) -> None:
-    from .registry import parse_spec
-    m, opts = parse_spec(cfg.policy.get("dc", "syncdp"), "policy.dc")
-    if m.name not in OUTER:
-        raise ConfigError("policy.dc", f"{m.name} across datacenters: a fleet runs an outer "
-                          f"method there ({', '.join(OUTER)})")
-    merged = {**{k: v for k, v in cfg.strategy.items() if k != "name"}, **opts}
-    inside = str(cfg.policy.get("rank", "syncdp")).partition(":")[0]
-    if int(merged.get("delay", getattr(m.settings, "delay", 0))) and inside != "syncdp":
-        raise ConfigError("policy.dc.delay", f"a delayed outer loop over datacenters sharded "
-                          f"inside ({inside}): their ranks hand each round on in step; use "
-                          "delay=0, or syncdp inside")
-    if merged.get("compressor", "none") not in ("none", ""):
-        raise ConfigError("policy.dc.compressor", "a fleet reduces dense pseudo-gradients across "
-                          "datacenters (a compressor's error feedback would count a retried "
-                          "round twice); use compressor=none")
 
 
 class FleetLevels:
@@ -181,7 +80,7 @@ class FleetLevels:
 
     def rank_peers(self, level: str):
         """Rank i of every datacenter at the ``dc`` level (an outer loop over a sharded level
-        below: :class:`~lowcomm.comm.fleet.RankChannel`, made on first use, on every rank of
+        below: :class:`~lowcomm.run.fleet.channel.RankChannel`, made on first use, on every rank of
         the datacenter together); :meth:`peers` below it."""
         if level != self.names[0]:
             return self.peers(level)
@@ -221,9 +120,9 @@ def levels(fp: FleetPlan, comm, channel: Channel | None, me: dict) -> FleetLevel
 def run(cfg, task, comm, me: dict, out=None, progress: bool = True, resume=None,
         overwrite: bool = False, run_id: str | None = None) -> dict:
     """Train this datacenter's part of the fleet (module docstring); its summary."""
-    from .config import apply_comm_settings
-    from .loop import run as run_loop
-    from .registry import build_strategy
+    from ..config import apply_comm_settings
+    from ..loop import run as run_loop
+    from ..registry import build_strategy
     fp = plan(cfg, cfg.fleet.dcs, me["total"])
     cfg = fp.cfg
     apply_comm_settings(cfg, comm)
@@ -407,5 +306,5 @@ class FleetLockstep(Lockstep):
             self.channel.close("stopped" if self.stopped else "failed")
 
 
-__all__ = ["ENV", "FleetError", "FleetLevels", "FleetLockstep", "OUTER", "FleetPlan", "plan",
-           "connect", "identity", "install", "levels", "payload", "run"]
+__all__ = ["FleetLevels", "FleetLockstep", "bundle", "connect", "install", "levels", "payload",
+           "run"]

@@ -1,0 +1,118 @@
+"""A run in the form a fleet of datacenters runs it, decided once (:func:`plan` →
+:class:`FleetPlan`), and a job's place in the fleet (:func:`identity`).
+
+:func:`plan` puts the run's outer method on the ``dc`` level of a per-level policy (``dc`` =
+the method across datacenters, ``rank`` = SyncDP inside each); a policy given by the user must
+have ``dc`` as its outermost level. The topology is parsed here and nowhere else in the fleet:
+the supervisor, the coordinator's limits, the report's period and every datacenter's levels
+read it from the :class:`FleetPlan`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ...comm.topology import Topology
+from ...errors import ConfigError
+from .channel import Limits
+
+#: what the fleet tells each datacenter's job: the coordinator's address, the datacenter,
+#: its incarnation, whether it rejoins, and its ranks' place in the fleet ("offset,total")
+ENV = ("LOWCOMM_FLEET", "LOWCOMM_FLEET_DC", "LOWCOMM_FLEET_INC", "LOWCOMM_FLEET_JOIN",
+       "LOWCOMM_FLEET_RANKS")
+
+#: outer methods a fleet runs across datacenters
+OUTER = ("diloco", "streaming-diloco", "diloco-eager", "localsgd", "diloco-dylu")
+
+
+def identity() -> dict | None:
+    """This job's place in a fleet, from :data:`ENV`, or None outside a fleet."""
+    if not os.environ.get("LOWCOMM_FLEET"):
+        return None
+    try:
+        offset, total = (int(x) for x in os.environ["LOWCOMM_FLEET_RANKS"].split(","))
+        return {"address": os.environ["LOWCOMM_FLEET"], "dc": int(os.environ["LOWCOMM_FLEET_DC"]),
+                "inc": int(os.environ.get("LOWCOMM_FLEET_INC", "0")),
+                "join": os.environ.get("LOWCOMM_FLEET_JOIN", "0") == "1",
+                "offset": offset, "total": total}
+    except (KeyError, ValueError) as e:
+        raise ConfigError("LOWCOMM_FLEET", f"a fleet's job needs {', '.join(ENV)} (set by "
+                          f"lowcomm train --dcs): {e}") from None
+
+
+def _spec(strategy: dict) -> str:
+    def lit(v):
+        return str(v).lower() if isinstance(v, bool) else str(v)
+    opts = ",".join(f"{k}={lit(v)}" for k, v in strategy.items() if k != "name")
+    return strategy["name"] + (":" + opts if opts else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetPlan:
+    """A run in the form a fleet of datacenters runs it (:func:`plan`): ``cfg`` with its outer
+    method on the ``dc`` level of a per-level policy, and that policy's topology, parsed once."""
+    cfg: object
+    topology: Topology
+
+    @property
+    def link(self):
+        """The cross-datacenter links' α–β model (None: not modelled)."""
+        return self.topology.link("dc")
+
+    def limits(self) -> Limits:
+        """How long the fleet waits (:class:`~lowcomm.run.fleet.channel.Limits`)."""
+        c = self.cfg
+        return Limits.of(self.link, c.fleet.heartbeat_s, c.comm.watchdog_factor, c.comm.outage_s,
+                         c.fleet.join_s)
+
+    @property
+    def period(self) -> int:
+        """H of the outer method across datacenters."""
+        from ..registry import policy_levels
+        return int(policy_levels(self.cfg, self.topology.names)[0].settings.period)
+
+
+def plan(cfg, dcs: int, ranks: int) -> FleetPlan:
+    """``cfg`` in the form a fleet of ``dcs`` datacenters (``ranks`` in all) runs: its outer
+    method on the ``dc`` level of a per-level policy; refuses what a fleet cannot run, naming
+    the key."""
+    if ranks % dcs:
+        raise ConfigError("fleet.dcs", f"{ranks} ranks do not split evenly over {dcs} datacenters")
+    if not cfg.policy:
+        name = cfg.strategy.get("name", "syncdp")
+        if name not in OUTER:
+            raise ConfigError("strategy.name", f"{name} synchronises every step; across "
+                              f"datacenters a fleet runs an outer method: {', '.join(OUTER)}")
+        cfg = dataclasses.replace(cfg, topology=f"dc:{dcs},rank:{ranks // dcs}",
+                                  policy={"dc": _spec(cfg.strategy), "rank": "syncdp"},
+                                  strategy={"name": "syncdp"})
+    topo = Topology.parse(cfg.topology) if cfg.topology else None
+    if topo is None or topo.names[0] != "dc" or len(topo.units("dc")) != dcs:
+        raise ConfigError("topology", f"a fleet of {dcs} datacenters needs a topology whose "
+                          f"outermost level is dc with {dcs} units, got {cfg.topology!r}")
+    if topo.size != ranks:
+        raise ConfigError("topology", f"{cfg.topology!r} places {topo.size} ranks, the fleet "
+                          f"launches {ranks}")
+    _check_dc_level(cfg)
+    return FleetPlan(cfg, topo)
+
+
+def _check_dc_level(cfg) -> None:
+    from ..registry import parse_spec
+    m, opts = parse_spec(cfg.policy.get("dc", "syncdp"), "policy.dc")
+    if m.name not in OUTER:
+        raise ConfigError("policy.dc", f"{m.name} across datacenters: a fleet runs an outer "
+                          f"method there ({', '.join(OUTER)})")
+    merged = {**{k: v for k, v in cfg.strategy.items() if k != "name"}, **opts}
+    if merged.get("compressor", "none") not in ("none", ""):
+        raise ConfigError("policy.dc.compressor", "a fleet reduces dense pseudo-gradients across "
+                          "datacenters (a compressor's error feedback would count a retried "
+                          "round twice); use compressor=none")
+    inside = str(cfg.policy.get("rank", "syncdp")).partition(":")[0]
+    if int(merged.get("delay", getattr(m.settings, "delay", 0))) and inside != "syncdp":
+        raise ConfigError("policy.dc.delay", f"a delayed outer loop over datacenters sharded "
+                          f"inside ({inside}): their ranks hand each round on in step; use "
+                          "delay=0, or syncdp inside")
+
+
+__all__ = ["ENV", "OUTER", "FleetPlan", "identity", "plan"]
