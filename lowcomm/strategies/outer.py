@@ -137,7 +137,7 @@ class Nesting:
     (``average_inside``), then across units among ``leaders`` (the first rank of every unit,
     the only ranks that send across), then the unit's leader broadcasts the average inside.
 
-    A fleet of datacenters (:mod:`lowcomm.comm.fleet`) passes its channel as ``leaders`` (it
+    A fleet of datacenters (:mod:`lowcomm.run.fleet`) passes its channel as ``leaders`` (it
     reduces in rounds that survive the loss of a datacenter: ``rounds = True``) and, as
     ``whole``, the span of all its ranks that the last partial period and the buffers are
     averaged over."""
