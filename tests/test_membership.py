@@ -271,3 +271,76 @@ def test_a_halt_stops_a_datacenter_left_without_a_quorum():
     f.m.halt(2)
     f.tick()
     assert f.m.decision["members"] == [0] and f.m.decision["halt"] == 2, f.m.decision
+
+
+def _paced(quorum=2, grace=0.5):
+    """A fleet with a quorum and a grace window whose first two rounds came 10 s apart."""
+    f = Fleet()
+    f.m.quorum, f.m.grace = quorum, grace
+    for tag in ("t4.f0", "t8.f0"):
+        f.round([0, 1, 2], tag)
+        f.tick(10.0, beat=(0, 1, 2))
+    assert f.m.grace_s() == pytest.approx(5.0)        # half the median interval
+    return f
+
+
+def test_with_a_quorum_a_round_waits_the_grace_window_then_leaves_the_slow_one_late():
+    f = _paced()
+    f.ready([0, 1], "t12.f0")
+    f.tick(4.9, beat=(0, 1, 2))
+    assert f.m.decision["tag"] == "t8.f0", "decided before the grace window ended"
+    f.tick(0.2, beat=(0, 1, 2))
+    d = f.m.decision
+    assert d["tag"] == "t12.f0" and d["members"] == [0, 1] and d["late"] == [2], d
+    assert f.events("grace_over")[-1]["late"] == [2]
+    f.done([0, 1])
+    f.tick()
+    assert f.m.round == 3 and f.m.sites[2].state == "active", "late is not dead"
+    # its ready for the round that went without it: told it is late, its 8 steps carried on
+    f.say(2, "ready", round=2, tag="t12.f0", numel=10, steps=8)
+    late = [m for m in f.mail(2) if m["type"] == "late"]
+    assert late and late[-1]["round"] == 2 and late[-1]["members"] == [0, 1], f.mail(2)
+    # the next round waits for it however long (it must catch up), then merges its steps
+    f.ready([0, 1], "t16.f0")
+    f.tick(60.0, beat=(0, 1, 2))
+    assert f.m.decision["round"] == 2, "went ahead without a datacenter catching up"
+    f.ready([2], "t16.f0")
+    f.tick()
+    d = f.m.decision
+    assert d["members"] == [0, 1, 2] and d["catching_up"] == {"2": 8} and d["donor"] == 0, d
+    f.done([0, 1, 2])
+    f.tick()
+    assert f.m.catching_up == {} and f.m.late == {}
+
+
+def test_the_first_rounds_an_admission_and_a_late_one_are_waited_for():
+    f = Fleet()
+    f.m.quorum, f.m.grace = 2, 0.5
+    f.ready([0, 1])
+    f.tick(100.0, beat=(0, 1, 2))
+    assert f.m.decision is None, "no interval seen yet: nothing to derive a grace window from"
+    f = _paced()
+    f.ready([0, 1], "t12.f0", admit=True)
+    f.tick(100.0, beat=(0, 1, 2))
+    assert f.m.decision["tag"] == "t8.f0", "an admission round left a datacenter out"
+
+
+def test_a_late_datacenters_ready_for_another_synchronisation_is_fenced():
+    f = _paced()
+    f.ready([0, 1], "t12.f0")
+    f.tick(6.0, beat=(0, 1, 2))
+    f.done([0, 1])
+    f.tick()
+    f.say(2, "ready", round=2, tag="t13.f0", numel=10, steps=8)
+    assert any(m["type"] == "fence" and "t12.f0" in m["why"] for m in f.mail(2)), f.mail(2)
+
+
+@pytest.mark.parametrize("sets,key", [
+    (["fleet.quorum=3"], "fleet.quorum"), (["fleet.quorum=1"], "fleet.quorum"),
+    (["fleet.quorum=2"], "fleet.grace"), (["fleet.grace=0.2"], "fleet.grace")])
+def test_a_quorum_or_grace_that_cannot_be_met_is_refused_naming_the_key(sets, key):
+    from lowcomm.errors import ConfigError
+    from lowcomm.run.api import load_config
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["fleet.dcs=3", *sets])
+    assert e.value.key == key, str(e.value)

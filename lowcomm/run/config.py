@@ -107,6 +107,10 @@ class FleetConfig:
     heal_inner: str = "copy"       # a rejoining datacenter's inner optimizer state: "copy" | "reset"
     backoff_s: float = 1.0         # seconds before a failed datacenter is relaunched
     join_s: float = 600.0          # how long a relaunched datacenter waits to be admitted
+    # a round may go ahead with `quorum` datacenters (0: it waits for every one) once the others
+    # are `grace` × the median interval between rounds late; a late one's steps merge next round
+    quorum: int = 0
+    grace: float = 0.0
 
 
 @dataclass
@@ -343,6 +347,19 @@ def _check_fleet(f: FleetConfig) -> None:
         raise ConfigError("fleet.max_failures", f"must be >= 0, got {f.max_failures}")
     if f.heal_inner not in ("copy", "reset"):
         raise ConfigError("fleet.heal_inner", f"unknown value {f.heal_inner!r}; known: copy, reset")
+    need = f.min_dcs or f.dcs // 2 + 1
+    if f.quorum and not need <= f.quorum < f.dcs:
+        raise ConfigError("fleet.quorum", f"a round may go ahead with at least fleet.min_dcs={need} "
+                          f"and fewer than the fleet's {f.dcs} datacenters (0: every one), got "
+                          f"{f.quorum}")
+    if f.quorum and not 0 < f.grace < float("inf"):
+        raise ConfigError("fleet.grace", "the grace window is this share of the median interval "
+                          f"between rounds, > 0 (a round never leaves a datacenter out at once), "
+                          f"got {f.grace}")
+    if f.grace and not f.quorum:
+        raise ConfigError("fleet.grace", f"{f.grace} waits once fleet.quorum datacenters are "
+                          "ready, but fleet.quorum = 0 (every round waits for every datacenter); "
+                          "set fleet.quorum")
 
 
 def _check_budget(cfg: Config) -> None:

@@ -165,12 +165,15 @@ def main(argv=None) -> int:
     ap.add_argument("--heartbeat-s", type=float, default=0.5)
     ap.add_argument("--start-s", type=float, default=300.0)
     ap.add_argument("--quorum-s", type=float, default=600.0)
+    ap.add_argument("--quorum", type=int, default=0)
+    ap.add_argument("--grace", type=float, default=0.0)
     ap.add_argument("--log", default=None)
     a = ap.parse_args(argv)
     from torch.distributed import TCPStore
     store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=60))
-    m = Membership(a.dcs, a.min_dcs, a.limit_s, time.monotonic(), a.start_s, a.quorum_s)
+    m = Membership(a.dcs, a.min_dcs, a.limit_s, time.monotonic(), a.start_s, a.quorum_s,
+                   a.quorum, a.grace)
     print(f"ready {store.port}", flush=True)
     log = open(a.log, "a") if a.log else None
     try:

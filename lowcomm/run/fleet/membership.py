@@ -10,6 +10,15 @@ in rounds), ``joining`` (a relaunched job waiting to be admitted), ``gone`` (fai
   the same synchronisation of the same step) or found dead. Its members reduce; the round is
   committed only when every member reports its reduction complete; a member that failed or died
   makes the round go again without it (``attempt`` + 1, a new gloo group).
+* **Quorum with a grace window** (``quorum`` > 0): once ``quorum`` active sites are ready, the
+  round waits ``grace`` × the median interval between the last rounds' decisions (observed, so
+  it follows the fleet's pace: never a fixed timeout) for the others, then goes ahead without
+  them. A site left out so is *late*, not dead: its ready for that round is answered with
+  ``late`` (it keeps its local progress and its pseudo-gradient), and the next round waits for
+  it and names it in ``catching_up`` with the steps it carries, so its contribution is merged
+  there, weighted by its steps, and the ``donor`` hands it the outer state that round made. A
+  site late already, an admission round and the first round (no interval seen yet) wait for
+  every site.
 * **Dead.** A site whose job ended (the fleet says so: ``down``) is out at once; one silent
   for ``limit_s`` (no heartbeat, no message) is out only if the others keep a quorum — so a
   partition never splits the run: the side without ``min_dcs`` datacenters waits, and
@@ -67,9 +76,18 @@ class Membership:
     ``quorum_s`` without a quorum before giving up."""
 
     def __init__(self, dcs: int, min_dcs: int, limit_s: float, now: float,
-                 start_s: float = 300.0, quorum_s: float = 600.0):
+                 start_s: float = 300.0, quorum_s: float = 600.0, quorum: int = 0,
+                 grace: float = 0.0):
         if not 1 <= min_dcs <= dcs:
             raise ValueError(f"min_dcs must be in [1, {dcs}], got {min_dcs}")
+        if quorum and not (min_dcs <= quorum <= dcs and grace > 0):
+            raise ValueError(f"quorum must be in [min_dcs={min_dcs}, {dcs}] with grace > 0, got "
+                             f"quorum={quorum}, grace={grace}")
+        self.quorum, self.grace = quorum, grace
+        self.decided_at: list[float] = []          # when the last rounds were decided
+        self.arrived: dict[int, float] = {}        # when each site said ready for this round
+        self.late: dict[int, dict] = {}            # site -> the round it was left out of
+        self.catching_up: dict[int, int] = {}      # site -> steps it carries into this round
         self.sites = {i: Site(i, now) for i in range(dcs)}
         self.min_dcs, self.limit_s, self.start_s, self.quorum_s = min_dcs, limit_s, start_s, quorum_s
         self.round, self.attempt, self.phase = 0, 0, "collect"
@@ -127,11 +145,25 @@ class Membership:
                     round=self.round)
 
     def _on_ready(self, site: Site, msg: dict, now: float) -> None:
+        late = self.late.get(site.dc)
+        if late is not None and msg["round"] == late["round"] and site.state == "active":
+            if msg.get("tag") != late["tag"]:
+                self._fence(site.dc, site.inc, f"ready for round {msg['round']} with "
+                            f"{msg.get('tag')} after it committed {late['tag']}")
+                return
+            del self.late[site.dc]                 # answered: it carries its steps on
+            self.catching_up[site.dc] = int(msg.get("steps", 0))
+            self._mail(site.dc, {"type": "late", "round": late["round"], "tag": late["tag"],
+                                 "members": late["members"]})
+            self._event("late", dc=site.dc, inc=site.inc, round=late["round"], tag=late["tag"],
+                        late_s=round(now - late["at"], 3))
+            return
         if msg["round"] != self.round or site.state != "active":
             self._fence(site.dc, site.inc, f"ready for round {msg['round']} while the fleet is "
                         f"at round {self.round}")
             return
         self.readies[site.dc] = msg
+        self.arrived.setdefault(site.dc, now)
 
     def _on_done(self, site: Site, msg: dict, now: float) -> None:
         if self.phase == "reduce" and (msg["round"], msg["attempt"]) == (self.round, self.attempt):
@@ -184,6 +216,8 @@ class Membership:
         site.state = "gone"
         self._fence(site.dc, site.inc, cause)
         self.readies.pop(site.dc, None)
+        self.late.pop(site.dc, None)
+        self.catching_up.pop(site.dc, None)
         self._event("failure", dc=site.dc, inc=site.inc, cause=cause, was=was, round=self.round,
                     silent_s=round(now - site.seen, 3), kill=kill)
 
@@ -221,7 +255,11 @@ class Membership:
         active = sorted(d for d, s in self.sites.items() if s.state == "active")
         if self.sites and any(s.state == "expected" for s in self.sites.values()):
             return                                     # founders still starting
-        if not active or any(d not in self.readies for d in active):
+        waiting = [d for d in active if d not in self.readies]
+        if waiting and self._grace_over(now, active, waiting):
+            self._leave_late(waiting, now)
+            active = [d for d in active if d not in waiting]
+        elif not active or waiting:
             heard = [d for d in active if now - self.sites[d].seen <= self.limit_s]
             self._quorum(now, len(heard))         # silent ones kept only for want of a quorum
             return
@@ -240,7 +278,36 @@ class Membership:
             raise NoQuorum(f"round {self.round}: the datacenters are at different "
                            f"synchronisations: " + ", ".join(f"{d}: {self.readies[d]['tag']}"
                                                              for d in active))
-        self._decide(active, joiners, tags.pop(), admit)
+        self._decide(active, joiners, tags.pop(), admit, now)
+
+    def grace_s(self) -> float | None:
+        """The grace window: ``grace`` × the median interval between the last rounds'
+        decisions (None before two were seen)."""
+        if len(self.decided_at) < 2:
+            return None
+        gaps = sorted(b - a for a, b in zip(self.decided_at, self.decided_at[1:]))
+        return self.grace * gaps[len(gaps) // 2]
+
+    def _grace_over(self, now: float, active: list[int], waiting: list[int]) -> bool:
+        """Whether this round goes ahead without ``waiting`` (module docstring: quorum)."""
+        if not self.quorum or self.halt_signum or \
+                any(d in self.late or d in self.catching_up for d in waiting) or \
+                any(r.get("admit") for r in self.readies.values()) or \
+                any(s.state == "joining" for s in self.sites.values()):
+            return False
+        ready = sorted(self.arrived[d] for d in active if d in self.readies)
+        grace = self.grace_s()
+        return len(ready) >= self.quorum and grace is not None and \
+            now - ready[self.quorum - 1] >= grace
+
+    def _leave_late(self, waiting: list[int], now: float) -> None:
+        tags = {self.readies[d]["tag"] for d in self.readies}
+        tag = tags.pop() if len(tags) == 1 else None
+        members = sorted(self.readies)
+        for d in waiting:
+            self.late[d] = {"round": self.round, "tag": tag, "members": members, "at": now}
+        self._event("grace_over", round=self.round, late=waiting, grace_s=self.grace_s(),
+                    members=members)
 
     def _quorum(self, now: float, n: int) -> None:
         if n >= self.min_dcs:
@@ -253,7 +320,8 @@ class Membership:
             raise NoQuorum(f"only {n} of the {self.min_dcs} datacenters a round needs for "
                            f"{self.quorum_s:g} s")
 
-    def _decide(self, active: list[int], joiners: list[int], tag: str, admit: bool) -> None:
+    def _decide(self, active: list[int], joiners: list[int], tag: str, admit: bool,
+                now: float) -> None:
         members = sorted(active + joiners)
         if members != self.group_members or self.group is None:
             self.group, self.group_members = f"{self.round}.{self.attempt}", members
@@ -261,7 +329,12 @@ class Membership:
         self.decision = {"type": "decision", "round": self.round, "attempt": self.attempt,
                          "tag": tag, "members": members, "contributors": active,
                          "joiners": joiners, "donor": active[0], "group": self.group,
-                         "admit_next": waiting and not admit, "halt": self.halt_signum}
+                         "admit_next": waiting and not admit, "halt": self.halt_signum,
+                         "catching_up": {str(d): n for d, n in self.catching_up.items()
+                                         if d in members},
+                         "late": sorted(self.late)}
+        if self.attempt == 0:
+            self.decided_at = [*self.decided_at[-8:], now]
         for d in members:
             self._mail(d, self.decision)
         self._event("decision", **{k: v for k, v in self.decision.items() if k != "type"})
@@ -289,7 +362,9 @@ class Membership:
         self._event("commit", round=d["round"], attempt=d["attempt"], tag=d["tag"],
                     members=d["members"])
         self.round, self.attempt, self.phase = self.round + 1, 0, "collect"
-        self.readies, self.dones = {}, {}
+        self.readies, self.dones, self.arrived = {}, {}, {}
+        for c in d["catching_up"]:
+            self.catching_up.pop(int(c), None)
 
     def _retry(self, gone: list[int]) -> None:
         d = self.decision

@@ -131,6 +131,7 @@ class Fleet:
         cmd = [*self.coord_prefix, sys.executable, "-m", "lowcomm.run.fleet.coordinator",
                "--dcs", str(self.dcs), "--min-dcs", str(self.min_dcs),
                "--limit-s", f"{lim.limit_s:.6g}", "--heartbeat-s", f"{lim.heartbeat_s:.6g}",
+               "--quorum", str(self.cfg.fleet.quorum), "--grace", f"{self.cfg.fleet.grace:.6g}",
                "--log", str(self.out / "membership.jsonl")]
         err = open(self.out / "coordinator.log", "a")
         self.coord = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
