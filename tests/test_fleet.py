@@ -85,16 +85,18 @@ def more(runs, tmp_path_factory):
     """After those (not to slow their start-up): a fleet of 2 datacenters under DiLoCo with
     eager updates (rounds in flight on a thread) whose datacenter 1 loses rank 0 at step 12, on
     whose folder a fleet with --overwrite is tried at step 10; the same method over 3
-    datacenters as a fleet and as one MPI job; and
-    one stopped by SIGTERM at step 25; DiLoCo over ZeRO-2 datacenters (``SHARDED``) as one MPI
+    datacenters as a fleet and as one MPI job; a fleet with a quorum of 2 whose datacenter 2 is
+    nearly stopped for about 1.5 periods (late once); one stopped by SIGTERM at step 25; DiLoCo over ZeRO-2 datacenters (``SHARDED``) as one MPI
     job and as a fleet, and over FSDP datacenters as a fleet whose datacenter 1 loses rank 0 at
     step 12; DiLoCo with dynamic local updates whose datacenter 2 runs at half speed while
     datacenter 1 is killed at step 12 (both from outside: ``lowcomm fault``)."""
     from lowcomm.errors import RunFolderError
     from lowcomm.tools.fleet_launch import prepare
+    from lowcomm.tools.slow import slow_datacenter
     tmp = tmp_path_factory.mktemp("fleet-more")
     deadline = time.monotonic() + scaled(170)
     started = {"pair": fleet(tmp / "pair", *EAGER, dcs=2, np=2), "stop": fleet(tmp / "stop", *RUN),
+               "quorum": fleet(tmp / "quorum", *RUN, "fleet.quorum=2", "fleet.grace=0.5"),
                "eager": fleet(tmp / "eager", *EAGER),
                "eager_single": single_job(tmp / "eager_single", *EAGER_POLICY),
                "sharded_single": single_job(tmp / "sharded_single", *SHARDED, np=4),
@@ -108,6 +110,10 @@ def more(runs, tmp_path_factory):
          lambda: slow.update(ran=Run(tmp / "dylu-slow", [sys.executable, "-m", "lowcomm.cli",
                                                          "fault", "slow", str(tmp / "dylu"),
                                                          "--dc", "2", "--speed", "0.5"])),
+         deadline)
+    late = {}                     # datacenter 2 nearly stopped for 8 s (about 1.5 periods)
+    when(lambda: reached(tmp / "quorum" / "dc2" / "metrics.jsonl", 25),
+         lambda: late.update(done=slow_datacenter(tmp / "quorum", 2, 0.1, 0.4, scaled(8))),
          deadline)
     for name in ("pair", "sharded_kill"):
         when(lambda name=name: reached(tmp / name / "dc1" / "metrics.jsonl", 12),
@@ -126,6 +132,7 @@ def more(runs, tmp_path_factory):
          lambda: os.kill(started["stop"].p.pid, signal.SIGTERM), deadline)
     done = {name: (r, *r.wait(deadline)) for name, r in started.items()}
     done["overwrite"] = overwrite
+    done["late"] = late
     done["dylu_slow"] = slow["ran"].wait(deadline) if "ran" in slow else None
     return done
 
@@ -291,6 +298,30 @@ def test_eager_updates_across_datacenters_overlap_each_round_and_train_as_one_mp
     assert abs(s["eval_loss"] - ref["eval_loss"]) <= 1e-6 * abs(ref["eval_loss"])
 
 
+def test_with_a_quorum_a_late_datacenter_is_not_waited_for_and_its_steps_merge_next_round(
+        more, runs):
+    """``fleet.quorum = 2``, ``fleet.grace = 0.5``: datacenter 2 nearly stopped for about 1.5
+    periods is left out of one round once the others waited half a period for it, is told it is
+    late, trains on from the θ it had, and its 2H steps count twice in the next round, where the
+    donor hands it the outer state: no failure, one model on every datacenter, the eval loss of
+    the synchronous fleet within 5 %."""
+    q, rc, out = more["quorum"]
+    assert rc == 0, out[-3000:]
+    assert more["late"].get("done"), "datacenter 2 was never slowed"
+    s = q.summary()
+    assert s["finished_dcs"] == [0, 1, 2] and s["dcs_agree"] and not s["fleet"]["failures"], s
+    events = [json.loads(x) for x in (q.out / "membership.jsonl").read_text().splitlines()]
+    over = [e for e in events if e["event"] == "grace_over"]
+    assert over and over[0]["late"] == [2] and over[0]["members"] == [0, 1], over
+    told = [e for e in events if e["event"] == "late"]
+    assert [e["dc"] for e in told] == [2] and told[0]["round"] == over[0]["round"], told
+    merged = [e for e in events if e["event"] == "decision" and e.get("catching_up")]
+    assert merged and merged[0]["catching_up"] == {"2": 2 * PERIOD} and \
+        merged[0]["round"] == over[0]["round"] + 1 and merged[0]["members"] == [0, 1, 2], merged
+    plain = runs["plain"][0].summary()["eval_loss"]
+    assert abs(s["eval_loss"] - plain) <= 0.05 * plain, (s["eval_loss"], plain)
+
+
 def test_a_fleet_of_sharded_datacenters_is_the_one_mpi_job_and_spreads_its_traffic(more):
     """DiLoCo between datacenters that shard inside (``policy.rank=zero2``): the fleet ends with
     the parameters of the same policy run as one MPI job, bit for bit, and the cross-datacenter
@@ -430,6 +461,7 @@ def test_fleet_overwrite_removes_only_what_a_fleet_wrote_by_its_marker(stopped_s
     from lowcomm.run.fleet.folder import lock_key
     from lowcomm.run.folder import close_run
     from lowcomm.tools.fleet_launch import prepare
+    from lowcomm.tools.slow import slow_datacenter
     user = {"dc2023_backup/model.bin": b"weights", "dc1-notes.txt": b"notes", "dc7/mine.txt": b"mine"}
     for name, src in (("single", stopped_single), ("fleet", runs["flaky"][0].out)):
         out = tmp_path / name

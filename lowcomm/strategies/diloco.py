@@ -2,6 +2,7 @@
 step on the averaged pseudo-gradient."""
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ from ..compress.quantize import StatQuant
 from ..compress.twophase import COLLECTIVES
 from ..errors import ArgumentError, ConfigError
 from .base import Context, Method
-from .outer import Fragment, OuterLoop, OuterSettings, check_merge, check_run
+from .outer import Fragment, OuterLoop, OuterSettings, _hand_on, _InFlight, check_merge, check_run
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")
 
@@ -231,6 +232,9 @@ class DiLoCo(OuterLoop):
         self._init_outer(s.outer_optimizer, s.outer_lr, s.outer_momentum,
                          getattr(s, "nesterov_every", 1))
         self._eager = self._init_eager() if self.merge == "eager" else None
+        # a fleet whose rounds may go ahead without a late datacenter (fleet.quorum)
+        self._late = {"carried": 0, "last_step": [torch.zeros_like(p) for p in self.outer_params]} \
+            if getattr(self._whole, "late_rounds", False) else None
 
     def _init_outer(self, outer_optimizer: str, outer_lr: float, outer_momentum: float,
                     every: int = 1) -> None:
@@ -270,6 +274,73 @@ class DiLoCo(OuterLoop):
         if self._inner is not None:
             self._inner.parameters_changed()
         return eager
+
+    def _start(self, f: Fragment, s: int) -> None:
+        """In a fleet with a quorum (``fleet.quorum``), the round of
+        :meth:`~lowcomm.run.fleet.channel.Channel.contribute` (below); else the outer loop's.
+
+        Each member adds w·Δ_k and w, w its steps since its θ (H, or 2H for a member that was
+        late for the last round and kept training from the θ it had), so the average is the
+        steps-weighted Σ w_k Δ_k / Σ w_k. A late member's Δ is taken from the older θ_{r−1};
+        the round's donor adds, per member catching up, w·(θ_r − θ_{r−1}) (the step the last
+        round made), which puts its contribution on θ_r, and hands it θ_r and the outer
+        optimizer's state, so that every member then takes the same outer step. A member the
+        round went without keeps its local model and θ and carries its steps to the next."""
+        late = self._late
+        if late is None:
+            return super()._start(f, s)
+        self._red.ledger.reset()
+        delta = self._outgoing(f, self._pack(f))
+        steps = self.period * (1 + late["carried"])
+        kind, avg, state = self._late_round(f, delta, steps)
+        self._charge(_InFlight(f.index, s, s, None), self._red.ledger.rows())
+        if kind == "late":
+            late["carried"] += 1
+            return
+        late["carried"] = 0
+        outer = self.outer_params[f.index]
+        if state is not None:                        # catching up: θ_r and the momentum
+            got = torch.load(io.BytesIO(state), weights_only=True)
+            with torch.no_grad():
+                outer.copy_(got["outer"])
+            self.outer_optimizer.load_state_dict(got["optimizer"])
+        before = outer.detach().clone()
+        synced = self._apply(f, avg)
+        late["last_step"][f.index].copy_(synced - before)
+        f.unpack_(synced)
+        self._dirty.discard(f.index)
+        if self._inner is not None:
+            self._inner.parameters_changed()
+
+    def _late_round(self, f: Fragment, delta: torch.Tensor, steps: int):
+        """(kind, the steps-weighted average, the donor's state or None) of this round, on
+        every rank of the datacenter (the leader's, handed on)."""
+        inside, msg, mean = self._inside, None, delta
+        if inside is None or inside.rank == 0:
+            last = self._late["last_step"][f.index]
+
+            def payload(catching: dict, corrector: bool) -> torch.Tensor:
+                x = delta * float(steps)
+                if corrector and catching:
+                    x = x + float(sum(catching.values())) * last
+                return torch.cat([x, x.new_tensor([float(steps)])])
+
+            def state() -> bytes:
+                buf = io.BytesIO()
+                torch.save({"outer": self.outer_params[f.index].detach(),
+                            "optimizer": self.outer_optimizer.state_dict()}, buf)
+                return buf.getvalue()
+            kind, avg, got = self._leaders.contribute(payload, f"t{self.t}.f{f.index}", steps,
+                                                      state, self.algorithm, self._levels,
+                                                      carried=self._late["carried"] > 0)
+            msg = (kind, got)
+            if avg is not None:
+                mean = avg[:-1] / avg[-1]
+        if inside is not None and inside.size > 1:
+            msg = inside.bcast_object(msg)
+        if msg[0] == "late":
+            return "late", None, None
+        return msg[0], _hand_on(inside, mean, delta), msg[1]
 
     @torch.no_grad()
     def _trial_step(self, i: int, grad: torch.Tensor) -> torch.Tensor:
@@ -319,6 +390,9 @@ class DiLoCo(OuterLoop):
         state["outer_optimizer"] = self.outer_optimizer.state_dict()
         if self._eager is not None:
             state["eager"] = [[t.clone() for t in pair] for pair in self._eager]
+        if self._late is not None:
+            state["late"] = {"carried": self._late["carried"],
+                             "last_step": [t.clone() for t in self._late["last_step"]]}
         return state
 
     def _reshard_extra(self, old: list[dict]) -> dict:
@@ -341,6 +415,10 @@ class DiLoCo(OuterLoop):
             for pair, saved in zip(self._eager, state["eager"], strict=True):
                 for t, v in zip(pair, saved, strict=True):
                     t.copy_(v)
+        if self._late is not None and "late" in state:
+            self._late["carried"] = int(state["late"]["carried"])
+            for t, v in zip(self._late["last_step"], state["late"]["last_step"], strict=True):
+                t.copy_(v)
 
 
 class StreamingDiLoCo(DiLoCo):

@@ -555,3 +555,93 @@ def test_streaming_fragments_merge_where_the_slot_convention_says(slot, merged, 
                 seen[f.index].append(step)
     assert seen == merged, seen
     opt.close()
+
+
+# a round that goes ahead without a late member (a fleet's quorum) -----------------------------
+class _ScriptedRounds:
+    """The fleet's channel as DiLoCo sees it under ``fleet.quorum``, over this job's ranks (each
+    one a datacenter), rounds scripted: in round ``late_round`` the last rank is late (it adds
+    nothing, is told so), in the next it catches up (rank 0, the donor, corrects and hands it
+    the outer state)."""
+    rounds = True
+
+    def __init__(self, comm, late_round):
+        self.comm, self.late_round, self.round = comm, late_round, 0
+
+    def dup(self, ledger=None):
+        return self
+
+    def contribute(self, payload, tag, steps, state, algorithm="ring", levels=None,
+                   carried=False):
+        r, self.round = self.round, self.round + 1
+        catching = {k: s for k, s in enumerate(self.comm.allgather_object(
+            steps if carried else None)) if s is not None}
+        late = r == self.late_round and RANK == K - 1
+        members = K - 1 if r == self.late_round else K
+        x = self.comm.allgather_object(torch.zeros(0) if late else payload(catching, RANK == 0))
+        got = self.comm.bcast_object(state() if catching and RANK == 0 else None)
+        if late:
+            return "late", None, None
+        avg = sum(t for t in x if t.numel()) / members
+        return "average", avg, got if RANK in catching else None
+
+
+class _Span:
+    late_rounds, channel, size = True, None, K
+
+
+def _late_diloco(model, rounds):
+    from lowcomm.strategies.outer import Nesting
+    return DiLoCo(model, sgd(model.parameters()), lowcomm.init(), period=3,
+                  nest=Nesting(inner=None, inside=None, leaders=rounds, whole=_Span()))
+
+
+def simulate_late(steps, period, late_round, lr=0.7, mu=0.9):
+    """K workers in one process: DiLoCo whose round ``late_round`` goes without the last worker
+    (it keeps its model and θ and trains on), and whose next round weighs each worker's
+    pseudo-gradient from the current θ_r by its steps: Δ = Σ_k w_k (θ_r − θ_k) / Σ_k w_k, w_k =
+    H, 2H for the late one; Nesterov SGD on θ; every worker then takes θ."""
+    models = [make(perturb=False) for _ in range(K)]
+    opts = [sgd(m.parameters()) for m in models]
+    theta = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+    buf = {}
+    r = 0
+    for step in range(steps):
+        for k in range(K):
+            x, y = batch(step, k)
+            opts[k].zero_grad()
+            F.cross_entropy(models[k](x), y).backward()
+            opts[k].step()
+        if (step + 1) % period:
+            continue
+        taking = range(K - 1) if r == late_round else range(K)
+        w = [2 * period if r == late_round + 1 and k == K - 1 else period for k in range(K)]
+        for n in theta:
+            g = sum(w[k] * (theta[n] - dict(models[k].named_parameters())[n].detach())
+                    for k in taking) / sum(w[k] for k in taking)
+            buf[n] = mu * buf[n] + g if n in buf else g.clone()
+            theta[n] = theta[n] - lr * (g + mu * buf[n])
+        with torch.no_grad():
+            for k in taking:
+                for n, p in models[k].named_parameters():
+                    p.copy_(theta[n])
+        r += 1
+    return models[RANK]
+
+
+def test_a_late_members_steps_merge_next_round_weighted_and_every_member_takes_one_state():
+    """Round 1 goes without the last rank; in round 2 its 2H steps count twice an on-time
+    member's, from the θ it trained from corrected to the current one by the donor, who also
+    hands it θ and the outer momentum: every rank then holds the same model and outer state,
+    as the K-worker simulation does."""
+    rounds, model = _ScriptedRounds(lowcomm.init(), late_round=1), make()
+    model, st = train(None, 9, model=model, strategy=_late_diloco(model, rounds))
+    st.close()
+    assert st._late["carried"] == 0 and rounds.round == 3
+    assert agree(flat(model)), "the ranks' models differ after the catch-up round"
+    assert all(agree(p.detach()) for p in st.outer_params)
+    assert all(agree(v) for s in st.outer_optimizer.state.values() for v in s.values()
+               if torch.is_tensor(v)), "outer momentum differs after the catch-up"
+    assert_models_close(model, simulate_late(9, 3, late_round=1), "late merge vs simulation")
+    bytes_sent = {row["op"] for row in st.comm.ledger.rows()}
+    assert bytes_sent, "the rounds charged nothing"

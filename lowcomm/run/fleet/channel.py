@@ -305,18 +305,26 @@ class Channel:
             self.send("ready", round=self.round, **ready)
         while True:
             d = self._decision(op)
+            if d["type"] == "late":                  # it went ahead without this member
+                self.round = d["round"] + 1
+                if self._ready_t is not None:
+                    self._spent("round_s", time.monotonic() - self._ready_t)
+                    self._ready_t = None
+                return d, None
             result, err = work(d)
             self.send("done", round=d["round"], attempt=d["attempt"], ok=err is None, error=err)
             if self._committed(d, err):
                 return d, result
 
     def _decision(self, op: str) -> dict:
-        """The coordinator's next decision (the time waited for it is :attr:`wait_s`)."""
+        """The coordinator's next decision, or its word that this member's round went ahead
+        without it (``late``: a quorum and its grace window); the time waited for it is
+        :attr:`wait_s`."""
         t0 = time.monotonic()
         try:
             while True:
                 m = self.receive(op)
-                if m["type"] == "decision":
+                if m["type"] in ("decision", "late"):
                     return m
         finally:
             self._spent("wait_s", time.monotonic() - t0)
@@ -382,7 +390,7 @@ class Channel:
                 comm = self.group(d, 0)
                 if d["joiners"] and d["donor"] == self.dc:
                     made[:] = made or [state()]
-                    self._send_state(comm, d, made[0], ledger or self.ledger)
+                    self._send_state(comm, d, made[0], ledger or self.ledger, d["joiners"])
                 return None, None
             except CommError as e:
                 self.plane.forget()
@@ -392,16 +400,16 @@ class Channel:
         self._said = [(at, False, halt) for at, _, halt in self._said]   # held
         return list(d["joiners"])
 
-    def _send_state(self, comm: GlooComm, d: dict, payload: bytes, ledger: Ledger) -> None:
+    def _send_state(self, comm: GlooComm, d: dict, payload: bytes, ledger: Ledger,
+                    to: list[int], op: str = "heal") -> None:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         t0 = time.perf_counter()
-        for j in d["joiners"]:
+        for j in to:
             peer = d["members"].index(j)
             comm.send(size, peer)
             comm.send(data, peer)
-        ledger.record("heal", "dc", (data.numel() + 8) * len(d["joiners"]), 0,
-                      time.perf_counter() - t0)
+        ledger.record(op, "dc", (data.numel() + 8) * len(to), 0, time.perf_counter() - t0)
 
     def join(self, ledger: Ledger | None = None) -> dict:
         """This relaunched datacenter's way back in: wait to be admitted (at most
@@ -420,15 +428,50 @@ class Channel:
         return {"payload": payload, "step": int(d["tag"][1:].split(".")[0]), "round": d["round"],
                 "bytes": len(payload), "wait_s": t1[0] - t0, "transfer_s": time.monotonic() - t1[0]}
 
-    def _take_state(self, comm: GlooComm, d: dict, ledger: Ledger) -> bytes:
+    def _take_state(self, comm: GlooComm, d: dict, ledger: Ledger, op: str = "heal") -> bytes:
         donor = d["members"].index(d["donor"])
         size = torch.zeros(1, dtype=torch.int64)
         comm.recv_(size, donor)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         t0 = time.perf_counter()
         comm.recv_(data, donor)
-        ledger.record("heal", "dc", 0, data.numel() + 8, time.perf_counter() - t0)
+        ledger.record(op, "dc", 0, data.numel() + 8, time.perf_counter() - t0)
         return data.numpy().tobytes()
+
+    # a round that may go ahead without a late member --------------------------------------------
+    def contribute(self, payload, tag: str, steps: int, state, algorithm: str = "ring",
+                   levels=None, carried: bool = False):
+        """This member's part of a round under a quorum (:mod:`~lowcomm.run.fleet.membership`):
+        ``payload(catching_up, corrector)`` is the tensor it adds to the round's average, given
+        the steps each member catching up carries and whether this member is the round's
+        ``donor`` (who adds their correction); ``carried``: this member's steps go back to an
+        older outer state (it was late, maybe before a restart); ``state()`` the bytes of its outer state, which
+        the donor hands to each member catching up. Returns ("late", None, None) when the round
+        went ahead without this member, else ("average", the average, the donor's state bytes
+        where this member catches up, else None)."""
+        def work(d: dict):
+            catching = {int(k): v for k, v in d.get("catching_up", {}).items()}
+            flat = payload(catching, d["donor"] == self.dc)
+            avg, err = self.plane.reduce(d, flat, algorithm, levels, self.ledger)
+            if err is not None or not catching:
+                return (avg, None), err
+            try:
+                comm = self.group(d, 0)
+                if d["donor"] == self.dc:
+                    self._send_state(comm, d, state(), self.ledger, sorted(catching), "catch-up")
+                    return (avg, None), None
+                if self.dc in catching:
+                    return (avg, self._take_state(comm, d, self.ledger, "catch-up")), None
+                return (avg, None), None
+            except CommError as e:
+                self.plane.forget()
+                return None, str(e)
+        d, result = self.round_of("fleet.average", work,
+                                  ready={"tag": tag, "numel": 0, "steps": steps,
+                                         "carried": carried})
+        if d["type"] == "late":
+            return "late", None, None
+        return "average", *result
 
     def close(self, reason: str = "finished") -> None:
         """Tell the coordinator this member is done (best effort) and stop heartbeating. The
@@ -521,9 +564,11 @@ class Span:
     datacenter (MPI), then across through ``channel`` (on the datacenter's leader), handed on
     inside. ``size`` counts the ranks of the whole fleet."""
 
-    def __init__(self, inside, channel: Channel | None, size: int, rank: int):
+    def __init__(self, inside, channel: Channel | None, size: int, rank: int,
+                 late_rounds: bool = False):
         self.inside, self.channel, self.size, self.rank = inside, channel, size, rank
         self.ledger, self.level, self.validate = inside.ledger, "dc", False
+        self.late_rounds = late_rounds      # a round may go ahead without a late datacenter
         self._count = 0
 
     def allreduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -106,7 +106,7 @@ def connect(fp: FleetPlan, comm, me: dict) -> Channel | None:
 def levels(fp: FleetPlan, comm, channel: Channel | None, me: dict) -> FleetLevels:
     """The topology's communicators of this datacenter, with the span of the whole fleet (what
     the outer loop averages the last partial period and the buffers over)."""
-    whole = Span(comm, channel, me["total"], me["offset"] + comm.rank)
+    whole = Span(comm, channel, me["total"], me["offset"] + comm.rank, fp.cfg.fleet.quorum > 0)
 
     def ranked() -> RankChannel:
         limits, rank = fp.limits(), me["offset"] + comm.rank

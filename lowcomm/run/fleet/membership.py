@@ -43,6 +43,7 @@ in rounds), ``joining`` (a relaunched job waiting to be admitted), ``gone`` (fai
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -87,7 +88,7 @@ class Membership:
         self.decided_at: list[float] = []          # when the last rounds were decided
         self.arrived: dict[int, float] = {}        # when each site said ready for this round
         self.late: dict[int, dict] = {}            # site -> the round it was left out of
-        self.catching_up: dict[int, int] = {}      # site -> steps it carries into this round
+        self.catching_up: set[int] = set()         # sites whose steps go back to a round before
         self.sites = {i: Site(i, now) for i in range(dcs)}
         self.min_dcs, self.limit_s, self.start_s, self.quorum_s = min_dcs, limit_s, start_s, quorum_s
         self.round, self.attempt, self.phase = 0, 0, "collect"
@@ -152,7 +153,7 @@ class Membership:
                             f"{msg.get('tag')} after it committed {late['tag']}")
                 return
             del self.late[site.dc]                 # answered: it carries its steps on
-            self.catching_up[site.dc] = int(msg.get("steps", 0))
+            self.catching_up.add(site.dc)
             self._mail(site.dc, {"type": "late", "round": late["round"], "tag": late["tag"],
                                  "members": late["members"]})
             self._event("late", dc=site.dc, inc=site.inc, round=late["round"], tag=late["tag"],
@@ -164,6 +165,8 @@ class Membership:
             return
         self.readies[site.dc] = msg
         self.arrived.setdefault(site.dc, now)
+        if msg.get("carried"):                     # late before (a restart forgot it): catches up
+            self.catching_up.add(site.dc)
 
     def _on_done(self, site: Site, msg: dict, now: float) -> None:
         if self.phase == "reduce" and (msg["round"], msg["attempt"]) == (self.round, self.attempt):
@@ -217,7 +220,7 @@ class Membership:
         self._fence(site.dc, site.inc, cause)
         self.readies.pop(site.dc, None)
         self.late.pop(site.dc, None)
-        self.catching_up.pop(site.dc, None)
+        self.catching_up.discard(site.dc)
         self._event("failure", dc=site.dc, inc=site.inc, cause=cause, was=was, round=self.round,
                     silent_s=round(now - site.seen, 3), kill=kill)
 
@@ -290,7 +293,8 @@ class Membership:
 
     def _grace_over(self, now: float, active: list[int], waiting: list[int]) -> bool:
         """Whether this round goes ahead without ``waiting`` (module docstring: quorum)."""
-        if not self.quorum or self.halt_signum or \
+        if not self.quorum or self.halt_signum or not all(
+                re.fullmatch(r"t\d+\.f\d+", r.get("tag", "")) for r in self.readies.values()) or \
                 any(d in self.late or d in self.catching_up for d in waiting) or \
                 any(r.get("admit") for r in self.readies.values()) or \
                 any(s.state == "joining" for s in self.sites.values()):
@@ -330,8 +334,8 @@ class Membership:
                          "tag": tag, "members": members, "contributors": active,
                          "joiners": joiners, "donor": active[0], "group": self.group,
                          "admit_next": waiting and not admit, "halt": self.halt_signum,
-                         "catching_up": {str(d): n for d, n in self.catching_up.items()
-                                         if d in members},
+                         "catching_up": {str(d): int(self.readies[d].get("steps", 0))
+                                         for d in sorted(self.catching_up) if d in self.readies},
                          "late": sorted(self.late)}
         if self.attempt == 0:
             self.decided_at = [*self.decided_at[-8:], now]
@@ -363,8 +367,7 @@ class Membership:
                     members=d["members"])
         self.round, self.attempt, self.phase = self.round + 1, 0, "collect"
         self.readies, self.dones, self.arrived = {}, {}, {}
-        for c in d["catching_up"]:
-            self.catching_up.pop(int(c), None)
+        self.catching_up -= {int(c) for c in d["catching_up"]}
 
     def _retry(self, gone: list[int]) -> None:
         d = self.decision

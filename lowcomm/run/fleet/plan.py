@@ -109,6 +109,10 @@ def _check_dc_level(cfg) -> None:
                           "datacenters (a compressor's error feedback would count a retried "
                           "round twice); use compressor=none")
     inside = str(cfg.policy.get("rank", "syncdp")).partition(":")[0]
+    if cfg.fleet.quorum and (m.name != "diloco" or inside != "syncdp"):
+        raise ConfigError("fleet.quorum", f"rounds that go ahead without a late datacenter "
+                          f"merge its steps next round under diloco over syncdp inside; here "
+                          f"{m.name} over {inside}: use fleet.quorum = 0")
     if int(merged.get("delay", getattr(m.settings, "delay", 0))) and inside != "syncdp":
         raise ConfigError("policy.dc.delay", f"a delayed outer loop over datacenters sharded "
                           f"inside ({inside}): their ranks hand each round on in step; use "
