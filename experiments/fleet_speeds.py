@@ -10,8 +10,9 @@ takes its speed's share of each period), beside the unslowed synchronous fleet?
     PYTHONPATH=. python experiments/fleet_speeds.py --out runs/fleet-speeds --repeats 3
 
 Rows (each run one after the other, each repetition all rows in turn, so that the machine's load
-falls on every row alike): ``speeds`` 1,1,1 / 1,1,0.5 / 1,0.5,0.25 for ``diloco`` and
-``diloco-dylu``. Read from each fleet's ``summary.json``: its wall-clock (``wall_s``: the
+falls on every row alike): ``speeds`` 1,1,1 / 1,1,0.5 / 1,0.5,0.25 / 1,1,flaky (datacenter 2
+nearly stopped once for :data:`FLAKY_S` seconds) for ``diloco``, ``diloco-dylu``,
+``diloco-eager`` (τ = 3) and DiLoCo with a quorum of 2 and a grace window of half a period. Read from each fleet's ``summary.json``: its wall-clock (``wall_s``: the
 supervisor's, start-up included, as a user waits for it), ``fleet.time.goodput``, the eval loss,
 and each datacenter's steps computed. The ratio column divides a row's wall-clock by the
 unslowed synchronous fleet's of the same repetition. Writes ``OUT/results.json`` and prints a
@@ -29,8 +30,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEEDS = ("1,1,1", "1,1,0.5", "1,0.5,0.25")
-METHODS = ("diloco", "diloco-dylu")
+SPEEDS = ("1,1,1", "1,1,0.5", "1,0.5,0.25", "1,1,flaky")
+#: the rows' methods: the name in the table, its settings
+METHODS = {"diloco": ["strategy.name=diloco"],
+           "diloco-dylu": ["strategy.name=diloco-dylu"],
+           "diloco-eager": ["strategy.name=diloco-eager", "strategy.delay=3"],
+           "diloco quorum 2": ["strategy.name=diloco", "fleet.quorum=2", "fleet.grace=0.5"]}
+#: a flaky datacenter: nearly stopped (speed 0.1) for this many seconds once, from a third of
+#: the run on (about 1.5 periods of H = 10 at the default workload's step time)
+FLAKY_S = 1.5
 
 
 def env() -> dict:
@@ -42,24 +50,33 @@ def lowcomm(*args: str) -> list[str]:
 
 
 def one(out: Path, method: str, speeds: str, steps: int, period: int, extra: list[str]) -> dict:
-    """One fleet, its slow datacenters slowed from its start to its end; the figures."""
+    """One fleet, its slow datacenters slowed from its start to its end (a flaky one: once,
+    :data:`FLAKY_S` seconds from a third of its steps on); the figures."""
     if out.exists():
         shutil.rmtree(out)
-    sets = [f"strategy.name={method}", f"strategy.period={period}", f"steps={steps}",
-            "eval_every=0", *extra]
+    sets = [*METHODS[method], f"strategy.period={period}", f"steps={steps}", "eval_every=0",
+            *extra]
     fleet = subprocess.Popen(lowcomm("train", "--dcs", "3", "--np", "3", "--place", "local",
                                      "--quiet", "--out", str(out),
                                      *[a for s in sets for a in ("--set", s)]),
                              cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                              stderr=open(str(out) + ".log", "w"))
     slow = []
-    for dc, v in enumerate(float(x) for x in speeds.split(",")):
-        if v < 1:
+    for dc, v in enumerate(speeds.split(",")):
+        if v == "flaky":
+            while not _reached(out / f"dc{dc}" / "metrics.jsonl", steps // 3) and \
+                    fleet.poll() is None:
+                time.sleep(0.05)
+            slow.append(subprocess.Popen(lowcomm("fault", "slow", str(out), "--dc", str(dc),
+                                                 "--speed", "0.1", "--cycle", "300ms",
+                                                 "--for", f"{FLAKY_S}s"),
+                                         cwd=ROOT, env=env(), stdout=subprocess.PIPE, text=True))
+        elif float(v) < 1:
             lock = out / f"dc{dc}" / ".lowcomm.lock"
             while not lock.exists() and fleet.poll() is None:
                 time.sleep(0.05)
             slow.append(subprocess.Popen(lowcomm("fault", "slow", str(out), "--dc", str(dc),
-                                                 "--speed", str(v)), cwd=ROOT, env=env(),
+                                                 "--speed", v), cwd=ROOT, env=env(),
                                          stdout=subprocess.PIPE, text=True))
     rc = fleet.wait()
     for p in slow:
@@ -71,6 +88,13 @@ def one(out: Path, method: str, speeds: str, steps: int, period: int, extra: lis
     return {"method": method, "speeds": speeds, "wall_s": s["wall_s"], "eval_loss": s["eval_loss"],
             "goodput": t["goodput"], "idle_fraction": t["idle_fraction"],
             "steps": [t["by_dc"][str(d)]["steps"] for d in range(3)]}
+
+
+def _reached(metrics: Path, step: int) -> bool:
+    try:
+        return any(json.loads(x).get("step", 0) >= step for x in metrics.read_text().splitlines())
+    except (OSError, ValueError):
+        return False
 
 
 def span(xs: list[float], fmt: str) -> str:
@@ -102,16 +126,22 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=160)
     ap.add_argument("--period", type=int, default=10)
-    ap.add_argument("--speeds", default=";".join(SPEEDS), help="';'-separated, e.g. 1,1,1;1,1,0.5")
+    ap.add_argument("--speeds", default=";".join(SPEEDS),
+                    help="';'-separated, e.g. 1,1,1;1,1,0.5;1,1,flaky")
+    ap.add_argument("--methods", default=",".join(METHODS), help="of " + ", ".join(METHODS))
     ap.add_argument("--set", dest="extra", action="append", default=[])
     a = ap.parse_args(argv)
+    methods = a.methods.split(",")
+    if set(methods) - set(METHODS):
+        ap.error(f"--methods: unknown {sorted(set(methods) - set(METHODS))}; known: {list(METHODS)}")
     a.out.mkdir(parents=True, exist_ok=True)
     load = [os.getloadavg()]
     rows = []
     for rep in range(a.repeats):
         for speeds in a.speeds.split(";"):
-            for method in METHODS:
-                r = one(a.out / f"{method}-{speeds.replace(',', '_')}-{rep}", method, speeds,
+            for method in methods:
+                r = one(a.out / f"{method.replace(' ', '_')}-{speeds.replace(',', '_')}-{rep}",
+                        method, speeds,
                         a.steps, a.period, a.extra)
                 rows.append(dict(r, rep=rep))
                 print(json.dumps(rows[-1]), flush=True)

@@ -111,8 +111,9 @@ def more(runs, tmp_path_factory):
                                                          "fault", "slow", str(tmp / "dylu"),
                                                          "--dc", "2", "--speed", "0.5"])),
          deadline)
-    late = {}                     # datacenter 2 nearly stopped for 8 s (about 1.5 periods)
-    when(lambda: reached(tmp / "quorum" / "dc2" / "metrics.jsonl", 25),
+    late = {}          # datacenter 2 nearly stopped for 8 s (about 1.5 periods) once the
+    # second round committed (the first with an interval to derive a grace window from)
+    when(lambda: committed(tmp / "quorum", f"t{2 * PERIOD}.f0"),
          lambda: late.update(done=slow_datacenter(tmp / "quorum", 2, 0.1, 0.4, scaled(8))),
          deadline)
     for name in ("pair", "sharded_kill"):
@@ -320,6 +321,15 @@ def test_with_a_quorum_a_late_datacenter_is_not_waited_for_and_its_steps_merge_n
         merged[0]["round"] == over[0]["round"] + 1 and merged[0]["members"] == [0, 1, 2], merged
     plain = runs["plain"][0].summary()["eval_loss"]
     assert abs(s["eval_loss"] - plain) <= 0.05 * plain, (s["eval_loss"], plain)
+
+
+def committed(out, tag) -> bool:
+    """Whether the fleet in ``out`` committed the round ``tag``."""
+    try:
+        return f'"tag": "{tag}"' in "".join(x for x in (out / "membership.jsonl").read_text()
+                                            .splitlines() if '"event": "commit"' in x)
+    except OSError:
+        return False
 
 
 def test_a_fleet_of_sharded_datacenters_is_the_one_mpi_job_and_spreads_its_traffic(more):
