@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from conftest import cli
+from conftest import cli, shared_mpi_suite
 from lowcomm.run.api import load_config
 from lowcomm.tools import tune
 from lowcomm.tools.compare import methods
@@ -102,6 +102,8 @@ def test_a_sweep_where_every_value_diverged_chooses_nothing_and_says_so(tmp_path
     assert "every tuned value diverged" in tune.failure(t) and "lr=10.0" in tune.failure(t)
     md = tune.table([{"method": "ef-sign", "tuning": t}])
     assert "| ef-sign | none: every value diverged | lr=1.0: diverged, lr=10.0: diverged |" in md, md
+    md = tune.table([{"method": "ef-sign", "tuning": {**t, "interrupted": True}}])
+    assert "| ef-sign | none: the sweep was stopped |" in md, md
 
 
 def test_compare_checks_tune_before_anything_runs(tmp_path):
@@ -111,3 +113,51 @@ def test_compare_checks_tune_before_anything_runs(tmp_path):
         r = cli("compare", "--np", "2", "--methods", "ddp", "--out", tmp_path, *args)
         assert r.returncode == 2 and "--tune" in r.stderr and says in r.stderr, (args, r.output)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_tuned_comparison_runs_each_method_at_its_best_value_and_states_the_cost(tmp_path):
+    """2 ranks, ddp and diloco, lr at two values (one far too small to learn in 4 steps) and
+    diloco's outer_lr (not ddp's): each method's run is at the value whose sweep ended with the
+    lowest eval loss, and the sweep's runs, steps and seconds are in results.json, tuning.json
+    and the table."""
+    from test_compare import compare as run_compare
+    r = run_compare(tmp_path, "--methods", "ddp,diloco", "--steps", "6", "--tune", "lr=1e-6,3e-2",
+                    "--tune", "strategy.outer_lr=0.7", "--tune-steps", "4", timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = {x["method"]: x for x in json.loads((tmp_path / "results.json").read_text())}
+    for m, x in results.items():
+        t = x["tuning"]
+        losses = {json.dumps(run["values"]): run["eval_loss"] for run in t["runs"]}
+        assert len(losses) == 2 and all(run["status"] == "ok" for run in t["runs"]), t
+        best = min(t["runs"], key=lambda run: run["eval_loss"])["values"]
+        assert t["chosen"] == best and best["lr"] == 3e-2, t
+        # each sweep run is a run of its own, of the steps asked, at its values
+        for run in t["runs"]:
+            folder = tmp_path / "tune" / m / tune.label(run["values"])
+            summary = json.loads((folder / "summary.json").read_text())
+            cfg = json.loads((folder / "config.json").read_text())
+            assert summary["eval_loss"] == run["eval_loss"] and run["steps"] == 4
+            assert cfg["lr"] == run["values"]["lr"] and cfg["steps"] == 4
+            assert run["compute_cpu_s"] == summary["compute_cpu_s"] > 0
+        # the comparison's run trains at the chosen values, for the comparison's steps
+        cfg = json.loads((tmp_path / m / "config.json").read_text())
+        assert cfg["lr"] == 3e-2 and cfg["steps"] == 6 and x["steps"] == 6
+        assert t["cost"] == tune.cost(t["runs"]) and t["cost"]["runs"] == 2 and t["cost"]["steps"] == 8
+    assert results["diloco"]["tuning"]["chosen"]["strategy.outer_lr"] == 0.7
+    assert json.loads((tmp_path / "diloco" / "config.json").read_text())["strategy"]["outer_lr"] == 0.7
+    assert "strategy.outer_lr" in results["ddp"]["tuning"]["not_tuned"]
+    total = json.loads((tmp_path / "tuning.json").read_text())["total"]
+    assert total["runs"] == 4 and total["steps"] == 16
+    assert total["compute_cpu_s"] == pytest.approx(sum(x["tuning"]["cost"]["compute_cpu_s"]
+                                                       for x in results.values()), abs=1e-3)
+    assert "| ddp | lr=0.03 |" in r.stdout and "| total | | | | 4 | 16 |" in r.stdout, r.stdout
+    assert "tuning spent 4 runs, 16 steps" in r.stdout
+
+
+@pytest.mark.mpi_checks("check_compare_defaults.py", np=2, timeout=600, case_timeout=240)
+def test_every_method_trains_at_its_compare_settings_without_diverging():
+    """tests/mpi/check_compare_defaults.py: every registered method and compressor, the byte LM;
+    the sign and 1-bit ones also a transformers GPT-2."""
+    cases = shared_mpi_suite(2, "check_compare_defaults.py")
+    assert any("built_in_task_at_its_compare_settings[ef-sign]" in n for n in cases)
+    assert any("transformers_gpt2_at_its_compare_settings[demo]" in n for n in cases)

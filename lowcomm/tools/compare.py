@@ -85,9 +85,9 @@ def methods() -> dict[str, list[str]]:
     """Compare's name -> the config overrides that select it (on top of the shared config):
     every registered method (:data:`lowcomm.run.registry.STRATEGIES`, under its
     ``compare_name`` with its ``compare`` overrides; user-registered ones included), SyncDP with
-    every registered compressor, then :data:`VARIANTS`. Read at call time, so a method
-    registered after import is listed."""
-    from ..compress import COMPRESSORS
+    every registered compressor (with its :data:`lowcomm.compress.COMPARE` settings), then
+    :data:`VARIANTS`. Read at call time, so a method registered after import is listed."""
+    from ..compress import COMPARE, COMPRESSORS
     from ..run.registry import STRATEGIES
     out: dict[str, list[str]] = {}
 
@@ -100,7 +100,7 @@ def methods() -> dict[str, list[str]]:
         add(m.compare_name or name, [f"strategy.name={name}", *m.compare], f"method {name!r}")
     for name in COMPRESSORS:
         if name != "none":
-            add(name, [f"compressor.name={name}"], f"compressor {name!r}")
+            add(name, [f"compressor.name={name}", *COMPARE.get(name, ())], f"compressor {name!r}")
     for name, overrides in VARIANTS.items():
         add(name, list(overrides), f"variant {name!r}")
     return out

@@ -222,8 +222,9 @@ def table(results: list[dict]) -> str:
             "compute CPU s | wall s |", "|---" * 8 + "|"]
     for r in tuned:
         t = r["tuning"]
-        chosen = label(t["chosen"]) if t["chosen"] else ("none tuned" if not t["runs"] else
-                                                         "none: every value diverged")
+        chosen = label(t["chosen"]) if t["chosen"] is not None else \
+            "none: the sweep was stopped" if t.get("interrupted") else \
+            "none: every value diverged" if t["runs"] else "none tuned"
         cells = []
         for run in t["runs"]:
             val = run["eval_loss"] if _finite(run["eval_loss"]) else run["final_loss"]
