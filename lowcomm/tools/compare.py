@@ -28,6 +28,10 @@ same round (a ratio of neighbours in time), the table giving the median ratio an
 Losses, bytes, curves and plots are the first run's; every run's ``state_sha256`` is compared
 (``repeats_agree``).
 
+Each method at its own settings (``--tune KEY=V1,V2,...``, :mod:`lowcomm.tools.tune`): a short
+sweep per method into ``tune/<method>/<point>/``, the method then run at the point with the
+lowest eval loss; ``tuning.json`` and the table's tuning section state what the sweeps cost.
+
 By time budget (``--budget SECONDS``): every method trains until its modelled wall-clock on
 the link reaches the budget (``[budget]``, :class:`lowcomm.run.coordinate.Budget`; ``--steps``
 is then a cap), so the table ranks the methods by eval loss at equal modelled time. Either way
@@ -492,8 +496,9 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
         if tune_steps < 1:
             raise ValueError(f"tune_steps must be >= 1 with tune, got {tune_steps}")
         from ..run.api import load_config
-        sweeps = (tuning.plan(lambda o: load_config(config, o), {m: methods_overrides(m) for m in methods},
-                              tune, list(overrides)), tune_steps, (*overrides, "eval_every=0"))
+        plan = tuning.plan(lambda o: load_config(config, o),
+                           {m: methods_overrides(m) for m in methods}, tune, list(overrides))
+        sweeps = (plan, tune_steps, (*overrides, "eval_every=0"))
     if relative_to and relative_to not in methods:
         raise ValueError(f"relative_to: {relative_to!r} is not one of the methods run "
                          f"({', '.join(methods)})")
@@ -613,8 +618,8 @@ def _run_methods(methods, kept, np, steps, out, config, overrides, link, launche
                                        max_restarts=max_restarts, overwrite=overwrite,
                                        extra=chosen.get(method, []))
                 except KeyboardInterrupt:   # SIGINT while no job ran (it had not started)
-                    r = {"method": method, "overrides": methods_overrides(method), "status": "interrupted",
-                         "error": "stopped by SIGINT"}
+                    r = {"method": method, "overrides": methods_overrides(method),
+                         "status": "interrupted", "error": "stopped by SIGINT"}
                 if tuned and "steps" in tuned:
                     r["tuning"] = tuned
                 bar.update(done_before + steps - bar.n)

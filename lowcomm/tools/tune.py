@@ -206,9 +206,9 @@ def failure(tuning: dict) -> str:
 def totals(results: list[dict]) -> dict:
     """The comparison's tuning cost: per method and summed."""
     per = {r["method"]: r["tuning"]["cost"] for r in results if r.get("tuning")}
-    return {"methods": per, "total": {k: round(sum(c[k] for c in per.values()), 3) if k != "runs"
-                                      and k != "steps" else sum(c[k] for c in per.values())
-                                      for k in ("runs", "steps", "compute_cpu_s", "wall_s")}}
+    total = {k: sum(c[k] for c in per.values()) for k in ("runs", "steps", "compute_cpu_s", "wall_s")}
+    return {"methods": per, "total": {k: v if isinstance(v, int) else round(v, 3)
+                                      for k, v in total.items()}}
 
 
 def table(results: list[dict]) -> str:
