@@ -15,13 +15,19 @@ DEMO_METHODS ?= main
 DEMO_BUDGET ?= 30
 DEMO_STEPS ?= 3000
 DEMO_ARGS ?=
+# each method at its own learning rate: the best of these after DEMO_TUNE_STEPS steps
+# (DEMO_TUNE= leaves every method at its registry settings and skips the sweep)
+DEMO_TUNE ?= lr=3e-4,1e-3,3e-3
+DEMO_TUNE_STEPS ?= 100
 
 # The main job: every main method on the default workload (Python stdlib corpus), one mpirun
-# each, each for $(DEMO_BUDGET) modelled seconds on a 25 ms / 100 Mbit/s link (at most
-# $(DEMO_STEPS) steps), then results.json, table.md and eval-loss plots in $(DEMO_OUT).
+# each, each at the learning rate its own short sweep chose (--tune; the table states what the
+# sweep cost), then for $(DEMO_BUDGET) modelled seconds on a 25 ms / 100 Mbit/s link (at most
+# $(DEMO_STEPS) steps); results.json, tuning.json, table.md and eval-loss plots in $(DEMO_OUT).
 demo: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH lowcomm compare --np $(NP) --methods $(DEMO_METHODS) \
-		--budget $(DEMO_BUDGET) --steps $(DEMO_STEPS) --out $(DEMO_OUT) $(DEMO_ARGS)
+		--budget $(DEMO_BUDGET) --steps $(DEMO_STEPS) --out $(DEMO_OUT) \
+		$(if $(DEMO_TUNE),--tune $(DEMO_TUNE) --tune-steps $(DEMO_TUNE_STEPS)) $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -68,10 +68,12 @@ def test_the_api_page_names_every_built_in_method_and_what_the_issue_found_missi
 
 
 def test_compare_lists_every_compressor_and_variant_once():
-    from lowcomm.compress import COMPRESSORS
+    from lowcomm.compress import COMPARE, COMPRESSORS
     known = methods()
     assert known["ddp"] == ["strategy.name=syncdp"]
-    assert all(known[c] == [f"compressor.name={c}"] for c in COMPRESSORS if c != "none")
+    # a compressor with its own compare settings (compress.COMPARE) after its name
+    assert all(known[c] == [f"compressor.name={c}", *COMPARE.get(c, ())] for c in COMPRESSORS if c != "none")
+    assert known["ef-sign"] == ["compressor.name=ef-sign", "lr=0.0003"]
     assert all(known[v] == o for v, o in VARIANTS.items())
     assert len(known) == len(STRATEGIES) + len(COMPRESSORS) - 1 + len(VARIANTS)
 

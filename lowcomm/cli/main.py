@@ -405,8 +405,15 @@ def methods_command(config, overrides, as_json):
 @click.option("--relative-to", default=None, metavar="METHOD",
               help="Divide every run's wall-clock by METHOD's of the same round; the table "
                    "gives the median ratio and its range [default: compare.relative_to].")
+@click.option("--tune", "tune", multiple=True, metavar="KEY=V1,V2,...",
+              help="Sweep KEY (any config key, as --set takes it: lr, strategy.outer_lr, ...) "
+                   "over these values for --tune-steps steps per method, and compare each method "
+                   "at its best value (lowest final eval loss; a diverged value never wins). "
+                   "Repeat for a grid over several keys. The table states the sweep's cost.")
+@click.option("--tune-steps", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Steps of each --tune run [default: a tenth of --steps, at least 1].")
 def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launcher, timeout,
-            max_restarts, overwrite, budget, target, repeat, relative_to):
+            max_restarts, overwrite, budget, target, repeat, relative_to, tune, tune_steps):
     """Train the same model under each method (one mpirun each); write results.json, plots and
     a ranked table. An experiment TOML (--config) may hold a [compare] table: question, expect,
     methods, np, link, repeat, relative_to. Into an --out with an earlier comparison of the
@@ -430,6 +437,7 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
     if relative_to and relative_to not in names:
         raise click.BadParameter(f"{relative_to!r} is not one of the methods run "
                                  f"({', '.join(names)})", param_hint="--relative-to")
+    space, tune_steps = _compare_tune(config, overrides, names, tune, tune_steps, steps)
     if cfg.compare.question:
         click.echo(f"question: {cfg.compare.question}\nexpected: {cfg.compare.expect}")
     if not cfg.eval_every and not budget:   # about ten points per eval-loss curve (a budget
@@ -439,15 +447,41 @@ def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launche
         results, where = _compare_run(names, np_, steps, out, config, overrides, the_link, wan, dcs,
                                       launcher, timeout, max_restarts, overwrite,
                                       budget=budget or 0.0, target=target, repeat=repeat,
-                                      relative_to=relative_to or None)
+                                      relative_to=relative_to or None, tune=space,
+                                      tune_steps=tune_steps)
     except RunFolderError as e:
         raise click.UsageError(str(e)) from None
     span = f"{budget:g} modelled s (at most {steps} steps)" if budget else f"{steps} steps"
     rounds = f", {repeat} rounds" if repeat > 1 else ""
     click.echo(f"\n{np_} ranks, {span} per method{rounds}, {where}\n")
     click.echo((Path(out) / "table.md").read_text().rstrip())
-    click.echo(f"\nwrote {Path(out) / 'results.json'}, table.md and eval_loss_vs_*.png")
+    if space:
+        from ..tools.tune import totals
+        t = totals(results)["total"]
+        click.echo(f"\ntuning spent {t['runs']} runs, {t['steps']} steps, {t['compute_cpu_s']:.1f} "
+                   f"compute CPU s, {t['wall_s']:.1f} wall s ({tune_steps} steps a value)")
+    click.echo(f"\nwrote {Path(out) / 'results.json'}, table.md{', tuning.json' if space else ''} "
+               "and eval_loss_vs_*.png")
     _compare_end(results, names)
+
+
+def _compare_tune(config, overrides, names, tune, tune_steps, steps):
+    """``--tune``'s grid, every value checked on every method it applies to before anything
+    runs: ``(space or None, sweep steps)``; a bad spec or value a usage error naming --tune."""
+    from ..run.api import load_config
+    from ..tools import tune as tuning
+    from ..tools.compare import methods_overrides
+    if not tune:
+        if tune_steps is not None:
+            raise click.BadParameter("needs --tune KEY=V1,V2,...", param_hint="--tune-steps")
+        return None, 0
+    try:
+        space = tuning.parse(tune)
+        tuning.plan(lambda o: load_config(config, o), {m: methods_overrides(m) for m in names},
+                    space, list(overrides))
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--tune") from None
+    return space, tune_steps or max(1, steps // 10)
 
 
 def _compare_link(config, overrides, wan, link):

@@ -61,6 +61,14 @@ EF_DEFAULT = {"topk", "randomk", "ef-sign"}
 EF_BUILT_IN = {"powersgd"}
 
 
+#: ``lowcomm compare``'s settings of a compressor (its own good settings, as
+#: :attr:`lowcomm.Method.compare` is a strategy's): overrides added to ``compressor.name=NAME``.
+#: EF-sign under AdamW at the shared lr = 3e-3 rose from 3.56 to 4.49 and ended at 3.70 after
+#: 300 steps; a ``--tune lr=1e-4,3e-4,1e-3,3e-3`` sweep chose 3e-4, where it falls to 2.96
+#: (docs/results/tuned-comparison.md)
+COMPARE: dict[str, tuple[str, ...]] = {"ef-sign": ("lr=0.0003",)}
+
+
 def uses_error_feedback(cfg) -> bool:
     """Whether ``cfg`` (a CompressorConfig) asks for the ErrorFeedback wrapper."""
     if cfg.name in EF_BUILT_IN:
@@ -126,7 +134,7 @@ def build_compressor(cfg, error_feedback: bool | None = None) -> Compressor | No
                       getattr(cfg, "collective", "two-phase"))
 
 
-__all__ = ["COMPRESSORS", "Auto", "Cast", "Codec", "Compressor", "ErrorFeedback", "Exchange",
+__all__ = ["COMPARE", "COMPRESSORS", "Auto", "Cast", "Codec", "Compressor", "ErrorFeedback", "Exchange",
            "Gathered", "BlockQuant", "PowerSGD", "QSGD", "RandomK", "ScaledSign", "Segment",
            "SignMajorityVote", "Summed", "TopK", "TwoPhase", "build_compressor", "check",
            "uses_error_feedback"]

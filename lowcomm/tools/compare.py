@@ -28,6 +28,10 @@ same round (a ratio of neighbours in time), the table giving the median ratio an
 Losses, bytes, curves and plots are the first run's; every run's ``state_sha256`` is compared
 (``repeats_agree``).
 
+Each method at its own settings (``--tune KEY=V1,V2,...``, :mod:`lowcomm.tools.tune`): a short
+sweep per method into ``tune/<method>/<point>/``, the method then run at the point with the
+lowest eval loss; ``tuning.json`` and the table's tuning section state what the sweeps cost.
+
 By time budget (``--budget SECONDS``): every method trains until its modelled wall-clock on
 the link reaches the budget (``[budget]``, :class:`lowcomm.run.coordinate.Budget`; ``--steps``
 is then a cap), so the table ranks the methods by eval loss at equal modelled time. Either way
@@ -46,6 +50,7 @@ import sys
 from pathlib import Path
 
 from . import compare_folder
+from . import tune as tuning
 from ..comm.ledger import Link
 from ..errors import RunFolderError
 from ..run.folder import close_run, json_text, lock, write_text
@@ -84,9 +89,9 @@ def methods() -> dict[str, list[str]]:
     """Compare's name -> the config overrides that select it (on top of the shared config):
     every registered method (:data:`lowcomm.run.registry.STRATEGIES`, under its
     ``compare_name`` with its ``compare`` overrides; user-registered ones included), SyncDP with
-    every registered compressor, then :data:`VARIANTS`. Read at call time, so a method
-    registered after import is listed."""
-    from ..compress import COMPRESSORS
+    every registered compressor (with its :data:`lowcomm.compress.COMPARE` settings), then
+    :data:`VARIANTS`. Read at call time, so a method registered after import is listed."""
+    from ..compress import COMPARE, COMPRESSORS
     from ..run.registry import STRATEGIES
     out: dict[str, list[str]] = {}
 
@@ -99,10 +104,15 @@ def methods() -> dict[str, list[str]]:
         add(m.compare_name or name, [f"strategy.name={name}", *m.compare], f"method {name!r}")
     for name in COMPRESSORS:
         if name != "none":
-            add(name, [f"compressor.name={name}"], f"compressor {name!r}")
+            add(name, [f"compressor.name={name}", *COMPARE.get(name, ())], f"compressor {name!r}")
     for name, overrides in VARIANTS.items():
         add(name, list(overrides), f"variant {name!r}")
     return out
+
+
+def methods_overrides(name: str) -> list[str]:
+    """The overrides that select comparison ``name`` (:func:`methods`)."""
+    return methods()[name]
 
 
 MAIN_METHODS = ("ddp", "fp16", "int8", "topk", "ef-sign", "powersgd", "localsgd", "diloco")
@@ -213,16 +223,19 @@ def mpirun_command(np: int, launcher: str | list[str] | None) -> list[str]:
 
 def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
                overrides: list[str], launcher: str | list[str] | None, timeout_s: float,
-               on_step=None, dcs: int = 2, max_restarts: int = 0, overwrite: bool = False) -> dict:
-    """One method's run in ``out/<method>``, supervised (:func:`lowcomm.run.supervise.supervise`:
-    relaunched from its newest checkpoint up to ``max_restarts`` times); returns its summary
-    (plus ``status``) or a record of its failure (``"failed"``, with the first line of the
-    method's own error) or of a stop (``"interrupted"``); a finished run's whole summary.json
-    is under ``"summary"``. ``overwrite``: replace a run already
-    in that folder (only a lowcomm run's files)."""
-    run_dir = out / method
+               on_step=None, dcs: int = 2, max_restarts: int = 0, overwrite: bool = False,
+               extra: list[str] = (), run_dir: Path | None = None) -> dict:
+    """One method's run in ``out/<method>`` (or ``run_dir``), supervised
+    (:func:`lowcomm.run.supervise.supervise`: relaunched from its newest checkpoint up to
+    ``max_restarts`` times); returns its summary (plus ``status``) or a record of its failure
+    (``"failed"``, with the first line of the method's own error) or of a stop
+    (``"interrupted"``); a finished run's whole summary.json is under ``"summary"``.
+    ``overwrite``: replace a run already in that folder (only a lowcomm run's files).
+    ``extra``: overrides after the method's own (the values ``--tune`` chose)."""
+    run_dir = run_dir or out / method
     run_dir.mkdir(parents=True, exist_ok=True)
-    sets = [*overrides, *methods()[method], f"steps={steps}"]
+    own = [*methods()[method], *extra]
+    sets = [*overrides, *own, f"steps={steps}"]
     launch = mpirun_command(np, launcher)
     args = [sys.executable, "-m", "lowcomm.cli", "train", "--quiet",
             *(["--config", config] if config else []), *[a for s in sets for a in ("--set", s)]]
@@ -232,7 +245,7 @@ def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
         env.setdefault("LOWCOMM_TOPOLOGY", default_topology(np, dcs))   # wan.sh sets the same
         prefix = f"LOWCOMM_TOPOLOGY={env['LOWCOMM_TOPOLOGY']} "
     write_text(run_dir / "command.txt", prefix + " ".join(cmd) + "\n")
-    record = {"method": method, "overrides": methods()[method]}
+    record = {"method": method, "overrides": own}
     last = [0]
 
     def poll():
@@ -463,7 +476,8 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
             overrides: tuple[str, ...] = (), link: Link = Link(25, 100), launcher: str | None = None,
             timeout_s: float = 3600, progress: bool = True, dcs: int = 2,
             max_restarts: int = 0, overwrite: bool = False, budget: float = 0.0,
-            target: float | None = None, repeat: int = 1, relative_to: str | None = None) -> list[dict]:
+            target: float | None = None, repeat: int = 1, relative_to: str | None = None,
+            tune: dict[str, list] | None = None, tune_steps: int = 0) -> list[dict]:
     """Run every method, write results.json, plots and table.md; return the results (with the
     earlier results kept in ``out``: :mod:`lowcomm.tools.compare_folder`, whose rules raise
     RunFolderError before anything runs). A stop (SIGINT/SIGTERM) ends the comparison: the
@@ -472,10 +486,19 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
     seconds on ``link`` per method (``steps`` is then a cap); ``target``: the eval loss of the
     time-to-target column (default: ddp's final one); ``repeat``: rounds of runs, every
     method once a round; ``relative_to``: the method every wall-clock is divided by, round by
-    round."""
+    round; ``tune``: ``{key: values}`` swept for ``tune_steps`` steps per method before its run,
+    which then trains at the best values (:mod:`lowcomm.tools.tune`)."""
     out = Path(out)
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
+    sweeps = None
+    if tune:
+        if tune_steps < 1:
+            raise ValueError(f"tune_steps must be >= 1 with tune, got {tune_steps}")
+        from ..run.api import load_config
+        plan = tuning.plan(lambda o: load_config(config, o),
+                           {m: methods_overrides(m) for m in methods}, tune, list(overrides))
+        sweeps = (plan, tune_steps, (*overrides, "eval_every=0"))
     if relative_to and relative_to not in methods:
         raise ValueError(f"relative_to: {relative_to!r} is not one of the methods run "
                          f"({', '.join(methods)})")
@@ -487,7 +510,8 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
         raise RunFolderError(busy)
     try:
         kept = compare_folder.prepare(out, compare_folder.settings(np, steps, config, overrides,
-                                                                   launcher, dcs, repeat),
+                                                                   launcher, dcs, repeat, tune,
+                                                                   tune_steps),
                                       methods, overwrite)
         for r in kept:                      # the table's modelled column: this link
             summary = out / r["method"] / "summary.json"
@@ -495,12 +519,14 @@ def compare(methods: list[str], np: int, steps: int, out: str | Path, config: st
                 _costed(r, json.loads(summary.read_text()), link)
         results = kept + _run_methods(methods, kept, np, steps, out, config, overrides, link,
                                       launcher, timeout_s, progress, dcs, max_restarts, overwrite,
-                                      repeat)
+                                      repeat, sweeps)
         target = add_time_to_target(out, results, link, target)
         add_wall_ratios(results, relative_to, methods)
         write_text(out / "results.json", json_text(results))
+        if any(r.get("tuning") for r in results):
+            write_text(out / "tuning.json", json_text(tuning.totals(results)))
         plot(out, results, link, budget, target)
-        write_text(out / "table.md", table(results, link, budget, target) + "\n")
+        write_text(out / "table.md", table(results, link, budget, target) + tuning.table(results) + "\n")
         return results
     finally:
         close_run(f"compare:{out}")
@@ -531,15 +557,36 @@ def _costed(r: dict, summary: dict, link: Link) -> None:
     r["link"] = {"delay_ms": link.delay_ms, "rate_mbit": link.rate_mbit}
 
 
+def _sweep(method, sweeps, np, out, config, launcher, timeout_s, bar, dcs, overwrite) -> dict:
+    """``method``'s ``--tune`` sweep (:func:`lowcomm.tools.tune.sweep`), each point's run in
+    ``out/tune/<method>/<point>``, under the progress bar."""
+    plan, steps, overrides = sweeps
+
+    def one(point, name):
+        folder = out / compare_folder.TUNE / method / name
+        bar.set_description(f"{method} tune {name}")
+        done_before = bar.n
+        r = run_method(method, np, steps, out, config, list(overrides), launcher, timeout_s,
+                       on_step=bar.update, dcs=dcs, overwrite=overwrite,
+                       extra=tuning.sets(point), run_dir=folder)
+        bar.update(done_before + steps - bar.n)
+        return r, folder
+    return tuning.sweep(method, plan[method], steps, one)
+
+
 def _run_methods(methods, kept, np, steps, out, config, overrides, link, launcher, timeout_s,
-                 progress, dcs, max_restarts, overwrite, repeat=1) -> list[dict]:
+                 progress, dcs, max_restarts, overwrite, repeat=1, sweeps=None) -> list[dict]:
     """Run the methods one after another, ``repeat`` rounds, under one progress bar;
     results.json rewritten after each run; a stop ends the loop after the run it came in. A
-    method failing in a later round is failed, with that round's error."""
+    method failing in a later round is failed, with that round's error. ``sweeps``: (each
+    method's tuning plan, its steps, the sweep's overrides): each method's sweep comes before
+    its first round, every round runs at the values it chose."""
     from tqdm import tqdm
 
     results: dict[str, dict] = {}
-    bar = tqdm(total=steps * len(methods) * repeat, unit="step", disable=not progress,
+    chosen: dict[str, list[str]] = {}
+    swept = sum(len(sweeps[0][m]["points"]) for m in methods) * sweeps[1] if sweeps else 0
+    bar = tqdm(total=steps * len(methods) * repeat + swept, unit="step", disable=not progress,
                dynamic_ncols=True)
     try:
         for k in range(1, repeat + 1):
@@ -548,16 +595,33 @@ def _run_methods(methods, kept, np, steps, out, config, overrides, link, launche
                 if k > 1 and results[method]["status"] != "ok":
                     bar.update(steps)
                     continue
+                tuned = None
+                try:
+                    if sweeps and k == 1:
+                        tuned = _sweep(method, sweeps, np, out, config, launcher, timeout_s, bar,
+                                       dcs, overwrite)
+                        chosen[method] = tuning.sets(tuned["chosen"] or {})
+                except KeyboardInterrupt:   # SIGINT while no job ran
+                    tuned = {"interrupted": True, "runs": []}
                 bar.set_description(method if repeat == 1 else f"{method} ({k}/{repeat})")
                 done_before = bar.n
                 load = os.getloadavg()[0]
                 try:
-                    r = run_method(method, np, steps, where, config, list(overrides), launcher,
-                                   timeout_s, on_step=bar.update, dcs=dcs,
-                                   max_restarts=max_restarts, overwrite=overwrite)
+                    if tuned and tuned["interrupted"]:
+                        raise KeyboardInterrupt
+                    if tuned and tuned["chosen"] is None and tuned["runs"]:
+                        r = {"method": method, "overrides": methods_overrides(method),
+                             "status": "failed", "error": tuning.failure(tuned)}
+                    else:
+                        r = run_method(method, np, steps, where, config, list(overrides), launcher,
+                                       timeout_s, on_step=bar.update, dcs=dcs,
+                                       max_restarts=max_restarts, overwrite=overwrite,
+                                       extra=chosen.get(method, []))
                 except KeyboardInterrupt:   # SIGINT while no job ran (it had not started)
-                    r = {"method": method, "overrides": methods()[method], "status": "interrupted",
-                         "error": "stopped by SIGINT"}
+                    r = {"method": method, "overrides": methods_overrides(method),
+                         "status": "interrupted", "error": "stopped by SIGINT"}
+                if tuned and "steps" in tuned:
+                    r["tuning"] = tuned
                 bar.update(done_before + steps - bar.n)
                 stopped = r.pop("stopped", None)     # it finished before the stop took
                 if r["status"] == "ok":

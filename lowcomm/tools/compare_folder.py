@@ -9,6 +9,8 @@ an earlier comparison it runs only what loses nothing:
   refused unless ``--overwrite`` (then the earlier comparison is replaced);
 * a method that is there already is run again only with ``--overwrite`` (its record and run
   folder are replaced; the other methods' are kept);
+* a method's ``--tune`` sweep (``tune/<method>/<point>/``) goes with its run: replaced with it,
+  kept with it;
 * a ``results.json`` without the marker was not written by ``lowcomm compare``: refused, and so
   is the folder of a training run.
 """
@@ -24,20 +26,25 @@ from ..run.folder import COMPARE_MARKER, RUN_FILES, read_marker, remove_run, wri
 MARKER = COMPARE_MARKER
 #: the runs of rounds 2… of a repeated comparison: ``repeats/<round>/<method>``
 REPEATS = "repeats"
+#: the ``--tune`` sweeps: ``tune/<method>/<point>`` (:mod:`lowcomm.tools.tune`)
+TUNE = "tune"
 #: what a comparison writes beside its methods' run folders
-FILES = ("results.json", "table.md", "eval_loss_vs_bytes.png", "eval_loss_vs_wall.png",
+FILES = ("results.json", "tuning.json", "table.md", "eval_loss_vs_bytes.png", "eval_loss_vs_wall.png",
          "eval_loss_vs_modelled_wall.png", "eval_loss_vs_steps.png")
 
 
 def settings(np: int, steps: int, config: str | None, overrides, launcher, dcs: int,
-             repeat: int = 1) -> dict:
-    """What makes two comparisons' results comparable."""
+             repeat: int = 1, tune: dict | None = None, tune_steps: int = 0) -> dict:
+    """What makes two comparisons' results comparable (``tune``: the ``--tune`` values and
+    the sweep's steps, where given)."""
     text = Path(config).read_bytes() if config else b""
     return {"np": np, "steps": steps, "config": str(config) if config else None,
             "config_sha256": hashlib.sha256(text).hexdigest() if config else None,
             "overrides": list(overrides), "dcs": dcs,
             "launcher": launcher if isinstance(launcher, (str, type(None))) else list(launcher),
-            **({"repeat": repeat} if repeat > 1 else {})}
+            **({"repeat": repeat} if repeat > 1 else {}),
+            **({"tune": {k: list(v) for k, v in tune.items()}, "tune_steps": tune_steps}
+               if tune else {})}
 
 
 def _marker(out: Path) -> dict | None:
@@ -87,9 +94,11 @@ def prepare(out: Path, now: dict, methods: list[str], overwrite: bool) -> list[d
             raise RunFolderError(f"{out} holds a comparison with other settings ({'; '.join(diff)}); "
                                  "choose another --out, or --overwrite to replace it")
         for r in earlier:                 # replaced as asked: only what lowcomm wrote
-            for folder in (out, *sorted((out / REPEATS).glob("*"))):
-                if read_marker(folder / r["method"]) is not None:
-                    remove_run(folder / r["method"])
+            swept = sorted((out / TUNE / r["method"]).glob("*"))
+            for run in (*(folder / r["method"] for folder in (out, *sorted((out / REPEATS).glob("*")))),
+                        *swept):
+                if read_marker(run) is not None:
+                    remove_run(run)
         for name in FILES:
             (out / name).unlink(missing_ok=True)
         earlier = []
