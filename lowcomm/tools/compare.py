@@ -33,7 +33,7 @@ sweep per method into ``tune/<method>/<point>/``, the method then run at the poi
 lowest eval loss; ``tuning.json`` and the table's tuning section state what the sweeps cost.
 
 By time budget (``--budget SECONDS``): every method trains until its modelled wall-clock on
-the link reaches the budget (``[budget]``, :class:`lowcomm.run.coordinate.Budget`; ``--steps``
+the link reaches the budget (``[budget]``, :class:`lowcomm.run.lockstep.Budget`; ``--steps``
 is then a cap), so the table ranks the methods by eval loss at equal modelled time. Either way
 the table gives each method's modelled time to reach a target eval loss (``--target``, by
 default ddp's final one), read off its eval-loss curve (linear between evaluations).
