@@ -307,15 +307,19 @@ class OuterLoop(Strategy):
             for c in (self._inside, self._leaders):
                 if c is not None:
                     c.validate = False
-        # a fleet's channel across (its rounds, one sequence per member, also on the leader's
-        # span of the whole fleet)
-        self._fleet = getattr(nest.peers if nest is not None else None, "rounds", False) or \
+        self._fleet = self._across_a_fleet(nest)
+        self._start_reductions()
+
+    def _across_a_fleet(self, nest: Nesting | None) -> bool:
+        """Whether a fleet's channel is across (its rounds are one sequence per member, also
+        on the leader's span of the whole fleet); refuses a delay it cannot overlap."""
+        fleet = getattr(nest.peers if nest is not None else None, "rounds", False) or \
             getattr(self._whole, "channel", None) is not None
-        if self.delay and self._fleet and (self._ranges is not None or self._local is not None):
+        if self.delay and fleet and (self._ranges is not None or self._local is not None):
             raise ConfigError(f"policy.{self.name}", "delay > 0 over a datacenter sharded inside "
                               f"({nest.inner.name}): its ranks' rounds are handed on in step; use "
                               "delay = 0, or syncdp inside")
-        self._start_reductions()
+        return fleet
 
     def _start_reductions(self) -> None:
         """With τ > 0, the reduction thread (its waits sleep: the computation keeps the core),

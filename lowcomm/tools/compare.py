@@ -595,34 +595,9 @@ def _run_methods(methods, kept, np, steps, out, config, overrides, link, launche
                 if k > 1 and results[method]["status"] != "ok":
                     bar.update(steps)
                     continue
-                tuned = None
-                try:
-                    if sweeps and k == 1:
-                        tuned = _sweep(method, sweeps, np, out, config, launcher, timeout_s, bar,
-                                       dcs, overwrite)
-                        chosen[method] = tuning.sets(tuned["chosen"] or {})
-                except KeyboardInterrupt:   # SIGINT while no job ran
-                    tuned = {"interrupted": True, "runs": []}
-                bar.set_description(method if repeat == 1 else f"{method} ({k}/{repeat})")
-                done_before = bar.n
-                load = os.getloadavg()[0]
-                try:
-                    if tuned and tuned["interrupted"]:
-                        raise KeyboardInterrupt
-                    if tuned and tuned["chosen"] is None and tuned["runs"]:
-                        r = {"method": method, "overrides": methods_overrides(method),
-                             "status": "failed", "error": tuning.failure(tuned)}
-                    else:
-                        r = run_method(method, np, steps, where, config, list(overrides), launcher,
-                                       timeout_s, on_step=bar.update, dcs=dcs,
-                                       max_restarts=max_restarts, overwrite=overwrite,
-                                       extra=chosen.get(method, []))
-                except KeyboardInterrupt:   # SIGINT while no job ran (it had not started)
-                    r = {"method": method, "overrides": methods_overrides(method),
-                         "status": "interrupted", "error": "stopped by SIGINT"}
-                if tuned and "steps" in tuned:
-                    r["tuning"] = tuned
-                bar.update(done_before + steps - bar.n)
+                r, load = _tuned_run(method, k, repeat, where, sweeps, chosen, bar, np, steps,
+                                     out, config, overrides, launcher, timeout_s, dcs,
+                                     max_restarts, overwrite)
                 stopped = r.pop("stopped", None)     # it finished before the stop took
                 if r["status"] == "ok":
                     s = r.pop("summary")
@@ -644,6 +619,41 @@ def _run_methods(methods, kept, np, steps, out, config, overrides, link, launche
     finally:
         bar.close()
     return list(results.values())
+
+
+def _tuned_run(method, k, repeat, where, sweeps, chosen, bar, np, steps, out, config, overrides,
+               launcher, timeout_s, dcs, max_restarts, overwrite) -> tuple[dict, float]:
+    """Round ``k``'s run of ``method`` (into ``where``), after its sweep in the first round
+    (``chosen`` keeps each method's chosen values for the later rounds), and the load when it
+    started; the bar moved on by its steps."""
+    tuned = None
+    try:
+        if sweeps and k == 1:
+            tuned = _sweep(method, sweeps, np, out, config, launcher, timeout_s, bar,
+                           dcs, overwrite)
+            chosen[method] = tuning.sets(tuned["chosen"] or {})
+    except KeyboardInterrupt:   # SIGINT while no job ran
+        tuned = {"interrupted": True, "runs": []}
+    bar.set_description(method if repeat == 1 else f"{method} ({k}/{repeat})")
+    done_before, load = bar.n, os.getloadavg()[0]
+    try:
+        if tuned and tuned["interrupted"]:
+            raise KeyboardInterrupt
+        if tuned and tuned["chosen"] is None and tuned["runs"]:
+            r = {"method": method, "overrides": methods_overrides(method),
+                 "status": "failed", "error": tuning.failure(tuned)}
+        else:
+            r = run_method(method, np, steps, where, config, list(overrides), launcher,
+                           timeout_s, on_step=bar.update, dcs=dcs,
+                           max_restarts=max_restarts, overwrite=overwrite,
+                           extra=chosen.get(method, []))
+    except KeyboardInterrupt:   # SIGINT while no job ran (it had not started)
+        r = {"method": method, "overrides": methods_overrides(method),
+             "status": "interrupted", "error": "stopped by SIGINT"}
+    if tuned and "steps" in tuned:
+        r["tuning"] = tuned
+    bar.update(done_before + steps - bar.n)
+    return r, load
 
 
 def _another_round(first: dict, r: dict, k: int) -> dict:
