@@ -97,6 +97,15 @@ def agree(t):
     return all(torch.equal(seen[k], seen[0]) for k in range(K))
 
 
+def inner_steps(models, opts, step):
+    """One inner step of each of K simulated workers on its own batch."""
+    for k in range(K):
+        x, y = batch(step, k)
+        opts[k].zero_grad()
+        F.cross_entropy(models[k](x), y).backward()
+        opts[k].step()
+
+
 def simulate(steps, inner, period, fragments, delay, alpha, lr=0.7, mu=0.9, nesterov=True,
              merge="mix"):
     """K workers in one process, from the papers: inner steps, then per fragment p at local step
@@ -133,11 +142,7 @@ def simulate(steps, inner, period, fragments, delay, alpha, lr=0.7, mu=0.9, nest
                         p.copy_(alpha * p + (1 - alpha) * outer[n])
 
     for step in range(steps):
-        for k in range(K):
-            x, y = batch(step, k)
-            opts[k].zero_grad()
-            F.cross_entropy(models[k](x), y).backward()
-            opts[k].step()
+        inner_steps(models, opts, step)
         s = step + 1
         for late in (False, True):   # earlier starts land first; a τ = 0 start lands at once
             for item in [i for i in pending if i[0] == s]:
@@ -607,11 +612,7 @@ def simulate_late(steps, period, late_round, lr=0.7, mu=0.9):
     buf = {}
     r = 0
     for step in range(steps):
-        for k in range(K):
-            x, y = batch(step, k)
-            opts[k].zero_grad()
-            F.cross_entropy(models[k](x), y).backward()
-            opts[k].step()
+        inner_steps(models, opts, step)
         if (step + 1) % period:
             continue
         taking = range(K - 1) if r == late_round else range(K)
