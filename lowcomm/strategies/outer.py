@@ -504,9 +504,16 @@ class OuterLoop(Strategy):
 
     def _in_turn(self, fn, *args) -> None:
         """``fn(*args)`` now, after the reductions in flight where they share a fleet's
-        channel (its rounds are one sequence per member: the reduction thread runs it next)."""
+        channel (its rounds are one sequence per member: the reduction thread runs it next,
+        and the steps wait for the round in flight, counted in :attr:`wait_s`); nothing for
+        a model without buffers."""
+        if not self.buffers and self._bn is None:
+            return
         if self._pool is not None and self._fleet:
-            self._pool.submit(fn, *args).result()
+            t0 = time.perf_counter()
+            with self._idle.hurry():
+                self._pool.submit(fn, *args).result()
+            self.wait_s += time.perf_counter() - t0
         else:
             fn(*args)
 
