@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import statistics
@@ -264,7 +263,7 @@ def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
         return {**record, "status": "failed", "restarts": result["restarts"],
                 "error": f"exit {f['exit']}: {f['cause']}"}
     s = json.loads(summary_path.read_text())
-    if not _finite(s.get("eval_loss")):      # a task without held-out batches: no eval loss
+    if not tuning.finite(s.get("eval_loss")):      # a task without held-out batches: no eval loss
         s["eval_loss"] = None
     return {**record, "status": "ok", "stopped": result["stopped"], **{k: s[k] for k in (
         "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total", "bytes_by_level",
@@ -301,7 +300,7 @@ def eval_curve(out: Path, result: dict, link: Link) -> list[tuple[float, float]]
     pts = [(_line_modelled(ln, link), ln["eval_loss"]) for ln in curves(out, result)
            if "eval_loss" in ln and "compute_cpu_s" in ln]
     end = result.get("modelled_wall_s")
-    if end is not None and _finite(result.get("eval_loss")):
+    if end is not None and tuning.finite(result.get("eval_loss")):
         pts.append((max([end, *(t for t, _ in pts)]), result["eval_loss"]))
     return pts
 
@@ -392,9 +391,9 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
     of the time-to-target column (``time_to_target_s`` of each result); a wall-clock ratio
     column where the results have one (``wall_ratio``, see :func:`add_wall_ratios`)."""
     ok = [r for r in results if r["status"] == "ok"]
-    by_train = not any(_finite(r["eval_loss"]) for r in ok)    # the task has no held-out batches
+    by_train = not any(tuning.finite(r["eval_loss"]) for r in ok)    # the task has no held-out batches
     ok.sort(key=lambda r: (r["final_loss"],) if by_train else
-            (not _finite(r["eval_loss"]), r["eval_loss"] if _finite(r["eval_loss"]) else 0.0))
+            (not tuning.finite(r["eval_loss"]), r["eval_loss"] if tuning.finite(r["eval_loss"]) else 0.0))
     base = next((r for r in ok if r["method"] == "ddp"), None)
     per_step = lambda r: r["bytes_total"] / r.get("steps_done", r["steps"])   # noqa: E731
     to = f" | modelled s to eval ≤ {target:.4f}²" if target is not None else ""
@@ -412,7 +411,7 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
         reach = r.get("time_to_target_s")
         reach = (f" | {reach:.1f}" if reach is not None else " | not reached") if to else ""
         rel = (f" | {_spread(r['wall_ratio']['runs'], 3)}" if "wall_ratio" in r else " | –") if by else ""
-        ev = f"{r['eval_loss']:.4f}" if _finite(r["eval_loss"]) else "–"
+        ev = f"{r['eval_loss']:.4f}" if tuning.finite(r["eval_loss"]) else "–"
         capped = "⁴" if _capped(r, budget) else ""
         rows.append(f"| {i} | {r['method']} | {ev} | {r['final_loss']:.4f} | "
                     f"{r.get('steps_done', r['steps'])}{capped} | {r['bytes_total'] / 1e6:.1f} | {ratio} | "
@@ -458,13 +457,9 @@ def _ranking_notes(ok: list[dict], budget: float, by_train: bool) -> tuple[str, 
     if by_train and ok:
         notes += ("\nNo eval loss: the task gives no held-out batches (eval_batches), so the "
                   "methods are ranked by their final train loss.")
-    elif any(not _finite(r["eval_loss"]) for r in ok):
+    elif any(not tuning.finite(r["eval_loss"]) for r in ok):
         notes += "\nMethods without an eval loss are ranked last."
     return budget_note, notes
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def budget_overrides(budget: float, link: Link) -> tuple[str, str]:

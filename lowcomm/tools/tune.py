@@ -127,7 +127,8 @@ def plan(load, methods: dict[str, list[str]], space: dict[str, list], base: list
     return out
 
 
-def _finite(x) -> bool:
+def finite(x) -> bool:
+    """Whether ``x`` is a finite number (a loss that is None, nan or inf is not)."""
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
@@ -149,7 +150,7 @@ def outcome(record: dict, folder: Path, wall_s: float) -> dict:
     if status == "ok":
         summary = json.loads((folder / "summary.json").read_text())
         ev, tr = summary.get("eval_loss"), summary.get("final_loss")
-        if not _finite(tr) or (ev is not None and not _finite(ev)):
+        if not finite(tr) or (ev is not None and not finite(ev)):
             status, error = "diverged", f"non-finite loss (train {tr}, eval {ev})"
     last = _last_line(folder)
     return {"status": status, **({"error": error} if error else {}),
@@ -165,7 +166,7 @@ def best(runs: list[dict]) -> int | None:
     finite losses (the lowest train loss when none has an eval loss); None when every run
     diverged or failed."""
     ok = [i for i, r in enumerate(runs) if r["status"] == "ok"]
-    by_eval = [i for i in ok if _finite(runs[i]["eval_loss"])]
+    by_eval = [i for i in ok if finite(runs[i]["eval_loss"])]
     pool = by_eval or [i for i in ok if runs[i]["eval_loss"] is None]
     key = "eval_loss" if by_eval else "final_loss"
     return min(pool, key=lambda i: runs[i][key]) if pool else None
@@ -227,7 +228,7 @@ def table(results: list[dict]) -> str:
             "none: every value diverged" if t["runs"] else "none tuned"
         cells = []
         for run in t["runs"]:
-            val = run["eval_loss"] if _finite(run["eval_loss"]) else run["final_loss"]
+            val = run["eval_loss"] if finite(run["eval_loss"]) else run["final_loss"]
             shown = f"{val:.4f}" if run["status"] == "ok" else run["status"]
             mark = " ✓" if run["values"] == t["chosen"] else ""
             cells.append(f"{label(run['values'])}: {shown}{mark}")

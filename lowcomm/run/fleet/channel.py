@@ -44,6 +44,7 @@ from ...comm.gloo import GlooComm
 from ...comm.ledger import Ledger
 from ...comm.watchdog import predict
 from ...errors import CommError
+from .report import tag_step
 
 log = logging.getLogger("lowcomm.fleet")
 
@@ -225,9 +226,11 @@ class Channel:
         self.epoch_rounds: list[dict] = []    # committed decisions (the membership log)
         self._k = self._n = 0                 # messages sent / mailbox messages read
         self.plane = _Groups(self.store, dc, limits, link, rank)
-        # what committed decisions said, by the step of the round's tag (-1: a round the
-        # training thread held): [step, a datacenter waits to be admitted, the halt's signal]
-        self._said: list[tuple[int, bool, int]] = []
+        # what committed decisions said, from the step of the round's tag on (-1: a round of
+        # no step, held by the training thread): a datacenter waits to be admitted (the
+        # earliest such step, None when none waits), the fleet halts (step and signal)
+        self._admit_from: int | None = None
+        self._halt: tuple[int, int] | None = None
         # where this member's time in rounds went: waiting for the others to be ready (and to be
         # admitted), and in rounds from its ready to their commit (the waits included); the
         # part of each spent on a thread that overlapped the steps (a delayed outer loop)
@@ -347,9 +350,12 @@ class Channel:
         if self._ready_t is not None:
             self._spent("round_s", time.monotonic() - self._ready_t)
             self._ready_t = None
-        tag = str(d.get("tag", ""))
-        step = int(tag[1:].split(".")[0]) if tag[:1] == "t" and tag[1:].split(".")[0].isdigit() else -1
-        self._said.append((step, bool(d.get("admit_next")), int(d.get("halt", 0))))
+        step = tag_step(str(d.get("tag", "")))
+        step = -1 if step is None else step
+        if d.get("admit_next"):
+            self._admit_from = step if self._admit_from is None else min(self._admit_from, step)
+        if d.get("halt") and (self._halt is None or step < self._halt[0]):
+            self._halt = (step, int(d["halt"]))
         self.epoch_rounds.append({k: d[k] for k in ("round", "tag", "members", "attempt")})
         return True
 
@@ -367,13 +373,15 @@ class Channel:
         rounds sent at inner step ``through`` or earlier (None: every committed round). Every
         member reads the same decisions, so they agree — also while a delayed outer loop's
         round is in flight on a thread: it is counted from the boundary after it landed."""
-        return any(admit for step, admit, _ in self._said if through is None or step <= through)
+        at = self._admit_from
+        return at is not None and (through is None or at <= through)
 
     def halted_by(self, through: int | None = None) -> int:
         """The signal the fleet was stopped by, as the committed rounds sent at inner step
         ``through`` or earlier said (0: none); see :meth:`admission_due`."""
-        return next((halt for step, _, halt in self._said
-                     if halt and (through is None or step <= through)), 0)
+        if self._halt is None or through is not None and self._halt[0] > through:
+            return 0
+        return self._halt[1]
 
     @property
     def halted(self) -> int:
@@ -397,7 +405,7 @@ class Channel:
                 return None, str(e)
         d, _ = self.round_of("fleet.admit", donate,
                              ready={"tag": f"t{step}.admit", "numel": 0, "admit": True})
-        self._said = [(at, False, halt) for at, _, halt in self._said]   # held
+        self._admit_from = None                      # held
         return list(d["joiners"])
 
     def _send_state(self, comm: GlooComm, d: dict, payload: bytes, ledger: Ledger,
@@ -425,7 +433,7 @@ class Channel:
                 self.plane.forget()
                 return None, str(e)
         d, payload = self.round_of("fleet.join", take)
-        return {"payload": payload, "step": int(d["tag"][1:].split(".")[0]), "round": d["round"],
+        return {"payload": payload, "step": tag_step(d["tag"]), "round": d["round"],
                 "bytes": len(payload), "wait_s": t1[0] - t0, "transfer_s": time.monotonic() - t1[0]}
 
     def _take_state(self, comm: GlooComm, d: dict, ledger: Ledger, op: str = "heal") -> bytes:

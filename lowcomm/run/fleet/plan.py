@@ -108,7 +108,7 @@ def _check_dc_level(cfg) -> None:
         raise ConfigError("policy.dc.compressor", "a fleet reduces dense pseudo-gradients across "
                           "datacenters (a compressor's error feedback would count a retried "
                           "round twice); use compressor=none")
-    inside = str(cfg.policy.get("rank", "syncdp")).partition(":")[0]
+    inside = parse_spec(cfg.policy.get("rank", "syncdp"), "policy.rank")[0].name
     if cfg.fleet.quorum and (m.name != "diloco" or inside != "syncdp"):
         raise ConfigError("fleet.quorum", f"rounds that go ahead without a late datacenter "
                           f"merge its steps next round under diloco over syncdp inside; here "

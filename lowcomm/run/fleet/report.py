@@ -43,7 +43,9 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def _step(tag: str | None) -> int | None:
+def tag_step(tag: str | None) -> int | None:
+    """The inner step a round's tag names (``t40.f0``, ``t40.admit``: 40), None for a round of
+    no step (``span3``, ``finish.f0``)."""
     if tag and tag.startswith("t") and "." in tag:
         head = tag[1:].split(".")[0]
         return int(head) if head.isdigit() else None
@@ -92,7 +94,7 @@ def rounds(events: list[dict]) -> list[dict]:
             decided[(e["round"], e["attempt"])] = e
         elif e["event"] == "commit":
             d = decided.get((e["round"], e["attempt"]), {})
-            out.append({"round": e["round"], "tag": e["tag"], "step": _step(e["tag"]),
+            out.append({"round": e["round"], "tag": e["tag"], "step": tag_step(e["tag"]),
                         "members": e["members"], "joiners": d.get("joiners", []),
                         "attempts": e["attempt"] + 1, "t": e["t"]})
     return out
@@ -270,4 +272,5 @@ def _merged(fleet, committed: list[dict], failures: list[dict], heals: list[dict
                                         "event" in x, x.get("t", 0)))
 
 
-__all__ = ["failures_and_heals", "goodput", "incarnations", "numbered", "rounds", "steps_lost", "write_report"]
+__all__ = ["failures_and_heals", "goodput", "incarnations", "numbered", "rounds", "steps_lost", "tag_step",
+           "write_report"]
