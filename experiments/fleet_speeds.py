@@ -34,6 +34,8 @@ SPEEDS = ("1,1,1", "1,1,0.5", "1,0.5,0.25", "1,1,flaky")
 #: the rows' methods: the name in the table, its settings
 METHODS = {"diloco": ["strategy.name=diloco"],
            "diloco-dylu": ["strategy.name=diloco-dylu"],
+           "diloco-async": ["strategy.name=diloco-async"],
+           "diloco momentum 0.5": ["strategy.name=diloco", "strategy.outer_momentum=0.5"],
            "diloco-eager": ["strategy.name=diloco-eager", "strategy.delay=3"],
            "diloco quorum 2": ["strategy.name=diloco", "fleet.quorum=2", "fleet.grace=0.5"]}
 #: a flaky datacenter: nearly stopped (speed 0.1) for this many seconds once, from a third of

@@ -30,7 +30,7 @@ _LAZY = {
     "ZeroOneAdam": "strategies.zeroone_adam", "DeMo": "strategies.demo", "DisTrOSettings": "strategies.demo",
     "SparseLoCo": "strategies.sparseloco", "MuLoCoEFSettings": "strategies.diloco",
     "EagerDiLoCoSettings": "strategies.diloco",
-    "DelayedNesterov": "strategies.diloco", "DyLUDiLoCo": "strategies.dylu", "Sparta": "strategies.sparta",
+    "DelayedNesterov": "strategies.diloco", "DyLUDiLoCo": "strategies.dylu", "AsyncDiLoCo": "strategies.async_diloco", "Sparta": "strategies.sparta",
     "SpartaDiLoCo": "strategies.sparta", "DesLoc": "strategies.desloc", "NoLoCo": "strategies.noloco",
     "ZeRO1": "strategies.zero", "ZeRO2": "strategies.zero",
     "FSDP": "strategies.fsdp", "MuonAdamW": "run.optimizers",

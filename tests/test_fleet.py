@@ -30,6 +30,9 @@ POLICY = [*COMMON, "topology=dc:3,rank:1", f"policy.dc=diloco:{DC}", "policy.ran
 SHARDED = [*COMMON, "topology=dc:2,rank:2", f"policy.dc=diloco:{DC}", "policy.rank=zero2"]
 #: DiLoCo with dynamic local updates: a slowed datacenter takes its speed's share of each period
 DYLU = [*COMMON, "strategy.name=diloco-dylu", *(f"strategy.{kv}" for kv in DC.split(","))]
+#: asynchronous DiLoCo: each datacenter's pseudo-gradient applied by the coordinator's server as
+#: it arrives, with dynamic local updates
+ASYNC = [*COMMON, "strategy.name=diloco-async", *(f"strategy.{kv}" for kv in DC.split(","))]
 #: the same over FSDP inside (each rank keeps its chunk of every parameter; bit for bit ZeRO-2's)
 FSDP = [*SHARDED[:-1], "policy.rank=fsdp"]
 #: DiLoCo with eager updates: each round in flight on a thread for DELAY steps
@@ -88,8 +91,9 @@ def more(runs, tmp_path_factory):
     datacenters as a fleet and as one MPI job; a fleet with a quorum of 2 whose datacenter 2 is
     nearly stopped for about 1.5 periods (late once); one stopped by SIGTERM at step 25; DiLoCo over ZeRO-2 datacenters (``SHARDED``) as one MPI
     job and as a fleet, and over FSDP datacenters as a fleet whose datacenter 1 loses rank 0 at
-    step 12; DiLoCo with dynamic local updates whose datacenter 2 runs at half speed while
-    datacenter 1 is killed at step 12 (both from outside: ``lowcomm fault``)."""
+    step 12; DiLoCo with dynamic local updates and asynchronous DiLoCo, each with datacenter 2
+    at half speed while datacenter 1 is killed at step 12 (both from outside: ``lowcomm
+    fault``); asynchronous DiLoCo stopped by SIGTERM at step 25."""
     from lowcomm.errors import RunFolderError
     from lowcomm.tools.fleet_launch import prepare
     from lowcomm.tools.slow import slow_datacenter
@@ -102,15 +106,16 @@ def more(runs, tmp_path_factory):
                "sharded_single": single_job(tmp / "sharded_single", *SHARDED, np=4),
                "sharded": fleet(tmp / "sharded", *SHARDED, dcs=2, np=4),
                "sharded_kill": fleet(tmp / "sharded_kill", *FSDP, dcs=2, np=4),
-               "dylu": fleet(tmp / "dylu", *DYLU)}
-    when(lambda: reached(tmp / "dylu" / "dc1" / "metrics.jsonl", 12),
-         lambda: cli("fault", "kill", tmp / "dylu", "--dc", "1"), deadline)
+               "dylu": fleet(tmp / "dylu", *DYLU), "async": fleet(tmp / "async", *ASYNC),
+               "async_stop": fleet(tmp / "async_stop", *ASYNC)}
     slow = {}
-    when(lambda: (tmp / "dylu" / "dc2" / ".lowcomm.lock").exists(),
-         lambda: slow.update(ran=Run(tmp / "dylu-slow", [sys.executable, "-m", "lowcomm.cli",
-                                                         "fault", "slow", str(tmp / "dylu"),
-                                                         "--dc", "2", "--speed", "0.5"])),
-         deadline)
+    for name in ("dylu", "async"):
+        when(lambda name=name: reached(tmp / name / "dc1" / "metrics.jsonl", 12),
+             lambda name=name: cli("fault", "kill", tmp / name, "--dc", "1"), deadline)
+        when(lambda name=name: (tmp / name / "dc2" / ".lowcomm.lock").exists(),
+             lambda name=name: slow.update({name: Run(tmp / f"{name}-slow", [
+                 sys.executable, "-m", "lowcomm.cli", "fault", "slow", str(tmp / name), "--dc",
+                 "2", "--speed", "0.5"])}), deadline)
     late = {}          # datacenter 2 nearly stopped for 8 s (about 1.5 periods) once the
     # second round committed (the first with an interval to derive a grace window from)
     when(lambda: committed(tmp / "quorum", f"t{2 * PERIOD}.f0"),
@@ -129,12 +134,14 @@ def more(runs, tmp_path_factory):
             overwrite["error"] = str(e)
         overwrite["running"] = not (tmp / "pair" / "summary.json").exists()
     when(lambda: reached(tmp / "pair" / "dc0" / "metrics.jsonl", 10), replace_it, deadline)
-    when(lambda: reached(tmp / "stop" / "dc0" / "metrics.jsonl", 25),
-         lambda: os.kill(started["stop"].p.pid, signal.SIGTERM), deadline)
+    for name in ("stop", "async_stop"):
+        when(lambda name=name: reached(tmp / name / "dc0" / "metrics.jsonl", 25),
+             lambda name=name: os.kill(started[name].p.pid, signal.SIGTERM), deadline)
     done = {name: (r, *r.wait(deadline)) for name, r in started.items()}
     done["overwrite"] = overwrite
     done["late"] = late
-    done["dylu_slow"] = slow["ran"].wait(deadline) if "ran" in slow else None
+    for name in ("dylu", "async"):
+        done[f"{name}_slow"] = slow[name].wait(deadline) if name in slow else None
     return done
 
 
@@ -384,6 +391,58 @@ def test_dynamic_local_updates_let_a_slowed_datacenter_take_fewer_steps_while_an
     assert dc[2]["passed_steps"] == slow["passed"] and dc[2]["steps_done"] == STEPS
     by = f["time"]["by_dc"]
     assert by["2"]["steps"] == STEPS - slow["passed"] < by["0"]["steps"], by
+
+
+def test_asynchronous_diloco_goes_on_without_a_killed_datacenter_and_heals_it_while_one_is_slow(
+        more):
+    """dc2 at half speed, dc1 SIGKILLed: no rounds — each arrival applied by the coordinator's
+    server at once; dc0 and dc2 kept arriving while dc1 was down; dc1 took the live state from the
+    next member to arrive; dc2 passed over its share of the periods; one model at the end."""
+    run, rc, out = more["async"]
+    assert rc == 0, out[-3000:]
+    assert more["async_slow"] and more["async_slow"][0] == 0, more["async_slow"]
+    s = run.summary()
+    assert s["finished_dcs"] == [0, 1, 2] and s["dcs_agree"], s["finished_dcs"]
+    f = s["fleet"]
+    assert [x["dc"] for x in f["failures"]] == [1] and [h["dc"] for h in f["heals"]] == [1], f
+    events = [json.loads(x) for x in (run.out / "membership.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["event"] == "decision"], "a round in an asynchronous fleet"
+    down = next(e["t"] for e in events if e["event"] == "failure")
+    back = next(e for e in events if e["event"] == "admitted")
+    meanwhile = {e["dc"] for e in events if e["event"] == "arrival" and down < e["t"] < back["t"]}
+    assert meanwhile == {0, 2}, (meanwhile, "the others stopped while datacenter 1 was down")
+    assert back["dc"] == 1 and back["donor"] in (0, 2) and back["step"] % PERIOD == 0, back
+    finals = [e for e in events if e["event"] == "arrival" and e["final"]]
+    assert sorted(e["dc"] for e in finals) == [0, 1, 2] and events[-1]["event"] == "over"
+    dc = {d: json.loads((run.out / f"dc{d}" / "summary.json").read_text()) for d in (0, 2)}
+    slow, fast = dc[2]["local_steps"], dc[0]["local_steps"]
+    assert slow["passed"] > fast["passed"] and min(slow["by_period"]) < PERIOD, (slow, fast)
+    assert dc[0]["arrivals"] == STEPS // PERIOD + 1, dc[0]["arrivals"]     # the last: final
+    assert (run.out / "server.pt").exists()
+
+
+def test_a_stopped_asynchronous_fleet_stops_at_one_boundary_and_resumes_its_servers_state(more):
+    """SIGTERM: every member stops at the first period boundary all can reach (with a
+    checkpoint there), the server's state is saved; --resume loads it and ends with one model."""
+    stop, rc, out = more["async_stop"]
+    assert rc == 128 + signal.SIGTERM, out[-3000:]
+    s = stop.summary()
+    step = s["stopped"]["step"]
+    assert 25 <= step < STEPS, s["stopped"]
+    for dc in range(3):
+        assert (stop.out / f"dc{dc}" / "checkpoints" / f"step-{step:08d}").is_dir()
+    import torch
+    saved = torch.load(stop.out / "server.pt", weights_only=True)
+    again = Run(stop.out.with_name("async-resumed"), [sys.executable, "-m", "lowcomm.cli",
+                                                      "train", "--dcs", "3", "--resume",
+                                                      str(stop.out), "--place", "local"])
+    rc, out = again.wait(time.monotonic() + 120)
+    assert rc == 0, out[-3000:]
+    s = stop.summary()
+    assert s["finished_dcs"] == [0, 1, 2] and s["dcs_agree"], s
+    loaded = [json.loads(x) for x in (stop.out / "membership.jsonl").read_text().splitlines()
+              if '"server_state"' in x]
+    assert loaded and loaded[-1]["arrivals"] == saved["arrivals"] > 0, loaded
 
 
 def test_overwrite_on_a_running_fleets_folder_is_refused_and_deletes_nothing(more):

@@ -9,8 +9,8 @@ from conftest import shared_mpi_suite
 def test_every_method_keeps_the_optimizer_contract_on_two_ranks():
     cases = shared_mpi_suite(2, "check_optimizer.py")
     assert "check_optimizer.py::test_syncdp_buffers_follow_torch_ddp_broadcast_buffers" in cases
-    from lowcomm.run.registry import STRATEGIES       # every registered method (derived)
-    for name in STRATEGIES:
+    from lowcomm.run.registry import in_one_job       # every registered method (derived)
+    for name in in_one_job():
         assert f"check_optimizer.py::test_is_an_optimizer_that_lr_schedulers_drive[{name}]" in cases, name
 
 

@@ -12,7 +12,8 @@ import pytest
 
 import lowcomm
 from conftest import ROOT
-from lowcomm.run.registry import STRATEGIES, catalogue, example, parse_spec, register, settings
+from lowcomm.run.registry import (STRATEGIES, catalogue, example, in_one_job, parse_spec, register,
+                                  settings)
 from lowcomm.tools.compare import VARIANTS, methods, resolve_methods
 
 sys.path.insert(0, str(ROOT / "tests" / "mpi"))
@@ -47,9 +48,12 @@ def test_a_built_in_method_is_in_every_derived_table(name):
     got, opts = parse_spec(spec)
     assert got is m, f"{name}'s example {spec!r} names {got.name}"
     settings(m, opts, "")                                   # valid settings
-    assert methods()[m.compare_name or name] == [f"strategy.name={name}", *m.compare]
     assert name in {r["name"] for r in catalogue()}
-    assert helpers.every_method({})[name] == (spec, keys)
+    if m.fleet:                  # a fleet's only: not in one MPI job's comparisons and checks
+        assert name not in methods() and name not in helpers.every_method({})
+    else:
+        assert methods()[m.compare_name or name] == [f"strategy.name={name}", *m.compare]
+        assert helpers.every_method({})[name] == (spec, keys)
     assert not m.optimizer or keys == [f"optimizer.name={m.optimizer}"]
     # the Python name: public, and documented on the API page
     assert m.python in lowcomm.__all__, f"{name}: python={m.python!r} is not a public lowcomm name"
@@ -75,7 +79,7 @@ def test_compare_lists_every_compressor_and_variant_once():
     assert all(known[c] == [f"compressor.name={c}", *COMPARE.get(c, ())] for c in COMPRESSORS if c != "none")
     assert known["ef-sign"] == ["compressor.name=ef-sign", "lr=0.0003"]
     assert all(known[v] == o for v, o in VARIANTS.items())
-    assert len(known) == len(STRATEGIES) + len(COMPRESSORS) - 1 + len(VARIANTS)
+    assert len(known) == len(in_one_job()) + len(COMPRESSORS) - 1 + len(VARIANTS)
 
 
 def test_a_method_registered_from_outside_appears_in_every_derived_table(toy):

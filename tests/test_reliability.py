@@ -27,7 +27,7 @@ from conftest import ROOT, WORKERS, cli, run_mpi_suite, run_ranks, shared_mpi_su
 from lowcomm.compress import COMPRESSORS, Codec, build_compressor
 from lowcomm.run.config import CompressorConfig
 from lowcomm.run.loop import STOP_VOTE_LAG
-from lowcomm.run.registry import STRATEGIES, example
+from lowcomm.run.registry import STRATEGIES, example, in_one_job
 
 NP, STEPS, EVERY = 2, 12, 3
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",
@@ -53,7 +53,7 @@ def methods() -> dict[str, list[str]]:
          "horovod": ["strategy.backend=horovod"]}
     # localsgd and diloco keep a subset of streaming-diloco's state (OuterLoop's, DiLoCo's outer
     # optimizer): streaming-diloco's row, and the policy's nested one, resume them
-    for name, method in STRATEGIES.items():   # each with the outer-loop keys it takes
+    for name, method in in_one_job().items():   # each with the outer-loop keys it takes
         if name not in ("syncdp", "localsgd", "diloco"):
             m[name] = [f"strategy.name={name}", *example(method)[1],     # its inner optimizer
                        *[o for o in OUTER if o[9:o.index("=")] in method.settings.fields()]]

@@ -16,7 +16,7 @@ from lowcomm.run.config import load_config as load_generic
 from lowcomm.tasks.corpus import Corpus
 from lowcomm.errors import ConfigError
 from lowcomm.run.api import load_config
-from lowcomm.run.registry import STRATEGIES
+from lowcomm.run.registry import in_one_job
 from lowcomm.tasks import TaskError, dataset_batches, from_functions, load_task
 
 HF_TASK = ROOT / "experiments" / "hf_gpt2_task.py"
@@ -136,10 +136,10 @@ def test_every_method_from_python_ends_with_one_model_on_every_rank():
     """tests/mpi/check_every_method.py on 3 ranks, each case asserted on every rank."""
     cases = shared_mpi_suite(3, "check_every_method.py")
     # every registered method built from its spec (async-ps needs the loop's serving side)
-    for name in (n for n in STRATEGIES if n != "async-ps"):
+    for name in (n for n in in_one_job() if n != "async-ps"):
         assert f"check_every_method.py::test_build_makes_every_registered_method_from_its_spec[{name}]" in cases
     # every registered method (derived from the registry) through the loop, on both tasks
-    for name in STRATEGIES:
+    for name in in_one_job():
         for test in ("test_ends_with_one_model_on_every_rank_finite_losses_and_bytes_counted",
                      "test_a_cnn_with_batchnorm_ends_with_one_whole_state_whose_statistics_moved"):
             assert f"check_every_method.py::{test}[{name}]" in cases, (test, name)

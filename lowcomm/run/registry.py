@@ -25,7 +25,7 @@ import dataclasses
 from .config import Config, parse_override
 from ..compress.settings import CompressorSettings
 from ..errors import ConfigError
-from ..strategies import (demo, desloc, diloco, dylu, fsdp, gossip, localsgd, noloco, onebit_adam,
+from ..strategies import (async_diloco, demo, desloc, diloco, dylu, fsdp, gossip, localsgd, noloco, onebit_adam,
                           sparseloco, sparta,
                           syncdp, zero, zeroone_adam)
 from ..strategies.ps import method as async_ps
@@ -55,7 +55,15 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     sparseloco.METHOD,
     diloco.MULOCO_EF_METHOD,
     dylu.METHOD,
+    async_diloco.METHOD,
 )}
+
+
+def in_one_job() -> dict[str, Method]:
+    """The methods one MPI job runs (all but those that run only across a fleet's datacenters,
+    :attr:`Method.fleet <lowcomm.strategies.base.Method>`): what ``lowcomm compare`` and the
+    every-method tests take."""
+    return {n: m for n, m in STRATEGIES.items() if not m.fleet}
 
 
 def register(method: Method) -> Method:

@@ -136,7 +136,9 @@ class Method:
     ``build(settings, model, optimizer, comm, ctx) -> Strategy``; ``check(settings, cfg,
     prefix)`` (optional) rejects combinations with the run's other keys before MPI starts,
     naming the key; ``outer`` is True for outer loops (they may wrap a lower policy level);
-    ``level``: the method may be a level of a per-level policy.
+    ``level``: the method may be a level of a per-level policy; ``fleet``: it runs only across
+    a fleet's datacenters (its outer state is the fleet coordinator's; elsewhere its check
+    refuses it, and the every-method tests, which run one MPI job, leave it to the fleet's).
 
     What the derived tables read (the method list of ``lowcomm compare``, ``lowcomm methods``,
     the docs' method table, the every-method tests), so that a method is its module and this
@@ -154,6 +156,7 @@ class Method:
     check: Callable | None = None
     outer: bool = False
     level: bool = False     # may be a level of a per-level policy (per-step or outer loop)
+    fleet: bool = False     # runs only across a fleet's datacenters
     python: str = ""
     optimizer: str = ""
     example: str = ""

@@ -69,11 +69,12 @@ class DiLoCoSettings(OuterSettings):
     outer_lr: float = 0.7          # the outer SGD's learning rate (the paper: 0.7)
     outer_momentum: float = 0.9    # the outer SGD's momentum (the paper: 0.9, Nesterov)
     nesterov_every: int = 1        # N: outer steps between momentum updates ("delayed-nesterov")
+    least_every = 1                # the smallest N (not a key)
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
         self.one_of(prefix, "outer_optimizer", OUTER_OPTIMIZERS)
-        self.at_least(prefix, "nesterov_every", 1)
+        self.at_least(prefix, "nesterov_every", self.least_every)
         if self.nesterov_every > 1 and self.outer_optimizer != "delayed-nesterov":
             raise ConfigError.at(prefix, "nesterov_every", "delays the momentum of "
                                  "outer_optimizer = \"delayed-nesterov\"; set it, or leave "

@@ -152,18 +152,26 @@ class DyLUDiLoCo(DiLoCo):
     def _reduce(self, f: Fragment, flat: torch.Tensor, t: int):
         """DiLoCo's reduction of [w·Δ_k, w, the speeds' slots] (step 3), then the next h_k
         from the speeds every member received alike (step 5)."""
-        now = self.clock()
-        elapsed = now - (self._period_t0 if self._period_t0 is not None else now)
-        measured = self.h_local / elapsed if elapsed > 0 else 0.0
-        self.speed = measured if self.speed is None else \
-            self.smoothing * measured + (1 - self.smoothing) * self.speed
-        speed = self.speed
+        speed = self._measure()
         extra = torch.zeros(1 + self.slots, dtype=flat.dtype)
         extra[0] = self.h_local
         extra[1 + self.slot] = speed
         out, rows = super()._reduce(f, torch.cat([flat * self.h_local, extra]), t)
         n = flat.numel()
-        weight, speeds = out[n].item(), out[n + 1:]
+        self._next_h(out[n + 1:])
+        return out[:n] / out[n].item(), rows
+
+    def _measure(self) -> float:
+        """This member's smoothed speed v̄_k, with the period that ends now (step 2)."""
+        now = self.clock()
+        elapsed = now - (self._period_t0 if self._period_t0 is not None else now)
+        measured = self.h_local / elapsed if elapsed > 0 else 0.0
+        self.speed = measured if self.speed is None else \
+            self.smoothing * measured + (1 - self.smoothing) * self.speed
+        return self.speed
+
+    def _next_h(self, speeds: torch.Tensor) -> None:
+        """h_k of the next period from every member's speed (step 5)."""
         fastest = speeds.max().item()
         self.history.append(self.h_local)
         if fastest > 0 and math.isfinite(fastest):
@@ -171,7 +179,6 @@ class DyLUDiLoCo(DiLoCo):
             self.h_local = self.period if share >= 1 - self.tolerance else \
                 min(self.period, max(self.min_steps, round(self.period * share)))
         self._period_t0 = None
-        return out[:n] / weight, rows
 
     # state --------------------------------------------------------------------------------------
     def _state_dict(self) -> dict:

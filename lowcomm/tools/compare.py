@@ -86,12 +86,12 @@ VARIANTS: dict[str, list[str]] = {
 
 def methods() -> dict[str, list[str]]:
     """Compare's name -> the config overrides that select it (on top of the shared config):
-    every registered method (:data:`lowcomm.run.registry.STRATEGIES`, under its
+    every registered method one MPI job runs (:func:`lowcomm.run.registry.in_one_job`, under its
     ``compare_name`` with its ``compare`` overrides; user-registered ones included), SyncDP with
     every registered compressor (with its :data:`lowcomm.compress.COMPARE` settings), then
     :data:`VARIANTS`. Read at call time, so a method registered after import is listed."""
     from ..compress import COMPARE, COMPRESSORS
-    from ..run.registry import STRATEGIES
+    from ..run.registry import in_one_job
     out: dict[str, list[str]] = {}
 
     def add(name: str, overrides: list[str], what: str) -> None:
@@ -99,7 +99,7 @@ def methods() -> dict[str, list[str]]:
             raise ValueError(f"lowcomm compare: {what} takes the name {name!r}, which another "
                              f"comparison has already; give it another compare_name")
         out[name] = overrides
-    for name, m in STRATEGIES.items():
+    for name, m in in_one_job().items():
         add(m.compare_name or name, [f"strategy.name={name}", *m.compare], f"method {name!r}")
     for name in COMPRESSORS:
         if name != "none":

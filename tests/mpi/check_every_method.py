@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import lowcomm
 from helpers import assert_models_close, every_method, inner_optimizer, seeded_mlp, toy_dataset
 from lowcomm.run.evaluate import state_sha256
+from lowcomm.run.registry import in_one_job
 from lowcomm.tasks import dataset_batches
 from under_mpi import RANK, SIZE
 
@@ -153,7 +154,7 @@ def test_onebit_adam_with_adamw_warms_up_as_torch_adamw_on_the_whole_batch(comm)
     assert_models_close(adamw_run(comm, True), adamw_run(comm, False), "OneBitAdam(AdamW) warm-up vs torch AdamW")
 
 
-@pytest.mark.parametrize("name", [n for n in lowcomm.STRATEGIES if n != "async-ps"])
+@pytest.mark.parametrize("name", [n for n in in_one_job() if n != "async-ps"])
 def test_build_makes_every_registered_method_from_its_spec(name, comm):
     """From Python, no config machinery (async-ps needs the loop's serving side: see the CLI
     tests)."""

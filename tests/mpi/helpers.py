@@ -111,12 +111,13 @@ def train_steps(model, opt, batch, steps: int, first: int = 0) -> None:
 
 
 def every_method(variants: dict) -> dict:
-    """Every registered method as its registry entry's example runs it: ``{name: (spec, run
+    """Every registered method one MPI job runs (those of a fleet only are the fleet's tests')
+    as its registry entry's example runs it: ``{name: (spec, run
     keys)}`` (:func:`lowcomm.run.registry.example`; user-registered methods included, so a new
     method is checked without editing a test), then ``variants`` (more of one method: another
     algorithm, compressor, backend, policy, or the settings a check needs)."""
-    from lowcomm.run.registry import STRATEGIES, example
-    return {**{name: example(m) for name, m in STRATEGIES.items()}, **variants}
+    from lowcomm.run.registry import example, in_one_job
+    return {**{name: example(m) for name, m in in_one_job().items()}, **variants}
 
 
 def inner_optimizer(name: str, params, lr: float = 0.1):

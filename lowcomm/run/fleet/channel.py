@@ -49,9 +49,13 @@ from .report import tag_step
 log = logging.getLogger("lowcomm.fleet")
 
 #: the store's keys: member -> coordinator messages, coordinator -> member mailbox, heartbeats,
-#: the coordinator's own heartbeat, and the gloo groups' rendezvous prefixes
+#: the coordinator's own heartbeat, the gloo groups' rendezvous prefixes, and the tensors of
+#: asynchronous DiLoCo's arrivals (float32 bytes; each deleted once read)
 PROTOCOL = {"inbox": "in/{dc}/{inc}/{k}", "mailbox": "out/{dc}/{inc}/{n}",
-            "heartbeat": "hb/{dc}/{inc}", "coordinator": "coord/hb", "group": "pg/{group}/"}
+            "heartbeat": "hb/{dc}/{inc}", "coordinator": "coord/hb", "group": "pg/{group}/",
+            # asynchronous DiLoCo: an arrival's tensors, the server's answer, a donor's state
+            "arrival": "arr/{dc}/{inc}/{n}", "theta": "theta/{dc}/{inc}/{n}",
+            "state": "state/{dc}/{donor}/{step}"}
 
 
 def key(kind: str, **parts) -> str:
@@ -214,9 +218,11 @@ class Channel:
 
     def __init__(self, address: str, dc: int, inc: int, limits: Limits, link=None,
                  rank: int = 0, ledger: Ledger | None = None, connect_s: float | None = None,
-                 *, dcs: int):
+                 *, dcs: int, arrivals: bool = False):
         host, _, port = address.rpartition(":")
-        self.dcs = dcs
+        self.dcs, self.arrivals = dcs, arrivals
+        self._arrived = 0                     # arrivals sent by this incarnation
+        self.donate_to: list[int] = []        # joining datacenters this member hands over to
         self.host, self.port = host, int(port)
         self.dc, self.inc, self.limits, self.link, self.rank = dc, inc, limits, link, rank
         self.ledger = ledger if ledger is not None else Ledger()
@@ -424,6 +430,16 @@ class Channel:
         ``limits.join_s``), take the donor's state; returns ``{"payload", "step", "round",
         "bytes", "wait_s", "transfer_s"}``."""
         t0, t1 = time.monotonic(), [0.0]
+        if self.arrivals:                            # the donor's state through the store
+            m = self.receive("fleet.join")
+            while m["type"] != "admitted":
+                m = self.receive("fleet.join")
+            t1[0] = time.monotonic()
+            payload = self.store.get(m["key"])
+            self.store.delete_key(m["key"])
+            (ledger or self.ledger).record("heal", "dc", 0, len(payload), time.monotonic() - t1[0])
+            return {"payload": payload, "step": m["step"], "round": 0, "bytes": len(payload),
+                    "wait_s": t1[0] - t0, "transfer_s": time.monotonic() - t1[0]}
 
         def take(d: dict):
             t1[0] = time.monotonic()
@@ -480,6 +496,57 @@ class Channel:
         if d["type"] == "late":
             return "late", None, None
         return "average", *result
+
+    # asynchronous DiLoCo: arrivals at the coordinator's server ------------------------------------
+    def arrive(self, delta: torch.Tensor | None, base: torch.Tensor, buffers: torch.Tensor,
+               **fields) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Hand this member's pseudo-gradient ``delta`` (None: none) and floating buffers to the
+        arrival server (:mod:`~lowcomm.run.fleet.server`) and take θ and the members' mean
+        buffers back, with the coordinator's answer (speeds, ``halt``, ``donate``). The first
+        arrival of an incarnation also carries ``base``, the θ it started from (the server's θ
+        where it has none). ``fields``: ``step``, ``period``, ``steps``, ``speed``, ``final``
+        (a final arrival is answered once every member's is in: the time until then is
+        waiting). Charged to the ledger as ``arrival``."""
+        n, first = self._arrived, self._arrived == 0
+        parts = ([base] if first else []) + ([] if delta is None else [delta]) + [buffers]
+        data = torch.cat([p.reshape(-1).to(torch.float32) for p in parts]).numpy().tobytes()
+        t0 = time.monotonic()
+        try:
+            self.store.set(key("arrival", dc=self.dc, inc=self.inc, n=n), data)
+        except Exception as e:  # noqa: BLE001
+            raise self._lost_error("fleet.arrive", e) from None
+        self._arrived += 1
+        self.send("arrive", n=n, numel=base.numel(), base=first, empty=delta is None, **fields)
+        m = self.receive("fleet.arrive")
+        while m["type"] != "arrived" or m["n"] != n:
+            m = self.receive("fleet.arrive")
+        name = key("theta", dc=self.dc, inc=self.inc, n=n)
+        x = torch.frombuffer(bytearray(self.store.get(name)), dtype=torch.float32)
+        self.store.delete_key(name)
+        seconds = time.monotonic() - t0
+        self.ledger.record("arrival", "dc", len(data), x.numel() * 4, seconds)
+        self._spent("round_s", seconds)
+        if fields.get("final"):
+            self._spent("wait_s", seconds)
+        if m.get("halt") and (self._halt is None or m["halt"][0] < self._halt[0]):
+            self._halt = (int(m["halt"][0]), int(m["halt"][1]))
+        self.donate_to = list(m.get("donate") or [])
+        self.round = int(m["arrivals"])
+        return x[:base.numel()], x[base.numel():], m
+
+    def donate(self, step: int, payload: bytes, ledger: Ledger | None = None) -> list[int]:
+        """Hand this member's live state (taken at the boundary of inner step ``step``) to the
+        joining datacenters its last arrival named; returns them."""
+        to, self.donate_to = self.donate_to, []
+        if not to:
+            return []
+        for j in to:                                 # a key each: each joiner deletes its own
+            name = key("state", dc=j, donor=f"{self.dc}.{self.inc}", step=step)
+            t0 = time.monotonic()
+            self.store.set(name, payload)
+            (ledger or self.ledger).record("heal", "dc", len(payload), 0, time.monotonic() - t0)
+            self.send("donated", to=[j], key=name, step=step, bytes=len(payload))
+        return to
 
     def close(self, reason: str = "finished") -> None:
         """Tell the coordinator this member is done (best effort) and stop heartbeating. The
@@ -573,10 +640,11 @@ class Span:
     inside. ``size`` counts the ranks of the whole fleet."""
 
     def __init__(self, inside, channel: Channel | None, size: int, rank: int,
-                 late_rounds: bool = False):
+                 late_rounds: bool = False, arrivals: bool = False):
         self.inside, self.channel, self.size, self.rank = inside, channel, size, rank
         self.ledger, self.level, self.validate = inside.ledger, "dc", False
         self.late_rounds = late_rounds      # a round may go ahead without a late datacenter
+        self.arrivals = arrivals            # no rounds: arrivals at the coordinator's server
         self._count = 0
 
     def allreduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:

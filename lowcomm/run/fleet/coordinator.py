@@ -11,7 +11,10 @@ closes: the fleet that started it is gone). The fleet's supervisor
 events, one JSON line each, on its stdout. A thread per launched incarnation waits on that
 incarnation's next message key (the store answers a wait when the key is set, so nothing
 polls the network); the main loop reads heartbeats every half heartbeat, counts its own
-heartbeat up, and moves the decisions' messages into the members' mailboxes. When the
+heartbeat up, and moves the decisions' messages into the members' mailboxes. In a fleet of
+asynchronous DiLoCo (``--server``) it also holds the outer state
+(:mod:`~lowcomm.run.fleet.server`): each arrival's tensors are read from the store, applied and
+answered with θ in the main loop, one at a time. When the
 membership gives up (:class:`~lowcomm.run.fleet.membership.NoQuorum`) it logs why and exits
 with status 3.
 """
@@ -26,8 +29,11 @@ import sys
 import threading
 import time
 
+import torch
+
 from .channel import _store, key
 from .membership import LIVE, Membership, NoQuorum
+from .server import ArrivalServer
 
 
 class _Watcher(threading.Thread):
@@ -52,10 +58,18 @@ class _Watcher(threading.Thread):
 
 
 class Coordinator:
-    """Serve one fleet's membership on ``store`` (the master), logging events to ``log``."""
+    """Serve one fleet's membership on ``store`` (the master), logging events to ``log``;
+    ``server``: asynchronous DiLoCo's arrival server (None: a fleet of rounds), its state
+    saved to ``state_path`` when the coordinator stops and loaded from there when it starts."""
 
-    def __init__(self, store, membership: Membership, log, heartbeat_s: float):
+    def __init__(self, store, membership: Membership, log, heartbeat_s: float,
+                 server: ArrivalServer | None = None, state_path: str | None = None):
         self.store, self.m, self.log, self.heartbeat_s = store, membership, log, heartbeat_s
+        self.server, self.state_path = server, state_path
+        if server is not None and state_path and os.path.exists(state_path):
+            server.load_state_dict(torch.load(state_path, weights_only=True))
+            self.m.events.append({"event": "server_state", "t": time.time(),
+                                  "arrivals": server.arrivals, "from": state_path})
         self.q: queue.Queue = queue.Queue()
         self.held: list = []
         self.watchers: dict[tuple[int, int], _Watcher] = {}
@@ -76,13 +90,59 @@ class Coordinator:
                     self._heartbeats(now)
                     next_hb = now + self.heartbeat_s / 2
                 self.m.tick(now)
+                self._serve()
                 self._flush()
                 self._wait(0.02)
         except NoQuorum as e:
             self.m.events.append({"event": "gave_up", "t": time.time(), "why": str(e)})
             self._flush()
             return 3
+        finally:
+            self._save()
         return 0
+
+    # asynchronous DiLoCo's arrivals -------------------------------------------------------------
+    def _serve(self) -> None:
+        """Apply the arrivals the membership queued, in order, and answer each; then the final
+        ones, all applied before any is answered (every member takes the same θ)."""
+        m, server = self.m, self.server
+        if server is None:
+            return
+        for dc, inc, msg in m.queue:
+            self._apply(dc, inc, msg)
+            self._answer(dc, inc, msg)
+        m.queue.clear()
+        if m.barrier:
+            for dc, inc, msg in m.barrier:
+                self._apply(dc, inc, msg)
+            for dc, inc, msg in m.barrier:
+                self._answer(dc, inc, msg)
+            m.barrier = []
+            m.events.append({"event": "final", "t": time.time(), "arrivals": server.arrivals})
+
+    def _apply(self, dc: int, inc: int, msg: dict) -> None:
+        name = key("arrival", dc=dc, inc=inc, n=msg["n"])
+        data = self.store.get(name)
+        x = torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0)
+        self.store.delete_key(name)
+        numel, at = int(msg["numel"]), 0
+        if msg.get("base"):
+            self.server.start(x[:numel])
+            at = numel
+        delta = None if msg.get("empty") else x[at:at + numel]
+        self.server.arrive(dc, delta, x[at + (0 if delta is None else numel):])
+
+    def _answer(self, dc: int, inc: int, msg: dict) -> None:
+        out = torch.cat([self.server.theta.detach(), self.server.mean_buffers()])
+        self.store.set(key("theta", dc=dc, inc=inc, n=msg["n"]), out.numpy().tobytes())
+        self.m._mail(dc, self.m.answer(dc, msg, self.server.arrivals), inc)
+
+    def _save(self) -> None:
+        if self.server is None or not self.state_path or not self.server.ready:
+            return
+        tmp = self.state_path + ".tmp"
+        torch.save(self.server.state_dict(), tmp)
+        os.replace(tmp, self.state_path)
 
     def _read(self, commands) -> None:
         for line in commands:
@@ -168,16 +228,20 @@ def main(argv=None) -> int:
     ap.add_argument("--quorum", type=int, default=0)
     ap.add_argument("--grace", type=float, default=0.0)
     ap.add_argument("--log", default=None)
+    ap.add_argument("--server", default=None, help="asynchronous DiLoCo's arrival server: JSON "
+                    "{\"lr\", \"momentum\", \"every\"}")
+    ap.add_argument("--state", default=None, help="where the arrival server's state is saved")
     a = ap.parse_args(argv)
     from torch.distributed import TCPStore
     store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=60))
     m = Membership(a.dcs, a.min_dcs, a.limit_s, time.monotonic(), a.start_s, a.quorum_s,
-                   a.quorum, a.grace)
+                   a.quorum, a.grace, arrivals=a.server is not None)
+    server = ArrivalServer(**json.loads(a.server)) if a.server else None
     print(f"ready {store.port}", flush=True)
     log = open(a.log, "a") if a.log else None
     try:
-        return Coordinator(store, m, log, a.heartbeat_s).serve(sys.stdin)
+        return Coordinator(store, m, log, a.heartbeat_s, server, a.state).serve(sys.stdin)
     finally:
         if log is not None:
             log.close()

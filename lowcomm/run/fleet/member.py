@@ -11,7 +11,8 @@ fleet runs it (:func:`~lowcomm.run.fleet.plan.plan`), then:
 * :class:`FleetLockstep`: the loop's coordination with the batches of the rank's place in the
   whole fleet; a relaunched datacenter first waits to be admitted and takes the live state from
   a peer (no checkpoint is read) and starts at the step it was admitted at; at every round
-  boundary the leader holds the admission round when a datacenter waits to come back; a round
+  boundary the leader holds the admission round when a datacenter waits to come back (under
+  asynchronous DiLoCo it hands its state over where its last arrival named a joiner); a round
   that says the fleet halts makes the leader vote to stop (a checkpoint, every datacenter at
   the same step).
 """
@@ -100,13 +101,15 @@ def connect(fp: FleetPlan, comm, me: dict) -> Channel | None:
         return None
     cfg = fp.cfg
     return Channel(me["address"], me["dc"], me["inc"], fp.limits(), fp.link, rank=me["offset"],
-                   connect_s=cfg.fleet.join_s if me["join"] else None, dcs=cfg.fleet.dcs)
+                   connect_s=cfg.fleet.join_s if me["join"] else None, dcs=cfg.fleet.dcs,
+                   arrivals=fp.arrivals)
 
 
 def levels(fp: FleetPlan, comm, channel: Channel | None, me: dict) -> FleetLevels:
     """The topology's communicators of this datacenter, with the span of the whole fleet (what
     the outer loop averages the last partial period and the buffers over)."""
-    whole = Span(comm, channel, me["total"], me["offset"] + comm.rank, fp.cfg.fleet.quorum > 0)
+    whole = Span(comm, channel, me["total"], me["offset"] + comm.rank, fp.cfg.fleet.quorum > 0,
+                 fp.arrivals)
 
     def ranked() -> RankChannel:
         limits, rank = fp.limits(), me["offset"] + comm.rank
@@ -227,6 +230,9 @@ class FleetLockstep(Lockstep):
                 if self.channel is not None:
                     self._admit(state, lambda: bundle(parts))
                 self.ranked.admitted()
+        elif self.channel is not None and self.channel.donate_to:    # asynchronous DiLoCo
+            to = self.channel.donate(state.step, payload(self.r), self.r.comm.ledger)
+            log.info("handed the state to datacenter(s) %s at step %d", to, state.step)
         elif self.channel is not None and self.channel.admission_due(self._landed()):
             if hasattr(s, "drain"):                  # no round of the outer loop in flight
                 s.drain()

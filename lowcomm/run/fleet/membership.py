@@ -37,6 +37,16 @@ in rounds), ``joining`` (a relaunched job waiting to be admitted), ``gone`` (fai
   says ``bye`` (stopped); joining sites are told ``over``. That round goes ahead without a
   quorum (its members only checkpoint and stop; a resume starts from the newest step
   ``min_dcs`` of them hold).
+* **Arrivals** (``arrivals``: the fleet runs asynchronous DiLoCo,
+  :mod:`~lowcomm.run.fleet.server`): there are no rounds. Each member's ``arrive`` is queued
+  for the coordinator's arrival server (:attr:`queue`) and answered at once (:meth:`answer`)
+  with the members' latest speeds; nobody waits for anybody. A member's last arrival
+  (``final``) is held until every active member has sent its own (or is out): then all are
+  applied and every member takes the same θ (one model at the end). A joining site is given
+  a donor, the next active member to arrive, which hands it its live state at that boundary
+  (``donated``; the site is then ``admitted`` and active). Told to halt, the members stop at
+  the first period boundary every one of them can still reach, S = the latest arrival's step
+  + its period (each answer from then on says ``halt`` with S).
 * **End.** When no site is active any more and one has finished, joining sites are told
   ``over``; when none has finished, nobody is left to hand the state on: the coordinator gives
   up (the fleet restarts from checkpoints).
@@ -78,13 +88,21 @@ class Membership:
 
     def __init__(self, dcs: int, min_dcs: int, limit_s: float, now: float,
                  start_s: float = 300.0, quorum_s: float = 600.0, quorum: int = 0,
-                 grace: float = 0.0):
+                 grace: float = 0.0, arrivals: bool = False):
         if not 1 <= min_dcs <= dcs:
             raise ValueError(f"min_dcs must be in [1, {dcs}], got {min_dcs}")
         if quorum and not (min_dcs <= quorum <= dcs and grace > 0):
             raise ValueError(f"quorum must be in [min_dcs={min_dcs}, {dcs}] with grace > 0, got "
                              f"quorum={quorum}, grace={grace}")
         self.quorum, self.grace = quorum, grace
+        self.arrivals = arrivals                   # asynchronous: arrivals, no rounds
+        self.queue: list[tuple[int, int, dict]] = []   # arrivals for the server, in order
+        self.finals: dict[int, dict] = {}          # final arrivals held for the end
+        self.barrier: list[tuple[int, int, dict]] = []  # the final ones, released together
+        self.steps: dict[int, int] = {}            # each site's latest arrival: step, period
+        self.speeds: dict[int, float] = {}
+        self.donor_of: dict[int, int | None] = {}  # joining site -> the member handing it over
+        self.halt_at: int | None = None
         self.decided_at: list[float] = []          # when the last rounds were decided
         self.arrived: dict[int, float] = {}        # when each site said ready for this round
         self.late: dict[int, dict] = {}            # site -> the round it was left out of
@@ -142,6 +160,8 @@ class Membership:
             return
         site.state = "joining" if msg.get("joining") else "active"
         site.hello_at = now if msg.get("joining") else None
+        if self.arrivals and msg.get("joining"):
+            self.donor_of[site.dc] = None          # the next member to arrive hands it over
         self._event("hello", dc=site.dc, inc=site.inc, joining=bool(msg.get("joining")),
                     round=self.round)
 
@@ -167,6 +187,63 @@ class Membership:
         self.arrived.setdefault(site.dc, now)
         if msg.get("carried"):                     # late before (a restart forgot it): catches up
             self.catching_up.add(site.dc)
+
+    def _on_arrive(self, site: Site, msg: dict, now: float) -> None:
+        if not self.arrivals or site.state != "active":
+            self._fence(site.dc, site.inc, f"an arrival from datacenter {site.dc} while it is "
+                        f"{site.state}" + ("" if self.arrivals else " in a fleet of rounds"))
+            return
+        self.steps[site.dc] = (int(msg["step"]), int(msg["period"]))
+        self.speeds[site.dc] = float(msg.get("speed") or 0.0)
+        self._event("arrival", dc=site.dc, inc=site.inc, n=msg["n"], step=msg["step"],
+                    steps=msg.get("steps"), speed=msg.get("speed"), final=bool(msg.get("final")))
+        if self.halt_signum and self.halt_at is None:
+            self.halt_at = int(msg["step"])        # the first boundary after the halt
+        if msg.get("final"):
+            self.finals[site.dc] = msg
+        else:
+            self.queue.append((site.dc, site.inc, msg))
+
+    def answer(self, dc: int, msg: dict, arrivals: int) -> dict:
+        """The coordinator's answer to ``dc``'s arrival ``msg`` once the server applied it
+        (``arrivals`` in all so far): the members' speeds (by datacenter, 0 for one not heard
+        yet), the halt step, and the joining sites this member hands its state to."""
+        donate = []
+        if not msg.get("final"):
+            for j, donor in sorted(self.donor_of.items()):
+                if donor is None and self.sites[j].state == "joining":
+                    self.donor_of[j] = dc
+                    donate.append(j)
+        return {"type": "arrived", "n": msg["n"], "arrivals": arrivals,
+                "speeds": [self.speeds.get(d, 0.0) for d in sorted(self.sites)],
+                "halt": [self.halt_at, self.halt_signum] if self.halt_signum else None,
+                "donate": donate}
+
+    def _on_donated(self, site: Site, msg: dict, now: float) -> None:
+        for j in msg["to"]:
+            joiner = self.sites[j]
+            if self.donor_of.get(j) != site.dc or joiner.state != "joining":
+                continue                           # it left meanwhile
+            del self.donor_of[j]
+            joiner.state = "active"
+            self._mail(j, {"type": "admitted", "key": msg["key"], "step": msg["step"],
+                           "donor": site.dc, "bytes": msg.get("bytes", 0)})
+            self._event("admitted", dc=j, inc=joiner.inc, step=msg["step"], donor=site.dc,
+                        since_hello_s=round(now - joiner.hello_at, 3) if joiner.hello_at else None)
+
+    def _release(self) -> None:
+        """The final arrivals, once every active site has sent its own (module docstring)."""
+        if not self.finals or self.barrier:
+            return
+        active = [d for d, s in self.sites.items() if s.state == "active"]
+        if any(s.state == "expected" for s in self.sites.values()) or \
+                any(d not in self.finals for d in active):
+            return
+        self.barrier = [(d, self.sites[d].inc, self.finals.pop(d)) for d in sorted(active)]
+        for d, s in self.sites.items():
+            if s.state == "joining":               # nobody is left to hand it over
+                s.state = "late"
+                self._mail(d, {"type": "over"})
 
     def _on_done(self, site: Site, msg: dict, now: float) -> None:
         if self.phase == "reduce" and (msg["round"], msg["attempt"]) == (self.round, self.attempt):
@@ -203,6 +280,8 @@ class Membership:
         """The fleet: stop every member at the boundary of the next round (its decision says
         ``halt``); the joining sites are told the run is over."""
         self.halt_signum = signum
+        if self.steps:                             # the first boundary every member can reach
+            self.halt_at = max(step + period for step, period in self.steps.values())
         for d, s in self.sites.items():
             if s.state == "joining":
                 s.state = "late"
@@ -221,6 +300,11 @@ class Membership:
         self.readies.pop(site.dc, None)
         self.late.pop(site.dc, None)
         self.catching_up.discard(site.dc)
+        self.finals.pop(site.dc, None)
+        self.donor_of.pop(site.dc, None)
+        for j, donor in self.donor_of.items():       # its joiners: the next arrival hands over
+            if donor == site.dc:
+                self.donor_of[j] = None
         self._event("failure", dc=site.dc, inc=site.inc, cause=cause, was=was, round=self.round,
                     silent_s=round(now - site.seen, 3), kill=kill)
 
@@ -228,10 +312,13 @@ class Membership:
     def tick(self, now: float) -> None:
         """Count silent sites out, then decide, commit or retry what can be."""
         self._silent(now)
-        if self.phase == "reduce":
-            self._settle(now)
-        if self.phase == "collect":
-            self._collect(now)
+        if self.arrivals:
+            self._release()
+        else:
+            if self.phase == "reduce":
+                self._settle(now)
+            if self.phase == "collect":
+                self._collect(now)
         left = [d for d, s in self.sites.items() if s.state != "retired"]
         if len(left) < self.min_dcs:
             raise NoQuorum(f"only datacenter(s) {left} are left in the run (the others were left "

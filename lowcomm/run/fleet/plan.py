@@ -22,7 +22,10 @@ ENV = ("LOWCOMM_FLEET", "LOWCOMM_FLEET_DC", "LOWCOMM_FLEET_INC", "LOWCOMM_FLEET_
        "LOWCOMM_FLEET_RANKS")
 
 #: outer methods a fleet runs across datacenters
-OUTER = ("diloco", "streaming-diloco", "diloco-eager", "localsgd", "diloco-dylu")
+OUTER = ("diloco", "streaming-diloco", "diloco-eager", "localsgd", "diloco-dylu", "diloco-async")
+
+#: outer methods whose state is the coordinator's arrival server (no rounds)
+ARRIVALS = ("diloco-async",)
 
 
 def identity() -> dict | None:
@@ -65,11 +68,30 @@ class FleetPlan:
         return Limits.of(self.link, c.fleet.heartbeat_s, c.comm.watchdog_factor, c.comm.outage_s,
                          c.fleet.join_s)
 
+    def _dc_level(self):
+        from ..registry import policy_levels
+        return policy_levels(self.cfg, self.topology.names)[0]
+
     @property
     def period(self) -> int:
         """H of the outer method across datacenters."""
-        from ..registry import policy_levels
-        return int(policy_levels(self.cfg, self.topology.names)[0].settings.period)
+        return int(self._dc_level().settings.period)
+
+    @property
+    def arrivals(self) -> bool:
+        """Whether the outer method is asynchronous DiLoCo: arrivals at the coordinator's
+        server (:mod:`~lowcomm.run.fleet.server`) instead of rounds."""
+        return self._dc_level().method.name in ARRIVALS
+
+    def server(self) -> dict | None:
+        """The arrival server's settings (None: a fleet of rounds): the outer learning rate
+        and momentum, and N arrivals between momentum updates (``nesterov_every``; 0: as many
+        as the fleet's datacenters)."""
+        if not self.arrivals:
+            return None
+        s = self._dc_level().settings
+        return {"lr": s.outer_lr, "momentum": s.outer_momentum,
+                "every": s.nesterov_every or self.cfg.fleet.dcs}
 
 
 def plan(cfg, dcs: int, ranks: int) -> FleetPlan:
@@ -119,4 +141,4 @@ def _check_dc_level(cfg) -> None:
                           "delay=0, or syncdp inside")
 
 
-__all__ = ["ENV", "OUTER", "FleetPlan", "identity", "plan"]
+__all__ = ["ARRIVALS", "ENV", "OUTER", "FleetPlan", "identity", "plan"]

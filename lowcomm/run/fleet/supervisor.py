@@ -133,6 +133,9 @@ class Fleet:
                "--limit-s", f"{lim.limit_s:.6g}", "--heartbeat-s", f"{lim.heartbeat_s:.6g}",
                "--quorum", str(self.cfg.fleet.quorum), "--grace", f"{self.cfg.fleet.grace:.6g}",
                "--log", str(self.out / "membership.jsonl")]
+        server = self.plan.server()
+        if server is not None:                       # asynchronous DiLoCo's outer state
+            cmd += ["--server", json.dumps(server), "--state", str(self.out / "server.pt")]
         err = open(self.out / "coordinator.log", "a")
         self.coord = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=err, text=True, start_new_session=True,
