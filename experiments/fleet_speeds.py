@@ -1,22 +1,27 @@
-"""Datacenters of different speeds: a synchronous fleet against dynamic local updates.
+"""Datacenters of different speeds: a synchronous fleet against dynamic local updates,
+asynchronous DiLoCo, eager updates, a quorum with a grace window, and torchft's DiLoCo.
 
 Question: a fleet of 3 datacenters × 1 rank trains DiLoCo (H = 10, 160 steps, the default
 ``bytelm`` workload) while datacenters are slowed from outside (``lowcomm fault slow``: a
 duty-cycled SIGSTOP/SIGCONT, 100 ms stopped and 100 ms running at half speed). How long does the
 fleet take, what share of the members' time trains (goodput), and what eval loss does it reach
-after the fast members' 160 steps — synchronous DiLoCo against ``diloco-dylu`` (a slowed member
-takes its speed's share of each period), beside the unslowed synchronous fleet?
+after the fast members' 160 steps — synchronous DiLoCo (at its default outer momentum 0.9 and at
+0.5) against ``diloco-dylu`` (a slowed member takes its speed's share of each period),
+``diloco-async`` (each pseudo-gradient applied by the coordinator's server as it arrives),
+``diloco-eager`` (τ = 3), DiLoCo with a quorum of 2 and a grace window of half a period, and
+torchft's DiLoCo on the same workload (``torchft``: its replica groups of
+``experiments/fleet_vs_torchft.py``, the slow group slowed by the same duty cycle)?
 
     PYTHONPATH=. python experiments/fleet_speeds.py --out runs/fleet-speeds --repeats 3
 
 Rows (each run one after the other, each repetition all rows in turn, so that the machine's load
 falls on every row alike): ``speeds`` 1,1,1 / 1,1,0.5 / 1,0.5,0.25 / 1,1,flaky (datacenter 2
-nearly stopped once for :data:`FLAKY_S` seconds) for ``diloco``, ``diloco-dylu``,
-``diloco-eager`` (τ = 3) and DiLoCo with a quorum of 2 and a grace window of half a period. Read from each fleet's ``summary.json``: its wall-clock (``wall_s``: the
-supervisor's, start-up included, as a user waits for it), ``fleet.time.goodput``, the eval loss,
-and each datacenter's steps computed. The ratio column divides a row's wall-clock by the
-unslowed synchronous fleet's of the same repetition. Writes ``OUT/results.json`` and prints a
-Markdown table (ranges over the repetitions) and ``uptime``'s load before and after.
+nearly stopped once for :data:`FLAKY_S` seconds) for each of ``--methods``. Read from each
+fleet's ``summary.json``: its wall-clock (``wall_s``: the supervisor's, start-up included, as a
+user waits for it), ``fleet.time.goodput``, the eval loss, and each datacenter's steps computed
+(torchft's: :func:`torchft`). The ratio column divides a row's wall-clock by the unslowed
+synchronous fleet's of the same repetition. Writes ``OUT/results.json`` and prints a Markdown
+table (ranges over the repetitions) and ``uptime``'s load before and after.
 """
 from __future__ import annotations
 
@@ -37,7 +42,9 @@ METHODS = {"diloco": ["strategy.name=diloco"],
            "diloco-async": ["strategy.name=diloco-async"],
            "diloco momentum 0.5": ["strategy.name=diloco", "strategy.outer_momentum=0.5"],
            "diloco-eager": ["strategy.name=diloco-eager", "strategy.delay=3"],
-           "diloco quorum 2": ["strategy.name=diloco", "fleet.quorum=2", "fleet.grace=0.5"]}
+           "diloco quorum 2": ["strategy.name=diloco", "fleet.quorum=2", "fleet.grace=0.5"],
+           # torchft's DiLoCo (Manager, lighthouse, quorum) on the same workload: below
+           "torchft": []}
 #: a flaky datacenter: nearly stopped (speed 0.1) for this many seconds once, from a third of
 #: the run on (about 1.5 periods of H = 10 at the default workload's step time)
 FLAKY_S = 1.5
@@ -51,14 +58,17 @@ def lowcomm(*args: str) -> list[str]:
     return [sys.executable, "-m", "lowcomm.cli", *args]
 
 
-def one(out: Path, method: str, speeds: str, steps: int, period: int, extra: list[str]) -> dict:
+def one(out: Path, method: str, speeds: str, steps: int, period: int, extra: list[str],
+        place: str = "local") -> dict:
     """One fleet, its slow datacenters slowed from its start to its end (a flaky one: once,
     :data:`FLAKY_S` seconds from a third of its steps on); the figures."""
     if out.exists():
         shutil.rmtree(out)
+    if method == "torchft":
+        return torchft(out, speeds, steps, period, extra)
     sets = [*METHODS[method], f"strategy.period={period}", f"steps={steps}", "eval_every=0",
             *extra]
-    fleet = subprocess.Popen(lowcomm("train", "--dcs", "3", "--np", "3", "--place", "local",
+    fleet = subprocess.Popen(lowcomm("train", "--dcs", "3", "--np", "3", "--place", place,
                                      "--quiet", "--out", str(out),
                                      *[a for s in sets for a in ("--set", s)]),
                              cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
@@ -90,6 +100,51 @@ def one(out: Path, method: str, speeds: str, steps: int, period: int, extra: lis
     return {"method": method, "speeds": speeds, "wall_s": s["wall_s"], "eval_loss": s["eval_loss"],
             "goodput": t["goodput"], "idle_fraction": t["idle_fraction"],
             "steps": [t["by_dc"][str(d)]["steps"] for d in range(3)]}
+
+
+def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str]) -> dict:
+    """torchft's DiLoCo on the same workload (``experiments/fleet_vs_torchft.py``'s replica
+    groups: its Manager, lighthouse with ``--min_replicas 2`` and a 1 s join timeout, Nesterov
+    outer step at lowcomm's defaults), group r slowed from its start as ``lowcomm fault slow``
+    slows a datacenter (the same duty cycle on the group's process). Its goodput, from the
+    groups' step lines: a step that ends a round counts as busy for the median duration of the
+    group's other steps (the rest is the round: quorum, all-reduce, waiting); over each group's
+    span from its first step's start to its last step's end. ``flaky`` is not run here."""
+    import threading
+    from argparse import Namespace
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import fleet_vs_torchft as ft
+    from lowcomm.tools.slow import DutyCycle
+    if "flaky" in speeds:
+        raise SystemExit("--methods torchft: the flaky speed is not run for torchft")
+    out.mkdir(parents=True)
+    a = Namespace(period=period, hb_ms=1000, join_ms=1000, timeout_s=900.0, kill_at=0)
+    t = ft.Torchft(out, [f"steps={steps}", "eval_every=0", *extra], a, kill=False)
+    done, slowers = threading.Event(), []
+    for r, v in enumerate(speeds.split(",")):
+        if float(v) < 1:
+            cycle = DutyCycle(lambda r=r: [t.procs[r].pid] if r in t.procs else [], float(v))
+            slowers.append(threading.Thread(target=cycle.run, kwargs={"until": done.is_set}))
+            slowers[-1].start()
+    try:
+        row = t.run()
+    finally:
+        done.set()
+        for x in slowers:
+            x.join()
+    busy = span = 0.0
+    computed = []
+    for r in range(3):
+        lines = [x for x in ft.jsonl(out / f"replica{r}.0.jsonl") if x["kind"] == "step"]
+        took = [x["time"] - x["start"] for x in lines]
+        plain = sorted(d for d, x in zip(took, lines) if not x.get("sync"))
+        median = plain[len(plain) // 2]
+        busy += sum(median if x.get("sync") else d for d, x in zip(took, lines))
+        span += lines[-1]["time"] - lines[0]["start"]
+        computed.append(len(lines))
+    return {"method": "torchft", "speeds": speeds, "wall_s": row["wall_s"],
+            "eval_loss": row["eval_loss"], "goodput": busy / span, "idle_fraction": 1 - busy / span,
+            "steps": computed, "rounds_short": row["rounds_short"]}
 
 
 def _reached(metrics: Path, step: int) -> bool:
@@ -132,6 +187,9 @@ def main(argv=None) -> int:
                     help="';'-separated, e.g. 1,1,1;1,1,0.5;1,1,flaky")
     ap.add_argument("--methods", default=",".join(METHODS), help="of " + ", ".join(METHODS))
     ap.add_argument("--set", dest="extra", action="append", default=[])
+    ap.add_argument("--place", choices=("local", "wan"), default="local",
+                    help="wan: the emulated WAN that is up (lowcomm wan up --dcs 3); torchft's "
+                         "groups run on this machine either way")
     a = ap.parse_args(argv)
     methods = a.methods.split(",")
     if set(methods) - set(METHODS):
@@ -144,7 +202,7 @@ def main(argv=None) -> int:
             for method in methods:
                 r = one(a.out / f"{method.replace(' ', '_')}-{speeds.replace(',', '_')}-{rep}",
                         method, speeds,
-                        a.steps, a.period, a.extra)
+                        a.steps, a.period, a.extra, a.place)
                 rows.append(dict(r, rep=rep))
                 print(json.dumps(rows[-1]), flush=True)
     load.append(os.getloadavg())

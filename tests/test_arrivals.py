@@ -112,10 +112,14 @@ def test_arrivals_are_answered_at_once_with_every_members_speed_and_none_waits()
     f.m.tick(f.now)
     (dc, a), = f.serve()
     assert dc == 2 and a["speeds"] == [0.0, 0.0, 4.0] and a["halt"] is None and not a["donate"]
+    f.now += 0.5
     f.arrive(0, 10, speed=8.0)
     f.arrive(0, 20, speed=8.0)                     # dc 0 twice before dc 1 once: nobody waits
     f.m.tick(f.now)
-    assert [d for d, _ in f.serve()] == [0, 0]
+    answers = f.serve()
+    assert [d for d, _ in answers] == [0, 0]
+    # how long after the first to reach the same step each came (what catches it up)
+    assert a["behind_s"] == 0 and [x["behind_s"] for _, x in answers] == [0.5, 0]
     assert [e["dc"] for e in f.m.events if e["event"] == "arrival"] == [2, 0, 0]
 
 

@@ -64,7 +64,9 @@ def run_fleet(config, overrides, out, np_, dcs, hostfiles, host, launcher, max_r
             "finished_dcs")
     click.echo(json.dumps({k: summary.get(k) for k in keys}, indent=2))
     f = summary["fleet"]
-    click.echo(f"{len(f['membership'])} rounds, {len(f['failures'])} failure(s), "
+    done = f"{sum(f['arrivals'].values())} arrivals" if "arrivals" in f else \
+        f"{len(f['membership'])} rounds"
+    click.echo(f"{done}, {len(f['failures'])} failure(s), "
                f"{len(f['heals'])} heal(s); wrote {fleet.out / 'summary.json'}")
     stop = summary.get("stopped")
     if stop and len(summary["finished_dcs"]) < fleet.min_dcs:

@@ -78,7 +78,11 @@ class AsyncDiLoCo(DyLUDiLoCo):
          fleet's datacenters by default) and answers with θ, the mean of the members' latest
          buffers, and every member's latest speed — nobody waits for another member;
       4. θ^(k) ← θ, θ_k ← θ (the inner optimizer's state is kept); h_k for the next period
-         from the speeds as in ``diloco-dylu`` (step 5 there); go to 2.
+         from the speeds as in ``diloco-dylu`` (step 5 there), less what catches this member up
+         with the first to reach this step: h_k ← max(min_steps, round(h_k − v̄_k·b_k)), b_k
+         the seconds it came after that one (without rounds nothing else would: a member that
+         fell behind in its first periods, when its speed was not yet known, would stay behind
+         and the others would wait for it at the end); go to 2.
       5. at the end (:meth:`finish`) every member sends its last pseudo-gradient (none when
          it ended on a period's end); the server answers once every member's is in, so all
          deliver the same θ.
@@ -127,7 +131,7 @@ class AsyncDiLoCo(DyLUDiLoCo):
             theta, buffers, answer = self._leaders.arrive(
                 delta, outer.detach(), mine, step=self.t, period=self.period,
                 steps=self.h_local, speed=speed, final=final)
-            speeds = answer["speeds"]
+            speeds = (answer["speeds"], answer["behind_s"])
         inside = self._inside
         if inside is not None and inside.size > 1:
             theta = theta.to(outer.dtype).contiguous()
@@ -145,8 +149,21 @@ class AsyncDiLoCo(DyLUDiLoCo):
         if self._inner is not None:
             self._inner.parameters_changed()
         if not final:
-            self._next_h(torch.tensor(speeds, dtype=torch.float64))
+            self._next_h(torch.tensor(speeds[0], dtype=torch.float64))
+            self._catch_up(speeds[1])
         self.arrivals += 1
+
+    def _catch_up(self, behind_s: float) -> None:
+        """Step 4's catching up: h_k ← max(min_steps, round(h_k − v̄_k · b)), b the seconds
+        this member reached the period's end after the first member did (0 for it), so that
+        a member behind the others (its first periods ran all H steps before its speed was
+        known) arrives with them again; kept where within ``tolerance`` of h_k (timing noise
+        between members of one speed)."""
+        if behind_s <= 0 or not self.speed:
+            return
+        h = max(self.min_steps, round(self.h_local - self.speed * behind_s))
+        if h < (1 - self.tolerance) * self.h_local:
+            self.h_local = h
 
     def _floating(self) -> torch.Tensor:
         bufs = self.buffers.floating

@@ -19,6 +19,11 @@ The pieces, from the outside in:
   datacenters' leaders talk through, moving their messages to and from
   :mod:`~lowcomm.run.fleet.membership`, the state machine that decides every round (who takes
   part, who is dead, who is admitted, when the fleet halts) — no I/O, tested without a process;
+* :mod:`~lowcomm.run.fleet.server`: under asynchronous DiLoCo (``diloco-async``) there are no
+  rounds: the coordinator holds the outer state and applies each datacenter's pseudo-gradient
+  as it arrives (:class:`~lowcomm.run.fleet.server.ArrivalServer`,
+  :meth:`Channel.arrive <lowcomm.run.fleet.channel.Channel.arrive>`); the membership answers
+  each arrival at once and only the last ones together;
 * :mod:`~lowcomm.run.fleet.channel`: a datacenter's side of the rounds
   (:class:`~lowcomm.run.fleet.channel.Channel` on its leader, rank 0;
   :class:`~lowcomm.run.fleet.channel.RankChannel` for rank i of every datacenter when the outer

@@ -521,8 +521,11 @@ class Channel:
         while m["type"] != "arrived" or m["n"] != n:
             m = self.receive("fleet.arrive")
         name = key("theta", dc=self.dc, inc=self.inc, n=n)
-        x = torch.frombuffer(bytearray(self.store.get(name)), dtype=torch.float32)
-        self.store.delete_key(name)
+        try:
+            x = torch.frombuffer(bytearray(self.store.get(name)), dtype=torch.float32)
+            self.store.delete_key(name)
+        except Exception as e:  # noqa: BLE001 - the coordinator went away after answering
+            raise self._lost_error("fleet.arrive", e) from None
         seconds = time.monotonic() - t0
         self.ledger.record("arrival", "dc", len(data), x.numel() * 4, seconds)
         self._spent("round_s", seconds)

@@ -40,7 +40,8 @@ in rounds), ``joining`` (a relaunched job waiting to be admitted), ``gone`` (fai
 * **Arrivals** (``arrivals``: the fleet runs asynchronous DiLoCo,
   :mod:`~lowcomm.run.fleet.server`): there are no rounds. Each member's ``arrive`` is queued
   for the coordinator's arrival server (:attr:`queue`) and answered at once (:meth:`answer`)
-  with the members' latest speeds; nobody waits for anybody. A member's last arrival
+  with the members' latest speeds and how long after the first member to reach the same step
+  it came; nobody waits for anybody. A member's last arrival
   (``final``) is held until every active member has sent its own (or is out): then all are
   applied and every member takes the same θ (one model at the end). A joining site is given
   a donor, the next active member to arrive, which hands it its live state at that boundary
@@ -103,6 +104,7 @@ class Membership:
         self.speeds: dict[int, float] = {}
         self.donor_of: dict[int, int | None] = {}  # joining site -> the member handing it over
         self.halt_at: int | None = None
+        self.first_at: dict[int, float] = {}       # step -> when its first arrival came
         self.decided_at: list[float] = []          # when the last rounds were decided
         self.arrived: dict[int, float] = {}        # when each site said ready for this round
         self.late: dict[int, dict] = {}            # site -> the round it was left out of
@@ -199,6 +201,10 @@ class Membership:
                     steps=msg.get("steps"), speed=msg.get("speed"), final=bool(msg.get("final")))
         if self.halt_signum and self.halt_at is None:
             self.halt_at = int(msg["step"])        # the first boundary after the halt
+        first = self.first_at.setdefault(int(msg["step"]), now)
+        if len(self.first_at) > 64:
+            del self.first_at[min(self.first_at)]
+        msg = dict(msg, behind_s=now - first)
         if msg.get("final"):
             self.finals[site.dc] = msg
         else:
@@ -207,7 +213,8 @@ class Membership:
     def answer(self, dc: int, msg: dict, arrivals: int) -> dict:
         """The coordinator's answer to ``dc``'s arrival ``msg`` once the server applied it
         (``arrivals`` in all so far): the members' speeds (by datacenter, 0 for one not heard
-        yet), the halt step, and the joining sites this member hands its state to."""
+        yet), how long after the first member to reach this step it arrived (``behind_s``),
+        the halt step, and the joining sites this member hands its state to."""
         donate = []
         if not msg.get("final"):
             for j, donor in sorted(self.donor_of.items()):
@@ -216,6 +223,7 @@ class Membership:
                     donate.append(j)
         return {"type": "arrived", "n": msg["n"], "arrivals": arrivals,
                 "speeds": [self.speeds.get(d, 0.0) for d in sorted(self.sites)],
+                "behind_s": round(float(msg.get("behind_s", 0.0)), 6),
                 "halt": [self.halt_at, self.halt_signum] if self.halt_signum else None,
                 "donate": donate}
 

@@ -248,7 +248,7 @@ def write_report(fleet, wall_s: float) -> dict:
                   "steps_lost": steps_lost(fleet, committed, failed),
                   "left_out": [{"dc": d, "why": w} for d, w in sorted(fleet.retired.items())],
                   "fallbacks": fleet.fallbacks, "datacenters": datacenters(fleet),
-                  "time": goodput(fleet)},
+                  "time": goodput(fleet), **arrivals(events)},
         "config": head.get("config"),
     }
     if fleet.stopping:
@@ -259,6 +259,16 @@ def write_report(fleet, wall_s: float) -> dict:
     write_text(fleet.out / "metrics.jsonl", "".join(
         json.dumps(x) + "\n" for x in _merged(fleet, committed, failures, heals)))
     return summary
+
+
+def arrivals(events: list[dict]) -> dict:
+    """Under asynchronous DiLoCo: ``{"arrivals": {dc: the arrivals the server answered}}``
+    (a datacenter's final one included); nothing for a fleet of rounds."""
+    by: dict[str, int] = {}
+    for e in events:
+        if e["event"] == "arrival":
+            by[str(e["dc"])] = by.get(str(e["dc"]), 0) + 1
+    return {"arrivals": dict(sorted(by.items()))} if by else {}
 
 
 def _merged(fleet, committed: list[dict], failures: list[dict], heals: list[dict]) -> list[dict]:
@@ -272,5 +282,5 @@ def _merged(fleet, committed: list[dict], failures: list[dict], heals: list[dict
                                         "event" in x, x.get("t", 0)))
 
 
-__all__ = ["failures_and_heals", "goodput", "incarnations", "numbered", "rounds", "steps_lost", "tag_step",
+__all__ = ["arrivals", "failures_and_heals", "goodput", "incarnations", "numbered", "rounds", "steps_lost", "tag_step",
            "write_report"]
