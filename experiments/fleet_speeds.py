@@ -128,6 +128,9 @@ def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str]) -
             slowers[-1].start()
     try:
         row = t.run()
+    except RuntimeError as e:                 # a group that died: torchft's failure, a result
+        return {"method": "torchft", "speeds": speeds, "failed": str(e).split(";")[0],
+                "why": _last_error(out)}
     finally:
         done.set()
         for x in slowers:
@@ -145,6 +148,15 @@ def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str]) -
     return {"method": "torchft", "speeds": speeds, "wall_s": row["wall_s"],
             "eval_loss": row["eval_loss"], "goodput": busy / span, "idle_fraction": 1 - busy / span,
             "steps": computed, "rounds_short": row["rounds_short"]}
+
+
+def _last_error(out: Path) -> str:
+    """The last line of the first group output that ends in a Python error."""
+    for f in sorted(out.glob("replica*.out")):
+        lines = f.read_text(errors="replace").strip().splitlines()
+        if lines and "Error" in lines[-1]:
+            return f"{f.name}: {lines[-1][:200]}"
+    return ""
 
 
 def _reached(metrics: Path, step: int) -> bool:
@@ -166,6 +178,11 @@ def table(rows: list[dict]) -> str:
     for speeds in SPEEDS:
         for method in METHODS:
             mine = [r for r in rows if r["method"] == method and r["speeds"] == speeds]
+            failed = [r for r in mine if "failed" in r]
+            if failed:
+                lines.append(f"| {method} | {speeds} | failed in {len(failed)} of {len(mine)} "
+                             f"runs: {failed[0]['why'] or failed[0]['failed']} | | | | |")
+            mine = [r for r in mine if "failed" not in r]
             if not mine:
                 continue
             steps = sorted({tuple(r["steps"]) for r in mine})

@@ -78,11 +78,12 @@ class AsyncDiLoCo(DyLUDiLoCo):
          fleet's datacenters by default) and answers with θ, the mean of the members' latest
          buffers, and every member's latest speed — nobody waits for another member;
       4. θ^(k) ← θ, θ_k ← θ (the inner optimizer's state is kept); h_k for the next period
-         from the speeds as in ``diloco-dylu`` (step 5 there), less what catches this member up
-         with the first to reach this step: h_k ← max(min_steps, round(h_k − v̄_k·b_k)), b_k
-         the seconds it came after that one (without rounds nothing else would: a member that
-         fell behind in its first periods, when its speed was not yet known, would stay behind
-         and the others would wait for it at the end); go to 2.
+         from the speeds as in ``diloco-dylu`` (step 5 there), less what brings this member
+         back to within one period of the first to reach this step:
+         h_k ← max(min_steps, round(h_k − v̄_k·(b_k − H/v_max))) where b_k, the seconds it came
+         after that one, exceeds the fastest member's period H/v_max (without rounds nothing
+         else would: a member that fell behind in its first periods, when its speed was not yet
+         known, would stay behind and the others would wait for it at the end); go to 2.
       5. at the end (:meth:`finish`) every member sends its last pseudo-gradient (none when
          it ended on a period's end); the server answers once every member's is in, so all
          deliver the same θ.
@@ -150,20 +151,22 @@ class AsyncDiLoCo(DyLUDiLoCo):
             self._inner.parameters_changed()
         if not final:
             self._next_h(torch.tensor(speeds[0], dtype=torch.float64))
-            self._catch_up(speeds[1])
+            self._catch_up(speeds[1], max(speeds[0]))
         self.arrivals += 1
 
-    def _catch_up(self, behind_s: float) -> None:
-        """Step 4's catching up: h_k ← max(min_steps, round(h_k − v̄_k · b)), b the seconds
-        this member reached the period's end after the first member did (0 for it), so that
-        a member behind the others (its first periods ran all H steps before its speed was
-        known) arrives with them again; kept where within ``tolerance`` of h_k (timing noise
-        between members of one speed)."""
-        if behind_s <= 0 or not self.speed:
+    def _catch_up(self, behind_s: float, fastest: float) -> None:
+        """Step 4's catching up: h_k ← max(min_steps, round(h_k − v̄_k·(b − H/v_max))), b the
+        seconds this member reached the period's end after the first member did, H/v_max the
+        fastest member's period: a member more than a period behind the others (its first
+        periods ran all H steps before its speed was known) comes back to within one; the
+        members' start-up skew (their jobs start up to a second apart) is left alone, since
+        catching it up would cost the late starters' steps for nothing but the last wait."""
+        if not self.speed or fastest <= 0:
             return
-        h = max(self.min_steps, round(self.h_local - self.speed * behind_s))
-        if h < (1 - self.tolerance) * self.h_local:
-            self.h_local = h
+        late = behind_s - self.period / fastest
+        if late > 0:
+            self.h_local = min(self.h_local,
+                               max(self.min_steps, round(self.h_local - self.speed * late)))
 
     def _floating(self) -> torch.Tensor:
         bufs = self.buffers.floating
