@@ -78,12 +78,12 @@ def test_the_buffers_handed_back_are_the_mean_of_each_members_latest():
 class Fleet:
     """A Membership of arrivals driven by hand (``say``, ``tick``, ``mail``)."""
 
-    def __init__(self, dcs=3, min_dcs=2):
+    def __init__(self, dcs=3, min_dcs=2, founders=True):
         self.now = 0.0
         self.m = Membership(dcs, min_dcs, 3.0, self.now, start_s=10.0, quorum_s=20.0,
                             arrivals=True)
         self.n = {d: 0 for d in range(dcs)}
-        for d in range(dcs):
+        for d in range(dcs if founders else 0):
             self.say(d, "hello")
 
     def say(self, dc, kind, inc=0, **fields):
@@ -121,6 +121,28 @@ def test_arrivals_are_answered_at_once_with_every_members_speed_and_none_waits()
     # how long after the first to reach the same step each came (what catches it up)
     assert a["behind_s"] == 0 and [x["behind_s"] for _, x in answers] == [0.5, 0]
     assert [e["dc"] for e in f.m.events if e["event"] == "arrival"] == [2, 0, 0]
+
+
+def test_how_far_behind_a_member_is_leaves_out_the_lag_it_started_with():
+    f = Fleet(founders=False)
+    for d, at in ((0, 0.0), (1, 0.3), (2, 0.3)):
+        f.now = at
+        f.say(d, "hello")
+    f.now = 10.0
+    for d in (0, 1, 2):
+        f.arrive(d, 10)
+        f.now += 0.4                               # dc 1 started 0.3 s late, dc 2 likewise
+    f.m.tick(f.now)
+    assert [round(x["behind_s"], 6) for _, x in f.serve()] == [0, 0.1, 0.5]
+    f.m.down(1, 0, "killed", f.now)
+    f.say(1, "hello", inc=1, joining=True)
+    f.say(0, "donated", to=[1], key="k", step=10, bytes=1)   # (no donor asked: ignored)
+    f.m.donor_of[1] = 0
+    f.say(0, "donated", to=[1], key="k", step=10, bytes=1)
+    f.n[1] = 0
+    f.arrive(1, 10)                                # a joiner: where it came in is its start
+    f.m.tick(f.now)
+    assert [x["behind_s"] for _, x in f.serve()] == [0]
 
 
 def test_the_final_arrivals_are_held_until_every_active_member_sent_its_own():

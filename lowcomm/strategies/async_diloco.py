@@ -81,9 +81,10 @@ class AsyncDiLoCo(DyLUDiLoCo):
          from the speeds as in ``diloco-dylu`` (step 5 there), less what brings this member
          back to within one period of the first to reach this step:
          h_k ← max(min_steps, round(h_k − v̄_k·(b_k − H/v_max))) where b_k, the seconds it came
-         after that one, exceeds the fastest member's period H/v_max (without rounds nothing
-         else would: a member that fell behind in its first periods, when its speed was not yet
-         known, would stay behind and the others would wait for it at the end); go to 2.
+         after that one less the lag it started with, exceeds the fastest member's period
+         H/v_max (without rounds nothing else would: a member that fell behind in its first
+         periods, when its speed was not yet known, would stay behind and the others would
+         wait for it at the end); go to 2.
       5. at the end (:meth:`finish`) every member sends its last pseudo-gradient (none when
          it ended on a period's end); the server answers once every member's is in, so all
          deliver the same θ.
@@ -156,11 +157,12 @@ class AsyncDiLoCo(DyLUDiLoCo):
 
     def _catch_up(self, behind_s: float, fastest: float) -> None:
         """Step 4's catching up: h_k ← max(min_steps, round(h_k − v̄_k·(b − H/v_max))), b the
-        seconds this member reached the period's end after the first member did, H/v_max the
-        fastest member's period: a member more than a period behind the others (its first
-        periods ran all H steps before its speed was known) comes back to within one; the
-        members' start-up skew (their jobs start up to a second apart) is left alone, since
-        catching it up would cost the late starters' steps for nothing but the last wait."""
+        seconds this member reached the period's end after the first member did, less the lag
+        it started with (the server's ``behind_s``), H/v_max the fastest member's period: a
+        member more than a period behind the others (its first periods ran all H steps before
+        its speed was known) comes back to within one. The start-up skew (the members' jobs
+        start up to a second apart) is left alone: catching it up would cost the late
+        starters' steps for nothing but the last wait."""
         if not self.speed or fastest <= 0:
             return
         late = behind_s - self.period / fastest

@@ -41,7 +41,8 @@ in rounds), ``joining`` (a relaunched job waiting to be admitted), ``gone`` (fai
   :mod:`~lowcomm.run.fleet.server`): there are no rounds. Each member's ``arrive`` is queued
   for the coordinator's arrival server (:attr:`queue`) and answered at once (:meth:`answer`)
   with the members' latest speeds and how long after the first member to reach the same step
-  it came; nobody waits for anybody. A member's last arrival
+  it came, less the lag it started with (a founder's hello after the first founder's; a
+  joiner's first arrival); nobody waits for anybody. A member's last arrival
   (``final``) is held until every active member has sent its own (or is out): then all are
   applied and every member takes the same θ (one model at the end). A joining site is given
   a donor, the next active member to arrive, which hands it its live state at that boundary
@@ -105,6 +106,8 @@ class Membership:
         self.donor_of: dict[int, int | None] = {}  # joining site -> the member handing it over
         self.halt_at: int | None = None
         self.first_at: dict[int, float] = {}       # step -> when its first arrival came
+        self.started: dict[int, float] = {}        # founder -> when it said hello
+        self.skew: dict[int, float] = {}           # site -> its start's lag behind the first
         self.decided_at: list[float] = []          # when the last rounds were decided
         self.arrived: dict[int, float] = {}        # when each site said ready for this round
         self.late: dict[int, dict] = {}            # site -> the round it was left out of
@@ -164,6 +167,11 @@ class Membership:
         site.hello_at = now if msg.get("joining") else None
         if self.arrivals and msg.get("joining"):
             self.donor_of[site.dc] = None          # the next member to arrive hands it over
+        self.skew.pop(site.dc, None)
+        if msg.get("joining"):
+            self.started.pop(site.dc, None)
+        else:
+            self.started[site.dc] = now
         self._event("hello", dc=site.dc, inc=site.inc, joining=bool(msg.get("joining")),
                     round=self.round)
 
@@ -204,7 +212,10 @@ class Membership:
         first = self.first_at.setdefault(int(msg["step"]), now)
         if len(self.first_at) > 64:
             del self.first_at[min(self.first_at)]
-        msg = dict(msg, behind_s=now - first)
+        if site.dc not in self.skew:               # a founder: how much later it started; a
+            self.skew[site.dc] = now - first if site.dc not in self.started else \
+                self.started[site.dc] - min(self.started.values())   # joiner: where it came in
+        msg = dict(msg, behind_s=max(0.0, now - first - self.skew[site.dc]))
         if msg.get("final"):
             self.finals[site.dc] = msg
         else:
@@ -213,7 +224,8 @@ class Membership:
     def answer(self, dc: int, msg: dict, arrivals: int) -> dict:
         """The coordinator's answer to ``dc``'s arrival ``msg`` once the server applied it
         (``arrivals`` in all so far): the members' speeds (by datacenter, 0 for one not heard
-        yet), how long after the first member to reach this step it arrived (``behind_s``),
+        yet), how long after the first member to reach this step it arrived less the lag it
+        started with (``behind_s``),
         the halt step, and the joining sites this member hands its state to."""
         donate = []
         if not msg.get("final"):
