@@ -109,22 +109,32 @@ def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str]) -
     slows a datacenter (the same duty cycle on the group's process). Its goodput, from the
     groups' step lines: a step that ends a round counts as busy for the median duration of the
     group's other steps (the rest is the round: quorum, all-reduce, waiting); over each group's
-    span from its first step's start to its last step's end. ``flaky`` is not run here."""
+    span from its first step's start to its last step's end. A ``flaky`` group: nearly stopped
+    once for :data:`FLAKY_S` seconds from a third of its steps on, as for a fleet."""
     import threading
     from argparse import Namespace
     sys.path.insert(0, str(ROOT / "experiments"))
     import fleet_vs_torchft as ft
     from lowcomm.tools.slow import DutyCycle
-    if "flaky" in speeds:
-        raise SystemExit("--methods torchft: the flaky speed is not run for torchft")
     out.mkdir(parents=True)
     a = Namespace(period=period, hb_ms=1000, join_ms=1000, timeout_s=900.0, kill_at=0)
     t = ft.Torchft(out, [f"steps={steps}", "eval_every=0", *extra], a, kill=False)
     done, slowers = threading.Event(), []
+    def third(r: int) -> bool:
+        lines = [x for x in ft.jsonl(out / f"replica{r}.0.jsonl") if x["kind"] == "step"]
+        return bool(lines) and lines[-1]["t"] >= steps // 3
+
+    def flaky(r: int, cycle) -> None:
+        while not third(r) and not done.is_set():
+            time.sleep(0.05)
+        cycle.run(for_s=FLAKY_S, until=done.is_set)
     for r, v in enumerate(speeds.split(",")):
-        if float(v) < 1:
-            cycle = DutyCycle(lambda r=r: [t.procs[r].pid] if r in t.procs else [], float(v))
-            slowers.append(threading.Thread(target=cycle.run, kwargs={"until": done.is_set}))
+        if v == "flaky" or float(v) < 1:
+            cycle = DutyCycle(lambda r=r: [t.procs[r].pid] if r in t.procs else [],
+                              0.1 if v == "flaky" else float(v), 0.3 if v == "flaky" else 0.2)
+            run = (lambda r=r, c=cycle: flaky(r, c)) if v == "flaky" else \
+                (lambda c=cycle: c.run(until=done.is_set))
+            slowers.append(threading.Thread(target=run))
             slowers[-1].start()
     try:
         row = t.run()
