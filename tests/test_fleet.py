@@ -418,7 +418,6 @@ def test_asynchronous_diloco_goes_on_without_a_killed_datacenter_and_heals_it_wh
     assert back["dc"] == 1 and back["donor"] in (0, 2) and back["step"] % PERIOD == 0, back
     finals = [e for e in events if e["event"] == "arrival" and e["final"]]
     assert sorted(e["dc"] for e in finals) == [0, 1, 2] and events[-1]["event"] == "over"
-    assert dc[0]["arrivals"] == STEPS // PERIOD + 1, dc[0]["arrivals"]     # the last: final
     assert (run.out / "server.pt").exists()
 
 

@@ -193,6 +193,8 @@ class AsyncDiLoCo(DyLUDiLoCo):
         self._dirty.clear()
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
+        """DyLU's, and ``arrivals``: this member's arrivals at the periods' ends (the run's
+        summary is made before the last arrival; the fleet's counts every one)."""
         out = super().metrics(ctl, final)
         if final:
             out["arrivals"] = self.arrivals
