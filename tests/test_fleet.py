@@ -28,11 +28,16 @@ POLICY = [*COMMON, "topology=dc:3,rank:1", f"policy.dc=diloco:{DC}", "policy.ran
 #: DiLoCo between 2 datacenters of 2 ranks that shard inside (ZeRO-2): each rank keeps and
 #: reduces its range of the outer state with its counterpart
 SHARDED = [*COMMON, "topology=dc:2,rank:2", f"policy.dc=diloco:{DC}", "policy.rank=zero2"]
-#: DiLoCo with dynamic local updates: a slowed datacenter takes its speed's share of each period
-DYLU = [*COMMON, "strategy.name=diloco-dylu", *(f"strategy.{kv}" for kv in DC.split(","))]
+#: DiLoCo with dynamic local updates: a slowed datacenter takes its speed's share of each period;
+#: twice the steps, so that the datacenter killed while another is slow is back before the end
+#: however long its relaunch takes while a dozen fleets start beside it
+LONG = 2 * STEPS
+DYLU = [*COMMON, "strategy.name=diloco-dylu", *(f"strategy.{kv}" for kv in DC.split(",")),
+        f"steps={LONG}"]
 #: asynchronous DiLoCo: each datacenter's pseudo-gradient applied by the coordinator's server as
 #: it arrives, with dynamic local updates
 ASYNC = [*COMMON, "strategy.name=diloco-async", *(f"strategy.{kv}" for kv in DC.split(","))]
+ASYNC_SLOW = [*ASYNC, f"steps={LONG}"]
 #: the same over FSDP inside (each rank keeps its chunk of every parameter; bit for bit ZeRO-2's)
 FSDP = [*SHARDED[:-1], "policy.rank=fsdp"]
 #: DiLoCo with eager updates: each round in flight on a thread for DELAY steps
@@ -106,7 +111,7 @@ def more(runs, tmp_path_factory):
                "sharded_single": single_job(tmp / "sharded_single", *SHARDED, np=4),
                "sharded": fleet(tmp / "sharded", *SHARDED, dcs=2, np=4),
                "sharded_kill": fleet(tmp / "sharded_kill", *FSDP, dcs=2, np=4),
-               "dylu": fleet(tmp / "dylu", *DYLU), "async": fleet(tmp / "async", *ASYNC),
+               "dylu": fleet(tmp / "dylu", *DYLU), "async": fleet(tmp / "async", *ASYNC_SLOW),
                "async_stop": fleet(tmp / "async_stop", *ASYNC)}
     slow = {}
     for name in ("dylu", "async"):
@@ -396,10 +401,10 @@ def test_dynamic_local_updates_let_a_slowed_datacenter_take_fewer_steps_while_an
     took its share of each period (the rest passed over, its tokens fewer), the others theirs."""
     run, f, dc = slowed_and_healed(more, "dylu")
     slow, fast = dc[2]["local_steps"], dc[0]["local_steps"]
-    assert len(slow["by_period"]) == len(fast["by_period"]) == STEPS // PERIOD, (slow, fast)
-    assert dc[2]["passed_steps"] == slow["passed"] and dc[2]["steps_done"] == STEPS
+    assert len(slow["by_period"]) == len(fast["by_period"]) == LONG // PERIOD, (slow, fast)
+    assert dc[2]["passed_steps"] == slow["passed"] and dc[2]["steps_done"] == LONG
     by = f["time"]["by_dc"]
-    assert by["2"]["steps"] == STEPS - slow["passed"] < by["0"]["steps"], by
+    assert by["2"]["steps"] == LONG - slow["passed"] < by["0"]["steps"], by
 
 
 def test_asynchronous_diloco_goes_on_without_a_killed_datacenter_and_heals_it_while_one_is_slow(
@@ -408,7 +413,7 @@ def test_asynchronous_diloco_goes_on_without_a_killed_datacenter_and_heals_it_wh
     server at once; dc0 and dc2 kept arriving while dc1 was down; dc1 took the live state from the
     next member to arrive; dc2 passed over its share of the periods; one model at the end."""
     run, f, dc = slowed_and_healed(more, "async")
-    assert f["arrivals"]["0"] == STEPS // PERIOD + 1 and not f["membership"], f["arrivals"]
+    assert f["arrivals"]["0"] == LONG // PERIOD + 1 and not f["membership"], f["arrivals"]
     events = [json.loads(x) for x in (run.out / "membership.jsonl").read_text().splitlines()]
     assert not [e for e in events if e["event"] == "decision"], "a round in an asynchronous fleet"
     down = next(e["t"] for e in events if e["event"] == "failure")
