@@ -126,7 +126,7 @@ class AsyncDiLoCo(DyLUDiLoCo):
         """One arrival by the leader (``delta`` None: no pseudo-gradient to send), its answer
         handed on to the datacenter's ranks and taken (step 4)."""
         outer = self.outer_params[f.index]
-        mine = self._floating()
+        mine = self.buffers.flat_floating()
         speed = self.speed if final else self._measure()
         theta, buffers, speeds = outer.detach().clone(), mine.clone(), None
         if self._leaders is not None:
@@ -146,7 +146,7 @@ class AsyncDiLoCo(DyLUDiLoCo):
             outer.copy_(theta.to(outer.dtype))
         f.unpack_(outer.detach())
         if buffers.numel() == mine.numel() and mine.numel():
-            self._set_floating(buffers)
+            self.buffers.set_floating(buffers)
         self._dirty.discard(f.index)
         if self._inner is not None:
             self._inner.parameters_changed()
@@ -169,19 +169,6 @@ class AsyncDiLoCo(DyLUDiLoCo):
         if late > 0:
             self.h_local = min(self.h_local,
                                max(self.min_steps, round(self.h_local - self.speed * late)))
-
-    def _floating(self) -> torch.Tensor:
-        bufs = self.buffers.floating
-        if not bufs:
-            return torch.zeros(0)
-        return torch.cat([b.detach().reshape(-1).to("cpu", torch.float32) for b in bufs])
-
-    @torch.no_grad()
-    def _set_floating(self, flat: torch.Tensor) -> None:
-        at = 0
-        for b in self.buffers.floating:
-            b.copy_(flat[at:at + b.numel()].view(b.shape).to(b.dtype))
-            at += b.numel()
 
     def _finish(self) -> None:
         """Step 5: the last arrival, answered once every member's is in."""

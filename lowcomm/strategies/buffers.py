@@ -45,6 +45,20 @@ class Buffers:
     def __bool__(self) -> bool:
         return bool(self.floating or self.other)
 
+    def flat_floating(self) -> torch.Tensor:
+        """The floating-point buffers as one float32 CPU tensor (empty: none)."""
+        if not self.floating:
+            return torch.zeros(0)
+        return torch.cat([b.detach().reshape(-1).to("cpu", torch.float32) for b in self.floating])
+
+    @torch.no_grad()
+    def set_floating(self, flat: torch.Tensor) -> None:
+        """The floating-point buffers from :meth:`flat_floating`'s layout."""
+        at = 0
+        for b in self.floating:
+            b.copy_(flat[at:at + b.numel()].view(b.shape).to(b.dtype))
+            at += b.numel()
+
     @torch.no_grad()
     def broadcast(self, comm: Comm, root: int = 0) -> None:
         """Every buffer becomes ``root``'s."""

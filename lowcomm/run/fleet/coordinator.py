@@ -110,13 +110,14 @@ class Coordinator:
             return
         for dc, inc, msg in m.queue:
             self._apply(dc, inc, msg)
-            self._answer(dc, inc, msg)
+            self._answer(dc, inc, msg, self._state())
         m.queue.clear()
         if m.barrier:
             for dc, inc, msg in m.barrier:
                 self._apply(dc, inc, msg)
+            state = self._state()                  # the same θ for every member
             for dc, inc, msg in m.barrier:
-                self._answer(dc, inc, msg)
+                self._answer(dc, inc, msg, state)
             m.barrier = []
             m.events.append({"event": "final", "t": time.time(), "arrivals": server.arrivals})
 
@@ -132,9 +133,12 @@ class Coordinator:
         delta = None if msg.get("empty") else x[at:at + numel]
         self.server.arrive(dc, delta, x[at + (0 if delta is None else numel):])
 
-    def _answer(self, dc: int, inc: int, msg: dict) -> None:
-        out = torch.cat([self.server.theta.detach(), self.server.mean_buffers()])
-        self.store.set(key("theta", dc=dc, inc=inc, n=msg["n"]), out.numpy().tobytes())
+    def _state(self) -> bytes:
+        """θ and the members' mean buffers, as an answer carries them."""
+        return torch.cat([self.server.theta.detach(), self.server.mean_buffers()]).numpy().tobytes()
+
+    def _answer(self, dc: int, inc: int, msg: dict, state: bytes) -> None:
+        self.store.set(key("theta", dc=dc, inc=inc, n=msg["n"]), state)
         self.m._mail(dc, self.m.answer(dc, msg, self.server.arrivals), inc)
 
     def _save(self) -> None:
