@@ -1,8 +1,9 @@
 """The results pages (docs/results/*.md): each names the commit that recorded its figures and a
 date, and its commands are ones that exist — every ``lowcomm`` command parsed by the CLI's own
 click parser (commands, options, values and the folders they read), every ``make`` target in
-the Makefile, every script on disk, and a folder a command reads made by an earlier command
-of the page. Nothing is run."""
+the Makefile, every extra of a ``pip install -e .[EXTRAS]`` in setup.cfg, every script on disk,
+and a folder a command reads made by an earlier command of the page. Nothing is run."""
+import configparser
 import importlib.util
 import os
 import re
@@ -135,6 +136,15 @@ def check_command(cmd: list[str], where: str) -> None:
         read = getattr(a, mod.READS.get(a.cmd, ""), None)
         assert read is None or read.exists() or any((d / MADE).exists() for d in read.parents), \
             f"{where}: {' '.join(cmd)} reads {read}, which no command before it on the page makes"
+        return
+    if cmd[:3] == ["pip", "install", "-e"]:
+        m = re.fullmatch(r"\.(?:\[([\w,-]+)\])?", cmd[3] if len(cmd) == 4 else "")
+        assert m, f"{where}: {' '.join(cmd)}: only `pip install -e .[EXTRAS]` of this project"
+        cfg = configparser.ConfigParser()
+        cfg.read(ROOT / "setup.cfg")
+        for extra in filter(None, (m.group(1) or "").split(",")):
+            assert cfg.has_option("options.extras_require", extra), \
+                f"{where}: {' '.join(cmd)}: setup.cfg has no extra {extra!r}"
         return
     script = cmd[1] if cmd[0] in ("python", "sbatch", "bash") else cmd[0]
     assert script.endswith((".py", ".sh", ".sbatch")) and (ROOT / script).is_file(), \
