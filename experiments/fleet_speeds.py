@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -65,7 +66,7 @@ def one(out: Path, method: str, speeds: str, steps: int, period: int, extra: lis
     if out.exists():
         shutil.rmtree(out)
     if method == "torchft":
-        return torchft(out, speeds, steps, period, extra)
+        return torchft(out, speeds, steps, period, extra, place)
     sets = [*METHODS[method], f"strategy.period={period}", f"steps={steps}", "eval_every=0",
             *extra]
     fleet = subprocess.Popen(lowcomm("train", "--dcs", "3", "--np", "3", "--place", place,
@@ -102,7 +103,8 @@ def one(out: Path, method: str, speeds: str, steps: int, period: int, extra: lis
             "steps": [t["by_dc"][str(d)]["steps"] for d in range(3)]}
 
 
-def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str]) -> dict:
+def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str],
+            place: str = "local") -> dict:
     """torchft's DiLoCo on the same workload (``experiments/fleet_vs_torchft.py``'s replica
     groups: its Manager, lighthouse with ``--min_replicas 2`` and a 1 s join timeout, Nesterov
     outer step at lowcomm's defaults), group r slowed from its start as ``lowcomm fault slow``
@@ -110,7 +112,8 @@ def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str]) -
     groups' step lines: a step that ends a round counts as busy for the median duration of the
     group's other steps (the rest is the round: quorum, all-reduce, waiting); over each group's
     span from its first step's start to its last step's end. A ``flaky`` group: nearly stopped
-    once for :data:`FLAKY_S` seconds from a third of its steps on, as for a fleet."""
+    once for :data:`FLAKY_S` seconds from a third of its steps on, as for a fleet. ``place``
+    ``"wan"``: group r in datacenter r's namespace of the emulated WAN, as a fleet's."""
     import threading
     from argparse import Namespace
     sys.path.insert(0, str(ROOT / "experiments"))
@@ -118,7 +121,7 @@ def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str]) -
     from lowcomm.tools.slow import DutyCycle
     out.mkdir(parents=True)
     a = Namespace(period=period, hb_ms=1000, join_ms=1000, timeout_s=900.0, kill_at=0)
-    t = ft.Torchft(out, [f"steps={steps}", "eval_every=0", *extra], a, kill=False)
+    t = ft.Torchft(out, [f"steps={steps}", "eval_every=0", *extra], a, kill=False, place=place)
     done, slowers = threading.Event(), []
     def third(r: int) -> bool:
         lines = [x for x in ft.jsonl(out / f"replica{r}.0.jsonl") if x["kind"] == "step"]
@@ -181,6 +184,14 @@ def span(xs: list[float], fmt: str) -> str:
     return (fmt % lo) if fmt % lo == fmt % hi else f"{fmt % lo}–{fmt % hi}"
 
 
+def ratio(rows: list[dict], base: dict) -> str:
+    """The rows' wall-clock over the unslowed synchronous fleet's of the same repetition (a dash
+    where that fleet was not run)."""
+    if any(r["rep"] not in base for r in rows):
+        return "–"
+    return span([r["wall_s"] / base[r["rep"]] for r in rows], "%.2f") + "×"
+
+
 def table(rows: list[dict]) -> str:
     base = {r["rep"]: r["wall_s"] for r in rows if r["method"] == "diloco" and r["speeds"] == "1,1,1"}
     lines = ["| method | speeds | wall-clock s | ÷ unslowed diloco | goodput | eval loss | "
@@ -197,7 +208,7 @@ def table(rows: list[dict]) -> str:
                 continue
             steps = sorted({tuple(r["steps"]) for r in mine})
             lines.append(f"| {method} | {speeds} | {span([r['wall_s'] for r in mine], '%.1f')} | "
-                         f"{span([r['wall_s'] / base[r['rep']] for r in mine], '%.2f')}× | "
+                         f"{ratio(mine, base)} | "
                          f"{span([r['goodput'] for r in mine], '%.2f')} | "
                          f"{span([r['eval_loss'] for r in mine], '%.4f')} | "
                          f"{'; '.join(str(list(s)) for s in steps)} |")
@@ -215,9 +226,12 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=",".join(METHODS), help="of " + ", ".join(METHODS))
     ap.add_argument("--set", dest="extra", action="append", default=[])
     ap.add_argument("--place", choices=("local", "wan"), default="local",
-                    help="wan: the emulated WAN that is up (lowcomm wan up --dcs 3); torchft's "
-                         "groups run on this machine either way")
+                    help="wan: the emulated WAN that is up (lowcomm wan up --dcs 3): datacenter r "
+                         "(torchft's group r) in its namespace, the coordinator (the lighthouse) "
+                         "in datacenter 0's")
     a = ap.parse_args(argv)
+    # a SIGTERM (timeout, a scheduler) unwinds like Ctrl-C: torchft's lighthouse and groups stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     methods = a.methods.split(",")
     if set(methods) - set(METHODS):
         ap.error(f"--methods: unknown {sorted(set(methods) - set(METHODS))}; known: {list(METHODS)}")

@@ -170,51 +170,88 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    """Return once ``port`` accepts connections; raise if ``proc`` ends or ``timeout`` passes."""
+def wait_port(host: str, port: int, proc: subprocess.Popen, prefix: list[str],
+              timeout: float = 20.0) -> None:
+    """Return once ``host:port`` accepts connections from where ``prefix`` runs a command (this
+    machine, or a namespace of the emulated WAN); raise if ``proc`` ends or ``timeout`` passes."""
+    probe = [*prefix, sys.executable, "-c", "import socket, sys\n"
+             "socket.create_connection((sys.argv[1], int(sys.argv[2])), 0.2).close()",
+             host, str(port)]
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise RuntimeError(f"torchft_lighthouse exited {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
+        if subprocess.run(probe, stderr=subprocess.DEVNULL).returncode == 0:
             return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"torchft_lighthouse did not listen on port {port} within {timeout:g} s")
+        time.sleep(0.05)
+    raise RuntimeError(f"torchft_lighthouse did not listen on {host}:{port} within {timeout:g} s")
+
+
+class Places:
+    """Where torchft's processes run: all on this machine over loopback (``"local"``), or group
+    r in the emulated WAN's namespace of datacenter r at its address, gloo on its WAN device,
+    the lighthouse in datacenter 0's (``"wan"``: ``lowcomm wan up --dcs 3`` first), as a
+    lowcomm fleet's datacenters and coordinator run there."""
+
+    def __init__(self, place: str = "local"):
+        self.wan = place == "wan"
+        if self.wan:
+            from lowcomm.tools.fleet_launch import emulated_wan
+            emulated_wan(GROUPS)                  # a clear error when no such WAN is up
+
+    def prefix(self, r: int) -> list[str]:
+        """``ip netns exec``, and the hostname set to the group's address: torchft addresses
+        its checkpoint server and rendezvous store by ``socket.gethostname()``."""
+        from lowcomm.tools.wan import address, namespace
+        if not self.wan:
+            return []
+        return ["ip", "netns", "exec", namespace(r), "unshare", "--uts", "--", "/bin/sh", "-c",
+                f'hostname {address(r)}; exec "$@"', "sh"]
+
+    def host(self, r: int) -> str:
+        from lowcomm.tools.wan import address
+        return address(r) if self.wan else "127.0.0.1"
+
+    def env(self, r: int) -> dict:
+        from lowcomm.tools.wan import DEV_PREFIX
+        return {**env(), **({"GLOO_SOCKET_IFNAME": f"{DEV_PREFIX}{r}"} if self.wan else {})}
 
 
 class Torchft:
     """torchft's side of one run: the lighthouse, 3 replica groups, a dead one relaunched at
     once (:meth:`run`), the kill of group 1 at ``a.kill_at`` when ``kill``."""
 
-    def __init__(self, out: Path, overrides: list[str], a, kill: bool):
+    def __init__(self, out: Path, overrides: list[str], a, kill: bool, place: str = "local"):
         self.out, self.overrides, self.a, self.kill = out, overrides, a, kill
+        self.places = Places(place)
         self.procs: dict[int, subprocess.Popen] = {}
         self.launches: list[dict] = []
         self.killed: dict = {}
         self.port = free_port()
 
     def start_lighthouse(self) -> None:
-        """torchft's lighthouse on a free loopback port, its log in ``OUT/lighthouse.log``."""
-        a = self.a
-        cmd = [lighthouse_binary(), "--min_replicas", "2", "--bind", f"127.0.0.1:{self.port}",
+        """torchft's lighthouse on a free port (of group 0's place), its log in
+        ``OUT/lighthouse.log``."""
+        a, host, prefix = self.a, self.places.host(0), self.places.prefix(0)
+        cmd = [*prefix, lighthouse_binary(), "--min_replicas", "2", "--bind", f"{host}:{self.port}",
                "--heartbeat_timeout_ms", str(a.hb_ms), "--join_timeout_ms", str(a.join_ms),
                "--quorum_tick_ms", "50"]
         self.lh_log = open(self.out / "lighthouse.log", "w")
         self.lighthouse = subprocess.Popen(cmd, stdout=self.lh_log, stderr=subprocess.STDOUT,
                                            env={**env(), "RUST_LOG": "info"}, start_new_session=True)
-        wait_port(self.port, self.lighthouse)
+        wait_port(host, self.port, self.lighthouse, prefix)
 
     def launch(self, r: int) -> None:
         """Start (or restart) group ``r``: ``OUT/replica<r>.<incarnation>.jsonl``."""
         inc = sum(1 for x in self.launches if x["replica"] == r)
         log = self.out / f"replica{r}.{inc}.jsonl"
-        cmd = [sys.executable, str(REPLICA), "--replica", str(r), "--groups", str(GROUPS),
-               "--period", str(self.a.period), "--lighthouse", f"http://127.0.0.1:{self.port}",
+        pl = self.places
+        cmd = [*pl.prefix(r), sys.executable, str(REPLICA), "--replica", str(r), "--groups",
+               str(GROUPS), "--period", str(self.a.period), "--host", pl.host(r),
+               "--lighthouse", f"http://{pl.host(0)}:{self.port}",
                "--log", str(log), *[x for s in self.overrides for x in ("--set", s)]]
         with open(self.out / f"replica{r}.{inc}.out", "w") as so:
-            self.procs[r] = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=so,
+            self.procs[r] = subprocess.Popen(cmd, cwd=ROOT, env=pl.env(r), stdout=so,
                                              stderr=subprocess.STDOUT, start_new_session=True)
         self.launches.append({"replica": r, "inc": inc, "t": time.time(), "log": str(log)})
 

@@ -67,7 +67,7 @@ def manager(a, model, inner, log: Log):
     ``a.lighthouse``); the recorder of its commit decisions (a list, appended to per round)."""
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = TCPStore(a.host, 0, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=a.timeout_s)
 
     def state_dict():
@@ -80,8 +80,8 @@ def manager(a, model, inner, log: Log):
 
     m = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
                 state_dict=state_dict, min_replica_size=a.min_replicas, use_async_quorum=False,
-                replica_id=f"group{a.replica}", store_addr="127.0.0.1", store_port=store.port,
-                rank=0, world_size=1, lighthouse_addr=a.lighthouse, hostname="127.0.0.1",
+                replica_id=f"group{a.replica}", store_addr=a.host, store_port=store.port,
+                rank=0, world_size=1, lighthouse_addr=a.lighthouse, hostname=a.host,
                 timeout=timeout, quorum_timeout=timedelta(seconds=a.quorum_timeout_s),
                 connect_timeout=timeout, init_sync=False)
     m._lowcomm_store = store                  # kept alive as long as the Manager
@@ -138,6 +138,10 @@ def main(argv=None) -> None:
     p.add_argument("--period", type=int, required=True, help="H: inner steps per round")
     p.add_argument("--lighthouse", required=True, help="http://HOST:PORT of torchft_lighthouse")
     p.add_argument("--log", required=True, help="the JSONL this group writes")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address the other groups reach this one's store and Manager at "
+                        "(torchft gives its checkpoint server and rendezvous store this machine's "
+                        "hostname: on the emulated WAN the group's hostname is this address)")
     p.add_argument("--min-replicas", type=int, default=2)
     p.add_argument("--timeout-s", type=float, default=10.0)
     p.add_argument("--quorum-timeout-s", type=float, default=120.0)
