@@ -38,6 +38,9 @@ DYLU = [*COMMON, "strategy.name=diloco-dylu", *(f"strategy.{kv}" for kv in DC.sp
 #: it arrives, with dynamic local updates
 ASYNC = [*COMMON, "strategy.name=diloco-async", *(f"strategy.{kv}" for kv in DC.split(","))]
 ASYNC_SLOW = [*ASYNC, f"steps={LONG}"]
+#: ... with each arrival in flight on a thread while the next TAU steps run
+TAU = 2
+ASYNC_DELAYED = [*ASYNC, f"strategy.delay={TAU}"]
 #: the same over FSDP inside (each rank keeps its chunk of every parameter; bit for bit ZeRO-2's)
 FSDP = [*SHARDED[:-1], "policy.rank=fsdp"]
 #: DiLoCo with eager updates: each round in flight on a thread for DELAY steps
@@ -98,7 +101,8 @@ def more(runs, tmp_path_factory):
     job and as a fleet, and over FSDP datacenters as a fleet whose datacenter 1 loses rank 0 at
     step 12; DiLoCo with dynamic local updates and asynchronous DiLoCo, each with datacenter 2
     at half speed while datacenter 1 is killed at step 12 (both from outside: ``lowcomm
-    fault``); asynchronous DiLoCo stopped by SIGTERM at step 25."""
+    fault``); asynchronous DiLoCo, its arrivals in flight for ``TAU`` steps, stopped by
+    SIGTERM at step 25."""
     from lowcomm.errors import RunFolderError
     from lowcomm.tools.fleet_launch import prepare
     from lowcomm.tools.slow import slow_datacenter
@@ -112,7 +116,7 @@ def more(runs, tmp_path_factory):
                "sharded": fleet(tmp / "sharded", *SHARDED, dcs=2, np=4),
                "sharded_kill": fleet(tmp / "sharded_kill", *FSDP, dcs=2, np=4),
                "dylu": fleet(tmp / "dylu", *DYLU), "async": fleet(tmp / "async", *ASYNC_SLOW),
-               "async_stop": fleet(tmp / "async_stop", *ASYNC)}
+               "async_stop": fleet(tmp / "async_stop", *ASYNC_DELAYED)}
     slow = {}
     for name in ("dylu", "async"):
         when(lambda name=name: reached(tmp / name / "dc1" / "metrics.jsonl", 12),
@@ -427,13 +431,15 @@ def test_asynchronous_diloco_goes_on_without_a_killed_datacenter_and_heals_it_wh
 
 
 def test_a_stopped_asynchronous_fleet_stops_at_one_boundary_and_resumes_its_servers_state(more):
-    """SIGTERM: every member stops at the first period boundary all can reach (with a
-    checkpoint there), the server's state is saved; --resume loads it and ends with one model."""
+    """SIGTERM: every member stops at the first period boundary all can reach, once the
+    arrival sent there has landed (τ steps on) and the stop vote is through (with a checkpoint
+    there); the server's state is saved; --resume loads it and ends with one model."""
+    from lowcomm.run.lockstep import STOP_VOTE_LAG
     stop, rc, out = more["async_stop"]
     assert rc == 128 + signal.SIGTERM, out[-3000:]
     s = stop.summary()
     step = s["stopped"]["step"]
-    assert 25 <= step < STEPS, s["stopped"]
+    assert 25 <= step < STEPS and step % PERIOD == TAU + STOP_VOTE_LAG, s["stopped"]
     for dc in range(3):
         assert (stop.out / f"dc{dc}" / "checkpoints" / f"step-{step:08d}").is_dir()
     import torch

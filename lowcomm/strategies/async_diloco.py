@@ -21,13 +21,20 @@ class AsyncSettings(DyLUSettings):
     updates (0: as many as the fleet's datacenters, so that N arrivals move θ about as one
     synchronous round). The outer momentum defaults to 0.5, not DiLoCo's 0.9: stale
     pseudo-gradients under 0.9 trained far worse in a fleet of 3 datacenters (bytelm, H = 10,
-    160 steps: eval loss 3.45–3.51 against 2.81 at 0.5, 2.83 at 0.3, 2.99 at 0.7)."""
+    160 steps: eval loss 3.45–3.51 against 2.81 at 0.5, 2.83 at 0.3, 2.99 at 0.7). ``delay``
+    τ: an arrival travels while the next τ inner steps run, its answer taken after them (for
+    links whose round trip is worth steps; 0, the paper's, waits for it)."""
     outer_momentum: float = 0.5
     nesterov_every: int = 0
+    delay: int = 0                 # τ inner steps an arrival is in flight (0: it blocks)
     least_every = 0
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
+        self.at_least(prefix, "delay", 0)
+        if self.delay >= self.period:
+            raise ConfigError.at(prefix, "delay", f"must be < period={self.period} (an arrival's "
+                                 f"answer is taken before the next arrival), got {self.delay}")
         if self.outer_optimizer != "delayed-nesterov":
             raise ConfigError.at(prefix, "outer_optimizer", "the arrival server's optimizer is "
                                  f"delayed Nesterov; got {self.outer_optimizer!r}")
@@ -77,7 +84,10 @@ class AsyncDiLoCo(DyLUDiLoCo):
          θ ← DelayedNesterov(θ, Δ_k) (momentum every N arrivals; N = ``nesterov_every``, the
          fleet's datacenters by default) and answers with θ, the mean of the members' latest
          buffers, and every member's latest speed — nobody waits for another member;
-      4. θ^(k) ← θ, θ_k ← θ (the inner optimizer's state is kept); h_k for the next period
+      4. θ^(k) ← θ, θ_k ← θ (the inner optimizer's state is kept) — with τ = ``delay`` > 0
+         the arrival travels on a thread while the next τ inner steps run, and their local
+         progress is kept: θ_k ← θ + (θ_k − θ_k at the send), so that the next Δ_k carries
+         it; h_k for the next period
          from the speeds as in ``diloco-dylu`` (step 5 there), less what brings this member
          back to within one period of the first to reach this step:
          h_k ← max(min_steps, round(h_k − v̄_k·(b_k − H/v_max))) where b_k, the seconds it came
@@ -117,41 +127,77 @@ class AsyncDiLoCo(DyLUDiLoCo):
         """Nothing: the buffers travel with each arrival (step 3)."""
 
     def _start(self, f: Fragment, s: int) -> None:
-        """Steps 3–4 at the period's end."""
-        self._red.ledger.reset()
-        self._arrive(f, self._outgoing(f, self._pack(f)), final=False)
-        self._charge(_InFlight(f.index, s, s, None), self._red.ledger.rows())
+        """Steps 3–4 at the period's end: the arrival at once, or on the thread (τ > 0), its
+        answer taken τ steps later (:meth:`_land`)."""
+        local = self._pack(f)
+        delta, mine, speed = self._outgoing(f, local), self.buffers.flat_floating(), self._measure()
+        self._period_t0 = None                   # the next period's speed is timed from here
+        if self._pool is None:
+            packed, rows, speeds = self._send(f, delta, mine, speed, False)
+            self._take(f, packed, speeds, mine, final=False)
+            self._charge(_InFlight(f.index, s, s, None), rows)
+            return
+        future = self._pool.submit(self._send, f, delta, mine, speed, False)
+        self._in_flight.append(_InFlight(f.index, s, s + self.delay, future, local))
 
-    def _arrive(self, f: Fragment, delta: torch.Tensor | None, final: bool) -> None:
-        """One arrival by the leader (``delta`` None: no pseudo-gradient to send), its answer
-        handed on to the datacenter's ranks and taken (step 4)."""
+    def _send(self, f: Fragment, delta: torch.Tensor | None, mine: torch.Tensor,
+              speed: float | None, final: bool) -> tuple[torch.Tensor, list[dict], tuple | None]:
+        """Step 3 by the leader (``delta`` None: no pseudo-gradient to send): the server's θ
+        and buffers in one tensor (what a checkpoint keeps of an arrival in flight), the
+        arrival's ledger rows, and the speeds; nothing on the datacenter's other ranks."""
+        self._red.ledger.reset()
+        if self._leaders is None:
+            return torch.empty(0), self._red.ledger.rows(), None
+        theta, buffers, answer = self._leaders.arrive(
+            delta, self.outer_params[f.index].detach(), mine, step=self.t, period=self.period,
+            steps=self.h_local, speed=speed, final=final)
+        return torch.cat([theta, buffers]), self._red.ledger.rows(), \
+            (answer["speeds"], answer["behind_s"])
+
+    def _land(self, item: _InFlight) -> None:
+        """Step 4 for an arrival sent τ steps ago: its answer, the local progress since kept."""
+        packed, rows, *speeds = self._result(item)   # from a checkpoint: no speeds
+        self._charge(item, rows)
+        self._take(self.fragments[item.fragment], packed, speeds[0] if speeds else None,
+                   self.buffers.flat_floating(), final=False, base=item.base, sent=item.start)
+
+    def _take(self, f: Fragment, packed: torch.Tensor, speeds: tuple | None, mine: torch.Tensor,
+              final: bool, base: torch.Tensor | None = None, sent: int | None = None) -> None:
+        """Step 4: the server's θ and buffers (``packed``, the leader's) handed on to the
+        datacenter's ranks and taken; with ``base`` (the fragment when sent, at inner step
+        ``sent``) the progress since kept. Without ``speeds`` (an arrival in flight when a
+        checkpoint was written) h_k stays."""
         outer = self.outer_params[f.index]
-        mine = self.buffers.flat_floating()
-        speed = self.speed if final else self._measure()
-        theta, buffers, speeds = outer.detach().clone(), mine.clone(), None
-        if self._leaders is not None:
-            theta, buffers, answer = self._leaders.arrive(
-                delta, outer.detach(), mine, step=self.t, period=self.period,
-                steps=self.h_local, speed=speed, final=final)
-            speeds = (answer["speeds"], answer["behind_s"])
+        theta, buffers = packed[:outer.numel()], packed[outer.numel():]
         inside = self._inside
         if inside is not None and inside.size > 1:
-            theta = theta.to(outer.dtype).contiguous()
+            theta = theta.to(outer.dtype).contiguous() if inside.rank == 0 else \
+                torch.empty_like(outer.detach())
             inside.bcast_(theta, root=0)
             if mine.numel():
-                buffers = buffers if buffers.numel() == mine.numel() else mine.clone()
+                buffers = (buffers if buffers.numel() == mine.numel() else mine).clone() \
+                    if inside.rank == 0 else torch.empty_like(mine)
                 inside.bcast_(buffers, root=0)
             speeds = inside.bcast_object(speeds)
+        elif self._leaders is None:              # no leader above: the run's θ is its own
+            theta, buffers = outer.detach().clone(), mine.clone()
         with torch.no_grad():
             outer.copy_(theta.to(outer.dtype))
-        f.unpack_(outer.detach())
+        if base is None:
+            f.unpack_(outer.detach())
+            self._dirty.discard(f.index)
+        else:                                    # θ_k ← θ + (θ_k − θ_k at the send)
+            f.add_(outer.detach() - base)
+            if sent == self.t - self.warmup_steps:   # no step since: θ_k = θ
+                self._dirty.discard(f.index)
         if buffers.numel() == mine.numel() and mine.numel():
             self.buffers.set_floating(buffers)
-        self._dirty.discard(f.index)
         if self._inner is not None:
             self._inner.parameters_changed()
-        if not final:
+        if not final and speeds is not None:
+            t0 = self._period_t0                 # the period under way keeps its clock
             self._next_h(torch.tensor(speeds[0], dtype=torch.float64))
+            self._period_t0 = t0
             self._catch_up(speeds[1], max(speeds[0]))
         self.arrivals += 1
 
@@ -170,13 +216,25 @@ class AsyncDiLoCo(DyLUDiLoCo):
             self.h_local = min(self.h_local,
                                max(self.min_steps, round(self.h_local - self.speed * late)))
 
+    def _close(self) -> None:
+        """An arrival still in flight is kept for :meth:`_finish` to take (its pseudo-gradient
+        is in the server's θ already: dropped, the last arrival would send it again)."""
+        self._drain()
+        self._unlanded, self._in_flight = self._in_flight, []
+        super()._close()
+
     def _finish(self) -> None:
-        """Step 5: the last arrival, answered once every member's is in."""
+        """Step 5: the arrivals in flight taken, then the last arrival, answered once every
+        member's is in."""
+        for item in getattr(self, "_unlanded", []):
+            self._land(item)
+        self._unlanded = []
         f = self.fragments[0]
         delta = self._outgoing(f, self._pack(f)) if f.index in self._dirty else None
-        self._red.ledger.reset()
-        self._arrive(f, delta, final=True)
-        self._charge(_InFlight(f.index, self.t, self.t, None), self._red.ledger.rows())
+        mine = self.buffers.flat_floating()
+        packed, rows, speeds = self._send(f, delta, mine, self.speed, True)
+        self._take(f, packed, speeds, mine, final=True)
+        self._charge(_InFlight(f.index, self.t, self.t, None), rows)
         self._dirty.clear()
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:

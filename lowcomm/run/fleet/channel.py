@@ -533,7 +533,8 @@ class Channel:
             self._spent("wait_s", seconds)
         if m.get("halt") and (self._halt is None or m["halt"][0] < self._halt[0]):
             self._halt = (int(m["halt"][0]), int(m["halt"][1]))
-        self.donate_to = list(m.get("donate") or [])
+        # kept until donated: with τ > 0 the next arrival may be answered before the boundary
+        self.donate_to += [j for j in m.get("donate") or [] if j not in self.donate_to]
         self.round = int(m["arrivals"])
         return x[:base.numel()], x[base.numel():], m
 
