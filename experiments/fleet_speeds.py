@@ -8,7 +8,7 @@ fleet take, what share of the members' time trains (goodput), and what eval loss
 after the fast members' 160 steps — synchronous DiLoCo (at its default outer momentum 0.9 and at
 0.5) against ``diloco-dylu`` (a slowed member takes its speed's share of each period),
 ``diloco-async`` (each pseudo-gradient applied by the coordinator's server as it arrives; with
-τ = 3 each arrival travels while the next 3 steps run),
+τ = 8 each arrival travels while the next 8 steps run),
 ``diloco-eager`` (τ = 3), DiLoCo with a quorum of 2 and a grace window of half a period, and
 torchft's DiLoCo on the same workload (``torchft``: its replica groups of
 ``experiments/fleet_vs_torchft.py``, the slow group slowed by the same duty cycle)?
@@ -42,7 +42,7 @@ SPEEDS = ("1,1,1", "1,1,0.5", "1,0.5,0.25", "1,1,flaky")
 METHODS = {"diloco": ["strategy.name=diloco"],
            "diloco-dylu": ["strategy.name=diloco-dylu"],
            "diloco-async": ["strategy.name=diloco-async"],
-           "diloco-async delay 3": ["strategy.name=diloco-async", "strategy.delay=3"],
+           "diloco-async delay 8": ["strategy.name=diloco-async", "strategy.delay=8"],
            "diloco momentum 0.5": ["strategy.name=diloco", "strategy.outer_momentum=0.5"],
            "diloco-eager": ["strategy.name=diloco-eager", "strategy.delay=3"],
            "diloco quorum 2": ["strategy.name=diloco", "fleet.quorum=2", "fleet.grace=0.5"],
@@ -93,7 +93,12 @@ def one(out: Path, method: str, speeds: str, steps: int, period: int, extra: lis
             slow.append(subprocess.Popen(lowcomm("fault", "slow", str(out), "--dc", str(dc),
                                                  "--speed", v), cwd=ROOT, env=env(),
                                          stdout=subprocess.PIPE, text=True))
-    rc = fleet.wait()
+    try:
+        rc = fleet.wait()
+    finally:                                  # interrupted: the fleet stopped with this script
+        if fleet.poll() is None:
+            fleet.terminate()
+            fleet.wait(120)
     for p in slow:
         p.wait(60)
     if rc != 0:

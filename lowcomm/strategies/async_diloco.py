@@ -131,7 +131,6 @@ class AsyncDiLoCo(DyLUDiLoCo):
         answer taken τ steps later (:meth:`_land`)."""
         local = self._pack(f)
         delta, mine, speed = self._outgoing(f, local), self.buffers.flat_floating(), self._measure()
-        self._period_t0 = None                   # the next period's speed is timed from here
         if self._pool is None:
             packed, rows, speeds = self._send(f, delta, mine, speed, False)
             self._take(f, packed, speeds, mine, final=False)
@@ -195,9 +194,7 @@ class AsyncDiLoCo(DyLUDiLoCo):
         if self._inner is not None:
             self._inner.parameters_changed()
         if not final and speeds is not None:
-            t0 = self._period_t0                 # the period under way keeps its clock
             self._next_h(torch.tensor(speeds[0], dtype=torch.float64))
-            self._period_t0 = t0
             self._catch_up(speeds[1], max(speeds[0]))
         self.arrivals += 1
 

@@ -56,8 +56,10 @@ class DyLUDiLoCo(DiLoCo):
       1. as DiLoCo step 1;
       2. member k computes the first h_k inner steps of the period and passes over the other
          H − h_k (:meth:`takes_step` is False: the loop neither draws their batches nor
-         computes them); its speed v_k = h_k / (the period's wall-clock seconds), smoothed
-         over the periods: v̄_k ← s·v_k + (1 − s)·v̄_k (s = ``smoothing``; the paper's is 1);
+         computes them); its speed v_k = h_k / (the seconds its steps took: from the end of
+         the step or pass before each to its own end — the rounds, the waits for them and the
+         steps passed over left out), smoothed over the periods:
+         v̄_k ← s·v_k + (1 − s)·v̄_k (s = ``smoothing``; the paper's is 1);
       3. at the period's end, the pseudo-gradients averaged with weights w_k = h_k (the tokens
          each member took): Δ = Σ_k w_k Δ_k / Σ_k w_k; the speeds travel in the same
          all-reduce (one slot per member);
@@ -99,7 +101,9 @@ class DyLUDiLoCo(DiLoCo):
         self.h_local = self.period               # inner steps this member takes this period
         self.slot, self.slots = self._place()
         self.clock = time.perf_counter             # seconds, for the speed (a test may set its own)
-        self._period_t0: float | None = None
+        self._last_end: float | None = None        # the clock at the end of the last step or pass
+        self._busy, self._computed = 0.0, 0        # this period's steps: their seconds, count
+        self._advance_s = 0.0                      # seconds of the last step's schedule (rounds)
         self.passed = 0
         self.history: list[int] = []             # h_local of every period, for the summary
 
@@ -125,8 +129,8 @@ class DyLUDiLoCo(DiLoCo):
         p = self._position()
         if p is None:
             return True
-        if self._period_t0 is None:
-            self._period_t0 = self.clock()
+        if self._last_end is None:
+            self._last_end = self.clock()
         return p <= self.h_local
 
     def pass_step(self) -> None:
@@ -139,6 +143,7 @@ class DyLUDiLoCo(DiLoCo):
         self.passed += 1
         self.zero_grad()
         self._advance()
+        self._last_end = self.clock()
 
     def _step(self, closure=None):
         if not self.takes_step():
@@ -146,7 +151,21 @@ class DyLUDiLoCo(DiLoCo):
                                f"{self.h_local} of every {self.period} inner steps, as its speed "
                                "allows): ask takes_step() before computing a step and call "
                                "pass_step() where it is False")
-        return super()._step(closure)
+        now = self.clock()                       # the batch, forward and backward so far
+        self._busy += now - (self._last_end if self._last_end is not None else now)
+        self._computed += 1
+        self._advance_s = 0.0
+        out = super()._step(closure)
+        self._last_end = self.clock()            # and the update, less the round's seconds
+        self._busy += self._last_end - now - self._advance_s
+        return out
+
+    def _advance(self) -> None:
+        """The schedule after a step (rounds, their waits), its seconds kept apart from the
+        step's (step 2's speed)."""
+        t0 = self.clock()
+        super()._advance()
+        self._advance_s = self.clock() - t0
 
     # the round ---------------------------------------------------------------------------------
     def _reduce(self, f: Fragment, flat: torch.Tensor, t: int):
@@ -163,9 +182,8 @@ class DyLUDiLoCo(DiLoCo):
 
     def _measure(self) -> float:
         """This member's smoothed speed v̄_k, with the period that ends now (step 2)."""
-        now = self.clock()
-        elapsed = now - (self._period_t0 if self._period_t0 is not None else now)
-        measured = self.h_local / elapsed if elapsed > 0 else 0.0
+        measured = self._computed / self._busy if self._busy > 0 else 0.0
+        self._busy, self._computed = 0.0, 0
         self.speed = measured if self.speed is None else \
             self.smoothing * measured + (1 - self.smoothing) * self.speed
         return self.speed
@@ -178,23 +196,21 @@ class DyLUDiLoCo(DiLoCo):
             share = speeds[self.slot].item() / fastest
             self.h_local = self.period if share >= 1 - self.tolerance else \
                 min(self.period, max(self.min_steps, round(self.period * share)))
-        self._period_t0 = None
 
     # state --------------------------------------------------------------------------------------
     def _state_dict(self) -> dict:
         """DiLoCo's, the steps this member takes this period, those it passed over, and the
-        seconds the period has taken so far (a resumed period measures its speed on)."""
-        spent = None if self._period_t0 is None else self.clock() - self._period_t0
+        period's steps so far and their seconds (a resumed period measures its speed on)."""
         return dict(super()._state_dict(), h_local=self.h_local, passed=self.passed,
-                    period_s=spent, history=list(self.history), speed=self.speed)
+                    period_s=self._busy, computed=self._computed, history=list(self.history),
+                    speed=self.speed)
 
     def _load_state_dict(self, state: dict) -> None:
         super()._load_state_dict(state)
         self.h_local, self.passed = int(state["h_local"]), int(state["passed"])
         self.history = [int(h) for h in state["history"]]
         self.speed = None if state["speed"] is None else float(state["speed"])
-        spent = state["period_s"]
-        self._period_t0 = None if spent is None else self.clock() - float(spent)
+        self._busy, self._computed = float(state["period_s"] or 0.0), int(state["computed"])
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         out = super().metrics(ctl, final)
