@@ -102,7 +102,8 @@ class AsyncDiLoCo(DyLUDiLoCo):
     Stale pseudo-gradients are applied as they are (the paper's setting). Only across a
     fleet's datacenters (``lowcomm train --dcs D``), over ``syncdp`` inside each, with no
     warm-up; a relaunched datacenter takes the live state from the next member to arrive;
-    a stop (SIGTERM) ends every member at the first period boundary each can still reach.
+    a stop (SIGTERM) ends every member at the first period boundary each can still reach (τ
+    steps after it with a delay).
     """
 
     name = "diloco-async"
