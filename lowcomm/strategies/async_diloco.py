@@ -117,6 +117,7 @@ class AsyncDiLoCo(DyLUDiLoCo):
                               "only (lowcomm train --dcs D): its outer state is the fleet "
                               "coordinator's arrival server")
         self.arrivals = 0                       # this member's, answered
+        self._unlanded: list[_InFlight] = []    # in flight when the loop closed (:meth:`_close`)
 
     def _init_outer(self, outer_optimizer: str, outer_lr: float, outer_momentum: float,
                     every: int = 1) -> None:
@@ -224,7 +225,7 @@ class AsyncDiLoCo(DyLUDiLoCo):
     def _finish(self) -> None:
         """Step 5: the arrivals in flight taken, then the last arrival, answered once every
         member's is in."""
-        for item in getattr(self, "_unlanded", []):
+        for item in self._unlanded:
             self._land(item)
         self._unlanded = []
         f = self.fragments[0]
