@@ -134,24 +134,27 @@ class AsyncDiLoCo(DyLUDiLoCo):
         local = self._pack(f)
         delta, mine, speed = self._outgoing(f, local), self.buffers.flat_floating(), self._measure()
         if self._pool is None:
-            packed, rows, speeds = self._send(f, delta, mine, speed, False)
+            packed, rows, speeds = self._send(f, delta, mine, speed, False, self.t, self.h_local)
             self._take(f, packed, speeds, mine, final=False)
             self._charge(_InFlight(f.index, s, s, None), rows)
             return
-        future = self._pool.submit(self._send, f, delta, mine, speed, False)
+        future = self._pool.submit(self._send, f, delta, mine, speed, False, self.t, self.h_local)
         self._in_flight.append(_InFlight(f.index, s, s + self.delay, future, local))
 
     def _send(self, f: Fragment, delta: torch.Tensor | None, mine: torch.Tensor,
-              speed: float | None, final: bool) -> tuple[torch.Tensor, list[dict], tuple | None]:
-        """Step 3 by the leader (``delta`` None: no pseudo-gradient to send): the server's θ
-        and buffers in one tensor (what a checkpoint keeps of an arrival in flight), the
-        arrival's ledger rows, and the speeds; nothing on the datacenter's other ranks."""
+              speed: float | None, final: bool, step: int, steps: int
+              ) -> tuple[torch.Tensor, list[dict], tuple | None]:
+        """Step 3 by the leader (``delta`` None: no pseudo-gradient to send), sent at inner step
+        ``step`` after ``steps`` computed (taken by the caller: on the thread the loop has moved
+        on): the server's θ and buffers in one tensor (what a checkpoint keeps of an arrival in
+        flight), the arrival's ledger rows, and the speeds; nothing on the datacenter's other
+        ranks."""
         self._red.ledger.reset()
         if self._leaders is None:
             return torch.empty(0), self._red.ledger.rows(), None
         theta, buffers, answer = self._leaders.arrive(
-            delta, self.outer_params[f.index].detach(), mine, step=self.t, period=self.period,
-            steps=self.h_local, speed=speed, final=final)
+            delta, self.outer_params[f.index].detach(), mine, step=step, period=self.period,
+            steps=steps, speed=speed, final=final)
         return torch.cat([theta, buffers]), self._red.ledger.rows(), \
             (answer["speeds"], answer["behind_s"])
 
@@ -231,7 +234,7 @@ class AsyncDiLoCo(DyLUDiLoCo):
         f = self.fragments[0]
         delta = self._outgoing(f, self._pack(f)) if f.index in self._dirty else None
         mine = self.buffers.flat_floating()
-        packed, rows, speeds = self._send(f, delta, mine, self.speed, True)
+        packed, rows, speeds = self._send(f, delta, mine, self.speed, True, self.t, self.h_local)
         self._take(f, packed, speeds, mine, final=True)
         self._charge(_InFlight(f.index, self.t, self.t, None), rows)
         self._dirty.clear()
