@@ -21,7 +21,10 @@ nearly stopped once for :data:`FLAKY_S` seconds) for each of ``--methods``. Read
 fleet's ``summary.json``: its wall-clock (``wall_s``: the supervisor's, start-up included, as a
 user waits for it), ``fleet.time.goodput``, the eval loss, and each datacenter's steps computed
 (torchft's: :func:`torchft`). The ratio column divides a row's wall-clock by the unslowed
-synchronous fleet's of the same repetition. Writes ``OUT/results.json`` and prints a Markdown
+synchronous fleet's of the same repetition. With ``--eval-every N`` datacenter 0 (torchft's
+group 0) also evaluates every N steps, and the table gives each row's eval loss at equal
+wall-clock: at T, the earliest time into its job by which every run of those speeds had made
+its last evaluation (each run's last evaluation by T). Writes ``OUT/results.json`` and prints a Markdown
 table (ranges over the repetitions) and ``uptime``'s load before and after.
 """
 from __future__ import annotations
@@ -62,15 +65,17 @@ def lowcomm(*args: str) -> list[str]:
 
 
 def one(out: Path, method: str, speeds: str, steps: int, period: int, extra: list[str],
-        place: str = "local") -> dict:
+        place: str = "local", eval_every: int = 0) -> dict:
     """One fleet, its slow datacenters slowed from its start to its end (a flaky one: once,
-    :data:`FLAKY_S` seconds from a third of its steps on); the figures."""
+    :data:`FLAKY_S` seconds from a third of its steps on); the figures (``evals``: datacenter
+    0's evaluations every ``eval_every`` steps, as [its metrics line's ``wall_s``: seconds
+    since its training loop started, step, eval loss])."""
     if out.exists():
         shutil.rmtree(out)
     if method == "torchft":
-        return torchft(out, speeds, steps, period, extra, place)
-    sets = [*METHODS[method], f"strategy.period={period}", f"steps={steps}", "eval_every=0",
-            *extra]
+        return torchft(out, speeds, steps, period, extra, place, eval_every)
+    sets = [*METHODS[method], f"strategy.period={period}", f"steps={steps}",
+            f"eval_every={eval_every}", *extra]
     fleet = subprocess.Popen(lowcomm("train", "--dcs", "3", "--np", "3", "--place", place,
                                      "--quiet", "--out", str(out),
                                      *[a for s in sets for a in ("--set", s)]),
@@ -105,13 +110,15 @@ def one(out: Path, method: str, speeds: str, steps: int, period: int, extra: lis
         raise SystemExit(f"{out}: the fleet exited {rc}; see {out}.log")
     s = json.loads((out / "summary.json").read_text())
     t = s["fleet"]["time"]
+    evals = [[x["wall_s"], x["step"], x["eval_loss"]] for x in _lines(out / "dc0" / "metrics.jsonl")
+             if "eval_loss" in x]
     return {"method": method, "speeds": speeds, "wall_s": s["wall_s"], "eval_loss": s["eval_loss"],
             "goodput": t["goodput"], "idle_fraction": t["idle_fraction"],
-            "steps": [t["by_dc"][str(d)]["steps"] for d in range(3)]}
+            "steps": [t["by_dc"][str(d)]["steps"] for d in range(3)], "evals": evals}
 
 
 def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str],
-            place: str = "local") -> dict:
+            place: str = "local", eval_every: int = 0) -> dict:
     """torchft's DiLoCo on the same workload (``experiments/fleet_vs_torchft.py``'s replica
     groups: its Manager, lighthouse with ``--min_replicas 2`` and a 1 s join timeout, Nesterov
     outer step at lowcomm's defaults), group r slowed from its start as ``lowcomm fault slow``
@@ -128,7 +135,8 @@ def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str],
     from lowcomm.tools.slow import DutyCycle
     out.mkdir(parents=True)
     a = Namespace(period=period, hb_ms=1000, join_ms=1000, timeout_s=900.0, kill_at=0)
-    t = ft.Torchft(out, [f"steps={steps}", "eval_every=0", *extra], a, kill=False, place=place)
+    t = ft.Torchft(out, [f"steps={steps}", f"eval_every={eval_every}", *extra], a, kill=False,
+                   place=place)
     done, slowers = threading.Event(), []
     def third(r: int) -> bool:
         lines = [x for x in ft.jsonl(out / f"replica{r}.0.jsonl") if x["kind"] == "step"]
@@ -165,9 +173,12 @@ def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str],
         busy += sum(median if x.get("sync") else d for d, x in zip(took, lines))
         span += lines[-1]["time"] - lines[0]["start"]
         computed.append(len(lines))
+    log0 = ft.jsonl(out / "replica0.0.jsonl")
+    born = next(x["time"] for x in log0 if x["kind"] == "ready")   # as a fleet's job: its loop
+    evals = [[x["time"] - born, x["t"], x["eval_loss"]] for x in log0 if x["kind"] == "eval"]
     return {"method": "torchft", "speeds": speeds, "wall_s": row["wall_s"],
             "eval_loss": row["eval_loss"], "goodput": busy / span, "idle_fraction": 1 - busy / span,
-            "steps": computed, "rounds_short": row["rounds_short"]}
+            "steps": computed, "rounds_short": row["rounds_short"], "evals": evals}
 
 
 def _last_error(out: Path) -> str:
@@ -177,6 +188,11 @@ def _last_error(out: Path) -> str:
         if lines and "Error" in lines[-1]:
             return f"{f.name}: {lines[-1][:200]}"
     return ""
+
+
+def _lines(path: Path) -> list[dict]:
+    """The JSON lines of a metrics file."""
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def _reached(metrics: Path, step: int) -> bool:
@@ -199,17 +215,44 @@ def ratio(rows: list[dict], base: dict) -> str:
     return span([r["wall_s"] / base[r["rep"]] for r in rows], "%.2f") + "×"
 
 
+def equal_wall(rows: list[dict]) -> dict[str, float]:
+    """For each speeds, T: the earliest time by which every run of it (every method and
+    repetition) had made its last evaluation on datacenter 0 — so each has an eval loss at T."""
+    out = {}
+    for r in rows:
+        if r.get("evals"):
+            last = r["evals"][-1][0]
+            out[r["speeds"]] = min(out.get(r["speeds"], last), last)
+    return out
+
+
+def at(r: dict, t: float) -> float | None:
+    """Datacenter 0's eval loss at ``t`` seconds into its job: its last evaluation by then."""
+    seen = [e[2] for e in r.get("evals") or [] if e[0] <= t]
+    return seen[-1] if seen else None
+
+
+def equal(rows: list[dict], t: float | None) -> str:
+    """The rows' eval loss at ``t`` (:func:`at`), with ``t``; a dash without evaluations."""
+    seen = [at(r, t) for r in rows] if t is not None else []
+    if not seen or None in seen:
+        return "–"
+    return f"{span(seen, '%.4f')} at {t:.1f} s"
+
+
 def table(rows: list[dict]) -> str:
     base = {r["rep"]: r["wall_s"] for r in rows if r["method"] == "diloco" and r["speeds"] == "1,1,1"}
+    when = equal_wall([r for r in rows if "failed" not in r])
     lines = ["| method | speeds | wall-clock s | ÷ unslowed diloco | goodput | eval loss | "
-             "steps computed (dc0, dc1, dc2) |", "|---|---|---:|---:|---:|---:|---|"]
+             "eval loss at equal wall-clock | steps computed (dc0, dc1, dc2) |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     for speeds in SPEEDS:
         for method in METHODS:
             mine = [r for r in rows if r["method"] == method and r["speeds"] == speeds]
             failed = [r for r in mine if "failed" in r]
             if failed:
                 lines.append(f"| {method} | {speeds} | failed in {len(failed)} of {len(mine)} "
-                             f"runs: {failed[0]['why'] or failed[0]['failed']} | | | | |")
+                             f"runs: {failed[0]['why'] or failed[0]['failed']} | | | | | |")
             mine = [r for r in mine if "failed" not in r]
             if not mine:
                 continue
@@ -218,6 +261,7 @@ def table(rows: list[dict]) -> str:
                          f"{ratio(mine, base)} | "
                          f"{span([r['goodput'] for r in mine], '%.2f')} | "
                          f"{span([r['eval_loss'] for r in mine], '%.4f')} | "
+                         f"{equal(mine, when.get(speeds))} | "
                          f"{'; '.join(str(list(s)) for s in steps)} |")
     return "\n".join(lines)
 
@@ -232,6 +276,9 @@ def main(argv=None) -> int:
                     help="';'-separated, e.g. 1,1,1;1,1,0.5;1,1,flaky")
     ap.add_argument("--methods", default=",".join(METHODS), help="of " + ", ".join(METHODS))
     ap.add_argument("--set", dest="extra", action="append", default=[])
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="datacenter 0 (torchft's group 0) also evaluates every N steps: the "
+                         "table's eval loss at equal wall-clock")
     ap.add_argument("--place", choices=("local", "wan"), default="local",
                     help="wan: the emulated WAN that is up (lowcomm wan up --dcs 3): datacenter r "
                          "(torchft's group r) in its namespace, the coordinator (the lighthouse) "
@@ -250,7 +297,7 @@ def main(argv=None) -> int:
             for method in methods:
                 r = one(a.out / f"{method.replace(' ', '_')}-{speeds.replace(',', '_')}-{rep}",
                         method, speeds,
-                        a.steps, a.period, a.extra, a.place)
+                        a.steps, a.period, a.extra, a.place, a.eval_every)
                 rows.append(dict(r, rep=rep))
                 print(json.dumps(rows[-1]), flush=True)
     load.append(os.getloadavg())

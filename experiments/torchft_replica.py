@@ -17,8 +17,9 @@ optimizer), as lowcomm's fleet copies them (``fleet.heal_inner = "copy"``).
 The log (one JSON object a line, flushed at once): ``start`` (the process began), ``ready``
 (the Manager is up), one ``step`` line per inner step (t, the committed outer steps before it,
 wall-clock start and end, and on the round's last step whether torchft committed the round and
-how many groups took part), ``heal`` (the state of a peer was loaded) and ``end`` (the eval
-loss on ``task.eval_batches(cfg)``).
+how many groups took part), ``eval`` (group 0, every ``eval_every`` steps when set: the eval
+loss then), ``heal`` (the state of a peer was loaded) and ``end`` (the eval loss on
+``task.eval_batches(cfg)``).
 """
 from __future__ import annotations
 
@@ -120,6 +121,8 @@ def train(a, cfg, task, model, inner, outer, m, commits, log: Log) -> None:
                 line.update(sync=True, committed=commits[n] if len(commits) > n else None,
                             participants=m.num_participants())
             log("step", **line)
+            if cfg.eval_every and t % cfg.eval_every == 0 and a.replica == 0:
+                log("eval", t=t, eval_loss=eval_loss(task, model, cfg))   # as lowcomm's eval_every
 
 
 @torch.no_grad()
