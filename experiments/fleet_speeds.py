@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+import fleet_vs_torchft as ft  # noqa: E402 - torchft's side, and the JSONL reader
+
 SPEEDS = ("1,1,1", "1,1,0.5", "1,0.5,0.25", "1,1,flaky")
 #: the rows' methods: the name in the table, its settings
 METHODS = {"diloco": ["strategy.name=diloco"],
@@ -110,7 +113,7 @@ def one(out: Path, method: str, speeds: str, steps: int, period: int, extra: lis
         raise SystemExit(f"{out}: the fleet exited {rc}; see {out}.log")
     s = json.loads((out / "summary.json").read_text())
     t = s["fleet"]["time"]
-    evals = [[x["wall_s"], x["step"], x["eval_loss"]] for x in _lines(out / "dc0" / "metrics.jsonl")
+    evals = [[x["wall_s"], x["step"], x["eval_loss"]] for x in ft.jsonl(out / "dc0" / "metrics.jsonl")
              if "eval_loss" in x]
     return {"method": method, "speeds": speeds, "wall_s": s["wall_s"], "eval_loss": s["eval_loss"],
             "goodput": t["goodput"], "idle_fraction": t["idle_fraction"],
@@ -130,8 +133,6 @@ def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str],
     ``"wan"``: group r in datacenter r's namespace of the emulated WAN, as a fleet's."""
     import threading
     from argparse import Namespace
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import fleet_vs_torchft as ft
     from lowcomm.tools.slow import DutyCycle
     out.mkdir(parents=True)
     a = Namespace(period=period, hb_ms=1000, join_ms=1000, timeout_s=900.0, kill_at=0)
@@ -165,17 +166,17 @@ def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str],
             x.join()
     busy = span = 0.0
     computed = []
-    for r in range(3):
-        lines = [x for x in ft.jsonl(out / f"replica{r}.0.jsonl") if x["kind"] == "step"]
+    logs = [ft.jsonl(out / f"replica{r}.0.jsonl") for r in range(3)]
+    for log in logs:
+        lines = [x for x in log if x["kind"] == "step"]
         took = [x["time"] - x["start"] for x in lines]
         plain = sorted(d for d, x in zip(took, lines) if not x.get("sync"))
         median = plain[len(plain) // 2]
         busy += sum(median if x.get("sync") else d for d, x in zip(took, lines))
         span += lines[-1]["time"] - lines[0]["start"]
         computed.append(len(lines))
-    log0 = ft.jsonl(out / "replica0.0.jsonl")
-    born = next(x["time"] for x in log0 if x["kind"] == "ready")   # as a fleet's job: its loop
-    evals = [[x["time"] - born, x["t"], x["eval_loss"]] for x in log0 if x["kind"] == "eval"]
+    born = next(x["time"] for x in logs[0] if x["kind"] == "ready")   # as a fleet's job: its loop
+    evals = [[x["time"] - born, x["t"], x["eval_loss"]] for x in logs[0] if x["kind"] == "eval"]
     return {"method": "torchft", "speeds": speeds, "wall_s": row["wall_s"],
             "eval_loss": row["eval_loss"], "goodput": busy / span, "idle_fraction": 1 - busy / span,
             "steps": computed, "rounds_short": row["rounds_short"], "evals": evals}
@@ -190,16 +191,8 @@ def _last_error(out: Path) -> str:
     return ""
 
 
-def _lines(path: Path) -> list[dict]:
-    """The JSON lines of a metrics file."""
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
 def _reached(metrics: Path, step: int) -> bool:
-    try:
-        return any(json.loads(x).get("step", 0) >= step for x in metrics.read_text().splitlines())
-    except (OSError, ValueError):
-        return False
+    return any(x.get("step", 0) >= step for x in ft.jsonl(metrics))
 
 
 def span(xs: list[float], fmt: str) -> str:

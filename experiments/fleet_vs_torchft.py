@@ -188,16 +188,16 @@ def wait_port(host: str, port: int, proc: subprocess.Popen, prefix: list[str],
 
 
 class Places:
-    """Where torchft's processes run: all on this machine over loopback (``"local"``), or group
-    r in the emulated WAN's namespace of datacenter r at its address, gloo on its WAN device,
-    the lighthouse in datacenter 0's (``"wan"``: ``lowcomm wan up --dcs 3`` first), as a
-    lowcomm fleet's datacenters and coordinator run there."""
+    """Where torchft's processes run, as a lowcomm fleet's datacenters and coordinator run
+    (:func:`lowcomm.tools.fleet_launch.placement`): all on this machine over loopback
+    (``"local"``), or group r in the emulated WAN's namespace of datacenter r at its address,
+    gloo on its WAN device, the lighthouse in datacenter 0's (``"wan"``: ``lowcomm wan up
+    --dcs 3`` first; a clear error without it)."""
 
     def __init__(self, place: str = "local"):
+        from lowcomm.tools.fleet_launch import placement
         self.wan = place == "wan"
-        if self.wan:
-            from lowcomm.tools.fleet_launch import emulated_wan
-            emulated_wan(GROUPS)                  # a clear error when no such WAN is up
+        _, self.coordinator, self.coordinator_host, self._env = placement(GROUPS, place)
 
     def prefix(self, r: int) -> list[str]:
         """``ip netns exec``, and the hostname set to the group's address: torchft addresses
@@ -210,11 +210,10 @@ class Places:
 
     def host(self, r: int) -> str:
         from lowcomm.tools.wan import address
-        return address(r) if self.wan else "127.0.0.1"
+        return address(r) if self.wan else self.coordinator_host
 
     def env(self, r: int) -> dict:
-        from lowcomm.tools.wan import DEV_PREFIX
-        return {**env(), **({"GLOO_SOCKET_IFNAME": f"{DEV_PREFIX}{r}"} if self.wan else {})}
+        return {**env(), **self._env(r)}
 
 
 class Torchft:
@@ -232,7 +231,7 @@ class Torchft:
     def start_lighthouse(self) -> None:
         """torchft's lighthouse on a free port (of group 0's place), its log in
         ``OUT/lighthouse.log``."""
-        a, host, prefix = self.a, self.places.host(0), self.places.prefix(0)
+        a, host, prefix = self.a, self.places.coordinator_host, self.places.coordinator
         cmd = [*prefix, lighthouse_binary(), "--min_replicas", "2", "--bind", f"{host}:{self.port}",
                "--heartbeat_timeout_ms", str(a.hb_ms), "--join_timeout_ms", str(a.join_ms),
                "--quorum_tick_ms", "50"]
@@ -248,7 +247,7 @@ class Torchft:
         pl = self.places
         cmd = [*pl.prefix(r), sys.executable, str(REPLICA), "--replica", str(r), "--groups",
                str(GROUPS), "--period", str(self.a.period), "--host", pl.host(r),
-               "--lighthouse", f"http://{pl.host(0)}:{self.port}",
+               "--lighthouse", f"http://{pl.coordinator_host}:{self.port}",
                "--log", str(log), *[x for s in self.overrides for x in ("--set", s)]]
         with open(self.out / f"replica{r}.{inc}.out", "w") as so:
             self.procs[r] = subprocess.Popen(cmd, cwd=ROOT, env=pl.env(r), stdout=so,
