@@ -23,9 +23,12 @@ user waits for it), ``fleet.time.goodput``, the eval loss, and each datacenter's
 (torchft's: :func:`torchft`). The ratio column divides a row's wall-clock by the unslowed
 synchronous fleet's of the same repetition. With ``--eval-every N`` datacenter 0 (torchft's
 group 0) also evaluates every N steps, and the table gives each row's eval loss at equal
-wall-clock: at T, the earliest time into its job by which every run of those speeds had made
-its last evaluation (each run's last evaluation by T). Writes ``OUT/results.json`` and prints a Markdown
-table (ranges over the repetitions) and ``uptime``'s load before and after.
+wall-clock: at T, the time into its job at which the quickest run of those speeds made its last
+evaluation, and at the time synchronous DiLoCo's quickest run of them did (each run's last
+evaluation by then, or its delivered model's where the fleet had ended; a dash where a run
+had made none).
+Writes ``OUT/results.json`` and prints a Markdown table (ranges over the repetitions) and
+``uptime``'s load before and after; ``--table RESULTS`` prints an earlier run's table.
 """
 from __future__ import annotations
 
@@ -209,8 +212,9 @@ def ratio(rows: list[dict], base: dict) -> str:
 
 
 def equal_wall(rows: list[dict]) -> dict[str, float]:
-    """For each speeds, T: the earliest time by which every run of it (every method and
-    repetition) had made its last evaluation on datacenter 0 — so each has an eval loss at T."""
+    """For each speeds, T: the time at which its quickest run (of every method and repetition)
+    made its last evaluation on datacenter 0: no run has ended before T, and each one's model at T
+    is its last evaluation by then."""
     out = {}
     for r in rows:
         if r.get("evals"):
@@ -220,7 +224,11 @@ def equal_wall(rows: list[dict]) -> dict[str, float]:
 
 
 def at(r: dict, t: float) -> float | None:
-    """Datacenter 0's eval loss at ``t`` seconds into its job: its last evaluation by then."""
+    """The run's eval loss at ``t`` seconds into datacenter 0's job: the delivered model's where
+    the whole fleet had ended by then (its wall-clock, from before that job started, at most
+    ``t``), else datacenter 0's last evaluation by then."""
+    if r.get("eval_loss") is not None and r["wall_s"] <= t:
+        return r["eval_loss"]
     seen = [e[2] for e in r.get("evals") or [] if e[0] <= t]
     return seen[-1] if seen else None
 
@@ -233,19 +241,27 @@ def equal(rows: list[dict], t: float | None) -> str:
     return f"{span(seen, '%.4f')} at {t:.1f} s"
 
 
+def synchronous_end(rows: list[dict]) -> dict[str, float]:
+    """For each speeds, the time at which synchronous DiLoCo's quickest run of it made its last
+    evaluation on datacenter 0 (where the run has ``diloco`` rows with evaluations)."""
+    return equal_wall([r for r in rows if r["method"] == "diloco" and "failed" not in r])
+
+
 def table(rows: list[dict]) -> str:
     base = {r["rep"]: r["wall_s"] for r in rows if r["method"] == "diloco" and r["speeds"] == "1,1,1"}
     when = equal_wall([r for r in rows if "failed" not in r])
+    ended = synchronous_end(rows)
     lines = ["| method | speeds | wall-clock s | ÷ unslowed diloco | goodput | eval loss | "
-             "eval loss at equal wall-clock | steps computed (dc0, dc1, dc2) |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+             "eval loss at equal wall-clock | eval loss when diloco ended | "
+             "steps computed (dc0, dc1, dc2) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for speeds in SPEEDS:
         for method in METHODS:
             mine = [r for r in rows if r["method"] == method and r["speeds"] == speeds]
             failed = [r for r in mine if "failed" in r]
             if failed:
                 lines.append(f"| {method} | {speeds} | failed in {len(failed)} of {len(mine)} "
-                             f"runs: {failed[0]['why'] or failed[0]['failed']} | | | | | |")
+                             f"runs: {failed[0]['why'] or failed[0]['failed']} | | | | | | |")
             mine = [r for r in mine if "failed" not in r]
             if not mine:
                 continue
@@ -255,6 +271,7 @@ def table(rows: list[dict]) -> str:
                          f"{span([r['goodput'] for r in mine], '%.2f')} | "
                          f"{span([r['eval_loss'] for r in mine], '%.4f')} | "
                          f"{equal(mine, when.get(speeds))} | "
+                         f"{equal(mine, ended.get(speeds))} | "
                          f"{'; '.join(str(list(s)) for s in steps)} |")
     return "\n".join(lines)
 
@@ -272,11 +289,16 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=0,
                     help="datacenter 0 (torchft's group 0) also evaluates every N steps: the "
                          "table's eval loss at equal wall-clock")
+    ap.add_argument("--table", type=Path, metavar="RESULTS",
+                    help="print the table of an earlier run's results.json and exit")
     ap.add_argument("--place", choices=("local", "wan"), default="local",
                     help="wan: the emulated WAN that is up (lowcomm wan up --dcs 3): datacenter r "
                          "(torchft's group r) in its namespace, the coordinator (the lighthouse) "
                          "in datacenter 0's")
     a = ap.parse_args(argv)
+    if a.table:
+        print(table(json.loads(a.table.read_text())["rows"]))
+        return 0
     # a SIGTERM (timeout, a scheduler) unwinds like Ctrl-C: torchft's lighthouse and groups stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     methods = a.methods.split(",")
