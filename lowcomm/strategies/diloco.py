@@ -14,7 +14,8 @@ from ..compress.quantize import StatQuant
 from ..compress.twophase import COLLECTIVES
 from ..errors import ArgumentError, ConfigError
 from .base import Context, Method
-from .outer import Fragment, OuterLoop, OuterSettings, _hand_on, _InFlight, check_merge, check_run
+from .outer import Fragment, OuterLoop, OuterSettings, _done, _hand_on, _InFlight, check_merge, \
+    check_run
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")
 
@@ -371,6 +372,18 @@ class DiLoCo(OuterLoop):
         ranks, each rank's range put together: collective over the unit)."""
         for f, outer in zip(self.fragments, self.outer_params):
             f.unpack_(outer.detach() if self._ranges is None else self._gather_range(f, outer.detach()))
+
+    def joined(self) -> None:
+        """Start from a donor's state taken as a rejoining member: the model set to θ
+        (:meth:`outer_to_model`); a round (an arrival) still in flight, the donor's, then keeps
+        this member's progress from here when it lands — θ_k ← θ' + (θ_k − θ), its base this
+        fragment now, not the donor's at the send (whose progress is in θ' already) — and is not
+        charged again (its traffic was the donor's)."""
+        self.outer_to_model()
+        for item in self._in_flight:
+            item.future = _done((item.future.result()[0], []))
+            if item.base is not None:
+                item.base = self._pack(self.fragments[item.fragment])
 
     def _apply(self, f: Fragment, avg: torch.Tensor, record: bool = True) -> torch.Tensor:
         if record and self._eager is not None:      # the next eager proxy's Δ̄

@@ -16,7 +16,9 @@ equivalence (2 and 3 ranks)
     (Liu et al. 2024's weighting, checked against the gathered local models).
 resume (2 ranks)
   * run N steps, save ``state_dict()``, rebuild fresh objects, load, continue == uninterrupted,
-    bit for bit (in-flight fragments, warm-up, compressor memory).
+    bit for bit (in-flight fragments, warm-up, compressor memory);
+  * a member that rejoins with a donor's state while a round is in flight (a fleet's heal) holds
+    θ' plus only its own progress when the round lands, and is not charged the donor's traffic.
 errors (2 ranks)
   * period < 1, fragments > parameter tensors, delay >= period, … raise ArgumentError naming the argument
     before any communication.
@@ -409,6 +411,39 @@ def test_a_state_dict_round_trip_continues_bit_identically(case, comm):
     if case.endswith("in-flight"):
         assert in_flight, f"a reduction should be in flight at step {at}"
     assert_models_equal(fresh, ref, f"resumed at step {at}")
+
+
+@on_two
+@pytest.mark.parametrize("merge", ["add-local", "eager"])
+def test_a_member_joining_with_a_round_in_flight_keeps_only_its_own_progress(merge, comm):
+    """A donor's state taken with a round in flight (sent at step 4, landing after step 6), as a
+    fleet's rejoining datacenter takes it (``joined()``): the member starts from θ and, its inner
+    learning rate 0 (no progress of its own), holds exactly the donor's θ' once the round lands —
+    not θ' minus the donor's progress before the send — and its record of the round has no
+    bytes (the donor sent them)."""
+    kw = dict(period=4, fragments=1, delay=2, merge=merge)
+    model, st = train(StreamingDiLoCo, 4, adamw, **kw)
+    assert st._in_flight, "a round should be in flight at step 4"
+    donors = (st.fragments[0].pack() - st.outer_params[0]).abs().max()
+    assert donors > 1e-3, f"the donor's model should be away from θ at the send ({donors})"
+    state = saved(st, model)
+    fresh = unlike()
+    st2 = StreamingDiLoCo(fresh, adamw(fresh.parameters()), comm, **kw)
+    fresh.load_state_dict(state["model"])
+    st2.load_state_dict(state["strategy"])
+    st2.joined()
+    assert torch.equal(st2.fragments[0].pack(), st.outer_params[0]), "joined: the model is θ"
+    for group in st2.optimizer.param_groups:
+        group["lr"] = 0.0
+    train(None, 2, model=fresh, first=4, strategy=st2)
+    train(None, 2, model=model, first=4, strategy=st)
+    st.close()
+    st2.close()
+    assert torch.equal(st2.outer_params[0], st.outer_params[0]), "the donor's θ' and the member's"
+    gap = (st2.fragments[0].pack() - st.outer_params[0]).abs().max()
+    assert gap <= 1e-6, f"the member's model is θ' + {gap}, not θ'"
+    assert st2.syncs[-1] == [4, 0, 0] and st.syncs[-1][:2] == [4, 0] and st.syncs[-1][2] > 0, \
+        (st2.syncs, st.syncs)
 
 
 # errors -----------------------------------------------------------------------------------------

@@ -153,7 +153,8 @@ def bundle(parts: list[bytes]) -> bytes:
 
 def install(r, data: bytes, reset_inner: bool) -> None:
     """Take a donor's state: its model and method state (the inner optimizer's too, unless
-    ``reset_inner``), then the model set to the live outer parameters. A :func:`bundle` gives
+    ``reset_inner``), then the model set to the live outer parameters (the method's
+    ``joined``: a round in flight, the donor's, keeps only this member's progress). A :func:`bundle` gives
     each rank the donor's rank of the same index (the datacenters have as many ranks)."""
     state = torch.load(io.BytesIO(data), weights_only=True)
     if "per_rank" in state:
@@ -167,8 +168,8 @@ def install(r, data: bytes, reset_inner: bool) -> None:
     if reset_inner:
         s = dict(s, optimizer=r.strategy.optimizer.state_dict())
     r.strategy.load_state_dict(adopt(s))        # the donor's, another rank's on purpose
-    if hasattr(r.strategy, "outer_to_model"):
-        r.strategy.outer_to_model()
+    if hasattr(r.strategy, "joined"):
+        r.strategy.joined()
 
 
 class FleetLockstep(Lockstep):
