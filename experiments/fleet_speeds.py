@@ -182,7 +182,8 @@ def torchft(out: Path, speeds: str, steps: int, period: int, extra: list[str],
     evals = [[x["time"] - born, x["t"], x["eval_loss"]] for x in logs[0] if x["kind"] == "eval"]
     return {"method": "torchft", "speeds": speeds, "wall_s": row["wall_s"],
             "eval_loss": row["eval_loss"], "goodput": busy / span, "idle_fraction": 1 - busy / span,
-            "steps": computed, "rounds_short": row["rounds_short"], "evals": evals}
+            "steps": computed, "rounds_short": row["rounds_short"], "evals": evals,
+            "stranded": row["stranded"]}
 
 
 def _last_error(out: Path) -> str:
@@ -247,6 +248,15 @@ def synchronous_end(rows: list[dict]) -> dict[str, float]:
     return equal_wall([r for r in rows if r["method"] == "diloco" and "failed" not in r])
 
 
+def stranded(rows: list[dict]) -> str:
+    """torchft's groups left running after the others ended, too few for a quorum (stopped:
+    :meth:`fleet_vs_torchft.Torchft.supervise`), as a note for the steps column."""
+    hit = [r["stranded"] for r in rows if r.get("stranded")]
+    groups = sorted({g for s in hit for g in s})
+    return f" (group {', '.join(map(str, groups))} stranded in {len(hit)} of {len(rows)} runs)" \
+        if hit else ""
+
+
 def table(rows: list[dict]) -> str:
     base = {r["rep"]: r["wall_s"] for r in rows if r["method"] == "diloco" and r["speeds"] == "1,1,1"}
     when = equal_wall([r for r in rows if "failed" not in r])
@@ -272,7 +282,7 @@ def table(rows: list[dict]) -> str:
                          f"{span([r['eval_loss'] for r in mine], '%.4f')} | "
                          f"{equal(mine, when.get(speeds))} | "
                          f"{equal(mine, ended.get(speeds))} | "
-                         f"{'; '.join(str(list(s)) for s in steps)} |")
+                         f"{'; '.join(str(list(s)) for s in steps)}{stranded(mine)} |")
     return "\n".join(lines)
 
 

@@ -50,6 +50,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 REPLICA = ROOT / "experiments" / "torchft_replica.py"
 GROUPS = 3
+#: the lighthouse's ``--min_replicas``: a round commits with at least this many groups
+MIN_REPLICAS = 2
+#: seconds a group still running when all but it have ended is given to end by itself
+STRANDED_GRACE_S = 10.0
 
 
 class TorchftMissing(RuntimeError):
@@ -226,13 +230,15 @@ class Torchft:
         self.procs: dict[int, subprocess.Popen] = {}
         self.launches: list[dict] = []
         self.killed: dict = {}
+        self.stranded: list[int] = []         # :meth:`supervise`
+        self.stranded_at = 0.0
         self.port = free_port()
 
     def start_lighthouse(self) -> None:
         """torchft's lighthouse on a free port (of group 0's place), its log in
         ``OUT/lighthouse.log``."""
         a, host, prefix = self.a, self.places.coordinator_host, self.places.coordinator
-        cmd = [*prefix, lighthouse_binary(), "--min_replicas", "2", "--bind", f"{host}:{self.port}",
+        cmd = [*prefix, lighthouse_binary(), "--min_replicas", str(MIN_REPLICAS), "--bind", f"{host}:{self.port}",
                "--heartbeat_timeout_ms", str(a.hb_ms), "--join_timeout_ms", str(a.join_ms),
                "--quorum_tick_ms", "50"]
         self.lh_log = open(self.out / "lighthouse.log", "w")
@@ -283,14 +289,28 @@ class Torchft:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
             self.lh_log.close()
-        return torchft_row(self.launches, self.killed, time.time() - t0)
+        end = self.stranded_at if self.stranded else time.time()   # the others' end
+        return dict(torchft_row(self.launches, self.killed, end - t0), stranded=self.stranded)
 
     def supervise(self, t0: float) -> None:
-        """Relaunch a group that died, until groups 0 and 2 (never killed) have finished."""
+        """Relaunch a group that died, until groups 0 and 2 (never killed) have finished — or
+        until fewer groups than a quorum needs are left running after the others finished:
+        those are *stranded* (each asks for the quorum of its next round, which nobody is left
+        to join, and would fail at its quorum timeout), given :data:`STRANDED_GRACE_S` to end by
+        themselves, then stopped and listed in :attr:`stranded` (the run's wall-clock ends when the others
+        had ended)."""
         done: dict[int, int] = {}
+        alone_since = None
         while not all(done.get(r) == 0 for r in (0, 2)):
             if time.time() - t0 > self.a.timeout_s:
                 raise RuntimeError(f"torchft run did not finish within {self.a.timeout_s:g} s")
+            running = [r for r in self.procs if r not in done]
+            if sum(rc == 0 for rc in done.values()) >= MIN_REPLICAS and \
+                    0 < len(running) < MIN_REPLICAS:
+                alone_since = alone_since or time.time()
+                if time.time() - alone_since > STRANDED_GRACE_S:
+                    self.stranded, self.stranded_at = running, alone_since
+                    return
             for r, p in list(self.procs.items()):
                 rc = p.poll()
                 if rc is None or r in done:
@@ -324,7 +344,7 @@ def torchft_row(launches: list[dict], killed: dict, wall: float) -> dict:
     logs = {(x["replica"], x["inc"]): jsonl(Path(x["log"])) for x in launches}
     lost = {str(r): sum(len(steps) for steps, ok in rounds(logs[(r, 0)]) if not ok)
             for r in (0, 2)}
-    end = next(x for x in logs[(0, 0)] if x["kind"] == "end")
+    end = next(x for r in range(GROUPS) for x in logs.get((r, 0), []) if x["kind"] == "end")
     row = {"system": "torchft", "faulted": bool(killed), "eval_loss": end["eval_loss"],
            "wall_s": wall, "survivors_steps_lost": lost, "failures": len(launches) - GROUPS,
            "rounds_short": sum(1 for x in logs[(0, 0)] if x.get("sync") and x.get("committed")
