@@ -152,6 +152,15 @@ def cli(*args: str, env: dict | None = None) -> Ran:
     return Ran(["lowcomm", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
+def experiment(name: str):
+    """``experiments/NAME.py`` imported as a module (the folder is not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 MPI_CHECKS = Path(__file__).resolve().parent / "mpi"
 #: plugins a check run does not need, each a fraction of a second of every rank's start or end
 #: (unraisableexception's end collects the garbage of torch's import graph several times)

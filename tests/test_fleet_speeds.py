@@ -2,23 +2,18 @@
 results page quotes: T is when the quickest run of a speeds made its last evaluation; a run is
 read at its last evaluation by then, or with its delivered model once its whole fleet had ended;
 the second reading is at synchronous DiLoCo's quickest end. Nothing is run but the table."""
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, experiment
 
 
 @pytest.fixture(scope="module")
 def fs():
-    spec = importlib.util.spec_from_file_location("fleet_speeds",
-                                                  ROOT / "experiments" / "fleet_speeds.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return experiment("fleet_speeds")
 
 
 def row(method, wall, evals, loss, rep=0, speeds="1,1,0.5"):

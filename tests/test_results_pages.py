@@ -4,7 +4,6 @@ click parser (commands, options, values and the folders they read), every ``make
 the Makefile, every extra of a ``pip install -e .[EXTRAS]`` in setup.cfg, every script on disk,
 and a folder a command reads made by an earlier command of the page. Nothing is run."""
 import configparser
-import importlib.util
 import os
 import re
 import shlex
@@ -14,7 +13,7 @@ from pathlib import Path
 import click
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, experiment
 
 PAGES = sorted(p for p in (ROOT / "docs" / "results").glob("*.md") if p.name != "index.md")
 RECORDED = re.compile(r"^\*Figures recorded in commits? (.*)\*$", re.M)
@@ -103,14 +102,6 @@ def check_lowcomm(args: list[str], where: str) -> None:
         Path(js).touch()
 
 
-def results_pages_parser():
-    spec = importlib.util.spec_from_file_location("results_pages",
-                                                  ROOT / "experiments" / "results_pages.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def check_command(cmd: list[str], where: str) -> None:
     cmd = strip_prefix(cmd)
     assert cmd, f"{where}: an empty command"
@@ -127,7 +118,7 @@ def check_command(cmd: list[str], where: str) -> None:
                 (Path(MAKE_WRITES[t]) / MADE).touch()
         return
     if cmd[0] == "python" and cmd[1:2] == ["experiments/results_pages.py"]:
-        mod = results_pages_parser()
+        mod = experiment("results_pages")
         try:
             a = mod.parser().parse_args(cmd[2:])
         except SystemExit:
