@@ -116,8 +116,8 @@ def one(out: Path, method: str, speeds: str, steps: int, period: int, extra: lis
         raise SystemExit(f"{out}: the fleet exited {rc}; see {out}.log")
     s = json.loads((out / "summary.json").read_text())
     t = s["fleet"]["time"]
-    evals = [[x["wall_s"], x["step"], x["eval_loss"]] for x in ft.jsonl(out / "dc0" / "metrics.jsonl")
-             if "eval_loss" in x]
+    evals = [[x["wall_s"], x["step"], x["eval_loss"]]
+             for x in ft.jsonl(out / "dc0" / "metrics.jsonl") if "eval_loss" in x]
     return {"method": method, "speeds": speeds, "wall_s": s["wall_s"], "eval_loss": s["eval_loss"],
             "goodput": t["goodput"], "idle_fraction": t["idle_fraction"],
             "steps": [t["by_dc"][str(d)]["steps"] for d in range(3)], "evals": evals}
@@ -213,9 +213,9 @@ def ratio(rows: list[dict], base: dict) -> str:
 
 
 def equal_wall(rows: list[dict]) -> dict[str, float]:
-    """For each speeds, T: the time at which its quickest run (of every method and repetition)
-    made its last evaluation on datacenter 0: no run has ended before T, and each one's model at T
-    is its last evaluation by then."""
+    """For each speeds, T: the time at which its quickest run (of every method and repetition;
+    a failed one has no evaluations) made its last evaluation on datacenter 0: no run has ended
+    before T, and each one's model at T is its last evaluation by then."""
     out = {}
     for r in rows:
         if r.get("evals"):
@@ -245,7 +245,7 @@ def equal(rows: list[dict], t: float | None) -> str:
 def synchronous_end(rows: list[dict]) -> dict[str, float]:
     """For each speeds, the time at which synchronous DiLoCo's quickest run of it made its last
     evaluation on datacenter 0 (where the run has ``diloco`` rows with evaluations)."""
-    return equal_wall([r for r in rows if r["method"] == "diloco" and "failed" not in r])
+    return equal_wall([r for r in rows if r["method"] == "diloco"])
 
 
 def stranded(rows: list[dict]) -> str:
@@ -259,8 +259,7 @@ def stranded(rows: list[dict]) -> str:
 
 def table(rows: list[dict]) -> str:
     base = {r["rep"]: r["wall_s"] for r in rows if r["method"] == "diloco" and r["speeds"] == "1,1,1"}
-    when = equal_wall([r for r in rows if "failed" not in r])
-    ended = synchronous_end(rows)
+    when, ended = equal_wall(rows), synchronous_end(rows)
     lines = ["| method | speeds | wall-clock s | ÷ unslowed diloco | goodput | eval loss | "
              "eval loss at equal wall-clock | eval loss when diloco ended | "
              "steps computed (dc0, dc1, dc2) |",

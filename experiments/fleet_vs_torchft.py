@@ -238,7 +238,8 @@ class Torchft:
         """torchft's lighthouse on a free port (of group 0's place), its log in
         ``OUT/lighthouse.log``."""
         a, host, prefix = self.a, self.places.coordinator_host, self.places.coordinator
-        cmd = [*prefix, lighthouse_binary(), "--min_replicas", str(MIN_REPLICAS), "--bind", f"{host}:{self.port}",
+        cmd = [*prefix, lighthouse_binary(), "--min_replicas", str(MIN_REPLICAS),
+               "--bind", f"{host}:{self.port}",
                "--heartbeat_timeout_ms", str(a.hb_ms), "--join_timeout_ms", str(a.join_ms),
                "--quorum_tick_ms", "50"]
         self.lh_log = open(self.out / "lighthouse.log", "w")
@@ -297,8 +298,8 @@ class Torchft:
         until fewer groups than a quorum needs are left running after the others finished:
         those are *stranded* (each asks for the quorum of its next round, which nobody is left
         to join, and would fail at its quorum timeout), given :data:`STRANDED_GRACE_S` to end by
-        themselves, then stopped and listed in :attr:`stranded` (the run's wall-clock ends when the others
-        had ended)."""
+        themselves, then stopped and listed in :attr:`stranded` (the run's wall-clock ends when
+        the others had ended)."""
         done: dict[int, int] = {}
         alone_since = None
         while not all(done.get(r) == 0 for r in (0, 2)):

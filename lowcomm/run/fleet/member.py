@@ -154,8 +154,9 @@ def bundle(parts: list[bytes]) -> bytes:
 def install(r, data: bytes, reset_inner: bool) -> None:
     """Take a donor's state: its model and method state (the inner optimizer's too, unless
     ``reset_inner``), then the model set to the live outer parameters (the method's
-    ``joined``: a round in flight, the donor's, keeps only this member's progress). A :func:`bundle` gives
-    each rank the donor's rank of the same index (the datacenters have as many ranks)."""
+    ``joined``: a round in flight, the donor's, keeps only this member's progress). A
+    :func:`bundle` gives each rank the donor's rank of the same index (the datacenters have as
+    many ranks)."""
     state = torch.load(io.BytesIO(data), weights_only=True)
     if "per_rank" in state:
         parts = state["per_rank"]
