@@ -66,8 +66,10 @@ def runs(tmp_path_factory):
         "plain": fleet_from_python(tmp / "plain", *RUN, f"task.step_ms={STEP_MS // 2}"),
         "kill": fleet(tmp / "kill", *RUN),
         "coord": fleet(tmp / "coord", *RUN, f"checkpoint.every={PERIOD}"),
+        # the others wait at step 30 until datacenter 1 has failed its 3 times
         "flaky": fleet(tmp / "flaky", *RUN, "task.crash_dc=1", "task.crash_step=12",
-                       "fleet.max_failures=2"),
+                       "fleet.max_failures=2", f"task.marks={tmp / 'flaky-marks'}",
+                       "task.hold_step=30", "task.hold_for=3"),
     }
     killed = {}
     when(lambda: reached(tmp / "kill" / "dc1" / "metrics.jsonl", 12),
