@@ -569,3 +569,38 @@ def test_fleet_overwrite_removes_only_what_a_fleet_wrote_by_its_marker(stopped_s
         assert sorted(p.name for p in out.iterdir() if p.name != ".lowcomm.lock") == \
             ["dc1-notes.txt", "dc2023_backup", "dc7"], list(out.iterdir())
         assert _files(out) == user
+
+
+def test_a_finished_datacenter_whose_job_does_not_exit_is_ended_and_not_counted_failed(tmp_path,
+                                                                                       monkeypatch):
+    """The supervisor's rule, in-process: a member said it finished (``bye``), its job (here a
+    process that sleeps) has not exited EXIT_GRACE_S later: the fleet ends it, records why, and
+    counts no failure; a job that has not said so is left running."""
+    import queue
+    import subprocess
+    from lowcomm.run.fleet import supervisor
+    from lowcomm.run.fleet.supervisor import Fleet, Incarnation
+    monkeypatch.setattr(supervisor, "EXIT_GRACE_S", 0.5)
+    fleet_ = Fleet.__new__(Fleet)
+    fleet_.coord, fleet_.events, fleet_.finished, fleet_.over = object(), queue.Queue(), {}, True
+    fleet_.failures, fleet_.retired, fleet_.due = {0: 0, 1: 0}, {}, {}
+    procs = [subprocess.Popen(["sleep", "600"], start_new_session=True) for _ in range(2)]
+    try:
+        fleet_.jobs = {dc: Incarnation(dc, 0, tmp_path / f"dc{dc}", p, False, time.monotonic())
+                       for dc, p in enumerate(procs)}
+        fleet_.events.put((fleet_.coord, {"event": "bye", "dc": 0, "inc": 0, "reason": "finished"}))
+        fleet_._read_events()
+        fleet_._end_lingering(time.monotonic())
+        assert procs[0].poll() is None, "ended before its grace ran out"
+        time.sleep(0.6)
+        fleet_._end_lingering(time.monotonic())
+        job = fleet_.jobs[0]
+        assert procs[0].wait(10) == -signal.SIGKILL and procs[1].poll() is None
+        fleet_._ended(job, time.monotonic())
+        assert job.cause.startswith("finished, but its job had not exited 0.5 s later"), job.cause
+        assert job.done and job.exit == -signal.SIGKILL, "its results count; its exit is told"
+        assert fleet_.failures == {0: 0, 1: 0} and list(fleet_.jobs) == [1]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

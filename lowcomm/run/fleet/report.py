@@ -181,7 +181,7 @@ def goodput(fleet) -> dict:
     line's (its steps after that line are lost with it)."""
     by_dc: dict[str, dict] = {}
     for who, job, lines in incarnations(fleet):
-        s = _json(job.folder / "summary.json") if job is not None and job.exit == 0 else None
+        s = _json(job.folder / "summary.json") if job is not None and job.done else None
         t = (s or {}).get("fleet", {}).get("time")
         if t is None:
             timed = [x for x in lines if "run_s" in x]
@@ -205,7 +205,7 @@ def _result(fleet) -> tuple[dict, list[dict]]:
     """The summary of the datacenter that finished first in index order, and all finished."""
     done = []
     for job in fleet.history:
-        s = _json(job.folder / "summary.json") if job.exit == 0 else None
+        s = _json(job.folder / "summary.json") if job.done else None
         if s is not None:
             done.append(s)
     if not done:
@@ -220,7 +220,7 @@ def _bytes(fleet, finished: list[dict]) -> tuple[int, dict]:
         for lv, b in s.get("bytes_by_level", {}).items():
             by_level[lv] = by_level.get(lv, 0) + b
     for _, job, lines in incarnations(fleet):  # the ended ones: their last metrics line
-        if job is not None and job.exit != 0:
+        if job is not None and not job.done:
             lines = [x for x in lines if "bytes" in x]
             total += lines[-1]["bytes"] if lines else 0
     return total, by_level
@@ -233,7 +233,7 @@ def write_report(fleet, wall_s: float) -> dict:
     failures, heals = failures_and_heals(events, committed)
     head, finished = _result(fleet)
     total, by_level = _bytes(fleet, finished)
-    failed = {f["dc"] for f in failures} | {j.dc for j in fleet.history if j.exit not in (0, None)}
+    failed = {f["dc"] for f in failures} | {j.dc for j in fleet.history if j.exit is not None and not j.done}
     shas = {s["state_sha256"] for s in finished}
     summary = {
         "method": head.get("method"), "task": head.get("task"), "ranks": fleet.np,

@@ -55,6 +55,11 @@ from .plan import FleetPlan
 log = logging.getLogger("lowcomm.fleet")
 
 
+#: how long a datacenter's job may take to exit after its member said it finished (its summary
+#: and checkpoints written: only the processes' ends are left); then the fleet ends it
+EXIT_GRACE_S = 60.0
+
+
 class FleetRunError(LowcommError):
     """The fleet could not finish the run; the message says why."""
 
@@ -71,8 +76,14 @@ class Incarnation:
     exit: int | None = None
     cause: str | None = None
     fenced: str | None = None        # why the coordinator counted it out (its job torn down)
+    lingered: str | None = None      # finished, but its job did not exit: ended by the fleet
     started_t: float = field(default_factory=time.time)   # wall-clock of the launch
     resumed_from: int | None = None  # the checkpoint's step it resumed from (in its folder)
+
+    @property
+    def done(self) -> bool:
+        """It finished its run (its summary written), its job ended by itself or by the fleet."""
+        return self.exit == 0 or bool(self.lingered)
 
     def record(self) -> dict:
         return {"dc": self.dc, "inc": self.inc, "folder": str(self.folder), "joining": self.joining,
@@ -111,6 +122,7 @@ class Fleet:
         self.coord = None
         self.gave_up: str | None = None              # why the coordinator gave up, if it did
         self.over = False
+        self.finished: dict[tuple[int, int], float] = {}   # (dc, inc) -> when it said it finished
         self.next_inc = {dc: 0 for dc in range(self.dcs)}
         self.resuming = resume
         self.entry = {"dcs": self.dcs, "np": self.np, "args": self.args, "folders": []}
@@ -211,6 +223,9 @@ class Fleet:
         del self.jobs[job.dc]
         if job.exit == 0:
             job.cause = "finished"
+            return
+        if job.lingered:
+            job.cause = job.lingered
             return
         said = outcome.read(job.folder / ".reports")
         if self.stopping and said["stop"]:
@@ -321,10 +336,23 @@ class Fleet:
         for job in list(self.jobs.values()):
             if job.proc.poll() is not None:
                 self._ended(job, now)
+        self._end_lingering(now)
         for dc, when in list(self.due.items()):
             if now >= when:
                 del self.due[dc]
                 self._start_job(dc, joining=True)
+
+    def _end_lingering(self, now: float) -> None:
+        """End the job of a datacenter that said it finished :data:`EXIT_GRACE_S` ago and has
+        not exited (a rank stuck in its teardown), so that the fleet never waits on it forever;
+        its record says so, and it is not a failure (its results are written)."""
+        for job in list(self.jobs.values()):
+            said = self.finished.get((job.dc, job.inc))
+            if said is not None and now - said > EXIT_GRACE_S and not job.lingered:
+                job.lingered = f"finished, but its job had not exited {EXIT_GRACE_S:g} s later: " \
+                               "ended by the fleet"
+                log.warning("datacenter %d (incarnation %d): %s", job.dc, job.inc, job.lingered)
+                self._kill(job)
 
     def _read_events(self) -> None:
         while True:
@@ -339,6 +367,8 @@ class Fleet:
                 if job is not None and job.inc == ev["inc"]:
                     job.fenced = f"left out by the coordinator: {ev['cause']}"
                     self._kill(job)
+            elif ev["event"] == "bye" and ev.get("reason") == "finished":
+                self.finished[(ev["dc"], ev["inc"])] = time.monotonic()
             elif ev["event"] == "gave_up":
                 self.gave_up = ev["why"]
             elif ev["event"] == "over":
