@@ -17,6 +17,10 @@ from fleet_helpers import (Run, children, fleet, fleet_from_python, kill_rank0, 
                            sets, single_job, when)
 
 STEPS, PERIOD = 80, 20
+#: the most a fixture's fleets, started together, may take (an idle machine's: a dozen fleets'
+#: start-ups share the cores, and the slowest took 120 s of a quiet machine's 170 s): a bound on
+#: a hang (under the tests' own 300 s), never a margin a test relies on
+DEADLINE_S = 240
 #: rounds of about 5 s (longer than a relaunch), converging; on a busy machine the steps, like the
 #: relaunch, take longer by the measured slowdown, so a round still outlasts a relaunch
 STEP_MS = round(scaled(250))
@@ -59,7 +63,7 @@ def runs(tmp_path_factory):
     SIGKILL at step 12 (``lowcomm fault kill``), one whose coordinator is SIGKILLed at step 45
     (checkpoints every 20 steps), one whose datacenter 1 keeps failing."""
     tmp = tmp_path_factory.mktemp("fleet")
-    deadline = time.monotonic() + scaled(170)
+    deadline = time.monotonic() + scaled(DEADLINE_S)
     started = {
         "single": single_job(tmp / "single", *POLICY),
         # half the step time at half the speed: as long as the others (the sleep is not numerics)
@@ -109,7 +113,7 @@ def more(runs, tmp_path_factory):
     from lowcomm.tools.fleet_launch import prepare
     from lowcomm.tools.slow import slow_datacenter
     tmp = tmp_path_factory.mktemp("fleet-more")
-    deadline = time.monotonic() + scaled(170)
+    deadline = time.monotonic() + scaled(DEADLINE_S)
     started = {"pair": fleet(tmp / "pair", *EAGER, dcs=2, np=2), "stop": fleet(tmp / "stop", *RUN),
                "quorum": fleet(tmp / "quorum", *RUN, "fleet.quorum=2", "fleet.grace=0.5"),
                "eager": fleet(tmp / "eager", *EAGER),
