@@ -586,7 +586,7 @@ def test_a_finished_datacenter_whose_job_does_not_exit_is_ended_and_not_counted_
     from lowcomm.run.fleet.supervisor import Fleet, Incarnation
     monkeypatch.setattr(supervisor, "EXIT_GRACE_S", 0.5)
     fleet_ = Fleet.__new__(Fleet)
-    fleet_.coord, fleet_.events, fleet_.finished, fleet_.over = object(), queue.Queue(), {}, True
+    fleet_.coord, fleet_.events, fleet_.over = object(), queue.Queue(), True
     fleet_.failures, fleet_.retired, fleet_.due = {0: 0, 1: 0}, {}, {}
     procs = [subprocess.Popen(["sleep", "600"], start_new_session=True) for _ in range(2)]
     try:

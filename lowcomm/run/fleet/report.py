@@ -233,7 +233,8 @@ def write_report(fleet, wall_s: float) -> dict:
     failures, heals = failures_and_heals(events, committed)
     head, finished = _result(fleet)
     total, by_level = _bytes(fleet, finished)
-    failed = {f["dc"] for f in failures} | {j.dc for j in fleet.history if j.exit is not None and not j.done}
+    failed = {f["dc"] for f in failures} | {j.dc for j in fleet.history
+                                            if j.exit is not None and not j.done}
     shas = {s["state_sha256"] for s in finished}
     summary = {
         "method": head.get("method"), "task": head.get("task"), "ranks": fleet.np,

@@ -76,14 +76,15 @@ class Incarnation:
     exit: int | None = None
     cause: str | None = None
     fenced: str | None = None        # why the coordinator counted it out (its job torn down)
-    lingered: str | None = None      # finished, but its job did not exit: ended by the fleet
+    said_finished: float | None = None   # when its member said it finished (monotonic)
+    lingered: bool = False           # finished, but its job did not exit: ended by the fleet
     started_t: float = field(default_factory=time.time)   # wall-clock of the launch
     resumed_from: int | None = None  # the checkpoint's step it resumed from (in its folder)
 
     @property
     def done(self) -> bool:
         """It finished its run (its summary written), its job ended by itself or by the fleet."""
-        return self.exit == 0 or bool(self.lingered)
+        return self.exit == 0 or self.lingered
 
     def record(self) -> dict:
         return {"dc": self.dc, "inc": self.inc, "folder": str(self.folder), "joining": self.joining,
@@ -122,7 +123,6 @@ class Fleet:
         self.coord = None
         self.gave_up: str | None = None              # why the coordinator gave up, if it did
         self.over = False
-        self.finished: dict[tuple[int, int], float] = {}   # (dc, inc) -> when it said it finished
         self.next_inc = {dc: 0 for dc in range(self.dcs)}
         self.resuming = resume
         self.entry = {"dcs": self.dcs, "np": self.np, "args": self.args, "folders": []}
@@ -224,8 +224,7 @@ class Fleet:
         if job.exit == 0:
             job.cause = "finished"
             return
-        if job.lingered:
-            job.cause = job.lingered
+        if job.lingered:              # its cause said when it was ended
             return
         said = outcome.read(job.folder / ".reports")
         if self.stopping and said["stop"]:
@@ -347,11 +346,12 @@ class Fleet:
         not exited (a rank stuck in its teardown), so that the fleet never waits on it forever;
         its record says so, and it is not a failure (its results are written)."""
         for job in list(self.jobs.values()):
-            said = self.finished.get((job.dc, job.inc))
-            if said is not None and now - said > EXIT_GRACE_S and not job.lingered:
-                job.lingered = f"finished, but its job had not exited {EXIT_GRACE_S:g} s later: " \
-                               "ended by the fleet"
-                log.warning("datacenter %d (incarnation %d): %s", job.dc, job.inc, job.lingered)
+            if job.said_finished is not None and now - job.said_finished > EXIT_GRACE_S \
+                    and not job.lingered:
+                job.lingered = True
+                job.cause = f"finished, but its job had not exited {EXIT_GRACE_S:g} s later: " \
+                            "ended by the fleet"
+                log.warning("datacenter %d (incarnation %d): %s", job.dc, job.inc, job.cause)
                 self._kill(job)
 
     def _read_events(self) -> None:
@@ -368,7 +368,9 @@ class Fleet:
                     job.fenced = f"left out by the coordinator: {ev['cause']}"
                     self._kill(job)
             elif ev["event"] == "bye" and ev.get("reason") == "finished":
-                self.finished[(ev["dc"], ev["inc"])] = time.monotonic()
+                job = self.jobs.get(ev["dc"])
+                if job is not None and job.inc == ev["inc"]:
+                    job.said_finished = time.monotonic()
             elif ev["event"] == "gave_up":
                 self.gave_up = ev["why"]
             elif ev["event"] == "over":
