@@ -21,10 +21,11 @@ GIB = 1 << 30
 
 
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages under ``tensors`` (None and sharded placeholders skipped)."""
+    """Bytes of the distinct storages under ``tensors`` (None, sharded placeholders and meta
+    tensors — modules another pipeline stage holds — skipped)."""
     seen, total = set(), 0
     for t in tensors:
-        if t is None or not torch.is_tensor(t) or getattr(type(t), "sharded", False):
+        if t is None or not torch.is_tensor(t) or t.is_meta or getattr(type(t), "sharded", False):
             continue
         if hasattr(t, "to_local"):          # a DTensor (FSDP2): this rank's shard
             t = t.to_local()
