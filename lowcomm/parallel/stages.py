@@ -14,6 +14,8 @@ the stem on the first stage, the head on the last): what torch's ``PipelineStage
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -145,9 +147,24 @@ class Stage(nn.Module):
 
 
 def owned_names(model: nn.Module, stages: list[Stage]) -> set[str]:
-    """The model's state-dict keys that ``stages`` hold (parameters and buffers)."""
-    prefixes = [n + "." for s in stages for n in s.module_names()]
-    return {k for k in model.state_dict(keep_vars=True) if any(k.startswith(p) for p in prefixes)}
+    """The model's state-dict keys whose tensors ``stages`` hold (parameters and buffers; a
+    tied tensor under each of its names)."""
+    held = {id(t) for s in stages for t in (*s.parameters(), *s.buffers())}
+    return {k for k, t in model.state_dict(keep_vars=True).items() if id(t) in held}
+
+
+@contextmanager
+def swapping():
+    """Module conversions inside swap each tensor's contents in place (``torch.utils.swap_tensors``):
+    every name of a tied tensor (``lm_head.weight`` is ``wte.weight``) sees the change."""
+    from torch.__future__ import (get_swap_module_params_on_conversion,
+                                  set_swap_module_params_on_conversion)
+    old = get_swap_module_params_on_conversion()
+    set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        set_swap_module_params_on_conversion(old)
 
 
 def release_others(model: nn.Module, chain: Chain, stages: list[Stage]) -> tuple[list[str], dict]:
@@ -163,7 +180,8 @@ def release_others(model: nn.Module, chain: Chain, stages: list[Stage]) -> tuple
         for mn, m in model.get_submodule(n).named_modules(prefix=n):
             kept.update({(mn, bn): b for bn, b in m._buffers.items()
                          if b is not None and bn in m._non_persistent_buffers_set})
-        model.get_submodule(n).to("meta")
+        with swapping():
+            model.get_submodule(n).to("meta")
     return others, kept
 
 
@@ -171,7 +189,8 @@ def restore_others(model: nn.Module, names: list[str], kept: dict, device: torch
     """Give the modules :func:`release_others` moved to meta real storage again (uninitialised:
     load their state next), their non-persistent buffers as they were."""
     for n in names:
-        model.get_submodule(n).to_empty(device=device)
+        with swapping():
+            model.get_submodule(n).to_empty(device=device)
     for (mn, bn), b in kept.items():
         model.get_submodule(mn)._buffers[bn] = b
 
