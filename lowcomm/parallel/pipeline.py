@@ -118,7 +118,7 @@ def build(s: PipelineSettings, model, optimizer, comm: Comm, ctx: Context) -> St
 METHOD = Method("pp", PipelineSettings, build,
                 "pipeline parallelism: the model's blocks cut into stages across the ranks, "
                 "torch's schedules (GPipe, 1F1B, interleaved, zero-bubble)",
-                check=check, level=True, splits=True, python="PipelineParallel")
+                check=check, splits=True, python="PipelineParallel")
 
 
 def bubble_formula(schedule: str, stages: int, microbatches: int, per_rank: int = 1) -> float:
@@ -243,7 +243,8 @@ class PipelineParallel(Strategy):
         self.device = next(model.parameters()).device
         P, v = self.comm.size, s.per_rank()
         self.count = P * v
-        bounds = cut(model, self.chain, self.count, s.split)
+        bounds = cut(model, self.chain, self.count, s.split, "strategy.split",
+                     "strategy.stages_per_rank" if v > 1 else "pp's ranks")
         self.stages = [Stage(model, self.chain, i, self.count, bounds[i], bounds[i + 1])
                        for i in stage_ids(self.comm.rank, P, v, s.schedule)]
         self.bounds = bounds
@@ -411,12 +412,14 @@ class PipelineParallel(Strategy):
     def load_model_state_dict(self, state: dict) -> None:
         """Load :meth:`model_state_dict`'s keys (a checkpoint of this split), or a whole model's
         state (:meth:`reshard`'s): this rank takes its stages' keys."""
-        missing = sorted(self._owned - set(state))
-        if missing:
+        keys = set(state)
+        if keys != self._owned and keys != set(self.model.state_dict()):
+            odd = sorted(keys ^ self._owned)
             raise LowcommError(f"pp stage(s) {[st.index for st in self.stages]} on rank "
-                               f"{self.comm.rank} hold {missing[:3]} (and {len(missing)} keys in "
-                               "all) that the state lacks: it was saved by another split of the "
-                               "model (strategy.split, the ranks' count or the schedule)")
+                               f"{self.comm.rank} hold other keys than the state ({odd[:3]} and "
+                               f"{max(0, len(odd) - 3)} more differ): it was saved by another "
+                               "split of the model (strategy.split, the ranks' count or the "
+                               "schedule)")
         own = {k: v for k, v in state.items() if k in self._owned}
         with torch.no_grad():
             for k, v in self.model.state_dict(keep_vars=True).items():

@@ -46,23 +46,23 @@ def numel(modules) -> int:
 
 
 def cut(model: nn.Module, chain: Chain, stages: int, split: str,
-        key: str = "strategy.split") -> list[int]:
+        key: str = "strategy.split", count_key: str = "strategy.stages_per_rank") -> list[int]:
     """The block index each stage starts at, and the number of blocks at the end
-    (``stages + 1`` bounds, increasing: stage ``s`` runs blocks ``[b[s], b[s+1])``)."""
+    (``stages + 1`` bounds, increasing: stage ``s`` runs blocks ``[b[s], b[s+1])``);
+    ``count_key``: the setting that made ``stages`` (named when there are too many)."""
     blocks = blocks_of(model, chain)
     n = len(blocks)
     if stages > n:
-        raise ConfigError("strategy.stages", f"{stages} stages for a model of {n} blocks "
+        raise ConfigError(count_key, f"{stages} stages for a model of {n} blocks "
                           f"({chain.blocks or type(model).__name__}): a stage holds at least one "
-                          "block; use at most " + str(n))
+                          f"block, so at most {n} stages")
     rule, args = parse_split(split, key)
     if rule == "every":
         if args[0] * stages != n:
-            raise ConfigError(key, f"every:{args[0]} makes {n / args[0]:g} stages of the {n} "
-                              f"blocks, not {stages}; use every:{n // stages} with "
-                              f"{stages} stages, or split=params" if n % stages == 0 else
-                              f"every:{args[0]} cannot cut {n} blocks into {stages} stages "
-                              "of equal size; use split=params or at:...")
+            raise ConfigError(key, f"every:{args[0]} cannot cut {n} blocks into {stages} stages "
+                              f"(it needs {args[0] * stages} blocks); use "
+                              f"{f'every:{n // stages}' if n % stages == 0 else 'at:...'} or "
+                              "split=params")
         return [s * args[0] for s in range(stages)] + [n]
     if rule == "at":
         return _at(blocks, chain, args, stages, n, key)
