@@ -129,8 +129,8 @@ def restore(resume: str | Path, cfg, comm: Comm, ctl: Comm, model, strategy,
                               f"steps={cfg.steps}: resume with steps >= {state['step']}")
     where = from_dir / f"step-{state['step']:08d}"
     if "ranks" in state:      # another rank count: every old rank's keys against the whole model
-        check_model(model.state_dict(), {k: v for s in state["ranks"] for k, v in s["model"].items()},
-                    where)
+        check_model(model.state_dict(), {k: v for s in reversed(state["ranks"])
+                                         for k, v in s["model"].items()}, where)   # rank 0's first
     else:                     # this rank's keys (a pipeline stage's, a shard's)
         check_model(model_state(model, strategy), state["model"], where)
     if "ranks" in state:
