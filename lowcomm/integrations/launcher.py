@@ -74,12 +74,13 @@ def refuse_unsupported(method, where: str) -> None:
     """Methods an integration cannot drive yet, refused with what to use instead: the parameter
     server (its server ranks serve instead of training), the sharding methods (their model
     state and gradient norm are per shard) and those that pass over steps (:func:`refuse_passing`)."""
+    from ..strategies.base import Role
     refuse_passing(method, where)
-    if hasattr(method, "is_server"):
+    if method.role is not Role.PLAIN:
         raise LowcommError(f"{where} does not run lowcomm's {method.name} (its server ranks serve "
                            "instead of training): use lowcomm.integrations.transformers.Trainer "
                            "or lowcomm's own loop (lowcomm.train)")
-    if hasattr(method, "clip_grad_norm_") or hasattr(method, "full_model_state_dict"):
+    if method.sharded or method.local_shards() is not None:
         raise LowcommError(f"{where} does not run lowcomm's {method.name} (it shards the model or "
                            "its gradients): use lowcomm.integrations.transformers.Trainer or "
                            "lowcomm's own loop (lowcomm.train)")

@@ -81,6 +81,9 @@ class Coordination:
     def wall(self) -> float:
         return self.wall_before + time.perf_counter() - self.t0
 
+    def on_loss(self, loss: torch.Tensor) -> None:
+        """A step's loss, before its backward pass (nothing to do by default)."""
+
     def loop_state(self) -> dict:
         """The loop's counters a checkpoint saves, the clock brought up to now."""
         self.state.wall_s = self.wall()
@@ -188,7 +191,7 @@ class Lockstep(Coordination):
         evaluating = bool(r.held_out) and bool(at_mark or r.cfg.eval_every and
                                                state.step % r.cfg.eval_every == 0)
         held_out = evaluation_sums(r.model, r.task, r.held_out, r.ctl,
-                                   getattr(r.strategy, "collective_forward", False)) \
+                                   r.strategy.collective_forward) \
             if evaluating else [0.0, 0.0]
         sums = torch.tensor([sum(state.window), len(state.window), tot["bytes_sent"],
                              tot["seconds"], r.comm.ledger.rounds(self.world),
