@@ -288,15 +288,15 @@ class Strategy(torch.optim.Optimizer):
     # declared capabilities: what the loop, the fleet, snapshots and integrations ask of a method
     #: what this rank does (a parameter server's ranks serve or work)
     role = Role.PLAIN
-    #: gradients and optimizer state are sharded over the ranks (ZeRO): it clips by its own norm
+    #: gradients and optimizer state are sharded over the ranks, as ZeRO does; it clips them itself
     sharded = False
-    #: the model's parameters are sharded (FSDP, or a loop over it): model_state_dict() is shards
+    #: the parameters are sharded, by FSDP here or below; model_state_dict() holds this rank's
     shards_model = False
-    #: the model's forward is a collective (FSDP gathers the parameters in it)
+    #: the model's forward is a collective, as FSDP's (it gathers the parameters)
     collective_forward = False
-    #: dense steps before the method's first period (an outer loop's warm-up)
+    #: dense steps before the method's first period, an outer loop's warm-up
     warmup_steps = 0
-    #: inner steps a round is in flight before it is applied (0: rounds block)
+    #: inner steps a round is in flight before it is applied; 0 where rounds block
     delay = 0
     #: seconds the steps waited for rounds in flight
     wait_s = 0.0
