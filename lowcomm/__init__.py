@@ -34,6 +34,7 @@ _LAZY = {
     "SpartaDiLoCo": "strategies.sparta", "DesLoc": "strategies.desloc", "NoLoCo": "strategies.noloco",
     "ZeRO1": "strategies.zero", "ZeRO2": "strategies.zero",
     "FSDP": "strategies.fsdp", "MuonAdamW": "run.optimizers",
+    "PipelineParallel": "parallel.pipeline", "Chain": "parallel.chains",
     "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.base", "adopt": "strategies.base",
     "Context": "strategies.base", "Settings": "settings",
     "average_buffers": "strategies.buffers", "broadcast_buffers": "strategies.buffers",

@@ -192,7 +192,7 @@ LAYERS = [
     {"lowcomm.errors", "lowcomm.settings"},
     {"lowcomm.comm"},
     {"lowcomm.compress"},
-    {"lowcomm.strategies", "lowcomm.tasks"},
+    {"lowcomm.strategies", "lowcomm.tasks", "lowcomm.parallel"},
     {"lowcomm.run"},
     {"lowcomm.integrations", "lowcomm.tools"},
     {"lowcomm.cli"},

@@ -49,7 +49,7 @@ def test_a_built_in_method_is_in_every_derived_table(name):
     assert got is m, f"{name}'s example {spec!r} names {got.name}"
     settings(m, opts, "")                                   # valid settings
     assert name in {r["name"] for r in catalogue()}
-    if m.fleet:                  # a fleet's only: not in one MPI job's comparisons and checks
+    if m.fleet or m.splits:      # a fleet's only, or a model splitter: its own checks
         assert name not in methods() and name not in helpers.every_method({})
     else:
         assert methods()[m.compare_name or name] == [f"strategy.name={name}", *m.compare]

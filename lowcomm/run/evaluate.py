@@ -64,17 +64,19 @@ def evaluate(model, task: Task, batches: list, ctl: Comm) -> float:
     return mean_loss(*allsum(ctl, evaluation_sums(model, task, batches, ctl)))
 
 
-def evaluation_sums(model, task: Task, batches: list, ctl: Comm, every: bool = False) -> list[float]:
+def evaluation_sums(model, task: Task, batches: list, ctl: Comm, every: bool = False,
+                    loss_of=None) -> list[float]:
     """``[loss sum, batches]`` of this rank's share of the held-out ``batches`` (every
     ``ctl.size``-th from ``ctl.rank``): summed over the ranks, :func:`mean_loss` of them is
     :func:`evaluate`'s. ``every``: the model's forward is collective (FSDP gathers parameters
-    in it), so every rank runs every batch and counts its share only."""
+    in it, a pipeline's stages pass activations on), so every rank runs every batch and counts
+    its share only. ``loss_of(batch)``: one batch's loss (default: the task's on ``model``)."""
     model.eval()
     total = count = 0.0
     for i, b in enumerate(batches):
         mine = i % ctl.size == ctl.rank
         if mine or every:
-            loss = task.loss(model, b).item()
+            loss = loss_of(b) if loss_of is not None else task.loss(model, b).item()
         if mine:
             total += loss
             count += 1

@@ -78,11 +78,15 @@ class Coordination:
         self.state = LoopState.from_dict(loop, step)
         return self.state.wall_s
 
-    def wall(self) -> float:
-        return self.wall_before + time.perf_counter() - self.t0
+    def batch_place(self) -> tuple[int, int]:
+        """This rank's place among the step's batches: (index, count)."""
+        return self.rank, self.world
 
     def on_loss(self, loss: torch.Tensor) -> None:
-        """A step's loss, before its backward pass (nothing to do by default)."""
+        """Called with this rank's loss before its backward pass (nothing by default)."""
+
+    def wall(self) -> float:
+        return self.wall_before + time.perf_counter() - self.t0
 
     def loop_state(self) -> dict:
         """The loop's counters a checkpoint saves, the clock brought up to now."""
@@ -135,10 +139,14 @@ class Lockstep(Coordination):
     def __init__(self, r: Run):
         super().__init__(r)
         self.rank, self.world = r.comm.rank, r.comm.size
-        self.samples_per_step = r.cfg.batch_size * r.comm.size
+        self.samples_per_step = r.cfg.batch_size * self.batch_place()[1]
         self.votes: deque = deque()          # (step to read it at, flags, request)
         self.lines: deque = deque()          # (step to write it at, sums, request, line)
         self.budget = Budget(r) if r.cfg.budget.seconds else None
+
+    def batch_place(self) -> tuple[int, int]:
+        """The method's (the stages of one pipeline share one batch)."""
+        return self.r.strategy.batch_place()
 
     def start(self) -> LoopState:
         r = self.r
@@ -191,7 +199,8 @@ class Lockstep(Coordination):
         evaluating = bool(r.held_out) and bool(at_mark or r.cfg.eval_every and
                                                state.step % r.cfg.eval_every == 0)
         held_out = evaluation_sums(r.model, r.task, r.held_out, r.ctl,
-                                   r.strategy.collective_forward) \
+                                   r.strategy.collective_forward,
+                                   lambda b: r.strategy.evaluate(r.task.loss, b)) \
             if evaluating else [0.0, 0.0]
         sums = torch.tensor([sum(state.window), len(state.window), tot["bytes_sent"],
                              tot["seconds"], r.comm.ledger.rounds(self.world),

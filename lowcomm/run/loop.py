@@ -83,14 +83,14 @@ def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = N
         model = task.model(cfg)
         recent = RecentBatches(task, cfg, comm.rank, comm.size)
         strategy = build(model, build_optimizer(cfg, model.parameters()), comm, batches=recent,
-                         forward=task.loss)
+                         forward=task.loss, criterion=task.criterion_fn, split=task.split_fn)
         r = Run(cfg, task, model, strategy, comm, ctl, out, ckpt, progress, resume)
         with settled_heap():
             if strategy.role is Role.SERVER:               # the parameter server's servers
                 from .serve import serve
                 return serve(r)
             coord = Detached(r) if strategy.role is Role.WORKER else (coordination or Lockstep)(r)
-            recent.rank, recent.world = coord.rank, coord.world
+            recent.rank, recent.world = coord.batch_place()
             return train(r, coord)
     finally:
         close_run(out)
@@ -189,11 +189,9 @@ def take_step(r: Run, coord, state: LoopState, step: int) -> None:
 def train_step(r: Run, coord, step: int):
     """One forward/backward of this rank's batch at ``step``: returns (loss, what is non-finite
     on this rank or None). The strategy's ``step()`` is the caller's."""
-    batch = r.task.batch(step, coord.rank, coord.world, r.cfg)
+    batch = r.task.batch(step, *coord.batch_place(), r.cfg)
     r.strategy.zero_grad()
-    loss = r.task.loss(r.model, batch)
-    coord.on_loss(loss)
-    loss.backward()
+    loss = r.strategy.forward_backward(r.task.loss, batch, coord.on_loss)
     return loss, nonfinite(loss, r.model) or r.strategy.local_nonfinite()
 
 

@@ -28,10 +28,11 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 
 
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages under ``tensors`` (None and sharded placeholders skipped)."""
+    """Bytes of the distinct storages under ``tensors`` (None, sharded placeholders and meta
+    tensors — modules another pipeline stage holds — skipped)."""
     seen, total = set(), 0
     for t in tensors:
-        if t is None or not torch.is_tensor(t) or isinstance(t, ShardedGrad):
+        if t is None or not torch.is_tensor(t) or t.is_meta or isinstance(t, ShardedGrad):
             continue
         t = local_part(t)
         s = t.untyped_storage()

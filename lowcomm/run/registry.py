@@ -31,6 +31,7 @@ from ..strategies import (async_diloco, demo, desloc, diloco, dylu, fsdp, gossip
 from ..strategies.ps import method as async_ps
 from ..strategies.base import Context, Method, Strategy
 from ..strategies.policy import Level, build_policy, check_plan
+from ..parallel import pipeline
 
 #: every strategy by name, one line each
 STRATEGIES: dict[str, Method] = {m.name: m for m in (
@@ -56,14 +57,16 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     diloco.MULOCO_EF_METHOD,
     dylu.METHOD,
     async_diloco.METHOD,
+    pipeline.METHOD,
 )}
 
 
 def in_one_job() -> dict[str, Method]:
-    """The methods one MPI job runs (all but those that run only across a fleet's datacenters,
-    :attr:`Method.fleet <lowcomm.strategies.base.Method>`): what ``lowcomm compare`` and the
-    every-method tests take."""
-    return {n: m for n, m in STRATEGIES.items() if not m.fleet}
+    """The methods one MPI job runs on any task: all but those that run only across a fleet's
+    datacenters (:attr:`Method.fleet <lowcomm.strategies.base.Method>`) and those that split
+    the model (``Method.splits``: they train a task they can cut, and have tests of their own).
+    What ``lowcomm compare`` and the every-method tests take."""
+    return {n: m for n, m in STRATEGIES.items() if not m.fleet and not m.splits}
 
 
 def register(method: Method) -> Method:
@@ -208,12 +211,14 @@ def context(cfg) -> Context:
 
 
 def build_strategy(cfg, model, optimizer, comm, levels=None, batches=None,
-                   forward=None) -> Strategy:
+                   forward=None, criterion=None, split=None) -> Strategy:
     """The run's strategy on ``comm``: a per-level policy, or ``cfg.strategy``. ``levels``:
     the topology's communicators over ``comm`` (:func:`topology_comms`), which a policy and the
     hierarchical all-reduce need; ``batches``, ``forward``: this rank's training batches (a
-    function of the step) and the task's forward (see :class:`~lowcomm.strategies.base.Context`)."""
-    ctx = dataclasses.replace(context(cfg), levels=levels, batches=batches, forward=forward)
+    function of the step) and the task's forward; ``criterion``, ``split``: the task's (see
+    :class:`~lowcomm.strategies.base.Context`)."""
+    ctx = dataclasses.replace(context(cfg), levels=levels, batches=batches, forward=forward,
+                              criterion=criterion, split=split)
     if cfg.policy:
         return build_policy(policy_levels(cfg, levels.names), model, optimizer, comm, ctx)
     m, s = strategy_settings(cfg)

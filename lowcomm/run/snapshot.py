@@ -85,10 +85,10 @@ def resized(state: dict, comm: Comm, strategy, where: Path) -> dict:
             "loop": loop}
 
 
-def check_model(model, saved: dict, where: Path) -> None:
+def check_model(own: dict, saved: dict, where: Path) -> None:
     """A CheckpointError naming ``where`` and the keys that differ when the checkpoint's model
-    ``saved`` (a state dict) is not the one ``model`` is (the task was edited in between)."""
-    own = model.state_dict()
+    ``saved`` (a state dict) is not the model whose state is ``own`` (the task was edited in
+    between)."""
     missing = [k for k in own if k not in saved]
     unexpected = [k for k in saved if k not in own]
     shapes = [f"{k} {tuple(saved[k].shape)} in the checkpoint, {tuple(own[k].shape)} now"
@@ -121,7 +121,11 @@ def restore(resume: str | Path, cfg, comm: Comm, ctl: Comm, model, strategy,
         raise CheckpointError(f"the checkpoint in {from_dir} is at step {state['step']}, past "
                               f"steps={cfg.steps}: resume with steps >= {state['step']}")
     where = from_dir / f"step-{state['step']:08d}"
-    check_model(model, state["ranks"][0]["model"] if "ranks" in state else state["model"], where)
+    if "ranks" in state:      # another rank count: every old rank's keys against the whole model
+        check_model(model.state_dict(), {k: v for s in state["ranks"] for k, v in s["model"].items()},
+                    where)
+    else:                     # this rank's keys (a pipeline stage's, a shard's)
+        check_model(strategy.model_state_dict(), state["model"], where)
     if "ranks" in state:
         state = resized(state, comm, strategy, from_dir)
     strategy.load_model_state_dict(state["model"])

@@ -59,7 +59,9 @@ class Context:
     the topology's communicators (:class:`~lowcomm.comm.topology.Levels`, built once by the caller:
     per-level policies and the ``hierarchical`` all-reduce need them; None without a topology),
     and this rank's training batches with the forward that runs the model on one (outer loops
-    recompute BatchNorm's statistics on them: ``bn_recompute``; None: not given)."""
+    recompute BatchNorm's statistics on them: ``bn_recompute``; None: not given); the task's
+    ``criterion(output, target)`` and ``split(batch)``, for a method that computes the loss
+    from the last pipeline stage's output (None: the task defines none)."""
     compressor: CompressorSettings = field(default_factory=CompressorSettings)
     nonfinite: str = "abort"
     steps: int | None = None
@@ -67,6 +69,8 @@ class Context:
     levels: LevelSet | None = None
     batches: Any = None
     forward: Any = None
+    criterion: Any = None
+    split: Any = None
 
     def gradient_compressor(self, name: str | None = None):
         """The run's gradient compressor, or the one called ``name`` with the run's knobs,
@@ -140,7 +144,10 @@ class Method:
     naming the key; ``outer`` is True for outer loops (they may wrap a lower policy level);
     ``level``: the method may be a level of a per-level policy; ``fleet``: it runs only across
     a fleet's datacenters (its outer state is the fleet coordinator's; elsewhere its check
-    refuses it, and the every-method tests, which run one MPI job, leave it to the fleet's).
+    refuses it, and the every-method tests, which run one MPI job, leave it to the fleet's);
+    ``splits``: it splits the model itself (pipeline stages), so it trains only a task whose
+    model it can cut and whose loss it can take apart (``criterion``; the every-method tests
+    and ``lowcomm compare``'s data-parallel list leave it to its own tests).
 
     What the derived tables read (the method list of ``lowcomm compare``, ``lowcomm methods``,
     the docs' method table, the every-method tests), so that a method is its module and this
@@ -159,6 +166,7 @@ class Method:
     outer: bool = False
     level: bool = False     # may be a level of a per-level policy (per-step or outer loop)
     fleet: bool = False     # runs only across a fleet's datacenters
+    splits: bool = False    # splits the model (pipeline, tensor): needs a task that can be cut
     python: str = ""
     optimizer: str = ""
     example: str = ""
@@ -583,6 +591,26 @@ class Strategy(torch.optim.Optimizer):
     def _step(self, closure=None):
         """One step of the method (subclasses add their communication)."""
         return self.optimizer.step(closure)
+
+    def forward_backward(self, loss_fn: Callable, batch, before_backward: Callable | None = None):
+        """One forward and backward pass of this rank's ``batch``: ``loss = loss_fn(model,
+        batch)`` (``before_backward(loss)`` where given), ``loss.backward()``; returns the loss.
+        A method that splits the model runs its schedule here (pipeline parallelism)."""
+        loss = loss_fn(self.model, batch)
+        if before_backward is not None:
+            before_backward(loss)
+        loss.backward()
+        return loss
+
+    def evaluate(self, loss_fn: Callable, batch) -> float:
+        """The held-out loss of ``batch``: ``loss_fn(model, batch)`` (a method that splits the
+        model runs its forward passes here)."""
+        return float(loss_fn(self.model, batch).item())
+
+    def batch_place(self) -> tuple[int, int]:
+        """This rank's place among the step's batches: (index, count) — its rank and the ranks'
+        count; the stages of one pipeline share one batch."""
+        return self.comm.rank, self.comm.size
 
     def takes_step(self) -> bool:
         """Whether this rank computes the next step (forward, backward, :meth:`step`); False

@@ -8,6 +8,12 @@ A task is a Python file or an importable module that defines::
                                                       # function of its arguments (exact resume)
     def eval_batches(cfg)                             # optional: held-out batches, the same on
                                                       # every rank
+    def criterion(output, target) -> torch.Tensor     # optional: the loss of the model's output
+                                                      # (pipeline parallelism computes it on the
+                                                      # last stage)
+    def split(batch) -> (inputs, target)              # optional: the model's positional inputs
+                                                      # (a tuple) and the target (default: a pair
+                                                      # (x, y) is ((x,), y))
 
 ``cfg`` is the resolved :class:`~lowcomm.run.config.Config`; the ``[task]`` table's options are in
 ``cfg.task.options``. A batch is whatever ``loss`` takes (a tensor, a tuple, a dict). Select a
@@ -55,6 +61,8 @@ class Task:
     eval_fn: Callable | None = None
     describe_fn: Callable | None = None    # optional describe(cfg) -> str: a line for the log
     tokens_fn: Callable | None = None      # optional tokens(cfg) -> int: tokens in one sample
+    criterion_fn: Callable | None = None   # optional criterion(output, target): the loss of an output
+    split_fn: Callable | None = None       # optional split(batch) -> (inputs tuple, target)
 
     def tokens_per_sample(self, cfg) -> int | None:
         """The tokens in one sample (``tokens(cfg)``), or None where the task does not say."""
@@ -156,7 +164,8 @@ def load_task(name: str) -> Task:
     is missing."""
     module, where = _module(name)
     fns = {}
-    for fname in ("model", "loss", "batch", "eval_batches", "describe", "tokens"):
+    for fname in ("model", "loss", "batch", "eval_batches", "describe", "tokens", "criterion",
+                  "split"):
         fn = getattr(module, fname, None)
         if fn is None and fname in ("model", "loss", "batch"):
             raise TaskError(f"task {where}: defines no function {fname}() (a task defines model(cfg), "
@@ -166,7 +175,7 @@ def load_task(name: str) -> Task:
             raise TaskError(f"task {where}: {fname} must be a function, got {type(fn).__name__}")
         fns[fname] = fn
     return Task(where, fns["model"], fns["loss"], fns["batch"], fns["eval_batches"], fns["describe"],
-                fns["tokens"])
+                fns["tokens"], fns["criterion"], fns["split"])
 
 
 __all__ = ["Task", "TaskError", "dataset_batches", "dataset_eval_batches", "from_functions",

@@ -41,7 +41,12 @@ def model(cfg) -> torch.nn.Module:
 
 def loss(model: torch.nn.Module, batch) -> torch.Tensor:
     x, y = batch
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return criterion(model(x), y)
+
+
+def criterion(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Next-byte cross-entropy of the model's output (what a pipeline's last stage computes)."""
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
 def batch(step: int, rank: int, world: int, cfg):

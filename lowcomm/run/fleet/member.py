@@ -184,6 +184,10 @@ class FleetLockstep(Lockstep):
         self.t_hello = time.monotonic()
         self.stopped = False
 
+    def batch_place(self) -> tuple[int, int]:
+        """This rank's place among the whole fleet's ranks."""
+        return self.rank, self.world
+
     def start(self):
         state = super().start()
         if self.channel is not None:

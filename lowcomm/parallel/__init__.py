@@ -1,0 +1,10 @@
+"""Splitting the model, not only the data: the model-parallel axes.
+
+* :mod:`~lowcomm.parallel.chains` — a model as a chain of pieces (stem, blocks, head), the
+  shape pipeline stages are cut from; chains for the built-in GPT, transformers' GPT-2 and
+  Llama, ``nn.Sequential``, and the user's own;
+* :mod:`~lowcomm.parallel.stages` — where the cuts go (every N blocks, named split points,
+  balanced by parameter count) and the stage module a rank runs;
+* :mod:`~lowcomm.parallel.pipeline` — pipeline parallelism (``pp``) as a lowcomm method, on
+  torch's own engine (:mod:`torch.distributed.pipelining`: its stages and schedules).
+"""

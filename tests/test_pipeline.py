@@ -1,0 +1,144 @@
+"""Pipeline parallelism (``pp``): its 2-rank checks under real mpirun (tests/mpi/check_pipeline.py,
+each case asserted on every rank), ``lowcomm train`` with it (resume bit for bit and on another
+split, the NaN policy, evaluation, the bubble in the metrics), and the cut and the settings in
+one process."""
+import json
+import shutil
+import textwrap
+
+import pytest
+
+from conftest import run_ranks, shared_mpi_suite
+from lowcomm.errors import ConfigError
+from lowcomm.parallel.pipeline import bubble_formula
+from lowcomm.parallel.stages import balanced, parse_split
+from lowcomm.run.api import load_config
+
+
+@pytest.mark.mpi_checks("check_pipeline.py", np=2, timeout=300)
+def test_pipeline_on_two_ranks():
+    cases = shared_mpi_suite(2, "check_pipeline.py")
+    for name in ("test_pp_equals_one_process_on_the_whole_batch[gpt2]",
+                 "test_pp_equals_one_process_on_the_whole_batch[llama]",
+                 "test_every_schedule_of_this_torch_trains_the_same_model[ZBVZeroBubble]",
+                 "test_clipping_by_the_norm_over_every_stage_equals_torchs_on_the_whole_model[gpt2]",
+                 "test_activations_and_their_gradients_are_charged_per_boundary",
+                 "test_a_stage_resumes_bit_for_bit_from_its_state"):
+        assert f"check_pipeline.py::{name}" in cases
+
+
+SETS = ["strategy.name=pp", "strategy.microbatches=4", "batch_size=8", "model.d_model=32",
+        "model.n_layers=4", "data.seq_len=16", "eval_batches=2", "eval_every=5", "log_every=5",
+        "checkpoint.every=5", "steps=10"]
+
+
+def train(np_, out, *sets, resume=None):
+    args = [a for o in (*SETS, *sets) for a in ("--set", o)]
+    r = run_ranks(np_, "lowcomm", "train", "--quiet", "--out", out, *args,
+                  *(["--resume", resume] if resume else []), timeout=240)
+    return r
+
+
+def test_lowcomm_train_with_pp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
+    """2 stages, 10 steps with a checkpoint every 5: the run's model is on every rank
+    (ranks_agree), its metrics carry the bubble beside its formula; the run resumed from step 5
+    on 2 ranks ends with the same model bit for bit, and on 1 rank (a pipeline of one stage:
+    the stages' states merged by name) with the same losses to float tolerance."""
+    full = tmp_path / "full"
+    r = train(2, full)
+    assert r.returncode == 0, r.output
+    summary = json.loads((full / "summary.json").read_text())
+    assert summary["ranks_agree"] is True and summary["steps"] == 10
+    lines = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["pp_bubble_formula"] == bubble_formula("1F1B", 2, 4) == 1 / 5
+    assert 0 < lines[-1]["pp_bubble"] < 1 and "eval_loss" in lines[-1]
+    for np_ in (2, 1):
+        again = tmp_path / f"again{np_}"
+        shutil.copytree(full, again)
+        shutil.rmtree(again / "checkpoints" / f"step-{10:08d}", ignore_errors=True)   # the newest: 5
+        (again / "summary.json").unlink()
+        r = train(np_, again, resume=again)
+        assert r.returncode == 0, r.output
+        resumed = json.loads((again / "summary.json").read_text())
+        if np_ == 2:
+            assert resumed["state_sha256"] == summary["state_sha256"]
+        else:
+            assert resumed["resizes"] == [{"step": 5, "from": 2, "to": 1}]
+            assert abs(resumed["final_loss"] - summary["final_loss"]) < 1e-5
+
+
+TASK = textwrap.dedent('''
+    """An MLP as nn.Sequential (every layer a block), its loss a criterion; the batch of step
+    ``bad`` holds a NaN."""
+    import torch
+    import torch.nn.functional as F
+
+    def model(cfg):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+                                     for _ in range(4)))
+
+    def criterion(out, y):
+        return F.mse_loss(out, y)
+
+    def loss(model, batch):
+        return criterion(model(batch[0]), batch[1])
+
+    def batch(step, rank, world, cfg):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(cfg.batch_size, 8, generator=g), torch.randn(cfg.batch_size, 8, generator=g)
+        if step == cfg.task.options.get("bad", 0):
+            x[0, 0] = float("nan")
+        return x, y
+''')
+
+
+@pytest.mark.parametrize("policy", ["skip", "abort"])
+def test_a_non_finite_step_under_pp_follows_the_nan_policy(tmp_path, policy):
+    """A user's task (an nn.Sequential, its own criterion): the NaN of step 3 reaches the
+    last stage's loss; ``skip``: every stage skips that step together; ``abort``: the job ends
+    naming the step."""
+    task = tmp_path / "task.py"
+    task.write_text(TASK)
+    out = tmp_path / "run"
+    r = run_ranks(2, "lowcomm", "train", "--quiet", "--out", out, *[
+        a for o in ("strategy.name=pp", "strategy.microbatches=2", "batch_size=4", f"task={task}",
+                    "task.bad=3", "steps=6", f"on_nonfinite={policy}", "log_every=3")
+        for a in ("--set", o)], timeout=240)
+    if policy == "skip":
+        assert r.returncode == 0, r.output
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["skipped_steps"] == 1 and summary["ranks_agree"] is True
+    else:
+        assert r.returncode != 0 and "at step 3: non-finite values" in r.output, r.output
+
+
+def test_balanced_cut_minimises_the_largest_stage():
+    assert balanced([1, 1, 1, 1], 2) == [0, 2, 4]
+    assert balanced([5, 1, 1, 1, 1, 1], 2) == [0, 1, 6]
+    assert balanced([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [0, 5, 7, 9]     # 15, 13, 17
+    assert balanced([3, 3], 2) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("text, ok", [("params", ("params", [])), ("every:2", ("every", [2])),
+                                      ("at:2,transformer.h.5", ("at", [2, "transformer.h.5"])),
+                                      ("every:0", None), ("evenly", None), ("at:", None)])
+def test_split_settings_parse_or_name_the_key(text, ok):
+    if ok is None:
+        with pytest.raises(ConfigError, match="strategy.split"):
+            parse_split(text)
+    else:
+        assert parse_split(text) == ok
+
+
+@pytest.mark.parametrize("sets, key, words", [
+    (["strategy.microbatches=3", "batch_size=8"], "strategy.microbatches", "do not divide"),
+    (["strategy.schedule=Zigzag"], "strategy.schedule", "no schedule"),
+    (["strategy.split=thirds"], "strategy.split", "is no split"),
+    (["strategy.schedule=ZBVZeroBubble", "strategy.stages_per_rank=3"],
+     "strategy.stages_per_rank", "2 stages per rank"),
+])
+def test_bad_pp_settings_name_the_key_before_any_rank_starts(sets, key, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["strategy.name=pp", *sets])
+    assert e.value.key == key and words in str(e.value), str(e.value)
