@@ -47,7 +47,8 @@ from torch.utils.data import DistributedSampler
 
 from ..comm.ledger import Ledger
 from ..strategies.base import Role, Strategy
-from .launcher import LAUNCHER_ENV, LAUNCHER_VARS, init, own_state_file, refuse_passing
+from .launcher import (LAUNCHER_ENV, LAUNCHER_VARS, clips_itself, gathers_model, init,
+                       own_state_file, refuse_passing)
 
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` for a run launched with mpirun whose optimizer is a lowcomm
@@ -106,12 +107,12 @@ class Trainer(transformers.Trainer):
 
     def _clip_grad_norm(self, model):
         """A method that shards the gradients (zero1, zero2) clips by its own global norm."""
-        if self.method.sharded:
+        if clips_itself(self.method):
             return self.method.clip_grad_norm_(self.args.max_grad_norm)
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        if grad_norm is None and self.method.sharded:
+        if grad_norm is None and clips_itself(self.method):
             grad_norm = self.method.clip_grad_norm_(float("inf"))
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
@@ -146,7 +147,7 @@ class Trainer(transformers.Trainer):
     def _whole_model(self):
         """Where the method shards the model (fsdp), its whole state dict gathered by every
         rank together, for rank 0's :meth:`_save` to write inside; else nothing to do."""
-        own = not self.method.closed and self.method.local_shards() is not None
+        own = not self.method.closed and gathers_model(self.method)
         self._gathered = self.method.full_model_state_dict() if own else None
         try:
             yield

@@ -661,12 +661,6 @@ class OuterLoop(Strategy):
             self.nest.inner.load_model_state_dict(state)
         else:
             super().load_model_state_dict(state)
-
-    def full_model_state_dict(self) -> dict:
-        """The whole model's state (gathered by the level below where it shards the model)."""
-        return self.nest.inner.full_model_state_dict() if self.shards_model else \
-            super().full_model_state_dict()
-
     # the optimizer interface ------------------------------------------------------------------
     def skip(self) -> None:
         driver = self._driver
