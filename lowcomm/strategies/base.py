@@ -298,7 +298,8 @@ class Strategy(torch.optim.Optimizer):
     role = Role.PLAIN
     #: gradients and optimizer state are sharded over the ranks, as ZeRO does; it clips them itself
     sharded = False
-    #: the parameters are sharded, by FSDP here or below; model_state_dict() holds this rank's
+    #: the model is split over the ranks, by FSDP here or below or a pipeline's stages; its
+    #: model_state_dict() holds this rank's part
     shards_model = False
     #: the model's forward is a collective, as FSDP's (it gathers the parameters)
     collective_forward = False
