@@ -1,6 +1,6 @@
 """The package's shape (DESIGN.md): no import cycle among lowcomm's modules, mpi4py called
-from comm.py alone (and bench.py, whose vendor rows are baselines by definition), and no
-function over 60 lines.
+from comm.py alone (and bench.py, whose vendor rows are baselines by definition), no
+function over 60 lines, and no capability of lowcomm's objects probed with getattr/hasattr.
 
 Imports are read with ``ast``, not executed: an import inside a function counts (it is a
 dependency all the same, only a late one); one under ``if TYPE_CHECKING:`` does not (it exists
@@ -243,3 +243,120 @@ def test_the_length_check_counts_a_functions_lines():
     assert long_functions(source, "m.py") == []
     assert long_functions(source + "        return x0\n", "m.py") == \
         [f"m.py:6 long ({MAX_FUNCTION_LINES + 1} lines)"]
+
+
+# one contract, declared (DESIGN.md) ------------------------------------------------------------
+#: what the loop, the fleet, snapshots, integrations and policies ask of lowcomm's objects (a
+#: method, its settings, a level, the place an average goes): declared with a default on the
+#: class or protocol that defines it and read directly, never probed with getattr/hasattr
+CAPABILITIES = {
+    "is_server", "role", "model_state_dict", "load_model_state_dict", "full_model_state_dict",
+    "clip_grad_norm_", "collective_forward", "sharded", "local_shards", "memory_tensors",
+    "joined", "drain", "warmup_steps", "delay", "wait_s", "on_loss", "rank_peers", "whole",
+    "rounds", "per_rank", "channel", "dcs", "arrivals", "late_rounds", "link", "fragments",
+    "merge", "alpha", "slot", "nesterov_every", "algorithm", "to_local", "shards_model",
+}
+
+#: the getattr/hasattr calls with a literal name the package keeps, by (module, name): how many,
+#: and why (none asks a lowcomm object for a capability). A new one fails the test.
+ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
+    ("lowcomm.cli.main", "exit_code"): (2, "click's and the loop's exceptions: only some carry one"),
+    ("lowcomm.cli.main", "signum"): (1, "an exception that stopped on a signal carries one"),
+    ("lowcomm.comm.collectives", "turn"): (1, "a shared window's alternating half, set on first use"),
+    ("lowcomm.comm.collectives", "files_own_levels"): (1, "a marker on an all-reduce function"),
+    ("lowcomm.comm.comm", "__name__"): (1, "an mpi4py callable's name (foreign)"),
+    ("lowcomm.comm.comm", "__self__"): (1, "an mpi4py bound method's owner (foreign)"),
+    ("lowcomm.comm.comm", "sched_getaffinity"): (1, "os has it on Linux only"),
+    ("lowcomm.comm.ledger", "scope"): (2, "a threading.local, unset in a new thread"),
+    ("lowcomm.compress", "collective"): (2, "a compressor config that may predate the key"),
+    ("lowcomm.compress.bits", "buf"): (1, "a threading.local cache"),
+    ("lowcomm.compress.scratch", "bufs"): (1, "a threading.local cache"),
+    ("lowcomm.integrations.lightning", "name"): (1, "Lightning's reduce op: an enum or a string"),
+    ("lowcomm.integrations.transformers", "__len__"): (1, "a user's dataset: sized or iterable"),
+    ("lowcomm.run.api", "__name__"): (1, "a task given as a module or an object"),
+    ("lowcomm.run.snapshot", "shape"): (1, "a state dict's values: tensors or extra state"),
+    ("lowcomm.settings", "__name__"): (1, "a type hint: a class or a typing construct"),
+    ("lowcomm.strategies.base", "depth"): (2, "a threading.local counter, unset in a new thread"),
+    ("lowcomm.strategies.base", "lowcomm_ranges"): (1, "a marker on a torch optimizer (foreign)"),
+    ("lowcomm.strategies.base", "_lowcomm_method"): (2, "a marker on a torch optimizer (foreign)"),
+    ("lowcomm.strategies.base", "settings"): (1, "Strategy itself: a subclass's own settings"),
+    ("lowcomm.strategies.fsdp", "_fsdp_param_groups"): (1, "torch's FSDP internals by version"),
+    ("lowcomm.strategies.fsdp", "_fsdp_param_group"): (1, "torch's FSDP internals by version"),
+    ("lowcomm.strategies.fsdp", "_orig_cls_mro_index"): (1, "torch's FSDP internals by version"),
+    ("lowcomm.strategies.fsdp", "__name__"): (1, "a user's wrap policy: a callable of any kind"),
+    ("lowcomm.strategies.fsdp", "policy"): (1, "a run config, or a partial one in a check"),
+    ("lowcomm.strategies.syncdp", "server_error"): (1, "a compressor's exchange: two-phase keeps one"),
+    ("lowcomm.tools.bench", "sync_s"): (1, "a benchmark's wrapped baseline (Horovod's) may time it"),
+    ("lowcomm.tools.bench", "levels"): (1, "a benchmark's function: hierarchical carries its levels"),
+    ("lowcomm.tools.memory_bench", "to"): (1, "a task's batch: a tensor or a structure of them"),
+}
+
+
+def probes(source: str, name: str) -> list[tuple[str, str, bool]]:
+    """``(where, attribute, inside)`` of each ``getattr(x, "literal", ...)`` and
+    ``hasattr(x, "literal")`` in ``source`` (``where``: ``name:line``; ``inside``: the call is
+    in the body of a class that defines the attribute itself)."""
+    out = []
+
+    def visit(node, classes):
+        if isinstance(node, ast.ClassDef):
+            classes = classes + [node]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 and \
+                isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            attr = node.args[1].value
+            out.append((f"{name}:{node.lineno}", attr, any(attr in _defines(c) for c in classes)))
+        for child in ast.iter_child_nodes(node):
+            visit(child, classes)
+    visit(ast.parse(source), [])
+    return out
+
+
+def _defines(cls: ast.ClassDef) -> set[str]:
+    """The names a class body defines (methods, properties, class attributes)."""
+    names = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def package_probes() -> list[tuple[str, str, str, bool]]:
+    """``(module, where, attribute, inside)`` of every literal probe in the package."""
+    return [(m, where, attr, inside) for m, path in modules().items()
+            for where, attr, inside in probes(path.read_text(),
+                                              str(path.relative_to(PACKAGE.parent)))]
+
+
+def test_no_capability_is_probed():
+    """A capability is a method or property with a default, called unconditionally: never
+    ``getattr(obj, "x", default)`` or ``hasattr(obj, "x")`` outside the class defining it."""
+    bad = [f"{where}: probes {attr!r}" for _, where, attr, inside in package_probes()
+           if attr in CAPABILITIES and not inside]
+    assert not bad, ("capabilities probed (declare them with a default on the class or protocol "
+                     "and read them directly):\n" + "\n".join(bad))
+
+
+def test_every_remaining_probe_is_allowed_with_its_reason():
+    found: dict[tuple[str, str], list[str]] = {}
+    for m, where, attr, _ in package_probes():
+        found.setdefault((m, attr), []).append(where)
+    bad = [f"{w}: getattr/hasattr of {k[1]!r} ({len(ws)} in {k[0]}, "
+           f"{ALLOWED[k][0] if k in ALLOWED else 0} allowed)"
+           for k, ws in sorted(found.items()) if len(ws) > ALLOWED.get(k, (0, ""))[0] for w in ws]
+    assert not bad, ("new getattr/hasattr probes: declare the attribute (a default on its class) "
+                     "and read it, or add it to ALLOWED with its reason:\n" + "\n".join(bad))
+    stale = [f"{k}: {n} allowed, {len(found.get(k, []))} left" for k, (n, _) in ALLOWED.items()
+             if len(found.get(k, [])) < n]
+    assert not stale, "ALLOWED names probes that are gone; lower or remove them:\n" + "\n".join(stale)
+    assert sum(len(ws) for ws in found.values()) == sum(n for n, _ in ALLOWED.values())
+
+
+def test_the_probe_check_finds_a_probe_outside_the_class_defining_it():
+    source = ("class Strategy:\n    role = 1\n    def f(self):\n        return getattr(self, 'role', 0)\n\n"
+              "def g(s):\n    return hasattr(s, 'role') or getattr(s, 'x', 1) or getattr(s, y)\n")
+    assert probes(source, "m.py") == [("m.py:4", "role", True), ("m.py:7", "role", False),
+                                      ("m.py:7", "x", False)]

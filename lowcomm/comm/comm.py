@@ -167,6 +167,10 @@ class Comm:
         comm.allreduce_(t)            # vendor MPI_Allreduce, in place
     """
 
+    # as a :class:`~lowcomm.comm.roles.Peers` and :class:`~lowcomm.comm.roles.Whole`: MPI's ranks
+    rounds = per_rank = late_rounds = arrivals = False
+    channel = dcs = None
+
     def __init__(self, mpi_comm, ledger: Ledger | None = None, level: str = "world",
                  validate: bool = True, watchdog: Watchdog | None = None):
         self.mpi = mpi_comm

@@ -55,6 +55,10 @@ class GlooComm:
     (module docstring). ``peers``: what each rank stands for, for error messages (e.g. the
     datacenter indices of the members)."""
 
+    # as a :class:`~lowcomm.comm.roles.Peers`: the ranks of one group
+    rounds = per_rank = False
+    dcs = None
+
     def __init__(self, pg, rank: int, size: int, ledger: Ledger | None = None, level: str = "dc",
                  timeout_s: float = 60.0, peers: list | None = None, link=None):
         self.pg, self.rank, self.size, self.level = pg, rank, size, level

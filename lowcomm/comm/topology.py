@@ -341,7 +341,10 @@ class Levels:
       :func:`lowcomm.comm.collectives.hierarchical`.
 
     ``levels[level]`` is ``peers(level)``: the Comm whose traffic crosses that level's links.
+    A :class:`~lowcomm.comm.roles.LevelSet`.
     """
+
+    whole = None             # every rank of every unit is ``world``
 
     def __init__(self, topology: Topology, world: Comm):
         self.topology, self.world = topology, world
@@ -389,6 +392,10 @@ class Levels:
     def peers(self, level: str) -> Comm:
         self.topology._index(level)
         return self._peers[level]
+
+    def rank_peers(self, level: str) -> Comm:
+        """Rank i of every unit at ``level``: :meth:`peers` (a unit's ranks are placed alike)."""
+        return self.peers(level)
 
     def __getitem__(self, level: str) -> Comm:
         return self.peers(level)

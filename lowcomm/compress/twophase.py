@@ -58,7 +58,7 @@ def link_of(comm) -> tuple[float, float]:
     :meth:`lowcomm.comm.topology.Topology.comms` sets from the topology (a world communicator: its
     outermost level, which a world collective crosses), else :data:`DEFAULT_LINK`. Makes no
     MPI call."""
-    link = getattr(comm, "link", None)
+    link = comm.link
     if link is None:
         return DEFAULT_LINK
     return link.alpha_s, link.bytes_per_s

@@ -70,16 +70,31 @@ def refuse_passing(method, where: str) -> None:
                            "step; use lowcomm.train or your own loop, or diloco")
 
 
+def clips_itself(method) -> bool:
+    """Whether the method clips by a norm of its own (its ``clip_grad_norm_``: ZeRO's ranges, a
+    pipeline's stages), where torch's over the model's parameters would see part of it."""
+    from ..strategies.base import Strategy
+    return type(method).clip_grad_norm_ is not Strategy.clip_grad_norm_
+
+
+def gathers_model(method) -> bool:
+    """Whether each rank holds part of the model, which the method's own
+    ``full_model_state_dict`` gathers (fsdp, a pipeline)."""
+    from ..strategies.base import Strategy
+    return type(method).full_model_state_dict is not Strategy.full_model_state_dict
+
+
 def refuse_unsupported(method, where: str) -> None:
     """Methods an integration cannot drive yet, refused with what to use instead: the parameter
     server (its server ranks serve instead of training), the sharding methods (their model
     state and gradient norm are per shard) and those that pass over steps (:func:`refuse_passing`)."""
+    from ..strategies.base import Role
     refuse_passing(method, where)
-    if hasattr(method, "is_server"):
+    if method.role is not Role.PLAIN:
         raise LowcommError(f"{where} does not run lowcomm's {method.name} (its server ranks serve "
                            "instead of training): use lowcomm.integrations.transformers.Trainer "
                            "or lowcomm's own loop (lowcomm.train)")
-    if hasattr(method, "clip_grad_norm_") or hasattr(method, "full_model_state_dict"):
+    if clips_itself(method) or gathers_model(method):
         raise LowcommError(f"{where} does not run lowcomm's {method.name} (it shards the model or "
                            "its gradients): use lowcomm.integrations.transformers.Trainer or "
                            "lowcomm's own loop (lowcomm.train)")

@@ -46,9 +46,9 @@ import transformers
 from torch.utils.data import DistributedSampler
 
 from ..comm.ledger import Ledger
-from ..run.snapshot import model_state
-from ..strategies.base import Strategy
-from .launcher import LAUNCHER_ENV, LAUNCHER_VARS, init, own_state_file, refuse_passing
+from ..strategies.base import Role, Strategy
+from .launcher import (LAUNCHER_ENV, LAUNCHER_VARS, clips_itself, gathers_model, init,
+                       own_state_file, refuse_passing)
 
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` for a run launched with mpirun whose optimizer is a lowcomm
@@ -64,10 +64,10 @@ class Trainer(transformers.Trainer):
         init(method.comm)
         self.method, self.comm = method, method.comm
         self._gathered = None          # a sharded model's whole state while rank 0 writes it
-        self.is_server = bool(getattr(method, "is_server", False))
+        self.is_server = method.role is Role.SERVER
         # the ranks that train (all, or the parameter server's workers), for data and metrics
         ctl = self.comm.dup(Ledger(), "control")        # metrics and bookkeeping: not charged
-        self._trainers = ctl.split(1 if self.is_server else 0) if hasattr(method, "is_server") \
+        self._trainers = ctl.split(1 if self.is_server else 0) if method.role is not Role.PLAIN \
             else ctl
         super().__init__(*args, **kwargs)
         if not self._first:
@@ -107,12 +107,12 @@ class Trainer(transformers.Trainer):
 
     def _clip_grad_norm(self, model):
         """A method that shards the gradients (zero1, zero2) clips by its own global norm."""
-        if hasattr(self.method, "clip_grad_norm_"):
+        if clips_itself(self.method):
             return self.method.clip_grad_norm_(self.args.max_grad_norm)
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        if grad_norm is None and hasattr(self.method, "clip_grad_norm_"):
+        if grad_norm is None and clips_itself(self.method):
             grad_norm = self.method.clip_grad_norm_(float("inf"))
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
@@ -147,8 +147,8 @@ class Trainer(transformers.Trainer):
     def _whole_model(self):
         """Where the method shards the model (fsdp), its whole state dict gathered by every
         rank together, for rank 0's :meth:`_save` to write inside; else nothing to do."""
-        full = getattr(self.method, "full_model_state_dict", None)
-        self._gathered = full() if full is not None and not self.method.closed else None
+        own = not self.method.closed and gathers_model(self.method)
+        self._gathered = self.method.full_model_state_dict() if own else None
         try:
             yield
         finally:
@@ -170,14 +170,14 @@ class Trainer(transformers.Trainer):
         folder = os.path.join(self._get_output_dir(trial=trial),
                               f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if os.path.isdir(folder):            # (save_strategy "best" may write none)
-            torch.save({"model": model_state(self.model, self.method),
+            torch.save({"model": self.method.model_state_dict(),
                         "method": self.method.state_dict()},
                        self._own_state(folder))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """A sharded model (fsdp) takes its shards from this rank's own file (in
         :meth:`_load_optimizer_and_scheduler`), not the whole model rank 0 wrote."""
-        if hasattr(self.method, "load_model_state_dict") and model is None and \
+        if self.method.shards_model and model is None and \
                 os.path.isfile(self._own_state(resume_from_checkpoint)):
             return None
         return super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -189,7 +189,7 @@ class Trainer(transformers.Trainer):
         if mine is None or not os.path.isfile(mine):
             return super()._load_optimizer_and_scheduler(checkpoint)
         state = torch.load(mine, map_location="cpu", weights_only=True)
-        getattr(self.method, "load_model_state_dict", self.model.load_state_dict)(state["model"])
+        self.method.load_model_state_dict(state["model"])
         self.method.load_state_dict(state["method"])
         sched = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
         if os.path.isfile(sched):

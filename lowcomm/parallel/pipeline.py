@@ -225,6 +225,7 @@ class PipelineParallel(Strategy):
     name = "pp"
     lockstep = True
     collective_forward = True       # every stage takes part in each evaluation
+    shards_model = True             # a rank holds its stages' part of the model
     Settings = PipelineSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

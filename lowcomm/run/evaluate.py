@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..comm.comm import Comm
+from ..strategies.zero import ShardedGrad
+from .memory import local_part
 
 if TYPE_CHECKING:
     from ..tasks import Task
@@ -42,8 +44,8 @@ def nonfinite(loss: torch.Tensor, model: torch.nn.Module) -> str | None:
     One sum per tensor and one test of them all decide the common case (NaN/Inf propagate into
     a sum; one pass over the gradients instead of a test and a host sync per tensor); only when
     that sum is not finite (NaN/Inf, or a finite sum that overflowed) is each tensor tested."""
-    grads = [(name, _local(p.grad)) for name, p in model.named_parameters()   # (a sharding method
-             if p.grad is not None and not getattr(type(p.grad), "sharded", False)]  # checks its own)
+    grads = [(name, local_part(p.grad)) for name, p in model.named_parameters()   # (a sharding
+             if p.grad is not None and not isinstance(p.grad, ShardedGrad)]  # method checks its own)
     sums = [loss.detach().float().sum()] + [g.sum(dtype=torch.float32) for _, g in grads]
     if bool(torch.isfinite(torch.stack([s.to(sums[0].device) for s in sums])).all()):
         return None
@@ -53,11 +55,6 @@ def nonfinite(loss: torch.Tensor, model: torch.nn.Module) -> str | None:
         if not bool(torch.isfinite(g).all()):
             return f"the gradient of {name!r}"
     return None
-
-
-def _local(g: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a gradient (a sharded DTensor's local chunk, FSDP's)."""
-    return g.to_local() if hasattr(g, "to_local") else g
 
 
 @torch.no_grad()

@@ -199,7 +199,7 @@ class Lockstep(Coordination):
         evaluating = bool(r.held_out) and bool(at_mark or r.cfg.eval_every and
                                                state.step % r.cfg.eval_every == 0)
         held_out = evaluation_sums(r.model, r.task, r.held_out, r.ctl,
-                                   getattr(r.strategy, "collective_forward", False),
+                                   r.strategy.collective_forward,
                                    lambda b: r.strategy.evaluate(r.task.loss, b)) \
             if evaluating else [0.0, 0.0]
         sums = torch.tensor([sum(state.window), len(state.window), tot["bytes_sent"],

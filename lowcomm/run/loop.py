@@ -50,6 +50,7 @@ from typing import Callable
 
 from ..comm.comm import Comm
 from ..comm.ledger import compute_cpu_clock
+from ..strategies.base import Role
 from ..tasks import Task
 from .lockstep import STOP_VOTE_LAG, Detached, Lockstep
 from .evaluate import nonfinite
@@ -85,10 +86,10 @@ def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = N
                          forward=task.loss, criterion=task.criterion_fn, split=task.split_fn)
         r = Run(cfg, task, model, strategy, comm, ctl, out, ckpt, progress, resume)
         with settled_heap():
-            if getattr(strategy, "is_server", False):      # the parameter server's servers
+            if strategy.role is Role.SERVER:               # the parameter server's servers
                 from .serve import serve
                 return serve(r)
-            coord = Detached(r) if hasattr(strategy, "is_server") else (coordination or Lockstep)(r)
+            coord = Detached(r) if strategy.role is Role.WORKER else (coordination or Lockstep)(r)
             recent.rank, recent.world = coord.batch_place()
             return train(r, coord)
     finally:

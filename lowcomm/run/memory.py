@@ -16,8 +16,15 @@ import sys
 import torch
 
 from ..errors import LowcommError
+from ..strategies.zero import ShardedGrad
 
 GIB = 1 << 30
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (FSDP2's), else ``t`` itself."""
+    dtensor = sys.modules.get("torch.distributed.tensor")   # none exists before it is imported
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def storage_bytes(tensors) -> int:
@@ -25,10 +32,9 @@ def storage_bytes(tensors) -> int:
     tensors — modules another pipeline stage holds — skipped)."""
     seen, total = set(), 0
     for t in tensors:
-        if t is None or not torch.is_tensor(t) or t.is_meta or getattr(type(t), "sharded", False):
+        if t is None or not torch.is_tensor(t) or t.is_meta or isinstance(t, ShardedGrad):
             continue
-        if hasattr(t, "to_local"):          # a DTensor (FSDP2): this rank's shard
-            t = t.to_local()
+        t = local_part(t)
         s = t.untyped_storage()
         key = (s.data_ptr(), t.device)
         if key not in seen and s.nbytes():
@@ -53,8 +59,8 @@ def peak_bytes(model: torch.nn.Module) -> tuple[int, str]:
 def measure(model: torch.nn.Module, method) -> dict:
     """This rank's parameter, gradient and optimizer-state bytes (the method's own tensors
     included) and its peak memory."""
-    extra = method.memory_tensors() if hasattr(method, "memory_tensors") else {}
-    optimizer = getattr(method, "optimizer", method)
+    extra = method.memory_tensors()
+    optimizer = method.optimizer
     params = list(model.parameters())
     groups = [q for g in optimizer.param_groups for q in g["params"]]
     peak, source = peak_bytes(model)

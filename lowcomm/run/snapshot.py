@@ -39,15 +39,8 @@ def set_rng_state(state: dict) -> None:
 def snapshot(model, strategy, comm: Comm, loop: dict) -> dict:
     """Everything one rank needs to continue exactly: model, strategy (optimizer, residuals,
     outer state, versions), ledger counters, RNG states and the loop's own counters."""
-    return {"model": model_state(model, strategy), "strategy": strategy.state_dict(),
+    return {"model": strategy.model_state_dict(), "strategy": strategy.state_dict(),
             "ledger": comm.ledger.state_dict(), "rng": rng_state(), "loop": loop}
-
-
-def model_state(model, strategy) -> dict:
-    """The model's state as the strategy keeps it: its ``model_state_dict()`` where it has one
-    (a sharding method saves each rank's shards), else ``model.state_dict()``."""
-    own = getattr(strategy, "model_state_dict", None)
-    return own() if own is not None else model.state_dict()
 
 
 def resized(state: dict, comm: Comm, strategy, where: Path) -> dict:
@@ -86,7 +79,7 @@ def resized(state: dict, comm: Comm, strategy, where: Path) -> dict:
                                                    "to": comm.size}]
     if r == 0:
         log.warning("resuming the %d-rank checkpoint %s on %d ranks, merged by %s's rule",
-                    K_old, where, comm.size, getattr(strategy, "name", "async-ps"))
+                    K_old, where, comm.size, strategy.name)
     return {"step": state["step"], "model": merged["model"], "strategy": adopt(merged["strategy"]),
             "ledger": {"rows": list(rows.values())}, "rng": merged.get("rng", old[r % K_old]["rng"]),
             "loop": loop}
@@ -132,10 +125,10 @@ def restore(resume: str | Path, cfg, comm: Comm, ctl: Comm, model, strategy,
         check_model(model.state_dict(), {k: v for s in reversed(state["ranks"])
                                          for k, v in s["model"].items()}, where)   # rank 0's first
     else:                     # this rank's keys (a pipeline stage's, a shard's)
-        check_model(model_state(model, strategy), state["model"], where)
+        check_model(strategy.model_state_dict(), state["model"], where)
     if "ranks" in state:
         state = resized(state, comm, strategy, from_dir)
-    getattr(strategy, "load_model_state_dict", model.load_state_dict)(state["model"])
+    strategy.load_model_state_dict(state["model"])
     strategy.load_state_dict(state["strategy"])
     comm.ledger.load_state_dict(state["ledger"])
     set_rng_state(state["rng"])

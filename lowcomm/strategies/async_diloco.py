@@ -112,7 +112,7 @@ class AsyncDiLoCo(DyLUDiLoCo):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, **arguments):
         super().__init__(model, optimizer, comm, **arguments)
-        if not getattr(self._whole, "arrivals", False):
+        if not self._whole.arrivals:
             raise ConfigError("strategy.name", "diloco-async runs across a fleet's datacenters "
                               "only (lowcomm train --dcs D): its outer state is the fleet "
                               "coordinator's arrival server")

@@ -72,11 +72,13 @@ Example::
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from ..comm.comm import Comm
 from ..errors import ArgumentError, LowcommError
-from .base import Strategy
+from .base import Role, Strategy
 from .ps.protocol import (DROPPED, HEADER, OK, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE,
                           TAG_INIT, TAG_PULL, TAG_PUSH, AsyncPSSettings, BufferBlock, Reply, ServerLost, Shard,
                           WorkerDropped, WorkersLost, build_shards, dc_compensate, load_shard,
@@ -87,10 +89,10 @@ from .ps.worker import Worker
 
 class AsyncPS(Strategy):
     """The asynchronous parameter server as a method, on every rank: ranks
-    ``0 … servers-1`` serve (:meth:`serve`), the others train (:meth:`step`). The role's own
-    attributes (a worker's ``clock``, a server's ``server.stats()``, ``shards``, ...) are read
-    through this object. Same arguments on every rank; see
-    :class:`~lowcomm.strategies.ps.worker.Worker` for their meaning
+    ``0 … servers-1`` serve (:meth:`serve`), the others train (:meth:`step`). The part the rank
+    plays (:attr:`part`: a :class:`~lowcomm.strategies.ps.worker.Worker` or a
+    :class:`ParameterServer`) is read through the attributes declared below. Same arguments on
+    every rank; see :class:`~lowcomm.strategies.ps.worker.Worker` for their meaning
     (:mod:`lowcomm.strategies.ps.method` builds it from the run's settings)."""
 
     name = "async-ps"
@@ -109,22 +111,47 @@ class AsyncPS(Strategy):
             raise ArgumentError("nonfinite", f"must be 'raise' or 'skip', got {nonfinite!r}")
         if budget is not None and budget < 1:
             raise ArgumentError("budget", f"must be >= 1 gradients, got {budget}")
-        self.settings, self.is_server = st, self.comm.rank < st.servers
-        role = ParameterServer if self.is_server else Worker
-        self.role = role(model, optimizer, self.comm, compressor=compressor, settings=st,
+        self.settings = st
+        part = ParameterServer if self.comm.rank < st.servers else Worker
+        self.part = part(model, optimizer, self.comm, compressor=compressor, settings=st,
                          nonfinite=nonfinite, budget=budget)
 
-    def __getattr__(self, name: str):
-        role = self.__dict__.get("role")
-        if role is None:
-            raise AttributeError(name)
-        return getattr(role, name)
+    @property
+    def role(self) -> Role:
+        """SERVER on ranks ``0 … servers-1``, WORKER on the others."""
+        return self.part.role
+
+    @property
+    def is_server(self) -> bool:
+        """Whether this rank serves (:attr:`role` is SERVER)."""
+        return self.role is Role.SERVER
+
+    # the part's attributes, read through this object (both parts)
+    servers = property(attrgetter("part.servers"), doc="S, the number of server ranks")
+    workers = property(attrgetter("part.workers"), doc="the number of worker ranks")
+    index = property(attrgetter("part.index"), doc="this rank's worker or server index")
+    shards = property(attrgetter("part.shards"), doc="the parameters' shards, one per server")
+    clock = property(attrgetter("part.clock"), doc="a worker's clock; a server's, per worker")
+    max_staleness = property(attrgetter("part.max_staleness"), doc="τ, the staleness bound")
+    staleness_lr = property(attrgetter("part.staleness_lr"), doc="the staleness-aware learning rate")
+    dc_lambda = property(attrgetter("part.dc_lambda"), doc="DC-ASGD's λ (0: off)")
+    worker_timeout_s = property(attrgetter("part.worker_timeout_s"), doc="a silent worker is lost after it")
+    server_timeout_s = property(attrgetter("part.server_timeout_s"), doc="a silent server is lost after it")
+    # a worker's
+    stopped = property(attrgetter("part.stopped"), doc="a server said the budget is spent")
+    finished = property(attrgetter("part.finished"), doc="done() told the servers")
+    lag_hist = property(attrgetter("part.lag_hist"), doc="the clock lags of the replies, counted")
+    wait_s = property(attrgetter("part.wait_s"), doc="seconds the worker waited for replies")
+    note_loss = property(attrgetter("part.note_loss"), doc="log the loss of the next gradient")
+    # a server's
+    server = property(attrgetter("part.server"), doc="the ParameterServer (on a server rank)")
+    load_shard = property(attrgetter("part.load_shard"), doc="set shard ``s`` to given values")
 
     def _worker(self, what: str) -> Worker:
         if self.is_server:
             raise LowcommError(f"rank {self.comm.rank} is a parameter server (ranks "
                                f"0..{self.servers - 1} serve): call serve() there, not {what}")
-        return self.role
+        return self.part
 
     def serve(self, on_update=None, on_idle=None) -> None:
         """A server rank: serve until every worker has finished or is lost (see
@@ -133,7 +160,7 @@ class AsyncPS(Strategy):
             raise LowcommError(f"rank {self.comm.rank} is a worker: it steps; ranks "
                                f"0..{self.servers - 1} serve")
         with self._own_step():              # the server steps its shard with the optimizer
-            self.role.serve(on_update, on_idle)
+            self.part.serve(on_update, on_idle)
 
     def _step(self, closure=None):
         return self._worker("step()").step(closure)
@@ -149,28 +176,28 @@ class AsyncPS(Strategy):
         self._worker("done()").done(signum)
 
     def _state_dict(self) -> dict:
-        return self.role.state_dict()
+        return self.part.state_dict()
 
     def _load_state_dict(self, state: dict) -> None:
-        self.role.load_state_dict(state)
+        self.part.load_state_dict(state)
 
     def reshard(self, old: list[dict]) -> dict:
-        return self.role.reshard(old)
+        return self.part.reshard(old)
 
     def _close(self) -> None:
-        self.role.close()
+        self.part.close()
 
     def _finish(self) -> None:
         """Every rank ends with the servers' model: a worker that has not said so is done; then
         each server broadcasts its shard (server 0 its served buffers too) to every rank. A
         collective over every rank: with a lost worker, :func:`lowcomm.train` delivers the model
         point to point instead."""
-        if not self.is_server and not self.role.finished:
-            self.role.done()
+        if not self.is_server and not self.part.finished:
+            self.part.done()
         for s, shard in enumerate(self.shards):
-            flat = self.role.shard_values(s)
+            flat = self.part.shard_values(s)
             self.comm.bcast_(flat, root=s)
-            load_shard(self.role._params, shard, flat)
+            load_shard(self.part._params, shard, flat)
         block = BufferBlock(self.model)
         if block.nbytes:
             data = block.pack()          # rank 0 (server 0) holds the served buffers

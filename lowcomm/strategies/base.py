@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import threading
 import warnings
@@ -27,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from ..comm.comm import Comm, init
+from ..comm.roles import LevelSet
 from ..compress.settings import CompressorSettings
 from ..errors import CommError, ConfigError, LowcommError
 
@@ -64,7 +66,7 @@ class Context:
     nonfinite: str = "abort"
     steps: int | None = None
     nest: Any = None
-    levels: Any = None
+    levels: LevelSet | None = None
     batches: Any = None
     forward: Any = None
     criterion: Any = None
@@ -244,6 +246,14 @@ warnings.filterwarnings("ignore", message="GradScaler is going to stop passing i
                         category=FutureWarning)
 
 
+class Role(enum.Enum):
+    """What a rank does under its method: trains (a plain method), or is a parameter server's
+    worker or server."""
+    PLAIN = "plain"
+    WORKER = "worker"
+    SERVER = "server"
+
+
 def _settings_text(settings: dict | None) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in (settings or {}).items()) or "no settings"
 
@@ -282,6 +292,55 @@ class Strategy(torch.optim.Optimizer):
     #: from then on: the method's members are :meth:`members` (else :meth:`step` refuses them)
     unfreezes = False
     _step_supports_amp_scaling = True
+
+    # declared capabilities: what the loop, the fleet, snapshots and integrations ask of a method
+    #: what this rank does (a parameter server's ranks serve or work)
+    role = Role.PLAIN
+    #: gradients and optimizer state are sharded over the ranks, as ZeRO does; it clips them itself
+    sharded = False
+    #: the model is split over the ranks, by FSDP here or below or a pipeline's stages; its
+    #: model_state_dict() holds this rank's part
+    shards_model = False
+    #: the model's forward is a collective, as FSDP's (it gathers the parameters)
+    collective_forward = False
+    #: dense steps before the method's first period, an outer loop's warm-up
+    warmup_steps = 0
+    #: inner steps a round is in flight before it is applied; 0 where rounds block
+    delay = 0
+    #: seconds the steps waited for rounds in flight
+    wait_s = 0.0
+
+    def model_state_dict(self) -> dict:
+        """The model's state as this rank keeps it (a sharding method: this rank's shards)."""
+        return self.model.state_dict()
+
+    def load_model_state_dict(self, state: dict) -> None:
+        """Load a :meth:`model_state_dict` into the model."""
+        self.model.load_state_dict(state)
+
+    def full_model_state_dict(self) -> dict:
+        """The whole model's state (collective where the parameters are sharded)."""
+        return self.model_state_dict()
+
+    def local_shards(self) -> dict[str, torch.Tensor] | None:
+        """This rank's chunk of every parameter where the method itself shards them; else None."""
+        return None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the gradients by their global norm; returns the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, norm_type,
+                                              error_if_nonfinite)
+
+    def joined(self) -> None:
+        """A rejoining fleet member took a donor's state: continue from the live outer state."""
+
+    def drain(self) -> None:
+        """Wait for the rounds in flight (each is still applied at its step)."""
+
+    def landed(self, step: int) -> int:
+        """The last inner step whose rounds have landed on every member, the loop at ``step``."""
+        return step
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -478,7 +537,7 @@ class Strategy(torch.optim.Optimizer):
     del _shared_attr
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "optimizer", None) is None:     # torch.optim.Optimizer.__init__
+        if "optimizer" not in self.__dict__:             # torch.optim.Optimizer.__init__
             return super().add_param_group(param_group)
         raise TypeError(f"{type(self).__name__} fixed its parameters when it was built (its "
                         "buffers and messages are laid out for them); add the group to the torch "

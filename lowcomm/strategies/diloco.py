@@ -232,11 +232,11 @@ class DiLoCo(OuterLoop):
         super().__init__(model, optimizer, comm, **arguments)
         s = self.settings
         self._init_outer(s.outer_optimizer, s.outer_lr, s.outer_momentum,
-                         getattr(s, "nesterov_every", 1))
+                         s.nesterov_every)
         self._eager = self._init_eager() if self.merge == "eager" else None
         # a fleet whose rounds may go ahead without a late datacenter (fleet.quorum)
         self._late = {"carried": 0, "last_step": [torch.zeros_like(p) for p in self.outer_params]} \
-            if getattr(self._whole, "late_rounds", False) else None
+            if self._whole.late_rounds else None
 
     def _init_outer(self, outer_optimizer: str, outer_lr: float, outer_momentum: float,
                     every: int = 1) -> None:

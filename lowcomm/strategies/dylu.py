@@ -114,7 +114,7 @@ class DyLUDiLoCo(DiLoCo):
         inside, across = self._inside, self._leaders if self.nest is not None else self._red
         mine = None
         if across is not None:                   # a fleet's channel: its datacenter of dcs
-            mine = (across.dc, across.dcs) if hasattr(across, "dcs") else (across.rank, across.size)
+            mine = (across.dc, across.dcs) if across.dcs is not None else (across.rank, across.size)
         if inside is not None and inside.size > 1:
             mine = inside.bcast_object(mine)
         return mine

@@ -300,6 +300,7 @@ class FSDP(Strategy):
     lockstep = True
     #: the model's forward is a collective (parameters are gathered in it) until finish()
     collective_forward = True
+    shards_model = True
     Settings = FSDPSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -372,8 +373,9 @@ class FSDP(Strategy):
 
     def local_shards(self) -> dict[str, torch.Tensor]:
         """This rank's chunk of every parameter (``DTensor.to_local()``: views, by name)."""
+        from torch.distributed.tensor import DTensor
         return {n: p.to_local() for n, p in self.model.named_parameters()
-                if hasattr(p, "to_local")}
+                if isinstance(p, DTensor)}
 
     # checkpoints --------------------------------------------------------------------------------
     def model_state_dict(self) -> dict:

@@ -17,6 +17,7 @@ import torch
 from ..comm.collectives import allgather_, allreduce_, broadcast_, chunk_bounds, get_algorithm
 from ..comm.comm import Comm
 from ..comm.idle import IdleWait
+from ..comm.roles import Peers, Whole
 from ..compress.base import Pending, Segment
 from ..compress.compressor import Compressor
 from ..errors import ArgumentError, CommError, ConfigError
@@ -143,10 +144,10 @@ class Nesting:
     averaged over."""
     inner: Strategy | None      # takes the inner steps (None: the plain optimizer)
     inside: Comm | None         # the ranks of my unit (None: a unit is one rank)
-    leaders: Comm | None        # the first rank of each unit (on those ranks only)
+    leaders: Peers | None       # the first rank of each unit (on those ranks only)
     average_inside: bool = False
-    whole: Comm | None = None   # every rank of every unit (None: the loop's comm)
-    peers: Comm | None = None   # my counterpart in every unit (sharded outer state, below)
+    whole: Whole | None = None  # every rank of every unit (None: the loop's comm)
+    peers: Peers | None = None  # my counterpart in every unit (sharded outer state, below)
 
 
 @dataclass
@@ -264,19 +265,16 @@ class OuterLoop(Strategy):
                                 f"{type(compressor).__name__}")
         self.settings = s
         self.period, self.warmup_steps, self.algorithm = s.period, s.warmup_steps, s.algorithm
-        self.delay, self.alpha = getattr(s, "delay", 0), float(getattr(s, "alpha", 0.0))
-        self.merge, self.compressor = getattr(s, "merge", "mix"), compressor
-        algorithm, fragments = s.algorithm, getattr(s, "fragments", 1)
+        self.delay, self.alpha = s.delay, float(s.alpha)
+        self.merge, self.compressor = s.merge, compressor
+        algorithm, fragments = s.algorithm, s.fragments
         named = self.members()           # frozen ones too: unfrozen later, they are averaged
         if not named:
             raise ValueError("the model has no trainable parameters")
         self._local = self._local_shards(nest, s)    # FSDP below: each rank's chunk of each
         if self._local is not None:
             named = [(n, self._local[n]) for n, _ in named]
-            # checkpoints and a fleet's heal hold the model as FSDP keeps it: each rank's shards
-            self.model_state_dict = nest.inner.model_state_dict
-            self.load_model_state_dict = nest.inner.load_model_state_dict
-        early = self.delay if getattr(s, "slot", "send") == "merge" else 0   # torchft's slots
+        early = self.delay if s.slot == "merge" else 0   # torchft's slots
         self.fragments = partition(named, fragments, self.period, early)
         self.buffers = Buffers(model)
         self._bn = self._statistics_source(model, s, bn_batches, bn_forward)
@@ -313,8 +311,8 @@ class OuterLoop(Strategy):
     def _across_a_fleet(self, nest: Nesting | None) -> bool:
         """Whether a fleet's channel is across (its rounds are one sequence per member, also
         on the leader's span of the whole fleet); refuses a delay it cannot overlap."""
-        fleet = getattr(nest.peers if nest is not None else None, "rounds", False) or \
-            getattr(self._whole, "channel", None) is not None
+        fleet = nest is not None and nest.peers is not None and nest.peers.rounds or \
+            self._whole.channel is not None
         if self.delay and fleet and (self._ranges is not None or self._local is not None):
             raise ConfigError(f"policy.{self.name}", "delay > 0 over a datacenter sharded inside "
                               f"({nest.inner.name}): its ranks' rounds are handed on in step; use "
@@ -379,10 +377,9 @@ class OuterLoop(Strategy):
     def _shard_ranges(self, nest: Nesting | None) -> list[tuple[int, int]] | None:
         """This rank's range of each fragment where the level below shards the model inside
         the unit (see the class docstring), else None."""
-        if nest is None or nest.inside is None or not getattr(nest.inner, "sharded", False):
+        if nest is None or nest.inside is None or nest.inner is None or not nest.inner.sharded:
             return None
-        if nest.peers is None or getattr(nest.peers, "rounds", False) and \
-                not getattr(nest.peers, "per_rank", False):
+        if nest.peers is None or nest.peers.rounds and not nest.peers.per_rank:
             raise ConfigError("policy", f"{self.name} over {nest.inner.name}: the level above "
                               "reduces through one leader per unit, so the outer state cannot be "
                               "sharded across its ranks; use syncdp inside the units")
@@ -399,7 +396,7 @@ class OuterLoop(Strategy):
                 return SyncDP(model, optimizer, self.comm, algorithm=self.algorithm, levels=levels,
                               **(warmup_options or {}))
         if self._local is not None:
-            if not getattr(nest.peers, "rounds", False):    # a fleet's members start equal
+            if not nest.peers.rounds:                   # a fleet's members start equal
                 broadcast_(nest.peers, list(self._local.values()), root=0)
             broadcast_(self.comm, list(model.buffers()), root=0)
         else:
@@ -412,7 +409,7 @@ class OuterLoop(Strategy):
         only and averages them with rank i of every other unit (``peers``), nothing gathered
         inside the unit; else None."""
         inner = nest.inner if nest is not None else None
-        if not hasattr(inner, "local_shards"):
+        if inner is None or inner.local_shards() is None:
             return None
         key = f"policy.{self.name}"
         if nest.peers is None:
@@ -557,7 +554,7 @@ class OuterLoop(Strategy):
         across = self._red if inside is None else self._leaders
         if across is None:                           # not a leader: only the unit's broadcast
             return True
-        return not getattr(across, "rounds", False) and across.size == 2 and \
+        return not across.rounds and across.size == 2 and \
             all(self.compressor.posts(f.numel, f.dtype, across) for f in self.fragments)
 
     def _post(self, f: Fragment, flat: torch.Tensor) -> _Posted:
@@ -583,7 +580,7 @@ class OuterLoop(Strategy):
         if inside is None or inside.rank == 0:
             across = self._leaders if self._ranges is not None or self._local is not None or \
                 inside is not None else self._red
-            if getattr(across, "rounds", False):     # a fleet's channel: rounds it may retry
+            if across.rounds:                        # a fleet's channel: rounds it may retry
                 avg = across.average(flat, f"t{t}.f{f.index}", self.algorithm, self._levels)
             elif self.compressor is None:
                 avg = allreduce_(flat, across, self.algorithm, op="avg", levels=self._levels)
@@ -645,6 +642,25 @@ class OuterLoop(Strategy):
         admission round waits so: a member's rounds are one sequence)."""
         self._drain()
 
+    def landed(self, step: int) -> int:
+        """The inner step τ = ``delay`` steps before this loop's own count."""
+        return self.t - self.delay
+
+    @property
+    def shards_model(self) -> bool:
+        """Whether the level below shards the parameters (FSDP)."""
+        return self._local is not None
+
+    def model_state_dict(self) -> dict:
+        """The model as the level below keeps it (FSDP: this rank's shards)."""
+        return self.nest.inner.model_state_dict() if self.shards_model else super().model_state_dict()
+
+    def load_model_state_dict(self, state: dict) -> None:
+        """Load a :meth:`model_state_dict` (through the level below where it shards the model)."""
+        if self.shards_model:
+            self.nest.inner.load_model_state_dict(state)
+        else:
+            super().load_model_state_dict(state)
     # the optimizer interface ------------------------------------------------------------------
     def skip(self) -> None:
         driver = self._driver
@@ -776,7 +792,7 @@ class OuterLoop(Strategy):
         for f in self.fragments:
             if f.index not in self._dirty:
                 continue
-            if getattr(over, "rounds", False):      # a fleet's channel (FSDP below)
+            if over.rounds:                          # a fleet's channel (FSDP below)
                 f.unpack_(over.average(f.pack(), f"finish.f{f.index}", "ring", self._levels))
                 continue
             with over.charged_to(self.comm.ledger) if over is not self._whole else nullcontext():
@@ -815,6 +831,8 @@ class OuterSettings(SyncDPSettings):
     compressor: str = "none"       # the pseudo-gradient's compressor (DiLoCo family)
     bn_recompute: int = 0          # training batches per rank to recompute BatchNorm's statistics on
     bn_recompute_at: str = "end"   # "end": after the last step; "sync": also after every outer step
+    # what every outer loop reads, keys of the streaming ones only (not keys here)
+    fragments, delay, alpha, merge, slot = 1, 0, 0.0, "mix", "send"
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)

@@ -72,7 +72,7 @@ def check_plan(plan: list[Level], gradient_compressor: str = "none") -> int:
                               "synchronisations for its own progress; use syncdp or localsgd "
                               "below")
         s = upper.settings
-        if getattr(s, "delay", 0) > 0 and getattr(s, "merge", "mix") in ("add-local", "eager"):
+        if s.delay > 0 and s.merge in ("add-local", "eager"):   # (an outer loop's settings)
             raise ConfigError(f"policy.{upper.name}.merge", f"{s.merge} over an outer loop "
                               f"(policy.{lower.name}={lower.method.name}): the τ steps' local "
                               "progress it adds back would count the lower level's averaging "
@@ -120,10 +120,10 @@ def _build_levels(plan, first, names, levels, model, optimizer, comm, ctx: Conte
         lvl = plan[first]
         s = lvl.settings
         scope = comm if first == 0 else levels.group(names[first - 1])
-        if first == 0 and len(names) > 1 and "algorithm" not in lvl.options \
-                and hasattr(s, "algorithm"):
+        takes_algorithm = "algorithm" in s.fields()       # the level's method has the key
+        if first == 0 and len(names) > 1 and "algorithm" not in lvl.options and takes_algorithm:
             s = dataclasses.replace(s, algorithm="hierarchical")
-        elif first > 0 and getattr(s, "algorithm", "") == "hierarchical":
+        elif first > 0 and takes_algorithm and s.algorithm == "hierarchical":
             raise ConfigError(f"policy.{lvl.name}.algorithm", "hierarchical spans the whole job; "
                               "inside a unit use mpi, ring, rabenseifner or tree")
         strategy = lvl.method.build(s, model, optimizer, scope, ctx)
@@ -135,12 +135,11 @@ def _build_levels(plan, first, names, levels, model, optimizer, comm, ctx: Conte
         inside = None if innermost else levels.group(lvl.name)
         peers = levels.peers(lvl.name)
         leaders = peers if inside is not None and inside.rank == 0 else None
-        if (getattr(strategy, "sharded", False) or hasattr(strategy, "local_shards")) and \
-                hasattr(levels, "rank_peers"):    # ZeRO or FSDP below, in a fleet:
-            peers = levels.rank_peers(lvl.name)   # rank i of every datacenter
+        if strategy is not None and (strategy.sharded or strategy.local_shards() is not None):
+            peers = levels.rank_peers(lvl.name)   # ZeRO or FSDP below: rank i of every unit
         nest = Nesting(strategy, inside, leaders,
                        average_inside=strategy is not None and i + 1 < first,
-                       whole=getattr(levels, "whole", None) if i == 0 else None, peers=peers)
+                       whole=levels.whole if i == 0 else None, peers=peers)
         strategy = lvl.method.build(lvl.settings, model, optimizer, scope,
                                     dataclasses.replace(outer_ctx, nest=nest))
     return strategy

@@ -603,7 +603,7 @@ class _ScriptedRounds:
     one a datacenter), rounds scripted: in round ``late_round`` the last rank is late (it adds
     nothing, is told so), in the next it catches up (rank 0, the donor, corrects and hands it
     the outer state)."""
-    rounds = True
+    rounds, per_rank, dcs, link = True, False, None, None     # (a lowcomm.comm.roles.Peers)
 
     def __init__(self, comm, late_round):
         self.comm, self.late_round, self.round = comm, late_round, 0
@@ -626,8 +626,8 @@ class _ScriptedRounds:
         return "average", avg, got if RANK in catching else None
 
 
-class _Span:
-    late_rounds, channel, size = True, None, K
+class _Span:                         # (a lowcomm.comm.roles.Whole)
+    late_rounds, channel, size, rounds, arrivals = True, None, K, False, False
 
 
 def _late_diloco(model, rounds):

@@ -215,6 +215,7 @@ class Channel:
     the fleet's datacenters."""
 
     rounds = True        # an outer loop reduces through average(), not through a Comm
+    per_rank = False     # (a :class:`~lowcomm.comm.roles.Peers`: one leader per datacenter)
 
     def __init__(self, address: str, dc: int, inc: int, limits: Limits, link=None,
                  rank: int = 0, ledger: Ledger | None = None, connect_s: float | None = None,
@@ -581,8 +582,9 @@ class RankChannel:
     of ranks (the fleet splits them evenly). ``store``: this rank's client of the coordinator's
     store (the leader's channel's own on the leader)."""
 
-    rounds = True
+    rounds = True        # (a :class:`~lowcomm.comm.roles.Peers`)
     per_rank = True
+    dcs = None           # (its datacenter is ``dc``; the leader's Channel counts them)
 
     def __init__(self, inside, channel: Channel | None, store, dc: int, limits: Limits, link=None,
                  rank: int = 0, ledger: Ledger | None = None, shared: dict | None = None):
@@ -641,7 +643,9 @@ class Span:
     """Every rank of the fleet as one communicator, for what an outer loop averages over all
     ranks at once (the last partial period, floating buffers): the average inside the
     datacenter (MPI), then across through ``channel`` (on the datacenter's leader), handed on
-    inside. ``size`` counts the ranks of the whole fleet."""
+    inside. ``size`` counts the ranks of the whole fleet. A :class:`~lowcomm.comm.roles.Whole`."""
+
+    rounds = False       # averages with allreduce_, the channel's rounds inside it
 
     def __init__(self, inside, channel: Channel | None, size: int, rank: int,
                  late_rounds: bool = False, arrivals: bool = False):

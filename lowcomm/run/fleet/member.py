@@ -30,7 +30,6 @@ from ...strategies.base import adopt
 from .. import outcome
 from ..lockstep import Lockstep
 from ..signals import Interrupted
-from ..snapshot import model_state
 from .channel import Channel, RankChannel, Span, store_client
 from .plan import FleetPlan, plan
 
@@ -41,7 +40,8 @@ class FleetLevels:
     """The topology's communicators as datacenter ``dc`` sees them (module docstring): the
     levels inside over ``inside`` (this job's world), the ``dc`` level's peers = ``channel``
     (None off the leader). Names, size and links are the whole topology's, so that every
-    choice made from them (``auto`` algorithms) is the one a single MPI job makes."""
+    choice made from them (``auto`` algorithms) is the one a single MPI job makes. A
+    :class:`~lowcomm.comm.roles.LevelSet`."""
 
     def __init__(self, topology: Topology, inside, channel: Channel | None, dc: int,
                  whole: Span | None = None, ranked=None):
@@ -139,7 +139,7 @@ def run(cfg, task, comm, me: dict, out=None, progress: bool = True, resume=None,
 def payload(r) -> bytes:
     """The live state a donor hands a rejoining datacenter: model and method state."""
     buf = io.BytesIO()
-    torch.save({"model": model_state(r.model, r.strategy), "strategy": r.strategy.state_dict()}, buf)
+    torch.save({"model": r.strategy.model_state_dict(), "strategy": r.strategy.state_dict()}, buf)
     return buf.getvalue()
 
 
@@ -164,13 +164,12 @@ def install(r, data: bytes, reset_inner: bool) -> None:
             raise ConfigError("fleet", f"the donor datacenter has {len(parts)} ranks, this one "
                               f"{r.comm.size}: a sharded outer state moves rank to rank")
         state = torch.load(io.BytesIO(parts[r.comm.rank].numpy().tobytes()), weights_only=True)
-    getattr(r.strategy, "load_model_state_dict", r.model.load_state_dict)(state["model"])
+    r.strategy.load_model_state_dict(state["model"])
     s = state["strategy"]
     if reset_inner:
         s = dict(s, optimizer=r.strategy.optimizer.state_dict())
     r.strategy.load_state_dict(adopt(s))        # the donor's, another rank's on purpose
-    if hasattr(r.strategy, "joined"):
-        r.strategy.joined()
+    r.strategy.joined()
 
 
 class FleetLockstep(Lockstep):
@@ -227,7 +226,7 @@ class FleetLockstep(Lockstep):
     def after_step(self, state) -> None:
         super().after_step(state)
         s = self.r.strategy
-        at = state.step - getattr(s, "warmup_steps", 0)
+        at = state.step - s.warmup_steps
         if at <= 0 or at % s.period:
             return
         if self.ranked is not None:                  # every rank knows, every rank's state
@@ -240,15 +239,13 @@ class FleetLockstep(Lockstep):
             to = self.channel.donate(state.step, payload(self.r), self.r.comm.ledger)
             log.info("handed the state to datacenter(s) %s at step %d", to, state.step)
         elif self.channel is not None and self.channel.admission_due(self._landed()):
-            if hasattr(s, "drain"):                  # no round of the outer loop in flight
-                s.drain()
+            s.drain()                                # no round of the outer loop in flight
             self._admit(state, lambda: payload(self.r))
 
     def _landed(self) -> int:
         """The last inner step whose rounds have landed on every member: a delayed outer loop
         (τ = ``delay``) applies a round sent at step t after step t + τ."""
-        s = self.r.strategy
-        return getattr(s, "t", self.state.step) - getattr(s, "delay", 0)
+        return self.r.strategy.landed(self.state.step)
 
     def _admit(self, state, make) -> None:
         admitted = self.channel.admit(state.step, make, self.r.comm.ledger)
@@ -279,8 +276,8 @@ class FleetLockstep(Lockstep):
         """This incarnation's seconds since its loop started (``run_s``), of them waiting for
         the others at rounds (``idle_s``) and in rounds in all (``rounds_s``: the waits and the
         reductions)."""
-        ch, held = self.channel, getattr(self.r.strategy, "wait_s", 0.0)
-        if not getattr(self.r.strategy, "delay", 0):
+        ch, held = self.channel, self.r.strategy.wait_s
+        if not self.r.strategy.delay:
             held = 0.0             # a blocking outer loop's rounds are the channel's own
         return {"run_s": round(time.perf_counter() - self.t_start, 4),
                 "idle_s": round(ch.wait_s - ch.overlapped["wait_s"] + held, 4),

@@ -135,7 +135,7 @@ def _check_dc_level(cfg) -> None:
         raise ConfigError("fleet.quorum", f"rounds that go ahead without a late datacenter "
                           f"merge its steps next round under diloco over syncdp inside; here "
                           f"{m.name} over {inside}: use fleet.quorum = 0")
-    if int(merged.get("delay", getattr(m.settings, "delay", 0))) and inside != "syncdp":
+    if int(merged.get("delay", m.settings.delay)) and inside != "syncdp":
         raise ConfigError("policy.dc.delay", f"a delayed outer loop over datacenters sharded "
                           f"inside ({inside}): their ranks hand each round on in step; use "
                           "delay=0, or syncdp inside")

@@ -23,6 +23,7 @@ import torch
 
 from ...comm.comm import Comm
 from ...errors import LowcommError
+from ..base import Role
 from .protocol import (DROPPED, OK, POLL_S, PUSH, STOP, TAG_BEAT, TAG_DONE, TAG_INIT, TAG_PULL,
                        TAG_PUSH, AsyncPSSettings, BufferBlock, Reply, build_shards, channels,
                        dc_compensate, load_shard, staleness_lr, trainable, unpack_push)
@@ -45,7 +46,7 @@ class ParameterServer:
     Server 0 also serves the buffers: the average of every worker's latest ones.
     """
 
-    is_server = True
+    role = Role.SERVER
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, *,
                  compressor, settings: AsyncPSSettings, nonfinite: str = "raise",

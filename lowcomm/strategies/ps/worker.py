@@ -15,7 +15,7 @@ import torch
 
 from ...comm.comm import Comm
 from ...errors import LowcommError, NonFiniteError
-from ..base import BackwardPasses
+from ..base import BackwardPasses, Role
 from .protocol import (DROPPED, HEADER, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE, TAG_INIT,
                        TAG_PULL, TAG_PUSH, AsyncPSSettings, BufferBlock, Reply, ServerLost,
                        WorkerDropped, build_shards, channels, load_shard, pack_push, trainable)
@@ -51,7 +51,7 @@ class Worker:
             caller calls :meth:`skip`; the worker's clock advances without a gradient).
     """
 
-    is_server = False
+    role = Role.WORKER
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, *,
                  compressor, settings: AsyncPSSettings, nonfinite: str = "raise",
