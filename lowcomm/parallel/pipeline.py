@@ -91,7 +91,12 @@ class PipelineSettings(Settings):
 
 
 def check(s: PipelineSettings, cfg, prefix: str) -> None:
-    """Before MPI starts: the micro-batches divide the batch."""
+    """Before MPI starts: the micro-batches divide the batch; not inside a fleet (yet)."""
+    if cfg.fleet.dcs:
+        raise ConfigError(prefix.rstrip(".") if prefix != "strategy." else "strategy.name",
+                          "pp inside a fleet of datacenters (lowcomm train --dcs) is not built "
+                          "yet; run the pipelines in one MPI job (topology=dc:2,rank:2, "
+                          "policy.rank=pp, policy.dc=diloco)")
     if cfg.batch_size % s.microbatches:
         raise ConfigError.at(prefix, "microbatches", f"{s.microbatches} micro-batches do not "
                              f"divide batch_size = {cfg.batch_size}")
@@ -118,7 +123,7 @@ def build(s: PipelineSettings, model, optimizer, comm: Comm, ctx: Context) -> St
 METHOD = Method("pp", PipelineSettings, build,
                 "pipeline parallelism: the model's blocks cut into stages across the ranks, "
                 "torch's schedules (GPipe, 1F1B, interleaved, zero-bubble)",
-                check=check, splits=True, python="PipelineParallel")
+                check=check, level=True, splits=True, python="PipelineParallel")
 
 
 def bubble_formula(schedule: str, stages: int, microbatches: int, per_rank: int = 1) -> float:
@@ -357,6 +362,12 @@ class PipelineParallel(Strategy):
         """Every stage of one pipeline takes the same batch."""
         return 0, 1
 
+    def local_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' parameters by name: what an outer loop above keeps and averages
+        with rank i of the other units (the same stage)."""
+        held = {id(p) for p in self._parameters()}
+        return {n: p for n, p in self.model.named_parameters() if id(p) in held}
+
     def local_nonfinite(self) -> str | None:
         names = {id(p): n for n, p in self.model.named_parameters()}
         for p in self._parameters():
@@ -364,7 +375,8 @@ class PipelineParallel(Strategy):
                 return f"the gradient of {names.get(id(p), '?')!r}"
         return None
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip every stage's gradients by their global norm (torch's ``clip_grad_norm_`` over
         the whole model: the per-tensor norms of every stage, a tied tensor once); returns the
         norm, on every rank."""
@@ -376,6 +388,8 @@ class PipelineParallel(Strategy):
         total = sq.reshape(1).double().cpu()
         self.comm.allreduce_(total, "sum")
         norm = total.sqrt().to(torch.float32).reshape(())
+        if error_if_nonfinite and not bool(torch.isfinite(norm)):
+            raise LowcommError(f"the gradients' norm over every stage is {float(norm)}")
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in self._parameters():
             if p.grad is not None:

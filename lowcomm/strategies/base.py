@@ -408,8 +408,14 @@ class Strategy(torch.optim.Optimizer):
         self._built_ids = {id(p) for g in groups for p in g["params"]}
         self._built_frozen = [(self._built_names[id(p)], p) for g in groups for p in g["params"]
                               if not p.requires_grad and id(p) in self._built_names]
-        self._built_layout = [(n, tuple(p.shape), str(p.dtype), str(p.device.type), p.requires_grad)
-                              for n, p in self.model.named_parameters()]
+        self._built_layout = self._layout()
+
+    def _layout(self) -> list[tuple]:
+        """(name, shape, dtype, device, requires_grad) of every parameter; one another pipeline
+        stage holds (on the meta device here) counts as on the model's device."""
+        home = next((p.device.type for p in self.model.parameters() if not p.is_meta), "meta")
+        return [(n, tuple(p.shape), str(p.dtype), home if p.is_meta else p.device.type,
+                 p.requires_grad) for n, p in self.model.named_parameters()]
 
     def members(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The parameters a method that :attr:`unfreezes` exchanges, in the model's order: the
@@ -461,8 +467,7 @@ class Strategy(torch.optim.Optimizer):
     def _changed(self) -> str | None:
         """What changed in the model's parameters since the method was built (dtype, device,
         shape: e.g. ``model.to(torch.bfloat16)``), for a clear error; None if nothing."""
-        now = [(n, tuple(p.shape), str(p.dtype), str(p.device.type), p.requires_grad)
-               for n, p in self.model.named_parameters()]
+        now = self._layout()
         for was, new in zip(self._built_layout, now):
             if was[:4] != new[:4]:
                 return (f"parameter {was[0]!r} changed from {was[2]} {was[1]} on {was[3]} to "

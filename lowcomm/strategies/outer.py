@@ -272,8 +272,8 @@ class OuterLoop(Strategy):
         if not named:
             raise ValueError("the model has no trainable parameters")
         self._local = self._local_shards(nest, s)    # FSDP below: each rank's chunk of each
-        if self._local is not None:
-            named = [(n, self._local[n]) for n, _ in named]
+        if self._local is not None:         # (a pipeline below: its stages' parameters only)
+            named = [(n, self._local[n]) for n, _ in named if n in self._local]
         early = self.delay if s.slot == "merge" else 0   # torchft's slots
         self.fragments = partition(named, fragments, self.period, early)
         self.buffers = Buffers(model)
@@ -287,8 +287,13 @@ class OuterLoop(Strategy):
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}   # FSDP: the whole ones
         sig = repr([(f.offset, str(f.dtype), [(n, shapes[n]) for n, _, _, _ in f.members])
                     for f in self.fragments])
-        self._red = agreed_dup(self.comm, "outer.layout", sig, len(self.fragments),
-                               Ledger())             # own message space and ledger
+        # own message space and ledger; the layout is checked where the averages go (a
+        # pipeline's stages differ inside the unit, rank i of every unit holds the same)
+        self._red = agreed_dup(self.comm if self._local is None else nest.peers, "outer.layout",
+                               sig, len(self.fragments), Ledger())
+        if self._local is not None:
+            self._red = self.comm.dup(self._red.ledger)
+            self._red.validate = False
         # hierarchical: the topology's communicators in the reductions' own space and ledger
         self._levels = levels.dup(self._red.ledger) if levels is not None and \
             algorithm in ("hierarchical", "auto") else None
@@ -398,7 +403,7 @@ class OuterLoop(Strategy):
         if self._local is not None:
             if not nest.peers.rounds:                   # a fleet's members start equal
                 broadcast_(nest.peers, list(self._local.values()), root=0)
-            broadcast_(self.comm, list(model.buffers()), root=0)
+            broadcast_(nest.peers, [b for b in model.buffers() if not b.is_meta], root=0)
         else:
             broadcast_(self.comm, list(model.state_dict().values()), root=0)
         return None
@@ -413,11 +418,11 @@ class OuterLoop(Strategy):
             return None
         key = f"policy.{self.name}"
         if nest.peers is None:
-            raise ConfigError("policy", f"{self.name} over fsdp needs a level to average across")
+            raise ConfigError("policy", f"{self.name} over {inner.name} needs a level to average "
+                              "across")
         if s.warmup_steps:
-            raise ConfigError(key, f"{self.name} over fsdp takes no dense warm-up (its SyncDP "
-                              "would step the sharded model): use warmup_steps = 0 (or zero2 "
-                              "inside)")
+            raise ConfigError(key, f"{self.name} over {inner.name} takes no dense warm-up (its "
+                              "SyncDP would step the split model): use warmup_steps = 0")
         return inner.local_shards()
 
     def _pack(self, f: Fragment) -> torch.Tensor:
@@ -648,8 +653,41 @@ class OuterLoop(Strategy):
 
     @property
     def shards_model(self) -> bool:
-        """Whether the level below shards the parameters (FSDP)."""
+        """Whether the level below shards the parameters (FSDP) or splits the model (a pipeline)."""
         return self._local is not None
+
+    @property
+    def collective_forward(self) -> bool:
+        """The level below's (FSDP gathers in its forward, a pipeline's stages pass activations)."""
+        return self._inner is not None and self._inner.collective_forward
+
+    def forward_backward(self, loss_fn, batch, before_backward=None):
+        """The level below's forward and backward passes (a pipeline's schedule)."""
+        if self._inner is None:
+            return super().forward_backward(loss_fn, batch, before_backward)
+        return self._inner.forward_backward(loss_fn, batch, before_backward)
+
+    def evaluate(self, loss_fn, batch) -> float:
+        return super().evaluate(loss_fn, batch) if self._inner is None else \
+            self._inner.evaluate(loss_fn, batch)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False):
+        """Clip by the level below's global norm (a pipeline's over every stage)."""
+        if self._driver is None:
+            return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        return self._driver.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+    def batch_place(self) -> tuple[int, int]:
+        """Where the level below places its ranks' batches inside each unit (a pipeline's
+        stages share one), the units one after another; else the rank's own."""
+        inner = self._inner
+        if inner is None or self.nest.peers is None or self.nest.inside is None:
+            return super().batch_place()
+        i, n = inner.batch_place()
+        if n == self.nest.inside.size:
+            return super().batch_place()
+        return self.nest.peers.rank * n + i, self.nest.peers.size * n
 
     def model_state_dict(self) -> dict:
         """The model as the level below keeps it (FSDP: this rank's shards)."""
