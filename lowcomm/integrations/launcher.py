@@ -73,8 +73,7 @@ def refuse_passing(method, where: str) -> None:
 def clips_itself(method) -> bool:
     """Whether the method clips by a norm of its own (its ``clip_grad_norm_``: ZeRO's ranges, a
     pipeline's stages), where torch's over the model's parameters would see part of it."""
-    from ..strategies.base import Strategy
-    return type(method).clip_grad_norm_ is not Strategy.clip_grad_norm_
+    return method.clips_itself()
 
 
 def gathers_model(method) -> bool:

@@ -332,6 +332,11 @@ class Strategy(torch.optim.Optimizer):
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, norm_type,
                                               error_if_nonfinite)
 
+    def clips_itself(self) -> bool:
+        """Whether :meth:`clip_grad_norm_` is the method's own norm (ZeRO's ranges, a pipeline's
+        stages), where torch's over the model's parameters would see part of it."""
+        return type(self).clip_grad_norm_ is not Strategy.clip_grad_norm_
+
     def joined(self) -> None:
         """A rejoining fleet member took a donor's state: continue from the live outer state."""
 
@@ -408,9 +413,9 @@ class Strategy(torch.optim.Optimizer):
         self._built_ids = {id(p) for g in groups for p in g["params"]}
         self._built_frozen = [(self._built_names[id(p)], p) for g in groups for p in g["params"]
                               if not p.requires_grad and id(p) in self._built_names]
-        self._built_layout = self._layout()
+        self._built_layout = self._parameter_layout()
 
-    def _layout(self) -> list[tuple]:
+    def _parameter_layout(self) -> list[tuple]:
         """(name, shape, dtype, device, requires_grad) of every parameter; one another pipeline
         stage holds (on the meta device here) counts as on the model's device."""
         home = next((p.device.type for p in self.model.parameters() if not p.is_meta), "meta")
@@ -467,7 +472,7 @@ class Strategy(torch.optim.Optimizer):
     def _changed(self) -> str | None:
         """What changed in the model's parameters since the method was built (dtype, device,
         shape: e.g. ``model.to(torch.bfloat16)``), for a clear error; None if nothing."""
-        now = self._layout()
+        now = self._parameter_layout()
         for was, new in zip(self._built_layout, now):
             if was[:4] != new[:4]:
                 return (f"parameter {was[0]!r} changed from {was[2]} {was[1]} on {was[3]} to "

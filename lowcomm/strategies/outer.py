@@ -423,6 +423,10 @@ class OuterLoop(Strategy):
         if s.warmup_steps:
             raise ConfigError(key, f"{self.name} over {inner.name} takes no dense warm-up (its "
                               "SyncDP would step the split model): use warmup_steps = 0")
+        if any(b.is_meta for b in inner.model.buffers()):
+            raise ConfigError(key, f"{self.name} over {inner.name} of a model with buffers "
+                              "(BatchNorm's statistics) in its stages: averaging them across the "
+                              "ranks is not built yet")
         return inner.local_shards()
 
     def _pack(self, f: Fragment) -> torch.Tensor:
@@ -677,6 +681,9 @@ class OuterLoop(Strategy):
         if self._driver is None:
             return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         return self._driver.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+    def clips_itself(self) -> bool:
+        return self._driver is not None and self._driver.clips_itself()
 
     def batch_place(self) -> tuple[int, int]:
         """Where the level below places its ranks' batches inside each unit (a pipeline's
