@@ -68,18 +68,33 @@ class TinyGPTChain(Chain):
         return model.ln(x) @ model.tok.weight.T
 
 
-class GPT2Chain(Chain):
+class CausalLMChain(Chain):
+    """transformers' causal LMs: the stem, the blocks, a final ``norm`` and ``lm_head`` — or,
+    where the config ties it to the input ``embedding`` (the same tensor), that embedding."""
+
+    norm = embedding = ""
+
+    def __init__(self, model: nn.Module, stem: tuple[str, ...]):
+        self.stem = stem
+        tied = model.lm_head.weight is model.get_submodule(self.embedding).weight
+        self.head = (self.norm, self.embedding if tied else "lm_head")
+
+    def out(self, model, x):
+        x = model.get_submodule(self.norm)(x)
+        if self.head[1] == self.embedding:
+            return x @ model.get_submodule(self.embedding).weight.T
+        return model.lm_head(x)
+
+
+class GPT2Chain(CausalLMChain):
     """transformers' ``GPT2LMHeadModel``: ``wte`` + ``wpe`` (and dropout), the ``h`` blocks,
     ``ln_f`` and ``lm_head`` (tied to ``wte`` unless the config unties them). Blocks run with
     no attention mask: causal attention, as the whole model runs on unpadded input."""
 
-    blocks = "transformer.h"
+    blocks, norm, embedding = "transformer.h", "transformer.ln_f", "transformer.wte"
 
     def __init__(self, model: nn.Module):
-        self.stem = ("transformer.wte", "transformer.wpe", "transformer.drop")
-        self.head = ("transformer.ln_f", "lm_head")
-        if model.lm_head.weight is model.transformer.wte.weight:
-            self.head = ("transformer.ln_f", "transformer.wte")
+        super().__init__(model, ("transformer.wte", "transformer.wpe", "transformer.drop"))
 
     def embed(self, model, input_ids):
         t = model.transformer
@@ -90,26 +105,17 @@ class GPT2Chain(Chain):
         y = block(x)
         return y[0] if isinstance(y, tuple) else y
 
-    def out(self, model, x):
-        x = model.transformer.ln_f(x)
-        if "transformer.wte" in self.head:
-            return x @ model.transformer.wte.weight.T
-        return model.lm_head(x)
 
-
-class LlamaChain(Chain):
+class LlamaChain(CausalLMChain):
     """transformers' ``LlamaForCausalLM`` (and models of its shape: Mistral, Qwen2): the token
     embedding, the decoder layers with the rotary position embedding each stage computes
     itself (a buffer, no parameters), the final norm and ``lm_head`` (tied where the config
     ties it)."""
 
-    blocks = "model.layers"
+    blocks, norm, embedding = "model.layers", "model.norm", "model.embed_tokens"
 
     def __init__(self, model: nn.Module):
-        self.stem = ("model.embed_tokens",)
-        self.head = ("model.norm", "lm_head")
-        if model.lm_head.weight is model.model.embed_tokens.weight:
-            self.head = ("model.norm", "model.embed_tokens")
+        super().__init__(model, ("model.embed_tokens",))
         self._rotary = model.model.rotary_emb
 
     def embed(self, model, input_ids):
@@ -119,12 +125,6 @@ class LlamaChain(Chain):
         pos = torch.arange(x.shape[1], device=x.device)[None]
         y = block(x, position_embeddings=self._rotary(x, pos), position_ids=pos)
         return y[0] if isinstance(y, tuple) else y
-
-    def out(self, model, x):
-        x = model.model.norm(x)
-        if "model.embed_tokens" in self.head:
-            return x @ model.model.embed_tokens.weight.T
-        return model.lm_head(x)
 
 
 class SequentialChain(Chain):
@@ -192,5 +192,5 @@ def check_chain(model: nn.Module, chain: Chain) -> None:
                             "would train them; name their modules in the chain")
 
 
-__all__ = ["Chain", "GPT2Chain", "LlamaChain", "SequentialChain", "TinyGPTChain", "blocks_of",
+__all__ = ["CausalLMChain", "Chain", "GPT2Chain", "LlamaChain", "SequentialChain", "TinyGPTChain", "blocks_of",
            "chain_for", "check_chain"]
