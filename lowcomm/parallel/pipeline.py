@@ -231,6 +231,7 @@ class PipelineParallel(Strategy):
     lockstep = True
     collective_forward = True       # every stage takes part in each evaluation
     shards_model = True             # a rank holds its stages' part of the model
+    splits_model = True             # and the ranks of a pipeline hold different parts
     Settings = PipelineSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

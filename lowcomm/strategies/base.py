@@ -301,6 +301,8 @@ class Strategy(torch.optim.Optimizer):
     #: the model is split over the ranks, by FSDP here or below or a pipeline's stages; its
     #: model_state_dict() holds this rank's part
     shards_model = False
+    #: the ranks of one unit hold different parts of the model (a pipeline's stages)
+    splits_model = False
     #: the model's forward is a collective, as FSDP's (it gathers the parameters)
     collective_forward = False
     #: dense steps before the method's first period, an outer loop's warm-up

@@ -22,7 +22,8 @@ from ..compress.base import Pending, Segment
 from ..compress.compressor import Compressor
 from ..errors import ArgumentError, CommError, ConfigError
 from ..comm.ledger import Ledger
-from .base import Context, Strategy, agreed_dup, balance, check_compressor_name, parts_of_one_method
+from .base import (Context, Strategy, agreed_dup, balance, check_agreed, check_compressor_name,
+                   parts_of_one_method)
 from .buffers import Buffers, batchnorms, recompute_statistics
 from .syncdp import SyncDPSettings
 
@@ -287,13 +288,15 @@ class OuterLoop(Strategy):
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}   # FSDP: the whole ones
         sig = repr([(f.offset, str(f.dtype), [(n, shapes[n]) for n, _, _, _ in f.members])
                     for f in self.fragments])
-        # own message space and ledger; the layout is checked where the averages go (a
-        # pipeline's stages differ inside the unit, rank i of every unit holds the same)
-        self._red = agreed_dup(self.comm if self._local is None else nest.peers, "outer.layout",
-                               sig, len(self.fragments), Ledger())
-        if self._local is not None:
-            self._red = self.comm.dup(self._red.ledger)
+        # own message space and ledger; the layout checked once (a pipeline below: across the
+        # units, rank i of each holding the same stage; its stages differ inside a unit)
+        split = nest is not None and nest.inner is not None and nest.inner.splits_model
+        if split:
+            check_agreed(nest.peers, "outer.layout", sig, len(self.fragments))
+            self._red = self.comm.dup(Ledger())
             self._red.validate = False
+        else:
+            self._red = agreed_dup(self.comm, "outer.layout", sig, len(self.fragments), Ledger())
         # hierarchical: the topology's communicators in the reductions' own space and ledger
         self._levels = levels.dup(self._red.ledger) if levels is not None and \
             algorithm in ("hierarchical", "auto") else None
