@@ -288,15 +288,7 @@ class OuterLoop(Strategy):
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}   # FSDP: the whole ones
         sig = repr([(f.offset, str(f.dtype), [(n, shapes[n]) for n, _, _, _ in f.members])
                     for f in self.fragments])
-        # own message space and ledger; the layout checked once (a pipeline below: across the
-        # units, rank i of each holding the same stage; its stages differ inside a unit)
-        split = nest is not None and nest.inner is not None and nest.inner.splits_model
-        if split:
-            check_agreed(nest.peers, "outer.layout", sig, len(self.fragments))
-            self._red = self.comm.dup(Ledger())
-            self._red.validate = False
-        else:
-            self._red = agreed_dup(self.comm, "outer.layout", sig, len(self.fragments), Ledger())
+        self._red = self._reductions(nest, sig)      # own message space and ledger
         # hierarchical: the topology's communicators in the reductions' own space and ledger
         self._levels = levels.dup(self._red.ledger) if levels is not None and \
             algorithm in ("hierarchical", "auto") else None
@@ -315,6 +307,17 @@ class OuterLoop(Strategy):
                     c.validate = False
         self._fleet = self._across_a_fleet(nest)
         self._start_reductions()
+
+    def _reductions(self, nest: Nesting | None, sig: str) -> Comm:
+        """A duplicate of the method's communicator with a ledger of its own, after checking
+        once that the ranks hold the fragments' layout ``sig``: every rank, or under a pipeline
+        (whose stages differ inside a unit) rank i of every unit, which holds the same stage."""
+        if nest is None or nest.inner is None or not nest.inner.splits_model:
+            return agreed_dup(self.comm, "outer.layout", sig, len(self.fragments), Ledger())
+        check_agreed(nest.peers, "outer.layout", sig, len(self.fragments))
+        red = self.comm.dup(Ledger())
+        red.validate = False
+        return red
 
     def _across_a_fleet(self, nest: Nesting | None) -> bool:
         """Whether a fleet's channel is across (its rounds are one sequence per member, also
