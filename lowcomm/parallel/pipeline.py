@@ -266,7 +266,10 @@ class PipelineParallel(Strategy):
 
     # construction -------------------------------------------------------------------------------
     def _keep_own_parameters(self, optimizer) -> None:
-        held = {id(p) for st in self.stages for p in st.parameters()}
+        """This rank's parameters, each once (a module two of its stages hold too), kept in
+        ``self._held`` and alone in the optimizer's groups."""
+        self._held = list({id(p): p for st in self.stages for p in st.parameters()}.values())
+        held = {id(p) for p in self._held}
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in held]
         self._fix_parameters()
@@ -345,7 +348,7 @@ class PipelineParallel(Strategy):
         loop's whole-model loss) and ``before_backward`` are not used: the last stage's
         ``criterion`` is the loss."""
         loss = self._run(batch, train=True)
-        for p in self._parameters():
+        for p in self._held:
             if p.grad is not None:
                 p.grad.div_(self.settings.microbatches)
         if self._tied and self._tie is not None:
@@ -366,15 +369,8 @@ class PipelineParallel(Strategy):
     def local_shards(self) -> dict[str, torch.Tensor]:
         """This rank's stages' parameters by name: what an outer loop above keeps and averages
         with rank i of the other units (the same stage)."""
-        held = {id(p) for p in self._parameters()}
+        held = {id(p) for p in self._held}
         return {n: p for n, p in self.model.named_parameters() if id(p) in held}
-
-    def local_nonfinite(self) -> str | None:
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        for p in self._parameters():
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                return f"the gradient of {names.get(id(p), '?')!r}"
-        return None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -392,19 +388,15 @@ class PipelineParallel(Strategy):
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise LowcommError(f"the gradients' norm over every stage is {float(norm)}")
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in self._parameters():
+        for p in self._held:
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.device))
         return norm
 
-    def _parameters(self) -> list[torch.Tensor]:
-        """This rank's parameters (each once, a module two of its stages hold too)."""
-        return list({id(p): p for st in self.stages for p in st.parameters()}.values())
-
     def _own_grads(self) -> list[torch.Tensor]:
         """This rank's gradients, a tied tensor counted on the first stage only."""
         tied = {id(p) for p in self._tied} if not self.holds_first else set()
-        return [p.grad for p in self._parameters() if p.grad is not None and id(p) not in tied]
+        return [p.grad for p in self._held if p.grad is not None and id(p) not in tied]
 
     # results ------------------------------------------------------------------------------------
     def metrics(self, ctl: Comm, final: bool = False) -> dict:

@@ -28,7 +28,7 @@ from ...comm.topology import Topology
 from ...errors import ConfigError
 from ...strategies.base import adopt
 from .. import outcome
-from ..lockstep import Lockstep
+from ..lockstep import Coordination, Lockstep
 from ..signals import Interrupted
 from .channel import Channel, RankChannel, Span, store_client
 from .plan import FleetPlan, plan
@@ -184,9 +184,7 @@ class FleetLockstep(Lockstep):
         self.t_hello = time.monotonic()
         self.stopped = False
 
-    def batch_place(self) -> tuple[int, int]:
-        """This rank's place among the whole fleet's ranks."""
-        return self.rank, self.world
+    batch_place = Coordination.batch_place    # this rank's place among the whole fleet's ranks
 
     def start(self):
         state = super().start()
