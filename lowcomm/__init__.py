@@ -35,6 +35,7 @@ _LAZY = {
     "ZeRO1": "strategies.zero", "ZeRO2": "strategies.zero",
     "FSDP": "strategies.fsdp", "MuonAdamW": "run.optimizers",
     "PipelineParallel": "parallel.pipeline", "Chain": "parallel.chains",
+    "TensorParallel": "parallel.tensor", "Plan": "parallel.plans",
     "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.base", "adopt": "strategies.base",
     "Context": "strategies.base", "Settings": "settings",
     "average_buffers": "strategies.buffers", "broadcast_buffers": "strategies.buffers",

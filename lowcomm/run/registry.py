@@ -31,7 +31,7 @@ from ..strategies import (async_diloco, demo, desloc, diloco, dylu, fsdp, gossip
 from ..strategies.ps import method as async_ps
 from ..strategies.base import Context, Method, Strategy
 from ..strategies.policy import Level, build_policy, check_plan
-from ..parallel import pipeline
+from ..parallel import pipeline, tensor
 
 #: every strategy by name, one line each
 STRATEGIES: dict[str, Method] = {m.name: m for m in (
@@ -58,6 +58,7 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     dylu.METHOD,
     async_diloco.METHOD,
     pipeline.METHOD,
+    tensor.METHOD,
 )}
 
 

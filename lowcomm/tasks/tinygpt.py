@@ -17,11 +17,13 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads).unbind(2)
+        # shapes read from the projections: under tensor (and sequence) parallelism a rank
+        # holds heads / T of them (and its x, T-th of the positions)
+        h = self.qkv(self.ln1(x))
+        q, k, v = h.view(*h.shape[:2], 3, -1, x.shape[-1] // self.heads).unbind(2)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
+        x = x + self.proj(y.transpose(1, 2).flatten(2))
         return x + self.mlp(self.ln2(x))
 
 
