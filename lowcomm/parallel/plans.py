@@ -152,12 +152,13 @@ class Plan:
     """A tensor-parallel plan: torch parallel styles by module name (``styles``, what
     ``parallelize_module`` takes), attributes to set to their T-th once split (``local``:
     ``"module.attr" -> full value``, e.g. GPT-2's ``split_size``), the sizes T must divide
-    (``divides``: what -> size) and the input positions that must divide by T under sequence
-    parallelism (``sequence``)."""
+    (``divides``: what -> size); under sequence parallelism (``sequence``) the module whose
+    input's positions T must divide (``first``: the first block)."""
     styles: dict
     local: dict = field(default_factory=dict)
     divides: dict = field(default_factory=dict)
     sequence: bool = False
+    first: str = ""
 
     def check(self, degree: int, key: str) -> None:
         bad = {w: n for w, n in self.divides.items() if n % degree}
@@ -216,7 +217,7 @@ def tinygpt_plan(model: nn.Module, sequence: bool) -> Plan:
             styles.update(_norms(p, ("ln1", "ln2")))
     b = blocks[0]
     return Plan(styles, divides={"heads": b.heads, "the MLP's width": b.mlp[0].out_features},
-                sequence=sequence)
+                sequence=sequence, first="blocks.0")
 
 
 def gpt2_plan(model: nn.Module, sequence: bool) -> Plan:
@@ -237,7 +238,7 @@ def gpt2_plan(model: nn.Module, sequence: bool) -> Plan:
     del into
     inner = cfg.n_inner if cfg.n_inner is not None else 4 * cfg.n_embd
     return Plan(styles, local, {"heads (n_head)": cfg.n_head, "the MLP's width": inner},
-                sequence)
+                sequence, "transformer.h.0")
 
 
 def llama_plan(model: nn.Module, sequence: bool) -> Plan:
@@ -258,7 +259,7 @@ def llama_plan(model: nn.Module, sequence: bool) -> Plan:
     return Plan(styles, divides={"heads (num_attention_heads)": cfg.num_attention_heads,
                                  "key/value heads (num_key_value_heads)": kv,
                                  "the MLP's width (intermediate_size)": cfg.intermediate_size},
-                sequence=sequence)
+                sequence=sequence, first="model.layers.0")
 
 
 PLANS = {TinyGPTChain: tinygpt_plan, GPT2Chain: gpt2_plan, LlamaChain: llama_plan}

@@ -199,6 +199,8 @@ class TensorParallel(Strategy):
         unknown = sorted(set(self.plan.styles) - {n for n, _ in model.named_modules()})
         if unknown:
             raise ConfigError("plan", f"names no module of {type(model).__name__}: {unknown[:4]}")
+        if self.plan.sequence and self.plan.first:      # before torch's hooks: checked first
+            model.get_submodule(self.plan.first).register_forward_pre_hook(self._positions)
         parallelize_module(model, self.mesh, self.plan.styles)
         T = self.comm.size
         for key, full in self.plan.local.items():
@@ -214,6 +216,15 @@ class TensorParallel(Strategy):
                 self._pieces[n] = (p.placements[0].dim, style.parts if isinstance(style, Split)
                                    else 1)
         self._fix_parameters()
+
+    def _positions(self, module, args) -> None:
+        """Sequence parallelism cuts the positions into T equal parts: refuse others."""
+        x = args[0] if args else None
+        if torch.is_tensor(x) and x.dim() > 1 and x.shape[1] % self.comm.size:
+            raise LowcommError(f"tp with strategy.sequence = true cuts the {x.shape[1]} "
+                               f"positions of a batch over {self.comm.size} ranks: "
+                               f"{self.comm.size} does not divide them; use a sequence length "
+                               "it divides, or sequence = false")
 
     # the step -----------------------------------------------------------------------------------
     def batch_place(self) -> tuple[int, int]:

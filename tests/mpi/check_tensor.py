@@ -255,3 +255,11 @@ def test_a_model_without_a_built_in_plan_needs_one_and_a_plan_must_name_modules(
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     assert torch.allclose(model(x), ref(x), atol=1e-6), "a user's own plan splits exactly"
     opt.finish()
+
+
+def test_positions_that_the_degree_does_not_divide_are_an_error_under_sequence_parallelism():
+    model = tinygpt()
+    opt = TensorParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), sequence=True)
+    with pytest.raises(LowcommError, match="does not divide them"):
+        model(torch.zeros(2, T - 1, dtype=torch.long))
+    opt.close()
