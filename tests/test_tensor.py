@@ -99,3 +99,36 @@ def test_a_fused_projections_pieces_join_back_exactly():
     pieces = [local_part(full, 1, 3, 2, r) for r in range(2)]
     assert pieces[0].tolist()[0] == [0, 1, 4, 5, 8, 9]   # q0, k0, v0: each part's first half
     assert torch.equal(join_parts(pieces, 1, 3), full)
+
+
+@pytest.mark.parametrize("split", ["tp", "pp"])
+def test_data_parallelism_around_a_split_model_equals_syncdp_of_whole_models(tmp_path, split):
+    """``topology=node:2,rank:2``, ``policy.node=syncdp``, ``policy.rank=tp`` (or ``pp``): two
+    split models, each rank averaging its gradients with the rank holding the same part in the
+    other: the same losses (training and held-out, to 1e-5) as SyncDP on 2 ranks each holding
+    the whole model; the whole model on every rank at the end."""
+    common = ["log_every=5", "eval_every=5", "checkpoint.every=0"]
+    base = [x for x in SETS if not x.startswith("strategy.")]
+    ours, ref = tmp_path / split, tmp_path / "syncdp"
+    r = train(4, ours, "topology=node:2,rank:2", "policy.node=syncdp", f"policy.rank={split}",
+              *(["strategy.microbatches=2"] if split == "pp" else []), *common, base=base)
+    assert r.returncode == 0, r.output
+    r = train(2, ref, "strategy.name=syncdp", *common, base=base)
+    assert r.returncode == 0, r.output
+    a, b = metrics(ours), metrics(ref)
+    assert [x["step"] for x in a] == [x["step"] for x in b] == [5, 10]
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) < 1e-5 and abs(x["eval_loss"] - y["eval_loss"]) < 1e-5
+    s = json.loads((ours / "summary.json").read_text())
+    assert s["ranks_agree"] is True and s["bytes_by_level"]["node"] > 0
+
+
+@pytest.mark.parametrize("policy, words", [
+    (["policy.node=pp", "policy.rank=tp"], "two levels that split the model in one job"),
+    (["policy.node=tp", "policy.rank=syncdp"], "innermost per-step level only"),
+    (["policy.node=syncdp:algorithm=ring", "policy.rank=tp"], "plain syncdp"),
+])
+def test_a_composition_that_is_not_built_is_refused_naming_the_level(policy, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        load_config(None, ["topology=node:2,rank:2", *policy])
+    assert e.value.key == "policy.node"

@@ -39,6 +39,7 @@ from ..errors import ConfigError, LowcommError
 from ..settings import Settings
 from ..strategies.base import Context, Method, Strategy
 from .chains import Chain, chain_for
+from .replicas import average_gradients, place
 from .stages import (Stage, block_times, cut, owned_names, parse_split, release_others,
                      restore_others)
 
@@ -120,7 +121,7 @@ def build(s: PipelineSettings, model, optimizer, comm: Comm, ctx: Context) -> St
                           "split(batch) -> (inputs, target) unless a batch is a pair (x, y))")
     example = next(iter(ctx.batches(1))) if ctx.batches is not None else None
     return PipelineParallel(model, optimizer, comm, settings=s, criterion=ctx.criterion,
-                            split_batch=ctx.split, example=example)
+                            split_batch=ctx.split, example=example, replicas=ctx.replicas)
 
 
 METHOD = Method("pp", PipelineSettings, build,
@@ -218,6 +219,8 @@ class PipelineParallel(Strategy):
             micro-batch).
         split_batch: ``split(batch) -> (inputs tuple, target)`` (default: a pair ``(x, y)``).
         example: a batch to time the blocks on, for ``split = "time"``.
+        replicas: rank i of every other pipeline, for data parallelism around it
+            (:mod:`~lowcomm.parallel.replicas`: gradients averaged over them each step).
         settings: a validated :class:`PipelineSettings`; otherwise its fields as keywords.
 
     Example::
@@ -241,7 +244,7 @@ class PipelineParallel(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: PipelineSettings | None = None,
                  chain: Chain | None = None, criterion=None, split_batch=None, example=None,
-                 **options):
+                 replicas: Comm | None = None, **options):
         s = settings if settings is not None else self.settings_from(options)
         if criterion is None or not callable(criterion):
             raise ConfigError("criterion", "pp needs criterion(output, target) -> loss for the "
@@ -252,6 +255,7 @@ class PipelineParallel(Strategy):
         super().__init__(model, optimizer, comm)
         self.settings, self.chain = s, chain_for(model, chain)
         self.criterion, self.split_batch = criterion, split_batch or pair
+        self.replicas = replicas
         self.device = next(model.parameters()).device
         P, v = self.comm.size, s.per_rank()
         self.count = P * v
@@ -372,6 +376,8 @@ class PipelineParallel(Strategy):
             for p in self._tied:
                 if p.grad is not None:
                     self._tie.allreduce_(p.grad, "sum")
+        if self.replicas is not None:
+            average_gradients(self.replicas, [p.grad for p in self._held if p.grad is not None])
         return loss
 
     @torch.no_grad()
@@ -380,8 +386,8 @@ class PipelineParallel(Strategy):
         return float(self._run(batch, train=False))
 
     def batch_place(self) -> tuple[int, int]:
-        """Every stage of one pipeline takes the same batch."""
-        return 0, 1
+        """Every stage of one pipeline takes the same batch (its replica's)."""
+        return place(self.replicas)
 
     def local_shards(self) -> dict[str, torch.Tensor]:
         """This rank's stages' parameters by name: what an outer loop above keeps and averages

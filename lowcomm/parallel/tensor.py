@@ -31,6 +31,7 @@ from ..errors import ConfigError, LowcommError
 from ..settings import Settings
 from ..strategies.base import Context, Method, Strategy
 from .plans import Plan, Split, join_parts, local_part, plan_for
+from .replicas import average_gradients, place
 
 
 @dataclass
@@ -53,7 +54,7 @@ def check(s: TensorSettings, cfg, prefix: str) -> None:
 
 
 def build(s: TensorSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
-    return TensorParallel(model, optimizer, comm, settings=s)
+    return TensorParallel(model, optimizer, comm, settings=s, replicas=ctx.replicas)
 
 
 METHOD = Method("tp", TensorSettings, build,
@@ -156,6 +157,8 @@ class TensorParallel(Strategy):
         plan: a :class:`~lowcomm.parallel.plans.Plan`, or torch's ``parallelize_module`` plan
             (a dict of parallel styles by module name); default: the model family's
             (:func:`~lowcomm.parallel.plans.plan_for`).
+        replicas: rank i of every other split of the model, for data parallelism around it
+            (:mod:`~lowcomm.parallel.replicas`: gradients averaged over them each step).
         settings: a validated :class:`TensorSettings`; otherwise its fields as keywords.
     """
 
@@ -168,13 +171,14 @@ class TensorParallel(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: TensorSettings | None = None,
-                 plan: Plan | dict | None = None, **options):
+                 plan: Plan | dict | None = None, replicas: Comm | None = None, **options):
         s = settings if settings is not None else self.settings_from(options)
         if optimizer.state:
             raise ConfigError("optimizer", f"{type(optimizer).__name__} holds state already (it "
                               "has stepped): tp splits its parameters; wrap a fresh one")
         super().__init__(model, optimizer, comm)
         self.settings, self.device = s, next(model.parameters()).device
+        self.replicas, self._averaged = replicas, False
         self.plan = plan if isinstance(plan, Plan) else Plan(plan) if plan is not None else \
             plan_for(model, s.sequence)
         self.plan.check(self.comm.size, "strategy.name")
@@ -228,8 +232,8 @@ class TensorParallel(Strategy):
 
     # the step -----------------------------------------------------------------------------------
     def batch_place(self) -> tuple[int, int]:
-        """Every rank of the level takes the same batch."""
-        return 0, 1
+        """Every rank of the level takes the same batch (its replica's)."""
+        return place(self.replicas)
 
     def _replicated_partials(self) -> None:
         """A replicated parameter's gradient that came out partial (a sequence-parallel norm's
@@ -240,13 +244,24 @@ class TensorParallel(Strategy):
             if isinstance(g, DTensor) and any(isinstance(x, Partial) for x in g.placements):
                 p.grad = g.redistribute(placements=[Replicate()])
 
+    def _reduce(self) -> None:
+        """After a backward pass: partial gradients summed, then the mean over the replicas."""
+        from torch.distributed.tensor import DTensor
+        self._replicated_partials()
+        if self.replicas is not None and not self._averaged:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            average_gradients(self.replicas, [g.to_local() if isinstance(g, DTensor) else g
+                                              for g in grads])
+        self._averaged = True
+
     def forward_backward(self, loss_fn, batch, before_backward=None):
         loss = super().forward_backward(loss_fn, batch, before_backward)
-        self._replicated_partials()
+        self._reduce()
         return loss
 
     def _step(self, closure=None):
-        self._replicated_partials()
+        self._reduce()
+        self._averaged = False
         return self.optimizer.step(closure)
 
     def local_shards(self) -> dict[str, torch.Tensor]:
@@ -263,7 +278,7 @@ class TensorParallel(Strategy):
         from torch.distributed.tensor import DTensor
         if norm_type != 2.0:
             raise ConfigError("norm_type", f"tp clips by the 2-norm, got {norm_type}")
-        self._replicated_partials()
+        self._reduce()
         split, whole = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for n, p in self.model.named_parameters():
             if p.grad is None:
