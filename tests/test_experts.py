@@ -160,7 +160,8 @@ def test_lowcomm_train_runs_the_moe_task(tmp_path):
     r = run_ranks(2, "lowcomm", "train", "--quiet", "--out", tmp_path / "run",
                   *[a for s in ("task=lowcomm.tasks.moe", "task.experts=4", "task.top_k=2",
                                 "model.d_model=16", "model.n_layers=1", "model.n_heads=2",
-                                "data.seq_len=8", "batch_size=2", "steps=4", "eval_batches=1")
+                                "data.seq_len=8", "batch_size=2", "steps=4", "eval_batches=1",
+                                "data.path=/usr/share/common-licenses")
                     for a in ("--set", s)], timeout=120)
     assert r.returncode == 0, r.output
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
