@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from conftest import run_ranks, shared_mpi_suite
 from lowcomm.errors import ArgumentError, ConfigError
 from lowcomm.parallel.experts import MoE, aux_loss, capacity, load_balancing_loss, route
+from lowcomm.parallel.plans import tinygpt_plan
 from lowcomm.run.api import load_config
 from lowcomm.tasks import load_task
 
@@ -141,6 +142,9 @@ def test_the_moe_task_adds_the_load_balancing_loss_with_its_coefficient():
     with pytest.raises(ConfigError) as e:
         task.model(load_config(None, [*sets, "task.top_k=5"]))
     assert e.value.key == "task.top_k"
+    with pytest.raises(ConfigError, match="have a MoE") as e:       # tp's GPT plan: dense MLPs
+        tinygpt_plan(model, sequence=False)
+    assert e.value.key == "plan"
 
 
 @pytest.mark.mpi_checks("check_experts.py", np=2, timeout=120)
