@@ -36,6 +36,7 @@ _LAZY = {
     "FSDP": "strategies.fsdp", "MuonAdamW": "run.optimizers",
     "PipelineParallel": "parallel.pipeline", "Chain": "parallel.chains",
     "TensorParallel": "parallel.tensor", "Plan": "parallel.plans",
+    "MoE": "parallel.experts", "MoESettings": "parallel.experts", "expert_parallel": "parallel.experts",
     "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.base", "adopt": "strategies.base",
     "Context": "strategies.base", "Settings": "settings",
     "average_buffers": "strategies.buffers", "broadcast_buffers": "strategies.buffers",

@@ -209,6 +209,11 @@ def tinygpt_plan(model: nn.Module, sequence: bool) -> Plan:
     into, out = _sp(sequence)
     styles: dict = _ends("blocks.0", "ln") if sequence else {}
     blocks = list(model.blocks)
+    if not all(isinstance(b.mlp, nn.Sequential) for b in blocks):
+        raise ConfigError("plan", "the built-in plan for lowcomm's GPT splits each block's dense "
+                          f"MLP (mlp.0, mlp.2); this model's blocks have a "
+                          f"{type(blocks[0].mlp).__name__} (the MoE task's experts): pass a "
+                          "plan of your own, or train it without tp")
     for i, _ in enumerate(blocks):
         p = f"blocks.{i}"
         styles.update({f"{p}.qkv": Colwise(parts=3, **into), f"{p}.proj": Rowwise(**out),
