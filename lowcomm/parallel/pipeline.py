@@ -40,8 +40,8 @@ from ..settings import Settings
 from ..strategies.base import Context, Method, Strategy
 from .chains import Chain, chain_for
 from .replicas import average_gradients, place
-from .stages import (Stage, block_times, cut, owned_names, parse_split, release_others,
-                     restore_others)
+from .stages import (Stage, block_times, cut, owned_names, parse_split, refuse_fleet,
+                     release_others, restore_others)
 
 #: torch's schedules lowcomm offers (those of this torch: :func:`schedules`), one stage per rank
 SINGLE = ("GPipe", "1F1B")
@@ -95,11 +95,7 @@ class PipelineSettings(Settings):
 
 def check(s: PipelineSettings, cfg, prefix: str) -> None:
     """Before MPI starts: the micro-batches divide the batch; not inside a fleet (yet)."""
-    if cfg.fleet.dcs:
-        raise ConfigError(prefix.rstrip(".") if prefix != "strategy." else "strategy.name",
-                          "pp inside a fleet of datacenters (lowcomm train --dcs) is not built "
-                          "yet; run the pipelines in one MPI job (topology=dc:2,rank:2, "
-                          "policy.rank=pp, policy.dc=diloco)")
+    refuse_fleet("pp", cfg, prefix)
     if cfg.batch_size % s.microbatches:
         raise ConfigError.at(prefix, "microbatches", f"{s.microbatches} micro-batches do not "
                              f"divide batch_size = {cfg.batch_size}")

@@ -32,6 +32,7 @@ from ..settings import Settings
 from ..strategies.base import Context, Method, Strategy
 from .plans import Plan, Split, join_parts, local_part, plan_for
 from .replicas import average_gradients, place
+from .stages import refuse_fleet
 
 
 @dataclass
@@ -46,11 +47,7 @@ class TensorSettings(Settings):
 
 def check(s: TensorSettings, cfg, prefix: str) -> None:
     """Before MPI starts: not inside a fleet (yet)."""
-    if cfg.fleet.dcs:
-        raise ConfigError(prefix.rstrip(".") if prefix != "strategy." else "strategy.name",
-                          "tp inside a fleet of datacenters (lowcomm train --dcs) is not built "
-                          "yet; run it in one MPI job (topology=dc:2,rank:2, policy.rank=tp, "
-                          "policy.dc=diloco)")
+    refuse_fleet("tp", cfg, prefix)
 
 
 def build(s: TensorSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import control
+from helpers import control, tiny_gpt2, tiny_llama
 from lowcomm.comm.comm import init
 from lowcomm.comm.ledger import Ledger
 from lowcomm.errors import ConfigError, LowcommError
@@ -32,18 +32,11 @@ def tinygpt():
 
 
 def gpt2():
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=64, n_positions=T, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    return tiny_gpt2(T, 2, 4)
 
 
 def llama():
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    return tiny_llama(T, 2)
 
 
 def batch(step, vocab):

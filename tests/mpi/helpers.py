@@ -127,3 +127,22 @@ def inner_optimizer(name: str, params, lr: float = 0.1):
     from lowcomm.run.registry import STRATEGIES
     needs = STRATEGIES[name].optimizer if name in STRATEGIES else ""
     return OPTIMIZERS[needs](params, lr=lr / 10) if needs else torch.optim.SGD(params, lr=lr)
+
+
+def tiny_gpt2(positions: int, layers: int, heads: int):
+    """A seeded transformers GPT-2 of width 32 (dropout off: splits compare exactly)."""
+    import transformers
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=positions, n_embd=32, n_layer=layers, n_head=heads,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def tiny_llama(positions: int, layers: int):
+    """A seeded transformers Llama of width 32, 4 heads sharing 2 key/value heads."""
+    import transformers
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0))
