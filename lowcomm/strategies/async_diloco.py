@@ -8,7 +8,7 @@ import torch
 
 from ..comm.comm import Comm
 from ..errors import ConfigError
-from .base import Context, Method
+from .method import Context, Method
 from .dylu import DyLUDiLoCo, DyLUSettings
 from .outer import Fragment, _InFlight, check_run
 

@@ -13,7 +13,7 @@ from ..compress.error_feedback import ErrorFeedback
 from ..compress.quantize import StatQuant
 from ..compress.twophase import COLLECTIVES
 from ..errors import ArgumentError, ConfigError
-from .base import Context, Method
+from .method import Context, Method
 from .outer import Fragment, OuterLoop, OuterSettings, _done, _hand_on, _InFlight, check_merge, \
     check_run
 

@@ -10,7 +10,7 @@ import torch
 
 from ..comm.comm import Comm
 from ..errors import ConfigError, LowcommError
-from .base import Context, Method
+from .method import Context, Method
 from .diloco import DiLoCo, DiLoCoSettings
 from .outer import Fragment, check_run
 

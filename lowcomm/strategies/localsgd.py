@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..comm.comm import Comm
 from ..errors import ConfigError
-from .base import Context, Method
+from .method import Context, Method
 from .outer import Fragment, OuterLoop, OuterSettings, check_run
 
 

@@ -22,8 +22,10 @@ from ..compress.base import Pending, Segment
 from ..compress.compressor import Compressor
 from ..errors import ArgumentError, CommError, ConfigError
 from ..comm.ledger import Ledger
-from .base import (Context, Strategy, agreed_dup, balance, check_agreed, check_compressor_name,
-                   parts_of_one_method)
+from .base import Strategy
+from .layout import agreed_dup, balance, check_agreed
+from .method import Context, check_compressor_name
+from .wrapped import parts_of_one_method
 from .buffers import Buffers, batchnorms, recompute_statistics
 from .syncdp import SyncDPSettings
 
@@ -251,6 +253,7 @@ class OuterLoop(Strategy):
     """
 
     name = "outer"
+    option_defaults = {"algorithm": "mpi"}    # a Python caller's all-reduce
     unfreezes = True
     Settings = None            # OuterSettings, set below where it is defined
 
@@ -258,13 +261,12 @@ class OuterLoop(Strategy):
                  comm: Comm | None = None, *, settings=None, compressor: Compressor | None = None,
                  warmup_options: dict | None = None, nest: Nesting | None = None, levels=None,
                  bn_batches=None, bn_forward=None, **options):
-        super().__init__(model, optimizer, comm)
-        s = settings if settings is not None else self.settings_from(options, algorithm="mpi")
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        s = self.settings
         get_algorithm(s.algorithm, levels)
         if compressor is not None and not isinstance(compressor, Compressor):
             raise ArgumentError("compressor", f"must be a lowcomm Compressor, got "
                                 f"{type(compressor).__name__}")
-        self.settings = s
         self.period, self.warmup_steps, self.algorithm = s.period, s.warmup_steps, s.algorithm
         self.delay, self.alpha = s.delay, float(s.alpha)
         self.merge, self.compressor = s.merge, compressor
@@ -294,7 +296,7 @@ class OuterLoop(Strategy):
             algorithm in ("hierarchical", "auto") else None
         for below in (self._dense, nest.inner if nest is not None else None):
             if below is not None:                    # this method's guard names the right object
-                below.release_guard()
+                below.guard.release()
         self.nest, self._inside, self._leaders = nest, None, None
         self._whole = nest.whole if nest is not None and nest.whole is not None else self.comm
         self._ranges = self._shard_ranges(nest)      # sharded: this rank's [lo, hi) per fragment

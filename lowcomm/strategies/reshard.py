@@ -1,6 +1,6 @@
 """Merging the checkpoints of K_old ranks into the state of one rank of a run on K_new ranks
 (``lowcomm train --resume DIR`` launched with another ``-n``). Each strategy's own
-:meth:`~lowcomm.strategies.base.Strategy.reshard` says which rule applies to which part of its
+:meth:`~lowcomm.strategies.capabilities.Capabilities.reshard` says which rule applies to which part of its
 state; the rules themselves are here:
 
 * replicated state (SyncDP's model and optimizer, 1-bit Adam's): rank 0's copy, after checking

@@ -11,7 +11,7 @@ from ..compress.compressor import Compressor
 from ..compress.demo import Chunks, QuantizedChunkTopK
 from ..compress.error_feedback import ErrorFeedback
 from ..errors import ConfigError
-from .base import Context, Method
+from .method import Context, Method
 from .demo import chunk_buckets
 from .outer import Fragment, OuterLoop, OuterSettings, check_run
 

@@ -11,7 +11,9 @@ from ..comm.comm import Comm
 from ..compress.sparsify import distinct_sample
 from ..errors import ConfigError
 from ..settings import Settings
-from .base import Context, LocalSteps, Method, Strategy, agreed_dup, refuse_gradient_compressor
+from .base import LocalSteps, Strategy
+from .layout import agreed_dup
+from .method import Context, Method, refuse_gradient_compressor
 from .buffers import Buffers
 from .diloco import DiLoCo, DiLoCoSettings
 from .outer import average_parameters, check_run
@@ -161,9 +163,8 @@ class Sparta(LocalSteps):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: SpartaSettings | None = None, **options):
-        super().__init__(model, optimizer, comm)
-        s = settings if settings is not None else self.settings_from(options)
-        self.settings = s
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        s = self.settings
         self._named = self.members()              # frozen ones too: unfrozen later, averaged
         self.sparse = SparseAverage([p for _, p in self._named], s.fraction, s.seed)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
