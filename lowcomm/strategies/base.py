@@ -18,7 +18,6 @@ See ``docs/extending.md`` for a method written from scratch.
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import torch
 

@@ -15,7 +15,7 @@ from .layout import agreed_dup
 from .method import Context, Method, refuse_gradient_compressor
 from .buffers import Buffers
 from .onebit_adam import adam_state, torch_adam
-from .outer import average_parameters
+from .fragment import average_parameters
 
 #: what each period synchronises: the parameters x, Adam's first moment u, its second moment v
 STATES = ("x", "u", "v")

@@ -13,7 +13,7 @@ from .base import Strategy
 from .method import Context, Method, check_compressor_name
 from .buffers import Buffers, persistent_buffers
 from .graphs import GRAPHS, Graph, build_graph
-from .outer import Fragment
+from .fragment import Fragment
 
 MODES = ("dpsgd", "push-sum", "async")
 ORDERS = ("cta", "atc")

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from ..comm.comm import Comm
 from ..errors import ConfigError
 from .method import Context, Method
-from .outer import Fragment, OuterLoop, OuterSettings, check_run
+from .fragment import Fragment
+from .outer import OuterLoop, OuterSettings, check_run
 
 
 @dataclass

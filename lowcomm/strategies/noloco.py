@@ -15,7 +15,7 @@ from .method import Context, Method, refuse_gradient_compressor
 from .buffers import Buffers, persistent_buffers
 from .gossip import Layout, consensus_distance
 from .graphs import random_pairs
-from .outer import average_parameters
+from .fragment import average_parameters
 
 TAG = 91_000                 # on the strategy's own duplicated communicator
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from .method import Context, Method
 from .wrapped import claim, parts_of_one_method
-from .outer import Nesting
+from .nesting import Nesting
 
 
 @dataclass

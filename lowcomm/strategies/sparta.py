@@ -16,7 +16,8 @@ from .layout import agreed_dup
 from .method import Context, Method, refuse_gradient_compressor
 from .buffers import Buffers
 from .diloco import DiLoCo, DiLoCoSettings
-from .outer import average_parameters, check_run
+from .fragment import average_parameters
+from .outer import check_run
 
 
 def check_fraction(fraction: float, prefix: str = "strategy.") -> float:
@@ -228,7 +229,7 @@ class SpartaDiLoCo(DiLoCo):
                  comm: Comm | None = None, **arguments):
         super().__init__(model, optimizer, comm, **arguments)
         s = self.settings
-        if self._local is not None:
+        if self.route.local is not None:
             raise ConfigError("policy", "sparta-diloco over fsdp is not supported (its subsets "
                               "are drawn over whole parameters): use zero1 or zero2 inside")
         self.sparse = SparseAverage([p for _, p in self.members()], s.fraction, s.seed)
@@ -236,11 +237,10 @@ class SpartaDiLoCo(DiLoCo):
         # a unit's ranks equal) through the units' leaders, handed on inside the unit
         below = self.nest is not None and self.nest.inside is not None
         across = self.nest.leaders if below else self.comm
-        self._hand_on = self._inside
         self._sparse_comm = _sparse_comm(across, self.sparse.params) if across is not None else None
 
     def _sparse_average(self) -> None:
-        self.sparse.average_(self._sparse_comm, self._hand_on)
+        self.sparse.average_(self._sparse_comm, self.route.inside)
 
     def _step(self, closure=None):
         driver = self._driver

@@ -14,7 +14,7 @@ from ..settings import Settings
 from .method import Context, Method
 from .onebit_adam import (COUNTERS, SCALES, OneBitAdam, OneBitAdamSettings, adam_only, counter_offset,
                           onebit_codec)
-from .outer import average_parameters
+from .fragment import average_parameters
 
 
 @dataclass
