@@ -35,6 +35,8 @@ _LAZY = {
     "ZeRO1": "strategies.zero", "ZeRO2": "strategies.zero",
     "FSDP": "strategies.fsdp", "MuonAdamW": "run.optimizers",
     "PipelineParallel": "parallel.pipeline", "Chain": "parallel.chains",
+    "TensorParallel": "parallel.tensor", "Plan": "parallel.plans",
+    "MoE": "parallel.experts", "MoESettings": "parallel.experts", "expert_parallel": "parallel.experts",
     "HorovodDP": "strategies.horovod", "Strategy": "strategies.base", "Method": "strategies.method", "adopt": "strategies.ownership",
     "Context": "strategies.method", "Settings": "settings",
     "average_buffers": "strategies.buffers", "broadcast_buffers": "strategies.buffers",

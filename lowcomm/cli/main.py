@@ -20,6 +20,7 @@ from .common import check_env, config_options, debug, launcher_rank, load_cfg as
 from ..errors import LowcommError
 from .fleet import fleet_options, refuse_outside, run_fleet
 from .fault import fault as fault_command
+from .plan import plan as plan_command
 from .topo import topo as topo_command
 from .wan import wan as wan_command
 
@@ -626,6 +627,7 @@ def info():
 cli.add_command(wan_command)
 cli.add_command(fault_command)
 cli.add_command(topo_command)
+cli.add_command(plan_command)
 
 
 def _abort(code: int) -> None:

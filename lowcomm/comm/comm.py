@@ -398,26 +398,28 @@ class Comm:
                                _nbytes(t) - mine, _since(t0))
         return t
 
-    def alltoall(self, t: torch.Tensor) -> torch.Tensor:
+    def alltoall(self, t: torch.Tensor, op: str = "alltoall") -> torch.Tensor:
         """Vendor ``MPI_Alltoall``: ``t`` has shape ``(size, *block)``; block ``j`` goes to rank
         ``j``. Returns a tensor of the same shape whose block ``j`` came from rank ``j``. The
-        ledger is charged ``(size-1)·block bytes`` each way (this rank's own block stays)."""
+        ledger (row ``op``, an ``alltoall.*`` name) is charged ``(size-1)·block bytes`` each
+        way (this rank's own block stays)."""
         if t.dim() < 1 or t.shape[0] != self.size:
-            raise CommError("alltoall", self.rank, f"needs a tensor of shape (size={self.size}, ...), "
+            raise CommError(op, self.rank, f"needs a tensor of shape (size={self.size}, ...), "
                             f"got {describe(t)}", _nbytes(t))
-        self.check("alltoall", t)
+        self.check(op, t)
         block = _nbytes(t) // self.size
         out = torch.empty_like(t, memory_format=torch.contiguous_format)
-        return self._exchange("alltoall", block, self.mpi.Alltoall, t, out)
+        return self._exchange(op, block, self.mpi.Alltoall, t, out)
 
-    def alltoallv(self, blocks: list[torch.Tensor], recv_nbytes: list[int]) -> list[torch.Tensor]:
+    def alltoallv(self, blocks: list[torch.Tensor], recv_nbytes: list[int],
+                  op: str = "alltoall.v") -> list[torch.Tensor]:
         """Vendor ``MPI_Alltoallv`` of byte blocks: ``blocks[j]`` (any dtype, sent as its raw
         bytes) goes to rank ``j``; returns ``size`` uint8 tensors, block ``j`` from rank ``j``
-        holding ``recv_nbytes[j]`` bytes. The ledger (op ``alltoall.v``) is charged exactly the
-        bytes that leave and enter this rank (its own block stays)."""
+        holding ``recv_nbytes[j]`` bytes. The ledger (row ``op``, an ``alltoall.*`` name) is
+        charged exactly the bytes that leave and enter this rank (its own block stays)."""
         K = self.size
         if len(blocks) != K or len(recv_nbytes) != K:
-            raise CommError("alltoall.v", self.rank, f"needs {K} blocks and {K} receive sizes, got "
+            raise CommError(op, self.rank, f"needs {K} blocks and {K} receive sizes, got "
                             f"{len(blocks)} and {len(recv_nbytes)}", None)
         raw = [b.detach().contiguous().reshape(-1).view(torch.uint8) for b in blocks]
         send = torch.cat(raw) if raw else torch.empty(0, dtype=torch.uint8)
@@ -430,10 +432,10 @@ class Comm:
         MPI = mpi()
         with self.staged(send, write=False) as h, self.staged(out, read=False) as o:
             t0 = _clock()
-            self._guard("alltoall.v", sent, self.mpi.Alltoallv,
+            self._guard(op, sent, self.mpi.Alltoallv,
                         [h.numpy(), (scounts, sdispl), MPI.BYTE],
                         [o.numpy(), (list(recv_nbytes), rdispl), MPI.BYTE])
-            self.ledger.record("alltoall.v", self.level, sent, recv, _since(t0))
+            self.ledger.record(op, self.level, sent, recv, _since(t0))
         return list(out.split(list(recv_nbytes)))
 
     def allgatherv(self, t: torch.Tensor, nbytes: list[int]) -> list[torch.Tensor]:

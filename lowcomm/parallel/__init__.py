@@ -6,5 +6,12 @@
 * :mod:`~lowcomm.parallel.stages` — where the cuts go (every N blocks, named split points,
   balanced by parameter count) and the stage module a rank runs;
 * :mod:`~lowcomm.parallel.pipeline` — pipeline parallelism (``pp``) as a lowcomm method, on
-  torch's own engine (:mod:`torch.distributed.pipelining`: its stages and schedules).
+  torch's own engine (:mod:`torch.distributed.pipelining`: its stages and schedules);
+* :mod:`~lowcomm.parallel.plans` — tensor-parallel plans (Megatron's column/row splits,
+  sequence-parallel norms) as torch's parallel styles, built in for the same model families;
+* :mod:`~lowcomm.parallel.tensor` — tensor and sequence parallelism (``tp``) as a lowcomm
+  method, on torch's DTensor engine (:mod:`torch.distributed.tensor.parallel`);
+* :mod:`~lowcomm.parallel.experts` — mixture-of-experts layers (top-k routing under a capacity,
+  the load-balancing loss) and expert parallelism: the experts spread over the ranks, tokens
+  moved by all-to-all.
 """

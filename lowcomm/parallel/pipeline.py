@@ -40,7 +40,9 @@ from ..settings import Settings
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from .chains import Chain, chain_for
-from .stages import Stage, cut, owned_names, parse_split, release_others, restore_others
+from .replicas import average_gradients, place
+from .stages import (Stage, block_times, cut, owned_names, parse_split, release_others,
+                     restore_others)
 
 #: torch's schedules lowcomm offers (those of this torch: :func:`schedules`), one stage per rank
 SINGLE = ("GPipe", "1F1B")
@@ -67,7 +69,8 @@ class PipelineSettings(Settings):
     microbatches: int = 4       # micro-batches per step (they must divide the batch)
     schedule: str = "1F1B"      # torch's: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, ZBVZeroBubble, ...
     stages_per_rank: int = 2    # stages each rank holds under a looped or V-shaped schedule
-    # where the blocks are cut: "params" (balanced by parameter count), "every:N", "at:A,B,..."
+    # where the blocks are cut: "params" (balanced by parameter count), "time" (by measured
+    # time), "every:N", "at:A,B,..."
     split: str = "params"
     timeout_s: float = 300.0    # the torch.distributed group's limit for one operation
 
@@ -117,8 +120,9 @@ def build(s: PipelineSettings, model, optimizer, comm: Comm, ctx: Context) -> St
         raise ConfigError("task", "pp computes the loss on the last stage from the model's "
                           "output: the task must define criterion(output, target) (and "
                           "split(batch) -> (inputs, target) unless a batch is a pair (x, y))")
+    example = next(iter(ctx.batches(1))) if ctx.batches is not None else None
     return PipelineParallel(model, optimizer, comm, settings=s, criterion=ctx.criterion,
-                            split_batch=ctx.split)
+                            split_batch=ctx.split, example=example, replicas=ctx.replicas)
 
 
 METHOD = Method("pp", PipelineSettings, build,
@@ -215,6 +219,9 @@ class PipelineParallel(Strategy):
         criterion: ``criterion(output, target) -> loss`` on the last stage (a mean over the
             micro-batch).
         split_batch: ``split(batch) -> (inputs tuple, target)`` (default: a pair ``(x, y)``).
+        example: a batch to time the blocks on, for ``split = "time"``.
+        replicas: rank i of every other pipeline, for data parallelism around it
+            (:mod:`~lowcomm.parallel.replicas`: gradients averaged over them each step).
         settings: a validated :class:`PipelineSettings`; otherwise its fields as keywords.
 
     Example::
@@ -237,7 +244,8 @@ class PipelineParallel(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: PipelineSettings | None = None,
-                 chain: Chain | None = None, criterion=None, split_batch=None, **options):
+                 chain: Chain | None = None, criterion=None, split_batch=None, example=None,
+                 replicas: Comm | None = None, **options):
         if criterion is None or not callable(criterion):
             raise ConfigError("criterion", "pp needs criterion(output, target) -> loss for the "
                               "last stage")
@@ -247,11 +255,13 @@ class PipelineParallel(Strategy):
         super().__init__(model, optimizer, comm, settings=settings, **options)
         s, self.chain = self.settings, chain_for(model, chain)
         self.criterion, self.split_batch = criterion, split_batch or pair
+        self.replicas = replicas
         self.device = next(model.parameters()).device
         P, v = self.comm.size, s.per_rank()
         self.count = P * v
+        times = self._block_times(example) if parse_split(s.split)[0] == "time" else None
         bounds = cut(model, self.chain, self.count, s.split, "strategy.split",
-                     "strategy.stages_per_rank" if v > 1 else "pp's ranks")
+                     "strategy.stages_per_rank" if v > 1 else "pp's ranks", times)
         self.stages = [Stage(model, self.chain, i, self.count, bounds[i], bounds[i + 1])
                        for i in stage_ids(self.comm.rank, P, v, s.schedule)]
         self.bounds = bounds
@@ -265,6 +275,17 @@ class PipelineParallel(Strategy):
         self._schedule = self._build_schedule(s)
 
     # construction -------------------------------------------------------------------------------
+    def _block_times(self, example) -> list[float] | None:
+        """``split = "time"``: each block's seconds on a micro-batch of ``example``, rank 0's
+        (every rank cuts alike); None without an example (:func:`cut` names the setting)."""
+        if example is None:
+            return None
+        args, target = self.split_batch(example)
+        rows = target.shape[0] // self.settings.microbatches
+        times = block_times(self.model, self.chain, tuple(a[:rows] for a in args),
+                            self.criterion, target[:rows])
+        return self.comm.bcast_object(times if self.comm.rank == 0 else None)
+
     def _keep_own_parameters(self, optimizer) -> None:
         """This rank's parameters, each once (a module two of its stages hold too), kept in
         ``self._held`` and alone in the optimizer's groups."""
@@ -355,6 +376,8 @@ class PipelineParallel(Strategy):
             for p in self._tied:
                 if p.grad is not None:
                     self._tie.allreduce_(p.grad, "sum")
+        if self.replicas is not None:
+            average_gradients(self.replicas, [p.grad for p in self._held if p.grad is not None])
         return loss
 
     @torch.no_grad()
@@ -363,8 +386,8 @@ class PipelineParallel(Strategy):
         return float(self._run(batch, train=False))
 
     def batch_place(self) -> tuple[int, int]:
-        """Every stage of one pipeline takes the same batch."""
-        return 0, 1
+        """Every stage of one pipeline takes the same batch (its replica's)."""
+        return place(self.replicas)
 
     def local_shards(self) -> dict[str, torch.Tensor]:
         """This rank's stages' parameters by name: what an outer loop above keeps and averages

@@ -5,6 +5,9 @@ The cut is a setting (``strategy.split``):
 * ``"params"`` (default) — balanced by parameter count: the cut that makes the largest stage's
   parameters (the stem's counted with the first stage, the head's with the last) as small as
   it can be (the linear-partition problem, solved exactly by dynamic programming);
+* ``"time"`` — balanced by measured time: each block's forward and backward pass timed on a
+  micro-batch (the stem's with the first block, the head's and the loss's with the last),
+  rank 0's measurement used by every rank (:func:`block_times`), then the same partition;
 * ``"every:N"`` — a new stage every N blocks (the blocks must be N × the stages);
 * ``"at:A,B,..."`` — named split points: the blocks where stages 1, 2, … begin, by index in
   the blocks' list or by module name (``"at:transformer.h.6"``).
@@ -29,14 +32,14 @@ def parse_split(text: str, key: str = "strategy.split") -> tuple[str, list]:
     rule, _, rest = str(text).partition(":")
     rule = rule.strip()
     args = [a.strip() for a in rest.split(",") if a.strip()]
-    if rule == "params" and not args:
+    if rule in ("params", "time") and not args:
         return rule, []
     if rule == "every" and len(args) == 1 and args[0].isdigit() and int(args[0]) > 0:
         return rule, [int(args[0])]
     if rule == "at" and args:
         return rule, [int(a) if a.isdigit() else a for a in args]
     raise ConfigError(key, f"{text!r} is no split; give \"params\" (balanced by parameter "
-                      "count), \"every:N\" (a stage every N blocks) or \"at:A,B,...\" (the "
+                      "count), \"time\" (by measured time), \"every:N\" (a stage every N blocks) or \"at:A,B,...\" (the "
                       "blocks where stages 1, 2, ... begin, by index or module name)")
 
 
@@ -46,10 +49,12 @@ def numel(modules) -> int:
 
 
 def cut(model: nn.Module, chain: Chain, stages: int, split: str,
-        key: str = "strategy.split", count_key: str = "strategy.stages_per_rank") -> list[int]:
+        key: str = "strategy.split", count_key: str = "strategy.stages_per_rank",
+        times: list[float] | None = None) -> list[int]:
     """The block index each stage starts at, and the number of blocks at the end
     (``stages + 1`` bounds, increasing: stage ``s`` runs blocks ``[b[s], b[s+1])``);
-    ``count_key``: the setting that made ``stages`` (named when there are too many)."""
+    ``count_key``: the setting that made ``stages`` (named when there are too many);
+    ``times``: each block's measured seconds, for ``split = "time"``."""
     blocks = blocks_of(model, chain)
     n = len(blocks)
     if stages > n:
@@ -66,6 +71,11 @@ def cut(model: nn.Module, chain: Chain, stages: int, split: str,
         return [s * args[0] for s in range(stages)] + [n]
     if rule == "at":
         return _at(blocks, chain, args, stages, n, key)
+    if rule == "time":
+        if times is None or len(times) != n:
+            raise ConfigError(key, "split = \"time\" needs each block's measured time: give "
+                              "the pipeline an example batch (example=)")
+        return balanced(times, stages)
     stem = numel(model.get_submodule(m) for m in chain.stem)
     head = numel(model.get_submodule(m) for m in chain.head if m not in chain.stem)
     sizes = [numel([b]) for b in blocks]
@@ -90,7 +100,36 @@ def _at(blocks, chain: Chain, points: list, stages: int, n: int, key: str) -> li
     return [0, *starts, n]
 
 
-def balanced(sizes: list[int], parts: int) -> list[int]:
+def block_times(model: nn.Module, chain: Chain, inputs: tuple, criterion, target,
+                repeats: int = 3) -> list[float]:
+    """Each block's forward and backward seconds on ``inputs`` (the median of ``repeats``), the
+    stem's added to the first block's, the head's and the loss's to the last's. Gradients the
+    timing leaves are cleared."""
+    import time
+    blocks = list(blocks_of(model, chain))
+    runs: list[list[float]] = []
+    for _ in range(repeats):
+        row = []
+        t0 = time.perf_counter()
+        x = chain.embed(model, *inputs)
+        stem = time.perf_counter() - t0
+        for b in blocks:
+            x = x.detach().requires_grad_(True)
+            t0 = time.perf_counter()
+            y = chain.block(b, x)
+            y.backward(torch.ones_like(y))
+            row.append(time.perf_counter() - t0)
+            x = y
+        t0 = time.perf_counter()
+        criterion(chain.out(model, x.detach().requires_grad_(True)), target).backward()
+        row[0] += stem
+        row[-1] += time.perf_counter() - t0
+        runs.append(row)
+    model.zero_grad(set_to_none=True)
+    return [sorted(r[i] for r in runs)[len(runs) // 2] for i in range(len(blocks))]
+
+
+def balanced(sizes: list[float], parts: int) -> list[int]:
     """Bounds cutting ``sizes`` into ``parts`` contiguous non-empty runs whose largest sum is
     the smallest possible (linear partition by dynamic programming; ties: earliest cuts)."""
     n = len(sizes)

@@ -32,7 +32,7 @@ from ..strategies.ps import method as async_ps
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from ..strategies.policy import Level, build_policy, check_plan
-from ..parallel import pipeline
+from ..parallel import pipeline, tensor
 
 #: every strategy by name, one line each
 STRATEGIES: dict[str, Method] = {m.name: m for m in (
@@ -59,6 +59,7 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     dylu.METHOD,
     async_diloco.METHOD,
     pipeline.METHOD,
+    tensor.METHOD,
 )}
 
 

@@ -39,7 +39,9 @@ class Context:
     and this rank's training batches with the forward that runs the model on one (outer loops
     recompute BatchNorm's statistics on them: ``bn_recompute``; None: not given); the task's
     ``criterion(output, target)`` and ``split(batch)``, for a method that computes the loss
-    from the last pipeline stage's output (None: the task defines none)."""
+    from the last pipeline stage's output (None: the task defines none); ``replicas``: for a
+    method that splits the model under data-parallel levels, the ranks holding its part in the
+    other replicas (:mod:`lowcomm.parallel.replicas`; None: no data parallelism around it)."""
     compressor: CompressorSettings = field(default_factory=CompressorSettings)
     nonfinite: str = "abort"
     steps: int | None = None
@@ -49,6 +51,7 @@ class Context:
     forward: Any = None
     criterion: Any = None
     split: Any = None
+    replicas: Any = None
 
     def gradient_compressor(self, name: str | None = None):
         """The run's gradient compressor, or the one called ``name`` with the run's knobs,

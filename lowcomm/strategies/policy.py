@@ -52,6 +52,31 @@ class Level:
     options: dict
 
 
+def replicated_split(plan: list[Level], first: int) -> bool:
+    """Whether the per-step levels are data parallelism (plain ``syncdp``) around a method that
+    splits the model on the innermost level (:mod:`lowcomm.parallel.replicas`); a ConfigError
+    where such a level takes options or a split method sits above another level."""
+    split = [p for p in plan[first:] if p.method.splits]
+    if not split:
+        return False
+    if len(split) > 1:
+        raise ConfigError(f"policy.{split[0].name}", f"{split[0].method.name} over "
+                          f"{split[1].method.name}: two levels that split the model in one job "
+                          "are not built yet (each wants the process's torch.distributed "
+                          "group); split on one level, with syncdp or an outer loop above")
+    if split[0] is not plan[-1]:
+        raise ConfigError(f"policy.{split[0].name}", f"{split[0].method.name} splits the model "
+                          "on the innermost per-step level only; data parallelism (syncdp) "
+                          "goes above it")
+    for p in plan[first:-1]:
+        if p.method.name != "syncdp" or p.options:
+            raise ConfigError(f"policy.{p.name}", f"above policy.{plan[-1].name}="
+                              f"{plan[-1].method.name} a per-step level is plain syncdp (the "
+                              f"replicas' gradients averaged), not {p.method.name}"
+                              f"{':' + ','.join(p.options) if p.options else ''}")
+    return first < len(plan) - 1
+
+
 def check_plan(plan: list[Level], gradient_compressor: str = "none") -> int:
     """The index of the first per-step (syncdp) level, ``len(plan)`` when there is none; checks
     that per-step levels are innermost and share their options. ``plan`` is outermost first."""
@@ -78,6 +103,8 @@ def check_plan(plan: list[Level], gradient_compressor: str = "none") -> int:
                               f"(policy.{lower.name}={lower.method.name}): the τ steps' local "
                               "progress it adds back would count the lower level's averaging "
                               "twice; use merge=mix, delay=0, or syncdp below")
+    if replicated_split(plan, first):
+        return first
     steppers = {p.method.name for p in plan[first:]}
     if len(steppers) > 1:
         raise ConfigError(f"policy.{plan[first].name}", f"the per-step levels "
@@ -127,6 +154,11 @@ def _build_levels(plan, first, names, levels, model, optimizer, comm, ctx: Conte
         elif first > 0 and takes_algorithm and s.algorithm == "hierarchical":
             raise ConfigError(f"policy.{lvl.name}.algorithm", "hierarchical spans the whole job; "
                               "inside a unit use mpi, ring, rabenseifner or tree")
+        if replicated_split(plan, first):        # data parallelism around a split model
+            lvl, unit = plan[-1], levels.group(names[-2])
+            s = lvl.settings
+            ctx = dataclasses.replace(ctx, replicas=scope.split(unit.rank, level=names[first]))
+            scope = unit
         strategy = lvl.method.build(s, model, optimizer, scope, ctx)
     outer_ctx = dataclasses.replace(ctx, compressor=dataclasses.replace(ctx.compressor, name="none"))
     for i in range(first - 1, -1, -1):       # outer loops, innermost first

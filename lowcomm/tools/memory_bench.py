@@ -66,7 +66,7 @@ def measure_one(comm: Comm, cfg, method: str, device: str = "cpu") -> dict:
         opt = build(method, model, inner, comm)
     batch = _to(task.batch(1, comm.rank, comm.size, cfg), dev)
     opt.zero_grad()
-    task.loss(model, batch).backward()
+    opt.forward_backward(task.loss, batch)      # (a method that splits the model runs it)
     opt.step()
     mem = measure(model, opt)
     every = comm.allgather_object(mem)

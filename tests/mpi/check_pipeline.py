@@ -205,3 +205,21 @@ def test_micro_batches_that_do_not_divide_the_batch_are_an_error_naming_the_sett
     with pytest.raises(LowcommError, match="strategy.microbatches"):
         opt.forward_backward(None, lm_batch(0))
     opt.close()
+
+
+def test_a_split_by_measured_time_cuts_alike_on_every_rank_and_trains_the_same_model():
+    """``split = "time"``: rank 0's block times decide the cut (every rank holds the same
+    bounds); the pipeline still equals one process on the whole batch."""
+    ours, theirs, model, ref = run_both("tinygpt", split="time", example=lm_batch(0))
+    assert max(abs(a - b) for a, b in zip(ours, theirs)) <= LOSS_ATOL
+    assert_same_model(model, ref)
+    m = tinygpt()
+    opt = PipelineParallel(m, torch.optim.SGD(m.parameters(), lr=0.1), microbatches=M,
+                           criterion=CASES["tinygpt"][2], split="time", example=lm_batch(0))
+    every = control(init()).allgather_object(opt.bounds)
+    assert every[0] == every[1] and every[0][0] == 0 and every[0][-1] == 4
+    opt.close()
+    m = tinygpt()
+    with pytest.raises(ConfigError, match="needs each block's measured time"):
+        PipelineParallel(m, torch.optim.SGD(m.parameters(), lr=0.1), microbatches=M,
+                         criterion=CASES["tinygpt"][2], split="time")

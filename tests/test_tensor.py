@@ -1,0 +1,134 @@
+"""Tensor and sequence parallelism (``tp``): its 2-rank checks under real mpirun
+(tests/mpi/check_tensor.py, each case asserted on every rank), ``lowcomm train`` with it (resume
+bit for bit and on another degree, DiLoCo between datacenters of split models), and the
+settings in one process."""
+import json
+import shutil
+
+import pytest
+
+from conftest import run_ranks, shared_mpi_suite
+from lowcomm.errors import ConfigError
+from lowcomm.parallel.plans import join_parts, local_part
+from lowcomm.run.api import load_config
+
+
+@pytest.mark.mpi_checks("check_tensor.py", np=2, timeout=300)
+def test_tensor_parallel_on_two_ranks():
+    cases = shared_mpi_suite(2, "check_tensor.py")
+    for name in ("test_tp_equals_one_process_on_the_same_batch[gpt2-tp]",
+                 "test_tp_equals_one_process_on_the_same_batch[gpt2-tp+sp]",
+                 "test_tp_equals_one_process_on_the_same_batch[llama-tp+sp]",
+                 "test_each_rank_holds_a_tth_of_the_split_layers[gpt2]",
+                 "test_the_ledger_holds_the_split_layers_collectives_as_megatron_counts_them[tp+sp]",
+                 "test_a_split_resumes_bit_for_bit_from_its_state[gpt2]",
+                 "test_a_state_resumes_on_one_rank_with_the_model_unchanged"):
+        assert f"check_tensor.py::{name}" in cases
+
+
+SETS = ["strategy.name=tp", "batch_size=8", "model.d_model=32", "model.n_layers=2",
+        "data.seq_len=16", "eval_batches=2", "eval_every=5", "log_every=5", "checkpoint.every=5",
+        "steps=10"]
+
+
+def train(np_, out, *sets, resume=None, base=SETS):
+    args = [a for o in (*base, *sets) for a in ("--set", o)]
+    return run_ranks(np_, "lowcomm", "train", "--quiet", "--out", out, *args,
+                     *(["--resume", resume] if resume else []), timeout=240)
+
+
+def metrics(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_lowcomm_train_with_tp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
+    """2-way sequence-parallel TP, 10 steps with a checkpoint every 5: the whole model on every
+    rank at the end (ranks_agree) and the split layers' traffic in the ledger; resumed from
+    step 5 on 2 ranks: the same model bit for bit; on 1 rank (the pieces joined): the same
+    losses to float tolerance."""
+    full = tmp_path / "full"
+    r = train(2, full, "strategy.sequence=true")
+    assert r.returncode == 0, r.output
+    summary = json.loads((full / "summary.json").read_text())
+    assert summary["ranks_agree"] is True and summary["steps"] == 10
+    assert summary["bytes_total"] > 0 and "eval_loss" in metrics(full)[-1]
+    for np_ in (2, 1):
+        again = tmp_path / f"again{np_}"
+        shutil.copytree(full, again)
+        shutil.rmtree(again / "checkpoints" / f"step-{10:08d}", ignore_errors=True)
+        (again / "summary.json").unlink()
+        r = train(np_, again, "strategy.sequence=true", resume=again)
+        assert r.returncode == 0, r.output
+        resumed = json.loads((again / "summary.json").read_text())
+        if np_ == 2:
+            assert resumed["state_sha256"] == summary["state_sha256"]
+        else:
+            assert resumed["resizes"] == [{"step": 5, "from": 2, "to": 1}]
+            assert abs(resumed["final_loss"] - summary["final_loss"]) < 1e-5
+
+
+def test_diloco_between_two_datacenters_of_tensor_parallel_pairs_equals_unsplit_diloco(tmp_path):
+    """``topology=dc:2,rank:2``, ``policy.rank=tp``, ``policy.dc=diloco``: each rank keeps the
+    outer state of its pieces only and averages them with the same rank of the other
+    datacenter. The same losses (training and held-out, every logged step, to 1e-5) as DiLoCo
+    between two datacenters of one rank each holding the whole model."""
+    common = ["policy.dc=diloco:period=5", "eval_every=5", "checkpoint.every=0"]
+    split, whole = tmp_path / "split", tmp_path / "whole"
+    base = [x for x in SETS if not x.startswith("strategy.")]
+    r = train(4, split, "topology=dc:2,rank:2", "policy.rank=tp", *common, base=base)
+    assert r.returncode == 0, r.output
+    r = train(2, whole, "topology=dc:2,rank:1", *common, base=base)
+    assert r.returncode == 0, r.output
+    ours, theirs = metrics(split), metrics(whole)
+    assert [x["step"] for x in ours] == [x["step"] for x in theirs] == [5, 10]
+    for a, b in zip(ours, theirs):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["eval_loss"] - b["eval_loss"]) < 1e-5
+    s = json.loads((split / "summary.json").read_text())
+    assert s["ranks_agree"] is True and s["bytes_by_level"]["rank"] > 0
+
+
+def test_tp_inside_a_fleet_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="not built yet"):
+        load_config(None, ["fleet.dcs=2", "topology=dc:2,rank:2", "policy.rank=tp",
+                           "policy.dc=diloco"])
+
+
+def test_a_fused_projections_pieces_join_back_exactly():
+    import torch
+    full = torch.arange(4 * 12.).view(4, 12)            # q, k, v of 4 columns each
+    pieces = [local_part(full, 1, 3, 2, r) for r in range(2)]
+    assert pieces[0].tolist()[0] == [0, 1, 4, 5, 8, 9]   # q0, k0, v0: each part's first half
+    assert torch.equal(join_parts(pieces, 1, 3), full)
+
+
+@pytest.mark.parametrize("split", ["tp", "pp"])
+def test_data_parallelism_around_a_split_model_equals_syncdp_of_whole_models(tmp_path, split):
+    """``topology=node:2,rank:2``, ``policy.node=syncdp``, ``policy.rank=tp`` (or ``pp``): two
+    split models, each rank averaging its gradients with the rank holding the same part in the
+    other: the same losses (training and held-out, to 1e-5) as SyncDP on 2 ranks each holding
+    the whole model; the whole model on every rank at the end."""
+    common = ["log_every=5", "eval_every=5", "checkpoint.every=0"]
+    base = [x for x in SETS if not x.startswith("strategy.")]
+    ours, ref = tmp_path / split, tmp_path / "syncdp"
+    r = train(4, ours, "topology=node:2,rank:2", "policy.node=syncdp", f"policy.rank={split}",
+              *(["strategy.microbatches=2"] if split == "pp" else []), *common, base=base)
+    assert r.returncode == 0, r.output
+    r = train(2, ref, "strategy.name=syncdp", *common, base=base)
+    assert r.returncode == 0, r.output
+    a, b = metrics(ours), metrics(ref)
+    assert [x["step"] for x in a] == [x["step"] for x in b] == [5, 10]
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) < 1e-5 and abs(x["eval_loss"] - y["eval_loss"]) < 1e-5
+    s = json.loads((ours / "summary.json").read_text())
+    assert s["ranks_agree"] is True and s["bytes_by_level"]["node"] > 0
+
+
+@pytest.mark.parametrize("policy, words", [
+    (["policy.node=pp", "policy.rank=tp"], "two levels that split the model in one job"),
+    (["policy.node=tp", "policy.rank=syncdp"], "innermost per-step level only"),
+    (["policy.node=syncdp:algorithm=ring", "policy.rank=tp"], "plain syncdp"),
+])
+def test_a_composition_that_is_not_built_is_refused_naming_the_level(policy, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        load_config(None, ["topology=node:2,rank:2", *policy])
+    assert e.value.key == "policy.node"
