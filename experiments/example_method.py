@@ -16,11 +16,11 @@ class AverageEverySettings(lowcomm.Settings):
 
 
 class AverageEvery(lowcomm.Strategy):
-    name = "average-every"
+    name, Settings = "average-every", AverageEverySettings
 
-    def __init__(self, model, optimizer, comm=None, period=4):
-        super().__init__(model, optimizer, comm)
-        self.period, self.t = period, 0
+    def __init__(self, model, optimizer, comm=None, **options):   # settings=, or period=8
+        super().__init__(model, optimizer, comm, **options)     # resolves self.settings
+        self.period, self.t = self.settings.period, 0
         lowcomm.comm.collectives.broadcast_(self.comm, list(model.state_dict().values()))
 
     def _step(self, closure=None):        # Strategy.step() calls it: the optimizer contract stays
@@ -39,5 +39,5 @@ class AverageEvery(lowcomm.Strategy):
 
 METHOD = lowcomm.register(lowcomm.Method(
     "average-every", AverageEverySettings, summary="average the parameters every H steps",
-    build=lambda s, model, optimizer, comm, ctx: AverageEvery(model, optimizer, comm, s.period),
+    build=lambda s, model, optimizer, comm, ctx: AverageEvery(model, optimizer, comm, settings=s),
     example="average-every:period=3", compare=("strategy.period=10",)))

@@ -20,7 +20,7 @@ from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
 from lowcomm.strategies.async_ps import (HEADER, build_shards, dc_compensate, pack_push,
                                          staleness_lr, unpack_push)
-from lowcomm.strategies.base import balance
+from lowcomm.strategies.layout import balance
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",
          "data.seq_len=32", "data.max_bytes=300000", "eval_batches=4", "log_every=5",

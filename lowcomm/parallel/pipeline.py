@@ -37,7 +37,8 @@ from ..comm.comm import Comm
 from ..comm.ledger import Ledger
 from ..errors import ConfigError, LowcommError
 from ..settings import Settings
-from ..strategies.base import Context, Method, Strategy
+from ..strategies.base import Strategy
+from ..strategies.method import Context, Method
 from .chains import Chain, chain_for
 from .replicas import average_gradients, place
 from .stages import (Stage, block_times, cut, owned_names, parse_split, refuse_fleet,
@@ -241,15 +242,14 @@ class PipelineParallel(Strategy):
                  comm: Comm | None = None, *, settings: PipelineSettings | None = None,
                  chain: Chain | None = None, criterion=None, split_batch=None, example=None,
                  replicas: Comm | None = None, **options):
-        s = settings if settings is not None else self.settings_from(options)
         if criterion is None or not callable(criterion):
             raise ConfigError("criterion", "pp needs criterion(output, target) -> loss for the "
                               "last stage")
         if optimizer.state:
             raise ConfigError("optimizer", f"{type(optimizer).__name__} holds state already (it "
                               "has stepped): pp keeps each stage's state; wrap a fresh one")
-        super().__init__(model, optimizer, comm)
-        self.settings, self.chain = s, chain_for(model, chain)
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        s, self.chain = self.settings, chain_for(model, chain)
         self.criterion, self.split_batch = criterion, split_batch or pair
         self.replicas = replicas
         self.device = next(model.parameters()).device
@@ -289,7 +289,7 @@ class PipelineParallel(Strategy):
         held = {id(p) for p in self._held}
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in held]
-        self._fix_parameters()
+        self.built.fix()
 
     def _tied_parameters(self) -> list[torch.Tensor]:
         """The tied modules' parameters where this rank holds both ends' copies on different

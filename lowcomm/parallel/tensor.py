@@ -29,7 +29,8 @@ import torch
 from ..comm.comm import Comm
 from ..errors import ConfigError, LowcommError
 from ..settings import Settings
-from ..strategies.base import Context, Method, Strategy
+from ..strategies.base import Strategy
+from ..strategies.method import Context, Method
 from .plans import Plan, Split, join_parts, local_part, plan_for
 from .replicas import average_gradients, place
 from .stages import refuse_fleet
@@ -169,12 +170,11 @@ class TensorParallel(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: TensorSettings | None = None,
                  plan: Plan | dict | None = None, replicas: Comm | None = None, **options):
-        s = settings if settings is not None else self.settings_from(options)
         if optimizer.state:
             raise ConfigError("optimizer", f"{type(optimizer).__name__} holds state already (it "
                               "has stepped): tp splits its parameters; wrap a fresh one")
-        super().__init__(model, optimizer, comm)
-        self.settings, self.device = s, next(model.parameters()).device
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        s, self.device = self.settings, next(model.parameters()).device
         self.replicas, self._averaged = replicas, False
         self.plan = plan if isinstance(plan, Plan) else Plan(plan) if plan is not None else \
             plan_for(model, s.sequence)
@@ -216,7 +216,7 @@ class TensorParallel(Strategy):
                 style = self.plan.styles.get(n.rsplit(".", 1)[0])
                 self._pieces[n] = (p.placements[0].dim, style.parts if isinstance(style, Split)
                                    else 1)
-        self._fix_parameters()
+        self.built.fix()
 
     def _positions(self, module, args) -> None:
         """Sequence parallelism cuts the positions into T equal parts: refuse others."""

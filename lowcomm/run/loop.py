@@ -159,7 +159,7 @@ def train(r: Run, coord) -> dict:
 def take_step(r: Run, coord, state: LoopState, step: int) -> None:
     """Step ``step``: forward/backward of this rank's batch, then the method's step — or a skip
     where ``coord`` says so (a non-finite loss or gradient), or a pass where the method says
-    this rank does not compute the step (:meth:`~lowcomm.strategies.base.Strategy.takes_step`)."""
+    this rank does not compute the step (:meth:`~lowcomm.strategies.capabilities.Capabilities.takes_step`)."""
     c0 = compute_cpu_clock()
     if not r.strategy.takes_step():          # dynamic local updates: passed, not computed
         if coord.skip_step(None, step):      # its vote still counts: all skip a non-finite step

@@ -4,7 +4,7 @@ and the process's peak.
 Tensors are counted by their storage, once each (a parameter that is a view of a method's flat
 buffer counts the buffer's bytes once; a gradient that is a view of a reduction bucket counts
 the bucket). A method adds what it holds beside the model and its optimizer through
-:meth:`~lowcomm.strategies.base.Strategy.memory_tensors` (ZeRO-1's gradient buckets, an outer
+:meth:`~lowcomm.strategies.capabilities.Capabilities.memory_tensors` (ZeRO-1's gradient buckets, an outer
 loop's outer parameters and momentum). The peak is ``torch.cuda.max_memory_allocated`` on a CUDA
 model, else the process's peak resident set size (which includes Python, torch and the data).
 """

@@ -1,6 +1,6 @@
 """Names → methods: the one place that knows every strategy.
 
-Each strategy module publishes a :class:`~lowcomm.strategies.base.Method` (its settings
+Each strategy module publishes a :class:`~lowcomm.strategies.method.Method` (its settings
 dataclass, its builder and an optional check against the run's other keys); adding a method is
 its module plus one line in :data:`STRATEGIES` (or :func:`register` from user code). Every
 other list of methods -- ``lowcomm compare``'s, ``lowcomm methods``, the docs' method table, the
@@ -29,7 +29,8 @@ from ..strategies import (async_diloco, demo, desloc, diloco, dylu, fsdp, gossip
                           sparseloco, sparta,
                           syncdp, zero, zeroone_adam)
 from ..strategies.ps import method as async_ps
-from ..strategies.base import Context, Method, Strategy
+from ..strategies.base import Strategy
+from ..strategies.method import Context, Method
 from ..strategies.policy import Level, build_policy, check_plan
 from ..parallel import pipeline, tensor
 
@@ -64,7 +65,7 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
 
 def in_one_job() -> dict[str, Method]:
     """The methods one MPI job runs on any task: all but those that run only across a fleet's
-    datacenters (:attr:`Method.fleet <lowcomm.strategies.base.Method>`) and those that split
+    datacenters (:attr:`Method.fleet <lowcomm.strategies.method.Method>`) and those that split
     the model (``Method.splits``: they train a task they can cut, and have tests of their own).
     What ``lowcomm compare`` and the every-method tests take."""
     return {n: m for n, m in STRATEGIES.items() if not m.fleet and not m.splits}
@@ -217,7 +218,7 @@ def build_strategy(cfg, model, optimizer, comm, levels=None, batches=None,
     the topology's communicators over ``comm`` (:func:`topology_comms`), which a policy and the
     hierarchical all-reduce need; ``batches``, ``forward``: this rank's training batches (a
     function of the step) and the task's forward; ``criterion``, ``split``: the task's (see
-    :class:`~lowcomm.strategies.base.Context`)."""
+    :class:`~lowcomm.strategies.method.Context`)."""
     ctx = dataclasses.replace(context(cfg), levels=levels, batches=batches, forward=forward,
                               criterion=criterion, split=split)
     if cfg.policy:

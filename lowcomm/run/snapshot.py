@@ -11,7 +11,7 @@ import torch
 
 from ..comm.comm import Comm
 from ..errors import LowcommError
-from ..strategies.base import adopt
+from ..strategies.ownership import adopt
 from .checkpoint import Checkpointer, CheckpointError
 from .folder import checkpoint_dir, metrics_upto, run_id_of, write_config
 
@@ -47,7 +47,7 @@ def resized(state: dict, comm: Comm, strategy, where: Path) -> dict:
     """This rank's state from the checkpoint of a run on another number of ranks
     (``state["ranks"]``: every old rank's state). The rules:
 
-    * model and strategy: the strategy's own :meth:`~lowcomm.strategies.base.Strategy.reshard`
+    * model and strategy: the strategy's own :meth:`~lowcomm.strategies.capabilities.Capabilities.reshard`
       (replicated state: rank 0's; per-rank state: averaged; compressor state: reset);
     * RNG states: new rank r takes old rank ``r mod K_old``'s (a run that shrinks continues
       its first ranks' streams; one that grows repeats old ranks' streams on its new ranks),

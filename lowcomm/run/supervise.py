@@ -28,7 +28,7 @@ of every attempt (``ranks_per_attempt``) are added to the run's summary.json.
 Shrinking (``min_ranks``): when a *relaunch* on n ranks fails too (a rank that cannot come
 back: its node is gone, its launch keeps failing), the next attempt runs on n − 1 ranks, down to
 ``min_ranks``, resuming the n-rank checkpoint on fewer ranks by each method's merge rule
-(:meth:`lowcomm.strategies.base.Strategy.reshard`). The first failure on a rank count is always
+(:meth:`lowcomm.strategies.capabilities.Capabilities.reshard`). The first failure on a rank count is always
 retried on the same count (most failures are transient).
 
 Since a task's batches are a pure function of the step and checkpoints hold every RNG, the

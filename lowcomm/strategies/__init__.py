@@ -1,10 +1,11 @@
 """Strategies decide when and what to communicate; each attaches to a plain torch optimizer.
 
-Each module owns its settings and builder (a :class:`~lowcomm.strategies.base.Method`);
+Each module owns its settings and builder (a :class:`~lowcomm.strategies.method.Method`);
 :mod:`lowcomm.run.registry` maps names to them.
 """
 from .async_ps import AsyncPS
-from .base import Context, Method, Strategy
+from .base import Strategy
+from .method import Context, Method
 from .demo import DeMo
 from .diloco import DiLoCo, StreamingDiLoCo
 from .fsdp import FSDP

@@ -8,9 +8,10 @@ import torch
 
 from ..comm.comm import Comm
 from ..errors import ConfigError
-from .base import Context, Method
+from .method import Context, Method
 from .dylu import DyLUDiLoCo, DyLUSettings
-from .outer import Fragment, _InFlight, check_run
+from .fragment import Fragment, InFlight
+from .outer import check_run
 
 
 @dataclass
@@ -112,12 +113,12 @@ class AsyncDiLoCo(DyLUDiLoCo):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, **arguments):
         super().__init__(model, optimizer, comm, **arguments)
-        if not self._whole.arrivals:
+        if not self.route.whole.arrivals:
             raise ConfigError("strategy.name", "diloco-async runs across a fleet's datacenters "
                               "only (lowcomm train --dcs D): its outer state is the fleet "
                               "coordinator's arrival server")
         self.arrivals = 0                       # this member's, answered
-        self._unlanded: list[_InFlight] = []    # in flight when the loop closed (:meth:`_close`)
+        self._unlanded: list[InFlight] = []    # in flight when the loop closed (:meth:`_close`)
 
     def _init_outer(self, outer_optimizer: str, outer_lr: float, outer_momentum: float,
                     every: int = 1) -> None:
@@ -125,21 +126,21 @@ class AsyncDiLoCo(DyLUDiLoCo):
         the outer loop's state layout)."""
         super()._init_outer("sgd", 1.0, 0.0)
 
-    def _in_turn(self, fn, *args) -> None:
+    def _in_turn(self, fn) -> None:
         """Nothing: the buffers travel with each arrival (step 3)."""
 
     def _start(self, f: Fragment, s: int) -> None:
         """Steps 3–4 at the period's end: the arrival at once, or on the thread (τ > 0), its
         answer taken τ steps later (:meth:`_land`)."""
-        local = self._pack(f)
+        local = f.local()
         delta, mine, speed = self._outgoing(f, local), self.buffers.flat_floating(), self._measure()
-        if self._pool is None:
+        if self._thread.pool is None:
             packed, rows, speeds = self._send(f, delta, mine, speed, False, self.t, self.h_local)
             self._take(f, packed, speeds, mine, final=False)
-            self._charge(_InFlight(f.index, s, s, None), rows)
+            self._charge(InFlight(f.index, s, s, None), rows)
             return
-        future = self._pool.submit(self._send, f, delta, mine, speed, False, self.t, self.h_local)
-        self._in_flight.append(_InFlight(f.index, s, s + self.delay, future, local))
+        future = self._thread.pool.submit(self._send, f, delta, mine, speed, False, self.t, self.h_local)
+        f.fly(InFlight(f.index, s, s + self.delay, future, local))
 
     def _send(self, f: Fragment, delta: torch.Tensor | None, mine: torch.Tensor,
               speed: float | None, final: bool, step: int, steps: int
@@ -149,16 +150,16 @@ class AsyncDiLoCo(DyLUDiLoCo):
         on): the server's θ and buffers in one tensor (what a checkpoint keeps of an arrival in
         flight), the arrival's ledger rows, and the speeds; nothing on the datacenter's other
         ranks."""
-        self._red.ledger.reset()
-        if self._leaders is None:
-            return torch.empty(0), self._red.ledger.rows(), None
-        theta, buffers, answer = self._leaders.arrive(
+        self.route.red.ledger.reset()
+        if self.route.leaders is None:
+            return torch.empty(0), self.route.red.ledger.rows(), None
+        theta, buffers, answer = self.route.leaders.arrive(
             delta, self.outer_params[f.index].detach(), mine, step=step, period=self.period,
             steps=steps, speed=speed, final=final)
-        return torch.cat([theta, buffers]), self._red.ledger.rows(), \
+        return torch.cat([theta, buffers]), self.route.red.ledger.rows(), \
             (answer["speeds"], answer["behind_s"])
 
-    def _land(self, item: _InFlight) -> None:
+    def _land(self, item: InFlight) -> None:
         """Step 4 for an arrival sent τ steps ago: its answer, the local progress since kept."""
         packed, rows, *speeds = self._result(item)   # from a checkpoint: no speeds
         self._charge(item, rows)
@@ -173,7 +174,7 @@ class AsyncDiLoCo(DyLUDiLoCo):
         checkpoint was written) h_k stays."""
         outer = self.outer_params[f.index]
         theta, buffers = packed[:outer.numel()], packed[outer.numel():]
-        inside = self._inside
+        inside = self.route.inside
         if inside is not None and inside.size > 1:
             theta = theta.to(outer.dtype).contiguous() if inside.rank == 0 else \
                 torch.empty_like(outer.detach())
@@ -183,17 +184,17 @@ class AsyncDiLoCo(DyLUDiLoCo):
                     if inside.rank == 0 else torch.empty_like(mine)
                 inside.bcast_(buffers, root=0)
             speeds = inside.bcast_object(speeds)
-        elif self._leaders is None:              # no leader above: the run's θ is its own
+        elif self.route.leaders is None:              # no leader above: the run's θ is its own
             theta, buffers = outer.detach().clone(), mine.clone()
         with torch.no_grad():
             outer.copy_(theta.to(outer.dtype))
         if base is None:
             f.unpack_(outer.detach())
-            self._dirty.discard(f.index)
+            f.dirty = False
         else:                                    # θ_k ← θ + (θ_k − θ_k at the send)
             f.add_(outer.detach() - base)
             if sent == self.t - self.warmup_steps:   # no step since: θ_k = θ
-                self._dirty.discard(f.index)
+                f.dirty = False
         if buffers.numel() == mine.numel() and mine.numel():
             self.buffers.set_floating(buffers)
         if self._inner is not None:
@@ -221,8 +222,8 @@ class AsyncDiLoCo(DyLUDiLoCo):
     def _close(self) -> None:
         """An arrival still in flight is kept for :meth:`_finish` to take (its pseudo-gradient
         is in the server's θ already: dropped, the last arrival would send it again)."""
-        self._drain()
-        self._unlanded, self._in_flight = self._in_flight, []
+        self.drain()
+        self._unlanded = [self.fragments[i.fragment].land() for i in self._in_flight]
         super()._close()
 
     def _finish(self) -> None:
@@ -232,12 +233,13 @@ class AsyncDiLoCo(DyLUDiLoCo):
             self._land(item)
         self._unlanded = []
         f = self.fragments[0]
-        delta = self._outgoing(f, self._pack(f)) if f.index in self._dirty else None
+        delta = self._outgoing(f, f.local()) if f.dirty else None
         mine = self.buffers.flat_floating()
         packed, rows, speeds = self._send(f, delta, mine, self.speed, True, self.t, self.h_local)
         self._take(f, packed, speeds, mine, final=True)
-        self._charge(_InFlight(f.index, self.t, self.t, None), rows)
-        self._dirty.clear()
+        self._charge(InFlight(f.index, self.t, self.t, None), rows)
+        for g in self.fragments:
+            g.dirty = False
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
         """DyLU's, and ``arrivals``: this member's arrivals at the periods' ends (the run's

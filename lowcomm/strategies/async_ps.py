@@ -101,8 +101,8 @@ class AsyncPS(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: AsyncPSSettings | None = None,
                  compressor=None, nonfinite: str = "raise", budget: int | None = None, **options):
-        super().__init__(model, optimizer, comm)
-        st = settings if settings is not None else self.settings_from(options)
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        st = self.settings
         if not st.servers < self.comm.size:
             raise ArgumentError("servers", f"async-ps needs 1 <= servers < ranks (strategy.servers "
                                 f"in a config) so that at least one rank trains; got "
@@ -111,7 +111,6 @@ class AsyncPS(Strategy):
             raise ArgumentError("nonfinite", f"must be 'raise' or 'skip', got {nonfinite!r}")
         if budget is not None and budget < 1:
             raise ArgumentError("budget", f"must be >= 1 gradients, got {budget}")
-        self.settings = st
         part = ParameterServer if self.comm.rank < st.servers else Worker
         self.part = part(model, optimizer, self.comm, compressor=compressor, settings=st,
                          nonfinite=nonfinite, budget=budget)
@@ -159,7 +158,7 @@ class AsyncPS(Strategy):
         if not self.is_server:
             raise LowcommError(f"rank {self.comm.rank} is a worker: it steps; ranks "
                                f"0..{self.servers - 1} serve")
-        with self._own_step():              # the server steps its shard with the optimizer
+        with self.guard.own_step():              # the server steps its shard with the optimizer
             self.part.serve(on_update, on_idle)
 
     def _step(self, closure=None):

@@ -163,3 +163,29 @@ def broadcast_buffers(comm: Comm, model: torch.nn.Module, root: int = 0) -> None
 def average_buffers(comm: Comm, model: torch.nn.Module) -> None:
     """Floating-point buffers averaged over the ranks, the others rank 0's."""
     Buffers(model).average(comm)
+
+
+class Recompute:
+    """BatchNorm's running statistics recomputed on ``count`` of this rank's training batches
+    (``batches``: an iterable, iterated afresh each time, or a function of the inner step t
+    returning one; ``forward(model, batch)`` runs the model on one), checked when built."""
+
+    def __init__(self, model: torch.nn.Module, count: int, batches, forward):
+        if not batchnorms(model):
+            raise ArgumentError("bn_recompute", f"{count} batches to recompute BatchNorm's "
+                                "running statistics on, but the model has no BatchNorm layer "
+                                "that keeps them; use 0")
+        if batches is None:
+            raise ArgumentError("bn_batches", f"bn_recompute = {count} needs training "
+                                "batches: pass bn_batches (a list, a DataLoader or a function of "
+                                "the step; lowcomm.train passes the task's)")
+        if forward is not None and not callable(forward):
+            raise ArgumentError("bn_forward", f"must be a function (model, batch), got "
+                                f"{type(forward).__name__}")
+        self.model, self.count, self.batches, self.forward = model, count, batches, forward
+
+    @torch.no_grad()
+    def __call__(self, t: int) -> None:
+        """Recompute them at inner step ``t``."""
+        batches = self.batches(t) if callable(self.batches) else self.batches
+        recompute_statistics(self.model, batches, self.count, self.forward)

@@ -15,7 +15,9 @@ from ..compress.error_feedback import ErrorFeedback
 from ..compress.twophase import COLLECTIVES
 from ..errors import ConfigError
 from ..settings import Settings
-from .base import Context, Method, Strategy, agreed_dup
+from .base import Strategy
+from .layout import agreed_dup
+from .method import Context, Method
 from .buffers import Buffers
 
 
@@ -209,9 +211,8 @@ class DeMo(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: DeMoSettings | None = None, **options):
-        super().__init__(model, optimizer, comm)
-        s = settings if settings is not None else self.settings_from(options)
-        self.settings = s
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        s = self.settings
         self.topk, self.chunk, self.decay, self.sign = s.topk, s.chunk, s.decay, s.sign
         self.exchange = exchange = s.exchange
         names = {p: n for n, p in model.named_parameters()}

@@ -10,10 +10,12 @@ from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
 from ..errors import ConfigError
 from ..settings import Settings
-from .base import Context, LocalSteps, Method, agreed_dup, refuse_gradient_compressor
+from .base import LocalSteps
+from .layout import agreed_dup
+from .method import Context, Method, refuse_gradient_compressor
 from .buffers import Buffers
 from .onebit_adam import adam_state, torch_adam
-from .outer import average_parameters
+from .fragment import average_parameters
 
 #: what each period synchronises: the parameters x, Adam's first moment u, its second moment v
 STATES = ("x", "u", "v")
@@ -111,10 +113,9 @@ class DesLoc(LocalSteps):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: DesLocSettings | None = None, **options):
-        s = settings if settings is not None else self.settings_from(options)  # before MPI
         torch_adam(optimizer, "DES-LOC")
-        super().__init__(model, optimizer, comm)
-        self.settings = s
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        s = self.settings
         self.periods = s.periods()
         names = {p: n for n, p in model.named_parameters()}
         self._named = [(names[p], p) for g in optimizer.param_groups for p in g["params"]

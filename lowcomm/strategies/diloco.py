@@ -13,9 +13,10 @@ from ..compress.error_feedback import ErrorFeedback
 from ..compress.quantize import StatQuant
 from ..compress.twophase import COLLECTIVES
 from ..errors import ArgumentError, ConfigError
-from .base import Context, Method
-from .outer import Fragment, OuterLoop, OuterSettings, _done, _hand_on, _InFlight, check_merge, \
-    check_run
+from .method import Context, Method
+from .fragment import Fragment, InFlight, done
+from .outer import OuterLoop, OuterSettings, check_merge, check_run
+from .route import hand_on
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")
 
@@ -236,11 +237,13 @@ class DiLoCo(OuterLoop):
         self._eager = self._init_eager() if self.merge == "eager" else None
         # a fleet whose rounds may go ahead without a late datacenter (fleet.quorum)
         self._late = {"carried": 0, "last_step": [torch.zeros_like(p) for p in self.outer_params]} \
-            if self._whole.late_rounds else None
+            if self.route.whole.late_rounds else None
 
     def _init_outer(self, outer_optimizer: str, outer_lr: float, outer_momentum: float,
                     every: int = 1) -> None:
-        self.outer_params = [torch.nn.Parameter(self._pack(f), requires_grad=False)
+        """Step 1: θ, a CPU copy of every fragment (of this rank's range where sharded), and
+        the outer optimizer on it."""
+        self.outer_params = [torch.nn.Parameter(f.local(), requires_grad=False)
                              for f in self.fragments]
         if outer_optimizer == "delayed-nesterov":
             self.outer_optimizer = DelayedNesterov(self.outer_params, outer_lr, outer_momentum,
@@ -250,6 +253,25 @@ class DiLoCo(OuterLoop):
                                                momentum=outer_momentum,
                                                nesterov=outer_optimizer == "nesterov")
 
+    def _warmup_done(self) -> None:
+        for f, outer in zip(self.fragments, self.outer_params):
+            outer.data.copy_(f.local())
+
+    def _outgoing(self, f: Fragment, local: torch.Tensor) -> torch.Tensor:
+        """Step 3: the pseudo-gradient Δ_k = θ − θ_k (the route averages it over the ranks)."""
+        return self.outer_params[f.index].detach() - local
+
+    def _apply(self, f: Fragment, avg: torch.Tensor, record: bool = True) -> torch.Tensor:
+        """Step 4: θ ← OuterOpt(θ, Δ); returned, the fragment merges it (step 5: θ_k ← θ)."""
+        if record and self._eager is not None:      # the next eager proxy's Δ̄
+            self._eager[f.index][0].copy_(avg)
+        outer = self.outer_params[f.index]
+        outer.grad = avg.to(outer.dtype)
+        self.outer_optimizer.step()             # only parameters with a gradient move
+        outer.grad = None
+        return outer.detach()
+
+    # eager updates (merge = "eager", Kale et al. 2025) ------------------------------------------
     def _init_eager(self) -> list[list[torch.Tensor]]:
         """Eager updates' memory per fragment: [the last average Δ̄, this rank's last Δ_k]."""
         nest = self.nest
@@ -259,7 +281,7 @@ class DiLoCo(OuterLoop):
                               "own pseudo-gradient is not its unit's; keep them in step (syncdp, "
                               "zero, fsdp inside) or use merge = \"add-local\"")
         inside = nest.inside.size if nest is not None and nest.inside is not None else 1
-        self._contributors = self._whole.size // inside     # K: one pseudo-gradient per unit
+        self._contributors = self.route.whole.size // inside     # K: one pseudo-gradient per unit
         return [[torch.zeros_like(p), torch.zeros_like(p)] for p in self.outer_params]
 
     def _base(self, f: Fragment, local: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
@@ -272,77 +294,10 @@ class DiLoCo(OuterLoop):
         proxy = last_avg + (out - last_mine) / self._contributors
         last_mine.copy_(out)
         eager = self._trial_step(f.index, proxy)
-        f.unpack_(eager if self._ranges is None else self._gather_range(f, eager))
+        f.unpack_(f.whole(eager))
         if self._inner is not None:
             self._inner.parameters_changed()
         return eager
-
-    def _start(self, f: Fragment, s: int) -> None:
-        """In a fleet with a quorum (``fleet.quorum``), the round of
-        :meth:`~lowcomm.run.fleet.channel.Channel.contribute` (below); else the outer loop's.
-
-        Each member adds w·Δ_k and w, w its steps since its θ (H, or 2H for a member that was
-        late for the last round and kept training from the θ it had), so the average is the
-        steps-weighted Σ w_k Δ_k / Σ w_k. A late member's Δ is taken from the older θ_{r−1};
-        the round's donor adds, per member catching up, w·(θ_r − θ_{r−1}) (the step the last
-        round made), which puts its contribution on θ_r, and hands it θ_r and the outer
-        optimizer's state, so that every member then takes the same outer step. A member the
-        round went without keeps its local model and θ and carries its steps to the next."""
-        late = self._late
-        if late is None:
-            return super()._start(f, s)
-        self._red.ledger.reset()
-        delta = self._outgoing(f, self._pack(f))
-        steps = self.period * (1 + late["carried"])
-        kind, avg, state = self._late_round(f, delta, steps)
-        self._charge(_InFlight(f.index, s, s, None), self._red.ledger.rows())
-        if kind == "late":
-            late["carried"] += 1
-            return
-        late["carried"] = 0
-        outer = self.outer_params[f.index]
-        if state is not None:                        # catching up: θ_r and the momentum
-            got = torch.load(io.BytesIO(state), weights_only=True)
-            with torch.no_grad():
-                outer.copy_(got["outer"])
-            self.outer_optimizer.load_state_dict(got["optimizer"])
-        before = outer.detach().clone()
-        synced = self._apply(f, avg)
-        late["last_step"][f.index].copy_(synced - before)
-        f.unpack_(synced)
-        self._dirty.discard(f.index)
-        if self._inner is not None:
-            self._inner.parameters_changed()
-
-    def _late_round(self, f: Fragment, delta: torch.Tensor, steps: int):
-        """(kind, the steps-weighted average, the donor's state or None) of this round, on
-        every rank of the datacenter (the leader's, handed on)."""
-        inside, msg, mean = self._inside, None, delta
-        if inside is None or inside.rank == 0:
-            last = self._late["last_step"][f.index]
-
-            def payload(catching: dict, corrector: bool) -> torch.Tensor:
-                x = delta * float(steps)
-                if corrector and catching:
-                    x = x + float(sum(catching.values())) * last
-                return torch.cat([x, x.new_tensor([float(steps)])])
-
-            def state() -> bytes:
-                buf = io.BytesIO()
-                torch.save({"outer": self.outer_params[f.index].detach(),
-                            "optimizer": self.outer_optimizer.state_dict()}, buf)
-                return buf.getvalue()
-            kind, avg, got = self._leaders.contribute(payload, f"t{self.t}.f{f.index}", steps,
-                                                      state, self.algorithm, self._levels,
-                                                      carried=self._late["carried"] > 0)
-            msg = (kind, got)
-            if avg is not None:
-                mean = avg[:-1] / avg[-1]
-        if inside is not None and inside.size > 1:
-            msg = inside.bcast_object(msg)
-        if msg[0] == "late":
-            return "late", None, None
-        return msg[0], _hand_on(inside, mean, delta), msg[1]
 
     @torch.no_grad()
     def _trial_step(self, i: int, grad: torch.Tensor) -> torch.Tensor:
@@ -359,19 +314,81 @@ class DiLoCo(OuterLoop):
         outer.copy_(saved[1])
         return after
 
-    def _warmup_done(self) -> None:
-        for f, outer in zip(self.fragments, self.outer_params):
-            outer.data.copy_(self._pack(f))
+    # a fleet whose rounds may go ahead without a late datacenter (fleet.quorum) -------------
+    def _start(self, f: Fragment, s: int) -> None:
+        """In a fleet with a quorum (``fleet.quorum``), the round of
+        :meth:`~lowcomm.run.fleet.channel.Channel.contribute` (below); else the outer loop's.
 
-    def _outgoing(self, f: Fragment, local: torch.Tensor) -> torch.Tensor:
-        return self.outer_params[f.index].detach() - local
+        Each member adds w·Δ_k and w, w its steps since its θ (H, or 2H for a member that was
+        late for the last round and kept training from the θ it had), so the average is the
+        steps-weighted Σ w_k Δ_k / Σ w_k. A late member's Δ is taken from the older θ_{r−1};
+        the round's donor adds, per member catching up, w·(θ_r − θ_{r−1}) (the step the last
+        round made), which puts its contribution on θ_r, and hands it θ_r and the outer
+        optimizer's state, so that every member then takes the same outer step. A member the
+        round went without keeps its local model and θ and carries its steps to the next."""
+        late = self._late
+        if late is None:
+            return super()._start(f, s)
+        self.route.red.ledger.reset()
+        delta = self._outgoing(f, f.local())
+        steps = self.period * (1 + late["carried"])
+        kind, avg, state = self._late_round(f, delta, steps)
+        self._charge(InFlight(f.index, s, s, None), self.route.red.ledger.rows())
+        if kind == "late":
+            late["carried"] += 1
+            return
+        late["carried"] = 0
+        outer = self.outer_params[f.index]
+        if state is not None:                        # catching up: θ_r and the momentum
+            got = torch.load(io.BytesIO(state), weights_only=True)
+            with torch.no_grad():
+                outer.copy_(got["outer"])
+            self.outer_optimizer.load_state_dict(got["optimizer"])
+        before = outer.detach().clone()
+        synced = self._apply(f, avg)
+        late["last_step"][f.index].copy_(synced - before)
+        f.unpack_(synced)
+        f.dirty = False
+        if self._inner is not None:
+            self._inner.parameters_changed()
 
+    def _late_round(self, f: Fragment, delta: torch.Tensor, steps: int):
+        """(kind, the steps-weighted average, the donor's state or None) of this round, on
+        every rank of the datacenter (the leader's, handed on)."""
+        inside, msg, mean = self.route.inside, None, delta
+        if inside is None or inside.rank == 0:
+            last = self._late["last_step"][f.index]
+
+            def payload(catching: dict, corrector: bool) -> torch.Tensor:
+                x = delta * float(steps)
+                if corrector and catching:
+                    x = x + float(sum(catching.values())) * last
+                return torch.cat([x, x.new_tensor([float(steps)])])
+
+            def state() -> bytes:
+                buf = io.BytesIO()
+                torch.save({"outer": self.outer_params[f.index].detach(),
+                            "optimizer": self.outer_optimizer.state_dict()}, buf)
+                return buf.getvalue()
+            kind, avg, got = self.route.leaders.contribute(payload, f"t{self.t}.f{f.index}", steps,
+                                                      state, self.algorithm, self.route.levels,
+                                                      carried=self._late["carried"] > 0)
+            msg = (kind, got)
+            if avg is not None:
+                mean = avg[:-1] / avg[-1]
+        if inside is not None and inside.size > 1:
+            msg = inside.bcast_object(msg)
+        if msg[0] == "late":
+            return "late", None, None
+        return msg[0], hand_on(inside, mean, delta), msg[1]
+
+    # a rejoining member ------------------------------------------------------------------------
     @torch.no_grad()
     def outer_to_model(self) -> None:
         """Set the model to the outer parameters θ (where they are sharded over the unit's
         ranks, each rank's range put together: collective over the unit)."""
         for f, outer in zip(self.fragments, self.outer_params):
-            f.unpack_(outer.detach() if self._ranges is None else self._gather_range(f, outer.detach()))
+            f.unpack_(f.whole(outer.detach()))
 
     def joined(self) -> None:
         """Start from a donor's state taken as a rejoining member: the model set to θ
@@ -381,19 +398,11 @@ class DiLoCo(OuterLoop):
         charged again (its traffic was the donor's)."""
         self.outer_to_model()
         for item in self._in_flight:
-            item.future = _done((item.future.result()[0], []))
+            item.future = done((item.future.result()[0], []))
             if item.base is not None:
-                item.base = self._pack(self.fragments[item.fragment])
+                item.base = self.fragments[item.fragment].local()
 
-    def _apply(self, f: Fragment, avg: torch.Tensor, record: bool = True) -> torch.Tensor:
-        if record and self._eager is not None:      # the next eager proxy's Δ̄
-            self._eager[f.index][0].copy_(avg)
-        outer = self.outer_params[f.index]
-        outer.grad = avg.to(outer.dtype)
-        self.outer_optimizer.step()             # only parameters with a gradient move
-        outer.grad = None
-        return outer.detach()
-
+    # state -------------------------------------------------------------------------------------
     def _outer_state(self) -> list[torch.Tensor]:
         return [*self.outer_params, *(v for s in self.outer_optimizer.state.values()
                                       for v in s.values() if torch.is_tensor(v))]

@@ -10,9 +10,10 @@ import torch
 
 from ..comm.comm import Comm
 from ..errors import ConfigError, LowcommError
-from .base import Context, Method
+from .method import Context, Method
 from .diloco import DiLoCo, DiLoCoSettings
-from .outer import Fragment, check_run
+from .fragment import Fragment
+from .outer import check_run
 
 
 @dataclass
@@ -91,7 +92,7 @@ class DyLUDiLoCo(DiLoCo):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, **arguments):
         super().__init__(model, optimizer, comm, **arguments)
-        if self._ranges is not None or self._local is not None:
+        if self.route.sharded or self.route.local is not None:
             raise ConfigError("policy", "diloco-dylu over sharded units (zero1/zero2/fsdp) is not "
                               "supported: each rank would reduce its own range's speeds; use "
                               "syncdp inside the units")
@@ -111,7 +112,7 @@ class DyLUDiLoCo(DiLoCo):
         """This member's slot among the members of the outer level (a fleet's datacenter
         index; a rank of the leaders' communicator; a rank of a flat run), agreed by the
         ranks of its unit."""
-        inside, across = self._inside, self._leaders if self.nest is not None else self._red
+        inside, across = self.route.inside, self.route.leaders if self.nest is not None else self.route.red
         mine = None
         if across is not None:                   # a fleet's channel: its datacenter of dcs
             mine = (across.dc, across.dcs) if across.dcs is not None else (across.rank, across.size)

@@ -18,7 +18,8 @@ from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
 from ..errors import ArgumentError, ConfigError, LowcommError
 from ..settings import Settings
-from .base import Context, Method, Strategy
+from .base import Strategy
+from .method import Context, Method
 from .buffers import Buffers
 
 DTYPES = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -219,9 +220,9 @@ def check(s: FSDPSettings, cfg, prefix: str) -> None:
                               "(policy.rank=fsdp) with an outer loop between datacenters")
 
 
-def _checked(model, optimizer, wrap) -> tuple[list, dict, torch.device]:
-    """Before anything is changed: the units to wrap, each parameter's name by id, and the
-    model's one device; an error naming the argument where FSDP cannot take them."""
+def _checked(model, optimizer) -> tuple[dict, torch.device]:
+    """Before anything is changed: each parameter's name by id and the model's one device; an
+    error naming the argument where FSDP cannot take them."""
     if not isinstance(model, torch.nn.Module):
         raise ArgumentError("model", f"must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -242,7 +243,7 @@ def _checked(model, optimizer, wrap) -> tuple[list, dict, torch.device]:
         raise ArgumentError("optimizer", f"param group {i} holds a tensor of shape "
                             f"{tuple(p.shape)} that is not a parameter of the model: FSDP shards "
                             "the model's parameters only")
-    return wrap_units(model, wrap), names, devices.pop()
+    return names, devices.pop()
 
 
 def build(s: FSDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
@@ -306,12 +307,12 @@ class FSDP(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: FSDPSettings | None = None, **options):
         wrap = options.pop("wrap", None) if callable(options.get("wrap")) else None
-        s = settings if settings is not None else self.settings_from(options)
-        units, names, self.device = _checked(model, optimizer, wrap if wrap is not None else s.wrap)
+        names, self.device = _checked(model, optimizer)
         for module, private in INTERNALS.items():      # before anything changes: this torch has them
             torch_internal(module, *private)
-        super().__init__(model, optimizer, comm)
-        self.settings = s
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        s = self.settings
+        units = wrap_units(model, wrap if wrap is not None else s.wrap)
         self.buffers = Buffers(model)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self.mesh = self._mesh(s)
@@ -401,7 +402,7 @@ class FSDP(Strategy):
         """The wrapped optimizer's state of this rank's shards, keyed by parameter name."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         fresh = not self.optimizer.state
-        with self._own_step():       # (as in load_state_dict)
+        with self.guard.own_step():       # (as in load_state_dict)
             optimizer = get_optimizer_state_dict(self.model, self.optimizer)
         if fresh:       # torch made the state with a step at lr 0 (Adam's count 1): undone
             self.optimizer.state.clear()
@@ -417,7 +418,7 @@ class FSDP(Strategy):
                                f"{state.get('method', 'another method')!r}, not fsdp (a "
                                "checkpoint of one method cannot resume another)")
         full = state["world_size"] != self.comm.size
-        with self._own_step():       # torch makes empty state with a step of the optimizer
+        with self.guard.own_step():       # torch makes empty state with a step of the optimizer
             set_optimizer_state_dict(self.model, self.optimizer,
                                      _from_shards(state["optimizer"], self.mesh, self.device),
                                      options=StateDictOptions(full_state_dict=full))

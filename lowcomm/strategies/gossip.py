@@ -9,10 +9,11 @@ from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
 from ..errors import ArgumentError, ConfigError
 from ..settings import Settings
-from .base import Context, Method, Strategy, check_compressor_name
+from .base import Strategy
+from .method import Context, Method, check_compressor_name
 from .buffers import Buffers, persistent_buffers
 from .graphs import GRAPHS, Graph, build_graph
-from .outer import Fragment
+from .fragment import Fragment
 
 MODES = ("dpsgd", "push-sum", "async")
 ORDERS = ("cta", "atc")

@@ -14,7 +14,8 @@ import torch
 from ..comm.comm import Comm
 from ..errors import LowcommError
 from ..comm.ledger import wire_bytes
-from .base import BackwardPasses, Strategy
+from .base import Strategy
+from .passes import BackwardPasses
 from .buffers import Buffers
 
 
@@ -107,7 +108,7 @@ class HorovodDP(Strategy):
         compression = HorovodCompression(compressor) if compressor is not None else None  # checks it
         hvd = init(comm)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        with self._own_step():     # Horovod steps the optimizer once to create its state
+        with self.guard.own_step():     # Horovod steps the optimizer once to create its state
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         extra = {}
         if compressor is not None:

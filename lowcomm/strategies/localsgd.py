@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from ..comm.comm import Comm
 from ..errors import ConfigError
-from .base import Context, Method
-from .outer import Fragment, OuterLoop, OuterSettings, check_run
+from .method import Context, Method
+from .fragment import Fragment
+from .outer import OuterLoop, OuterSettings, check_run
 
 
 @dataclass

@@ -9,11 +9,13 @@ import torch
 from ..comm.collectives import broadcast_
 from ..comm.comm import Comm
 from ..settings import Settings
-from .base import Context, LocalSteps, Method, agreed_dup, refuse_gradient_compressor
+from .base import LocalSteps
+from .layout import agreed_dup
+from .method import Context, Method, refuse_gradient_compressor
 from .buffers import Buffers, persistent_buffers
 from .gossip import Layout, consensus_distance
 from .graphs import random_pairs
-from .outer import average_parameters
+from .fragment import average_parameters
 
 TAG = 91_000                 # on the strategy's own duplicated communicator
 
@@ -105,9 +107,8 @@ class NoLoCo(LocalSteps):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: NoLoCoSettings | None = None, **options):
-        s = settings if settings is not None else self.settings_from(options)  # before MPI
-        super().__init__(model, optimizer, comm)
-        self.settings = s
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        s = self.settings
         self.period, self.seed = s.period, s.seed
         self.alpha, self.beta = s.outer_momentum, s.outer_lr
         self.gamma = s.outer_lr if s.gamma is None else s.gamma

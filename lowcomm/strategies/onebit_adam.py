@@ -16,7 +16,8 @@ from ..compress.sign import MomentumSign, TensorMomentumSign
 from ..compress.twophase import TwoPhase
 from ..errors import ConfigError, NonFiniteError
 from ..settings import Settings
-from .base import Context, Method, Strategy
+from .base import Strategy
+from .method import Context, Method
 from .buffers import Buffers
 
 
@@ -200,9 +201,8 @@ class OneBitAdam(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: OneBitAdamSettings | None = None, **options):
-        super().__init__(model, optimizer, comm)
-        s = settings if settings is not None else self.settings_from(options)
-        self.settings = s
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        s = self._onebit()
         self.decoupled = torch_adam(optimizer, "1-bit Adam")   # AdamW's weight decay
         self.freeze_step = s.freeze_step
         self.warmup = warmup_steps(s.freeze_step, s.counter)          # T_w: dense updates
@@ -227,6 +227,10 @@ class OneBitAdam(Strategy):
         self._comm.validate = False
         self.buffers = Buffers(model)
         self._frozen: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # δ, v > 0
+
+    def _onebit(self) -> OneBitAdamSettings:
+        """The settings of the 1-bit Adam steps (0/1 Adam's are derived from its own)."""
+        return self.settings
 
     # the step ---------------------------------------------------------------------------------
     def _grads(self) -> tuple[torch.Tensor, list[bool]]:

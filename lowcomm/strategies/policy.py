@@ -37,8 +37,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .base import Context, Method, parts_of_one_method
-from .outer import Nesting
+from .method import Context, Method
+from .wrapped import claim, parts_of_one_method
+from .nesting import Nesting
 
 
 @dataclass
@@ -136,7 +137,7 @@ def build_policy(plan: list[Level], model, optimizer, comm, ctx: Context):
     first = check_plan(plan, ctx.compressor.name)
     with parts_of_one_method():          # the levels share the optimizer; the top one claims it
         strategy = _build_levels(plan, first, names, levels, model, optimizer, comm, ctx)
-    strategy.claim()
+    claim(strategy, optimizer)
     return strategy
 
 

@@ -22,7 +22,7 @@ from ..comm.collectives import allreduce_, get_algorithm
 from ..comm.comm import Comm
 from ..compress.base import Segment, nonfinite_segments
 from ..compress.compressor import Compressor
-from .base import agreed_dup
+from .layout import agreed_dup
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Merging the checkpoints of K_old ranks into the state of one rank of a run on K_new ranks
 (``lowcomm train --resume DIR`` launched with another ``-n``). Each strategy's own
-:meth:`~lowcomm.strategies.base.Strategy.reshard` says which rule applies to which part of its
+:meth:`~lowcomm.strategies.capabilities.Capabilities.reshard` says which rule applies to which part of its
 state; the rules themselves are here:
 
 * replicated state (SyncDP's model and optimizer, 1-bit Adam's): rank 0's copy, after checking
@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from ..errors import LowcommError
 
 log = logging.getLogger("lowcomm.resize")
 
@@ -82,7 +84,6 @@ def local_replicas(old: list[dict], what: str, extra: tuple[str, ...] = ()) -> d
     NoLoCo): the models and the optimizers' state (momentum, Adam moments) averaged over the old
     ranks, as are the strategy state's tensor lists named in ``extra``; the step counter ``t``
     (which every old rank must share) and the rest rank 0's."""
-    from ..errors import LowcommError
     ts = [s["strategy"]["t"] for s in old]
     if len(set(ts)) != 1:
         raise LowcommError(f"{what}: the old ranks' checkpoints are at different steps {ts}")
@@ -91,4 +92,39 @@ def local_replicas(old: list[dict], what: str, extra: tuple[str, ...] = ()) -> d
     for key in extra:
         state[key] = [average([s["strategy"][key][i] for s in old])
                       for i in range(len(state[key]))]
+    return {"model": average_dicts([s["model"] for s in old]), "strategy": state}
+
+
+def outer_loop(loop, old: list[dict]) -> dict:
+    """An outer loop's rule (:class:`~lowcomm.strategies.outer.OuterLoop`): per-rank state is
+    averaged over the old ranks: the models θ_k and buffers, the inner optimizer's state
+    (momentum, Adam moments; step counts are rank 0's) and whatever the method adds
+    (``loop._reshard_extra``). The step counter, the synchronisation log and the reductions in
+    flight are rank 0's: an in-flight fragment holds the rank average already (the all-reduce
+    completed when the checkpoint was written), so it lands at its step on every new rank as it
+    would have (with ``merge = "add-local"`` its base, the fragment when sent, is averaged like
+    the model). Compressor state (the pseudo-gradient's error feedback, the warm-up's) is reset.
+    Inside a per-level policy the topology fixes the rank count: not resizable."""
+    if loop._inner is not None:
+        raise LowcommError(f"{loop.name} is a level of a per-level policy, whose topology "
+                           "fixes the number of ranks: resume it on the same number of ranks")
+    ts = [s["strategy"]["t"] for s in old]
+    if len(set(ts)) != 1:
+        raise LowcommError(f"{loop.name}: the old ranks' checkpoints are at different inner "
+                           f"steps {ts}; cannot merge them")
+    first = old[0]["strategy"]
+    state = dict(first, optimizer=average_optimizer([s["strategy"]["optimizer"] for s in old]))
+    if "compressor" in first:
+        state["compressor"] = reset_compressor([s["strategy"]["compressor"] for s in old],
+                                               loop.compressor.state_dict(), loop.name)
+    if "warmup_compressor" in first:
+        dense = loop._dense
+        fresh = dense.compressor.state_dict() if dense is not None and \
+            dense.compressor is not None else {}
+        state["warmup_compressor"] = reset_compressor(
+            [s["strategy"]["warmup_compressor"] for s in old], fresh, loop.name + " warm-up")
+    state["in_flight"] = [(*item[:5], average([s["strategy"]["in_flight"][i][5] for s in old]))
+                          if len(item) > 5 and item[5] is not None else item
+                          for i, item in enumerate(first["in_flight"])]   # add-local's bases
+    state.update(loop._reshard_extra([s["strategy"] for s in old]))
     return {"model": average_dicts([s["model"] for s in old]), "strategy": state}

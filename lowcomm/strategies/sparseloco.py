@@ -11,9 +11,10 @@ from ..compress.compressor import Compressor
 from ..compress.demo import Chunks, QuantizedChunkTopK
 from ..compress.error_feedback import ErrorFeedback
 from ..errors import ConfigError
-from .base import Context, Method
+from .method import Context, Method
 from .demo import chunk_buckets
-from .outer import Fragment, OuterLoop, OuterSettings, check_run
+from .fragment import Fragment
+from .outer import OuterLoop, OuterSettings, check_run
 
 
 @dataclass
@@ -115,15 +116,15 @@ class SparseLoCo(OuterLoop):
 
     def _reduce(self, f: Fragment, flat: torch.Tensor, t: int) -> tuple[torch.Tensor, list[dict]]:
         """Steps 3–6, bucket by bucket (chunks of one size travel together)."""
-        self._red.ledger.reset()
+        self.route.red.ledger.reset()
         avg = torch.empty_like(flat)
         for b in self.buckets:
             x = torch.cat([t.encode(flat[a:z]).reshape(-1) for _, t, a, z, _, _ in b.members])
             b.decay_(self.decay)                                 # step 3: e ← βe (then + Δ)
-            got = b.comp.reduce(x, b.key, self._red, b.segments)
+            got = b.comp.reduce(x, b.key, self.route.red, b.segments)
             for _, t, a, z, lo, hi in b.members:
                 avg[a:z] = t.decode(got[lo:hi]).reshape(-1)
-        return avg, self._red.ledger.rows()
+        return avg, self.route.red.ledger.rows()
 
     def _apply(self, f: Fragment, avg: torch.Tensor) -> torch.Tensor:
         self.outer.sub_(avg.to(self.outer.dtype), alpha=self.outer_lr)     # step 7

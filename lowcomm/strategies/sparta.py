@@ -11,10 +11,13 @@ from ..comm.comm import Comm
 from ..compress.sparsify import distinct_sample
 from ..errors import ConfigError
 from ..settings import Settings
-from .base import Context, LocalSteps, Method, Strategy, agreed_dup, refuse_gradient_compressor
+from .base import LocalSteps, Strategy
+from .layout import agreed_dup
+from .method import Context, Method, refuse_gradient_compressor
 from .buffers import Buffers
 from .diloco import DiLoCo, DiLoCoSettings
-from .outer import average_parameters, check_run
+from .fragment import average_parameters
+from .outer import check_run
 
 
 def check_fraction(fraction: float, prefix: str = "strategy.") -> float:
@@ -161,9 +164,8 @@ class Sparta(LocalSteps):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: SpartaSettings | None = None, **options):
-        super().__init__(model, optimizer, comm)
-        s = settings if settings is not None else self.settings_from(options)
-        self.settings = s
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        s = self.settings
         self._named = self.members()              # frozen ones too: unfrozen later, averaged
         self.sparse = SparseAverage([p for _, p in self._named], s.fraction, s.seed)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
@@ -227,7 +229,7 @@ class SpartaDiLoCo(DiLoCo):
                  comm: Comm | None = None, **arguments):
         super().__init__(model, optimizer, comm, **arguments)
         s = self.settings
-        if self._local is not None:
+        if self.route.local is not None:
             raise ConfigError("policy", "sparta-diloco over fsdp is not supported (its subsets "
                               "are drawn over whole parameters): use zero1 or zero2 inside")
         self.sparse = SparseAverage([p for _, p in self.members()], s.fraction, s.seed)
@@ -235,11 +237,10 @@ class SpartaDiLoCo(DiLoCo):
         # a unit's ranks equal) through the units' leaders, handed on inside the unit
         below = self.nest is not None and self.nest.inside is not None
         across = self.nest.leaders if below else self.comm
-        self._hand_on = self._inside
         self._sparse_comm = _sparse_comm(across, self.sparse.params) if across is not None else None
 
     def _sparse_average(self) -> None:
-        self.sparse.average_(self._sparse_comm, self._hand_on)
+        self.sparse.average_(self._sparse_comm, self.route.inside)
 
     def _step(self, closure=None):
         driver = self._driver

@@ -11,8 +11,11 @@ from ..comm.comm import Comm
 from ..errors import ArgumentError, ConfigError, LowcommError, NonFiniteError
 from .reducer import Reducer
 from ..settings import Settings
-from .base import BackwardPasses, Context, Method, Strategy, check_compressor_name
+from .base import Strategy
+from .method import Context, Method, check_compressor_name
+from .passes import BackwardPasses
 from .buffers import Buffers
+from .guard import sparse_gradient
 
 BACKENDS = ("mpi", "horovod")
 
@@ -144,14 +147,13 @@ class SyncDP(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: SyncDPSettings | None = None,
                  compressor=None, nonfinite: str = "raise", levels=None, **options):
-        super().__init__(model, optimizer, comm)
-        s = settings if settings is not None else self.settings_from(options)
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        s = self.settings
         if nonfinite not in ("raise", "zero"):
             raise ArgumentError("nonfinite", f"must be 'raise' or 'zero', got {nonfinite!r}")
         if s.backend != "mpi":
             raise ArgumentError("backend", "SyncDP is lowcomm's own reducer; for Horovod's use "
                                 "lowcomm.HorovodDP (or the spec \"syncdp:backend=horovod\")")
-        self.settings = s
         self.algorithm, self.compressor, self.nonfinite = s.algorithm, compressor, nonfinite
         algorithm, bucket_mb, overlap = s.algorithm, s.bucket_mb, s.overlap
         backward_passes_per_step = s.backward_passes_per_step
@@ -180,7 +182,7 @@ class SyncDP(Strategy):
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
             if p.grad.is_sparse:
-                self.sparse_gradient(name)
+                sparse_gradient(self.name, name)
             if self.passes.exchanging() and self._overlap and self.reducer is not None:
                 self.reducer.ready(name, p.grad)             # (every hook counts the pass)
         return hook
@@ -211,7 +213,7 @@ class SyncDP(Strategy):
                 if avg is not None and p.grad is not avg:  # None: no rank's, p.grad None on all
                     p.grad = avg
         except RuntimeError as e:            # torch's, when the model was cast or moved since
-            changed = self._changed()
+            changed = self.built.changed()
             if changed is not None:
                 raise LowcommError(changed) from e
             raise

@@ -23,7 +23,10 @@ from ..compress.base import nonfinite_segments, Segment
 from ..compress.quantize import dequantize_blocks, quantize_blocks
 from ..errors import ArgumentError, ConfigError, LowcommError, NonFiniteError
 from ..settings import Settings
-from .base import BackwardPasses, Context, Method, Strategy, agreed_dup, balance
+from .base import Strategy
+from .layout import agreed_dup, balance
+from .method import Context, Method
+from .passes import BackwardPasses
 from .buffers import Buffers
 
 #: torch optimizers whose update of an element reads only that element's gradient and state
@@ -196,23 +199,23 @@ class ZeRO(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: ZeROSettings | None = None,
                  levels=None, nonfinite: str = "raise", **options):
-        super().__init__(model, optimizer, comm)
-        s = settings if settings is not None else self.settings_from(options)
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        s = self.settings
         if nonfinite not in ("raise", "zero"):
             raise ArgumentError("nonfinite", f"must be 'raise' or 'zero', got {nonfinite!r}")
-        self.settings, self.nonfinite = s, nonfinite
+        self.nonfinite = nonfinite
         self.partition = self._partition_mode(s.partition)
         if optimizer.state:
             raise LowcommError(f"{self.name}: the optimizer has state already (it stepped, or "
                                "loaded a state dict); wrap it before its first step and load "
                                "checkpoints through the method")
-        names = self._built_names         # (Strategy checked: every one is a model parameter)
+        names = self.built.names         # (Strategy checked: every one is a model parameter)
         self._scatter, self._across = self._partition_comms(levels)
         self.buffers = Buffers(model)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
         self.buckets = self._layout(optimizer, names, int(s.bucket_mb * (1 << 20)))
-        self._built_counts = [len(g["params"]) for g in optimizer.param_groups]   # (what step()
-        self._built_ids = {id(q) for g in optimizer.param_groups for q in g["params"]}   # checks)
+        self.built.counts = [len(g["params"]) for g in optimizer.param_groups]   # (what step()
+        self.built.ids = {id(q) for g in optimizer.param_groups for q in g["params"]}   # checks)
         optimizer.lowcomm_ranges = {id(q): b.index for b in self.buckets for q, _, _ in b.pieces}
         sig = repr([(b.group, [(n, tuple(p.shape)) for n, p, _, _ in b.members], str(b.params.dtype))
                     for b in self.buckets])

@@ -11,10 +11,10 @@ from ..compress.compressor import Compressor
 from ..compress.error_feedback import ErrorFeedback
 from ..compress.twophase import TwoPhase
 from ..settings import Settings
-from .base import Context, Method
+from .method import Context, Method
 from .onebit_adam import (COUNTERS, SCALES, OneBitAdam, OneBitAdamSettings, adam_only, counter_offset,
                           onebit_codec)
-from .outer import average_parameters
+from .fragment import average_parameters
 
 
 @dataclass
@@ -188,13 +188,15 @@ class ZeroOneAdam(OneBitAdam):
     name = "zeroone-adam"
     Settings = ZeroOneAdamSettings
 
+    def _onebit(self) -> OneBitAdamSettings:
+        """1-bit Adam's part: its warm-up of dense steps ends at ``var_freeze_step``."""
+        return OneBitAdamSettings(freeze_step=self.settings.var_freeze_step, scale=self.settings.scale)
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: ZeroOneAdamSettings | None = None,
                  **options):
-        s = settings if settings is not None else self.settings_from(options)
-        super().__init__(model, optimizer, comm,
-                         settings=OneBitAdamSettings(freeze_step=s.var_freeze_step, scale=s.scale))
-        self.settings = s
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        s = self.settings
         self.schedule = Schedule(s.var_freeze_step, s.var_update_scaler, s.local_step_scaler,
                                  s.local_step_clipper, counter_offset(s.counter))
         self.grad_exchange = Compressor(ErrorFeedback(onebit_codec(s.scale)), TwoPhase())

@@ -36,6 +36,7 @@ from lowcomm.errors import ArgumentError
 from lowcomm.run.config import CompressorConfig
 from lowcomm.strategies import DiLoCo, LocalSGD, StreamingDiLoCo, SyncDP
 from lowcomm.strategies.dylu import DyLUDiLoCo
+from lowcomm.strategies.route import Route
 from under_mpi import RANK, SIZE
 
 pytestmark = pytest.mark.mpi(sizes=(2, 3))
@@ -318,7 +319,7 @@ def test_an_all_gather_between_two_units_is_posted_bit_identical_to_the_thread(c
     (3 ranks: the thread both times)."""
     def go(post: bool):
         if not post:
-            monkeypatch.setattr(StreamingDiLoCo, "_can_post", lambda self: False)
+            monkeypatch.setattr(Route, "can_post", lambda self, fragments: False)
         comp = build_compressor(CompressorConfig(name=cname, collective="allgather", start_iter=0))
         model, st = train(StreamingDiLoCo, 11, period=4, fragments=2, delay=2, merge="add-local",
                           compressor=comp)

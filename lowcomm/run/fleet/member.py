@@ -26,7 +26,7 @@ import torch
 
 from ...comm.topology import Topology
 from ...errors import ConfigError
-from ...strategies.base import adopt
+from ...strategies.ownership import adopt
 from .. import outcome
 from ..lockstep import Coordination, Lockstep
 from ..signals import Interrupted

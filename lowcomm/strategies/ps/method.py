@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ...comm.comm import Comm
 from ...errors import ConfigError
-from ..base import Context, Method
+from ..method import Context, Method
 from .protocol import AsyncPSSettings
 
 

@@ -38,7 +38,7 @@ from ...compress import Segment
 from ...errors import ConfigError, LowcommError
 from ...settings import Settings as SettingsBase
 from ...comm.ledger import Ledger
-from ..base import balance
+from ..layout import balance
 
 TAG_PUSH, TAG_PULL, TAG_DONE, TAG_BEAT, TAG_INIT = 71, 72, 73, 74, 75
 HEADER = 8                     # float64 fields leading every push and every reply

@@ -15,7 +15,8 @@ import torch
 
 from ...comm.comm import Comm
 from ...errors import LowcommError, NonFiniteError
-from ..base import BackwardPasses, Role
+from ..base import Role
+from ..passes import BackwardPasses
 from .protocol import (DROPPED, HEADER, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE, TAG_INIT,
                        TAG_PULL, TAG_PUSH, AsyncPSSettings, BufferBlock, Reply, ServerLost,
                        WorkerDropped, build_shards, channels, load_shard, pack_push, trainable)

@@ -1,0 +1,104 @@
+"""What the registry knows of a method (:class:`Method`) and what a builder takes beside its own
+settings (:class:`Context`), with the checks that builders share."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..comm.roles import LevelSet
+from ..compress.settings import CompressorSettings
+from ..errors import ConfigError
+
+
+def check_compressor_name(s, prefix: str, allow_empty: bool = False) -> None:
+    """``s.compressor`` names a registered compressor (``""`` too where ``allow_empty``)."""
+    from ..compress import COMPRESSORS
+    if not (allow_empty and s.compressor == "") and s.compressor not in COMPRESSORS:
+        raise ConfigError.at(prefix, "compressor", f"unknown compressor {s.compressor!r}; known: "
+                          f"{', '.join(COMPRESSORS)}")
+
+
+def refuse_gradient_compressor(cfg, what: str) -> None:
+    """The check of a method that sends no gradients (``what`` says what it sends instead): the
+    run's gradient compressor would do nothing, so naming one is an error naming the key."""
+    if cfg.compressor.name != "none":
+        raise ConfigError("compressor.name", f"{what}; leave compressor.name = \"none\", got "
+                          f"{cfg.compressor.name!r}")
+
+
+@dataclass
+class Context:
+    """What a builder takes beyond its own settings: the run's ``[compressor]`` table (the
+    gradient compressor, and the knobs of a compressor named by a strategy option), the run's
+    NaN policy (``"abort"``: never send a non-finite value; ``"skip"``: the loop skips such
+    steps on all ranks),
+    the run's step budget (None: open-ended), where a per-level policy nests the strategy, and
+    the topology's communicators (:class:`~lowcomm.comm.topology.Levels`, built once by the caller:
+    per-level policies and the ``hierarchical`` all-reduce need them; None without a topology),
+    and this rank's training batches with the forward that runs the model on one (outer loops
+    recompute BatchNorm's statistics on them: ``bn_recompute``; None: not given); the task's
+    ``criterion(output, target)`` and ``split(batch)``, for a method that computes the loss
+    from the last pipeline stage's output (None: the task defines none); ``replicas``: for a
+    method that splits the model under data-parallel levels, the ranks holding its part in the
+    other replicas (:mod:`lowcomm.parallel.replicas`; None: no data parallelism around it)."""
+    compressor: CompressorSettings = field(default_factory=CompressorSettings)
+    nonfinite: str = "abort"
+    steps: int | None = None
+    nest: Any = None
+    levels: LevelSet | None = None
+    batches: Any = None
+    forward: Any = None
+    criterion: Any = None
+    split: Any = None
+    replicas: Any = None
+
+    def gradient_compressor(self, name: str | None = None):
+        """The run's gradient compressor, or the one called ``name`` with the run's knobs,
+        wrapped in error feedback where asked (None for "none")."""
+        from ..compress import build_compressor
+        return build_compressor(dataclasses.replace(self.compressor, name=name) if name else self.compressor)
+
+    def bare_compressor(self, name: str):
+        """The compression operator ``name`` with the run's knobs, without error feedback."""
+        from ..compress import build_compressor
+        return build_compressor(dataclasses.replace(self.compressor, name=name), error_feedback=False)
+
+
+@dataclass(frozen=True)
+class Method:
+    """A strategy as the registry knows it.
+
+    ``build(settings, model, optimizer, comm, ctx) -> Strategy``; ``check(settings, cfg,
+    prefix)`` (optional) rejects combinations with the run's other keys before MPI starts,
+    naming the key; ``outer`` is True for outer loops (they may wrap a lower policy level);
+    ``level``: the method may be a level of a per-level policy; ``fleet``: it runs only across
+    a fleet's datacenters (its outer state is the fleet coordinator's; elsewhere its check
+    refuses it, and the every-method tests, which run one MPI job, leave it to the fleet's);
+    ``splits``: it splits the model itself (pipeline stages), so it trains only a task whose
+    model it can cut and whose loss it can take apart (``criterion``; the every-method tests
+    and ``lowcomm compare``'s data-parallel list leave it to its own tests).
+
+    What the derived tables read (the method list of ``lowcomm compare``, ``lowcomm methods``,
+    the docs' method table, the every-method tests), so that a method is its module and this
+    one entry: ``python`` the name a user constructs it by (its class, or a preset's settings:
+    a ``lowcomm`` attribute for a built-in method, a dotted path for one from outside);
+    ``optimizer`` the inner optimizer it needs (a name of
+    :data:`lowcomm.run.optimizers.OPTIMIZERS`; empty when any will do); ``example`` a spec that
+    runs it on a small model within a few steps (short periods, small chunks; default: the
+    name); ``compare`` the overrides ``lowcomm compare`` adds to ``strategy.name=NAME`` (its
+    own good settings), under ``compare_name`` (default: the name)."""
+    name: str
+    settings: type
+    build: Callable
+    summary: str
+    check: Callable | None = None
+    outer: bool = False
+    level: bool = False     # may be a level of a per-level policy (per-step or outer loop)
+    fleet: bool = False     # runs only across a fleet's datacenters
+    splits: bool = False    # splits the model (pipeline, tensor): needs a task that can be cut
+    python: str = ""
+    optimizer: str = ""
+    example: str = ""
+    compare: tuple[str, ...] = ()
+    compare_name: str = ""
