@@ -145,6 +145,41 @@ def test_no_import_cycles():
                       + "; ".join(" <-> ".join(sorted(c)) for c in gone))
 
 
+def folder_cycles(edges: dict[str, set[str]], package: str) -> list[frozenset[str]]:
+    """The cycles among ``package``'s direct members (its modules and its folders, a folder
+    standing for every module inside it): a folder and a sibling module that import each other
+    are one, though no two single modules are."""
+    def member(m: str) -> str | None:
+        if not m.startswith(package + "."):
+            return None
+        return package + "." + m[len(package) + 1:].split(".")[0]
+    folded: dict[str, set[str]] = {}
+    for m, targets in edges.items():
+        if member(m) is not None:
+            folded.setdefault(member(m), set()).update(
+                t for t in map(member, targets) if t is not None and t != member(m))
+    for targets in list(folded.values()):
+        for t in targets:
+            folded.setdefault(t, set())
+    return cycles(folded)
+
+
+def test_no_import_cycles_between_the_folders_and_modules_of_a_package():
+    """A folder and its sibling modules import one way (``strategies/ps/`` is imported by
+    ``strategies/async_ps.py``, never the other way round)."""
+    g = graph()
+    packages = [m for m, f in modules().items() if f.name == "__init__.py"]
+    found = [c for p in packages for c in folder_cycles(g, p)]
+    assert not found, "folders and modules importing each other: " + "; ".join(
+        " <-> ".join(sorted(c)) for c in found)
+
+
+def test_the_folder_cycle_check_finds_a_folder_importing_its_importer():
+    edges = {"p.a": {"p.f.x"}, "p.f.x": set(), "p.f.y": {"p.a"}, "p.b": {"p.a"}}
+    assert folder_cycles(edges, "p") == [frozenset({"p.a", "p.f"})]
+    assert folder_cycles({**edges, "p.f.y": set()}, "p") == []
+
+
 def test_parameter_server_roles_depend_on_the_protocol_only():
     g = graph()
     worker, server = "lowcomm.strategies.ps.worker", "lowcomm.strategies.ps.server"

@@ -28,7 +28,7 @@ from ..compress.settings import CompressorSettings as CompressorConfig
 from ..comm import watchdog
 from ..comm.ledger import Link
 from ..errors import ConfigError
-from ..settings import coerce
+from ..settings import NonFinite, coerce
 
 LR_SCHEDULES = ("constant", "cosine")
 #: the task every run trains unless ``task`` says otherwise
@@ -142,7 +142,7 @@ class Config:
     eval_every: int = 0            # also evaluate every N steps (a multiple of log_every; 0 = end only)
     topology: str = ""             # e.g. "dc:2,rank:2"; "" = $LOWCOMM_TOPOLOGY or one level
     policy: dict[str, str] = field(default_factory=dict)   # level -> "NAME[:key=value,...]"
-    on_nonfinite: str = "abort"    # NaN/Inf loss or gradient: "abort" or "skip" the step
+    on_nonfinite: NonFinite = NonFinite.ABORT   # NaN/Inf loss or gradient: "abort" or "skip" the step
     max_memory_gib: float = 0.0    # fail when a rank's peak memory after a step is above this (0: no cap)
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)       # the built-in bytelm task's data
@@ -312,7 +312,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("data.eval_fraction", f"must be in (0, 1), got {cfg.data.eval_fraction}")
     if cfg.model.d_model % cfg.model.n_heads:
         raise ConfigError("model.n_heads", f"must divide model.d_model={cfg.model.d_model}")
-    one_of("on_nonfinite", cfg.on_nonfinite, ("abort", "skip"))
     if not 0 <= cfg.max_memory_gib < float("inf"):
         raise ConfigError("max_memory_gib", f"must be a number of GiB >= 0 (0: no cap), got "
                           f"{cfg.max_memory_gib}")

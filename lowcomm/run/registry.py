@@ -24,11 +24,10 @@ import dataclasses
 
 from .config import Config, parse_override
 from ..compress.settings import CompressorSettings
-from ..errors import ConfigError
-from ..strategies import (async_diloco, demo, desloc, diloco, dylu, fsdp, gossip, localsgd, noloco, onebit_adam,
-                          sparseloco, sparta,
-                          syncdp, zero, zeroone_adam)
-from ..strategies.ps import method as async_ps
+from ..errors import ArgumentError, ConfigError
+from ..settings import NonFinite
+from ..strategies import (async_diloco, async_ps, demo, desloc, diloco, dylu, fsdp, gossip, localsgd,
+                          noloco, onebit_adam, sparseloco, sparta, syncdp, zero, zeroone_adam)
 from ..strategies.base import Context, Method, Strategy
 from ..strategies.policy import Level, build_policy, check_plan
 from ..parallel import pipeline
@@ -206,8 +205,7 @@ def check(cfg) -> None:
 
 def context(cfg) -> Context:
     """What builders take from the run's config."""
-    return Context(compressor=cfg.compressor, nonfinite="skip" if cfg.on_nonfinite == "skip"
-                   else "abort", steps=cfg.steps)
+    return Context(compressor=cfg.compressor, nonfinite=cfg.on_nonfinite, steps=cfg.steps)
 
 
 def build_strategy(cfg, model, optimizer, comm, levels=None, batches=None,
@@ -225,8 +223,8 @@ def build_strategy(cfg, model, optimizer, comm, levels=None, batches=None,
     return m.build(s, model, optimizer, comm, ctx)
 
 
-def _python_context(compressor, nonfinite: str, steps: int | None, levels=None, batches=None,
-                    forward=None) -> Context:
+def _python_context(compressor, nonfinite: NonFinite | str, steps: int | None, levels=None,
+                    batches=None, forward=None) -> Context:
     if isinstance(compressor, str):
         compressor = CompressorSettings(name=compressor)
     elif compressor is None:
@@ -235,13 +233,13 @@ def _python_context(compressor, nonfinite: str, steps: int | None, levels=None, 
         raise TypeError("compressor must be a name, a CompressorSettings or None, got "
                         f"{type(compressor).__name__}")
     compressor.validate("compressor.")
-    return Context(compressor=compressor, nonfinite=nonfinite, steps=steps, levels=levels,
-                   batches=batches, forward=forward)
+    return Context(compressor=compressor, steps=steps, levels=levels, batches=batches,
+                   forward=forward, nonfinite=NonFinite.parse(nonfinite, "nonfinite", ArgumentError))
 
 
-def build(spec: str, model, optimizer, comm=None, *, compressor=None, nonfinite: str = "abort",
-          steps: int | None = None, levels=None, bn_batches=None, bn_forward=None,
-          **options) -> Strategy:
+def build(spec: str, model, optimizer, comm=None, *, compressor=None,
+          nonfinite: NonFinite | str = NonFinite.ABORT, steps: int | None = None, levels=None,
+          bn_batches=None, bn_forward=None, **options) -> Strategy:
     """Any registered strategy from Python: ``spec`` is ``NAME[:key=value,...]`` and
     ``options`` more keys (they win over the spec's). ``compressor``: the gradient
     compressor's name or a :class:`~lowcomm.compress.settings.CompressorSettings` (its knobs
@@ -263,7 +261,7 @@ def build(spec: str, model, optimizer, comm=None, *, compressor=None, nonfinite:
 
 
 def policy(levels: dict[str, str], model, optimizer, comm=None, *, topology: str = "",
-           compressor=None, nonfinite: str = "abort") -> Strategy:
+           compressor=None, nonfinite: NonFinite | str = NonFinite.ABORT) -> Strategy:
     """A per-level policy from Python: ``levels`` maps each topology level to a spec (levels
     left out are ``syncdp``); ``topology`` a spec such as ``"dc:2,rank:2"`` (default: the
     environment, as :meth:`lowcomm.comm.topology.Topology.from_env`)."""

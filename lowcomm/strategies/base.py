@@ -31,6 +31,7 @@ from ..comm.comm import Comm, init
 from ..comm.roles import LevelSet
 from ..compress.settings import CompressorSettings
 from ..errors import CommError, ConfigError, LowcommError
+from ..settings import NonFinite
 
 
 def check_compressor_name(s, prefix: str, allow_empty: bool = False) -> None:
@@ -53,8 +54,8 @@ def refuse_gradient_compressor(cfg, what: str) -> None:
 class Context:
     """What a builder takes beyond its own settings: the run's ``[compressor]`` table (the
     gradient compressor, and the knobs of a compressor named by a strategy option), the run's
-    NaN policy (``"abort"``: never send a non-finite value; ``"skip"``: the loop skips such
-    steps on all ranks),
+    NaN policy (:class:`~lowcomm.settings.NonFinite`: ABORT never sends a non-finite value; SKIP:
+    the loop skips such steps on all ranks),
     the run's step budget (None: open-ended), where a per-level policy nests the strategy, and
     the topology's communicators (:class:`~lowcomm.comm.topology.Levels`, built once by the caller:
     per-level policies and the ``hierarchical`` all-reduce need them; None without a topology),
@@ -63,7 +64,7 @@ class Context:
     ``criterion(output, target)`` and ``split(batch)``, for a method that computes the loss
     from the last pipeline stage's output (None: the task defines none)."""
     compressor: CompressorSettings = field(default_factory=CompressorSettings)
-    nonfinite: str = "abort"
+    nonfinite: NonFinite = NonFinite.ABORT
     steps: int | None = None
     nest: Any = None
     levels: LevelSet | None = None

@@ -22,7 +22,7 @@ from ..comm.comm import Comm
 from ..compress.base import nonfinite_segments, Segment
 from ..compress.quantize import dequantize_blocks, quantize_blocks
 from ..errors import ArgumentError, ConfigError, LowcommError, NonFiniteError
-from ..settings import Settings
+from ..settings import NonFinite, Settings
 from .base import BackwardPasses, Context, Method, Strategy, agreed_dup, balance
 from .buffers import Buffers
 
@@ -65,7 +65,7 @@ def build(s: ZeROSettings, model, optimizer, comm: Comm, ctx: Context, stage: in
                           "compress them with its own strategy.qgz = \"int8\" or \"int4\" "
                           "(ZeRO++'s blockwise quantization), not the run's [compressor]")
     return (ZeRO1 if stage == 1 else ZeRO2)(model, optimizer, comm, settings=s, levels=ctx.levels,
-                                            nonfinite="zero" if ctx.nonfinite == "skip" else "raise")
+                                            nonfinite=ctx.nonfinite)
 
 
 @dataclass
@@ -177,8 +177,8 @@ class ZeRO(Strategy):
         comm: communicator (default: world).
         settings: a validated :class:`ZeROSettings` (else keyword arguments, its fields).
         levels: the topology's communicators (``hpz`` needs them).
-        nonfinite: "raise" (``step()`` after a NaN/Inf gradient names it) or "zero" (the
-            caller skips such steps).
+        nonfinite: the NaN policy (:class:`~lowcomm.settings.NonFinite`): "abort" (``step()``
+            after a NaN/Inf gradient names it) or "skip" (the caller skips such steps).
 
     Example::
 
@@ -195,12 +195,11 @@ class ZeRO(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: ZeROSettings | None = None,
-                 levels=None, nonfinite: str = "raise", **options):
+                 levels=None, nonfinite: NonFinite | str = NonFinite.ABORT, **options):
         super().__init__(model, optimizer, comm)
         s = settings if settings is not None else self.settings_from(options)
-        if nonfinite not in ("raise", "zero"):
-            raise ArgumentError("nonfinite", f"must be 'raise' or 'zero', got {nonfinite!r}")
-        self.settings, self.nonfinite = s, nonfinite
+        self.settings = s
+        self.nonfinite = NonFinite.parse(nonfinite, "nonfinite", ArgumentError)
         self.partition = self._partition_mode(s.partition)
         if optimizer.state:
             raise LowcommError(f"{self.name}: the optimizer has state already (it stepped, or "
@@ -431,7 +430,7 @@ class ZeRO(Strategy):
         self._drop_model_grads()
         self._check_frozen()
         bad = self.local_nonfinite()
-        if bad is not None and self.nonfinite == "raise":
+        if bad is not None and self.nonfinite is NonFinite.ABORT:
             raise NonFiniteError(self.comm.rank, bad)
         loss = self.optimizer.step(closure)
         self.withheld = []
