@@ -208,17 +208,18 @@ def context(cfg) -> Context:
     return Context(compressor=cfg.compressor, nonfinite=cfg.on_nonfinite, steps=cfg.steps)
 
 
-def build_strategy(cfg, model, optimizer, comm, levels=None, batches=None,
-                   forward=None, criterion=None, split=None) -> Strategy:
-    """The run's strategy on ``comm``: a per-level policy, or ``cfg.strategy``. ``levels``:
-    the topology's communicators over ``comm`` (:func:`topology_comms`), which a policy and the
-    hierarchical all-reduce need; ``batches``, ``forward``: this rank's training batches (a
-    function of the step) and the task's forward; ``criterion``, ``split``: the task's (see
-    :class:`~lowcomm.strategies.base.Context`)."""
-    ctx = dataclasses.replace(context(cfg), levels=levels, batches=batches, forward=forward,
-                              criterion=criterion, split=split)
+def build_strategy(cfg, model, optimizer, comm, given: Context | None = None) -> Strategy:
+    """The run's strategy on ``comm``: a per-level policy, or ``cfg.strategy``. ``given``: what
+    the run gives the method beyond its config (:class:`~lowcomm.strategies.base.Context`): the
+    topology's communicators over ``comm`` (:func:`topology_comms`), which a policy and the
+    hierarchical all-reduce need; this rank's training batches (a function of the step) and the
+    task's forward, criterion and split; the config's compressor, NaN policy and steps are
+    filled in here."""
+    given = given or Context()
+    ctx = dataclasses.replace(given, compressor=cfg.compressor, nonfinite=cfg.on_nonfinite,
+                              steps=cfg.steps)
     if cfg.policy:
-        return build_policy(policy_levels(cfg, levels.names), model, optimizer, comm, ctx)
+        return build_policy(policy_levels(cfg, ctx.levels.names), model, optimizer, comm, ctx)
     m, s = strategy_settings(cfg)
     return m.build(s, model, optimizer, comm, ctx)
 
