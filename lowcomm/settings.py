@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import types
 import typing
@@ -26,15 +27,37 @@ import typing
 from .errors import ConfigError
 
 
+class NonFinite(enum.StrEnum):
+    """The NaN policy: what a NaN/Inf loss or gradient does to a step (the run's
+    ``on_nonfinite``, ``nonfinite`` of :func:`lowcomm.build` and of the methods that send
+    gradients). Read once from its setting (:meth:`parse`); everything after holds a member."""
+
+    ABORT = "abort"    # never send a non-finite value: the job ends naming rank, step and tensor
+    SKIP = "skip"      # every rank skips the step (a method zeroes what it would have sent)
+
+    @classmethod
+    def parse(cls, value, key: str = "on_nonfinite", error=ConfigError) -> NonFinite:
+        """``value`` (a member or its value) as a member, or ``error`` (a ConfigError; an
+        ArgumentError for a Python argument) naming ``key``."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise error(key, f"unknown value {value!r}; known: "
+                              f"{', '.join(m.value for m in cls)}") from None
+
+
 def coerce(key: str, kind, value):
-    """``value`` as ``kind`` (bool, int, float, str, ``T | None``; an int is a valid float, inf and
-    NaN are not), or ConfigError naming ``key``. ``"none"``/``"auto"`` give None for ``T | None``."""
+    """``value`` as ``kind`` (bool, int, float, str, an enum by its value, ``T | None``; an int is
+    a valid float, inf and NaN are not), or ConfigError naming ``key``. ``"none"``/``"auto"``
+    give None for ``T | None``."""
     if typing.get_origin(kind) in (typing.Union, types.UnionType):   # ``T | None``
         options = [k for k in typing.get_args(kind) if k is not type(None)]
         if len(options) == 1:
             if value is None or (isinstance(value, str) and value.lower() in ("none", "auto")):
                 return None
             return coerce(key, options[0], value)
+    if kind is NonFinite:
+        return NonFinite.parse(value, key)
     if kind is bool:
         if isinstance(value, bool):
             return value

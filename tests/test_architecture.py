@@ -145,6 +145,41 @@ def test_no_import_cycles():
                       + "; ".join(" <-> ".join(sorted(c)) for c in gone))
 
 
+def folder_cycles(edges: dict[str, set[str]], package: str) -> list[frozenset[str]]:
+    """The cycles among ``package``'s direct members (its modules and its folders, a folder
+    standing for every module inside it): a folder and a sibling module that import each other
+    are one, though no two single modules are."""
+    def member(m: str) -> str | None:
+        if not m.startswith(package + "."):
+            return None
+        return package + "." + m[len(package) + 1:].split(".")[0]
+    folded: dict[str, set[str]] = {}
+    for m, targets in edges.items():
+        if member(m) is not None:
+            folded.setdefault(member(m), set()).update(
+                t for t in map(member, targets) if t is not None and t != member(m))
+    for targets in list(folded.values()):
+        for t in targets:
+            folded.setdefault(t, set())
+    return cycles(folded)
+
+
+def test_no_import_cycles_between_the_folders_and_modules_of_a_package():
+    """A folder and its sibling modules import one way (``strategies/ps/`` is imported by
+    ``strategies/async_ps.py``, never the other way round)."""
+    g = graph()
+    packages = [m for m, f in modules().items() if f.name == "__init__.py"]
+    found = [c for p in packages for c in folder_cycles(g, p)]
+    assert not found, "folders and modules importing each other: " + "; ".join(
+        " <-> ".join(sorted(c)) for c in found)
+
+
+def test_the_folder_cycle_check_finds_a_folder_importing_its_importer():
+    edges = {"p.a": {"p.f.x"}, "p.f.x": set(), "p.f.y": {"p.a"}, "p.b": {"p.a"}}
+    assert folder_cycles(edges, "p") == [frozenset({"p.a", "p.f"})]
+    assert folder_cycles({**edges, "p.f.y": set()}, "p") == []
+
+
 def test_parameter_server_roles_depend_on_the_protocol_only():
     g = graph()
     worker, server = "lowcomm.strategies.ps.worker", "lowcomm.strategies.ps.server"
@@ -243,6 +278,82 @@ def test_the_length_check_counts_a_functions_lines():
     assert long_functions(source, "m.py") == []
     assert long_functions(source + "        return x0\n", "m.py") == \
         [f"m.py:6 long ({MAX_FUNCTION_LINES + 1} lines)"]
+
+
+#: the most parameters a function may take: positional and keyword-only ones (``self``/``cls``
+#: not counted), ``*args`` and ``**kwargs`` one each. More is a group of options that belongs in
+#: one object (a frozen dataclass, as ``lowcomm compare``'s CompareOptions).
+MAX_PARAMETERS = 7
+
+#: functions allowed more for now, by ``module:qualified name``, each with its reason and who
+#: removes it. A new one fails the test; one that no longer needs its place must leave the list.
+WIDE_FUNCTIONS: dict[str, str] = {
+    "lowcomm.run.api:train": "lowcomm.train: the public entry point, whose keywords are its "
+                             "documented API (as Horovod's DistributedOptimizer's)",
+    "lowcomm.run.registry:build": "lowcomm.build: the public entry point, whose keywords are "
+                                  "its documented API",
+    "lowcomm.strategies.outer:OuterLoop.__init__": "a strategy constructor: its signature "
+                                                   "changes with the settings resolved in Strategy",
+    "lowcomm.strategies.syncdp:SyncDP.__init__": "a strategy constructor (as above)",
+    "lowcomm.strategies.gossip:Gossip.__init__": "a strategy constructor (as above)",
+    "lowcomm.strategies.async_ps:AsyncPS.__init__": "a strategy constructor (as above)",
+    "lowcomm.parallel.pipeline:PipelineParallel.__init__": "a strategy constructor (as above)",
+    "lowcomm.strategies.reducer:Reducer.__init__": "SyncDP's reducer, built in SyncDP's "
+                                                   "constructor (goes with it)",
+    "lowcomm.strategies.policy:_build_levels": "a per-level policy's builder, beside the "
+                                               "strategies' constructors (goes with them)",
+    "lowcomm.run.fleet.membership:Membership.__init__": "the fleet's rules, being rewritten as "
+                                                        "a table (the membership's state goes "
+                                                        "into that rewrite's objects)",
+    "lowcomm.run.fleet.channel:Channel.__init__": "the fleet's channel (with the rules' rewrite)",
+    "lowcomm.run.fleet.channel:RankChannel.__init__": "the fleet's channel (as above)",
+    "lowcomm.run.fleet.supervisor:Fleet.__init__": "the fleet's supervisor (as above)",
+}
+
+
+def parameters(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> int:
+    """The parameters a function takes, counted as :data:`MAX_PARAMETERS` says."""
+    a = node.args
+    named = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg not in ("self", "cls")]
+    return len(named) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def wide_functions(source: str, module: str) -> dict[str, int]:
+    """``{module:qualified name: parameters}`` of each function of ``source`` over the limit."""
+    out = {}
+
+    def visit(node, names):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if parameters(node) > MAX_PARAMETERS:
+                out[f"{module}:{'.'.join([*names, node.name])}"] = parameters(node)
+            names = [*names, node.name]
+        elif isinstance(node, ast.Lambda) and parameters(node) > MAX_PARAMETERS:
+            out[f"{module}:{'.'.join([*names, '<lambda>'])}"] = parameters(node)
+        elif isinstance(node, ast.ClassDef):
+            names = [*names, node.name]
+        for child in ast.iter_child_nodes(node):
+            visit(child, names)
+    visit(ast.parse(source), [])
+    return out
+
+
+def test_no_function_takes_more_than_7_parameters():
+    """Many parameters are options threaded through: one object carries them (e.g.
+    CompareOptions, TrainOptions, RunOptions, Attempts, FleetLaunch)."""
+    found = {k: n for m, path in modules().items() for k, n in wide_functions(path.read_text(), m).items()}
+    bad = [f"{k} takes {n} parameters" for k, n in sorted(found.items()) if k not in WIDE_FUNCTIONS]
+    assert not bad, (f"functions over {MAX_PARAMETERS} parameters (pass an options object):\n"
+                     + "\n".join(bad))
+    stale = sorted(set(WIDE_FUNCTIONS) - set(found))
+    assert not stale, "WIDE_FUNCTIONS names functions now within the limit; remove them:\n" + \
+        "\n".join(stale)
+
+
+def test_the_parameter_check_counts_arguments_keywords_and_stars():
+    source = ("class C:\n    def m(self, a, b, c, d, e, f, g):\n        pass\n\n"
+              "    def n(self, a, b, c, d, e, f, *, g, **kw):\n        pass\n\n"
+              "def f(a, b, c, d, e, f, *args, **kw):\n    return lambda x: x\n")
+    assert wide_functions(source, "m") == {"m:C.n": 8, "m:f": 8}
 
 
 # one contract, declared (DESIGN.md) ------------------------------------------------------------

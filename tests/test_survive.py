@@ -57,12 +57,12 @@ def test_a_rank_that_cannot_come_back_shrinks_the_run_down_to_min_ranks(tmp_path
 
 def test_the_supervisor_shrinks_only_after_a_relaunch_fails_and_not_below_min_ranks(tmp_path):
     """The rule alone, on a job that fails while it has more than one rank (no MPI)."""
-    from lowcomm.run.supervise import supervise
+    from lowcomm.run.supervise import Attempts, supervise
     job = lambda n: ["sh", "-c", f"test {n} -le 1", "--"]     # noqa: E731
-    r = supervise(job, [], tmp_path / "a", max_restarts=4, backoff_s=0, np=3, min_ranks=1)
+    r = supervise(job, [], tmp_path / "a", Attempts(max_restarts=4, backoff_s=0, np=3, min_ranks=1))
     assert r["returncode"] == 0 and r["ranks_per_attempt"] == [3, 3, 2, 2, 1], r
     assert [f["ranks"] for f in r["failures"]] == [3, 3, 2, 2], r["failures"]
-    r = supervise(job, [], tmp_path / "b", max_restarts=4, backoff_s=0, np=3, min_ranks=2)
+    r = supervise(job, [], tmp_path / "b", Attempts(max_restarts=4, backoff_s=0, np=3, min_ranks=2))
     assert r["returncode"] != 0 and r["ranks_per_attempt"] == [3, 3, 2, 2, 2], r
 
 
@@ -205,13 +205,13 @@ def test_sigint_during_the_restart_backoff_stops_the_supervisor(tmp_path):
     """It used to launch the next attempt, which trained to the end."""
     import threading
 
-    from lowcomm.run.supervise import supervise
+    from lowcomm.run.supervise import Attempts, supervise
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     t0 = time.monotonic()
     try:
-        r = supervise(["sh", "-c", "exit 3", "--"], [], tmp_path / "run", max_restarts=2,
-                      backoff_s=60)
+        r = supervise(["sh", "-c", "exit 3", "--"], [], tmp_path / "run",
+                      Attempts(max_restarts=2, backoff_s=60))
     finally:
         timer.cancel()
     assert time.monotonic() - t0 < 20, "the backoff went on after SIGINT"

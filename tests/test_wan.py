@@ -76,7 +76,7 @@ def test_wan_up_and_down_leaves_nothing(clean):
     # faults on real packets: 0-2 is down (scheduled at up), 0-1 is not; then cleared
     from lowcomm.tools import wan
     assert connects(0, 1) and not connects(0, 2)
-    added = wan.fault([], clear=True) + wan.fault([make("loss", "1>0", 3, rate=0.01, seed=4)])
+    added = wan.fault([], clear=True) + wan.fault([make("loss", "1>0", rate=0.01, seed=4)])
     assert connects(0, 2)
     time.sleep(1.2)                     # the forwarder's counters are at most a second old
     now = {f["id"]: f for f in wan.faults_now()}
@@ -210,9 +210,9 @@ def test_fault_table_drops_holds_and_loses_packets_as_written(tmp_path):
     window or on other links do nothing, and a torn file keeps the faults in force."""
     from lowcomm.tools.wan_faults import FaultTable, add, make
     t0 = 1000.0
-    add(tmp_path, [make("down", "0-1", 3, at=10, duration=5).at(t0),
-                   make("down", "2>0", 3, at=0, duration=3, hold=True).at(t0),
-                   make("loss", "1>2", 3, rate=0.25, seed=9).at(t0)])
+    add(tmp_path, [make("down", "0-1", at=10, duration=5).at(t0),
+                   make("down", "2>0", at=0, duration=3, hold=True).at(t0),
+                   make("loss", "1>2", rate=0.25, seed=9).at(t0)])
     table = FaultTable(tmp_path, 3)
     table.poll()
     assert table.verdict(0, 1, t0 + 9.9) == ("pass", 0.0) and table.verdict(0, 1, t0 + 10) == ("drop", 0.0)

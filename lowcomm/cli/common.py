@@ -6,7 +6,10 @@ It imports no command module, so ``cli.py`` (the group) and the command modules 
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+from dataclasses import dataclass
 
 import click
 
@@ -131,6 +134,44 @@ _config_options = [
     click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                  help="Override a config key, e.g. --set strategy.algorithm=ring (repeatable)."),
 ]
+
+
+def pass_options(kind=None):
+    """Hand a click command its arguments as one frozen object, built once: a ``kind`` (a frozen
+    dataclass whose fields are the command's parameters) or, without one, a frozen dataclass of
+    the parameters' names. Put it under the command's options, above its function."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def command(**given):
+            made = kind or dataclasses.make_dataclass(f"{fn.__name__}_options", list(given),
+                                                      frozen=True)
+            return fn(made(**given))
+        return command
+    return wrap
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """``lowcomm train``'s arguments, as click gives them (see its ``--help``): a plain run, a
+    supervised one (``max_restarts``/``np``) or a fleet (``dcs``) reads the ones it needs."""
+    config: str | None
+    overrides: tuple[str, ...]
+    out: str | None
+    checkpoint_every: int | None
+    resume: str | None
+    quiet: bool
+    overwrite: bool
+    max_restarts: int | None
+    np: int | None
+    min_ranks: int | None
+    restart_backoff: float
+    launcher: str | None
+    run_id: str | None
+    report_dir: str | None
+    dcs: int | None
+    hostfiles: str | None
+    place: str
+    coordinator_host: str | None
 
 
 def config_options(f):

@@ -43,20 +43,22 @@ def refuse_outside(cfg) -> None:
                                "one job per datacenter")
 
 
-def run_fleet(config, overrides, out, np_, dcs, hostfiles, host, launcher, max_restarts,
-              quiet, overwrite, checkpoint_every, place="auto", resume=None) -> None:
-    """Launch and watch the fleet (:func:`lowcomm.tools.fleet_launch.train_fleet`); print its
-    summary's head. What cannot run is a usage error before anything starts; a fleet stopped by
-    a signal says how to continue and exits with 128 + the signal."""
-    from ..tools.fleet_launch import prepare
-    if np_ is None and resume is None:
+def run_fleet(opts) -> None:
+    """Launch and watch the fleet of ``lowcomm train``'s options ``opts`` (a
+    :class:`~lowcomm.cli.common.TrainOptions`; :func:`lowcomm.tools.fleet_launch.train_fleet`);
+    print its summary's head. What cannot run is a usage error before anything starts; a fleet
+    stopped by a signal says how to continue and exits with 128 + the signal."""
+    from ..tools.fleet_launch import FleetLaunch, prepare
+    if opts.np is None and opts.resume is None:
         raise click.UsageError("--dcs needs --np (the ranks of all datacenters together)")
-    overrides = (*overrides, *([f"checkpoint.every={checkpoint_every}"] if checkpoint_every else []))
+    every = opts.checkpoint_every
     try:
-        fleet = prepare(config, overrides, dcs=dcs, np=np_, out=out, place=place,
-                        hostfiles_=hostfiles.split(",") if hostfiles else None, host=host,
-                        launcher=launcher, overwrite=overwrite,
-                        max_restarts=1 if max_restarts is None else max_restarts, resume=resume)
+        fleet = prepare(FleetLaunch(
+            opts.dcs, opts.np, opts.config,
+            (*opts.overrides, *([f"checkpoint.every={every}"] if every else [])), opts.out,
+            opts.place, tuple(opts.hostfiles.split(",")) if opts.hostfiles else None,
+            opts.coordinator_host, opts.launcher, opts.overwrite,
+            1 if opts.max_restarts is None else opts.max_restarts, opts.resume))
     except (OSError, LowcommError) as e:
         raise click.UsageError(str(e)) from None
     summary = fleet.run()

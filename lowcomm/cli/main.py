@@ -15,8 +15,8 @@ from pathlib import Path
 
 import click
 
-from .common import check_env, config_options, debug, launcher_rank, load_cfg as _config, \
-    saved_config, world as _world
+from .common import TrainOptions, check_env, config_options, debug, launcher_rank, \
+    load_cfg as _config, pass_options, saved_config, world as _world
 from ..errors import LowcommError
 from .fleet import fleet_options, refuse_outside, run_fleet
 from .fault import fault as fault_command
@@ -57,7 +57,7 @@ def cli(verbose: bool) -> None:
               help="Supervise: launch the job (on --np ranks) and relaunch it from its newest "
                    "checkpoint when it fails, up to N times (not a stop you asked for). Run this "
                    "outside mpirun: it starts mpirun itself.")
-@click.option("--np", "np_", type=click.IntRange(min=1), default=None,
+@click.option("--np", type=click.IntRange(min=1), default=None,
               help="Ranks of the supervised job (with --max-restarts).")
 @click.option("--min-ranks", type=click.IntRange(min=1), default=None, metavar="M",
               help="With --max-restarts: when a relaunch on n ranks fails too (a rank cannot "
@@ -74,41 +74,38 @@ def cli(verbose: bool) -> None:
 @click.option("--report-dir", default=None, hidden=True,
               help="Where each rank reports how it ended, for its supervisor (read by main()).")
 @fleet_options
-def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, max_restarts, np_,
-          min_ranks, restart_backoff, launcher, run_id, report_dir, dcs, hostfiles, place,
-          coordinator_host):
+@pass_options(TrainOptions)
+def train(opts: TrainOptions):
     """Train the configured task with the configured strategy on every rank.
 
     \b
     --resume DIR may run on another number of ranks than DIR's run: each method merges the old
     ranks' checkpoints by its own rule (see the README's "Resume on another number of ranks")."""
-    if dcs is not None:                        # a fleet: one MPI job per datacenter
-        run_fleet(config, overrides, out, np_, dcs, hostfiles, coordinator_host, launcher,
-                  max_restarts, quiet, overwrite, checkpoint_every, place, resume)
+    if opts.dcs is not None:                   # a fleet: one MPI job per datacenter
+        run_fleet(opts)
         return
-    if max_restarts is not None or np_ is not None:
-        _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwrite,
-                    max_restarts or 0, np_, launcher, min_ranks, restart_backoff)
+    if opts.max_restarts is not None or opts.np is not None:
+        _supervised(opts)
         return
-    if launcher or min_ranks is not None:
-        raise click.UsageError(f"{'--launcher' if launcher else '--min-ranks'} goes with "
+    if opts.launcher or opts.min_ranks is not None:
+        raise click.UsageError(f"{'--launcher' if opts.launcher else '--min-ranks'} goes with "
                                "--max-restarts (a supervised run)")
     global _RUN_OUT
-    base = saved_config(resume) if resume else None
-    if checkpoint_every is not None:
-        overrides = (*overrides, f"checkpoint.every={checkpoint_every}")
-    cfg = _config(config, overrides, base)
+    overrides, resume = opts.overrides, opts.resume
+    if opts.checkpoint_every is not None:
+        overrides = (*overrides, f"checkpoint.every={opts.checkpoint_every}")
+    cfg = _config(opts.config, overrides, saved_config(resume) if resume else None)
     refuse_outside(cfg)
-    out = out or resume or "runs/latest"
+    out = opts.out or resume or "runs/latest"
     from ..run.folder import refusal
-    why = refusal(Path(out), resume, overwrite, run_id)   # before MPI starts: every rank at once
+    why = refusal(Path(out), resume, opts.overwrite, opts.run_id)   # before MPI starts: every rank at once
     if why:
         raise click.UsageError(why)
     _RUN_OUT = Path(out)
     comm = _world()
     from ..run.api import run
-    summary = run(cfg, out, comm, progress=not quiet, resume=resume, overwrite=overwrite,
-                  run_id=run_id)
+    from ..run.folder import RunOptions
+    summary = run(cfg, RunOptions(out, not opts.quiet, resume, opts.overwrite, opts.run_id), comm)
     if comm.rank == 0:
         keys = ("method", "task", "ranks", "steps", "params", "final_loss", "eval_loss",
                 "bytes_total", "wall_s", "skipped_steps", "state_sha256", "ranks_agree")
@@ -120,15 +117,15 @@ def train(config, overrides, out, checkpoint_every, resume, quiet, overwrite, ma
 _RUN_OUT: Path | None = None     # the run folder, for the tracebacks of a failing rank
 
 
-def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwrite,
-                max_restarts, np_, launcher, min_ranks=None, backoff_s=2.0) -> None:
+def _supervised(opts: TrainOptions) -> None:
     """``lowcomm train --np N --max-restarts R``: this process launches and watches the job."""
     import os
     import sys
 
     from ..tools.compare import mpirun_command
     from ..run.folder import checkpoint_dir
-    from ..run.supervise import supervise
+    from ..run.supervise import Attempts, supervise
+    np_, min_ranks, resume, every = opts.np, opts.min_ranks, opts.resume, opts.checkpoint_every
     if any(v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
         raise click.UsageError("--max-restarts supervises the job from outside: run 'lowcomm train "
                                "--np N --max-restarts R ...' without mpirun (it starts mpirun)")
@@ -136,21 +133,28 @@ def _supervised(config, overrides, out, checkpoint_every, resume, quiet, overwri
         raise click.UsageError("--max-restarts needs --np (the ranks of the job it launches)")
     if min_ranks is not None and min_ranks > np_:
         raise click.UsageError(f"--min-ranks {min_ranks} is more than --np {np_}")
-    if resume and out and Path(out).resolve() != Path(resume).resolve():
+    if resume and opts.out and Path(opts.out).resolve() != Path(resume).resolve():
         raise click.UsageError("a supervised run resumes in place: give --resume DIR alone")
-    out = Path(out or resume or "runs/latest")
-    cfg = _config(config, (*overrides, *([f"checkpoint.every={checkpoint_every}"] if checkpoint_every
-                                         else [])), saved_config(resume) if resume else None)
+    out = Path(opts.out or resume or "runs/latest")
+    cfg = _config(opts.config, (*opts.overrides, *([f"checkpoint.every={every}"] if every else [])),
+                  saved_config(resume) if resume else None)
     checkpoints = checkpoint_dir(cfg, out)
-    _refuse_before_launch(out, resume, overwrite, checkpoints)
-    args = [sys.executable, "-m", "lowcomm.cli", "train", *(["--quiet"] if quiet else []),
-            *(["--config", config] if config else []),
-            *[a for o in overrides for a in ("--set", o)],
-            *(["--checkpoint-every", str(checkpoint_every)] if checkpoint_every else [])]
-    result = supervise(lambda n: mpirun_command(n, launcher), args, out, max_restarts,
-                       backoff_s=backoff_s, np=np_, min_ranks=min_ranks, checkpoints=checkpoints,
+    _refuse_before_launch(out, resume, opts.overwrite, checkpoints)
+    args = [sys.executable, "-m", "lowcomm.cli", "train", *(["--quiet"] if opts.quiet else []),
+            *(["--config", opts.config] if opts.config else []),
+            *[a for o in opts.overrides for a in ("--set", o)],
+            *(["--checkpoint-every", str(every)] if every else [])]
+    attempts = Attempts(opts.max_restarts or 0, opts.restart_backoff, np=np_, min_ranks=min_ranks,
+                        checkpoints=checkpoints)
+    result = supervise(lambda n: mpirun_command(n, opts.launcher), args, out, attempts,
                        first=["--resume", str(out)] if resume else
-                       (["--overwrite"] if overwrite else []))
+                       (["--overwrite"] if opts.overwrite else []))
+    _supervised_end(result, out)
+
+
+def _supervised_end(result: dict, out: Path) -> None:
+    """What a supervised run says at its end: each failed attempt, why it was not restarted;
+    its summary's head, or its exit status."""
     for f in result["failures"]:
         click.echo(f"attempt {f['attempt']} failed on {f['ranks']} ranks (exit {f['exit']}): "
                    f"{f['cause']}", err=True)
@@ -212,7 +216,8 @@ def _write_json(path, rows):
 @click.option("--table", "table", type=click.Path(dir_okay=False), default=None,
               help="The auto table to write (--tune) and read [default: $LOWCOMM_ALLREDUCE_TABLE, "
                    "else ~/.cache/lowcomm/allreduce-<host>-<ranks>.json].")
-def bench_allreduce(sizes, algorithms, iters, warmup, json_path, tune, tune_sizes, table):
+@pass_options()
+def bench_allreduce(opts):
     """All-reduce time, algbw and busbw per size and algorithm (nccl-tests style); the auto row
     says which algorithm it ran and its time against the fastest other row's."""
     import os
@@ -220,23 +225,23 @@ def bench_allreduce(sizes, algorithms, iters, warmup, json_path, tune, tune_size
     from ..tools.bench import bench_allreduce as run, format_allreduce, parse_size, tune_allreduce
     from ..comm.tuning import TABLE_ENV
     try:
-        size_list = [parse_size(s) for s in sizes.split(",")]
-        tune_list = [parse_size(s) for s in tune_sizes.split(",")]
+        size_list = [parse_size(s) for s in opts.sizes.split(",")]
+        tune_list = [parse_size(s) for s in opts.tune_sizes.split(",")]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--sizes/--tune-sizes") from None
-    if table:
-        os.environ[TABLE_ENV] = table       # every rank parses the same command line
+    if opts.table:
+        os.environ[TABLE_ENV] = opts.table       # every rank parses the same command line
     comm = _world()
-    if tune:
-        tuned, where = tune_allreduce(comm, tune_list, max(3, iters // 2), warmup)
+    if opts.tune:
+        tuned, where = tune_allreduce(comm, tune_list, max(3, opts.iters // 2), opts.warmup)
         if comm.rank == 0:
-            click.echo(f"tuned on {comm.size} ranks, median of {max(3, iters // 2)}; wrote {where}")
+            click.echo(f"tuned on {comm.size} ranks, median of {max(3, opts.iters // 2)}; wrote {where}")
             click.echo(format_allreduce(tuned))
-    rows = run(comm, size_list, algorithms.split(","), iters, warmup)
+    rows = run(comm, size_list, opts.algorithms.split(","), opts.iters, opts.warmup)
     if comm.rank == 0:
-        click.echo(f"all-reduce, float32, {comm.size} ranks, median of {iters} iterations")
+        click.echo(f"all-reduce, float32, {comm.size} ranks, median of {opts.iters} iterations")
         click.echo(format_allreduce(rows))
-        _write_json(json_path, rows)
+        _write_json(opts.json_path, rows)
 
 
 @bench.command("step")
@@ -277,31 +282,32 @@ def bench_step(config, overrides, strategies, steps, warmup, json_path):
 @click.option("--timeout", "timeout_s", type=float, default=600, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
 @click.option("--one", hidden=True, default="", help="(a worker: this method in this mpirun)")
-def bench_memory(config, overrides, methods, ranks, max_memory_gib, shapes, device, timeout_s,
-                 json_path, one):
+@pass_options()
+def bench_memory(opts):
     """Parameter, gradient and optimizer-state bytes per rank and the peak memory of each method
     at K ranks, beside the ideal 1/K; with --shapes, the largest GPT each trains under a cap."""
     from ..tools import memory_bench as mb
-    if one:
+    if opts.one:
         comm = _world()
-        row = mb.measure_one(comm, _config(config, overrides), one, device)
+        row = mb.measure_one(comm, _config(opts.config, opts.overrides), opts.one, opts.device)
         if comm.rank == 0:
             click.echo("ROW " + json.dumps(row))
         return
-    _config(config, overrides)                     # bad keys fail here, before any launch
-    Ks = [int(k) for k in ranks.split(",")]
-    rows_of = lambda K: [m.replace("K/2", str(max(1, K // 2))) for m in methods  # noqa: E731
+    _config(opts.config, opts.overrides)                     # bad keys fail here, before any launch
+    Ks = [int(k) for k in opts.ranks.split(",")]
+    rows_of = lambda K: [m.replace("K/2", str(max(1, K // 2))) for m in opts.methods  # noqa: E731
                          if "@" not in m or K >= 2 and K % 2 == 0]
-    rows = mb.table(rows_of, Ks, config, list(overrides), timeout_s, device)
+    launch = mb.Rows(opts.config, tuple(opts.overrides), opts.timeout_s, opts.device)
+    rows = mb.table(launch, rows_of, Ks)
     click.echo("memory per rank (the largest rank's) after one step; ideal: the first row's total / K")
     click.echo(mb.format_table(rows))
     out = {"table": rows}
-    if shapes:
-        big = mb.largest(rows_of(max(Ks)), max(Ks), shapes.split(","), config, list(overrides),
-                         timeout_s, max_memory_gib, device)
+    if opts.shapes:
+        big = mb.largest(launch, rows_of(max(Ks)), max(Ks), opts.shapes.split(","),
+                         opts.max_memory_gib)
         click.echo(mb.format_largest(big))
         out["largest"] = big
-    _write_json(json_path, out)
+    _write_json(opts.json_path, out)
 
 
 @bench.command("compress")
@@ -318,7 +324,8 @@ def bench_memory(config, overrides, methods, ranks, max_memory_gib, shapes, devi
 @click.option("--clock", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True,
               help="wall: perf_counter; cpu: the thread's CPU time (steadier on a busy machine).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
-def bench_compress(config, overrides, size, methods, iters, warmup, threads, link_gbit, clock, json_path):
+@pass_options()
+def bench_compress(opts):
     """Compress / decompress GB/s of each compressor beside a memcpy of the same bytes (one
     process; the [compressor] keys of --config/--set give ratio, levels, approx_rank, ...), and
     its break-even: compress + decompress time against the time the bytes it saves take on a
@@ -326,23 +333,23 @@ def bench_compress(config, overrides, size, methods, iters, warmup, threads, lin
     import torch
 
     from ..tools.bench import bench_compress as run, format_compress, parse_size
-    cfg = _config(config, overrides)
+    cfg = _config(opts.config, opts.overrides)
     try:
-        numel = parse_size(size) // 4
+        numel = parse_size(opts.size) // 4
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--size") from None
     if numel < 1:
-        raise click.BadParameter(f"{size!r} holds no float32 element", param_hint="--size")
-    torch.set_num_threads(threads)
+        raise click.BadParameter(f"{opts.size!r} holds no float32 element", param_hint="--size")
+    torch.set_num_threads(opts.threads)
     try:
-        rows = run(methods.split(","), numel, iters, warmup, cfg.compressor, link_gbit, clock)
+        rows = run(opts.methods.split(","), numel, opts.iters, opts.warmup, cfg.compressor, opts.link_gbit, opts.clock)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--methods") from None
     click.echo(f"compress/decompress of a {numel * 4 / 2**20:.1f} MiB float32 gradient, "
-               f"{torch.get_num_threads()} thread(s), median of {iters} ({clock} clock, a memcpy timed "
+               f"{torch.get_num_threads()} thread(s), median of {opts.iters} ({opts.clock} clock, a memcpy timed "
                f"before each call); GB/s of gradient bytes")
     click.echo(format_compress(rows))
-    _write_json(json_path, rows)
+    _write_json(opts.json_path, rows)
 
 
 @cli.command("methods")
@@ -367,7 +374,7 @@ def methods_command(config, overrides, as_json):
 
 @cli.command()
 @config_options
-@click.option("--np", "np_", type=click.IntRange(min=1), default=None,
+@click.option("--np", type=click.IntRange(min=1), default=None,
               help="Ranks per run [default: compare.np of the config, 4].")
 @click.option("--methods", default=None,
               help="Comma list of methods, 'main' or 'all' (every registered method under its "
@@ -413,94 +420,107 @@ def methods_command(config, overrides, as_json):
                    "Repeat for a grid over several keys. The table states the sweep's cost.")
 @click.option("--tune-steps", type=click.IntRange(min=1), default=None, metavar="N",
               help="Steps of each --tune run [default: a tenth of --steps, at least 1].")
-def compare(config, overrides, np_, methods, steps, out, wan, dcs, link, launcher, timeout,
-            max_restarts, overwrite, budget, target, repeat, relative_to, tune, tune_steps):
+@pass_options()
+def compare(given):
     """Train the same model under each method (one mpirun each); write results.json, plots and
     a ranked table. An experiment TOML (--config) may hold a [compare] table: question, expect,
     methods, np, link, repeat, relative_to. Into an --out with an earlier comparison of the
     same settings, new methods are added beside its results. Ctrl-C ends the comparison,
     keeping what finished."""
     from ..errors import RunFolderError
-    from ..tools.compare import budget_overrides
+    opts = _compare_options(given)
+    try:
+        results, where = _compare_run(opts, given.wan)
+    except RunFolderError as e:
+        raise click.UsageError(str(e)) from None
+    span = f"{opts.budget:g} modelled s (at most {opts.steps} steps)" if opts.budget else \
+        f"{opts.steps} steps"
+    rounds = f", {opts.repeat} rounds" if opts.repeat > 1 else ""
+    click.echo(f"\n{opts.np} ranks, {span} per method{rounds}, {where}\n")
+    click.echo((opts.out / "table.md").read_text().rstrip())
+    if opts.tune:
+        from ..tools.tune import totals
+        t = totals(results)["total"]
+        click.echo(f"\ntuning spent {t['runs']} runs, {t['steps']} steps, {t['compute_cpu_s']:.1f} "
+                   f"compute CPU s, {t['wall_s']:.1f} wall s ({opts.tune_steps} steps a value)")
+    click.echo(f"\nwrote {opts.out / 'results.json'}, table.md{', tuning.json' if opts.tune else ''} "
+               "and eval_loss_vs_*.png")
+    _compare_end(results, opts.methods)
+
+
+def _compare_options(given):
+    """``compare``'s options (:class:`lowcomm.tools.compare.CompareOptions`) from the arguments
+    click ``given`` it and the config's [compare] table, every one checked before anything runs:
+    a bad one is a usage error naming its option."""
+    from ..tools.compare import CompareOptions, budget_overrides
+    target, methods, budget = given.target, given.methods, given.budget
     if target is not None and not math.isfinite(target):
         raise click.BadParameter(f"must be a finite eval loss, got {target}", param_hint="--target")
     if methods is not None and not methods.strip(" ,"):
         raise click.BadParameter("names no method; give a comma-separated list (e.g. "
                                  "syncdp,diloco) or leave --methods out", param_hint="--methods")
-    if steps is not None:
-        overrides = (*overrides, f"steps={steps}")
-    the_link = _compare_link(config, overrides, wan, link)
+    overrides = (*given.overrides, *([f"steps={given.steps}"] if given.steps is not None else []))
+    link = _compare_link(given, overrides)
     # a bad key (or a schedule a budget cannot keep) fails here, not in every run
-    cfg = _config(config, (*overrides, *(budget_overrides(budget, the_link) if budget else ())))
-    steps, np_ = cfg.steps, np_ or cfg.compare.np
-    names = _compare_plan(cfg, methods, np_, out, wan, dcs, launcher)
-    repeat, relative_to = repeat or cfg.compare.repeat, relative_to or cfg.compare.relative_to
+    cfg = _config(given.config, (*overrides, *(budget_overrides(budget, link) if budget else ())))
+    np_ = given.np or cfg.compare.np
+    names = _compare_plan(cfg, given, np_)
+    relative_to = given.relative_to or cfg.compare.relative_to
     if relative_to and relative_to not in names:
         raise click.BadParameter(f"{relative_to!r} is not one of the methods run "
                                  f"({', '.join(names)})", param_hint="--relative-to")
-    space, tune_steps = _compare_tune(config, overrides, names, tune, tune_steps, steps)
+    space, tune_steps = _compare_tune(given, names, overrides, cfg.steps)
     if cfg.compare.question:
         click.echo(f"question: {cfg.compare.question}\nexpected: {cfg.compare.expect}")
     if not cfg.eval_every and not budget:   # about ten points per eval-loss curve (a budget
         # evaluates at every tenth of it: budget.evals)
-        overrides = (*overrides, f"eval_every={max(1, round(steps / 10 / cfg.log_every)) * cfg.log_every}")
-    try:
-        results, where = _compare_run(names, np_, steps, out, config, overrides, the_link, wan, dcs,
-                                      launcher, timeout, max_restarts, overwrite,
-                                      budget=budget or 0.0, target=target, repeat=repeat,
-                                      relative_to=relative_to or None, tune=space,
-                                      tune_steps=tune_steps)
-    except RunFolderError as e:
-        raise click.UsageError(str(e)) from None
-    span = f"{budget:g} modelled s (at most {steps} steps)" if budget else f"{steps} steps"
-    rounds = f", {repeat} rounds" if repeat > 1 else ""
-    click.echo(f"\n{np_} ranks, {span} per method{rounds}, {where}\n")
-    click.echo((Path(out) / "table.md").read_text().rstrip())
-    if space:
-        from ..tools.tune import totals
-        t = totals(results)["total"]
-        click.echo(f"\ntuning spent {t['runs']} runs, {t['steps']} steps, {t['compute_cpu_s']:.1f} "
-                   f"compute CPU s, {t['wall_s']:.1f} wall s ({tune_steps} steps a value)")
-    click.echo(f"\nwrote {Path(out) / 'results.json'}, table.md{', tuning.json' if space else ''} "
-               "and eval_loss_vs_*.png")
-    _compare_end(results, names)
+        overrides = (*overrides, f"eval_every={max(1, round(cfg.steps / 10 / cfg.log_every)) * cfg.log_every}")
+    return CompareOptions(
+        tuple(names), np_, cfg.steps, Path(given.out), given.config, overrides, link,
+        given.launcher, given.timeout, dcs=given.dcs, max_restarts=given.max_restarts,
+        overwrite=given.overwrite, budget=budget or 0.0, target=target,
+        repeat=given.repeat or cfg.compare.repeat, relative_to=relative_to or None,
+        tune=space, tune_steps=tune_steps)
 
 
-def _compare_tune(config, overrides, names, tune, tune_steps, steps):
+def _compare_tune(given, names, overrides, steps: int):
     """``--tune``'s grid, every value checked on every method it applies to before anything
     runs: ``(space or None, sweep steps)``; a bad spec or value a usage error naming --tune."""
     from ..run.api import load_config
     from ..tools import tune as tuning
     from ..tools.compare import methods_overrides
-    if not tune:
-        if tune_steps is not None:
+    if not given.tune:
+        if given.tune_steps is not None:
             raise click.BadParameter("needs --tune KEY=V1,V2,...", param_hint="--tune-steps")
         return None, 0
     try:
-        space = tuning.parse(tune)
-        tuning.plan(lambda o: load_config(config, o), {m: methods_overrides(m) for m in names},
-                    space, list(overrides))
+        space = tuning.parse(given.tune)
+        tuning.plan(lambda o: load_config(given.config, o),
+                    {m: methods_overrides(m) for m in names}, space, list(overrides))
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--tune") from None
-    return space, tune_steps or max(1, steps // 10)
+    return space, given.tune_steps or max(1, steps // 10)
 
 
-def _compare_link(config, overrides, wan, link):
+def _compare_link(given, overrides):
     """The link of ``compare``'s modelled (or emulated) wall-clock, a bad one a usage error."""
     from ..tools.compare import Link
+    wan = given.wan
     try:
-        return Link.parse(wan if wan != "model" else link or _config(config, overrides).compare.link)
+        return Link.parse(wan if wan != "model" else
+                          given.link or _config(given.config, overrides).compare.link)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--wan/--link") from None
 
 
-def _compare_plan(cfg, methods, np_, out, wan, dcs, launcher):
+def _compare_plan(cfg, given, np_: int):
     """``compare``'s methods, every option checked before anything runs."""
     import os
 
     from ..tools.compare import needs_topology, resolve_methods
+    dcs = given.dcs
     try:
-        names = resolve_methods(methods or cfg.compare.methods)
+        names = resolve_methods(given.methods or cfg.compare.methods)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--methods") from None
     placed = [m for m in names if needs_topology(m)]
@@ -509,28 +529,26 @@ def _compare_plan(cfg, methods, np_, out, wan, dcs, launcher):
                                  f"give --np >= {dcs}, or $LOWCOMM_TOPOLOGY", param_hint="--np")
     if cfg.checkpoint.dir:
         raise click.BadParameter("checkpoint.dir: each method keeps its checkpoints in its own "
-                                 f"folder ({out}/<method>/checkpoints); drop it",
+                                 f"folder ({given.out}/<method>/checkpoints); drop it",
                                  param_hint="--set/--config")
-    if wan != "model" and launcher:
+    if given.wan != "model" and given.launcher:
         raise click.BadParameter("--wan DELAY_MS,RATE_MBIT launches through launchers/wan.sh; "
                                  "drop --launcher (or use --wan model)", param_hint="--launcher")
     return names
 
 
-def _compare_run(names, np_, steps, out, config, overrides, the_link, wan, dcs, launcher, timeout,
-                 max_restarts, overwrite, **by):
-    """Every method's run, on this machine or over an emulated WAN: (results, where); ``by``
-    holds the budget and the target."""
+def _compare_run(opts, wan: str):
+    """Every method's run, on this machine or over an emulated WAN (``wan``: ``"model"`` or
+    its link): (results, where)."""
+    import dataclasses
+
     from ..tools.compare import compare as run
     if wan != "model":
         from ..tools.compare import over_emulated_wan
-        with over_emulated_wan(np_, dcs, the_link) as wan_launcher:
-            results = run(names, np_, steps, out, config, overrides, the_link, wan_launcher,
-                          timeout, dcs=dcs, max_restarts=max_restarts, overwrite=overwrite, **by)
-        return results, f"over an emulated WAN of {dcs} datacenters, {the_link} (measured)"
-    results = run(names, np_, steps, out, config, overrides, the_link, launcher, timeout,
-                  max_restarts=max_restarts, dcs=dcs, overwrite=overwrite, **by)
-    return results, f"on this machine; modelled link: {the_link}"
+        with over_emulated_wan(opts.np, opts.dcs, opts.link) as wan_launcher:
+            results = run(dataclasses.replace(opts, launcher=tuple(wan_launcher)))
+        return results, f"over an emulated WAN of {opts.dcs} datacenters, {opts.link} (measured)"
+    return run(opts), f"on this machine; modelled link: {opts.link}"
 
 
 def _compare_end(results, names) -> None:

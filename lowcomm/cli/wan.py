@@ -6,7 +6,7 @@ import json
 
 import click
 
-from .common import click_errors
+from .common import click_errors, pass_options
 
 
 def _tools():
@@ -78,7 +78,8 @@ def _echo_faults():
               help="Start the fault this long from now.")
 @click.option("--clear", is_flag=True, help="End every fault now (before adding any given here).")
 @_wan_error
-def wan_fault(link, down_for, hold, loss, seed, loss_for, at, clear):
+@pass_options()
+def wan_fault(opts):
     """Take a link of the running WAN down for a while, or add packet loss to it.
 
     \b
@@ -91,31 +92,31 @@ def wan_fault(link, down_for, hold, loss, seed, loss_for, at, clear):
     import math
 
     from ..tools.wan import WanError, fault, state
-    from ..tools.wan_faults import FaultError, make, parse_duration, parse_rate
-    if not (down_for or loss or clear):
+    from ..tools.wan_faults import FaultError, make, parse_duration, parse_link, parse_rate
+    if not (opts.down_for or opts.loss or opts.clear):
         raise FaultError("give --down DURATION, --loss RATE or --clear")
-    if hold and not down_for:
+    if opts.hold and not opts.down_for:
         raise FaultError("--hold goes with --down")
-    if (seed is not None or loss_for) and not loss:
+    if (opts.seed is not None or opts.loss_for) and not opts.loss:
         raise FaultError("--seed and --for go with --loss (--down carries its own length)")
-    if seed is not None and seed < 0:
-        raise FaultError(f"--seed {seed}: use a whole number >= 0")
-    start = parse_duration(at, "--at")
-    down_s = parse_duration(down_for, "--down") if down_for else None
-    rate = parse_rate(loss, "--loss") if loss else None
-    loss_s = parse_duration(loss_for, "--for") if loss_for else math.inf
+    if opts.seed is not None and opts.seed < 0:
+        raise FaultError(f"--seed {opts.seed}: use a whole number >= 0")
+    start = parse_duration(opts.at, "--at")
+    down_s = parse_duration(opts.down_for, "--down") if opts.down_for else None
+    rate = parse_rate(opts.loss, "--loss") if opts.loss else None
+    loss_s = parse_duration(opts.loss_for, "--for") if opts.loss_for else math.inf
     st = state()
     if st is None:
         raise WanError("no emulated WAN is up (lowcomm wan up first)")
+    link = parse_link(opts.link, st["dcs"], "--link")
     new = []
     if down_s is not None:
-        new.append(make("down", link, st["dcs"], at=start, duration=down_s, hold=hold,
-                        what="--link"))
+        new.append(make("down", link, at=start, duration=down_s, hold=opts.hold))
     if rate is not None:
-        new.append(make("loss", link, st["dcs"], at=start, rate=rate, seed=seed or 0,
-                        duration=loss_s, what="--link"))
-    added = fault(new, clear=clear)
-    if clear:
+        new.append(make("loss", link, at=start, rate=rate, seed=opts.seed or 0,
+                        duration=loss_s))
+    added = fault(new, clear=opts.clear)
+    if opts.clear:
         click.echo("earlier faults ended")
     for f in added:
         click.echo(f"fault {f.describe(f.start - start)}")

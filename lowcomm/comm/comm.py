@@ -18,7 +18,7 @@ import sys
 import time
 import zlib
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -106,16 +106,24 @@ def describe(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
 
 
+class Traffic(NamedTuple):
+    """The bytes a non-blocking op sends and receives; ``charged``: charged to the ledger when
+    the op was posted (not again when it completes)."""
+    sent: int
+    recv: int
+    charged: bool = False
+
+
 class Request:
     """A non-blocking op in flight. :meth:`wait` (blocking, watched) or :meth:`test` (one
-    watched poll) completes it and charges the ledger ``op``'s bytes, unless ``charged`` says
-    the bytes were charged when the op was posted."""
+    watched poll) completes it and charges the ledger ``op``'s ``traffic``, unless it was
+    charged when the op was posted."""
 
-    def __init__(self, comm: "Comm", req, op: str, sent: int, recv: int,
-                 finish: Callable[[], None] | None = None, keep=None, peer: int | None = None,
-                 charged: bool = False):
+    def __init__(self, comm: "Comm", req, op: str, traffic: Traffic,
+                 finish: Callable[[], None] | None = None, keep=None, peer: int | None = None):
         self._comm, self._req, self.op, self._peer = comm, req, op, peer
-        self._sent, self._recv, self._finish = sent, recv, finish
+        self._sent, self._recv, charged = traffic
+        self._finish = finish
         self._ledger = comm.ledger  # the ledger in force when posted (Comm.charged_to)
         self._keep = keep          # buffers MPI reads or writes until completion
         self._done = False
@@ -309,7 +317,7 @@ class Comm:
         n = _nbytes(t)
         req = self._guard("iallreduce.mpi", n, self.mpi.Iallreduce, mpi().IN_PLACE, buf, mop)
         finish = (lambda: t.div_(self.size)) if avg else None
-        return Request(self, req, "allreduce.mpi", *wire_bytes("allreduce", n, self.size),
+        return Request(self, req, "allreduce.mpi", Traffic(*wire_bytes("allreduce", n, self.size)),
                        finish=finish, keep=buf)
 
     def iallgather(self, t: torch.Tensor) -> tuple[Request, torch.Tensor]:
@@ -322,7 +330,7 @@ class Comm:
         out = torch.empty((self.size, *t.shape), dtype=t.dtype)
         send, recv = _raw(t), _raw(out)
         req = self._guard("iallgather", n, self.mpi.Iallgather, send, recv)
-        return Request(self, req, "allgather", *wire_bytes("allgather", n, self.size),
+        return Request(self, req, "allgather", Traffic(*wire_bytes("allgather", n, self.size)),
                        keep=(t, send, recv)), out
 
     @contextmanager
@@ -538,14 +546,14 @@ class Comm:
         req = self._guard(op, n, self.mpi.Isend, buf, dest, tag, peer=dest)
         if charge == "post":
             self.ledger.record(op, self.level, n, 0, _since(t0))
-        return Request(self, req, op, n, 0, keep=(t, buf), peer=dest, charged=charge == "post")
+        return Request(self, req, op, Traffic(n, 0, charge == "post"), keep=(t, buf), peer=dest)
 
     def irecv_(self, t: torch.Tensor, source: int, tag: int = 0, op: str = "recv") -> Request:
         """Non-blocking receive into a contiguous CPU tensor; charged as ``op`` on completion."""
         self._host_only(op, t)
         buf = _raw(t)
         req = self._guard(op, _nbytes(t), self.mpi.Irecv, buf, source, tag, peer=source)
-        return Request(self, req, op, 0, _nbytes(t), keep=(t, buf), peer=source)
+        return Request(self, req, op, Traffic(0, _nbytes(t)), keep=(t, buf), peer=source)
 
     # probes and matched receives (message sizes not known in advance) ---------------------------
     ANY_SOURCE = -1001     # placeholders for MPI.ANY_SOURCE / MPI.ANY_TAG (their values differ
@@ -589,7 +597,7 @@ class Comm:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         buf = np.frombuffer(data, dtype=np.uint8)
         req = self._guard(op, buf.nbytes, self.mpi.Issend, [buf, mpi().BYTE], dest, tag, peer=dest)
-        return Request(self, req, op, buf.nbytes, 0, keep=(data, buf), peer=dest)
+        return Request(self, req, op, Traffic(buf.nbytes, 0), keep=(data, buf), peer=dest)
 
     def recv_object(self, source: int, tag: int = 0, op: str = "recv_object"):
         """Receive one object sent by :meth:`issend_object` from ``source`` (blocking, watched)."""
@@ -826,7 +834,7 @@ class Message:
         self._check(op, t)
         buf = _raw(t)
         req = self._comm._guard(op, self.nbytes, self._msg.Irecv, buf, peer=self.source)
-        return Request(self._comm, req, op, 0, self.nbytes, keep=(t, buf), peer=self.source)
+        return Request(self._comm, req, op, Traffic(0, self.nbytes), keep=(t, buf), peer=self.source)
 
 
 def world_rank() -> int:

@@ -51,20 +51,20 @@ class GlooRequest:
 
 
 class GlooComm:
-    """A communicator of ``size`` ranks over the gloo process group ``pg``, this one ``rank``
-    (module docstring). ``peers``: what each rank stands for, for error messages (e.g. the
+    """A communicator of the ranks of the gloo process group ``pg`` (its size and this one's rank
+    are the group's; module docstring). ``peers``: what each rank stands for, for error messages (e.g. the
     datacenter indices of the members)."""
 
     # as a :class:`~lowcomm.comm.roles.Peers`: the ranks of one group
     rounds = per_rank = False
     dcs = None
 
-    def __init__(self, pg, rank: int, size: int, ledger: Ledger | None = None, level: str = "dc",
+    def __init__(self, pg, ledger: Ledger | None = None, level: str = "dc",
                  timeout_s: float = 60.0, peers: list | None = None, link=None):
-        self.pg, self.rank, self.size, self.level = pg, rank, size, level
+        self.pg, self.rank, self.size, self.level = pg, pg.rank(), pg.size(), level
         self.ledger = ledger if ledger is not None else Ledger()
         self.timeout_s, self.link = timeout_s, link
-        self.peers = list(peers) if peers is not None else list(range(size))
+        self.peers = list(peers) if peers is not None else list(range(self.size))
         self.validate = False
         self.auto_policy = None
 

@@ -26,7 +26,9 @@ from ..tasks import Task, TaskError, from_functions, load_task
 from .config import Config, apply_comm_settings
 from .config import load_config as load_config_file
 from .loop import run as run_loop
+from .folder import RunOptions
 from .registry import build_strategy, check, parse_spec
+from ..strategies.method import Context
 
 
 
@@ -69,11 +71,11 @@ def task_of(cfg: Config) -> Task:
     return load_task(cfg.task.name)
 
 
-def run(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
-        progress: bool = True, resume: str | Path | None = None, task: Task | None = None,
-        overwrite: bool = False, run_id: str | None = None) -> dict:
+def run(cfg: Config, opts: RunOptions = RunOptions(), comm: Comm | None = None,
+        task: Task | None = None) -> dict:
     """Train a resolved config (:func:`lowcomm.run.api.load_config`) on ``comm`` (default: the
-    world): the task it names (or ``task``), the strategy it names."""
+    world): the task it names (or ``task``), the strategy it names; where it writes, what it
+    resumes: ``opts``."""
     from .fleet.plan import identity
     me = identity()                        # a datacenter's job in a fleet (lowcomm.run.fleet)
     if me is None and cfg.fleet.dcs:       # (before MPI starts)
@@ -84,11 +86,11 @@ def run(cfg: Config, out: str | Path | None = None, comm: Comm | None = None,
     task = task or task_of(cfg)
     if me is not None:
         from .fleet.member import run as run_member
-        return run_member(cfg, task, comm, me, out, progress, resume, overwrite, run_id)
+        return run_member(cfg, task, comm, me, opts)
     apply_comm_settings(cfg, comm)         # the watchdog's limits, before the first collective
     levels = topology_comms(cfg, comm)     # the topology's communicators: hierarchical/policy
-    return run_loop(cfg, task, lambda m, o, c, **kw: build_strategy(cfg, m, o, c, levels, **kw), comm, out,
-                    progress, resume, overwrite, run_id)
+    build = lambda m, o, c, **kw: build_strategy(cfg, m, o, c, Context(levels=levels, **kw))  # noqa: E731
+    return run_loop(cfg, task, build, comm, opts)
 
 
 def train(task=None, *, model=None, loss=None, batch=None, eval_batches=None, strategy=None,
@@ -117,7 +119,7 @@ def train(task=None, *, model=None, loss=None, batch=None, eval_batches=None, st
         task = load_task(str(task))
     elif not isinstance(task, Task):          # a module object
         task = load_task(task.__name__) if hasattr(task, "__name__") else task
-    return run(cfg, out, comm, progress, resume, task, overwrite)
+    return run(cfg, RunOptions(out, progress, resume, overwrite), comm, task)
 
 
 def _literal(v) -> str:

@@ -7,7 +7,9 @@ strategy module owns by :func:`lowcomm.run.api.load_config`, which also checks `
 this module imports no strategy.
 
 Unknown keys and values of the wrong type are :class:`~lowcomm.errors.ConfigError` naming the
-key. Values given with ``--set`` are read as TOML literals (``3``, ``0.5``, ``true``, ``"x"``);
+key. Every table is a :class:`~lowcomm.settings.Settings` that checks its own values
+(``validate(prefix)``, as the methods' settings do); :func:`validate` adds only the rules
+between tables. Values given with ``--set`` are read as TOML literals (``3``, ``0.5``, ``true``, ``"x"``);
 anything that is not a literal is taken as a string.
 
 Example::
@@ -28,7 +30,7 @@ from ..compress.settings import CompressorSettings as CompressorConfig
 from ..comm import watchdog
 from ..comm.ledger import Link
 from ..errors import ConfigError
-from ..settings import coerce
+from ..settings import NonFinite, Settings, coerce
 
 LR_SCHEDULES = ("constant", "cosine")
 #: the task every run trains unless ``task`` says otherwise
@@ -36,24 +38,36 @@ DEFAULT_TASK = "lowcomm.tasks.bytelm"
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Settings):
     path: str = ""                 # text file or directory; "" = the Python standard library
     glob: str = ""                 # files of a directory to read; "" = all (the stdlib: *.py)
     seq_len: int = 64              # bytes per training window (the model's context)
     max_bytes: int = 8_000_000     # read at most this much text (train + eval)
     eval_fraction: float = 0.05    # share of files held out for evaluation
 
+    def validate(self, prefix: str = "data.") -> None:
+        _at_least(self, prefix, 1, "seq_len", "max_bytes")
+        if not 0 < self.eval_fraction < 1:
+            raise ConfigError(prefix + "eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
+        if self.path and not Path(self.path).exists():
+            raise ConfigError(prefix + "path", f"{self.path!r} does not exist")
+
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Settings):
     name: str = "tinygpt"          # the built-in byte-level GPT (the only one)
     d_model: int = 128             # width
     n_layers: int = 2              # transformer blocks
     n_heads: int = 4               # attention heads (a divisor of d_model)
 
+    def validate(self, prefix: str = "model.") -> None:
+        _at_least(self, prefix, 1, "d_model", "n_layers", "n_heads")
+        if self.d_model % self.n_heads:
+            raise ConfigError(prefix + "n_heads", f"must divide {prefix}d_model={self.d_model}")
+
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(Settings):
     name: str = "adamw"            # any torch.optim class, lower case ("sgd", "nadam", …); "muon": Muon + AdamW
     weight_decay: float = 0.0      # L2 or decoupled weight decay, as the optimizer defines it
     momentum: float | None = None  # unset: the optimizer's own default (sgd: 0, muon: 0.95)
@@ -64,9 +78,21 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1      # cosine: the lr at the last step, as a fraction of lr
     options: dict = field(default_factory=dict)   # further constructor arguments of the optimizer
 
+    def validate(self, prefix: str = "optimizer.") -> None:
+        _at_least(self, prefix, 0, "warmup_steps")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(prefix + "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if self.schedule not in LR_SCHEDULES:
+            raise ConfigError(prefix + "schedule", f"unknown value {self.schedule!r}; known: "
+                              f"{', '.join(LR_SCHEDULES)}")
+        from .optimizers import check_optimizer      # imports torch: only when a config is checked
+        check_optimizer(self)
+
 
 @dataclass
 class CommConfig:
+    """How the run's communicators check and watch their calls. Not a Settings: its key
+    ``validate`` takes the checking method's name; :func:`check_comm` checks it."""
     validate: bool = True          # per-call shape/dtype agreement check (one small all-gather)
     # watchdog (lowcomm/watchdog.py): a call waiting longer than
     #   max(timeout_s, watchdog_factor × its α–β prediction) + outage_s (wide-area links only)
@@ -77,15 +103,28 @@ class CommConfig:
     outage_s: float = field(default_factory=lambda: watchdog.default_outage_s())   # WAN links: extra wait
 
 
+def check_comm(c: CommConfig, prefix: str = "comm.") -> None:
+    """The [comm] table's values (each watchdog limit a finite number >= 0)."""
+    for key in ("timeout_s", "watchdog_factor", "outage_s"):
+        v = getattr(c, key)
+        if not 0 <= v < float("inf"):
+            raise ConfigError(prefix + key, f"must be a number >= 0"
+                              f"{' (0 = no watchdog)' if key == 'timeout_s' else ''}, got {v}")
+
+
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Settings):
     every: int = 0                 # write a checkpoint every N steps (0 = never)
     keep: int = 2                  # keep the newest N checkpoints
     dir: str = ""                  # "" = <out>/checkpoints
 
+    def validate(self, prefix: str = "checkpoint.") -> None:
+        _at_least(self, prefix, 1, "keep")
+        _at_least(self, prefix, 0, "every")
+
 
 @dataclass
-class CompareConfig:
+class CompareConfig(Settings):
     """What ``lowcomm compare --config FILE`` runs (``lowcomm train`` ignores this table)."""
     question: str = ""             # what the experiment asks
     expect: str = ""               # the outcome we expect, in words
@@ -95,9 +134,12 @@ class CompareConfig:
     repeat: int = 1                # runs of every method, interleaved (wall s: their median)
     relative_to: str = ""          # a method whose wall-clock the others' is divided by
 
+    def validate(self, prefix: str = "compare.") -> None:
+        _at_least(self, prefix, 1, "repeat")
+
 
 @dataclass
-class FleetConfig:
+class FleetConfig(Settings):
     """A fleet of datacenters (``lowcomm train --dcs D``, :mod:`lowcomm.run.fleet`): one MPI job
     per datacenter, the outer level across them through a coordinator."""
     dcs: int = 0                   # datacenters (0: one MPI job, no fleet)
@@ -112,27 +154,74 @@ class FleetConfig:
     quorum: int = 0
     grace: float = 0.0
 
+    def validate(self, prefix: str = "fleet.") -> None:
+        if self.dcs < 0 or self.dcs == 1:
+            raise ConfigError(prefix + "dcs", f"must be 0 (no fleet) or >= 2 datacenters, got {self.dcs}")
+        if not 0 <= self.min_dcs <= self.dcs:
+            raise ConfigError(prefix + "min_dcs", f"must be in [0, {prefix}dcs={self.dcs}] (0: a "
+                              f"majority), got {self.min_dcs}")
+        for key in ("heartbeat_s", "backoff_s", "join_s"):
+            v = getattr(self, key)
+            if not 0 <= v < float("inf") or (key == "heartbeat_s" and v == 0):
+                raise ConfigError(prefix + key, f"must be a finite number of seconds "
+                                  f"{'> 0' if key == 'heartbeat_s' else '>= 0'}, got {v}")
+        _at_least(self, prefix, 0, "max_failures")
+        if self.heal_inner not in ("copy", "reset"):
+            raise ConfigError(prefix + "heal_inner", f"unknown value {self.heal_inner!r}; known: "
+                              "copy, reset")
+        self._check_quorum(prefix)
+
+    def _check_quorum(self, prefix: str) -> None:
+        need = self.min_dcs or self.dcs // 2 + 1
+        if self.quorum and not need <= self.quorum < self.dcs:
+            raise ConfigError(prefix + "quorum", f"a round may go ahead with at least "
+                              f"{prefix}min_dcs={need} and fewer than the fleet's {self.dcs} "
+                              f"datacenters (0: every one), got {self.quorum}")
+        if self.quorum and not 0 < self.grace < float("inf"):
+            raise ConfigError(prefix + "grace", "the grace window is this share of the median "
+                              "interval between rounds, > 0 (a round never leaves a datacenter "
+                              f"out at once), got {self.grace}")
+        if self.grace and not self.quorum:
+            raise ConfigError(prefix + "grace", f"{self.grace} waits once {prefix}quorum "
+                              f"datacenters are ready, but {prefix}quorum = 0 (every round waits "
+                              f"for every datacenter); set {prefix}quorum")
+
 
 @dataclass
-class BudgetConfig:
+class BudgetConfig(Settings):
     """A time budget: train until the run's modelled wall-clock on ``link`` — its computation's
     CPU seconds plus the α–β time of its traffic — reaches ``seconds`` (``steps`` is then a cap)."""
     seconds: float = 0.0           # modelled seconds to train for (0 = no budget: train `steps`)
     link: str = "25,100"           # DELAY_MS,RATE_MBIT of the link the budget is spent on
     evals: int = 10                # evaluations spread evenly over the budget (the curve to a target)
 
+    def validate(self, prefix: str = "budget.") -> None:
+        if not 0 <= self.seconds < float("inf"):
+            raise ConfigError(prefix + "seconds", f"must be a number >= 0 (0 = no budget), got "
+                              f"{self.seconds}")
+        try:
+            Link.parse(self.link)
+        except ValueError as e:
+            raise ConfigError(prefix + "link", str(e)) from None
+        _at_least(self, prefix, 1, "evals")
+
 
 @dataclass
-class TaskConfig:
+class TaskConfig(Settings):
     """What to train (:mod:`lowcomm.tasks`): ``name`` is a Python file (``path/to/task.py``) or an
     importable module (``package.module``); ``options`` is everything else of the ``[task]``
     table, handed to the task as it is (``cfg.task.options``)."""
     name: str = DEFAULT_TASK       # a task file (path/to/task.py) or module (package.module)
     options: dict = field(default_factory=dict)   # the rest of [task], for the task (cfg.task.options)
 
+    def validate(self, prefix: str = "task.") -> None:
+        if not self.name:
+            raise ConfigError(prefix.rstrip("."), "names no task (a file path.py or a module, "
+                              f"e.g. {DEFAULT_TASK!r})")
+
 
 @dataclass
-class Config:
+class Config(Settings):
     steps: int = 300               # training steps (the parameter server: step-equivalents)
     seed: int = 0                  # seeds torch, Python's random and NumPy on every rank
     batch_size: int = 16           # samples per rank per step
@@ -142,7 +231,7 @@ class Config:
     eval_every: int = 0            # also evaluate every N steps (a multiple of log_every; 0 = end only)
     topology: str = ""             # e.g. "dc:2,rank:2"; "" = $LOWCOMM_TOPOLOGY or one level
     policy: dict[str, str] = field(default_factory=dict)   # level -> "NAME[:key=value,...]"
-    on_nonfinite: str = "abort"    # NaN/Inf loss or gradient: "abort" or "skip" the step
+    on_nonfinite: NonFinite = NonFinite.ABORT   # NaN/Inf loss or gradient: "abort" or "skip" the step
     max_memory_gib: float = 0.0    # fail when a rank's peak memory after a step is above this (0: no cap)
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)       # the built-in bytelm task's data
@@ -156,8 +245,28 @@ class Config:
     fleet: FleetConfig = field(default_factory=FleetConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    def validate(self, prefix: str = "") -> None:
+        """The run's own keys, then every table's (each checks itself, named under its key)."""
+        _at_least(self, prefix, 1, "steps", "batch_size", "log_every")
+        _at_least(self, prefix, 0, "eval_batches")
+        if "name" in self.strategy and not isinstance(self.strategy["name"], str):
+            raise ConfigError(prefix + "strategy.name", f"expects str, got {self.strategy['name']!r}")
+        if self.eval_every < 0 or (self.eval_every and self.eval_every % self.log_every):
+            raise ConfigError(prefix + "eval_every", f"must be 0 or a multiple of "
+                              f"log_every={self.log_every}, got {self.eval_every}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(prefix + "lr", f"must be a finite number > 0, got {self.lr}")
+        if not 0 <= self.max_memory_gib < float("inf"):
+            raise ConfigError(prefix + "max_memory_gib", f"must be a number of GiB >= 0 (0: no "
+                              f"cap), got {self.max_memory_gib}")
+        if self.topology:   # level spec, e.g. "dc:2,rank:2" (lowcomm/topology.py); ConfigError names it
+            from ..comm.topology import Topology
+            Topology.parse(self.topology)
+        check_comm(self.comm, prefix + "comm.")
+        for f in dataclasses.fields(self):
+            table = getattr(self, f.name)
+            if isinstance(table, Settings):
+                table.validate(f"{prefix}{f.name}.")
 
     @property
     def method(self) -> str:
@@ -273,109 +382,26 @@ def parse_override(text: str) -> tuple[str, object]:
     return key, value
 
 
-def _at_least(cfg: Config, low: int, *keys: str) -> None:
+def _at_least(table, prefix: str, low: int, *keys: str) -> None:
     for key in keys:
-        obj = cfg
-        for part in key.split("."):
-            obj = getattr(obj, part)
-        if obj < low:
-            raise ConfigError(key, f"must be >= {low}, got {obj}")
+        v = getattr(table, key)
+        if v < low:
+            raise ConfigError(prefix + key, f"must be >= {low}, got {v}")
 
 
 def validate(cfg: Config) -> Config:
-    """Check the run's own keys (the method tables: :func:`lowcomm.run.api.load_config`)."""
-    def one_of(key, value, known):
-        if value not in known:
-            raise ConfigError(key, f"unknown value {value!r}; known: {', '.join(known)}")
-
-    _at_least(cfg, 1, "steps", "batch_size", "log_every", "data.seq_len", "data.max_bytes",
-              "model.d_model", "model.n_layers", "model.n_heads", "checkpoint.keep")
-    _at_least(cfg, 0, "checkpoint.every", "optimizer.warmup_steps", "eval_batches")
-    if "name" in cfg.strategy and not isinstance(cfg.strategy["name"], str):
-        raise ConfigError("strategy.name", f"expects str, got {cfg.strategy['name']!r}")
-    cfg.compressor.validate("compressor.")         # the [compressor] table checks itself
-    for key in ("timeout_s", "watchdog_factor", "outage_s"):
-        v = getattr(cfg.comm, key)
-        if not 0 <= v < float("inf"):
-            raise ConfigError(f"comm.{key}", f"must be a number >= 0{' (0 = no watchdog)' if key == 'timeout_s' else ''}, got {v}")
-    if cfg.eval_every < 0 or (cfg.eval_every and cfg.eval_every % cfg.log_every):
-        raise ConfigError("eval_every", f"must be 0 or a multiple of log_every={cfg.log_every}, "
-                          f"got {cfg.eval_every}")
-    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
-        raise ConfigError("lr", f"must be a finite number > 0, got {cfg.lr}")
+    """Check the config: every table checks itself (:meth:`Config.validate`), then the rules
+    between tables (the method tables: :func:`lowcomm.run.api.load_config`)."""
+    cfg.validate()
     if cfg.optimizer.warmup_steps >= cfg.steps:
         raise ConfigError("optimizer.warmup_steps", f"must be < steps={cfg.steps}, "
                           f"got {cfg.optimizer.warmup_steps}")
-    if not 0 <= cfg.optimizer.min_lr_ratio <= 1:
-        raise ConfigError("optimizer.min_lr_ratio", f"must be in [0, 1], got {cfg.optimizer.min_lr_ratio}")
-    if not 0 < cfg.data.eval_fraction < 1:
-        raise ConfigError("data.eval_fraction", f"must be in (0, 1), got {cfg.data.eval_fraction}")
-    if cfg.model.d_model % cfg.model.n_heads:
-        raise ConfigError("model.n_heads", f"must divide model.d_model={cfg.model.d_model}")
-    one_of("on_nonfinite", cfg.on_nonfinite, ("abort", "skip"))
-    if not 0 <= cfg.max_memory_gib < float("inf"):
-        raise ConfigError("max_memory_gib", f"must be a number of GiB >= 0 (0: no cap), got "
-                          f"{cfg.max_memory_gib}")
-    _check_fleet(cfg.fleet)
-    _check_budget(cfg)
-    one_of("optimizer.schedule", cfg.optimizer.schedule, LR_SCHEDULES)
-    from .optimizers import check_optimizer      # imports torch: only when a config is checked
-    check_optimizer(cfg.optimizer)
-    if not cfg.task.name:
-        raise ConfigError("task", "names no task (a file path.py or a module, e.g. "
-                          f"{DEFAULT_TASK!r})")
-    if cfg.topology:   # level spec, e.g. "dc:2,rank:2" (lowcomm/topology.py); ConfigError names it
-        from ..comm.topology import Topology
-        Topology.parse(cfg.topology)
-    if cfg.data.path and not Path(cfg.data.path).exists():
-        raise ConfigError("data.path", f"{cfg.data.path!r} does not exist")
-    return cfg
-
-
-def _check_fleet(f: FleetConfig) -> None:
-    if f.dcs < 0 or f.dcs == 1:
-        raise ConfigError("fleet.dcs", f"must be 0 (no fleet) or >= 2 datacenters, got {f.dcs}")
-    if not 0 <= f.min_dcs <= f.dcs:
-        raise ConfigError("fleet.min_dcs", f"must be in [0, fleet.dcs={f.dcs}] (0: a majority), "
-                          f"got {f.min_dcs}")
-    for key in ("heartbeat_s", "backoff_s", "join_s"):
-        v = getattr(f, key)
-        if not 0 <= v < float("inf") or (key == "heartbeat_s" and v == 0):
-            raise ConfigError(f"fleet.{key}", f"must be a finite number of seconds "
-                              f"{'> 0' if key == 'heartbeat_s' else '>= 0'}, got {v}")
-    if f.max_failures < 0:
-        raise ConfigError("fleet.max_failures", f"must be >= 0, got {f.max_failures}")
-    if f.heal_inner not in ("copy", "reset"):
-        raise ConfigError("fleet.heal_inner", f"unknown value {f.heal_inner!r}; known: copy, reset")
-    need = f.min_dcs or f.dcs // 2 + 1
-    if f.quorum and not need <= f.quorum < f.dcs:
-        raise ConfigError("fleet.quorum", f"a round may go ahead with at least fleet.min_dcs={need} "
-                          f"and fewer than the fleet's {f.dcs} datacenters (0: every one), got "
-                          f"{f.quorum}")
-    if f.quorum and not 0 < f.grace < float("inf"):
-        raise ConfigError("fleet.grace", "the grace window is this share of the median interval "
-                          f"between rounds, > 0 (a round never leaves a datacenter out at once), "
-                          f"got {f.grace}")
-    if f.grace and not f.quorum:
-        raise ConfigError("fleet.grace", f"{f.grace} waits once fleet.quorum datacenters are "
-                          "ready, but fleet.quorum = 0 (every round waits for every datacenter); "
-                          "set fleet.quorum")
-
-
-def _check_budget(cfg: Config) -> None:
-    b = cfg.budget
-    if not 0 <= b.seconds < float("inf"):
-        raise ConfigError("budget.seconds", f"must be a number >= 0 (0 = no budget), got {b.seconds}")
-    try:
-        Link.parse(b.link)
-    except ValueError as e:
-        raise ConfigError("budget.link", str(e)) from None
-    _at_least(cfg, 1, "budget.evals", "compare.repeat")
-    if b.seconds and cfg.optimizer.schedule != "constant":
+    if cfg.budget.seconds and cfg.optimizer.schedule != "constant":
         raise ConfigError("budget.seconds", f"needs optimizer.schedule = \"constant\", got "
                           f"{cfg.optimizer.schedule!r}: under a time budget every method stops at "
                           "its own step, so a schedule over `steps` would leave each at another "
                           "point of it (warm-up steps are fine)")
+    return cfg
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),

@@ -18,6 +18,7 @@ import math
 import logging
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..comm.comm import Comm
@@ -289,6 +290,19 @@ def checkpoint_dir(cfg, out: str | Path | None) -> Path | None:
     if cfg.checkpoint.dir:
         return Path(cfg.checkpoint.dir)
     return Path(out) / "checkpoints" if out else None
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Where a run writes and how it starts: its folder ``out`` (None: nothing written),
+    ``progress`` (a progress bar), ``resume`` (the folder of an earlier run of this config: go on
+    from its newest intact checkpoint), ``overwrite`` another run in ``out`` (only the files
+    lowcomm wrote), ``run_id`` (its supervisor's id of the run, see :func:`open_run`)."""
+    out: str | Path | None = None
+    progress: bool = True
+    resume: str | Path | None = None
+    overwrite: bool = False
+    run_id: str | None = None
 
 
 def open_run(cfg, comm: Comm, out: str | Path | None, resume: str | Path | None = None,

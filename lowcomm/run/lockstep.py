@@ -26,6 +26,7 @@ import torch
 from ..comm.ledger import Link
 from .memory import peak_bytes
 from ..errors import ConfigError, LowcommError, NonFiniteError
+from ..settings import NonFinite
 from .ending import report_to_rank0, skip_mpi_finalize, stopped, take_final_model
 from .evaluate import allsum, evaluate, evaluation_sums, mean_loss, state_sha256
 from .folder import write_summary
@@ -169,7 +170,7 @@ class Lockstep(Coordination):
         """``on_nonfinite = "skip"``: every rank skips when any rank's step is not finite (a
         4-byte vote per step); else a non-finite value ends the job naming rank and step."""
         r = self.r
-        if r.cfg.on_nonfinite != "skip":
+        if r.cfg.on_nonfinite is not NonFinite.SKIP:
             if bad:
                 raise NonFiniteError(self.rank, bad, step)
             return False
@@ -336,14 +337,14 @@ class Detached(Coordination):
         value = loss.item()
         self.r.strategy.note_loss(value)
         if value != value or value in (float("inf"), float("-inf")):
-            if self.r.cfg.on_nonfinite != "skip":
+            if self.r.cfg.on_nonfinite is not NonFinite.SKIP:
                 raise NonFiniteError(self.r.comm.rank, "the loss", self.state.step + 1)
 
     def skip_step(self, bad: str | None, step: int) -> bool:
         """This worker alone skips (its clock advances without a gradient)."""
         if not bad:
             return False
-        if self.r.cfg.on_nonfinite != "skip":
+        if self.r.cfg.on_nonfinite is not NonFinite.SKIP:
             raise NonFiniteError(self.r.comm.rank, bad, step)
         log.warning("rank %d step %d: %s is not finite; this worker skips the step",
                     self.r.comm.rank, step, bad)

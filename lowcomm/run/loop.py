@@ -54,7 +54,7 @@ from ..strategies.base import Role
 from ..tasks import Task
 from .lockstep import STOP_VOTE_LAG, Detached, Lockstep
 from .evaluate import nonfinite
-from .folder import close_run, open_run
+from .folder import RunOptions, close_run, open_run
 from .schedule import build_optimizer, lr_at, set_lr
 from .signals import GraceCheck, StopFlag
 from .snapshot import seed_all
@@ -64,27 +64,27 @@ from .state import LoopState, Run
 log = logging.getLogger("lowcomm.train")
 
 
-def run(cfg, task: Task, build: Callable, comm: Comm, out: str | Path | None = None,
-        progress: bool = True, resume: str | Path | None = None, overwrite: bool = False,
-        run_id: str | None = None, coordination: Callable | None = None) -> dict:
+def run(cfg, task: Task, build: Callable, comm: Comm, opts: RunOptions = RunOptions(),
+        coordination: Callable | None = None) -> dict:
     """Train ``task`` under the strategy ``build(model, optimizer, comm, batches=, forward=)``
     makes (``batches``: this rank's training batches as :class:`RecentBatches`, ``forward``: the
     task's loss, for an outer loop's ``bn_recompute``); return (and write) the run summary. ``cfg`` is a resolved :class:`~lowcomm.run.config.Config`.
 
-    ``resume``: the output folder of an earlier run of this config; continue from the newest
-    intact checkpoint in its checkpoint folder (an error if there is none). ``out`` must not
-    hold another run unless it is the one resumed, or ``overwrite`` (see
-    :func:`lowcomm.run.folder.open_run`; ``run_id`` names the run there). ``coordination``:
+    ``opts`` (:class:`~lowcomm.run.folder.RunOptions`): ``resume``, the output folder of an
+    earlier run of this config: continue from the newest intact checkpoint in its checkpoint
+    folder (an error if there is none); ``out`` must not hold another run unless it is the one
+    resumed, or ``overwrite`` (see :func:`lowcomm.run.folder.open_run`; ``run_id`` names the run
+    there). ``coordination``:
     how the ranks keep step (a function of the :class:`~lowcomm.run.state.Run`; default
     :class:`~lowcomm.run.lockstep.Lockstep`, a fleet's datacenter passes its own)."""
-    ctl, out, ckpt = open_run(cfg, comm, out, resume, overwrite, run_id)
+    ctl, out, ckpt = open_run(cfg, comm, opts.out, opts.resume, opts.overwrite, opts.run_id)
     try:
         seed_all(cfg.seed)
         model = task.model(cfg)
         recent = RecentBatches(task, cfg, comm.rank, comm.size)
         strategy = build(model, build_optimizer(cfg, model.parameters()), comm, batches=recent,
                          forward=task.loss, criterion=task.criterion_fn, split=task.split_fn)
-        r = Run(cfg, task, model, strategy, comm, ctl, out, ckpt, progress, resume)
+        r = Run(cfg, task, model, strategy, comm, ctl, out, ckpt, opts.progress, opts.resume)
         with settled_heap():
             if strategy.role is Role.SERVER:               # the parameter server's servers
                 from .serve import serve

@@ -24,11 +24,10 @@ import dataclasses
 
 from .config import Config, parse_override
 from ..compress.settings import CompressorSettings
-from ..errors import ConfigError
-from ..strategies import (async_diloco, demo, desloc, diloco, dylu, fsdp, gossip, localsgd, noloco, onebit_adam,
-                          sparseloco, sparta,
-                          syncdp, zero, zeroone_adam)
-from ..strategies.ps import method as async_ps
+from ..errors import ArgumentError, ConfigError
+from ..settings import NonFinite
+from ..strategies import (async_diloco, async_ps, demo, desloc, diloco, dylu, fsdp, gossip, localsgd,
+                          noloco, onebit_adam, sparseloco, sparta, syncdp, zero, zeroone_adam)
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from ..strategies.policy import Level, build_policy, check_plan
@@ -208,27 +207,27 @@ def check(cfg) -> None:
 
 def context(cfg) -> Context:
     """What builders take from the run's config."""
-    return Context(compressor=cfg.compressor, nonfinite="skip" if cfg.on_nonfinite == "skip"
-                   else "abort", steps=cfg.steps)
+    return Context(compressor=cfg.compressor, nonfinite=cfg.on_nonfinite, steps=cfg.steps)
 
 
-def build_strategy(cfg, model, optimizer, comm, levels=None, batches=None,
-                   forward=None, criterion=None, split=None) -> Strategy:
-    """The run's strategy on ``comm``: a per-level policy, or ``cfg.strategy``. ``levels``:
-    the topology's communicators over ``comm`` (:func:`topology_comms`), which a policy and the
-    hierarchical all-reduce need; ``batches``, ``forward``: this rank's training batches (a
-    function of the step) and the task's forward; ``criterion``, ``split``: the task's (see
-    :class:`~lowcomm.strategies.method.Context`)."""
-    ctx = dataclasses.replace(context(cfg), levels=levels, batches=batches, forward=forward,
-                              criterion=criterion, split=split)
+def build_strategy(cfg, model, optimizer, comm, given: Context | None = None) -> Strategy:
+    """The run's strategy on ``comm``: a per-level policy, or ``cfg.strategy``. ``given``: what
+    the run gives the method beyond its config (:class:`~lowcomm.strategies.method.Context`): the
+    topology's communicators over ``comm`` (:func:`topology_comms`), which a policy and the
+    hierarchical all-reduce need; this rank's training batches (a function of the step) and the
+    task's forward, criterion and split; the config's compressor, NaN policy and steps are
+    filled in here."""
+    given = given or Context()
+    ctx = dataclasses.replace(given, compressor=cfg.compressor, nonfinite=cfg.on_nonfinite,
+                              steps=cfg.steps)
     if cfg.policy:
-        return build_policy(policy_levels(cfg, levels.names), model, optimizer, comm, ctx)
+        return build_policy(policy_levels(cfg, ctx.levels.names), model, optimizer, comm, ctx)
     m, s = strategy_settings(cfg)
     return m.build(s, model, optimizer, comm, ctx)
 
 
-def _python_context(compressor, nonfinite: str, steps: int | None, levels=None, batches=None,
-                    forward=None) -> Context:
+def _python_context(compressor, nonfinite: NonFinite | str, steps: int | None, levels=None,
+                    batches=None, forward=None) -> Context:
     if isinstance(compressor, str):
         compressor = CompressorSettings(name=compressor)
     elif compressor is None:
@@ -237,13 +236,13 @@ def _python_context(compressor, nonfinite: str, steps: int | None, levels=None, 
         raise TypeError("compressor must be a name, a CompressorSettings or None, got "
                         f"{type(compressor).__name__}")
     compressor.validate("compressor.")
-    return Context(compressor=compressor, nonfinite=nonfinite, steps=steps, levels=levels,
-                   batches=batches, forward=forward)
+    return Context(compressor=compressor, steps=steps, levels=levels, batches=batches,
+                   forward=forward, nonfinite=NonFinite.parse(nonfinite, "nonfinite", ArgumentError))
 
 
-def build(spec: str, model, optimizer, comm=None, *, compressor=None, nonfinite: str = "abort",
-          steps: int | None = None, levels=None, bn_batches=None, bn_forward=None,
-          **options) -> Strategy:
+def build(spec: str, model, optimizer, comm=None, *, compressor=None,
+          nonfinite: NonFinite | str = NonFinite.ABORT, steps: int | None = None, levels=None,
+          bn_batches=None, bn_forward=None, **options) -> Strategy:
     """Any registered strategy from Python: ``spec`` is ``NAME[:key=value,...]`` and
     ``options`` more keys (they win over the spec's). ``compressor``: the gradient
     compressor's name or a :class:`~lowcomm.compress.settings.CompressorSettings` (its knobs
@@ -265,7 +264,7 @@ def build(spec: str, model, optimizer, comm=None, *, compressor=None, nonfinite:
 
 
 def policy(levels: dict[str, str], model, optimizer, comm=None, *, topology: str = "",
-           compressor=None, nonfinite: str = "abort") -> Strategy:
+           compressor=None, nonfinite: NonFinite | str = NonFinite.ABORT) -> Strategy:
     """A per-level policy from Python: ``levels`` maps each topology level to a spec (levels
     left out are ``syncdp``); ``topology`` a spec such as ``"dc:2,rank:2"`` (default: the
     environment, as :meth:`lowcomm.comm.topology.Topology.from_env`)."""

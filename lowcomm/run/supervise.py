@@ -45,6 +45,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import RunFolderError
@@ -111,39 +112,49 @@ def has_checkpoint(folder: Path) -> bool:
     return bool(checkpoint_steps(Path(folder)))
 
 
-def supervise(launch, args: list[str], out: str | Path, max_restarts: int,
-              backoff_s: float = 2.0, env: dict | None = None, log_dir: str | Path | None = None,
-              timeout_s: float | None = None, poll=None, first: list[str] = (),
-              np: int | None = None, min_ranks: int | None = None,
-              checkpoints: str | Path | None = None) -> dict:
+@dataclass(frozen=True)
+class Attempts:
+    """How a supervised job's attempts run: each for at most ``timeout_s`` seconds (None: no
+    limit), relaunched up to ``max_restarts`` times, ``backoff_s``·2^k seconds before the k-th,
+    from the newest checkpoint in ``checkpoints`` (None: ``out/checkpoints``); with a launch
+    function of the rank count, on ``np`` ranks first, down to ``min_ranks`` when relaunches
+    fail (see the module's notes)."""
+    max_restarts: int = 0
+    backoff_s: float = 2.0
+    timeout_s: float | None = None
+    np: int | None = None
+    min_ranks: int | None = None
+    checkpoints: str | Path | None = None
+
+
+def supervise(launch, args: list[str], out: str | Path, attempts: Attempts = Attempts(), *,
+              env: dict | None = None, poll=None, first: list[str] = ()) -> dict:
     """Run ``launch + args`` (``args`` is ``lowcomm train ...`` without ``--out``/``--resume``),
-    relaunching from the newest checkpoint in ``checkpoints`` (default ``out/checkpoints``) on
-    failure; returns ``{"returncode", "restarts", "failures", "ranks_per_attempt", "stopped",
-    "repeats"}`` (``stopped``: the signal's name when a stop was asked for, also of a job that
-    finished meanwhile; ``repeats``: the last failure would repeat). ``launch`` is a command
-    prefix, or a function of the rank count giving one (with ``np``, the first attempt's rank
-    count, and ``min_ranks``: shrink down to it when relaunches fail, see the module's notes).
-    ``first``: the first attempt's own options (the user's ``--resume OUT`` or ``--overwrite``).
-    ``log_dir``: append each attempt's stdout/stderr there (default ``out``). ``poll()`` is
-    called about twice a second while a job runs."""
-    return _Supervisor(launch, args, out, max_restarts, backoff_s, env, log_dir, timeout_s, poll,
-                       first, np, min_ranks, checkpoints).run()
+    its attempts as ``attempts`` says (relaunched from the newest checkpoint on failure); returns
+    ``{"returncode", "restarts", "failures", "ranks_per_attempt", "stopped", "repeats"}``
+    (``stopped``: the signal's name when a stop was asked for, also of a job that finished
+    meanwhile; ``repeats``: the last failure would repeat). ``launch`` is a command prefix, or
+    a function of the rank count giving one (with ``attempts.np``). ``first``: the first
+    attempt's own options (the user's ``--resume OUT`` or ``--overwrite``). Each attempt's
+    stdout/stderr is appended in ``out``; ``poll()`` is called about twice a second while a job
+    runs."""
+    return _Supervisor(launch, args, out, attempts, env, poll, first).run()
 
 
 class _Supervisor:
     """One :func:`supervise` call: its attempts, their failures, and the stop signals it
     forwards to the job."""
 
-    def __init__(self, launch, args, out, max_restarts, backoff_s, env, log_dir, timeout_s, poll,
-                 first, np, min_ranks, checkpoints):
+    def __init__(self, launch, args, out, attempts: Attempts, env, poll, first):
+        a = attempts
         self.out = Path(out)
-        self.ck = Path(checkpoints) if checkpoints else self.out / "checkpoints"
-        self.launch_for, self.min_ranks = self._launcher(launch, np, min_ranks)
-        self.args, self.max_restarts, self.backoff_s, self.env = args, max_restarts, backoff_s, env
-        self.timeout_s, self.poll, self.first = timeout_s, poll, first
-        self.n = np
+        self.ck = Path(a.checkpoints) if a.checkpoints else self.out / "checkpoints"
+        self.launch_for, self.min_ranks = self._launcher(launch, a.np, a.min_ranks)
+        self.args, self.max_restarts, self.backoff_s, self.env = args, a.max_restarts, a.backoff_s, env
+        self.timeout_s, self.poll, self.first = a.timeout_s, poll, first
+        self.n = a.np
         self.ranks: list = []
-        self.logs = Path(log_dir) if log_dir else self.out
+        self.logs = self.out
         self.reports = self.logs / ".lowcomm-reports"
         try:
             self.reports.mkdir(parents=True, exist_ok=True)

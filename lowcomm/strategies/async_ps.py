@@ -77,8 +77,10 @@ from operator import attrgetter
 import torch
 
 from ..comm.comm import Comm
-from ..errors import ArgumentError, LowcommError
+from ..errors import ArgumentError, ConfigError, LowcommError
+from ..settings import NonFinite
 from .base import Role, Strategy
+from .method import Context, Method
 from .ps.protocol import (DROPPED, HEADER, OK, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE,
                           TAG_INIT, TAG_PULL, TAG_PUSH, AsyncPSSettings, BufferBlock, Reply, ServerLost, Shard,
                           WorkerDropped, WorkersLost, build_shards, dc_compensate, load_shard,
@@ -93,22 +95,22 @@ class AsyncPS(Strategy):
     plays (:attr:`part`: a :class:`~lowcomm.strategies.ps.worker.Worker` or a
     :class:`ParameterServer`) is read through the attributes declared below. Same arguments on
     every rank; see :class:`~lowcomm.strategies.ps.worker.Worker` for their meaning
-    (:mod:`lowcomm.strategies.ps.method` builds it from the run's settings)."""
+    (:func:`build` builds it from the run's settings)."""
 
     name = "async-ps"
     Settings = AsyncPSSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: AsyncPSSettings | None = None,
-                 compressor=None, nonfinite: str = "raise", budget: int | None = None, **options):
+                 compressor=None, nonfinite: NonFinite | str = NonFinite.ABORT,
+                 budget: int | None = None, **options):
         super().__init__(model, optimizer, comm, settings=settings, **options)
         st = self.settings
         if not st.servers < self.comm.size:
             raise ArgumentError("servers", f"async-ps needs 1 <= servers < ranks (strategy.servers "
                                 f"in a config) so that at least one rank trains; got "
                                 f"{st.servers} on {self.comm.size} ranks")
-        if nonfinite not in ("raise", "skip"):
-            raise ArgumentError("nonfinite", f"must be 'raise' or 'skip', got {nonfinite!r}")
+        nonfinite = NonFinite.parse(nonfinite, "nonfinite", ArgumentError)
         if budget is not None and budget < 1:
             raise ArgumentError("budget", f"must be >= 1 gradients, got {budget}")
         part = ParameterServer if self.comm.rank < st.servers else Worker
@@ -202,6 +204,32 @@ class AsyncPS(Strategy):
             data = block.pack()          # rank 0 (server 0) holds the served buffers
             self.comm.bcast_(data, root=0)
             block.unpack(data)
+
+
+# the method: its checks against the run's keys and its builder (the registry's entry)
+def check_run(s: AsyncPSSettings, cfg, prefix: str) -> None:
+    """Combinations with the run's keys."""
+    if prefix != "strategy.":
+        raise ConfigError(prefix.rstrip(".") or "spec", "async-ps cannot be a level of a per-level policy")
+    if cfg.checkpoint.every and s.max_staleness != 0:
+        raise ConfigError("checkpoint.every", "async-ps checkpoints every N steps only with "
+                          "strategy.max_staleness = 0 (synchronous): asynchronous servers and "
+                          "workers never pass a common step whose state could be saved (at any "
+                          "max_staleness, SIGINT/SIGTERM stops the run with a final checkpoint)")
+    if cfg.eval_every and s.servers != 1:
+        raise ConfigError("eval_every", "async-ps evaluates during the run only with "
+                          "strategy.servers = 1 (rank 0 then holds the whole model); use 0 to "
+                          "evaluate at the end")
+
+
+def build(s: AsyncPSSettings, model, optimizer, comm: Comm, ctx: Context):
+    return AsyncPS(model, optimizer, comm, settings=s, compressor=ctx.gradient_compressor(),
+                   nonfinite=ctx.nonfinite, budget=ctx.steps * (comm.size - s.servers) if ctx.steps else None)
+
+
+METHOD = Method("async-ps", AsyncPSSettings, build, "asynchronous parameter server: sharded, "
+                "with a staleness bound", check=check_run, python="AsyncPS",
+                example="async-ps:servers=1")
 
 
 __all__ = ["AsyncPS", "AsyncPSSettings", "DROPPED", "HEADER", "OK", "POLL_S", "PUSH", "ParameterServer", "Reply",

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from ..comm.roles import LevelSet
 from ..compress.settings import CompressorSettings
+from ..settings import NonFinite
 from ..errors import ConfigError
 
 
@@ -31,8 +32,8 @@ def refuse_gradient_compressor(cfg, what: str) -> None:
 class Context:
     """What a builder takes beyond its own settings: the run's ``[compressor]`` table (the
     gradient compressor, and the knobs of a compressor named by a strategy option), the run's
-    NaN policy (``"abort"``: never send a non-finite value; ``"skip"``: the loop skips such
-    steps on all ranks),
+    NaN policy (:class:`~lowcomm.settings.NonFinite`: ABORT never sends a non-finite value; SKIP:
+    the loop skips such steps on all ranks),
     the run's step budget (None: open-ended), where a per-level policy nests the strategy, and
     the topology's communicators (:class:`~lowcomm.comm.topology.Levels`, built once by the caller:
     per-level policies and the ``hierarchical`` all-reduce need them; None without a topology),
@@ -43,7 +44,7 @@ class Context:
     method that splits the model under data-parallel levels, the ranks holding its part in the
     other replicas (:mod:`lowcomm.parallel.replicas`; None: no data parallelism around it)."""
     compressor: CompressorSettings = field(default_factory=CompressorSettings)
-    nonfinite: str = "abort"
+    nonfinite: NonFinite = NonFinite.ABORT
     steps: int | None = None
     nest: Any = None
     levels: LevelSet | None = None

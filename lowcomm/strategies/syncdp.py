@@ -10,7 +10,7 @@ from ..comm.collectives import ALGORITHM_NAMES, broadcast_
 from ..comm.comm import Comm
 from ..errors import ArgumentError, ConfigError, LowcommError, NonFiniteError
 from .reducer import Reducer
-from ..settings import Settings
+from ..settings import NonFinite, Settings
 from .base import Strategy
 from .method import Context, Method, check_compressor_name
 from .passes import BackwardPasses
@@ -48,7 +48,7 @@ class SyncDPSettings(Settings):
         return dict(algorithm=self.algorithm, bucket_mb=self.bucket_mb,
                     backward_passes_per_step=self.backward_passes_per_step, overlap=self.overlap,
                     compressor=ctx.gradient_compressor(self.compressor or None),
-                    nonfinite="zero" if ctx.nonfinite == "skip" else "raise")
+                    nonfinite=ctx.nonfinite)
 
 
 def build(s: SyncDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
@@ -59,7 +59,7 @@ def build(s: SyncDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Stra
                          ctx.gradient_compressor(s.compressor or None))
     return SyncDP(model, optimizer, comm, settings=s, levels=ctx.levels,
                   compressor=ctx.gradient_compressor(s.compressor or None),
-                  nonfinite="zero" if ctx.nonfinite == "skip" else "raise")
+                  nonfinite=ctx.nonfinite)
 
 
 METHOD = Method("syncdp", SyncDPSettings, build,
@@ -127,8 +127,9 @@ class SyncDP(Strategy):
             single runs of ``lowcomm bench step --set strategy.overlap=...``).
         compressor: a :class:`~lowcomm.compress.Compressor` applied to every bucket (None:
             dense all-reduce with ``algorithm``).
-        nonfinite: "raise" (``step()`` after a non-finite gradient is an error naming it) or
-            "zero" (the caller skips such steps with :meth:`skip`).
+        nonfinite: the NaN policy (:class:`~lowcomm.settings.NonFinite`): "abort" (``step()``
+            after a non-finite gradient is an error naming it) or "skip" (the caller skips such
+            steps with :meth:`skip`).
         levels: the topology's communicators (:meth:`lowcomm.comm.topology.Topology.comms`) for
             ``algorithm = "hierarchical"`` (and a candidate of ``"auto"``).
 
@@ -146,11 +147,11 @@ class SyncDP(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: SyncDPSettings | None = None,
-                 compressor=None, nonfinite: str = "raise", levels=None, **options):
+                 compressor=None, nonfinite: NonFinite | str = NonFinite.ABORT, levels=None,
+                 **options):
         super().__init__(model, optimizer, comm, settings=settings, **options)
         s = self.settings
-        if nonfinite not in ("raise", "zero"):
-            raise ArgumentError("nonfinite", f"must be 'raise' or 'zero', got {nonfinite!r}")
+        nonfinite = NonFinite.parse(nonfinite, "nonfinite", ArgumentError)
         if s.backend != "mpi":
             raise ArgumentError("backend", "SyncDP is lowcomm's own reducer; for Horovod's use "
                                 "lowcomm.HorovodDP (or the spec \"syncdp:backend=horovod\")")
@@ -233,7 +234,7 @@ class SyncDP(Strategy):
         (under no_sync) are exchanged, and a non-finite one withheld is an error."""
         self.passes.before_step()
         bad = self.local_nonfinite()
-        if bad is not None and self.nonfinite == "raise":
+        if bad is not None and self.nonfinite is NonFinite.ABORT:
             raise NonFiniteError(self.comm.rank, bad)
 
     def _step(self, closure=None):

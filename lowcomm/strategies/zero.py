@@ -22,7 +22,7 @@ from ..comm.comm import Comm
 from ..compress.base import nonfinite_segments, Segment
 from ..compress.quantize import dequantize_blocks, quantize_blocks
 from ..errors import ArgumentError, ConfigError, LowcommError, NonFiniteError
-from ..settings import Settings
+from ..settings import NonFinite, Settings
 from .base import Strategy
 from .layout import agreed_dup, balance
 from .method import Context, Method
@@ -68,7 +68,7 @@ def build(s: ZeROSettings, model, optimizer, comm: Comm, ctx: Context, stage: in
                           "compress them with its own strategy.qgz = \"int8\" or \"int4\" "
                           "(ZeRO++'s blockwise quantization), not the run's [compressor]")
     return (ZeRO1 if stage == 1 else ZeRO2)(model, optimizer, comm, settings=s, levels=ctx.levels,
-                                            nonfinite="zero" if ctx.nonfinite == "skip" else "raise")
+                                            nonfinite=ctx.nonfinite)
 
 
 @dataclass
@@ -180,8 +180,8 @@ class ZeRO(Strategy):
         comm: communicator (default: world).
         settings: a validated :class:`ZeROSettings` (else keyword arguments, its fields).
         levels: the topology's communicators (``hpz`` needs them).
-        nonfinite: "raise" (``step()`` after a NaN/Inf gradient names it) or "zero" (the
-            caller skips such steps).
+        nonfinite: the NaN policy (:class:`~lowcomm.settings.NonFinite`): "abort" (``step()``
+            after a NaN/Inf gradient names it) or "skip" (the caller skips such steps).
 
     Example::
 
@@ -198,12 +198,10 @@ class ZeRO(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: ZeROSettings | None = None,
-                 levels=None, nonfinite: str = "raise", **options):
+                 levels=None, nonfinite: NonFinite | str = NonFinite.ABORT, **options):
         super().__init__(model, optimizer, comm, settings=settings, **options)
         s = self.settings
-        if nonfinite not in ("raise", "zero"):
-            raise ArgumentError("nonfinite", f"must be 'raise' or 'zero', got {nonfinite!r}")
-        self.nonfinite = nonfinite
+        self.nonfinite = NonFinite.parse(nonfinite, "nonfinite", ArgumentError)
         self.partition = self._partition_mode(s.partition)
         if optimizer.state:
             raise LowcommError(f"{self.name}: the optimizer has state already (it stepped, or "
@@ -434,7 +432,7 @@ class ZeRO(Strategy):
         self._drop_model_grads()
         self._check_frozen()
         bad = self.local_nonfinite()
-        if bad is not None and self.nonfinite == "raise":
+        if bad is not None and self.nonfinite is NonFinite.ABORT:
             raise NonFiniteError(self.comm.rank, bad)
         loss = self.optimizer.step(closure)
         self.withheld = []

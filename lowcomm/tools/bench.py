@@ -11,6 +11,7 @@ import dataclasses
 import socket
 import statistics
 import time
+import typing
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 
@@ -318,11 +319,12 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
     # on all of them alike and their ratios hold; torch DDP and Horovod run in windows of their
     # own (their threads would slow the others)
     together = [n for n in names if n == STEP_LOCAL or n.startswith("syncdp") or n in STEP_SHARDED]
-    rows = _time_rows(together, comm, ctl, task, cfg, s, warmup, steps) if together else {}
+    setup = _StepSetup(comm, ctl, task, cfg, s)
+    rows = _time_rows(together, setup, warmup, steps) if together else {}
     for name in names:
         if name not in together:
             with baseline(name, comm):
-                rows.update(_time_rows([name], comm, ctl, task, cfg, s, warmup, steps))
+                rows.update(_time_rows([name], setup, warmup, steps))
     return [rows[n] for n in names]
 
 
@@ -344,11 +346,21 @@ class _StepRow:
                 "sync_ms": statistics.median(self.exposed) * 1e3 if self.exposed else None}
 
 
-def _time_rows(names: list[str], comm: Comm, ctl: Comm, task, cfg, s, warmup: int,
-               steps: int) -> dict[str, dict]:
+class _StepSetup(typing.NamedTuple):
+    """What every row of :func:`bench_step` shares: the ranks, a control communicator, the task,
+    the run's config and SyncDP's settings of it."""
+    comm: Comm
+    ctl: Comm
+    task: object
+    cfg: object
+    s: object
+
+
+def _time_rows(names: list[str], setup: _StepSetup, warmup: int, steps: int) -> dict[str, dict]:
     """Rows ``names`` of :func:`bench_step`, each on its own model and optimizer (same seed),
     taking turns step by step (the order rotating); each step starts after a barrier and its
     time is the slowest rank's."""
+    comm, ctl, task, cfg, s = setup
     rows = [_step_row(name, comm, task, cfg, s) for name in names]
     for step in range(1, warmup + steps + 1):
         b = task.batch(step, ctl.rank, ctl.size, cfg)

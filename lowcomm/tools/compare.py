@@ -41,11 +41,13 @@ default ddp's final one), read off its eval-loss curve (linear between evaluatio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import compare_folder
@@ -53,7 +55,7 @@ from . import tune as tuning
 from ..comm.ledger import Link
 from ..errors import RunFolderError
 from ..run.folder import close_run, json_text, lock, write_text
-from ..run.supervise import supervise
+from ..run.supervise import Attempts, supervise
 
 #: The comparisons that are not one registered method on its own: compositions of registered
 #: pieces (a backend, an inner optimizer, a per-level policy, a topology-aware collective).
@@ -220,40 +222,109 @@ def mpirun_command(np: int, launcher: str | list[str] | None) -> list[str]:
     return cmd
 
 
-def run_method(method: str, np: int, steps: int, out: Path, config: str | None,
-               overrides: list[str], launcher: str | list[str] | None, timeout_s: float,
-               on_step=None, dcs: int = 2, max_restarts: int = 0, overwrite: bool = False,
-               extra: list[str] = (), run_dir: Path | None = None) -> dict:
-    """One method's run in ``out/<method>`` (or ``run_dir``), supervised
+@dataclass(frozen=True)
+class CompareOptions:
+    """What a comparison runs with (``lowcomm compare``'s arguments, resolved), checked when
+    built: ``methods`` on ``np`` ranks each for ``steps`` steps (a cap under a ``budget``), into
+    ``out``; the shared ``config`` and ``overrides``; ``link``, the link of the modelled
+    wall-clock and of the budget; ``launcher``, the launch prefix (a path, or a command and its
+    options; None: mpirun); ``timeout_s`` per run; ``dcs``, the datacenters a topology-aware
+    method runs on; ``max_restarts`` per run; ``overwrite`` earlier results; ``budget``, modelled
+    seconds per method (0: none); ``target``, the eval loss of the time-to-target column (None:
+    ddp's final one); ``repeat``, rounds of runs, every method once a round; ``relative_to``,
+    the method every wall-clock is divided by, round by round; ``tune``, ``{key: values}`` swept
+    for ``tune_steps`` steps per method before its run (:mod:`lowcomm.tools.tune`)."""
+    methods: tuple[str, ...]
+    np: int
+    steps: int
+    out: Path
+    config: str | None = None
+    overrides: tuple[str, ...] = ()
+    link: Link = Link(25, 100)
+    launcher: str | tuple[str, ...] | None = None
+    timeout_s: float = 3600
+    progress: bool = True
+    dcs: int = 2
+    max_restarts: int = 0
+    overwrite: bool = False
+    budget: float = 0.0
+    target: float | None = None
+    repeat: int = 1
+    relative_to: str | None = None
+    tune: dict | None = None
+    tune_steps: int = 0
+
+    def __post_init__(self):
+        if self.repeat < 1:
+            raise ValueError(f"repeat must be >= 1, got {self.repeat}")
+        if self.tune and self.tune_steps < 1:
+            raise ValueError(f"tune_steps must be >= 1 with tune, got {self.tune_steps}")
+        if self.relative_to and self.relative_to not in self.methods:
+            raise ValueError(f"relative_to: {self.relative_to!r} is not one of the methods run "
+                             f"({', '.join(self.methods)})")
+
+    @property
+    def run_overrides(self) -> tuple[str, ...]:
+        """What every method's run is given: ``overrides``, then the budget's."""
+        return (*self.overrides, *(budget_overrides(self.budget, self.link) if self.budget else ()))
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run of a comparison: ``method`` for ``steps`` steps into ``folder``, with
+    ``overrides`` (the comparison's), then the method's own, then ``extra`` (the values
+    ``--tune`` chose); relaunched up to ``max_restarts`` times; ``round`` of ``--repeat``."""
+    method: str
+    folder: Path
+    steps: int
+    overrides: tuple[str, ...]
+    extra: tuple[str, ...] = ()
+    max_restarts: int = 0
+    round: int = 1
+
+
+def jobs(opts: CompareOptions) -> list[Job]:
+    """A comparison's runs in order: every method once a round, ``repeat`` rounds (round k > 1
+    into ``repeats/<k>/<method>``); a method's sweep (``--tune``) runs before its first."""
+    return [Job(m, (opts.out if k == 1 else opts.out / compare_folder.REPEATS / str(k)) / m,
+                opts.steps, opts.run_overrides, max_restarts=opts.max_restarts, round=k)
+            for k in range(1, opts.repeat + 1) for m in opts.methods]
+
+
+def run_method(job: Job, opts: CompareOptions, on_step=None) -> dict:
+    """One run (:class:`Job`) on ``opts``'s ranks, launcher and config, supervised
     (:func:`lowcomm.run.supervise.supervise`: relaunched from its newest checkpoint up to
-    ``max_restarts`` times); returns its summary (plus ``status``) or a record of its failure
+    ``job.max_restarts`` times); returns its summary (plus ``status``) or a record of its failure
     (``"failed"``, with the first line of the method's own error) or of a stop
     (``"interrupted"``); a finished run's whole summary.json is under ``"summary"``.
-    ``overwrite``: replace a run already in that folder (only a lowcomm run's files).
-    ``extra``: overrides after the method's own (the values ``--tune`` chose)."""
-    run_dir = run_dir or out / method
+    ``opts.overwrite``: replace a run already in that folder (only a lowcomm run's files)."""
+    run_dir = job.folder
     run_dir.mkdir(parents=True, exist_ok=True)
-    own = [*methods()[method], *extra]
-    sets = [*overrides, *own, f"steps={steps}"]
-    launch = mpirun_command(np, launcher)
+    own = [*methods()[job.method], *job.extra]
+    sets = [*job.overrides, *own, f"steps={job.steps}"]
+    launch = mpirun_command(opts.np, opts.launcher)
     args = [sys.executable, "-m", "lowcomm.cli", "train", "--quiet",
-            *(["--config", config] if config else []), *[a for s in sets for a in ("--set", s)]]
+            *(["--config", opts.config] if opts.config else []),
+            *[a for s in sets for a in ("--set", s)]]
     cmd = [*launch, *args, "--out", str(run_dir)]
     env, prefix = dict(os.environ), ""
-    if needs_topology(method):
-        env.setdefault("LOWCOMM_TOPOLOGY", default_topology(np, dcs))   # wan.sh sets the same
+    if needs_topology(job.method):
+        env.setdefault("LOWCOMM_TOPOLOGY", default_topology(opts.np, opts.dcs))   # wan.sh sets the same
         prefix = f"LOWCOMM_TOPOLOGY={env['LOWCOMM_TOPOLOGY']} "
     write_text(run_dir / "command.txt", prefix + " ".join(cmd) + "\n")
-    record = {"method": method, "overrides": own}
     last = [0]
 
     def poll():
         last[0] = _progress(run_dir / "metrics.jsonl", last[0], on_step)
 
-    result = supervise(launch, args, run_dir, max_restarts, env=env, timeout_s=timeout_s, poll=poll,
-                       first=["--overwrite"] if overwrite else [])
+    result = supervise(launch, args, run_dir, Attempts(job.max_restarts, timeout_s=opts.timeout_s),
+                       env=env, poll=poll, first=["--overwrite"] if opts.overwrite else [])
     poll()
-    summary_path = run_dir / "summary.json"
+    return _run_record({"method": job.method, "overrides": own}, result, run_dir / "summary.json")
+
+
+def _run_record(record: dict, result: dict, summary_path: Path) -> dict:
+    """A run's record from its supervisor's ``result`` and the summary it wrote."""
     if result["stopped"]:
         return {**record, "status": "interrupted", "restarts": result["restarts"],
                 "error": f"stopped by {result['stopped']}"}
@@ -467,64 +538,52 @@ def budget_overrides(budget: float, link: Link) -> tuple[str, str]:
     return f"budget.seconds={budget:g}", f"budget.link={link.delay_ms:g},{link.rate_mbit:g}"
 
 
-def compare(methods: list[str], np: int, steps: int, out: str | Path, config: str | None = None,
-            overrides: tuple[str, ...] = (), link: Link = Link(25, 100), launcher: str | None = None,
-            timeout_s: float = 3600, progress: bool = True, dcs: int = 2,
-            max_restarts: int = 0, overwrite: bool = False, budget: float = 0.0,
-            target: float | None = None, repeat: int = 1, relative_to: str | None = None,
-            tune: dict[str, list] | None = None, tune_steps: int = 0) -> list[dict]:
-    """Run every method, write results.json, plots and table.md; return the results (with the
-    earlier results kept in ``out``: :mod:`lowcomm.tools.compare_folder`, whose rules raise
-    RunFolderError before anything runs). A stop (SIGINT/SIGTERM) ends the comparison: the
-    finished methods' results are written, the method it stopped is marked ``interrupted``
-    and no further method starts (the CLI tells which did not run). ``budget``: modelled
-    seconds on ``link`` per method (``steps`` is then a cap); ``target``: the eval loss of the
-    time-to-target column (default: ddp's final one); ``repeat``: rounds of runs, every
-    method once a round; ``relative_to``: the method every wall-clock is divided by, round by
-    round; ``tune``: ``{key: values}`` swept for ``tune_steps`` steps per method before its run,
-    which then trains at the best values (:mod:`lowcomm.tools.tune`)."""
-    out = Path(out)
-    if repeat < 1:
-        raise ValueError(f"repeat must be >= 1, got {repeat}")
-    sweeps = None
-    if tune:
-        if tune_steps < 1:
-            raise ValueError(f"tune_steps must be >= 1 with tune, got {tune_steps}")
+def compare(opts: CompareOptions) -> list[dict]:
+    """Run every method of ``opts``, write results.json, plots and table.md; return the results
+    (with the earlier results kept in ``opts.out``: :mod:`lowcomm.tools.compare_folder`, whose
+    rules raise RunFolderError before anything runs). A stop (SIGINT/SIGTERM) ends the
+    comparison: the finished methods' results are written, the method it stopped is marked
+    ``interrupted`` and no further method starts (the CLI tells which did not run). Under a
+    ``budget`` every method trains for that many modelled seconds on ``link`` (``steps`` is then
+    a cap); with ``tune`` each method's sweep comes first and its runs train at the best values
+    (:mod:`lowcomm.tools.tune`)."""
+    out = opts.out
+    plan = None
+    if opts.tune:
         from ..run.api import load_config
-        plan = tuning.plan(lambda o: load_config(config, o),
-                           {m: methods_overrides(m) for m in methods}, tune, list(overrides))
-        sweeps = (plan, tune_steps, (*overrides, "eval_every=0"))
-    if relative_to and relative_to not in methods:
-        raise ValueError(f"relative_to: {relative_to!r} is not one of the methods run "
-                         f"({', '.join(methods)})")
-    if budget:
-        overrides = (*overrides, *budget_overrides(budget, link))
+        plan = tuning.plan(lambda o: load_config(opts.config, o),
+                           {m: methods_overrides(m) for m in opts.methods}, opts.tune,
+                           list(opts.overrides))
     out.mkdir(parents=True, exist_ok=True)
     busy = lock(out, f"compare:{out}", "choose another --out")
     if busy:
         raise RunFolderError(busy)
     try:
-        kept = compare_folder.prepare(out, compare_folder.settings(np, steps, config, overrides,
-                                                                   launcher, dcs, repeat, tune,
-                                                                   tune_steps),
-                                      methods, overwrite)
+        kept = compare_folder.prepare(out, compare_folder.settings(opts), list(opts.methods),
+                                      opts.overwrite)
         for r in kept:                      # the table's modelled column: this link
             summary = out / r["method"] / "summary.json"
             if r["status"] == "ok" and summary.exists():
-                _costed(r, json.loads(summary.read_text()), link)
-        results = kept + _run_methods(methods, kept, np, steps, out, config, overrides, link,
-                                      launcher, timeout_s, progress, dcs, max_restarts, overwrite,
-                                      repeat, sweeps)
-        target = add_time_to_target(out, results, link, target)
-        add_wall_ratios(results, relative_to, methods)
-        write_text(out / "results.json", json_text(results))
-        if any(r.get("tuning") for r in results):
-            write_text(out / "tuning.json", json_text(tuning.totals(results)))
-        plot(out, results, link, budget, target)
-        write_text(out / "table.md", table(results, link, budget, target) + tuning.table(results) + "\n")
+                _costed(r, json.loads(summary.read_text()), opts.link)
+        results = kept + _run_methods(opts, kept, plan)
+        _write(opts, results)
         return results
     finally:
         close_run(f"compare:{out}")
+
+
+def _write(opts: CompareOptions, results: list[dict]) -> None:
+    """A comparison's files: results.json (with each method's time to the target and its
+    wall-clock ratios), tuning.json, the plots and table.md."""
+    out = opts.out
+    target = add_time_to_target(out, results, opts.link, opts.target)
+    add_wall_ratios(results, opts.relative_to, list(opts.methods))
+    write_text(out / "results.json", json_text(results))
+    if any(r.get("tuning") for r in results):
+        write_text(out / "tuning.json", json_text(tuning.totals(results)))
+    plot(out, results, opts.link, opts.budget, target)
+    write_text(out / "table.md", table(results, opts.link, opts.budget, target) +
+               tuning.table(results) + "\n")
 
 
 def add_wall_ratios(results: list[dict], relative_to: str | None, ran: list[str]) -> None:
@@ -552,103 +611,113 @@ def _costed(r: dict, summary: dict, link: Link) -> None:
     r["link"] = {"delay_ms": link.delay_ms, "rate_mbit": link.rate_mbit}
 
 
-def _sweep(method, sweeps, np, out, config, launcher, timeout_s, bar, dcs, overwrite) -> dict:
-    """``method``'s ``--tune`` sweep (:func:`lowcomm.tools.tune.sweep`), each point's run in
-    ``out/tune/<method>/<point>``, under the progress bar."""
-    plan, steps, overrides = sweeps
-
-    def one(point, name):
-        folder = out / compare_folder.TUNE / method / name
-        bar.set_description(f"{method} tune {name}")
-        done_before = bar.n
-        r = run_method(method, np, steps, out, config, list(overrides), launcher, timeout_s,
-                       on_step=bar.update, dcs=dcs, overwrite=overwrite,
-                       extra=tuning.sets(point), run_dir=folder)
-        bar.update(done_before + steps - bar.n)
-        return r, folder
-    return tuning.sweep(method, plan[method], steps, one)
-
-
-def _run_methods(methods, kept, np, steps, out, config, overrides, link, launcher, timeout_s,
-                 progress, dcs, max_restarts, overwrite, repeat=1, sweeps=None) -> list[dict]:
-    """Run the methods one after another, ``repeat`` rounds, under one progress bar;
-    results.json rewritten after each run; a stop ends the loop after the run it came in. A
-    method failing in a later round is failed, with that round's error. ``sweeps``: (each
-    method's tuning plan, its steps, the sweep's overrides): each method's sweep comes before
-    its first round, every round runs at the values it chose."""
-    from tqdm import tqdm
-
-    results: dict[str, dict] = {}
-    chosen: dict[str, list[str]] = {}
-    swept = sum(len(sweeps[0][m]["points"]) for m in methods) * sweeps[1] if sweeps else 0
-    bar = tqdm(total=steps * len(methods) * repeat + swept, unit="step", disable=not progress,
-               dynamic_ncols=True)
+def _run_methods(opts: CompareOptions, kept: list[dict], plan: dict | None) -> list[dict]:
+    """Run the comparison's :func:`jobs` one after another under one progress bar, results.json
+    (``kept``'s results, then these) rewritten after each; a stop ends the loop after the run
+    it came in. ``plan``: each method's tuning plan (None: no ``--tune``)."""
+    runs = _Runs(opts, plan)
     try:
-        for k in range(1, repeat + 1):
-            where = out if k == 1 else out / compare_folder.REPEATS / str(k)
-            for method in methods:
-                if k > 1 and results[method]["status"] != "ok":
-                    bar.update(steps)
-                    continue
-                r, load = _tuned_run(method, k, repeat, where, sweeps, chosen, bar, np, steps,
-                                     out, config, overrides, launcher, timeout_s, dcs,
-                                     max_restarts, overwrite)
-                stopped = r.pop("stopped", None)     # it finished before the stop took
-                if r["status"] == "ok":
-                    s = r.pop("summary")
-                    r["compute_cpu_s"] = s["compute_cpu_s"]
-                    if k == 1:
-                        _costed(r, s, link)
-                else:
-                    bar.write(f"{method}{f' (round {k})' if k > 1 else ''} {r['status']}: {r['error']}")
-                results[method] = r if k == 1 else _another_round(results[method], r, k)
-                if r["status"] == "ok":
-                    results[method].setdefault("load_1m_runs", []).append(round(load, 2))
-                write_text(out / "results.json", json_text(kept + list(results.values())))
-                if r["status"] == "interrupted" or stopped:
-                    for other in results.values():   # a round the others had no turn in
-                        if k > 1 and len(other.get("wall_s_runs", ())) < k and \
-                                other["status"] == "ok":
-                            other.setdefault("interrupted_round", k)
-                    return list(results.values())
+        for job in jobs(opts):
+            go_on = runs.run(job)
+            write_text(opts.out / "results.json", json_text(kept + list(runs.results.values())))
+            if not go_on:
+                break
     finally:
-        bar.close()
-    return list(results.values())
+        runs.bar.close()
+    return list(runs.results.values())
 
 
-def _tuned_run(method, k, repeat, where, sweeps, chosen, bar, np, steps, out, config, overrides,
-               launcher, timeout_s, dcs, max_restarts, overwrite) -> tuple[dict, float]:
-    """Round ``k``'s run of ``method`` (into ``where``), after its sweep in the first round
-    (``chosen`` keeps each method's chosen values for the later rounds), and the load when it
-    started; the bar moved on by its steps."""
-    tuned = None
-    try:
-        if sweeps and k == 1:
-            tuned = _sweep(method, sweeps, np, out, config, launcher, timeout_s, bar,
-                           dcs, overwrite)
-            chosen[method] = tuning.sets(tuned["chosen"] or {})
-    except KeyboardInterrupt:   # SIGINT while no job ran
-        tuned = {"interrupted": True, "runs": []}
-    bar.set_description(method if repeat == 1 else f"{method} ({k}/{repeat})")
-    done_before, load = bar.n, os.getloadavg()[0]
-    try:
-        if tuned and tuned["interrupted"]:
-            raise KeyboardInterrupt
-        if tuned and tuned["chosen"] is None and tuned["runs"]:
-            r = {"method": method, "overrides": methods_overrides(method),
-                 "status": "failed", "error": tuning.failure(tuned)}
+class _Runs:
+    """A comparison's runs so far: the progress bar over all their steps, each method's record
+    (its first round's, the later rounds added: :func:`_another_round`) and the values its sweep
+    chose. A method failing in a later round is failed, with that round's error; a method's
+    sweep comes before its first round, and every round runs at the values it chose."""
+
+    def __init__(self, opts: CompareOptions, plan: dict | None):
+        from tqdm import tqdm
+        self.opts, self.plan = opts, plan
+        swept = sum(len(plan[m]["points"]) for m in opts.methods) * opts.tune_steps if plan else 0
+        self.bar = tqdm(total=opts.steps * len(opts.methods) * opts.repeat + swept, unit="step",
+                        disable=not opts.progress, dynamic_ncols=True)
+        self.results: dict[str, dict] = {}
+        self.chosen: dict[str, tuple[str, ...]] = {}
+
+    def run(self, job: Job) -> bool:
+        """Run ``job`` and record it (a later round of a failed method is skipped); False when
+        a stop came in: no further job runs."""
+        if job.round > 1 and self.results[job.method]["status"] != "ok":
+            self.bar.update(self.opts.steps)
+            return True
+        r, load = self._tuned(job)
+        stopped = r.pop("stopped", None)     # it finished before the stop took
+        self._add(job, r, load)
+        if r["status"] == "interrupted" or stopped:
+            for other in self.results.values():   # a round the others had no turn in
+                if job.round > 1 and len(other.get("wall_s_runs", ())) < job.round and \
+                        other["status"] == "ok":
+                    other.setdefault("interrupted_round", job.round)
+            return False
+        return True
+
+    def _add(self, job: Job, r: dict, load: float) -> None:
+        """Round ``job.round``'s record ``r`` (run at 1-minute load ``load``) into the results."""
+        k, method = job.round, job.method
+        if r["status"] == "ok":
+            s = r.pop("summary")
+            r["compute_cpu_s"] = s["compute_cpu_s"]
+            if k == 1:
+                _costed(r, s, self.opts.link)
         else:
-            r = run_method(method, np, steps, where, config, list(overrides), launcher,
-                           timeout_s, on_step=bar.update, dcs=dcs,
-                           max_restarts=max_restarts, overwrite=overwrite,
-                           extra=chosen.get(method, []))
-    except KeyboardInterrupt:   # SIGINT while no job ran (it had not started)
-        r = {"method": method, "overrides": methods_overrides(method),
-             "status": "interrupted", "error": "stopped by SIGINT"}
-    if tuned and "steps" in tuned:
-        r["tuning"] = tuned
-    bar.update(done_before + steps - bar.n)
-    return r, load
+            self.bar.write(f"{method}{f' (round {k})' if k > 1 else ''} {r['status']}: {r['error']}")
+        self.results[method] = r if k == 1 else _another_round(self.results[method], r, k)
+        if r["status"] == "ok":
+            self.results[method].setdefault("load_1m_runs", []).append(round(load, 2))
+
+    def _tuned(self, job: Job) -> tuple[dict, float]:
+        """``job``'s record, after its method's sweep in the first round, and the load when it
+        started; the bar moved on by its steps."""
+        method, repeat = job.method, self.opts.repeat
+        tuned = None
+        try:
+            if self.plan and job.round == 1:
+                tuned = self._sweep(method)
+                self.chosen[method] = tuple(tuning.sets(tuned["chosen"] or {}))
+        except KeyboardInterrupt:   # SIGINT while no job ran
+            tuned = {"interrupted": True, "runs": []}
+        self.bar.set_description(method if repeat == 1 else f"{method} ({job.round}/{repeat})")
+        done_before, load = self.bar.n, os.getloadavg()[0]
+        try:
+            if tuned and tuned["interrupted"]:
+                raise KeyboardInterrupt
+            if tuned and tuned["chosen"] is None and tuned["runs"]:
+                r = {"method": method, "overrides": methods_overrides(method),
+                     "status": "failed", "error": tuning.failure(tuned)}
+            else:
+                r = run_method(dataclasses.replace(job, extra=self.chosen.get(method, ())),
+                               self.opts, self.bar.update)
+        except KeyboardInterrupt:   # SIGINT while no job ran (it had not started)
+            r = {"method": method, "overrides": methods_overrides(method),
+                 "status": "interrupted", "error": "stopped by SIGINT"}
+        if tuned and "steps" in tuned:
+            r["tuning"] = tuned
+        self.bar.update(done_before + self.opts.steps - self.bar.n)
+        return r, load
+
+    def _sweep(self, method: str) -> dict:
+        """``method``'s ``--tune`` sweep (:func:`lowcomm.tools.tune.sweep`), each point's run in
+        ``out/tune/<method>/<point>`` with one evaluation, at its end, under the progress bar."""
+        opts, steps = self.opts, self.opts.tune_steps
+        sets = (*opts.overrides, "eval_every=0")
+
+        def one(point, name):
+            folder = opts.out / compare_folder.TUNE / method / name
+            self.bar.set_description(f"{method} tune {name}")
+            done_before = self.bar.n
+            r = run_method(Job(method, folder, steps, sets, tuple(tuning.sets(point))), opts,
+                           self.bar.update)
+            self.bar.update(done_before + steps - self.bar.n)
+            return r, folder
+        return tuning.sweep(method, self.plan[method], steps, one)
 
 
 def _another_round(first: dict, r: dict, k: int) -> dict:

@@ -19,9 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import RunFolderError
 from ..run.folder import COMPARE_MARKER, RUN_FILES, read_marker, remove_run, write_text
+
+if TYPE_CHECKING:
+    from .compare import CompareOptions
 
 MARKER = COMPARE_MARKER
 #: the runs of rounds 2… of a repeated comparison: ``repeats/<round>/<method>``
@@ -33,18 +37,19 @@ FILES = ("results.json", "tuning.json", "table.md", "eval_loss_vs_bytes.png", "e
          "eval_loss_vs_modelled_wall.png", "eval_loss_vs_steps.png")
 
 
-def settings(np: int, steps: int, config: str | None, overrides, launcher, dcs: int,
-             repeat: int = 1, tune: dict | None = None, tune_steps: int = 0) -> dict:
-    """What makes two comparisons' results comparable (``tune``: the ``--tune`` values and
-    the sweep's steps, where given)."""
+def settings(opts: CompareOptions) -> dict:
+    """What makes two comparisons' results comparable: ranks, steps, the config file and its
+    hash, the runs' overrides (the budget's included), datacenters, launcher, and the rounds
+    and the ``--tune`` values and the sweep's steps where given."""
+    config, launcher = opts.config, opts.launcher
     text = Path(config).read_bytes() if config else b""
-    return {"np": np, "steps": steps, "config": str(config) if config else None,
+    return {"np": opts.np, "steps": opts.steps, "config": str(config) if config else None,
             "config_sha256": hashlib.sha256(text).hexdigest() if config else None,
-            "overrides": list(overrides), "dcs": dcs,
+            "overrides": list(opts.run_overrides), "dcs": opts.dcs,
             "launcher": launcher if isinstance(launcher, (str, type(None))) else list(launcher),
-            **({"repeat": repeat} if repeat > 1 else {}),
-            **({"tune": {k: list(v) for k, v in tune.items()}, "tune_steps": tune_steps}
-               if tune else {})}
+            **({"repeat": opts.repeat} if opts.repeat > 1 else {}),
+            **({"tune": {k: list(v) for k, v in opts.tune.items()}, "tune_steps": opts.tune_steps}
+               if opts.tune else {})}
 
 
 def _marker(out: Path) -> dict | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ArgumentError, LowcommError
@@ -92,51 +93,79 @@ def placement(dcs: int, place: str = "auto", hostfiles_: list[str] | None = None
     return local(launcher)
 
 
-def prepare(config, overrides=(), *, dcs: int, np: int | None, out="runs/latest",
-            place: str = "auto", hostfiles_: list[str] | None = None, host: str | None = None,
-            launcher=None, overwrite: bool = False, max_restarts: int = 1, resume=None):
+@dataclass(frozen=True)
+class FleetLaunch:
+    """How a fleet is launched (``lowcomm train --dcs D``, :func:`train_fleet`): ``dcs``
+    datacenters of ``np`` ranks in all (None with ``resume``: the fleet's own), the run's
+    ``config`` and ``overrides``, its folder ``out``; where it runs (:func:`placement`:
+    ``place``, ``hostfiles`` one per datacenter, ``coordinator_host``; ``launcher``: a launcher
+    for the local mpirun); ``overwrite`` a run in ``out``; each datacenter relaunched up to
+    ``max_restarts`` times; ``resume``: the folder of a stopped fleet to continue (its launch
+    arguments, then ``overrides``)."""
+    dcs: int
+    np: int | None = None
+    config: str | Path | None = None
+    overrides: tuple[str, ...] = ()
+    out: str | Path | None = "runs/latest"
+    place: str = "auto"
+    hostfiles: tuple[str, ...] | None = None
+    coordinator_host: str | None = None
+    launcher: str | None = None
+    overwrite: bool = False
+    max_restarts: int = 1
+    resume: str | Path | None = None
+
+
+def prepare(launch: FleetLaunch):
     """A :class:`~lowcomm.run.fleet.supervisor.Fleet` ready to run, everything checked before
     anything starts (a LowcommError names what is wrong: the config key, the argument, the
-    folder). The folder is locked for the fleet and checked (:mod:`lowcomm.run.fleet.folder`).
-    ``resume``: the folder of a stopped fleet to continue (its launch arguments, then
-    ``overrides``; ``np`` may be None: the fleet's own)."""
+    folder). The folder is locked for the fleet and checked (:mod:`lowcomm.run.fleet.folder`)."""
     from ..run.api import load_config
-    from ..run.fleet.folder import claim, fleet_of, lock_key
+    from ..run.fleet.folder import claim, lock_key
     from ..run.fleet.plan import plan
     from ..run.fleet.supervisor import Fleet
     from ..run.folder import close_run
     if any(v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
         raise LowcommError("a fleet launches one MPI job per datacenter itself: run 'lowcomm "
                            "train --dcs D --np N ...' (or lowcomm.train_fleet) outside mpirun")
+    out, config, overrides, np = _resumed(launch)
+    if np is None:
+        raise ArgumentError("np", "--dcs needs --np (the ranks of all datacenters together)")
+    overrides = (*overrides, f"fleet.dcs={launch.dcs}")
+    cfg = load_config(config, overrides)
+    fp = plan(cfg, launch.dcs, np)                  # refuses what a fleet cannot run
+    args = [*(["--config", str(config)] if config else []), *[a for o in overrides for a in ("--set", o)]]
+    where = placement(launch.dcs, launch.place, launch.hostfiles, launch.coordinator_host,
+                      launch.launcher)
+    claim(out, launch.overwrite, launch.resume is not None)
+    try:
+        return Fleet(fp, args, out, *where, max_restarts=launch.max_restarts,
+                     resume=launch.resume is not None)
+    except BaseException:
+        close_run(lock_key(out))
+        raise
+
+
+def _resumed(launch: FleetLaunch) -> tuple[Path, str | Path | None, tuple[str, ...], int | None]:
+    """The fleet's folder, config, overrides and ranks: ``launch``'s, or with ``resume`` those
+    the stopped fleet was launched with (then ``launch.overrides``), checked against it."""
+    from ..run.fleet.folder import claim, fleet_of
+    resume, out, np = launch.resume, launch.out, launch.np
     if resume is not None and out is not None and Path(out).resolve() != Path(resume).resolve():
         raise ArgumentError("resume", "a fleet resumes in place: give --resume DIR alone")
     out = Path(resume if resume is not None else out or "runs/latest")
     earlier = fleet_of(out) if resume is not None else None
     if resume is not None and earlier is None:
-        claim(out, overwrite, resume=True)            # raises: no fleet there (lock released)
-    if earlier is not None:
-        if earlier["dcs"] != dcs or np is not None and earlier["np"] != np:
-            raise ArgumentError("dcs", f"--resume {out}: the fleet there ran {earlier['dcs']} "
-                                f"datacenters of {earlier['np']} ranks in all; give --dcs "
-                                f"{earlier['dcs']}" + (f" --np {earlier['np']}" if np else ""))
-        np = earlier["np"]
-        saved_config, saved = _saved(earlier["args"])
-        overrides = (*[o for o in saved if not o.startswith("fleet.dcs=")], *overrides)
-        config = config or saved_config
-    if np is None:
-        raise ArgumentError("np", "--dcs needs --np (the ranks of all datacenters together)")
-    overrides = (*overrides, f"fleet.dcs={dcs}")
-    cfg = load_config(config, overrides)
-    fp = plan(cfg, dcs, np)                         # refuses what a fleet cannot run
-    args = [*(["--config", str(config)] if config else []), *[a for o in overrides for a in ("--set", o)]]
-    launch, coordinator, where, env = placement(dcs, place, hostfiles_, host, launcher)
-    claim(out, overwrite, resume is not None)
-    try:
-        return Fleet(fp, args, out, launch, coordinator, where, env,
-                     max_restarts=max_restarts, resume=resume is not None)
-    except BaseException:
-        close_run(lock_key(out))
-        raise
+        claim(out, launch.overwrite, resume=True)     # raises: no fleet there (lock released)
+    if earlier is None:
+        return out, launch.config, tuple(launch.overrides), np
+    if earlier["dcs"] != launch.dcs or np is not None and earlier["np"] != np:
+        raise ArgumentError("dcs", f"--resume {out}: the fleet there ran {earlier['dcs']} "
+                            f"datacenters of {earlier['np']} ranks in all; give --dcs "
+                            f"{earlier['dcs']}" + (f" --np {earlier['np']}" if np else ""))
+    saved_config, saved = _saved(earlier["args"])
+    overrides = (*[o for o in saved if not o.startswith("fleet.dcs=")], *launch.overrides)
+    return out, launch.config or saved_config, overrides, earlier["np"]
 
 
 def _saved(args: list[str]) -> tuple[str | None, list[str]]:
@@ -150,17 +179,16 @@ def _saved(args: list[str]) -> tuple[str | None, list[str]]:
     return config, sets
 
 
-def train_fleet(config=None, overrides=(), *, dcs: int, np: int, out="runs/latest",
-                place: str = "auto", hostfiles: list[str] | None = None,
-                coordinator_host: str | None = None, overwrite: bool = False,
-                max_restarts: int = 1, resume=None) -> dict:
+def train_fleet(config=None, overrides=(), **launch) -> dict:
     """Train as a fleet of ``dcs`` datacenters of ``np // dcs`` ranks each, from outside mpirun
     (what ``lowcomm train --dcs D --np N`` runs): one MPI job per datacenter, the outer level
     across them through a coordinator; a datacenter that fails is relaunched and heals back in
-    live (:mod:`lowcomm.run.fleet`). Returns the fleet's summary (also ``out/summary.json``)."""
-    return prepare(config, overrides, dcs=dcs, np=np, out=out, place=place, hostfiles_=hostfiles,
-                   host=coordinator_host, overwrite=overwrite, max_restarts=max_restarts,
-                   resume=resume).run()
+    live (:mod:`lowcomm.run.fleet`). ``launch``: the keywords of :class:`FleetLaunch` (``dcs``,
+    ``np``, ``out``, ``place``, ``hostfiles``, ``coordinator_host``, ``overwrite``,
+    ``max_restarts``, ``resume``). Returns the fleet's summary (also ``out/summary.json``)."""
+    if launch.get("hostfiles") is not None:
+        launch["hostfiles"] = tuple(launch["hostfiles"])
+    return prepare(FleetLaunch(config=config, overrides=tuple(overrides), **launch)).run()
 
 
-__all__ = ["emulated_wan", "hostfiles", "local", "placement", "prepare", "train_fleet"]
+__all__ = ["FleetLaunch", "emulated_wan", "hostfiles", "local", "placement", "prepare", "train_fleet"]

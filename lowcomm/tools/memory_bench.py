@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..comm.comm import Comm
@@ -78,29 +79,38 @@ def measure_one(comm: Comm, cfg, method: str, device: str = "cpu") -> dict:
     return row
 
 
-def run_one(np: int, method: str, config: str | None, overrides: list[str], timeout_s: float,
-            device: str = "cpu") -> dict:
-    """``lowcomm bench memory --one METHOD`` on ``np`` local ranks: its row, or ``{"error"}``."""
+@dataclass(frozen=True)
+class Rows:
+    """What every row's run is given: the ``config`` file and its ``overrides``, the seconds a
+    row may take, the ``device`` its model and batches live on."""
+    config: str | None
+    overrides: tuple[str, ...]
+    timeout_s: float
+    device: str = "cpu"
+
+
+def run_one(rows: Rows, np: int, method: str, extra: tuple[str, ...] = ()) -> dict:
+    """``lowcomm bench memory --one METHOD`` on ``np`` local ranks (``extra``: overrides after
+    ``rows``'): its row, or ``{"error"}``."""
     cmd = [str(LOCAL), "-n", str(np), sys.executable, "-m", "lowcomm.cli", "bench", "memory",
-           "--one", method, "--device", device, *(["--config", config] if config else []),
-           *[a for o in overrides for a in ("--set", o)]]
+           "--one", method, "--device", rows.device, *(["--config", rows.config] if rows.config else []),
+           *[a for o in (*rows.overrides, *extra) for a in ("--set", o)]]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=rows.timeout_s)
     except subprocess.TimeoutExpired:
-        return {"method": method, "ranks": np, "error": f"no result in {timeout_s:g} s"}
-    rows = [json.loads(line[len("ROW "):]) for line in p.stdout.splitlines() if line.startswith("ROW ")]
-    if p.returncode != 0 or not rows:
+        return {"method": method, "ranks": np, "error": f"no result in {rows.timeout_s:g} s"}
+    found = [json.loads(line[len("ROW "):]) for line in p.stdout.splitlines() if line.startswith("ROW ")]
+    if p.returncode != 0 or not found:
         last = [line for line in (p.stderr + p.stdout).splitlines() if "Error" in line]
         return {"method": method, "ranks": np, "error": last[-1].strip() if last else f"exit {p.returncode}"}
-    return rows[0]
+    return found[0]
 
 
-def table(methods_at, ranks: list[int], config, overrides, timeout_s: float,
-          device: str = "cpu") -> list[dict]:
+def table(launch: Rows, methods_at, ranks: list[int]) -> list[dict]:
     """The methods ``methods_at(K)`` at every K; each row gets ``total_bytes`` and
     ``ideal_bytes``: the first row's parameter + gradient + optimizer-state bytes at the
     smallest K, over K."""
-    rows = [run_one(K, m, config, overrides, timeout_s, device) for K in ranks for m in methods_at(K)]
+    rows = [run_one(launch, K, m) for K in ranks for m in methods_at(K)]
     base = next((r for r in rows if r.get("ranks") == min(ranks) and "error" not in r), None)
     if base is not None:
         full = sum(base[k] for k in KINDS)
@@ -111,8 +121,7 @@ def table(methods_at, ranks: list[int], config, overrides, timeout_s: float,
     return rows
 
 
-def largest(methods: list[str], np: int, shapes: list[str], config, overrides, timeout_s: float,
-            max_gib: float, device: str = "cpu") -> list[dict]:
+def largest(rows: Rows, methods: list[str], np: int, shapes: list[str], max_gib: float) -> list[dict]:
     """For each method, the shapes (``D_MODEL:N_LAYERS``, smallest first) that train one step
     on ``np`` ranks under ``max_gib`` per rank; the largest that did, and the first refused."""
     if not max_gib:
@@ -123,9 +132,8 @@ def largest(methods: list[str], np: int, shapes: list[str], config, overrides, t
         for shape in shapes:
             d, layers = shape.split(":")
             heads = max(1, int(d) // 64)
-            r = run_one(np, m, config, [*overrides, f"model.d_model={d}", f"model.n_layers={layers}",
-                                        f"model.n_heads={heads}", f"max_memory_gib={max_gib}"], timeout_s,
-                         device)
+            r = run_one(rows, np, m, (f"model.d_model={d}", f"model.n_layers={layers}",
+                                      f"model.n_heads={heads}", f"max_memory_gib={max_gib}"))
             if "error" in r:
                 refused = {"shape": shape, "error": r["error"]}
                 break
@@ -164,4 +172,4 @@ def format_largest(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["format_largest", "format_table", "largest", "measure_one", "run_one", "table"]
+__all__ = ["Rows", "format_largest", "format_table", "largest", "measure_one", "run_one", "table"]

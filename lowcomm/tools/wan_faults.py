@@ -121,13 +121,12 @@ class Fault:
         return f"#{self.id} link {self.link}: {what} {length}; {when}"
 
 
-def make(kind: str, link: str, dcs: int, *, at: float = 0.0, duration: float = math.inf,
-         rate: float = 0.0, seed: int = 0, hold: bool = False, what: str = "link") -> Fault:
-    """A checked fault with times relative to an origin (``Fault.at`` fixes it); ``what`` names
-    the link's option in an error."""
+def make(kind: str, link: str, *, at: float = 0.0, duration: float = math.inf,
+         rate: float = 0.0, seed: int = 0, hold: bool = False) -> Fault:
+    """A checked fault on ``link`` (as :func:`parse_link` returned it: checked against the
+    WAN's datacenters) with times relative to an origin (``Fault.at`` fixes it)."""
     if kind not in KINDS:
         raise FaultError(f"fault kind {kind!r}: use one of {', '.join(KINDS)}")
-    link = parse_link(link, dcs, what)
     if at < 0 or math.isnan(at):
         raise FaultError(f"at={at:g}: a fault cannot start before now")
     if not duration > 0:
@@ -176,7 +175,7 @@ def parse_spec(text: str, dcs: int) -> Fault:
                 raise FaultError(f"--fault {text!r}: seed {value!r} must be a whole number >= 0")
             kw["seed"] = int(value)
     try:
-        return make(kind, link, dcs, **kw)
+        return make(kind, parse_link(link, dcs), **kw)
     except FaultError as e:
         raise FaultError(f"--fault {text!r}: {e}") from None
 

@@ -31,6 +31,7 @@ from lowcomm.comm.ledger import Ledger
 from lowcomm.errors import LowcommError, RunFolderError
 from lowcomm.run import checkpoint, folder
 from lowcomm.run.api import run
+from lowcomm.run.folder import RunOptions
 from lowcomm.run.checkpoint import CheckpointError
 from lowcomm.run.api import load_config
 from lowcomm.tasks import TaskError, from_functions
@@ -45,7 +46,7 @@ def cfg(*overrides):
 
 def train(comm, task, c, out=None, resume=None):
     """One run on a fresh duplicate of the world (its own ledger), as ``lowcomm train`` would."""
-    return run(c, out, comm.dup(Ledger(), "world"), progress=False, resume=resume, task=task)
+    return run(c, RunOptions(out, progress=False, resume=resume), comm.dup(Ledger(), "world"), task)
 
 
 def failure(comm, fn):

@@ -17,6 +17,7 @@ from lowcomm.comm.topology import Topology
 from lowcomm.errors import ConfigError
 from lowcomm.run.api import load_config
 from lowcomm.run.registry import build_strategy
+from lowcomm.strategies.method import Context
 from under_mpi import RANK, SIZE
 
 SPECS = {3: ["dc:2,rank:2+1"], 4: ["dc:2,rank:2", "node:2,rank:2"]}.get(SIZE, [])
@@ -95,7 +96,8 @@ def run(comm, levels, spec: str, policy: dict, extra=()):
         for p in model.parameters():
             p.add_(0.01 * RANK)
     comm.ledger.reset()
-    st = build_strategy(cfg, model, torch.optim.SGD(model.parameters(), lr=LR), comm, levels(spec))
+    st = build_strategy(cfg, model, torch.optim.SGD(model.parameters(), lr=LR), comm,
+                        Context(levels=levels(spec)))
     for step in range(STEPS):
         st.zero_grad()
         x, y = batch(step, RANK)

@@ -27,6 +27,7 @@ import torch
 
 from lowcomm.comm.ledger import Ledger
 from lowcomm.run.api import run
+from lowcomm.run.folder import RunOptions
 from lowcomm.run.api import load_config
 from lowcomm.tasks import Task
 
@@ -79,8 +80,8 @@ def reference(comm):
     def get(name):
         if name not in done:
             job = BY_NAME[name]
-            done[name] = run(load_config(None, job["overrides"]), job["ref"], comm.dup(Ledger(), "world"),
-                             progress=False)
+            done[name] = run(load_config(None, job["overrides"]), RunOptions(job["ref"], progress=False),
+                             comm.dup(Ledger(), "world"))
         return done[name]
     return get
 
@@ -99,7 +100,7 @@ def test_interrupted_then_resumed_is_bit_identical(name, comm, reference, interr
     ref = reference(name)
     interrupt(stop)
     try:
-        run(cfg, out, comm.dup(Ledger(), "world"), progress=False)
+        run(cfg, RunOptions(out, progress=False), comm.dup(Ledger(), "world"))
         crashed = False
     except Crash:
         crashed = True
@@ -111,7 +112,7 @@ def test_interrupted_then_resumed_is_bit_identical(name, comm, reference, interr
     # what a new process would have: nothing of the interrupted run's RNG streams
     seed = random.SystemRandom().randrange(2**31)
     torch.manual_seed(seed), random.seed(seed), np.random.seed(seed)
-    res = run(cfg, out, comm.dup(Ledger(), "world"), progress=False, resume=out)
+    res = run(cfg, RunOptions(out, progress=False, resume=out), comm.dup(Ledger(), "world"))
     problems = [] if crashed else [f"the run was not interrupted at step {stop}"]
     if newest != expect:
         problems.append(f"interrupted at step {stop}: newest checkpoint {newest}, expected {expect}")

@@ -28,6 +28,7 @@ from lowcomm.tools import wan
 from lowcomm.comm.ledger import Ledger
 from lowcomm.run.api import load_config
 from lowcomm.run.api import run
+from lowcomm.run.folder import RunOptions
 from lowcomm.tools.wan_faults import make
 
 TINY = ["strategy.name=diloco", "strategy.period=3", "model.d_model=32", "model.n_layers=1",
@@ -46,7 +47,7 @@ def train(name: str, fault=None) -> tuple[dict, int]:
     world.barrier()
     if world.rank == 0 and fault is not None:
         added = wan.fault([fault])
-    summary = run(load_config(None, TINY), scratch / name, world.dup(Ledger(), "world"), progress=False)
+    summary = run(load_config(None, TINY), RunOptions(scratch / name, progress=False), world.dup(Ledger(), "world"))
     dropped = 0
     if world.rank == 0 and added:
         end = added[0].end
@@ -60,8 +61,8 @@ def train(name: str, fault=None) -> tuple[dict, int]:
 
 ref, _ = train("a")
 ok(ref["ranks_agree"], "reference: the ranks' parameters differ")
-for name, fault in (("b", make("down", "0-1", 2, duration=2.5)),
-                    ("c", make("loss", "0-1", 2, rate=0.05, seed=1))):
+for name, fault in (("b", make("down", "0-1", duration=2.5)),
+                    ("c", make("loss", "0-1", rate=0.05, seed=1))):
     got, dropped = train(name, fault)
     ok(dropped > 0, f"run {name}: the fault dropped no packet of the run")
     ok(got["state_sha256"] == ref["state_sha256"] and got["ranks_agree"],
@@ -75,6 +76,6 @@ ok.report()
 cfg = load_config(None, TINY + ["comm.timeout_s=3", "comm.outage_s=2"])
 world.barrier()
 if world.rank == 0:
-    wan.fault([make("down", "0-1", 2, duration=12)])
-run(cfg, scratch / "d", world, progress=False)   # the world itself: open_run applies cfg.comm first
+    wan.fault([make("down", "0-1", duration=12)])
+run(cfg, RunOptions(scratch / "d", progress=False), world)   # the world itself: open_run applies cfg.comm first
 raise SystemExit("run d finished although the link was down past the watchdog's allowance")

@@ -141,8 +141,7 @@ class _Groups:
             except Exception as e:  # noqa: BLE001 - a member gone while the group formed
                 raise CommError("fleet.group", self.rank, f"datacenter {self.dc} cannot form "
                                 f"the group of {members}: {str(e).splitlines()[0][:200]}") from None
-            self._comm = GlooComm(pg, members.index(self.dc), len(members), level="dc",
-                                  timeout_s=timeout, peers=members, link=self.link)
+            self._comm = GlooComm(pg, level="dc", timeout_s=timeout, peers=members, link=self.link)
             self._id = d["group"]
         self._comm.ledger, self._comm.timeout_s = ledger, timeout
         return self._comm

@@ -26,6 +26,7 @@ import torch
 
 from ...comm.topology import Topology
 from ...errors import ConfigError
+from ...strategies.method import Context
 from ...strategies.ownership import adopt
 from .. import outcome
 from ..lockstep import Coordination, Lockstep
@@ -120,9 +121,9 @@ def levels(fp: FleetPlan, comm, channel: Channel | None, me: dict) -> FleetLevel
     return FleetLevels(fp.topology, comm, channel, me["dc"], whole, ranked)
 
 
-def run(cfg, task, comm, me: dict, out=None, progress: bool = True, resume=None,
-        overwrite: bool = False, run_id: str | None = None) -> dict:
-    """Train this datacenter's part of the fleet (module docstring); its summary."""
+def run(cfg, task, comm, me: dict, opts) -> dict:
+    """Train this datacenter's part of the fleet (module docstring), written and resumed as
+    ``opts`` (:class:`~lowcomm.run.folder.RunOptions`) says; its summary."""
     from ..config import apply_comm_settings
     from ..loop import run as run_loop
     from ..registry import build_strategy
@@ -131,9 +132,8 @@ def run(cfg, task, comm, me: dict, out=None, progress: bool = True, resume=None,
     apply_comm_settings(cfg, comm)
     channel = connect(fp, comm, me)
     lv = levels(fp, comm, channel, me)
-    return run_loop(cfg, task, lambda m, o, c, **kw: build_strategy(cfg, m, o, c, lv, **kw), comm, out,
-                    progress, resume, overwrite, run_id,
-                    coordination=lambda r: FleetLockstep(r, me, channel, lv))
+    build = lambda m, o, c, **kw: build_strategy(cfg, m, o, c, Context(levels=lv, **kw))  # noqa: E731
+    return run_loop(cfg, task, build, comm, opts, coordination=lambda r: FleetLockstep(r, me, channel, lv))
 
 
 def payload(r) -> bytes:

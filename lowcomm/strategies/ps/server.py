@@ -23,6 +23,7 @@ import torch
 
 from ...comm.comm import Comm
 from ...errors import LowcommError
+from ...settings import NonFinite
 from ..base import Role
 from .protocol import (DROPPED, OK, POLL_S, PUSH, STOP, TAG_BEAT, TAG_DONE, TAG_INIT, TAG_PULL,
                        TAG_PUSH, AsyncPSSettings, BufferBlock, Reply, build_shards, channels,
@@ -49,7 +50,7 @@ class ParameterServer:
     role = Role.SERVER
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, *,
-                 compressor, settings: AsyncPSSettings, nonfinite: str = "raise",
+                 compressor, settings: AsyncPSSettings, nonfinite: NonFinite = NonFinite.ABORT,
                  budget: int | None = None):
         self.settings = st = settings
         if comm.rank >= st.servers:

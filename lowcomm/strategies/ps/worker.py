@@ -15,6 +15,7 @@ import torch
 
 from ...comm.comm import Comm
 from ...errors import LowcommError, NonFiniteError
+from ...settings import NonFinite
 from ..base import Role
 from ..passes import BackwardPasses
 from .protocol import (DROPPED, HEADER, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE, TAG_INIT,
@@ -48,14 +49,14 @@ class Worker:
             worker calls :meth:`done`). Once a server has taken its ``budget``-th gradient its
             replies carry STOP and :attr:`stopped` turns True on the workers: fast workers do
             more steps than slow ones, as in any asynchronous run with a fixed sample budget.
-        nonfinite: ``"raise"`` (a NaN/Inf gradient is an error, never sent) or ``"skip"`` (the
-            caller calls :meth:`skip`; the worker's clock advances without a gradient).
+        nonfinite: the NaN policy: ABORT (a NaN/Inf gradient is an error, never sent) or SKIP
+            (the caller calls :meth:`skip`; the worker's clock advances without a gradient).
     """
 
     role = Role.WORKER
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, *,
-                 compressor, settings: AsyncPSSettings, nonfinite: str = "raise",
+                 compressor, settings: AsyncPSSettings, nonfinite: NonFinite = NonFinite.ABORT,
                  budget: int | None = None):
         self.model, self.optimizer, self.comm = model, optimizer, comm
         self.settings = st = settings
@@ -89,7 +90,7 @@ class Worker:
         self.lag_hist: dict[int, int] = {}
         self.wait_s = 0.0
         self.passes = BackwardPasses(st.backward_passes_per_step, lambda: None)
-        if st.overlap and nonfinite == "raise":
+        if st.overlap and nonfinite is NonFinite.ABORT:
             self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._named]
         self._initial_pull()
 
@@ -128,7 +129,7 @@ class Worker:
             if g is None:
                 flat[seg.start:seg.stop].zero_()
             else:
-                if self.nonfinite == "raise" and not bool(torch.isfinite(g).all()):
+                if self.nonfinite is NonFinite.ABORT and not bool(torch.isfinite(g).all()):
                     raise NonFiniteError(self.comm.rank, f"the gradient of {seg.name!r}", self.clock + 1)
                 flat[seg.start:seg.stop].copy_(g.reshape(-1))
         return flat
