@@ -2,10 +2,9 @@
 import json
 import math
 
-import click
 import pytest
 
-from conftest import ROOT, cli, run_ranks
+from conftest import ROOT, run_ranks
 
 SUMMARY_KEYS = {"method", "ranks", "steps", "params", "final_loss", "eval_loss", "bytes_total",
                 "bytes_by_level", "wall_s"}
@@ -101,22 +100,3 @@ def test_horovodrun_launcher_runs_lowcomm(tmp_path):
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["method"] == "syncdp(horovod)" and s["ranks"] == 2
 
-
-
-def test_max_steps_caps_every_command_lines_steps_and_a_bad_value_is_named(tmp_path, monkeypatch):
-    """``$LOWCOMM_MAX_STEPS`` (how tests/test_docs.py runs the pages' commands quickly): a
-    config's ``steps`` above it is cut to it, below it left alone, through the TOML file and the
-    resumed run's saved config alike; the cut config passes the same checks (a warm-up as long
-    as the cut run is refused, naming the key)."""
-    from lowcomm.cli.common import load_cfg
-    toml = tmp_path / "run.toml"
-    toml.write_text("steps = 60\n")
-    monkeypatch.setenv("LOWCOMM_MAX_STEPS", "10")
-    assert load_cfg(None, ["steps=40"]).steps == 10
-    assert load_cfg(None, ["steps=4"]).steps == 4
-    assert load_cfg(str(toml), []).steps == 10
-    assert load_cfg(None, ["steps=60"], base=load_cfg(None, ["steps=40"]).to_dict()).steps == 10
-    with pytest.raises(click.UsageError, match="optimizer.warmup_steps"):
-        load_cfg(None, ["steps=40", "optimizer.warmup_steps=10"])
-    r = cli("train", "--out", tmp_path / "x", env={"LOWCOMM_MAX_STEPS": "ten"})
-    assert r.returncode != 0 and "LOWCOMM_MAX_STEPS='ten': expects a whole number >= 1" in r.stderr, r.output

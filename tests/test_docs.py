@@ -13,9 +13,6 @@ from conftest import ROOT, run_mpi_suite, scaled
 from doc_examples import all_examples, work_dir
 
 KINDS = ("python", "bash", "file", "skip")
-#: the steps each command line of the pages trains at most (``$LOWCOMM_MAX_STEPS``, which the CLI
-#: honours): an example proves that its commands run as shown, not how far they train
-MAX_STEPS = 10
 
 
 def test_every_example_is_marked_with_how_it_runs():
@@ -59,7 +56,7 @@ def test_docs_build_without_a_warning(tmp_path):
 
 def run_local(example, folder: Path) -> None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(folder), "LOWCOMM_MAX_STEPS": str(MAX_STEPS)}
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(folder)}
     if example.kind == "file":
         (folder / example.options["name"]).write_text(example.code)
         return

@@ -47,7 +47,6 @@ ENV = {
     "LOWCOMM_DEBUG": ("0 or 1", lambda v: v in ("0", "1")),
     "LOWCOMM_HOSTFILE": ("an existing hostfile", lambda v: os.path.isfile(v)),
     "LOWCOMM_TOPOLOGY": ("a topology spec such as dc:2,rank:2", None),
-    "LOWCOMM_MAX_STEPS": ("a whole number >= 1", lambda v: int(v) >= 1),
 }
 
 
@@ -78,16 +77,10 @@ def debug() -> bool:
 
 
 def load_cfg(config, overrides, base=None):
-    """:func:`~lowcomm.run.api.load_config`, a bad key reported as a click usage error; with
-    ``$LOWCOMM_MAX_STEPS`` set, ``steps`` is at most that many (a quick run of any command
-    line, as the tests run the documentation's examples)."""
+    """:func:`~lowcomm.run.api.load_config`, a bad key reported as a click usage error."""
     from ..run.api import load_config   # late: it imports every strategy
     try:
-        cfg = load_config(config, overrides, base)
-        cap = os.environ.get("LOWCOMM_MAX_STEPS")
-        if cap and cfg.steps > int(cap):
-            cfg = load_config(config, (*overrides, f"steps={int(cap)}"), base)
-        return cfg
+        return load_config(config, overrides, base)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
 
