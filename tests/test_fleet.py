@@ -32,16 +32,40 @@ POLICY = [*COMMON, "topology=dc:3,rank:1", f"policy.dc=diloco:{DC}", "policy.ran
 #: DiLoCo between 2 datacenters of 2 ranks that shard inside (ZeRO-2): each rank keeps and
 #: reduces its range of the outer state with its counterpart
 SHARDED = [*COMMON, "topology=dc:2,rank:2", f"policy.dc=diloco:{DC}", "policy.rank=zero2"]
-#: DiLoCo with dynamic local updates: a slowed datacenter takes its speed's share of each period;
-#: twice the steps, so that the datacenter killed while another is slow is back before the end
-#: however long its relaunch takes while a dozen fleets start beside it
-LONG = 2 * STEPS
-DYLU = [*COMMON, "strategy.name=diloco-dylu", *(f"strategy.{kv}" for kv in DC.split(",")),
-        f"steps={LONG}"]
+#: DiLoCo with dynamic local updates: a slowed datacenter takes its speed's share of each period
+DYLU = [*COMMON, "strategy.name=diloco-dylu", *(f"strategy.{kv}" for kv in DC.split(","))]
 #: asynchronous DiLoCo: each datacenter's pseudo-gradient applied by the coordinator's server as
 #: it arrives, with dynamic local updates
 ASYNC = [*COMMON, "strategy.name=diloco-async", *(f"strategy.{kv}" for kv in DC.split(","))]
-ASYNC_SLOW = [*ASYNC, f"steps={LONG}"]
+#: the step the others hold at, once past the first round, until the datacenter killed while
+#: another is slow has been relaunched (tests/fleet_task.py's ``hold_on=relaunches``): it is back
+#: before the rounds that remain, however long its relaunch takes while a dozen fleets start
+#: beside it (the run is not sized to outlast a relaunch)
+HOLD_STEP = PERIOD + 1
+
+
+def held_for_the_relaunch(marks) -> list[str]:
+    return [f"task.marks={marks}", f"task.hold_step={HOLD_STEP}", "task.hold_for=1",
+            "task.hold_on=relaunches"]
+
+
+#: the step the fleets stopped by SIGTERM are signalled after, and the step they then hold at
+#: until the test marks the signal sent: their steps can be quick (and their resumes short),
+#: and the stop still lands mid-run
+STOP_AT = 25
+QUICK = [f"task.step_ms={round(scaled(40))}"]
+
+
+def held_for_the_stop(marks) -> list[str]:
+    return [*QUICK, f"task.marks={marks}", f"task.hold_step={STOP_AT + 1}", "task.hold_for=1",
+            "task.hold_on=stop"]
+
+
+def stop_and_mark(pid: int, marks) -> None:
+    """SIGTERM to the fleet's launcher, then the mark its held datacenters wait for."""
+    os.kill(pid, signal.SIGTERM)
+    marks.mkdir(parents=True, exist_ok=True)
+    (marks / "stop-sent").write_text("SIGTERM")
 #: ... with each arrival in flight on a thread while the next TAU steps run
 TAU = 2
 ASYNC_DELAYED = [*ASYNC, f"strategy.delay={TAU}"]
@@ -107,22 +131,26 @@ def more(runs, tmp_path_factory):
     job and as a fleet, and over FSDP datacenters as a fleet whose datacenter 1 loses rank 0 at
     step 12; DiLoCo with dynamic local updates and asynchronous DiLoCo, each with datacenter 2
     at half speed while datacenter 1 is killed at step 12 (both from outside: ``lowcomm
-    fault``); asynchronous DiLoCo, its arrivals in flight for ``TAU`` steps, stopped by
-    SIGTERM at step 25."""
+    fault``; the others hold at ``HOLD_STEP`` until it is relaunched); asynchronous DiLoCo, its
+    arrivals in flight for ``TAU`` steps, stopped by SIGTERM at step 25. The two stopped fleets
+    take quick steps and hold after step 25 until the SIGTERM is sent (``held_for_the_stop``)."""
     from lowcomm.errors import RunFolderError
     from lowcomm.tools.fleet_launch import prepare
     from lowcomm.tools.slow import slow_datacenter
     tmp = tmp_path_factory.mktemp("fleet-more")
     deadline = time.monotonic() + scaled(DEADLINE_S)
-    started = {"pair": fleet(tmp / "pair", *EAGER, dcs=2, np=2), "stop": fleet(tmp / "stop", *RUN),
+    started = {"pair": fleet(tmp / "pair", *EAGER, dcs=2, np=2),
+               "stop": fleet(tmp / "stop", *RUN, *held_for_the_stop(tmp / "stop-marks")),
                "quorum": fleet(tmp / "quorum", *RUN, "fleet.quorum=2", "fleet.grace=0.5"),
                "eager": fleet(tmp / "eager", *EAGER),
                "eager_single": single_job(tmp / "eager_single", *EAGER_POLICY),
                "sharded_single": single_job(tmp / "sharded_single", *SHARDED, np=4),
                "sharded": fleet(tmp / "sharded", *SHARDED, dcs=2, np=4),
                "sharded_kill": fleet(tmp / "sharded_kill", *FSDP, dcs=2, np=4),
-               "dylu": fleet(tmp / "dylu", *DYLU), "async": fleet(tmp / "async", *ASYNC_SLOW),
-               "async_stop": fleet(tmp / "async_stop", *ASYNC_DELAYED)}
+               "dylu": fleet(tmp / "dylu", *DYLU, *held_for_the_relaunch(tmp / "dylu-marks")),
+               "async": fleet(tmp / "async", *ASYNC, *held_for_the_relaunch(tmp / "async-marks")),
+               "async_stop": fleet(tmp / "async_stop", *ASYNC_DELAYED,
+                                   *held_for_the_stop(tmp / "async_stop-marks"))}
     slow = {}
     for name in ("dylu", "async"):
         when(lambda name=name: reached(tmp / name / "dc1" / "metrics.jsonl", 12),
@@ -150,8 +178,8 @@ def more(runs, tmp_path_factory):
         overwrite["running"] = not (tmp / "pair" / "summary.json").exists()
     when(lambda: reached(tmp / "pair" / "dc0" / "metrics.jsonl", 10), replace_it, deadline)
     for name in ("stop", "async_stop"):
-        when(lambda name=name: reached(tmp / name / "dc0" / "metrics.jsonl", 25),
-             lambda name=name: os.kill(started[name].p.pid, signal.SIGTERM), deadline)
+        when(lambda name=name: reached(tmp / name / "dc0" / "metrics.jsonl", STOP_AT),
+             lambda name=name: stop_and_mark(started[name].p.pid, tmp / f"{name}-marks"), deadline)
     done = {name: (r, *r.wait(deadline)) for name, r in started.items()}
     done["overwrite"] = overwrite
     done["late"] = late
@@ -411,10 +439,10 @@ def test_dynamic_local_updates_let_a_slowed_datacenter_take_fewer_steps_while_an
     took its share of each period (the rest passed over, its tokens fewer), the others theirs."""
     run, f, dc = slowed_and_healed(more, "dylu")
     slow, fast = dc[2]["local_steps"], dc[0]["local_steps"]
-    assert len(slow["by_period"]) == len(fast["by_period"]) == LONG // PERIOD, (slow, fast)
-    assert dc[2]["passed_steps"] == slow["passed"] and dc[2]["steps_done"] == LONG
+    assert len(slow["by_period"]) == len(fast["by_period"]) == STEPS // PERIOD, (slow, fast)
+    assert dc[2]["passed_steps"] == slow["passed"] and dc[2]["steps_done"] == STEPS
     by = f["time"]["by_dc"]
-    assert by["2"]["steps"] == LONG - slow["passed"] < by["0"]["steps"], by
+    assert by["2"]["steps"] == STEPS - slow["passed"] < by["0"]["steps"], by
 
 
 def test_asynchronous_diloco_goes_on_without_a_killed_datacenter_and_heals_it_while_one_is_slow(
@@ -423,7 +451,7 @@ def test_asynchronous_diloco_goes_on_without_a_killed_datacenter_and_heals_it_wh
     server at once; dc0 and dc2 kept arriving while dc1 was down; dc1 took the live state from the
     next member to arrive; dc2 passed over its share of the periods; one model at the end."""
     run, f, dc = slowed_and_healed(more, "async")
-    assert f["arrivals"]["0"] == LONG // PERIOD + 1 and not f["membership"], f["arrivals"]
+    assert f["arrivals"]["0"] == STEPS // PERIOD + 1 and not f["membership"], f["arrivals"]
     events = [json.loads(x) for x in (run.out / "membership.jsonl").read_text().splitlines()]
     assert not [e for e in events if e["event"] == "decision"], "a round in an asynchronous fleet"
     down = next(e["t"] for e in events if e["event"] == "failure")

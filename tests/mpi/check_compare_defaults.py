@@ -4,7 +4,7 @@
 (:attr:`lowcomm.Method.compare`; a compressor's :data:`lowcomm.compress.COMPARE`), on top of the
 shared config. Here each of them trains a small byte LM (the built-in task) for ``STEPS`` steps
 (past one outer period of 50): its final eval loss must be finite and at least ``MARGIN`` nats
-below the untrained model's, on every rank. The methods whose steps are signs or 1-bit codes --
+below the untrained model's, on every rank, and the ranks must end with one model. The methods whose steps are signs or 1-bit codes --
 the ones a shared learning rate makes diverge -- also train a GPT-2 of ``transformers``
 (experiments/hf_gpt2_task.py) at the same settings, under the same rule.
 """
@@ -64,9 +64,11 @@ def trains(name, task_sets, comm, tmp):
     task = load_config(None, task_sets).task.name
     s = lowcomm.train(task, set=[*task_sets, *methods()[name], f"steps={STEPS}"], out=out, comm=comm)
     # every rank's summary holds the run's losses (the parameter server's servers: none)
-    got = [x for x in comm.allgather_object((s.get("final_loss"), s.get("eval_loss"))) if x[0] is not None]
+    got = [x for x in comm.allgather_object((s.get("final_loss"), s.get("eval_loss"),
+                                             s.get("ranks_agree"))) if x[0] is not None]
     assert got and got == [got[0]] * len(got) and (len(got) == SIZE or name == "async-ps"), got
-    final, end = got[0]
+    final, end, agree = got[0]
+    assert agree is True, f"{name}: ranks_agree is {agree}"
     assert math.isfinite(final) and math.isfinite(end), (name, final, end)
     assert end < start - MARGIN, f"{name}: eval loss {start:.3f} untrained, {end:.3f} after {STEPS} steps"
 
