@@ -18,6 +18,7 @@ from ..comm.collectives import allgather_, allreduce_, broadcast_, chunk_bounds,
 from ..comm.comm import Comm
 from ..comm.idle import IdleWait
 from ..comm.roles import Peers, Whole
+from ..comm.round_tag import RoundTag
 from ..compress.base import Pending, Segment
 from ..compress.compressor import Compressor
 from ..errors import ArgumentError, CommError, ConfigError
@@ -596,7 +597,7 @@ class OuterLoop(Strategy):
             across = self._leaders if self._ranges is not None or self._local is not None or \
                 inside is not None else self._red
             if across.rounds:                        # a fleet's channel: rounds it may retry
-                avg = across.average(flat, f"t{t}.f{f.index}", self.algorithm, self._levels)
+                avg = across.average(flat, RoundTag.sync(t, f.index), self.algorithm, self._levels)
             elif self.compressor is None:
                 avg = allreduce_(flat, across, self.algorithm, op="avg", levels=self._levels)
             else:
@@ -844,7 +845,7 @@ class OuterLoop(Strategy):
             if f.index not in self._dirty:
                 continue
             if over.rounds:                          # a fleet's channel (FSDP below)
-                f.unpack_(over.average(f.pack(), f"finish.f{f.index}", "ring", self._levels))
+                f.unpack_(over.average(f.pack(), RoundTag.finish(f.index), "ring", self._levels))
                 continue
             with over.charged_to(self.comm.ledger) if over is not self._whole else nullcontext():
                 f.unpack_(allreduce_(f.pack(), over, "mpi", op="avg"))

@@ -43,8 +43,8 @@ from ...comm.collectives import allreduce_
 from ...comm.gloo import GlooComm
 from ...comm.ledger import Ledger
 from ...comm.watchdog import predict
+from ...comm.round_tag import RoundTag
 from ...errors import CommError
-from .report import tag_step
 
 log = logging.getLogger("lowcomm.fleet")
 
@@ -298,21 +298,25 @@ class Channel:
             self.ledger = ledger
         return self
 
-    def average(self, flat: torch.Tensor, tag: str, algorithm: str = "ring",
+    def average(self, flat: torch.Tensor, tag: RoundTag, algorithm: str = "ring",
                 levels=None) -> torch.Tensor:
-        """The average of ``flat`` over the members of this round (module docstring): a fresh
-        tensor, equal on every member. ``algorithm``: lowcomm's (``auto`` decided as over MPI)."""
+        """The average of ``flat`` over the members of round ``tag`` (module docstring): a
+        fresh tensor, equal on every member. ``algorithm``: lowcomm's (``auto`` decided as over
+        MPI)."""
         return self.round_of("fleet.average", lambda d: self._reduce(d, flat, algorithm, levels),
                              ready={"tag": tag, "numel": flat.numel()})[1]
 
     def round_of(self, op: str, work, ready: dict | None = None):
-        """The fleet's one round: say ready (with ``ready``'s fields; not for a joiner, which
-        the coordinator admits), then for each decision of this round — an attempt — run
+        """The fleet's one round: say ready (with ``ready``'s fields, its ``tag`` a
+        :class:`~lowcomm.comm.round_tag.RoundTag`; not for a joiner, which the coordinator
+        admits), then for each decision of this round — an attempt — run
         ``work(decision)`` (result, or None and why it failed) and report it done, until an
         attempt is committed; returns (the committed decision, its result). Every kind of round
         (an average, an admission, a join, a sharded average's leader) is this loop."""
         if ready is not None:
-            self.send("ready", round=self.round, **ready)
+            if not isinstance(ready["tag"], RoundTag):
+                raise TypeError(f"{op}: a round's tag is a RoundTag, got {ready['tag']!r}")
+            self.send("ready", round=self.round, **{**ready, "tag": str(ready["tag"])})
         while True:
             d = self._decision(op)
             if d["type"] == "late":                  # it went ahead without this member
@@ -357,7 +361,7 @@ class Channel:
         if self._ready_t is not None:
             self._spent("round_s", time.monotonic() - self._ready_t)
             self._ready_t = None
-        step = tag_step(str(d.get("tag", "")))
+        step = RoundTag.parse(d["tag"]).step
         step = -1 if step is None else step
         if d.get("admit_next"):
             self._admit_from = step if self._admit_from is None else min(self._admit_from, step)
@@ -411,7 +415,7 @@ class Channel:
                 self.plane.forget()
                 return None, str(e)
         d, _ = self.round_of("fleet.admit", donate,
-                             ready={"tag": f"t{step}.admit", "numel": 0, "admit": True})
+                             ready={"tag": RoundTag.admit(step), "numel": 0, "admit": True})
         self._admit_from = None                      # held
         return list(d["joiners"])
 
@@ -450,7 +454,7 @@ class Channel:
                 self.plane.forget()
                 return None, str(e)
         d, payload = self.round_of("fleet.join", take)
-        return {"payload": payload, "step": tag_step(d["tag"]), "round": d["round"],
+        return {"payload": payload, "step": RoundTag.parse(d["tag"]).step, "round": d["round"],
                 "bytes": len(payload), "wait_s": t1[0] - t0, "transfer_s": time.monotonic() - t1[0]}
 
     def _take_state(self, comm: GlooComm, d: dict, ledger: Ledger, op: str = "heal") -> bytes:
@@ -464,7 +468,7 @@ class Channel:
         return data.numpy().tobytes()
 
     # a round that may go ahead without a late member --------------------------------------------
-    def contribute(self, payload, tag: str, steps: int, state, algorithm: str = "ring",
+    def contribute(self, payload, tag: RoundTag, steps: int, state, algorithm: str = "ring",
                    levels=None, carried: bool = False):
         """This member's part of a round under a quorum (:mod:`~lowcomm.run.fleet.membership`):
         ``payload(catching_up, corrector)`` is the tensor it adds to the round's average, given
@@ -610,10 +614,10 @@ class RankChannel:
         return RankChannel(self.inside.dup(Ledger()), self.channel, self.store, self.dc,
                            self.limits, self.link, self.rank, ledger, self.shared)
 
-    def average(self, flat: torch.Tensor, tag: str, algorithm: str = "ring",
+    def average(self, flat: torch.Tensor, tag: RoundTag, algorithm: str = "ring",
                 levels=None) -> torch.Tensor:
-        """The average of this rank's ``flat`` over rank i of the round's members (class
-        docstring): a fresh tensor, equal on those ranks."""
+        """The average of this rank's ``flat`` over rank i of the members of round ``tag``
+        (class docstring): a fresh tensor, equal on those ranks."""
         out = []                                     # this rank's result of the last attempt
 
         def attempt(d: dict):
@@ -664,7 +668,7 @@ class Span:
         if self.inside.size > 1:
             self.inside.allreduce_(flat, "avg")
         if self.channel is not None:
-            flat = self.channel.average(flat, f"span{self._count}", "ring")
+            flat = self.channel.average(flat, RoundTag.span(self._count), "ring")
         if self.inside.size > 1:
             self.inside.bcast_(flat, root=0)
         t.copy_(flat.view(t.shape).to(t.dtype))
