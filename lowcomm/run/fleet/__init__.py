@@ -28,9 +28,10 @@ The pieces, from the outside in:
   is then :mod:`~lowcomm.run.fleet.arrivals`, which answers each arrival at once and only the
   last ones together;
 * :mod:`~lowcomm.run.fleet.channel`: a datacenter's side of the rounds
-  (:class:`~lowcomm.run.fleet.channel.Channel` on its leader, rank 0;
-  :class:`~lowcomm.run.fleet.channel.RankChannel` for rank i of every datacenter when the outer
-  state is sharded; :class:`~lowcomm.run.fleet.channel.Span` for every rank at once), the
+  (:class:`~lowcomm.run.fleet.channel.Channel` on its leader, rank 0; in
+  :mod:`~lowcomm.run.fleet.ranks`, :class:`~lowcomm.run.fleet.ranks.RankChannel` for rank i of
+  every datacenter when the outer state is sharded and :class:`~lowcomm.run.fleet.ranks.Span`
+  for every rank at once), the
   reductions over a gloo group of the round's members (:class:`~lowcomm.comm.gloo.GlooComm`);
 * :mod:`~lowcomm.run.fleet.member`: one datacenter's job, the one training loop
   (:mod:`lowcomm.run.loop`) with the channel as the ``dc`` level's peers
