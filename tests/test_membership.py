@@ -406,3 +406,14 @@ def test_a_round_tag_without_the_fields_its_kind_names_is_refused():
         RoundTag(TagKind.SYNC, fragment=0)
     with pytest.raises(ValueError, match="names no fragment"):
         RoundTag(TagKind.ADMIT, step=4, fragment=0)
+
+
+def test_a_relaunch_counts_the_old_incarnation_out_with_how_long_it_was_silent():
+    f = Fleet()
+    f.tick(2.0, beat=[0, 2])
+    f.say(1, "hello", inc=1, joining=True)
+    fail = f.events("failure")[0]
+    assert (fail["dc"], fail["inc"], fail["silent_s"]) == (1, 0, 2.0), fail
+    assert fail["cause"] == "relaunched as incarnation 1" and fail["was"] == "active", fail
+    assert [m["type"] for d, inc, m in f.m.outbox if (d, inc) == (1, 0)] == ["fence"]
+    assert (f.m.sites[1].state, f.m.sites[1].inc) == ("joining", 1)

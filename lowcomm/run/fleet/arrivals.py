@@ -25,6 +25,9 @@ from .membership import Membership, Msg, Site, State
 class Arrivals:
     """The arrivals of asynchronous DiLoCo (module docstring)."""
 
+    name = "arrivals"
+    #: the members' messages it takes (another's are fenced)
+    messages = frozenset({Msg.ARRIVE, Msg.DONATED})
     #: no rounds: the sites' events name round 0
     round = 0
 
@@ -67,15 +70,10 @@ class Arrivals:
         if self.steps:
             self.halt_at = max(step + period for step, period in self.steps.values())
 
-    def ready(self, site: Site, msg: dict, now: float) -> None:
-        self.sites.fence(site.dc, site.inc, f"a ready from datacenter {site.dc} in a fleet of "
-                         f"arrivals (no rounds)")
-
-    def done(self, site: Site, msg: dict, now: float) -> None:
-        self.sites.fence(site.dc, site.inc, f"a done from datacenter {site.dc} in a fleet of "
-                         f"arrivals (no rounds)")
-
     # the members' messages ------------------------------------------------------------------
+    def take(self, kind: Msg, site: Site, msg: dict, now: float) -> None:
+        (self.arrive if kind is Msg.ARRIVE else self.donated)(site, msg, now)
+
     def arrive(self, site: Site, msg: dict, now: float) -> None:
         """An active member's arrival: queued for the server (a final one held)."""
         self.steps[site.dc] = (int(msg["step"]), int(msg["period"]))

@@ -28,10 +28,10 @@ the fleet halts, or asynchronous DiLoCo's final arrivals were released) and ``en
   joining sites are told ``over``; when none has, nobody is left to hand the state on: the
   coordinator gives up (the fleet restarts from checkpoints).
 
-What the sites take part in is the policy's: the rounds of a synchronous fleet
-(:class:`~lowcomm.run.fleet.rounds.Rounds`: ``ready``, ``done``) or the arrivals of
+What the sites take part in is the policy's (the ``policy`` act): the rounds of a synchronous
+fleet (:class:`~lowcomm.run.fleet.rounds.Rounds`: ``ready``, ``done``) or the arrivals of
 asynchronous DiLoCo (:class:`~lowcomm.run.fleet.arrivals.Arrivals`: ``arrive``, ``donated``);
-each refuses the other's messages with a fence.
+a message of the other policy's is fenced.
 """
 from __future__ import annotations
 
@@ -102,36 +102,42 @@ class Rule(NamedTuple):
     again: bool = False
 
 
-_ = None
-AGAIN = True
-E, A, J, R = (State.EXPECTED,), (State.ACTIVE,), (State.JOINING,), (State.RETIRED,)
-ALL = tuple(State)
+def _row(states, messages, when, to, reply, act, again=False) -> Rule:
+    """A row as the table writes it: a state or message alone, or a tuple of them."""
+    return Rule(states if isinstance(states, tuple) else (states,),
+                messages if isinstance(messages, tuple) else (messages,), when, to, reply, act,
+                again)
 
-#: the sites' rules: state × message → (next state, reply) and the act that carries it out.
-#: Guards: ``ended`` (the run is over), ``closed`` (over, or halting: nobody will admit a
-#: joiner), ``halting`` (the fleet was told to stop). The policy's own replies (``decision``,
-#: ``outcome``, ``late``; ``arrived``, ``admitted``) are its acts' (rounds.py, arrivals.py).
-RULES: tuple[Rule, ...] = tuple(Rule(*row) for row in (
-    # states   messages                when        -> state         reply    act
-    (IDLE,     (Msg.HELLO,),           "ended",    State.OVER,      "over",  "adopt"),
-    (IDLE,     (Msg.HELLO,),           _,          State.ACTIVE,    _,       "hello"),
-    (IDLE,     (Msg.JOIN,),            "closed",   State.OVER,      "over",  "adopt"),
-    (IDLE,     (Msg.JOIN,),            _,          State.JOINING,   _,       "hello"),
-    (RUNNING,  (Msg.HELLO, Msg.JOIN),  _,          State.GONE,      "fence", "relaunched", AGAIN),
-    (A,        (Msg.READY,),           _,          _,               _,       "ready"),
-    (RUNNING,  (Msg.DONE,),            _,          _,               _,       "done"),
-    (A,        (Msg.ARRIVE,),          _,          _,               _,       "arrive"),
-    (A,        (Msg.DONATED,),         _,          _,               _,       "donated"),
-    (A,        (Msg.HEALED,),          _,          _,               _,       "healed"),
-    (RUNNING,  (Msg.BYE,),             _,          State.FINISHED,  _,       "bye"),
-    (RUNNING,  (Msg.STOP,),            "halting",  State.STOPPED,   _,       "bye"),
-    (RUNNING,  (Msg.STOP, Msg.FAIL),   _,          State.GONE,      "fence", "failed"),
-    (LIVE,     (Msg.DOWN,),            _,          State.GONE,      "fence", "down"),
-    (LIVE,     (Msg.SILENT,),          _,          State.GONE,      "fence", "silent"),
-    (J,        (Msg.ADMIT,),           _,          State.ACTIVE,    _,       _),
-    (J,        (Msg.CLOSE,),           _,          State.OVER,      "over",  _),
-    (J,        (Msg.END,),             _,          _,               "over",  _),
-    (ALL,      (Msg.RETIRE,),          _,          State.RETIRED,   _,       "retired"),
+
+AGAIN = True
+ALL = tuple(State)
+#: the policy's messages from an active site (``done`` comes from a joiner too)
+POLICY_ACTIVE = (Msg.READY, Msg.ARRIVE, Msg.DONATED)
+
+#: The sites' rules: state × message → (next state, reply), and the act that carries it out.
+#: Guards (``when``): ``ended`` (the run is over), ``closed`` (over, or halting: nobody will
+#: admit a joiner), ``halting`` (the fleet was told to stop). The policy's acts send its own
+#: replies (``decision``, ``outcome``, ``late``: rounds.py; ``arrived``, ``admitted``:
+#: arrivals.py) and may fence a message it refuses.
+RULES: tuple[Rule, ...] = tuple(_row(*row) for row in (
+    # states        messages               when       -> state        reply    act
+    (IDLE,          Msg.HELLO,             "ended",   State.OVER,     "over",  "adopt"),
+    (IDLE,          Msg.HELLO,             None,      State.ACTIVE,   None,    "hello"),
+    (IDLE,          Msg.JOIN,              "closed",  State.OVER,     "over",  "adopt"),
+    (IDLE,          Msg.JOIN,              None,      State.JOINING,  None,    "hello"),
+    (RUNNING,       (Msg.HELLO, Msg.JOIN), None,      State.GONE,     "fence", "relaunched", AGAIN),
+    (State.ACTIVE,  POLICY_ACTIVE,         None,      None,           None,    "policy"),
+    (RUNNING,       Msg.DONE,              None,      None,           None,    "policy"),
+    (State.ACTIVE,  Msg.HEALED,            None,      None,           None,    "healed"),
+    (RUNNING,       Msg.BYE,               None,      State.FINISHED, None,    "bye"),
+    (RUNNING,       Msg.STOP,              "halting", State.STOPPED,  None,    "bye"),
+    (RUNNING,       (Msg.STOP, Msg.FAIL),  None,      State.GONE,     "fence", "failed"),
+    (LIVE,          Msg.DOWN,              None,      State.GONE,     "fence", "down"),
+    (LIVE,          Msg.SILENT,            None,      State.GONE,     "fence", "silent"),
+    (State.JOINING, Msg.ADMIT,             None,      State.ACTIVE,   None,    None),
+    (State.JOINING, Msg.CLOSE,             None,      State.OVER,     "over",  None),
+    (State.JOINING, Msg.END,               None,      None,           "over",  None),
+    (ALL,           Msg.RETIRE,            None,      State.RETIRED,  None,    "retired"),
 ))
 
 #: why a member's message that no row takes is fenced, by the site's state
@@ -166,6 +172,10 @@ class Timeouts:
 class Policy(Protocol):
     """What the sites take part in: rounds (rounds.py) or arrivals (arrivals.py)."""
 
+    #: what it is ("rounds", "arrivals"), as a refusal names it
+    name: str
+    #: the members' messages it takes; a site's other policy messages are fenced
+    messages: frozenset[Msg]
     #: the round the fleet is at (named in the sites' events; 0 for arrivals)
     round: int
 
@@ -184,16 +194,15 @@ class Policy(Protocol):
     def tick(self, now: float) -> None:
         """Decide, commit, retry or release what can be."""
 
-    def ready(self, site: Site, msg: dict, now: float) -> None: ...
-    def done(self, site: Site, msg: dict, now: float) -> None: ...
-    def arrive(self, site: Site, msg: dict, now: float) -> None: ...
-    def donated(self, site: Site, msg: dict, now: float) -> None: ...
+    def take(self, kind: Msg, site: Site, msg: dict, now: float) -> None:
+        """A member's message of a kind in :attr:`messages`."""
 
 
 class Membership:
     """The coordinator's sites (module docstring): ``dcs`` founders, a quorum of ``min_dcs``,
     the clock's ``timeouts``, and the ``policy`` they take part in: a
-    :class:`~lowcomm.run.fleet.rounds.Rounds` or an :class:`~lowcomm.run.fleet.arrivals.Arrivals`."""
+    :class:`~lowcomm.run.fleet.rounds.Rounds` or an
+    :class:`~lowcomm.run.fleet.arrivals.Arrivals`."""
 
     def __init__(self, dcs: int, min_dcs: int, now: float, timeouts: Timeouts, policy: Policy):
         if not 1 <= min_dcs <= dcs:
@@ -243,8 +252,8 @@ class Membership:
             if kind not in FLEET:
                 self.fence(site.dc, msg["inc"], self._refused(site, kind, msg))
             return
-        if kind not in FLEET:
-            site.seen = now
+        if kind not in FLEET and msg["inc"] == site.inc:
+            site.seen = now                        # (a new incarnation's: when it is adopted)
         why = getattr(self, "_" + rule.act)(site, kind, msg, now) if rule.act else None
         if rule.to is not None:
             site.state = rule.to
@@ -316,17 +325,12 @@ class Membership:
         self.event("heal", dc=site.dc, inc=site.inc, **{k: msg[k] for k in msg if k in (
             "bytes", "seconds", "wait_s", "transfer_s", "step", "round", "since_hello_s")})
 
-    def _ready(self, site: Site, kind: Msg, msg: dict, now: float) -> None:
-        self.policy.ready(site, msg, now)
-
-    def _done(self, site: Site, kind: Msg, msg: dict, now: float) -> None:
-        self.policy.done(site, msg, now)
-
-    def _arrive(self, site: Site, kind: Msg, msg: dict, now: float) -> None:
-        self.policy.arrive(site, msg, now)
-
-    def _donated(self, site: Site, kind: Msg, msg: dict, now: float) -> None:
-        self.policy.donated(site, msg, now)
+    def _policy(self, site: Site, kind: Msg, msg: dict, now: float) -> None:
+        if kind not in self.policy.messages:
+            self.fence(site.dc, site.inc, f"a {msg['type']} message from datacenter {site.dc} "
+                       f"in a fleet of {self.policy.name}")
+            return
+        self.policy.take(kind, site, msg, now)
 
     # the fleet's commands -------------------------------------------------------------------
     def heartbeat(self, dc: int, inc: int, now: float) -> None:

@@ -49,6 +49,10 @@ class Rounds:
     and ``grace`` (× the median interval between decisions) for rounds that go ahead without
     a late site."""
 
+    name = "rounds"
+    #: the members' messages it takes (another's are fenced)
+    messages = frozenset({Msg.READY, Msg.DONE})
+
     def __init__(self, quorum: int = 0, grace: float = 0.0):
         self.quorum, self.grace = quorum, grace
         self.sites: Membership | None = None
@@ -81,15 +85,10 @@ class Rounds:
     def halt(self) -> None:
         """Nothing: the next decision says ``halt``."""
 
-    def arrive(self, site: Site, msg: dict, now: float) -> None:
-        self.sites.fence(site.dc, site.inc, f"an arrival from datacenter {site.dc} while it "
-                         f"is {site.state} in a fleet of rounds")
-
-    def donated(self, site: Site, msg: dict, now: float) -> None:
-        self.sites.fence(site.dc, site.inc, f"a donated state from datacenter {site.dc} in a "
-                         f"fleet of rounds")
-
     # the members' messages ------------------------------------------------------------------
+    def take(self, kind: Msg, site: Site, msg: dict, now: float) -> None:
+        (self.ready if kind is Msg.READY else self.done)(site, msg, now)
+
     def ready(self, site: Site, msg: dict, now: float) -> None:
         """An active site is ready for round ``msg["round"]`` with ``msg["tag"]``."""
         late = self.late.get(site.dc)
