@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from lowcomm.errors import ConfigError
-from lowcomm.run.fleet.membership import Membership
+from lowcomm.run.fleet.arrivals import Arrivals
+from lowcomm.run.fleet.membership import Membership, Timeouts
+from lowcomm.run.fleet.rounds import Rounds
 from lowcomm.run.fleet.server import ArrivalServer
 
 
@@ -80,8 +82,8 @@ class Fleet:
 
     def __init__(self, dcs=3, min_dcs=2, founders=True):
         self.now = 0.0
-        self.m = Membership(dcs, min_dcs, 3.0, self.now, start_s=10.0, quorum_s=20.0,
-                            arrivals=True)
+        self.m = Membership(dcs, min_dcs, self.now, Timeouts(3.0, start_s=10.0, quorum_s=20.0),
+                            Arrivals())
         self.n = {d: 0 for d in range(dcs)}
         for d in range(dcs if founders else 0):
             self.say(d, "hello")
@@ -96,10 +98,10 @@ class Fleet:
 
     def serve(self):
         """The coordinator's part: answer what is queued, then the released final ones."""
-        answered = [(d, self.m.answer(d, msg, 0)) for d, _, msg in self.m.queue]
-        self.m.queue.clear()
-        answered += [(d, self.m.answer(d, msg, 0)) for d, _, msg in self.m.barrier]
-        self.m.barrier = []
+        answered = [(d, self.m.policy.answer(d, msg, 0)) for d, _, msg in self.m.policy.queue]
+        self.m.policy.queue.clear()
+        answered += [(d, self.m.policy.answer(d, msg, 0)) for d, _, msg in self.m.policy.barrier]
+        self.m.policy.barrier = []
         return answered
 
     def mail(self, dc):
@@ -137,7 +139,7 @@ def test_how_far_behind_a_member_is_leaves_out_the_lag_it_started_with():
     f.m.down(1, 0, "killed", f.now)
     f.say(1, "hello", inc=1, joining=True)
     f.say(0, "donated", to=[1], key="k", step=10, bytes=1)   # (no donor asked: ignored)
-    f.m.donor_of[1] = 0
+    f.m.policy.donor_of[1] = 0
     f.say(0, "donated", to=[1], key="k", step=10, bytes=1)
     f.n[1] = 0
     f.arrive(1, 10)                                # a joiner: where it came in is its start
@@ -166,9 +168,9 @@ def test_a_joining_datacenter_is_handed_over_by_the_next_member_to_arrive():
     f.arrive(2, 20)
     f.m.tick(f.now)
     (_, a), = f.serve()
-    assert a["donate"] == [1] and f.m.donor_of == {1: 2}
+    assert a["donate"] == [1] and f.m.policy.donor_of == {1: 2}
     f.m.down(2, 0, "killed", f.now)                # the donor died before handing over
-    assert f.m.donor_of == {1: None}
+    assert f.m.policy.donor_of == {1: None}
     f.arrive(0, 20)
     f.m.tick(f.now)
     (_, a), = f.serve()
@@ -176,7 +178,7 @@ def test_a_joining_datacenter_is_handed_over_by_the_next_member_to_arrive():
     f.say(0, "donated", to=[1], key="state/1/0.0/20", step=20, bytes=99)
     got = f.mail(1)[-1]
     assert got["type"] == "admitted" and got["step"] == 20 and got["key"] == "state/1/0.0/20"
-    assert f.m.sites[1].state == "active" and not f.m.donor_of
+    assert f.m.sites[1].state == "active" and not f.m.policy.donor_of
 
 
 def test_a_stop_ends_every_member_at_the_first_boundary_each_can_still_reach():
@@ -187,7 +189,7 @@ def test_a_stop_ends_every_member_at_the_first_boundary_each_can_still_reach():
     f.m.tick(f.now)
     f.serve()
     f.m.halt(15)
-    assert f.m.halt_at == 50                       # the furthest member's next boundary
+    assert f.m.policy.halt_at == 50                       # the furthest member's next boundary
     f.arrive(2, 30)
     f.m.tick(f.now)
     (_, a), = f.serve()
@@ -195,7 +197,7 @@ def test_a_stop_ends_every_member_at_the_first_boundary_each_can_still_reach():
 
 
 def test_an_arrival_in_a_fleet_of_rounds_is_fenced():
-    m = Membership(2, 2, 3.0, 0.0)
+    m = Membership(2, 2, 0.0, Timeouts(3.0), Rounds())
     for d in range(2):
         m.message({"type": "hello", "dc": d, "inc": 0}, 0.0)
     m.message({"type": "arrive", "dc": 0, "inc": 0, "n": 0, "step": 10, "period": 10}, 0.0)

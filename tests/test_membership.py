@@ -2,7 +2,9 @@
 quorum that keeps a partition from splitting the run, fencing, admission, retries, the end."""
 import pytest
 
-from lowcomm.run.fleet.membership import MAX_ATTEMPTS, Membership, NoQuorum
+from lowcomm.comm.round_tag import RoundTag, TagKind
+from lowcomm.run.fleet.membership import Membership, NoQuorum, Timeouts
+from lowcomm.run.fleet.rounds import MAX_ATTEMPTS, Rounds
 
 
 class Fleet:
@@ -11,7 +13,8 @@ class Fleet:
 
     def __init__(self, dcs=3, min_dcs=2, limit_s=3.0, founders=True):
         self.now = 0.0
-        self.m = Membership(dcs, min_dcs, limit_s, self.now, start_s=10.0, quorum_s=20.0)
+        self.m = Membership(dcs, min_dcs, self.now, Timeouts(limit_s, start_s=10.0, quorum_s=20.0),
+                            Rounds())
         self.read = 0
         if founders:
             for d in range(dcs):
@@ -34,18 +37,18 @@ class Fleet:
 
     def ready(self, dcs, tag="t4.f0", **extra):
         for d in dcs:
-            self.say(d, "ready", self.m.sites[d].inc, round=self.m.round, tag=tag, numel=10,
+            self.say(d, "ready", self.m.sites[d].inc, round=self.m.policy.round, tag=tag, numel=10,
                      **extra)
 
     def done(self, dcs, ok=True):
         for d in dcs:
-            self.say(d, "done", self.m.sites[d].inc, round=self.m.round, attempt=self.m.attempt,
-                     ok=ok, error=None if ok else "peer gone")
+            self.say(d, "done", self.m.sites[d].inc, round=self.m.policy.round,
+                     attempt=self.m.policy.attempt, ok=ok, error=None if ok else "peer gone")
 
     def round(self, dcs, tag="t4.f0", **extra):
         self.ready(dcs, tag, **extra)
         self.tick()
-        d = self.m.decision
+        d = self.m.policy.decision
         self.done(d["members"])
         self.tick()
         return d
@@ -55,19 +58,19 @@ def test_a_round_is_decided_when_every_member_is_ready_and_committed_when_every_
     f = Fleet()
     f.ready([0, 1])
     f.tick()
-    assert f.m.decision is None, "decided before datacenter 2 was ready"
+    assert f.m.policy.decision is None, "decided before datacenter 2 was ready"
     f.ready([2])
     f.tick()
-    d = f.m.decision
+    d = f.m.policy.decision
     assert d["members"] == [0, 1, 2] and d["tag"] == "t4.f0" and d["donor"] == 0, d
     assert all(f.mail(i)[-1]["type"] == "decision" for i in range(3))
     f.done([0, 1])
     f.tick()
-    assert f.m.round == 0, "committed before datacenter 2 reported"
+    assert f.m.policy.round == 0, "committed before datacenter 2 reported"
     f.done([2])
     f.tick()
-    assert f.m.round == 1 and all(f.mail(i)[-1] == {"type": "outcome", "round": 0, "commit": True}
-                                  for i in range(3))
+    assert f.m.policy.round == 1 and all(
+        f.mail(i)[-1] == {"type": "outcome", "round": 0, "commit": True} for i in range(3))
 
 
 def test_a_datacenter_whose_job_ended_is_out_at_once_and_the_others_go_on():
@@ -76,7 +79,7 @@ def test_a_datacenter_whose_job_ended_is_out_at_once_and_the_others_go_on():
     f.ready([0, 2], "t8.f0")
     f.m.down(1, 0, "killed by SIGKILL", f.now)
     f.tick()
-    assert f.m.decision["members"] == [0, 2] and f.m.decision["round"] == 1
+    assert f.m.policy.decision["members"] == [0, 2] and f.m.policy.decision["round"] == 1
     fail = f.events("failure")[0]
     assert fail["dc"] == 1 and fail["cause"] == "killed by SIGKILL" and not fail["kill"], fail
     assert f.mail(1)[-1]["type"] == "fence"
@@ -86,16 +89,16 @@ def test_a_silent_datacenter_is_out_after_the_limit_but_only_while_a_quorum_rema
     f = Fleet(limit_s=3.0)
     f.ready([0, 2])
     f.tick(2.9, beat=[0, 2])
-    assert f.m.decision is None and f.m.sites[1].state == "active"
+    assert f.m.policy.decision is None and f.m.sites[1].state == "active"
     f.tick(0.2, beat=[0, 2])
-    assert f.m.sites[1].state == "gone" and f.m.decision["members"] == [0, 2]
+    assert f.m.sites[1].state == "gone" and f.m.policy.decision["members"] == [0, 2]
     assert f.events("failure")[0]["kill"], "the fleet must tear a silent datacenter's job down"
     # a partition: 0 alone cannot count 2 out (it would be a minority deciding alone)
     f.done([0, 2])
     f.tick()
     f.ready([0])
     f.tick(5.0, beat=[0])
-    assert f.m.sites[2].state == "active" and f.m.phase == "collect", "a minority decided"
+    assert f.m.sites[2].state == "active" and f.m.policy.phase == "collect", "a minority decided"
     assert f.events("no_quorum"), "waiting without a quorum is logged"
     with pytest.raises(NoQuorum, match="only 1 of the 2"):
         f.tick(30.0, beat=[0])
@@ -110,7 +113,7 @@ def test_a_fenced_incarnation_is_answered_with_a_fence_whatever_it_says_later():
     assert f.mail(1) == [], "fenced once only"
     f.m.sites[1].fenced.clear()
     f.say(1, "ready", round=0, tag="t4.f0", numel=10)
-    assert f.mail(1)[0]["type"] == "fence" and 1 not in f.m.readies
+    assert f.mail(1)[0]["type"] == "fence" and 1 not in f.m.policy.readies
 
 
 def test_a_relaunched_datacenter_is_admitted_at_the_next_boundary_with_a_donor():
@@ -123,7 +126,7 @@ def test_a_relaunched_datacenter_is_admitted_at_the_next_boundary_with_a_donor()
     assert d["admit_next"] and d["members"] == [0, 2], d
     f.ready([0, 2], "t8.admit", admit=True)
     f.tick()
-    a = f.m.decision
+    a = f.m.policy.decision
     assert a["members"] == [0, 1, 2] and a["joiners"] == [1] and a["donor"] == 0, a
     assert [m for d, inc, m in f.m.outbox if d == 1 and inc == 1][-1]["type"] == "decision"
     f.done([0, 1, 2])
@@ -137,20 +140,21 @@ def test_a_round_that_failed_goes_again_without_the_dead_member_and_in_a_new_gro
     d0 = f.round([0, 1, 2])
     f.ready([0, 1, 2], "t8.f0")
     f.tick()
-    first = f.m.decision
+    first = f.m.policy.decision
     assert first["group"] == d0["group"], "an unchanged membership keeps its gloo group"
     f.done([0, 2], ok=False)                 # 1 died half-way through the reduction
     f.tick()
-    assert f.m.round == 1 and f.m.decision is first, "retried before 1's fate was known"
+    assert f.m.policy.round == 1 and f.m.policy.decision is first, \
+        "retried before 1's fate was known"
     f.m.down(1, 0, "killed", f.now)
     f.tick()
-    again = f.m.decision
+    again = f.m.policy.decision
     assert again["attempt"] == 1 and again["members"] == [0, 2] and again["group"] != first["group"]
     assert f.mail(0)[-2] == {"type": "outcome", "round": 1, "commit": False}
     assert f.events("retry")[0]["failed"] == {0: "peer gone", 2: "peer gone"}
     f.done([0, 2])
     f.tick()
-    assert f.m.round == 2
+    assert f.m.policy.round == 2
 
 
 def test_a_round_failing_every_attempt_makes_the_coordinator_give_up():
@@ -177,9 +181,9 @@ def test_founders_are_awaited_then_counted_out_when_they_never_come():
     f.say(2, "hello")
     f.ready([0, 2])
     f.tick(5.0, beat=[0, 2])
-    assert f.m.decision is None, "decided while founder 1 may still be starting"
+    assert f.m.policy.decision is None, "decided while founder 1 may still be starting"
     f.tick(6.0, beat=[0, 2])
-    assert f.m.sites[1].state == "gone" and f.m.decision["members"] == [0, 2]
+    assert f.m.sites[1].state == "gone" and f.m.policy.decision["members"] == [0, 2]
 
 
 def test_the_end_tells_a_waiting_datacenter_that_it_was_not_admitted():
@@ -221,17 +225,18 @@ def test_of_two_datacenters_a_relaunched_one_is_admitted_to_restore_the_quorum()
     f.m.down(1, 0, "killed", f.now)
     f.ready([0], "t8.f0")
     f.tick(1.0, beat=[0])
-    assert f.m.decision is None or f.m.decision["round"] == 0, "decided without a quorum"
+    assert f.m.policy.decision is None or f.m.policy.decision["round"] == 0, \
+        "decided without a quorum"
     assert f.events("no_quorum")
     f.say(1, "hello", inc=1, joining=True)
     f.tick()
-    d = f.m.decision
+    d = f.m.policy.decision
     assert d["round"] == 1 and d["members"] == [0] and d["admit_next"], d
     f.done([0])
     f.tick()
     f.ready([0], "t8.admit", admit=True)
     f.tick()
-    a = f.m.decision
+    a = f.m.policy.decision
     assert a["members"] == [0, 1] and a["joiners"] == [1] and a["donor"] == 0, a
     f.done([0, 1])
     f.tick()
@@ -267,20 +272,21 @@ def test_a_halt_stops_a_datacenter_left_without_a_quorum():
     f.m.down(1, 0, "killed", f.now)
     f.ready([0], "t8.f0")
     f.tick()
-    assert f.m.phase == "collect", "decided without a quorum"
+    assert f.m.policy.phase == "collect", "decided without a quorum"
     f.m.halt(2)
     f.tick()
-    assert f.m.decision["members"] == [0] and f.m.decision["halt"] == 2, f.m.decision
+    d = f.m.policy.decision
+    assert d["members"] == [0] and d["halt"] == 2, d
 
 
 def _paced(quorum=2, grace=0.5):
     """A fleet with a quorum and a grace window whose first two rounds came 10 s apart."""
     f = Fleet()
-    f.m.quorum, f.m.grace = quorum, grace
+    f.m.policy.quorum, f.m.policy.grace = quorum, grace
     for tag in ("t4.f0", "t8.f0"):
         f.round([0, 1, 2], tag)
         f.tick(10.0, beat=(0, 1, 2))
-    assert f.m.grace_s() == pytest.approx(5.0)        # half the median interval
+    assert f.m.policy.grace_s() == pytest.approx(5.0)        # half the median interval
     return f
 
 
@@ -288,14 +294,14 @@ def test_with_a_quorum_a_round_waits_the_grace_window_then_leaves_the_slow_one_l
     f = _paced()
     f.ready([0, 1], "t12.f0")
     f.tick(4.9, beat=(0, 1, 2))
-    assert f.m.decision["tag"] == "t8.f0", "decided before the grace window ended"
+    assert f.m.policy.decision["tag"] == "t8.f0", "decided before the grace window ended"
     f.tick(0.2, beat=(0, 1, 2))
-    d = f.m.decision
+    d = f.m.policy.decision
     assert d["tag"] == "t12.f0" and d["members"] == [0, 1] and d["late"] == [2], d
     assert f.events("grace_over")[-1]["late"] == [2]
     f.done([0, 1])
     f.tick()
-    assert f.m.round == 3 and f.m.sites[2].state == "active", "late is not dead"
+    assert f.m.policy.round == 3 and f.m.sites[2].state == "active", "late is not dead"
     # its ready for the round that went without it: told it is late, its 8 steps carried on
     f.say(2, "ready", round=2, tag="t12.f0", numel=10, steps=8)
     late = [m for m in f.mail(2) if m["type"] == "late"]
@@ -304,26 +310,27 @@ def test_with_a_quorum_a_round_waits_the_grace_window_then_leaves_the_slow_one_l
     # 16 since the older outer state it trained from)
     f.ready([0, 1], "t16.f0")
     f.tick(60.0, beat=(0, 1, 2))
-    assert f.m.decision["round"] == 2, "went ahead without a datacenter catching up"
+    assert f.m.policy.decision["round"] == 2, "went ahead without a datacenter catching up"
     f.ready([2], "t16.f0", steps=16, carried=True)
     f.tick()
-    d = f.m.decision
+    d = f.m.policy.decision
     assert d["members"] == [0, 1, 2] and d["catching_up"] == {"2": 16} and d["donor"] == 0, d
     f.done([0, 1, 2])
     f.tick()
-    assert f.m.catching_up == set() and f.m.late == {}
+    assert f.m.policy.catching_up == set() and f.m.policy.late == {}
 
 
 def test_the_first_rounds_an_admission_and_a_late_one_are_waited_for():
     f = Fleet()
-    f.m.quorum, f.m.grace = 2, 0.5
+    f.m.policy.quorum, f.m.policy.grace = 2, 0.5
     f.ready([0, 1])
     f.tick(100.0, beat=(0, 1, 2))
-    assert f.m.decision is None, "no interval seen yet: nothing to derive a grace window from"
+    assert f.m.policy.decision is None, \
+        "no interval seen yet: nothing to derive a grace window from"
     f = _paced()
     f.ready([0, 1], "t12.f0", admit=True)
     f.tick(100.0, beat=(0, 1, 2))
-    assert f.m.decision["tag"] == "t8.f0", "an admission round left a datacenter out"
+    assert f.m.policy.decision["tag"] == "t8.f0", "an admission round left a datacenter out"
 
 
 def test_a_late_datacenters_ready_for_another_synchronisation_is_fenced():
@@ -345,3 +352,68 @@ def test_a_quorum_or_grace_that_cannot_be_met_is_refused_naming_the_key(sets, ke
     with pytest.raises(ConfigError) as e:
         load_config(None, ["fleet.dcs=3", *sets])
     assert e.value.key == key, str(e.value)
+
+
+def test_every_rule_acts_through_a_method_of_the_membership_and_every_state_has_its_rules():
+    from lowcomm.run.fleet.membership import RULES, State
+    assert all(callable(getattr(Membership, "_" + r.act, None)) for r in RULES if r.act)
+    assert {s for r in RULES for s in r.states} == set(State)
+
+
+@pytest.mark.parametrize("state,kind,to", [
+    ("expected", "hello", "active"), ("gone", "join", "joining"), ("active", "join", "joining"),
+    ("finished", "hello", "active"), ("retired", "hello", "retired"), ("stopped", "join", "joining")])
+def test_a_new_incarnations_hello_goes_where_the_table_says(state, kind, to):
+    from lowcomm.run.fleet.membership import Msg, State
+    f = Fleet()
+    f.m.sites[1].state = State(state)
+    rule = f.m.rule(State(state), Msg(kind))
+    f.say(1, "hello", inc=1, joining=kind == "join")
+    assert f.m.sites[1].state == to and (rule is None or rule.to in (to, "gone")), rule
+    new = [m["type"] for d, inc, m in f.m.outbox if (d, inc) == (1, 1)]
+    assert new == (["fence"] if to == "retired" else []), new
+
+
+def test_a_message_of_an_unknown_type_is_fenced_naming_it():
+    f = Fleet()
+    f.say(0, "gossip")
+    assert f.mail(0) == [{"type": "fence", "why": "a message of unknown type 'gossip'"}]
+
+
+def test_a_ready_whose_tag_is_no_round_tag_is_fenced_naming_it():
+    f = Fleet()
+    f.ready([0], "step-4")
+    assert f.mail(0)[-1]["type"] == "fence" and "'step-4'" in f.mail(0)[-1]["why"]
+    assert 0 not in f.m.policy.readies
+
+
+@pytest.mark.parametrize("text,tag", [
+    ("t40.f0", RoundTag.sync(40, 0)), ("t8.admit", RoundTag.admit(8)),
+    ("finish.f3", RoundTag.finish(3)), ("span12", RoundTag.span(12))])
+def test_a_round_tag_reads_back_what_it_writes(text, tag):
+    assert str(tag) == text and RoundTag.parse(text) == tag
+    assert (tag.step is not None) == (tag.kind in (TagKind.SYNC, TagKind.ADMIT))
+
+
+@pytest.mark.parametrize("text", ["t40", "t40.f", "tx.f0", "finish.fx", "t-1.f0", "span", "", None])
+def test_a_text_that_is_no_round_tag_is_refused_naming_it(text):
+    with pytest.raises(ValueError, match="not a round tag"):
+        RoundTag.parse(text)
+
+
+def test_a_round_tag_without_the_fields_its_kind_names_is_refused():
+    with pytest.raises(ValueError, match="step must be an integer >= 0"):
+        RoundTag(TagKind.SYNC, fragment=0)
+    with pytest.raises(ValueError, match="names no fragment"):
+        RoundTag(TagKind.ADMIT, step=4, fragment=0)
+
+
+def test_a_relaunch_counts_the_old_incarnation_out_with_how_long_it_was_silent():
+    f = Fleet()
+    f.tick(2.0, beat=[0, 2])
+    f.say(1, "hello", inc=1, joining=True)
+    fail = f.events("failure")[0]
+    assert (fail["dc"], fail["inc"], fail["silent_s"]) == (1, 0, 2.0), fail
+    assert fail["cause"] == "relaunched as incarnation 1" and fail["was"] == "active", fail
+    assert [m["type"] for d, inc, m in f.m.outbox if (d, inc) == (1, 0)] == ["fence"]
+    assert (f.m.sites[1].state, f.m.sites[1].inc) == ("joining", 1)

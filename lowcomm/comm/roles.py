@@ -4,9 +4,9 @@ methods read them directly.
 
 * :class:`Peers` — the ranks an average goes across: an MPI :class:`~lowcomm.comm.comm.Comm` (or a
   :class:`~lowcomm.comm.gloo.GlooComm`), or a fleet's
-  :class:`~lowcomm.run.fleet.channel.Channel` / :class:`~lowcomm.run.fleet.channel.RankChannel`;
+  :class:`~lowcomm.run.fleet.channel.Channel` / :class:`~lowcomm.run.fleet.ranks.RankChannel`;
 * :class:`Whole` — every rank of every unit, what an outer loop averages the last partial period
-  and the buffers over: the loop's Comm, or a fleet's :class:`~lowcomm.run.fleet.channel.Span`;
+  and the buffers over: the loop's Comm, or a fleet's :class:`~lowcomm.run.fleet.ranks.Span`;
 * :class:`LevelSet` — a topology's communicators as one rank sees them: the topology's
   :class:`~lowcomm.comm.topology.Levels` (one MPI job) or a fleet's
   :class:`~lowcomm.run.fleet.member.FleetLevels`.

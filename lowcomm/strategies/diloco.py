@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.comm import Comm
+from ..comm.round_tag import RoundTag
 from ..compress.compressor import Compressor
 from ..compress.error_feedback import ErrorFeedback
 from ..compress.quantize import StatQuant
@@ -370,7 +371,7 @@ class DiLoCo(OuterLoop):
                 torch.save({"outer": self.outer_params[f.index].detach(),
                             "optimizer": self.outer_optimizer.state_dict()}, buf)
                 return buf.getvalue()
-            kind, avg, got = self.route.leaders.contribute(payload, f"t{self.t}.f{f.index}", steps,
+            kind, avg, got = self.route.leaders.contribute(payload, RoundTag.sync(self.t, f.index), steps,
                                                       state, self.algorithm, self.route.levels,
                                                       carried=self._late["carried"] > 0)
             msg = (kind, got)

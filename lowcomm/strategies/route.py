@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from ..comm.round_tag import RoundTag
 from ..comm.collectives import allreduce_
 from ..comm.comm import Comm
 from ..comm.idle import IdleWait
@@ -63,7 +64,7 @@ class Rounds:
         self.channel, self.algorithm, self.levels = channel, algorithm, levels
 
     def average(self, flat: torch.Tensor, f: Fragment, t: int) -> torch.Tensor:
-        return self.channel.average(flat, f"t{t}.f{f.index}", self.algorithm, self.levels)
+        return self.channel.average(flat, RoundTag.sync(t, f.index), self.algorithm, self.levels)
 
 
 def destination(peers, algorithm: str, levels, compressor) -> Destination:
@@ -239,7 +240,7 @@ class Route:
         synchronisation; under FSDP over this rank's chunks' peers."""
         over = self.leaders if self.local is not None else self.whole
         if over.rounds:                              # a fleet's channel (FSDP below)
-            f.unpack_(over.average(f.pack(), f"finish.f{f.index}", "ring", self.levels))
+            f.unpack_(over.average(f.pack(), RoundTag.finish(f.index), "ring", self.levels))
             return
         with over.charged_to(ledger) if over is not self.whole else nullcontext():
             f.unpack_(allreduce_(f.pack(), over, "mpi", op="avg"))

@@ -17,17 +17,21 @@ The pieces, from the outside in:
   (``summary.json`` with the membership, failures, heals and goodput; ``metrics.jsonl``);
 * :mod:`~lowcomm.run.fleet.coordinator`: a small process holding the ``TCPStore`` the
   datacenters' leaders talk through, moving their messages to and from
-  :mod:`~lowcomm.run.fleet.membership`, the state machine that decides every round (who takes
-  part, who is dead, who is admitted, when the fleet halts) — no I/O, tested without a process;
+  :mod:`~lowcomm.run.fleet.membership`, the state machine of the datacenters (a table of state
+  × message: who is active, dead, fenced, admitted; heartbeats and the quorum) and its policy,
+  :mod:`~lowcomm.run.fleet.rounds` (who takes part in each round, when it commits or goes again,
+  when the fleet halts) — no I/O, tested without a process;
 * :mod:`~lowcomm.run.fleet.server`: under asynchronous DiLoCo (``diloco-async``) there are no
   rounds: the coordinator holds the outer state and applies each datacenter's pseudo-gradient
   as it arrives (:class:`~lowcomm.run.fleet.server.ArrivalServer`,
-  :meth:`Channel.arrive <lowcomm.run.fleet.channel.Channel.arrive>`); the membership answers
-  each arrival at once and only the last ones together;
+  :meth:`Channel.arrive <lowcomm.run.fleet.channel.Channel.arrive>`); the membership's policy
+  is then :mod:`~lowcomm.run.fleet.arrivals`, which answers each arrival at once and only the
+  last ones together;
 * :mod:`~lowcomm.run.fleet.channel`: a datacenter's side of the rounds
-  (:class:`~lowcomm.run.fleet.channel.Channel` on its leader, rank 0;
-  :class:`~lowcomm.run.fleet.channel.RankChannel` for rank i of every datacenter when the outer
-  state is sharded; :class:`~lowcomm.run.fleet.channel.Span` for every rank at once), the
+  (:class:`~lowcomm.run.fleet.channel.Channel` on its leader, rank 0; in
+  :mod:`~lowcomm.run.fleet.ranks`, :class:`~lowcomm.run.fleet.ranks.RankChannel` for rank i of
+  every datacenter when the outer state is sharded and :class:`~lowcomm.run.fleet.ranks.Span`
+  for every rank at once), the
   reductions over a gloo group of the round's members (:class:`~lowcomm.comm.gloo.GlooComm`);
 * :mod:`~lowcomm.run.fleet.member`: one datacenter's job, the one training loop
   (:mod:`lowcomm.run.loop`) with the channel as the ``dc`` level's peers
@@ -44,8 +48,9 @@ one round loop every kind of round runs through: an average of pseudo-gradients,
 a relaunched datacenter's join, a sharded average's leader):
 
 1. at its synchronisation step the outer method of each datacenter's leader hands the channel
-   its pseudo-gradient and says ``ready`` with the round's tag (``t40.f0``: fragment 0 at step
-   40), the same on every member;
+   its pseudo-gradient and says ``ready`` with the round's tag
+   (:class:`~lowcomm.comm.round_tag.RoundTag`, ``t40.f0``: fragment 0 at step 40), the same on
+   every member;
 2. the membership decides the round once every active datacenter is ready or found dead
    (its job ended, or silent past the limit) while a quorum (``fleet.min_dcs``) remains, and
    names the members and a gloo group for this attempt;

@@ -43,8 +43,8 @@ from ...comm.collectives import allreduce_
 from ...comm.gloo import GlooComm
 from ...comm.ledger import Ledger
 from ...comm.watchdog import predict
+from ...comm.round_tag import RoundTag
 from ...errors import CommError
-from .report import tag_step
 
 log = logging.getLogger("lowcomm.fleet")
 
@@ -297,21 +297,25 @@ class Channel:
             self.ledger = ledger
         return self
 
-    def average(self, flat: torch.Tensor, tag: str, algorithm: str = "ring",
+    def average(self, flat: torch.Tensor, tag: RoundTag, algorithm: str = "ring",
                 levels=None) -> torch.Tensor:
-        """The average of ``flat`` over the members of this round (module docstring): a fresh
-        tensor, equal on every member. ``algorithm``: lowcomm's (``auto`` decided as over MPI)."""
+        """The average of ``flat`` over the members of round ``tag`` (module docstring): a
+        fresh tensor, equal on every member. ``algorithm``: lowcomm's (``auto`` decided as over
+        MPI)."""
         return self.round_of("fleet.average", lambda d: self._reduce(d, flat, algorithm, levels),
                              ready={"tag": tag, "numel": flat.numel()})[1]
 
     def round_of(self, op: str, work, ready: dict | None = None):
-        """The fleet's one round: say ready (with ``ready``'s fields; not for a joiner, which
-        the coordinator admits), then for each decision of this round — an attempt — run
+        """The fleet's one round: say ready (with ``ready``'s fields, its ``tag`` a
+        :class:`~lowcomm.comm.round_tag.RoundTag`; not for a joiner, which the coordinator
+        admits), then for each decision of this round — an attempt — run
         ``work(decision)`` (result, or None and why it failed) and report it done, until an
         attempt is committed; returns (the committed decision, its result). Every kind of round
         (an average, an admission, a join, a sharded average's leader) is this loop."""
         if ready is not None:
-            self.send("ready", round=self.round, **ready)
+            if not isinstance(ready["tag"], RoundTag):
+                raise TypeError(f"{op}: a round's tag is a RoundTag, got {ready['tag']!r}")
+            self.send("ready", round=self.round, **{**ready, "tag": str(ready["tag"])})
         while True:
             d = self._decision(op)
             if d["type"] == "late":                  # it went ahead without this member
@@ -356,7 +360,7 @@ class Channel:
         if self._ready_t is not None:
             self._spent("round_s", time.monotonic() - self._ready_t)
             self._ready_t = None
-        step = tag_step(str(d.get("tag", "")))
+        step = RoundTag.parse(d["tag"]).step
         step = -1 if step is None else step
         if d.get("admit_next"):
             self._admit_from = step if self._admit_from is None else min(self._admit_from, step)
@@ -410,7 +414,7 @@ class Channel:
                 self.plane.forget()
                 return None, str(e)
         d, _ = self.round_of("fleet.admit", donate,
-                             ready={"tag": f"t{step}.admit", "numel": 0, "admit": True})
+                             ready={"tag": RoundTag.admit(step), "numel": 0, "admit": True})
         self._admit_from = None                      # held
         return list(d["joiners"])
 
@@ -449,7 +453,7 @@ class Channel:
                 self.plane.forget()
                 return None, str(e)
         d, payload = self.round_of("fleet.join", take)
-        return {"payload": payload, "step": tag_step(d["tag"]), "round": d["round"],
+        return {"payload": payload, "step": RoundTag.parse(d["tag"]).step, "round": d["round"],
                 "bytes": len(payload), "wait_s": t1[0] - t0, "transfer_s": time.monotonic() - t1[0]}
 
     def _take_state(self, comm: GlooComm, d: dict, ledger: Ledger, op: str = "heal") -> bytes:
@@ -463,7 +467,7 @@ class Channel:
         return data.numpy().tobytes()
 
     # a round that may go ahead without a late member --------------------------------------------
-    def contribute(self, payload, tag: str, steps: int, state, algorithm: str = "ring",
+    def contribute(self, payload, tag: RoundTag, steps: int, state, algorithm: str = "ring",
                    levels=None, carried: bool = False):
         """This member's part of a round under a quorum (:mod:`~lowcomm.run.fleet.membership`):
         ``payload(catching_up, corrector)`` is the tensor it adds to the round's average, given
@@ -566,113 +570,4 @@ class Channel:
             self._hb.join(timeout=max(1.0, self._hb.heartbeat_s * 4) * 2 + 1)
 
 
-class RankChannel:
-    """Rank i of every member datacenter, for an outer loop whose state is sharded over each
-    datacenter's ranks (``zero1``/``zero2`` inside; :class:`~lowcomm.strategies.outer.OuterLoop`):
-    every rank reduces its own range with its counterparts, so the cross-datacenter traffic is
-    spread over all ranks instead of one leader.
-
-    The round is the leader's (:class:`Channel`: the same ready, decision, done and commit with
-    the coordinator, who sees one member per datacenter); the leader hands each decision to the
-    datacenter's ranks (``inside``, MPI), each rank all-reduces over its own gloo group of the
-    decision's members (prefix ``rank{i}/``), the leader reports the round done only where every
-    rank's reduction completed, and hands the outcome on: a round redone without a lost member is
-    redone on every rank, and no rank applies a partial sum. Every datacenter has the same number
-    of ranks (the fleet splits them evenly). ``store``: this rank's client of the coordinator's
-    store (the leader's channel's own on the leader)."""
-
-    rounds = True        # (a :class:`~lowcomm.comm.roles.Peers`)
-    per_rank = True
-    dcs = None           # (its datacenter is ``dc``; the leader's Channel counts them)
-
-    def __init__(self, inside, channel: Channel | None, store, dc: int, limits: Limits, link=None,
-                 rank: int = 0, ledger: Ledger | None = None, shared: dict | None = None):
-        self.inside, self.channel, self.store = inside, channel, store
-        self.dc, self.limits, self.link, self.rank = dc, limits, link, rank
-        self.ledger = ledger if ledger is not None else Ledger()
-        self.plane = _Groups(store, dc, limits, link, rank, f"rank{inside.rank}/")
-        # what every rank reads from the decisions it is handed, shared with its duplicates
-        self.shared = shared if shared is not None else {"admit_due": False}
-
-    @property
-    def admit_due(self) -> bool:
-        """Whether a datacenter waits to be admitted at this round boundary (every rank of
-        every member knows it from the last committed decision)."""
-        return self.shared["admit_due"]
-
-    def admitted(self) -> None:
-        self.shared["admit_due"] = False
-
-    def dup(self, ledger: Ledger | None = None) -> "RankChannel":
-        """Over a duplicate of ``inside`` (collective over the datacenter's ranks; the rounds'
-        hand-offs there are not the method's traffic), its data plane charged to ``ledger``."""
-        return RankChannel(self.inside.dup(Ledger()), self.channel, self.store, self.dc,
-                           self.limits, self.link, self.rank, ledger, self.shared)
-
-    def average(self, flat: torch.Tensor, tag: str, algorithm: str = "ring",
-                levels=None) -> torch.Tensor:
-        """The average of this rank's ``flat`` over rank i of the round's members (class
-        docstring): a fresh tensor, equal on those ranks."""
-        out = []                                     # this rank's result of the last attempt
-
-        def attempt(d: dict):
-            """Every rank's part of an attempt of decision ``d``."""
-            x, err = self.plane.reduce(d, flat, algorithm, levels, self.ledger)
-            out[:] = [x]
-            errors = [f"rank {i} of datacenter {self.dc}: {e}"
-                      for i, e in enumerate(self.inside.allgather_object(err)) if e]
-            return None, errors[0] if errors else None
-        if self.channel is not None:                 # the leader: the round with the coordinator
-            d, _ = self.channel.round_of("fleet.average",
-                                         lambda d: attempt(self.inside.bcast_object(d)),
-                                         ready={"tag": tag, "numel": flat.numel()})
-            self.inside.bcast_object(("committed", d))
-        else:                                        # the others: each attempt, until committed
-            while True:
-                msg = self.inside.bcast_object(None)
-                if isinstance(msg, tuple) and msg[0] == "committed":
-                    d = msg[1]
-                    break
-                attempt(msg)
-        self.shared["admit_due"] = self.admit_due or bool(d.get("admit_next"))
-        return out[0]
-
-
-class Span:
-    """Every rank of the fleet as one communicator, for what an outer loop averages over all
-    ranks at once (the last partial period, floating buffers): the average inside the
-    datacenter (MPI), then across through ``channel`` (on the datacenter's leader), handed on
-    inside. ``size`` counts the ranks of the whole fleet. A :class:`~lowcomm.comm.roles.Whole`."""
-
-    rounds = False       # averages with allreduce_, the channel's rounds inside it
-
-    def __init__(self, inside, channel: Channel | None, size: int, rank: int,
-                 late_rounds: bool = False, arrivals: bool = False):
-        self.inside, self.channel, self.size, self.rank = inside, channel, size, rank
-        self.ledger, self.level, self.validate = inside.ledger, "dc", False
-        self.late_rounds = late_rounds      # a round may go ahead without a late datacenter
-        self.arrivals = arrivals            # no rounds: arrivals at the coordinator's server
-        self._count = 0
-
-    def allreduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if op != "avg":
-            raise CommError("fleet.span", self.rank, f"across a fleet only averages, not {op!r}")
-        self._count += 1
-        flat = t.detach().reshape(-1).to("cpu", torch.float64 if t.dtype == torch.float64
-                                         else torch.float32).contiguous()
-        if self.inside.size > 1:
-            self.inside.allreduce_(flat, "avg")
-        if self.channel is not None:
-            flat = self.channel.average(flat, f"span{self._count}", "ring")
-        if self.inside.size > 1:
-            self.inside.bcast_(flat, root=0)
-        t.copy_(flat.view(t.shape).to(t.dtype))
-        return t
-
-    def bcast_(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
-        """Inside the datacenter only (integer buffers: every datacenter counts the same)."""
-        return self.inside.bcast_(t, root) if self.inside.size > 1 else t
-
-
-__all__ = ["Channel", "FleetError", "Limits", "PROTOCOL", "RankChannel", "Span", "key",
-           "store_client"]
+__all__ = ["Channel", "FleetError", "Limits", "PROTOCOL", "key", "store_client"]

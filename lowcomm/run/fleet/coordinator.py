@@ -32,7 +32,9 @@ import time
 import torch
 
 from .channel import _store, key
-from .membership import LIVE, Membership, NoQuorum
+from .arrivals import Arrivals
+from .membership import LIVE, Membership, NoQuorum, Timeouts
+from .rounds import Rounds
 from .server import ArrivalServer
 
 
@@ -59,8 +61,9 @@ class _Watcher(threading.Thread):
 
 class Coordinator:
     """Serve one fleet's membership on ``store`` (the master), logging events to ``log``;
-    ``server``: asynchronous DiLoCo's arrival server (None: a fleet of rounds), its state
-    saved to ``state_path`` when the coordinator stops and loaded from there when it starts."""
+    ``server``: asynchronous DiLoCo's arrival server (None: a fleet of rounds; with one, the
+    membership's policy is :class:`~lowcomm.run.fleet.arrivals.Arrivals`), its state saved to
+    ``state_path`` when the coordinator stops and loaded from there when it starts."""
 
     def __init__(self, store, membership: Membership, log, heartbeat_s: float,
                  server: ArrivalServer | None = None, state_path: str | None = None):
@@ -68,8 +71,7 @@ class Coordinator:
         self.server, self.state_path = server, state_path
         if server is not None and state_path and os.path.exists(state_path):
             server.load_state_dict(torch.load(state_path, weights_only=True))
-            self.m.events.append({"event": "server_state", "t": time.time(),
-                                  "arrivals": server.arrivals, "from": state_path})
+            self.m.event("server_state", arrivals=server.arrivals, **{"from": state_path})
         self.q: queue.Queue = queue.Queue()
         self.held: list = []
         self.watchers: dict[tuple[int, int], _Watcher] = {}
@@ -80,7 +82,7 @@ class Coordinator:
     def serve(self, commands) -> int:
         """Run until ``stop``; the exit status (3 when the membership gave up)."""
         threading.Thread(target=self._read, args=(commands,), daemon=True).start()
-        self.m.events.append({"event": "start", "t": time.time(), "port": self.store.port})
+        self.m.event("start", port=self.store.port)
         next_hb = 0.0
         try:
             while not self.stopping:
@@ -94,7 +96,7 @@ class Coordinator:
                 self._flush()
                 self._wait(0.02)
         except NoQuorum as e:
-            self.m.events.append({"event": "gave_up", "t": time.time(), "why": str(e)})
+            self.m.event("gave_up", why=str(e))
             self._flush()
             return 3
         finally:
@@ -105,21 +107,21 @@ class Coordinator:
     def _serve(self) -> None:
         """Apply the arrivals the membership queued, in order, and answer each; then the final
         ones, all applied before any is answered (every member takes the same θ)."""
-        m, server = self.m, self.server
+        arrivals, server = self.m.policy, self.server
         if server is None:
             return
-        for dc, inc, msg in m.queue:
+        for dc, inc, msg in arrivals.queue:
             self._apply(dc, inc, msg)
             self._answer(dc, inc, msg, self._state())
-        m.queue.clear()
-        if m.barrier:
-            for dc, inc, msg in m.barrier:
+        arrivals.queue.clear()
+        if arrivals.barrier:
+            for dc, inc, msg in arrivals.barrier:
                 self._apply(dc, inc, msg)
             state = self._state()                  # the same θ for every member
-            for dc, inc, msg in m.barrier:
+            for dc, inc, msg in arrivals.barrier:
                 self._answer(dc, inc, msg, state)
-            m.barrier = []
-            m.events.append({"event": "final", "t": time.time(), "arrivals": server.arrivals})
+            arrivals.barrier = []
+            self.m.event("final", arrivals=server.arrivals)
 
     def _apply(self, dc: int, inc: int, msg: dict) -> None:
         name = key("arrival", dc=dc, inc=inc, n=msg["n"])
@@ -139,7 +141,7 @@ class Coordinator:
 
     def _answer(self, dc: int, inc: int, msg: dict, state: bytes) -> None:
         self.store.set(key("theta", dc=dc, inc=inc, n=msg["n"]), state)
-        self.m._mail(dc, self.m.answer(dc, msg, self.server.arrivals), inc)
+        self.m.mail(dc, self.m.policy.answer(dc, msg, self.server.arrivals), inc)
 
     def _save(self) -> None:
         if self.server is None or not self.state_path or not self.server.ready:
@@ -239,8 +241,8 @@ def main(argv=None) -> int:
     from torch.distributed import TCPStore
     store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=60))
-    m = Membership(a.dcs, a.min_dcs, a.limit_s, time.monotonic(), a.start_s, a.quorum_s,
-                   a.quorum, a.grace, arrivals=a.server is not None)
+    m = Membership(a.dcs, a.min_dcs, time.monotonic(), Timeouts(a.limit_s, a.start_s, a.quorum_s),
+                   Arrivals() if a.server else Rounds(a.quorum, a.grace))
     server = ArrivalServer(**json.loads(a.server)) if a.server else None
     print(f"ready {store.port}", flush=True)
     log = open(a.log, "a") if a.log else None

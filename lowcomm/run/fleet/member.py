@@ -31,7 +31,8 @@ from ...strategies.ownership import adopt
 from .. import outcome
 from ..lockstep import Coordination, Lockstep
 from ..signals import Interrupted
-from .channel import Channel, RankChannel, Span, store_client
+from .channel import Channel, store_client
+from .ranks import RankChannel, Span
 from .plan import FleetPlan, plan
 
 log = logging.getLogger("lowcomm.fleet")
@@ -82,7 +83,7 @@ class FleetLevels:
 
     def rank_peers(self, level: str):
         """Rank i of every datacenter at the ``dc`` level (an outer loop over a sharded level
-        below: :class:`~lowcomm.run.fleet.channel.RankChannel`, made on first use, on every rank of
+        below: :class:`~lowcomm.run.fleet.ranks.RankChannel`, made on first use, on every rank of
         the datacenter together); :meth:`peers` below it."""
         if level != self.names[0]:
             return self.peers(level)

@@ -2,69 +2,146 @@
 messages and log events come out (:mod:`lowcomm.run.fleet.coordinator` moves them through the
 store; :mod:`lowcomm.run.fleet.channel` is the members' side).
 
-Each datacenter (a *site*) is ``expected`` (a founder not heard of yet), ``active`` (takes part
-in rounds), ``joining`` (a relaunched job waiting to be admitted), ``gone`` (failed: fenced),
-``finished`` or ``retired`` (left out after failing too often). Rules:
+Each datacenter is a *site* in one :class:`State`; what a message does to it is one row of
+:data:`RULES` below (state × message → the next state, the reply, the act), which is what
+:meth:`Membership.handle` dispatches on. The members' messages: ``hello`` (a founder's, or a
+relaunched job's ``join``, of a new incarnation), ``ready``, ``done``, ``arrive``, ``donated``,
+``healed``, ``bye`` (finished, ``stop`` as told, or ``fail``). The fleet's (the supervisor's
+commands and the clock): ``down`` (its job ended), ``silent`` (no heartbeat nor message for
+``limit_s``, ``start_s`` for a founder's first hello), ``retire`` (left out after failing too
+often), ``admit`` (the policy took a joiner in), ``close`` (nobody is left to admit a joiner:
+the fleet halts, or asynchronous DiLoCo's final arrivals were released) and ``end``.
 
-* **Rounds.** A round is decided when every active site is ready for it (the same tag on all:
-  the same synchronisation of the same step) or found dead. Its members reduce; the round is
-  committed only when every member reports its reduction complete; a member that failed or died
-  makes the round go again without it (``attempt`` + 1, a new gloo group).
-* **Quorum with a grace window** (``quorum`` > 0): once ``quorum`` active sites are ready, the
-  round waits ``grace`` × the median interval between the last rounds' decisions (observed, so
-  it follows the fleet's pace: never a fixed timeout) for the others, then goes ahead without
-  them. A site left out so is *late*, not dead: its ready for that round is answered with
-  ``late`` (it keeps its local progress and its pseudo-gradient), and the next round waits for
-  it and names it in ``catching_up`` with the steps it carries, so its contribution is merged
-  there, weighted by its steps, and the ``donor`` hands it the outer state that round made. A
-  site late already, an admission round and the first round (no interval seen yet) wait for
-  every site.
-* **Dead.** A site whose job ended (the fleet says so: ``down``) is out at once; one silent
-  for ``limit_s`` (no heartbeat, no message) is out only if the others keep a quorum — so a
-  partition never splits the run: the side without ``min_dcs`` datacenters waits, and
-  ``quorum_s`` without a quorum ends the coordinator (the fleet then restarts from
-  checkpoints). A site counted out is *fenced*: every later message of that incarnation is
-  answered with ``fence``, and the fleet tears its job down and relaunches it.
-* **Admission.** A decision while a site is joining says ``admit_next``; at their next round
-  boundary the members hold an admission round, whose members include the joining sites and
-  whose ``donor`` (the lowest active member) sends them the live state. Admission needs
-  ``min_dcs`` sites counting the joiners; so does the round before it: a round that lacks a
-  quorum only until the joiners are admitted goes ahead (2 datacenters, one relaunched: the
-  other's round, then the admission round restores the quorum). Fewer than ``min_dcs`` sites
-  that are not left out can never make a quorum again: the coordinator gives up at once.
-* **Stop.** Told to halt (the fleet got SIGINT/SIGTERM), every decision says ``halt``: each
-  member stops at that round's boundary and writes its checkpoint (all at the same step) and
-  says ``bye`` (stopped); joining sites are told ``over``. That round goes ahead without a
-  quorum (its members only checkpoint and stop; a resume starts from the newest step
-  ``min_dcs`` of them hold).
-* **Arrivals** (``arrivals``: the fleet runs asynchronous DiLoCo,
-  :mod:`~lowcomm.run.fleet.server`): there are no rounds. Each member's ``arrive`` is queued
-  for the coordinator's arrival server (:attr:`queue`) and answered at once (:meth:`answer`)
-  with the members' latest speeds and how long after the first member to reach the same step
-  it came, less the lag it started with (a founder's hello after the first founder's; a
-  joiner's first arrival); nobody waits for anybody. A member's last arrival
-  (``final``) is held until every active member has sent its own (or is out): then all are
-  applied and every member takes the same θ (one model at the end). A joining site is given
-  a donor, the next active member to arrive, which hands it its live state at that boundary
-  (``donated``; the site is then ``admitted`` and active). Told to halt, the members stop at
-  the first period boundary every one of them can still reach, S = the latest arrival's step
-  + its period (each answer from then on says ``halt`` with S).
-* **End.** When no site is active any more and one has finished, joining sites are told
-  ``over``; when none has finished, nobody is left to hand the state on: the coordinator gives
-  up (the fleet restarts from checkpoints).
+* **Fencing.** A member's message that no row takes — one from an incarnation other than the
+  site's, or one its state does not allow — is answered with ``fence`` (once per incarnation),
+  and the fleet tears that job down and relaunches it. A fleet's message no row takes changes
+  nothing.
+* **Heartbeats.** Every message a row takes and every heartbeat of the site's incarnation
+  refreshes when it was last seen; a silent active site is counted out only if the others keep
+  a quorum of ``min_dcs`` — so a partition never splits the run: the side without a quorum
+  waits, and ``quorum_s`` without one ends the coordinator (the fleet then restarts from
+  checkpoints). Fewer than ``min_dcs`` sites not retired can never make a quorum again: the
+  coordinator gives up at once.
+* **Stop.** Told to halt (the fleet got SIGINT/SIGTERM), the policy stops every member at one
+  boundary; a member that then says ``bye`` (stopped) is no failure.
+* **End.** When no site is expected or active any more and one has finished or stopped,
+  joining sites are told ``over``; when none has, nobody is left to hand the state on: the
+  coordinator gives up (the fleet restarts from checkpoints).
+
+What the sites take part in is the policy's (the ``policy`` act): the rounds of a synchronous
+fleet (:class:`~lowcomm.run.fleet.rounds.Rounds`: ``ready``, ``done``) or the arrivals of
+asynchronous DiLoCo (:class:`~lowcomm.run.fleet.arrivals.Arrivals`: ``arrive``, ``donated``);
+a message of the other policy's is fenced.
 """
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import NamedTuple, Protocol
 
 from ...errors import LowcommError
 
-#: attempts of one round before the coordinator gives up (a fault that every retry meets)
-MAX_ATTEMPTS = 8
 
-LIVE = ("expected", "active", "joining")
+class State(StrEnum):
+    """What a datacenter is to the coordinator."""
+    EXPECTED = "expected"    # a founder not heard of yet
+    ACTIVE = "active"        # takes part in rounds (or arrivals)
+    JOINING = "joining"      # a relaunched job waiting to be admitted
+    GONE = "gone"            # failed: its incarnation is fenced
+    FINISHED = "finished"    # ran to the end
+    STOPPED = "stopped"      # stopped at the fleet's halt, as told
+    RETIRED = "retired"      # left out of the run after failing too often
+    OVER = "over"            # told the run is over before it was admitted
+
+
+class Msg(StrEnum):
+    """A message as the rules see it (module docstring): the member's, then the fleet's."""
+    HELLO = "hello"
+    JOIN = "join"
+    READY = "ready"
+    DONE = "done"
+    ARRIVE = "arrive"
+    DONATED = "donated"
+    HEALED = "healed"
+    BYE = "bye"
+    STOP = "stop"
+    FAIL = "fail"
+    OTHER = "other"          # another incarnation's, a repeated hello, an unknown type
+    DOWN = "down"
+    SILENT = "silent"
+    RETIRE = "retire"
+    ADMIT = "admit"
+    CLOSE = "close"
+    END = "end"
+
+
+#: the fleet's messages (the others are a member's): one no row takes changes nothing
+FLEET = {Msg.DOWN, Msg.SILENT, Msg.RETIRE, Msg.ADMIT, Msg.CLOSE, Msg.END}
+
+#: the states of a site that may still take part: watched for silence, heartbeats read
+LIVE = (State.EXPECTED, State.ACTIVE, State.JOINING)
+#: a job the fleet counts on runs: a new incarnation's hello counts the old one out first
+RUNNING = (State.ACTIVE, State.JOINING)
+#: no incarnation runs that the fleet counts on: a new one's hello is welcome
+IDLE = (State.EXPECTED, State.GONE, State.FINISHED, State.STOPPED, State.OVER)
+
+
+class Rule(NamedTuple):
+    """One row of :data:`RULES`: in any of ``states``, on any of ``messages``, while ``when``
+    holds (None: always; the first row that matches wins), ``act`` (a method of
+    :class:`Membership`, ``_`` + its name) is carried out, the site goes to ``to`` (None: it
+    stays), ``reply`` is sent to its incarnation (``fence``, with the act's reason, or
+    ``over``) and, with ``again``, the message is taken once more in the new state."""
+    states: tuple[State, ...]
+    messages: tuple[Msg, ...]
+    when: str | None
+    to: State | None
+    reply: str | None
+    act: str | None
+    again: bool = False
+
+
+def _row(states, messages, when, to, reply, act, again=False) -> Rule:
+    """A row as the table writes it: a state or message alone, or a tuple of them."""
+    return Rule(states if isinstance(states, tuple) else (states,),
+                messages if isinstance(messages, tuple) else (messages,), when, to, reply, act,
+                again)
+
+
+AGAIN = True
+ALL = tuple(State)
+#: the policy's messages from an active site (``done`` comes from a joiner too)
+POLICY_ACTIVE = (Msg.READY, Msg.ARRIVE, Msg.DONATED)
+
+#: The sites' rules: state × message → (next state, reply), and the act that carries it out.
+#: Guards (``when``): ``ended`` (the run is over), ``closed`` (over, or halting: nobody will
+#: admit a joiner), ``halting`` (the fleet was told to stop). The policy's acts send its own
+#: replies (``decision``, ``outcome``, ``late``: rounds.py; ``arrived``, ``admitted``:
+#: arrivals.py) and may fence a message it refuses.
+RULES: tuple[Rule, ...] = tuple(_row(*row) for row in (
+    # states        messages               when       -> state        reply    act
+    (IDLE,          Msg.HELLO,             "ended",   State.OVER,     "over",  "adopt"),
+    (IDLE,          Msg.HELLO,             None,      State.ACTIVE,   None,    "hello"),
+    (IDLE,          Msg.JOIN,              "closed",  State.OVER,     "over",  "adopt"),
+    (IDLE,          Msg.JOIN,              None,      State.JOINING,  None,    "hello"),
+    (RUNNING,       (Msg.HELLO, Msg.JOIN), None,      State.GONE,     "fence", "relaunched", AGAIN),
+    (State.ACTIVE,  POLICY_ACTIVE,         None,      None,           None,    "policy"),
+    (RUNNING,       Msg.DONE,              None,      None,           None,    "policy"),
+    (State.ACTIVE,  Msg.HEALED,            None,      None,           None,    "healed"),
+    (RUNNING,       Msg.BYE,               None,      State.FINISHED, None,    "bye"),
+    (RUNNING,       Msg.STOP,              "halting", State.STOPPED,  None,    "bye"),
+    (RUNNING,       (Msg.STOP, Msg.FAIL),  None,      State.GONE,     "fence", "failed"),
+    (LIVE,          Msg.DOWN,              None,      State.GONE,     "fence", "down"),
+    (LIVE,          Msg.SILENT,            None,      State.GONE,     "fence", "silent"),
+    (State.JOINING, Msg.ADMIT,             None,      State.ACTIVE,   None,    None),
+    (State.JOINING, Msg.CLOSE,             None,      State.OVER,     "over",  None),
+    (State.JOINING, Msg.END,               None,      None,           "over",  None),
+    (ALL,           Msg.RETIRE,            None,      State.RETIRED,  None,    "retired"),
+))
+
+#: why a member's message that no row takes is fenced, by the site's state
+REFUSED = {State.RETIRED: "left out of the run after failing too often"}
 
 
 class NoQuorum(LowcommError):
@@ -78,214 +155,186 @@ class Site:
     dc: int
     seen: float                       # the clock of its last heartbeat or message
     inc: int = 0                      # incarnation of its job (0: the first launch)
-    state: str = "expected"
+    state: State = State.EXPECTED
     hello_at: float | None = None     # when a joining incarnation said hello
     fenced: set = field(default_factory=set)
 
 
-class Membership:
-    """The coordinator's state (module docstring). ``dcs`` founders, a quorum of ``min_dcs``,
-    ``limit_s`` of silence before a site is out, ``start_s`` for a founder's first hello,
-    ``quorum_s`` without a quorum before giving up."""
+@dataclass(frozen=True)
+class Timeouts:
+    """The coordinator's patience: ``limit_s`` of silence before a site is out, ``start_s``
+    for a founder's first hello, ``quorum_s`` without a quorum before giving up."""
+    limit_s: float
+    start_s: float = 300.0
+    quorum_s: float = 600.0
 
-    def __init__(self, dcs: int, min_dcs: int, limit_s: float, now: float,
-                 start_s: float = 300.0, quorum_s: float = 600.0, quorum: int = 0,
-                 grace: float = 0.0, arrivals: bool = False):
+
+class Policy(Protocol):
+    """What the sites take part in: rounds (rounds.py) or arrivals (arrivals.py)."""
+
+    #: what it is ("rounds", "arrivals"), as a refusal names it
+    name: str
+    #: the members' messages it takes; a site's other policy messages are fenced
+    messages: frozenset[Msg]
+    #: the round the fleet is at (named in the sites' events; 0 for arrivals)
+    round: int
+
+    def attach(self, sites: Membership) -> None:
+        """Serve ``sites`` (checks the policy's settings against them)."""
+
+    def hello(self, site: Site, joining: bool, now: float) -> None:
+        """A new incarnation of ``site`` said hello."""
+
+    def out(self, dc: int) -> None:
+        """``dc`` is out: forget what it had under way."""
+
+    def halt(self) -> None:
+        """The fleet was told to stop."""
+
+    def tick(self, now: float) -> None:
+        """Decide, commit, retry or release what can be."""
+
+    def take(self, kind: Msg, site: Site, msg: dict, now: float) -> None:
+        """A member's message of a kind in :attr:`messages`."""
+
+
+class Membership:
+    """The coordinator's sites (module docstring): ``dcs`` founders, a quorum of ``min_dcs``,
+    the clock's ``timeouts``, and the ``policy`` they take part in: a
+    :class:`~lowcomm.run.fleet.rounds.Rounds` or an
+    :class:`~lowcomm.run.fleet.arrivals.Arrivals`."""
+
+    def __init__(self, dcs: int, min_dcs: int, now: float, timeouts: Timeouts, policy: Policy):
         if not 1 <= min_dcs <= dcs:
             raise ValueError(f"min_dcs must be in [1, {dcs}], got {min_dcs}")
-        if quorum and not (min_dcs <= quorum <= dcs and grace > 0):
-            raise ValueError(f"quorum must be in [min_dcs={min_dcs}, {dcs}] with grace > 0, got "
-                             f"quorum={quorum}, grace={grace}")
-        self.quorum, self.grace = quorum, grace
-        self.arrivals = arrivals                   # asynchronous: arrivals, no rounds
-        self.queue: list[tuple[int, int, dict]] = []   # arrivals for the server, in order
-        self.finals: dict[int, dict] = {}          # final arrivals held for the end
-        self.barrier: list[tuple[int, int, dict]] = []  # the final ones, released together
-        self.steps: dict[int, int] = {}            # each site's latest arrival: step, period
-        self.speeds: dict[int, float] = {}
-        self.donor_of: dict[int, int | None] = {}  # joining site -> the member handing it over
-        self.halt_at: int | None = None
-        self.first_at: dict[int, float] = {}       # step -> when its first arrival came
-        self.started: dict[int, float] = {}        # founder -> when it said hello
-        self.skew: dict[int, float] = {}           # site -> its start's lag behind the first
-        self.decided_at: list[float] = []          # when the last rounds were decided
-        self.arrived: dict[int, float] = {}        # when each site said ready for this round
-        self.late: dict[int, dict] = {}            # site -> the round it was left out of
-        self.catching_up: set[int] = set()         # sites whose steps go back to a round before
         self.sites = {i: Site(i, now) for i in range(dcs)}
-        self.min_dcs, self.limit_s, self.start_s, self.quorum_s = min_dcs, limit_s, start_s, quorum_s
-        self.round, self.attempt, self.phase = 0, 0, "collect"
-        self.readies: dict[int, dict] = {}
-        self.decision: dict | None = None
-        self.dones: dict[int, dict] = {}
-        self.group, self.group_members = None, None
+        self.min_dcs, self.timeouts, self.policy = min_dcs, timeouts, policy
         self.short_since: float | None = None      # since when without a quorum
         self.outbox: list[tuple[int, int, dict]] = []
         self.events: list[dict] = []
         self.over = False
-        self.halt_signum = 0                      # the fleet was stopped: decisions say halt
+        self.halt_signum = 0                       # the fleet was stopped: the policy halts it
+        policy.attach(self)
 
     # output ---------------------------------------------------------------------------------
-    def _mail(self, dc: int, msg: dict, inc: int | None = None) -> None:
+    def mail(self, dc: int, msg: dict, inc: int | None = None) -> None:
+        """Put ``msg`` in the mailbox of ``dc``'s incarnation ``inc`` (None: its current one)."""
         self.outbox.append((dc, self.sites[dc].inc if inc is None else inc, msg))
 
-    def _event(self, kind: str, **fields) -> None:
+    def event(self, kind: str, **fields) -> None:
+        """Log an event (the fleet's ``membership.jsonl``)."""
         self.events.append({"event": kind, "t": time.time(), **fields})
 
-    def _fence(self, dc: int, inc: int, why: str) -> None:
+    def fence(self, dc: int, inc: int, why: str) -> None:
+        """Answer incarnation ``inc`` of ``dc`` with ``fence`` (once)."""
         site = self.sites[dc]
         if inc not in site.fenced:
             site.fenced.add(inc)
-            self._mail(dc, {"type": "fence", "why": why}, inc)
+            self.mail(dc, {"type": "fence", "why": why}, inc)
 
-    # input ----------------------------------------------------------------------------------
+    def __getitem__(self, dc: int) -> Site:
+        return self.sites[dc]
+
+    def dcs(self, *states: State) -> list[int]:
+        """The datacenters in one of ``states``, in order."""
+        return [d for d, s in self.sites.items() if s.state in states]
+
+    # the rules ------------------------------------------------------------------------------
     def message(self, msg: dict, now: float) -> None:
-        """A member's message (``hello``, ``ready``, ``done``, ``healed``, ``bye``)."""
+        """A member's message, taken by the row of :data:`RULES` it matches."""
         site = self.sites[msg["dc"]]
-        if msg["type"] == "hello" and (msg["inc"] > site.inc or site.state == "expected"):
-            self._hello(site, msg, now)
-            return
-        if msg["inc"] != site.inc or site.state not in (*LIVE, "finished", "stopped"):
-            self._fence(site.dc, msg["inc"], f"incarnation {msg['inc']} of datacenter "
-                        f"{site.dc} is no longer a member")
-            return
-        site.seen = now
-        getattr(self, "_on_" + msg["type"])(site, msg, now)
+        self.handle(site, classify(msg, site), msg, now)
 
-    def _hello(self, site: Site, msg: dict, now: float) -> None:
-        if site.state in ("active", "joining") and msg["inc"] > site.inc:
-            self._out(site, f"relaunched as incarnation {msg['inc']}", now, kill=False)
-        if site.state == "retired":
-            self._fence(site.dc, msg["inc"], "left out of the run after failing too often")
+    def handle(self, site: Site, kind: Msg, msg: dict, now: float) -> None:
+        """Take ``kind`` (``msg``'s fields) at ``site`` by its rule (module docstring)."""
+        rule = self.rule(site.state, kind)
+        if rule is None:
+            if kind not in FLEET:
+                self.fence(site.dc, msg["inc"], self._refused(site, kind, msg))
             return
+        if kind not in FLEET and msg["inc"] == site.inc:
+            site.seen = now                        # (a new incarnation's: when it is adopted)
+        why = getattr(self, "_" + rule.act)(site, kind, msg, now) if rule.act else None
+        if rule.to is not None:
+            site.state = rule.to
+        if rule.reply == "fence":
+            self.fence(site.dc, site.inc, why)
+        elif rule.reply is not None:
+            self.mail(site.dc, {"type": rule.reply})
+        if rule.again:
+            self.handle(site, kind, msg, now)
+
+    def rule(self, state: State, kind: Msg) -> Rule | None:
+        """The first row of :data:`RULES` for ``state`` and ``kind`` whose guard holds."""
+        for r in RULES:
+            if state in r.states and kind in r.messages and self._holds(r.when):
+                return r
+        return None
+
+    def _holds(self, when: str | None) -> bool:
+        guards = {None: True, "ended": self.over, "halting": bool(self.halt_signum),
+                  "closed": self.over or bool(self.halt_signum)}
+        return guards[when]
+
+    def _refused(self, site: Site, kind: Msg, msg: dict) -> str:
+        if site.state in REFUSED:
+            return REFUSED[site.state]
+        if msg["inc"] != site.inc or msg["type"] == "hello":
+            return f"incarnation {msg['inc']} of datacenter {site.dc} is no longer a member"
+        if kind is Msg.OTHER:
+            return f"a message of unknown type {msg['type']!r}"
+        return f"a {msg['type']} message from datacenter {site.dc} while it is {site.state}"
+
+    # the acts (``why``: the reason a fence reply carries) ---------------------------------------
+    def _adopt(self, site: Site, kind: Msg, msg: dict, now: float) -> None:
         site.inc, site.seen = msg["inc"], now
-        if self.over or self.halt_signum and msg.get("joining"):     # nobody left to admit it
-            site.state = "late"
-            self._mail(site.dc, {"type": "over"})
-            return
-        site.state = "joining" if msg.get("joining") else "active"
-        site.hello_at = now if msg.get("joining") else None
-        if self.arrivals and msg.get("joining"):
-            self.donor_of[site.dc] = None          # the next member to arrive hands it over
-        self.skew.pop(site.dc, None)
-        if msg.get("joining"):
-            self.started.pop(site.dc, None)
-        else:
-            self.started[site.dc] = now
-        self._event("hello", dc=site.dc, inc=site.inc, joining=bool(msg.get("joining")),
-                    round=self.round)
 
-    def _on_ready(self, site: Site, msg: dict, now: float) -> None:
-        late = self.late.get(site.dc)
-        if late is not None and msg["round"] == late["round"] and site.state == "active":
-            if msg.get("tag") != late["tag"]:
-                self._fence(site.dc, site.inc, f"ready for round {msg['round']} with "
-                            f"{msg.get('tag')} after it committed {late['tag']}")
-                return
-            del self.late[site.dc]                 # answered: it carries its steps on
-            self.catching_up.add(site.dc)
-            self._mail(site.dc, {"type": "late", "round": late["round"], "tag": late["tag"],
-                                 "members": late["members"]})
-            self._event("late", dc=site.dc, inc=site.inc, round=late["round"], tag=late["tag"],
-                        late_s=round(now - late["at"], 3))
-            return
-        if msg["round"] != self.round or site.state != "active":
-            self._fence(site.dc, site.inc, f"ready for round {msg['round']} while the fleet is "
-                        f"at round {self.round}")
-            return
-        self.readies[site.dc] = msg
-        self.arrived.setdefault(site.dc, now)
-        if msg.get("carried"):                     # late before (a restart forgot it): catches up
-            self.catching_up.add(site.dc)
+    def _hello(self, site: Site, kind: Msg, msg: dict, now: float) -> None:
+        self._adopt(site, kind, msg, now)
+        joining = kind is Msg.JOIN
+        site.hello_at = now if joining else None
+        self.policy.hello(site, joining, now)
+        self.event("hello", dc=site.dc, inc=site.inc, joining=joining, round=self.policy.round)
 
-    def _on_arrive(self, site: Site, msg: dict, now: float) -> None:
-        if not self.arrivals or site.state != "active":
-            self._fence(site.dc, site.inc, f"an arrival from datacenter {site.dc} while it is "
-                        f"{site.state}" + ("" if self.arrivals else " in a fleet of rounds"))
-            return
-        self.steps[site.dc] = (int(msg["step"]), int(msg["period"]))
-        self.speeds[site.dc] = float(msg.get("speed") or 0.0)
-        self._event("arrival", dc=site.dc, inc=site.inc, n=msg["n"], step=msg["step"],
-                    steps=msg.get("steps"), speed=msg.get("speed"), final=bool(msg.get("final")))
-        if self.halt_signum and self.halt_at is None:
-            self.halt_at = int(msg["step"])        # the first boundary after the halt
-        first = self.first_at.setdefault(int(msg["step"]), now)
-        if len(self.first_at) > 64:
-            del self.first_at[min(self.first_at)]
-        if site.dc not in self.skew:               # a founder: how much later it started; a
-            self.skew[site.dc] = now - first if site.dc not in self.started else \
-                self.started[site.dc] - min(self.started.values())   # joiner: where it came in
-        msg = dict(msg, behind_s=max(0.0, now - first - self.skew[site.dc]))
-        if msg.get("final"):
-            self.finals[site.dc] = msg
-        else:
-            self.queue.append((site.dc, site.inc, msg))
+    def _relaunched(self, site: Site, kind: Msg, msg: dict, now: float) -> str:
+        return self._out(site, f"relaunched as incarnation {msg['inc']}", now, kill=False)
 
-    def answer(self, dc: int, msg: dict, arrivals: int) -> dict:
-        """The coordinator's answer to ``dc``'s arrival ``msg`` once the server applied it
-        (``arrivals`` in all so far): the members' speeds (by datacenter, 0 for one not heard
-        yet), how long after the first member to reach this step it arrived less the lag it
-        started with (``behind_s``),
-        the halt step, and the joining sites this member hands its state to."""
-        donate = []
-        if not msg.get("final"):
-            for j, donor in sorted(self.donor_of.items()):
-                if donor is None and self.sites[j].state == "joining":
-                    self.donor_of[j] = dc
-                    donate.append(j)
-        return {"type": "arrived", "n": msg["n"], "arrivals": arrivals,
-                "speeds": [self.speeds.get(d, 0.0) for d in sorted(self.sites)],
-                "behind_s": round(float(msg.get("behind_s", 0.0)), 6),
-                "halt": [self.halt_at, self.halt_signum] if self.halt_signum else None,
-                "donate": donate}
+    def _failed(self, site: Site, kind: Msg, msg: dict, now: float) -> str:
+        return self._out(site, f"its job failed ({msg['reason']})", now, kill=False)
 
-    def _on_donated(self, site: Site, msg: dict, now: float) -> None:
-        for j in msg["to"]:
-            joiner = self.sites[j]
-            if self.donor_of.get(j) != site.dc or joiner.state != "joining":
-                continue                           # it left meanwhile
-            del self.donor_of[j]
-            joiner.state = "active"
-            self._mail(j, {"type": "admitted", "key": msg["key"], "step": msg["step"],
-                           "donor": site.dc, "bytes": msg.get("bytes", 0)})
-            self._event("admitted", dc=j, inc=joiner.inc, step=msg["step"], donor=site.dc,
-                        since_hello_s=round(now - joiner.hello_at, 3) if joiner.hello_at else None)
+    def _down(self, site: Site, kind: Msg, msg: dict, now: float) -> str:
+        return self._out(site, msg["cause"], now, kill=False)
 
-    def _release(self) -> None:
-        """The final arrivals, once every active site has sent its own (module docstring)."""
-        if not self.finals or self.barrier:
-            return
-        active = [d for d, s in self.sites.items() if s.state == "active"]
-        if any(s.state == "expected" for s in self.sites.values()) or \
-                any(d not in self.finals for d in active):
-            return
-        self.barrier = [(d, self.sites[d].inc, self.finals.pop(d)) for d in sorted(active)]
-        for d, s in self.sites.items():
-            if s.state == "joining":               # nobody is left to hand it over
-                s.state = "late"
-                self._mail(d, {"type": "over"})
+    def _silent(self, site: Site, kind: Msg, msg: dict, now: float) -> str:
+        return self._out(site, msg["cause"], now, kill=True)
 
-    def _on_done(self, site: Site, msg: dict, now: float) -> None:
-        if self.phase == "reduce" and (msg["round"], msg["attempt"]) == (self.round, self.attempt):
-            self.dones[site.dc] = msg
+    def _out(self, site: Site, cause: str, now: float, kill: bool) -> str:
+        self.policy.out(site.dc)
+        self.event("failure", dc=site.dc, inc=site.inc, cause=cause, was=site.state,
+                   round=self.policy.round, silent_s=round(now - site.seen, 3), kill=kill)
+        return cause
 
-    def _on_healed(self, site: Site, msg: dict, now: float) -> None:
-        self._event("heal", dc=site.dc, inc=site.inc, **{k: msg[k] for k in msg if k in (
+    def _bye(self, site: Site, kind: Msg, msg: dict, now: float) -> None:
+        reason = "stopped" if kind is Msg.STOP else msg.get("reason", "finished")
+        self.event("bye", dc=site.dc, inc=site.inc, reason=reason, round=self.policy.round)
+
+    def _retired(self, site: Site, kind: Msg, msg: dict, now: float) -> None:
+        self.event("left_out", dc=site.dc, why=msg["why"], round=self.policy.round)
+
+    def _healed(self, site: Site, kind: Msg, msg: dict, now: float) -> None:
+        self.event("heal", dc=site.dc, inc=site.inc, **{k: msg[k] for k in msg if k in (
             "bytes", "seconds", "wait_s", "transfer_s", "step", "round", "since_hello_s")})
 
-    def _on_bye(self, site: Site, msg: dict, now: float) -> None:
-        if msg.get("reason") == "stopped" and self.halt_signum:     # stopped as it was told
-            site.state = "stopped"
-            self._event("bye", dc=site.dc, inc=site.inc, reason="stopped", round=self.round)
+    def _policy(self, site: Site, kind: Msg, msg: dict, now: float) -> None:
+        if kind not in self.policy.messages:
+            self.fence(site.dc, site.inc, f"a {msg['type']} message from datacenter {site.dc} "
+                       f"in a fleet of {self.policy.name}")
             return
-        if msg.get("reason", "finished") != "finished":     # its run raised: out at once
-            self._out(site, f"its job failed ({msg['reason']})", now, kill=False)
-            return
-        site.state = "finished"
-        self._event("bye", dc=site.dc, inc=site.inc, reason=msg.get("reason", "finished"),
-                    round=self.round)
+        self.policy.take(kind, site, msg, now)
 
+    # the fleet's commands -------------------------------------------------------------------
     def heartbeat(self, dc: int, inc: int, now: float) -> None:
+        """Incarnation ``inc`` of ``dc`` heartbeat."""
         site = self.sites[dc]
         if inc == site.inc:
             site.seen = now
@@ -293,215 +342,98 @@ class Membership:
     def down(self, dc: int, inc: int, cause: str, now: float) -> None:
         """The fleet: incarnation ``inc`` of ``dc``'s job ended (``cause``)."""
         site = self.sites[dc]
-        if inc == site.inc and site.state in LIVE:
-            self._out(site, cause, now, kill=False)
+        if inc == site.inc:
+            self.handle(site, Msg.DOWN, {"cause": cause}, now)
 
     def halt(self, signum: int) -> None:
-        """The fleet: stop every member at the boundary of the next round (its decision says
-        ``halt``); the joining sites are told the run is over."""
+        """The fleet: stop every member at one boundary (the policy's); the joining sites are
+        told the run is over."""
         self.halt_signum = signum
-        if self.steps:                             # the first boundary every member can reach
-            self.halt_at = max(step + period for step, period in self.steps.values())
-        for d, s in self.sites.items():
-            if s.state == "joining":
-                s.state = "late"
-                self._mail(d, {"type": "over"})
-        self._event("halt", signum=signum, round=self.round)
+        self.policy.halt()
+        self.close_joining()
+        self.event("halt", signum=signum, round=self.policy.round)
+
+    def close_joining(self) -> None:
+        """Nobody is left to admit a joining site: each is told the run is over."""
+        for s in list(self.sites.values()):
+            self.handle(s, Msg.CLOSE, {}, 0.0)
 
     def retire(self, dc: int, why: str) -> None:
         """The fleet: ``dc`` is left out for the rest of the run."""
-        self.sites[dc].state = "retired"
-        self._event("left_out", dc=dc, why=why, round=self.round)
+        self.handle(self.sites[dc], Msg.RETIRE, {"why": why}, 0.0)
 
-    def _out(self, site: Site, cause: str, now: float, kill: bool) -> None:
-        was = site.state
-        site.state = "gone"
-        self._fence(site.dc, site.inc, cause)
-        self.readies.pop(site.dc, None)
-        self.late.pop(site.dc, None)
-        self.catching_up.discard(site.dc)
-        self.finals.pop(site.dc, None)
-        self.donor_of.pop(site.dc, None)
-        for j, donor in self.donor_of.items():       # its joiners: the next arrival hands over
-            if donor == site.dc:
-                self.donor_of[j] = None
-        self._event("failure", dc=site.dc, inc=site.inc, cause=cause, was=was, round=self.round,
-                    silent_s=round(now - site.seen, 3), kill=kill)
-
-    # the clock --------------------------------------------------------------------------------
+    # the clock ------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        """Count silent sites out, then decide, commit or retry what can be."""
-        self._silent(now)
-        if self.arrivals:
-            self._release()
-        else:
-            if self.phase == "reduce":
-                self._settle(now)
-            if self.phase == "collect":
-                self._collect(now)
-        left = [d for d, s in self.sites.items() if s.state != "retired"]
+        """Count silent sites out, let the policy decide what it can, then see that a quorum
+        can still be made and whether the run is over."""
+        self._watch(now)
+        self.policy.tick(now)
+        left = [d for d, s in self.sites.items() if s.state is not State.RETIRED]
         if len(left) < self.min_dcs:
             raise NoQuorum(f"only datacenter(s) {left} are left in the run (the others were left "
                            f"out after failing too often) and a round needs {self.min_dcs}")
-        if not self.over and not any(s.state in ("expected", "active") for s in self.sites.values()):
-            if not any(s.state in ("finished", "stopped") for s in self.sites.values()):
+        if not self.over and not self.dcs(State.EXPECTED, State.ACTIVE):
+            if not self.dcs(State.FINISHED, State.STOPPED):
                 raise NoQuorum("no datacenter is left to take part in rounds or to hand its "
                                "state on")
-            self._end()
+            self.over = True
+            for s in self.sites.values():
+                self.handle(s, Msg.END, {}, now)
+            self.event("over", round=self.policy.round)
 
-    def _silent(self, now: float) -> None:
-        active = [s for s in self.sites.values() if s.state == "active"]
+    def _watch(self, now: float) -> None:
+        """Count out the sites silent past their limit (an active one only if the others keep
+        a quorum: a partition must not split the run)."""
+        active = len(self.dcs(State.ACTIVE))
         for s in list(self.sites.values()):
-            limit = self.start_s if s.state == "expected" else self.limit_s
+            limit = self.timeouts.start_s if s.state is State.EXPECTED else self.timeouts.limit_s
             if s.state not in LIVE or now - s.seen <= limit:
                 continue
-            if s.state == "active" and len(active) - 1 < self.min_dcs:
-                continue                # no quorum without it: wait (a partition must not split)
-            self._out(s, f"no heartbeat for {now - s.seen:.3g} s (limit {limit:.3g} s)", now,
-                      kill=True)
-            active = [a for a in active if a is not s]
+            if s.state is State.ACTIVE:
+                if active - 1 < self.min_dcs:
+                    continue
+                active -= 1
+            self.handle(s, Msg.SILENT, {"cause": f"no heartbeat for {now - s.seen:.3g} s "
+                                                 f"(limit {limit:.3g} s)"}, now)
 
-    def _collect(self, now: float) -> None:
-        active = sorted(d for d, s in self.sites.items() if s.state == "active")
-        if self.sites and any(s.state == "expected" for s in self.sites.values()):
-            return                                     # founders still starting
-        waiting = [d for d in active if d not in self.readies]
-        if waiting and self._grace_over(now, active, waiting):
-            self._leave_late(waiting, now)
-            active = [d for d in active if d not in waiting]
-        elif not active or waiting:
-            heard = [d for d in active if now - self.sites[d].seen <= self.limit_s]
-            self._quorum(now, len(heard))         # silent ones kept only for want of a quorum
-            return
-        admit = any(r.get("admit") for r in self.readies.values())
-        joining = sorted(d for d, s in self.sites.items() if s.state == "joining")
-        joiners = joining if admit else []
-        if len(active) + len(joining) < self.min_dcs and not self.halt_signum:
-            self._quorum(now, len(active))
-            return
-        # short of a quorum only for the joiners' sake: this round goes ahead with the active
-        # members and says admit_next, so the joiners are admitted at its boundary (else the
-        # active ones would wait for a quorum that only the admission round restores)
-        self.short_since = None
-        tags = {self.readies[d]["tag"] for d in active}
-        if len(tags) > 1:
-            raise NoQuorum(f"round {self.round}: the datacenters are at different "
-                           f"synchronisations: " + ", ".join(f"{d}: {self.readies[d]['tag']}"
-                                                             for d in active))
-        self._decide(active, joiners, tags.pop(), admit, now)
-
-    def grace_s(self) -> float | None:
-        """The grace window: ``grace`` × the median interval between the last rounds'
-        decisions (None before two were seen)."""
-        if len(self.decided_at) < 2:
-            return None
-        gaps = sorted(b - a for a, b in zip(self.decided_at, self.decided_at[1:]))
-        return self.grace * gaps[len(gaps) // 2]
-
-    def _grace_over(self, now: float, active: list[int], waiting: list[int]) -> bool:
-        """Whether this round goes ahead without ``waiting`` (module docstring: quorum)."""
-        if not self.quorum or self.halt_signum or not all(
-                re.fullmatch(r"t\d+\.f\d+", r.get("tag", "")) for r in self.readies.values()) or \
-                any(d in self.late or d in self.catching_up for d in waiting) or \
-                any(r.get("admit") for r in self.readies.values()) or \
-                any(s.state == "joining" for s in self.sites.values()):
-            return False
-        ready = sorted(self.arrived[d] for d in active if d in self.readies)
-        grace = self.grace_s()
-        return len(ready) >= self.quorum and grace is not None and \
-            now - ready[self.quorum - 1] >= grace
-
-    def _leave_late(self, waiting: list[int], now: float) -> None:
-        tags = {self.readies[d]["tag"] for d in self.readies}
-        tag = tags.pop() if len(tags) == 1 else None
-        members = sorted(self.readies)
-        for d in waiting:
-            self.late[d] = {"round": self.round, "tag": tag, "members": members, "at": now}
-        self._event("grace_over", round=self.round, late=waiting, grace_s=self.grace_s(),
-                    members=members)
-
-    def _quorum(self, now: float, n: int) -> None:
+    def check_quorum(self, now: float, n: int) -> None:
+        """``n`` sites could take part: note since when there is no quorum, and give up after
+        ``quorum_s`` without one."""
         if n >= self.min_dcs:
             self.short_since = None
             return
         if self.short_since is None:
             self.short_since = now
-            self._event("no_quorum", round=self.round, active=n, min_dcs=self.min_dcs)
-        elif now - self.short_since > self.quorum_s:
+            self.event("no_quorum", round=self.policy.round, active=n, min_dcs=self.min_dcs)
+        elif now - self.short_since > self.timeouts.quorum_s:
             raise NoQuorum(f"only {n} of the {self.min_dcs} datacenters a round needs for "
-                           f"{self.quorum_s:g} s")
+                           f"{self.timeouts.quorum_s:g} s")
 
-    def _decide(self, active: list[int], joiners: list[int], tag: str, admit: bool,
-                now: float) -> None:
-        members = sorted(active + joiners)
-        if members != self.group_members or self.group is None:
-            self.group, self.group_members = f"{self.round}.{self.attempt}", members
-        waiting = any(s.state == "joining" for s in self.sites.values())
-        self.decision = {"type": "decision", "round": self.round, "attempt": self.attempt,
-                         "tag": tag, "members": members, "contributors": active,
-                         "joiners": joiners, "donor": active[0], "group": self.group,
-                         "admit_next": waiting and not admit, "halt": self.halt_signum,
-                         "catching_up": {str(d): int(self.readies[d].get("steps", 0))
-                                         for d in sorted(self.catching_up) if d in self.readies},
-                         "late": sorted(self.late)}
-        if self.attempt == 0:
-            self.decided_at = [*self.decided_at[-8:], now]
-        for d in members:
-            self._mail(d, self.decision)
-        self._event("decision", **{k: v for k, v in self.decision.items() if k != "type"})
-        self.phase, self.dones = "reduce", {}
-
-    def _settle(self, now: float) -> None:
-        members = self.decision["members"]
-        gone = [d for d in members if self.sites[d].state not in ("active", "joining")]
-        if any(d not in self.dones and d not in gone for d in members):
-            return
-        if not gone and all(self.dones[d]["ok"] for d in members):
-            self._commit(now)
-        else:
-            self._retry(gone)
-
-    def _commit(self, now: float) -> None:
-        d = self.decision
-        for m in d["members"]:
-            self._mail(m, {"type": "outcome", "round": d["round"], "commit": True})
-        for j in d["joiners"]:
-            site = self.sites[j]
-            site.state = "active"
-            self._event("admitted", dc=j, inc=site.inc, round=d["round"], tag=d["tag"],
-                        since_hello_s=round(now - site.hello_at, 3) if site.hello_at else None)
-        self._event("commit", round=d["round"], attempt=d["attempt"], tag=d["tag"],
-                    members=d["members"])
-        self.round, self.attempt, self.phase = self.round + 1, 0, "collect"
-        self.readies, self.dones, self.arrived = {}, {}, {}
-        self.catching_up -= {int(c) for c in d["catching_up"]}
-
-    def _retry(self, gone: list[int]) -> None:
-        d = self.decision
-        failed = {m: self.dones[m].get("error") for m in d["members"]
-                  if m in self.dones and not self.dones[m]["ok"]}
-        for m in d["members"]:
-            if m not in gone:
-                self._mail(m, {"type": "outcome", "round": d["round"], "commit": False})
-        self._event("retry", round=d["round"], attempt=d["attempt"], gone=gone, failed=failed)
-        if self.attempt + 1 >= MAX_ATTEMPTS:
-            raise NoQuorum(f"round {d['round']} ({d['tag']}) failed {MAX_ATTEMPTS} times; last "
-                           f"errors: {failed}")
-        self.attempt += 1
-        self.group = None                            # a failed group is never reused
-        self.readies = {m: r for m, r in self.readies.items() if self.sites[m].state == "active"}
-        self.phase = "collect"
-
-    def _end(self) -> None:
-        self.over = True
-        for d, s in self.sites.items():
-            if s.state == "joining":
-                self._mail(d, {"type": "over"})
-        self._event("over", round=self.round)
+    def quorum_met(self) -> None:
+        """A round goes ahead: whatever quorum was missing is no longer waited for."""
+        self.short_since = None
 
     def snapshot(self) -> dict:
         """Who is what now (for the fleet's summary)."""
-        return {str(d): {"state": s.state, "inc": s.inc} for d, s in self.sites.items()}
+        return {str(d): {"state": str(s.state), "inc": s.inc} for d, s in self.sites.items()}
 
 
-__all__ = ["MAX_ATTEMPTS", "Membership", "NoQuorum", "Site"]
+def classify(msg: dict, site: Site) -> Msg:
+    """What a member's ``msg`` is to ``site``'s rules: a hello of a new incarnation (``hello``
+    or ``join``), one of the current incarnation's messages, or ``other``."""
+    kind, inc = msg["type"], msg["inc"]
+    if kind == "hello":
+        new = inc > site.inc or site.state is State.EXPECTED
+        return (Msg.JOIN if msg.get("joining") else Msg.HELLO) if new else Msg.OTHER
+    if inc != site.inc:
+        return Msg.OTHER
+    if kind == "bye":
+        reason = msg.get("reason", "finished")
+        return Msg.BYE if reason == "finished" else Msg.STOP if reason == "stopped" else Msg.FAIL
+    if kind in ("ready", "done", "arrive", "donated", "healed"):
+        return Msg(kind)
+    return Msg.OTHER
+
+
+__all__ = ["FLEET", "IDLE", "LIVE", "Membership", "Msg", "NoQuorum", "Policy", "RULES",
+           "RUNNING", "Rule", "Site", "State", "Timeouts", "classify"]

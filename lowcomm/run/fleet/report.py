@@ -6,9 +6,9 @@ The summary holds the run's result (the model of the datacenters that finished: 
 ``state_sha256`` must agree, ``dcs_agree``), the bytes of every datacenter (the heal traffic is
 in its ledger, op ``heal``), and under ``fleet``:
 
-* ``membership``: every committed round — its number, tag (``t40.f0``: fragment 0 at step 40;
-  ``t40.admit``: an admission), step, members, the datacenters admitted in it and the attempts
-  it took;
+* ``membership``: every committed round — its number, tag
+  (:class:`~lowcomm.comm.round_tag.RoundTag`: ``t40.f0``, fragment 0 at step 40; ``t40.admit``,
+  an admission), step, members, the datacenters admitted in it and the attempts it took;
 * ``failures``: every datacenter counted out — cause, how it was detected (its job ended, or
   the coordinator found it silent for ``silent_s``), the round and step;
 * ``heals``: every datacenter admitted back — step, round, bytes of state, seconds from its
@@ -34,6 +34,7 @@ import json
 import signal
 from pathlib import Path
 
+from ...comm.round_tag import RoundTag, TagKind
 from ..folder import json_text, write_text
 
 
@@ -41,15 +42,6 @@ def _events(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def tag_step(tag: str | None) -> int | None:
-    """The inner step a round's tag names (``t40.f0``, ``t40.admit``: 40), None for a round of
-    no step (``span3``, ``finish.f0``)."""
-    if tag and tag.startswith("t") and "." in tag:
-        head = tag[1:].split(".")[0]
-        return int(head) if head.isdigit() else None
-    return None
 
 
 def _json(path: Path) -> dict | None:
@@ -94,7 +86,8 @@ def rounds(events: list[dict]) -> list[dict]:
             decided[(e["round"], e["attempt"])] = e
         elif e["event"] == "commit":
             d = decided.get((e["round"], e["attempt"]), {})
-            out.append({"round": e["round"], "tag": e["tag"], "step": tag_step(e["tag"]),
+            step = RoundTag.parse(e["tag"]).step
+            out.append({"round": e["round"], "tag": e["tag"], "step": step,
                         "members": e["members"], "joiners": d.get("joiners", []),
                         "attempts": e["attempt"] + 1, "t": e["t"]})
     return out
@@ -116,8 +109,9 @@ def failures_and_heals(events: list[dict], committed: list[dict]) -> tuple[list,
             f = last_failure.get(e["dc"])
             if f is not None:
                 h["since_failure_s"] = round(e["t"] - f["t"], 3)
-                h["rounds_since_failure"] = len([r for r in committed if ".f" in r["tag"] and
-                                                 f["t"] < r["t"] and r["step"] <= e["step"]])
+                h["rounds_since_failure"] = len([r for r in committed if f["t"] < r["t"] and
+                                                 RoundTag.parse(r["tag"]).kind is TagKind.SYNC
+                                                 and r["step"] <= e["step"]])
             heals.append(h)
     return failures, heals
 
@@ -129,7 +123,8 @@ def steps_lost(fleet, committed: list[dict], failed: set[int]) -> dict:
     for dc in range(fleet.dcs):
         if dc in failed:
             continue
-        missed = [r for r in committed if ".f" in r["tag"] and dc not in r["members"]]
+        missed = [r for r in committed if dc not in r["members"] and
+                  RoundTag.parse(r["tag"]).fragment is not None]    # a round of its work
         out[str(dc)] = len(missed) * period
     return out
 
@@ -283,5 +278,5 @@ def _merged(fleet, committed: list[dict], failures: list[dict], heals: list[dict
                                         "event" in x, x.get("t", 0)))
 
 
-__all__ = ["arrivals", "failures_and_heals", "goodput", "incarnations", "numbered", "rounds", "steps_lost", "tag_step",
+__all__ = ["arrivals", "failures_and_heals", "goodput", "incarnations", "numbered", "rounds", "steps_lost",
            "write_report"]
