@@ -306,7 +306,7 @@ WIDE_FUNCTIONS: dict[str, str] = {
                                                         "a table (the membership's state goes "
                                                         "into that rewrite's objects)",
     "lowcomm.run.fleet.channel:Channel.__init__": "the fleet's channel (with the rules' rewrite)",
-    "lowcomm.run.fleet.channel:RankChannel.__init__": "the fleet's channel (as above)",
+    "lowcomm.run.fleet.ranks:RankChannel.__init__": "the fleet's channel (as above)",
     "lowcomm.run.fleet.supervisor:Fleet.__init__": "the fleet's supervisor (as above)",
 }
 
