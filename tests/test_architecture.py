@@ -302,9 +302,6 @@ WIDE_FUNCTIONS: dict[str, str] = {
                                                    "constructor (goes with it)",
     "lowcomm.strategies.policy:_build_levels": "a per-level policy's builder, beside the "
                                                "strategies' constructors (goes with them)",
-    "lowcomm.run.fleet.membership:Membership.__init__": "the fleet's rules, being rewritten as "
-                                                        "a table (the membership's state goes "
-                                                        "into that rewrite's objects)",
     "lowcomm.run.fleet.channel:Channel.__init__": "the fleet's channel (with the rules' rewrite)",
     "lowcomm.run.fleet.ranks:RankChannel.__init__": "the fleet's channel (as above)",
     "lowcomm.run.fleet.supervisor:Fleet.__init__": "the fleet's supervisor (as above)",
