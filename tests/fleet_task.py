@@ -10,9 +10,7 @@ the failing datacenter has failed that often. With ``hold_on=relaunches`` they w
 until ``hold_for`` relaunched incarnations of any datacenter have built their model (each
 marks itself there, a moment before it says hello to the coordinator): a datacenter killed from
 outside is back before the run's next rounds, however long its relaunch took, so that a run
-need not be sized to outlast one; with ``hold_on=stop``, until the test marks that it has sent
-its stop (a file ``stop*``), so that a run of quick steps is not over before the stop reaches
-it. Batches are a pure function of the step and rank."""
+need not be sized to outlast one. Batches are a pure function of the step and rank."""
 import os
 import time
 from pathlib import Path
@@ -21,9 +19,8 @@ import torch
 
 DEFAULTS = {"step_ms": 40.0, "dim": 16, "crash_dc": -1, "crash_step": 10, "marks": "",
             "hold_step": -1, "hold_for": 0, "hold_on": "failures"}
-#: what a hold counts in ``marks``: the failures of the crashing datacenter, relaunches, or the
-#: test's mark that it sent a stop
-HOLD_ON = {"failures": "inc*", "relaunches": "up*", "stop": "stop*"}
+#: what a hold counts in ``marks``: the failures of the crashing datacenter, or relaunches
+HOLD_ON = {"failures": "inc*", "relaunches": "up*"}
 #: the longest the other datacenters wait for the failures (then they go on, and the test says
 #: what is missing)
 HOLD_S = 300.0
