@@ -6,11 +6,7 @@ fails at step ``crash_step`` of its first launch and while building the model in
 relaunch (-1: none). With ``marks`` (a folder) each of its failures leaves a file there, and
 the other datacenters wait at step ``hold_step`` until ``hold_for`` failures are marked (at
 most ``HOLD_S``): however long a relaunch takes on a busy machine, the run is not over before
-the failing datacenter has failed that often. With ``hold_on=relaunches`` they wait instead
-until ``hold_for`` relaunched incarnations of any datacenter have built their model (each
-marks itself there, a moment before it says hello to the coordinator): a datacenter killed from
-outside is back before the run's next rounds, however long its relaunch took, so that a run
-need not be sized to outlast one. Batches are a pure function of the step and rank."""
+the failing datacenter has failed that often. Batches are a pure function of the step and rank."""
 import os
 import time
 from pathlib import Path
@@ -18,9 +14,7 @@ from pathlib import Path
 import torch
 
 DEFAULTS = {"step_ms": 40.0, "dim": 16, "crash_dc": -1, "crash_step": 10, "marks": "",
-            "hold_step": -1, "hold_for": 0, "hold_on": "failures"}
-#: what a hold counts in ``marks``: the failures of the crashing datacenter, or relaunches
-HOLD_ON = {"failures": "inc*", "relaunches": "up*"}
+            "hold_step": -1, "hold_for": 0}
 #: the longest the other datacenters wait for the failures (then they go on, and the test says
 #: what is missing)
 HOLD_S = 300.0
@@ -44,21 +38,10 @@ def _fail(cfg, why: str) -> RuntimeError:
 
 
 def _hold(cfg) -> None:
-    """Wait (a healthy datacenter, at ``hold_step``) until ``hold_for`` failures (or
-    relaunches: ``hold_on``) are marked."""
+    """Wait (a healthy datacenter, at ``hold_step``) until ``hold_for`` failures are marked."""
     marks, until = Path(_opt(cfg, "marks")), time.monotonic() + HOLD_S
-    pattern = HOLD_ON[_opt(cfg, "hold_on")]
-    while len(list(marks.glob(pattern))) < int(_opt(cfg, "hold_for")) and time.monotonic() < until:
+    while len(list(marks.glob("inc*"))) < int(_opt(cfg, "hold_for")) and time.monotonic() < until:
         time.sleep(0.1)
-
-
-def _mark_relaunch(cfg) -> None:
-    """A relaunched incarnation (``LOWCOMM_FLEET_INC`` > 0) marks itself in ``marks``."""
-    inc = os.environ.get("LOWCOMM_FLEET_INC", "0")
-    if _opt(cfg, "marks") and inc != "0":
-        marks = Path(_opt(cfg, "marks"))
-        marks.mkdir(parents=True, exist_ok=True)
-        (marks / f"up{inc}-dc{os.environ.get('LOWCOMM_FLEET_DC')}").write_text("model built")
 
 
 def _teacher(dim: int) -> torch.Tensor:
@@ -68,7 +51,6 @@ def _teacher(dim: int) -> torch.Tensor:
 def model(cfg):
     if _crashing(cfg) and os.environ.get("LOWCOMM_FLEET_INC", "0") != "0":
         raise _fail(cfg, "this datacenter keeps failing (task.crash_dc)")
-    _mark_relaunch(cfg)
     dim = int(_opt(cfg, "dim"))
     m = torch.nn.Sequential(torch.nn.Linear(dim, 8), torch.nn.Linear(8, 1))
     m.step_ms = float(_opt(cfg, "step_ms"))        # loss() sleeps this long per training step

@@ -32,40 +32,16 @@ POLICY = [*COMMON, "topology=dc:3,rank:1", f"policy.dc=diloco:{DC}", "policy.ran
 #: DiLoCo between 2 datacenters of 2 ranks that shard inside (ZeRO-2): each rank keeps and
 #: reduces its range of the outer state with its counterpart
 SHARDED = [*COMMON, "topology=dc:2,rank:2", f"policy.dc=diloco:{DC}", "policy.rank=zero2"]
-#: DiLoCo with dynamic local updates: a slowed datacenter takes its speed's share of each period
-DYLU = [*COMMON, "strategy.name=diloco-dylu", *(f"strategy.{kv}" for kv in DC.split(","))]
+#: DiLoCo with dynamic local updates: a slowed datacenter takes its speed's share of each period;
+#: twice the steps, so that the datacenter killed while another is slow is back before the end
+#: however long its relaunch takes while a dozen fleets start beside it
+LONG = 2 * STEPS
+DYLU = [*COMMON, "strategy.name=diloco-dylu", *(f"strategy.{kv}" for kv in DC.split(",")),
+        f"steps={LONG}"]
 #: asynchronous DiLoCo: each datacenter's pseudo-gradient applied by the coordinator's server as
 #: it arrives, with dynamic local updates
 ASYNC = [*COMMON, "strategy.name=diloco-async", *(f"strategy.{kv}" for kv in DC.split(","))]
-#: the step the others hold at, once past the first round, until the datacenter killed while
-#: another is slow has been relaunched (tests/fleet_task.py's ``hold_on=relaunches``): it is back
-#: before the rounds that remain, however long its relaunch takes while a dozen fleets start
-#: beside it (the run is not sized to outlast a relaunch)
-HOLD_STEP = PERIOD + 1
-
-
-def held_for_the_relaunch(marks) -> list[str]:
-    return [f"task.marks={marks}", f"task.hold_step={HOLD_STEP}", "task.hold_for=1",
-            "task.hold_on=relaunches"]
-
-
-#: the step the fleets stopped by SIGTERM are signalled after, and the step they then hold at
-#: until the test marks the signal sent: their steps can be quick (and their resumes short),
-#: and the stop still lands mid-run
-STOP_AT = 25
-QUICK = [f"task.step_ms={round(scaled(40))}"]
-
-
-def held_for_the_stop(marks) -> list[str]:
-    return [*QUICK, f"task.marks={marks}", f"task.hold_step={STOP_AT + 1}", "task.hold_for=1",
-            "task.hold_on=stop"]
-
-
-def stop_and_mark(pid: int, marks) -> None:
-    """SIGTERM to the fleet's launcher, then the mark its held datacenters wait for."""
-    os.kill(pid, signal.SIGTERM)
-    marks.mkdir(parents=True, exist_ok=True)
-    (marks / "stop-sent").write_text("SIGTERM")
+ASYNC_SLOW = [*ASYNC, f"steps={LONG}"]
 #: ... with each arrival in flight on a thread while the next TAU steps run
 TAU = 2
 ASYNC_DELAYED = [*ASYNC, f"strategy.delay={TAU}"]
@@ -131,26 +107,22 @@ def more(runs, tmp_path_factory):
     job and as a fleet, and over FSDP datacenters as a fleet whose datacenter 1 loses rank 0 at
     step 12; DiLoCo with dynamic local updates and asynchronous DiLoCo, each with datacenter 2
     at half speed while datacenter 1 is killed at step 12 (both from outside: ``lowcomm
-    fault``; the others hold at ``HOLD_STEP`` until it is relaunched); asynchronous DiLoCo, its
-    arrivals in flight for ``TAU`` steps, stopped by SIGTERM at step 25. The two stopped fleets
-    take quick steps and hold after step 25 until the SIGTERM is sent (``held_for_the_stop``)."""
+    fault``); asynchronous DiLoCo, its arrivals in flight for ``TAU`` steps, stopped by
+    SIGTERM at step 25."""
     from lowcomm.errors import RunFolderError
-    from lowcomm.tools.fleet_launch import prepare
+    from lowcomm.tools.fleet_launch import FleetLaunch, prepare
     from lowcomm.tools.slow import slow_datacenter
     tmp = tmp_path_factory.mktemp("fleet-more")
     deadline = time.monotonic() + scaled(DEADLINE_S)
-    started = {"pair": fleet(tmp / "pair", *EAGER, dcs=2, np=2),
-               "stop": fleet(tmp / "stop", *RUN, *held_for_the_stop(tmp / "stop-marks")),
+    started = {"pair": fleet(tmp / "pair", *EAGER, dcs=2, np=2), "stop": fleet(tmp / "stop", *RUN),
                "quorum": fleet(tmp / "quorum", *RUN, "fleet.quorum=2", "fleet.grace=0.5"),
                "eager": fleet(tmp / "eager", *EAGER),
                "eager_single": single_job(tmp / "eager_single", *EAGER_POLICY),
                "sharded_single": single_job(tmp / "sharded_single", *SHARDED, np=4),
                "sharded": fleet(tmp / "sharded", *SHARDED, dcs=2, np=4),
                "sharded_kill": fleet(tmp / "sharded_kill", *FSDP, dcs=2, np=4),
-               "dylu": fleet(tmp / "dylu", *DYLU, *held_for_the_relaunch(tmp / "dylu-marks")),
-               "async": fleet(tmp / "async", *ASYNC, *held_for_the_relaunch(tmp / "async-marks")),
-               "async_stop": fleet(tmp / "async_stop", *ASYNC_DELAYED,
-                                   *held_for_the_stop(tmp / "async_stop-marks"))}
+               "dylu": fleet(tmp / "dylu", *DYLU), "async": fleet(tmp / "async", *ASYNC_SLOW),
+               "async_stop": fleet(tmp / "async_stop", *ASYNC_DELAYED)}
     slow = {}
     for name in ("dylu", "async"):
         when(lambda name=name: reached(tmp / name / "dc1" / "metrics.jsonl", 12),
@@ -178,8 +150,8 @@ def more(runs, tmp_path_factory):
         overwrite["running"] = not (tmp / "pair" / "summary.json").exists()
     when(lambda: reached(tmp / "pair" / "dc0" / "metrics.jsonl", 10), replace_it, deadline)
     for name in ("stop", "async_stop"):
-        when(lambda name=name: reached(tmp / name / "dc0" / "metrics.jsonl", STOP_AT),
-             lambda name=name: stop_and_mark(started[name].p.pid, tmp / f"{name}-marks"), deadline)
+        when(lambda name=name: reached(tmp / name / "dc0" / "metrics.jsonl", 25),
+             lambda name=name: os.kill(started[name].p.pid, signal.SIGTERM), deadline)
     done = {name: (r, *r.wait(deadline)) for name, r in started.items()}
     done["overwrite"] = overwrite
     done["late"] = late
@@ -439,10 +411,10 @@ def test_dynamic_local_updates_let_a_slowed_datacenter_take_fewer_steps_while_an
     took its share of each period (the rest passed over, its tokens fewer), the others theirs."""
     run, f, dc = slowed_and_healed(more, "dylu")
     slow, fast = dc[2]["local_steps"], dc[0]["local_steps"]
-    assert len(slow["by_period"]) == len(fast["by_period"]) == STEPS // PERIOD, (slow, fast)
-    assert dc[2]["passed_steps"] == slow["passed"] and dc[2]["steps_done"] == STEPS
+    assert len(slow["by_period"]) == len(fast["by_period"]) == LONG // PERIOD, (slow, fast)
+    assert dc[2]["passed_steps"] == slow["passed"] and dc[2]["steps_done"] == LONG
     by = f["time"]["by_dc"]
-    assert by["2"]["steps"] == STEPS - slow["passed"] < by["0"]["steps"], by
+    assert by["2"]["steps"] == LONG - slow["passed"] < by["0"]["steps"], by
 
 
 def test_asynchronous_diloco_goes_on_without_a_killed_datacenter_and_heals_it_while_one_is_slow(
@@ -451,7 +423,7 @@ def test_asynchronous_diloco_goes_on_without_a_killed_datacenter_and_heals_it_wh
     server at once; dc0 and dc2 kept arriving while dc1 was down; dc1 took the live state from the
     next member to arrive; dc2 passed over its share of the periods; one model at the end."""
     run, f, dc = slowed_and_healed(more, "async")
-    assert f["arrivals"]["0"] == STEPS // PERIOD + 1 and not f["membership"], f["arrivals"]
+    assert f["arrivals"]["0"] == LONG // PERIOD + 1 and not f["membership"], f["arrivals"]
     events = [json.loads(x) for x in (run.out / "membership.jsonl").read_text().splitlines()]
     assert not [e for e in events if e["event"] == "decision"], "a round in an asynchronous fleet"
     down = next(e["t"] for e in events if e["event"] == "failure")
@@ -574,7 +546,7 @@ def test_fleet_overwrite_removes_only_what_a_fleet_wrote_by_its_marker(stopped_s
     from lowcomm.errors import RunFolderError
     from lowcomm.run.fleet.folder import lock_key
     from lowcomm.run.folder import close_run
-    from lowcomm.tools.fleet_launch import prepare
+    from lowcomm.tools.fleet_launch import FleetLaunch, prepare
     from lowcomm.tools.slow import slow_datacenter
     user = {"dc2023_backup/model.bin": b"weights", "dc1-notes.txt": b"notes", "dc7/mine.txt": b"mine"}
     for name, src in (("single", stopped_single), ("fleet", runs["flaky"][0].out)):
@@ -589,14 +561,14 @@ def test_fleet_overwrite_removes_only_what_a_fleet_wrote_by_its_marker(stopped_s
         assert r.returncode != 0 and "replace it with --overwrite" in r.stderr, r.output
         if name == "single":
             with pytest.raises(RunFolderError, match="holds a single run .* not a fleet's"):
-                prepare(None, ["strategy.name=diloco"], dcs=2, np=2, out=out, place="local",
-                        overwrite=True)
+                prepare(FleetLaunch(2, 2, None, ("strategy.name=diloco",), out, "local",
+                                    overwrite=True))
             assert _files(out) == before
             continue
         r = cli("train", "--out", out, "--overwrite", "--set", "steps=1")
         assert r.returncode != 0 and "holds a fleet's run" in r.stderr, r.output
         assert _files(out) == before, "a single run's --overwrite took a fleet's files"
-        prepare(None, ["strategy.name=diloco"], dcs=2, np=2, out=out, place="local", overwrite=True)
+        prepare(FleetLaunch(2, 2, None, ("strategy.name=diloco",), out, "local", overwrite=True))
         close_run(lock_key(out))
         assert sorted(p.name for p in out.iterdir() if p.name != ".lowcomm.lock") == \
             ["dc1-notes.txt", "dc2023_backup", "dc7"], list(out.iterdir())
