@@ -143,7 +143,7 @@ def more(runs, tmp_path_factory):
 
     def replace_it():               # in this process (imported before): at once
         try:
-            prepare(None, RUN, dcs=2, np=2, out=tmp / "pair", place="local", overwrite=True)
+            prepare(FleetLaunch(2, 2, None, tuple(RUN), tmp / "pair", "local", overwrite=True))
             overwrite["error"] = None
         except RunFolderError as e:
             overwrite["error"] = str(e)

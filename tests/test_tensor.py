@@ -22,7 +22,7 @@ def test_tensor_parallel_on_two_ranks():
                  "test_each_rank_holds_a_tth_of_the_split_layers[gpt2]",
                  "test_the_ledger_holds_the_split_layers_collectives_as_megatron_counts_them[tp+sp]",
                  "test_a_split_resumes_bit_for_bit_from_its_state[gpt2]",
-                 "test_a_state_resumes_on_one_rank_with_the_model_unchanged"):
+                 "test_a_state_resumes_unsplit_with_the_model_unchanged"):
         assert f"check_tensor.py::{name}" in cases
 
 

@@ -193,37 +193,50 @@ def test_a_split_resumes_bit_for_bit_from_its_state(case):
     assert state_sha256(again) == state_sha256(model)
 
 
-def test_a_state_resumes_on_one_rank_with_the_model_unchanged():
-    """TP 2 → 1: both ranks' pieces joined (:meth:`reshard`) are the gathered model bit for bit;
-    two more steps on one rank match two more on the pair to float tolerance (SGD with
-    momentum: its buffers resumed too)."""
+def test_a_state_resumes_unsplit_with_the_model_unchanged():
+    """TP 2 → 1: both ranks' pieces joined (:meth:`reshard`) are the gathered model bit for bit
+    and load into the plain model and optimizer (the optimizer's state by parameter name); two
+    more steps there match two more on the pair to float tolerance (SGD with momentum: its
+    buffers resumed too). (One process holds one torch.distributed group: the 1-rank split is
+    lowcomm train's, tests/test_tensor.py.)"""
     make, vocab, loss_fn = CASES["gpt2"]
     model, opt = fresh_adamw(make, sgd=True)
     steps(opt, loss_fn, vocab, 0, 2)
     old = control(init()).allgather_object({"model": opt.model_state_dict(),
                                             "strategy": opt.state_dict()})
     whole = opt.full_model_state_dict()
+    state = opt.reshard(old)
     steps(opt, loss_fn, vocab, 2, 4)
     opt.finish()
-    alone, opt1 = fresh_adamw(make, init().split(RANK), sgd=True)
-    state = opt1.reshard(old)
     if RANK == 0:
         assert all(torch.equal(state["model"][k], v) for k, v in whole.items())
-    opt1.load_model_state_dict(state["model"])
-    opt1.load_state_dict(state["strategy"])
-    steps(opt1, loss_fn, vocab, 2, 4)
-    opt1.finish()
+    alone = make()
+    alone.load_state_dict(state["model"])
+    plain = torch.optim.SGD(alone.parameters(), lr=0.5, momentum=0.9)
+    names = dict(alone.named_parameters())
+    saved = state["strategy"]["optimizer"]
+    by_name = {n: saved["state"][i] for i, n in enumerate(state["strategy"]["names"])
+               if i in saved["state"]}
+    plain.load_state_dict({"state": {i: by_name[n] for i, n in enumerate(names)},
+                           "param_groups": [{**saved["param_groups"][0],
+                                             "params": list(range(len(names)))}]})
+    for s in range(2, 4):
+        plain.zero_grad()
+        loss_fn(alone, batch(s, vocab)).backward()
+        plain.step()
     assert_same_model(alone, model)
 
 
 def test_a_state_of_another_degree_is_refused_naming_it():
+    """A piece the size of the whole tensor (a degree-1 split's) does not load on 2 ranks."""
+    from lowcomm.parallel.tensor import SplitOf
     make = CASES["tinygpt"][0]
-    _, one = fresh_adamw(make, init().split(RANK))
-    saved = one.model_state_dict()
-    one.close()                      # (a process holds one torch.distributed group at a time)
     _, two = fresh_adamw(make)
+    whole = make().state_dict()
+    one = {k: SplitOf(v, v.shape, two._pieces[k][0], two._pieces[k][1]) if k in two._pieces
+           else v for k, v in whole.items()}
     with pytest.raises(LowcommError, match="saved by another split"):
-        two.load_model_state_dict(saved)
+        two.load_model_state_dict(one)
     two.close()
 
 
