@@ -228,7 +228,7 @@ def tinygpt_plan(model: nn.Module, sequence: bool) -> Plan:
 def gpt2_plan(model: nn.Module, sequence: bool) -> Plan:
     """transformers' GPT-2: ``c_attn`` (q, k, v fused) and ``mlp.c_fc`` by columns, the two
     ``c_proj`` by rows; each attention's ``split_size`` becomes its T-th."""
-    cfg, into, out = model.config, *_sp(sequence)
+    cfg, (_, out) = model.config, _sp(sequence)
     # (GPT2Model calls a block with 4 positional arguments)
     styles: dict = _ends("transformer.h.0", "transformer.ln_f", 4) if sequence else {}
     local = {}
@@ -240,7 +240,6 @@ def gpt2_plan(model: nn.Module, sequence: bool) -> Plan:
             styles.update({**_norms(p, ("ln_1", "ln_2")), f"{p}.attn": _gather_before(),
                            f"{p}.mlp": _gather_before()})
         local[f"{p}.attn.split_size"] = model.get_submodule(f"{p}.attn").split_size
-    del into
     inner = cfg.n_inner if cfg.n_inner is not None else 4 * cfg.n_embd
     return Plan(styles, local, {"heads (n_head)": cfg.n_head, "the MLP's width": inner},
                 sequence, "transformer.h.0")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.comm import Comm
+from ..comm.ledger import wire_bytes
 from ..errors import ConfigError, LowcommError
 from ..settings import Settings
 from ..strategies.base import Strategy
@@ -103,7 +104,6 @@ def _charging(name: str, original):
         t0 = time.perf_counter()
         out = original(tensor, *args, **kwargs)
         if target is not None:
-            from ..comm.ledger import wire_bytes
             ledger, level, size = target
             sent, recv = wire_bytes(_OPS[name], tensor.numel() * tensor.element_size(), size)
             ledger.record(_OPS[name], level, sent, recv, time.perf_counter() - t0)
@@ -244,14 +244,17 @@ class TensorParallel(Strategy):
     def _reduce(self) -> None:
         """After a backward pass: partial gradients summed, then the mean over the replicas."""
         from torch.distributed.tensor import DTensor
+        if self._averaged:                  # done since the last step (a clip, then step())
+            return
         self._replicated_partials()
-        if self.replicas is not None and not self._averaged:
+        if self.replicas is not None:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             average_gradients(self.replicas, [g.to_local() if isinstance(g, DTensor) else g
                                               for g in grads])
         self._averaged = True
 
     def forward_backward(self, loss_fn, batch, before_backward=None):
+        self._averaged = False              # a new backward pass (also after a skipped step)
         loss = super().forward_backward(loss_fn, batch, before_backward)
         self._reduce()
         return loss
@@ -345,8 +348,12 @@ class TensorParallel(Strategy):
 
     def full_model_state_dict(self) -> dict:
         """The whole model's state dict on rank 0, {} elsewhere; collective."""
-        full = join(self.comm.allgather_object(self.model_state_dict()))
+        full = self._gather()
         return full if self.comm.rank == 0 else {}
+
+    def _gather(self) -> dict:
+        """The whole model's state from every rank's pieces (collective)."""
+        return join(self.comm.allgather_object(self.model_state_dict()))
 
     def _state_dict(self) -> dict:
         """The wrapped optimizer's state of this rank's pieces, with the parameters' names."""
@@ -386,7 +393,7 @@ class TensorParallel(Strategy):
         from torch.distributed.tensor import DTensor
 
         from ..comm.process_group import release
-        full = join(self.comm.allgather_object(self.model_state_dict()))
+        full = self._gather()
         uncharge(self.mesh)
         for m, (pre, post) in self._hooks.items():
             for k in set(m._forward_pre_hooks) - pre:
