@@ -38,7 +38,7 @@ import math
 
 from ..comm.comm import Comm
 from ..errors import LowcommError
-from ..strategies.async_ps import PUSH, WorkersLost, recovery_enabled
+from ..strategies.ps.async_ps import PUSH, WorkersLost, recovery_enabled
 from .lockstep import Coordination
 from .ending import (TAG_FINAL, TAG_STATS, deliver_final_model, recv_from, report_to_rank0,
                      send_sync, skip_mpi_finalize, stopped, take_final_model)

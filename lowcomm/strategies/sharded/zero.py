@@ -17,17 +17,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..comm.collectives import allgather_, broadcast_, chunk_bounds, reduce_scatter
-from ..comm.comm import Comm
-from ..compress.base import nonfinite_segments, Segment
-from ..compress.quantize import dequantize_blocks, quantize_blocks
-from ..errors import ArgumentError, ConfigError, LowcommError, NonFiniteError
-from ..settings import NonFinite, Settings
-from .base import Strategy
-from .layout import agreed_dup, balance
-from .method import Context, Method
-from .passes import BackwardPasses
-from .buffers import Buffers
+from ...comm.collectives import allgather_, broadcast_, chunk_bounds, reduce_scatter
+from ...comm.comm import Comm
+from ...compress.base import nonfinite_segments, Segment
+from ...compress.quantize import dequantize_blocks, quantize_blocks
+from ...errors import ArgumentError, ConfigError, LowcommError, NonFiniteError
+from ...settings import NonFinite, Settings
+from ..base import Strategy
+from ..layout import agreed_dup, balance
+from ..method import Context, Method
+from ..passes import BackwardPasses
+from ..buffers import Buffers
 
 #: torch optimizers whose update of an element reads only that element's gradient and state
 #: (and the group's options): stepping a flat range of a tensor equals stepping the tensor
@@ -549,7 +549,7 @@ class ZeRO(Strategy):
         """Resume on another number of ranks: the model is replicated (rank 0's, checked
         equal); the optimizer's state of every old rank's ranges is put together per parameter
         and cut again for this rank's ranges (its step counts are rank 0's)."""
-        from .reshard import replicated
+        from ..reshard import replicated
         merged = replicated([{"model": o["model"], "strategy": {}} for o in old], self.name)
         layouts = [o["strategy"].get("layout") for o in old]
         if any(x is None for x in layouts):

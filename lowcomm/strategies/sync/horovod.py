@@ -11,12 +11,12 @@ import time
 
 import torch
 
-from ..comm.comm import Comm
-from ..errors import LowcommError
-from ..comm.ledger import wire_bytes
-from .base import Strategy
-from .passes import BackwardPasses
-from .buffers import Buffers
+from ...comm.comm import Comm
+from ...errors import LowcommError
+from ...comm.ledger import wire_bytes
+from ..base import Strategy
+from ..passes import BackwardPasses
+from ..buffers import Buffers
 
 
 def hvd_module():
@@ -84,7 +84,7 @@ class HorovodCompression:
 class HorovodDP(Strategy):
     """Synchronous data parallelism through Horovod: ``hvd.DistributedOptimizer`` (average over
     ranks) on lowcomm's communicator, with lowcomm's ledger accounting. The same update as
-    :class:`~lowcomm.strategies.syncdp.SyncDP`, so the two stand in for each other.
+    :class:`~lowcomm.strategies.sync.syncdp.SyncDP`, so the two stand in for each other.
 
     With a (summable, stateless) ``compressor`` the gradients travel in its payload format
     through Horovod's ``compression=`` hook; they are divided by K before the sum

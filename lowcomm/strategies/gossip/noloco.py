@@ -6,16 +6,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.collectives import broadcast_
-from ..comm.comm import Comm
-from ..settings import Settings
-from .base import LocalSteps
-from .layout import agreed_dup
-from .method import Context, Method, refuse_gradient_compressor
-from .buffers import Buffers, persistent_buffers
+from ...comm.collectives import broadcast_
+from ...comm.comm import Comm
+from ...settings import Settings
+from ..base import LocalSteps
+from ..layout import agreed_dup
+from ..method import Context, Method, refuse_gradient_compressor
+from ..buffers import Buffers, persistent_buffers
 from .gossip import Layout, consensus_distance
 from .graphs import random_pairs
-from .fragment import average_parameters
+from ..outer.fragment import average_parameters
 
 TAG = 91_000                 # on the strategy's own duplicated communicator
 
@@ -63,7 +63,7 @@ class NoLoCo(LocalSteps):
       2. H inner steps of the wrapped optimizer on the rank's own data: θ_i ← InnerOpt(θ_i, g_i);
          its state (Adam's moments) stays local;
       3. outer step r: the ranks are paired by a uniformly random permutation drawn from
-         (``seed``, r) on every rank alike (:func:`~lowcomm.strategies.graphs.random_pairs`;
+         (``seed``, r) on every rank alike (:func:`~lowcomm.strategies.gossip.graphs.random_pairs`;
          nothing is sent to agree on it); rank i and its peer j exchange θ (one ``sendrecv``),
          and φ too where γ ≠ β;
       4. with the pair's means θ̄ = (θ_i + θ_j)/2, φ̄ = (φ_i + φ_j)/2:

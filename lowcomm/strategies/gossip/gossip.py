@@ -5,15 +5,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.collectives import broadcast_
-from ..comm.comm import Comm
-from ..errors import ArgumentError, ConfigError
-from ..settings import Settings
-from .base import Strategy
-from .method import Context, Method, check_compressor_name
-from .buffers import Buffers, persistent_buffers
+from ...comm.collectives import broadcast_
+from ...comm.comm import Comm
+from ...errors import ArgumentError, ConfigError
+from ...settings import Settings
+from ..base import Strategy
+from ..method import Context, Method, check_compressor_name
+from ..buffers import Buffers, persistent_buffers
 from .graphs import GRAPHS, Graph, build_graph
-from .fragment import Fragment
+from ..outer.fragment import Fragment
 
 MODES = ("dpsgd", "push-sum", "async")
 ORDERS = ("cta", "atc")
@@ -88,7 +88,7 @@ class Gossip(Strategy):
     Gradient Push (push-sum; Assran et al. 2019, arXiv 1811.10792), an asynchronous variant in the
     spirit of AD-PSGD (Lian et al. 2018, arXiv 1710.06952), and CHOCO compressed gossip
     (Koloskova et al. 2019, arXiv 1902.00340). No global collective: each rank talks only to its
-    graph neighbours (:mod:`~lowcomm.strategies.graphs`) with non-blocking point-to-point messages,
+    graph neighbours (:mod:`~lowcomm.strategies.gossip.graphs`) with non-blocking point-to-point messages,
     so its traffic per step is ``degree × model bytes`` whatever the number of ranks.
 
     Update on rank i in round t, with W the graph's doubly stochastic mixing matrix, ``N_in(i)``
@@ -153,7 +153,7 @@ class Gossip(Strategy):
     Args:
         model, optimizer: the user's torch objects.
         comm: communicator (default: world); gossip runs on a duplicate of it (same ledger).
-        graph: a name from ``GRAPHS`` or a :class:`~lowcomm.strategies.graphs.Graph`.
+        graph: a name from ``GRAPHS`` or a :class:`~lowcomm.strategies.gossip.graphs.Graph`.
         mode: "dpsgd", "push-sum" or "async".
         order: "cta" (exchange overlapped with forward/backward) or "atc" (after the local step).
         compressor: a :class:`~lowcomm.compress.Compressor` for CHOCO gossip (None: dense).
@@ -461,7 +461,7 @@ class Gossip(Strategy):
         optimizer's state is averaged; the round and step counters and the consensus history
         are rank 0's. CHOCO's public copies x̂, s and its compressor restart from zero, as at
         the start of a run (a warning says so)."""
-        from .reshard import average_dicts, average_optimizer, reset_compressor
+        from ..reshard import average_dicts, average_optimizer, reset_compressor
         st = [s["strategy"] for s in old]
         models = [s["model"] for s in old]
         ws = [float(g["gossip"]["w"]) for g in st]
@@ -542,7 +542,7 @@ class Gossip(Strategy):
         """Deliver the average of the ranks' models, x̄ = (1/K) Σ_i x_i (the model D-PSGD's
         analysis is about, and the one Lian et al. 2017 evaluate): one dense all-reduce of the
         model, charged to the run (K·model bytes once, against degree·model bytes per step)."""
-        from ..comm.collectives import allreduce_
+        from ...comm.collectives import allreduce_
         flats = self._layout.flats()
         w = torch.tensor([self.w if self.mode != "dpsgd" else 1.0], dtype=torch.float64)
         for f in flats:   # push-sum: x̄ = Σ w_i z_i / Σ w_i (w_i = 1 for D-PSGD)

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..comm.collectives import allreduce_, get_algorithm
-from ..comm.comm import Comm
-from ..compress.base import Segment, nonfinite_segments
-from ..compress.compressor import Compressor
-from .layout import agreed_dup
+from ...comm.collectives import allreduce_, get_algorithm
+from ...comm.comm import Comm
+from ...compress.base import Segment, nonfinite_segments
+from ...compress.compressor import Compressor
+from ..layout import agreed_dup
 
 
 @dataclass

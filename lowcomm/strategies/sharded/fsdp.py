@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.collectives import broadcast_
-from ..comm.comm import Comm
-from ..errors import ArgumentError, ConfigError, LowcommError
-from ..settings import Settings
-from .base import Strategy
-from .method import Context, Method
-from .buffers import Buffers
+from ...comm.collectives import broadcast_
+from ...comm.comm import Comm
+from ...errors import ArgumentError, ConfigError, LowcommError
+from ...settings import Settings
+from ..base import Strategy
+from ..method import Context, Method
+from ..buffers import Buffers
 
 DTYPES = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -171,7 +171,7 @@ def charged_collectives(ledger, level: str, size: int):
     asynchronous call's later wait is not in them)."""
     import time
 
-    from ..comm.ledger import wire_bytes
+    from ...comm.ledger import wire_bytes
     DefaultAllGather, DefaultReduceScatter = torch_internal(
         "torch.distributed.fsdp._fully_shard._fsdp_collectives", *INTERNALS[
             "torch.distributed.fsdp._fully_shard._fsdp_collectives"])
@@ -200,7 +200,7 @@ def check(s: FSDPSettings, cfg, prefix: str) -> None:
     links' latency is a WAN's, ≥ 1 ms: ``dc`` unless the topology says otherwise). An outer
     loop above it keeps each rank's shard (:meth:`FSDP.local_shards`), in one MPI job or in a
     fleet (each rank averaging its chunks with rank i of the other datacenters)."""
-    from ..comm.topology import Topology
+    from ...comm.topology import Topology
     if not cfg.topology:
         return
     topo = Topology.parse(cfg.topology)
@@ -324,7 +324,7 @@ class FSDP(Strategy):
     def _mesh(self, s: FSDPSettings):
         from torch.distributed.device_mesh import DeviceMesh
 
-        from ..comm.process_group import default_group
+        from ...comm.process_group import default_group
         group = default_group(self.comm, self.device, s.timeout_s, holder=self)
         # the mesh over that group itself: init_device_mesh makes a further group where a GPU
         # is visible and the group is gloo (FSDP on CPU tensors on a GPU machine), whose name
@@ -440,7 +440,7 @@ class FSDP(Strategy):
     def _finish(self) -> None:
         """Leave the plain model with the full parameters on every rank; the torch.distributed
         group stays (for a later FSDP on the same ranks; one on other ranks replaces it)."""
-        from ..comm.process_group import release
+        from ...comm.process_group import release
         unshard_model(self.model, self._fsdp_modules())
         release(self)
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.comm import Comm
-from ..comm.roles import Peers, Whole
-from ..comm.collectives import broadcast_
-from .base import Strategy
-from .wrapped import parts_of_one_method
+from ...comm.comm import Comm
+from ...comm.roles import Peers, Whole
+from ...comm.collectives import broadcast_
+from ..base import Strategy
+from ..wrapped import parts_of_one_method
 
 
 @dataclass
@@ -39,14 +39,14 @@ class OverALevel:
     """The capabilities an outer loop reads through from the strategy that takes its inner
     steps (:attr:`_driver`: its dense warm-up's SyncDP, or the level below in a per-level
     policy, ``nest.inner``; None: the plain optimizer). A mixin of
-    :class:`~lowcomm.strategies.outer.OuterLoop` (``self.nest``, ``self._dense``)."""
+    :class:`~lowcomm.strategies.outer.loop.OuterLoop` (``self.nest``, ``self._dense``)."""
 
     def _start_equal(self, levels, warmup_options, local):
         """Every rank starts from rank 0's model: the dense warm-up's SyncDP (returned; it
         broadcasts rank 0's state itself), or a broadcast (FSDP below: rank i of every unit
         takes unit 0's rank i's chunks)."""
         if self.warmup_steps > 0:
-            from .syncdp import SyncDP
+            from ..sync.syncdp import SyncDP
             with parts_of_one_method():
                 return SyncDP(self.model, self.optimizer, self.comm, algorithm=self.algorithm,
                               levels=levels, **(warmup_options or {}))

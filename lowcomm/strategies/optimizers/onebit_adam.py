@@ -7,18 +7,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.collectives import broadcast_
-from ..comm.comm import Comm
-from ..compress.base import Segment, nonfinite_segments
-from ..compress.compressor import Compressor
-from ..compress.error_feedback import ErrorFeedback
-from ..compress.sign import MomentumSign, TensorMomentumSign
-from ..compress.twophase import TwoPhase
-from ..errors import ConfigError, NonFiniteError
-from ..settings import Settings
-from .base import Strategy
-from .method import Context, Method
-from .buffers import Buffers
+from ...comm.collectives import broadcast_
+from ...comm.comm import Comm
+from ...compress.base import Segment, nonfinite_segments
+from ...compress.compressor import Compressor
+from ...compress.error_feedback import ErrorFeedback
+from ...compress.sign import MomentumSign, TensorMomentumSign
+from ...compress.twophase import TwoPhase
+from ...errors import ConfigError, NonFiniteError
+from ...settings import Settings
+from ..base import Strategy
+from ..method import Context, Method
+from ..adam import adam_state, torch_adam
+from ..buffers import Buffers
 
 
 #: the step counts a schedule may read (1-bit and 0/1 Adam's ``counter``)
@@ -81,30 +82,6 @@ def adam_only(method: str):
 
 
 check_run = adam_only("onebit-adam")
-
-
-def torch_adam(optimizer: torch.optim.Optimizer, method: str) -> bool:
-    """Check that ``optimizer`` is a plain torch ``Adam`` or ``AdamW`` (no amsgrad, no
-    maximize), which ``method`` steps or reads the moments of; returns whether its weight decay
-    is decoupled (AdamW)."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        raise TypeError(f"{method} wraps torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
-    for i, g in enumerate(optimizer.param_groups):
-        for opt in ("amsgrad", "maximize"):
-            if g.get(opt):
-                raise ValueError(f"{method} does not support {opt}=True (param group {i})")
-    return type(optimizer) is torch.optim.AdamW
-
-
-def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
-    """Adam's state of ``p``, made as torch Adam makes it where Adam has not stepped ``p``
-    (no gradient yet)."""
-    st = optimizer.state[p]
-    if "step" not in st:
-        st["step"] = torch.tensor(0.0)
-        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return st
 
 
 METHOD = Method("onebit-adam", OneBitAdamSettings, build,
@@ -393,7 +370,7 @@ class OneBitAdam(Strategy):
         replicas: rank 0's (checked equal). The error buffers ``δ_k`` and ``δ̄_j`` are per rank
         and sized by the rank count (the server chunks are 1/K of the model): reset to zero,
         with a warning when they held anything (only after ``freeze_step``)."""
-        from .reshard import log, replicated
+        from ..reshard import log, replicated
         merged = replicated(old, self.name)
         held = any(bool(s["strategy"][k].any()) for s in old for k in ("worker_error", "server_error"))
         if held:

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.comm import Comm
-from ..errors import ConfigError
-from .method import Context, Method
+from ...comm.comm import Comm
+from ...errors import ConfigError
+from ..method import Context, Method
 from .dylu import DyLUDiLoCo, DyLUSettings
 from .fragment import Fragment, InFlight
-from .outer import check_run
+from .loop import check_run
 
 
 @dataclass

@@ -17,15 +17,15 @@ from typing import Protocol
 
 import torch
 
-from ..comm.round_tag import RoundTag
-from ..comm.collectives import allreduce_
-from ..comm.comm import Comm
-from ..comm.idle import IdleWait
-from ..comm.ledger import Ledger
-from ..compress.base import Pending
-from ..errors import ConfigError
+from ...comm.round_tag import RoundTag
+from ...comm.collectives import allreduce_
+from ...comm.comm import Comm
+from ...comm.idle import IdleWait
+from ...comm.ledger import Ledger
+from ...compress.base import Pending
+from ...errors import ConfigError
 from .fragment import Fragment, Shards
-from .layout import agreed_dup, check_agreed
+from ..layout import agreed_dup, check_agreed
 
 #: the reduction thread's sleeps between tests of its pending MPI call (Comm.idle): from 2 ms,
 #: doubling to 32 ms, and every 2 ms once the computation waits for the result. A thread that
@@ -184,7 +184,7 @@ class Route:
     @staticmethod
     def _shardable(nest) -> bool:
         """Whether the level below shards the model inside the unit (zero1, zero2): then each
-        fragment is kept by range (:class:`~lowcomm.strategies.fragment.Shards`)."""
+        fragment is kept by range (:class:`~lowcomm.strategies.outer.fragment.Shards`)."""
         if nest is None or nest.inside is None or nest.inner is None or not nest.inner.sharded:
             return False
         if nest.peers is None or nest.peers.rounds and not nest.peers.per_rank:

@@ -13,11 +13,11 @@ from functools import cached_property
 
 import torch
 
-from ..comm.collectives import allgather_, allreduce_, chunk_bounds
-from ..comm.comm import Comm
-from ..compress.base import Segment
-from ..errors import ArgumentError, LowcommError
-from .layout import balance
+from ...comm.collectives import allgather_, allreduce_, chunk_bounds
+from ...comm.comm import Comm
+from ...compress.base import Segment
+from ...errors import ArgumentError, LowcommError
+from ..layout import balance
 
 
 def done(value) -> Future:

@@ -76,17 +76,17 @@ from operator import attrgetter
 
 import torch
 
-from ..comm.comm import Comm
-from ..errors import ArgumentError, ConfigError, LowcommError
-from ..settings import NonFinite
-from .base import Role, Strategy
-from .method import Context, Method
-from .ps.protocol import (DROPPED, HEADER, OK, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE,
+from ...comm.comm import Comm
+from ...errors import ArgumentError, ConfigError, LowcommError
+from ...settings import NonFinite
+from ..base import Role, Strategy
+from ..method import Context, Method
+from .protocol import (DROPPED, HEADER, OK, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_DONE,
                           TAG_INIT, TAG_PULL, TAG_PUSH, AsyncPSSettings, BufferBlock, Reply, ServerLost, Shard,
                           WorkerDropped, WorkersLost, build_shards, dc_compensate, load_shard,
                           pack_push, recovery_enabled, staleness_lr, unpack_push)
-from .ps.server import ParameterServer
-from .ps.worker import Worker
+from .server import ParameterServer
+from .worker import Worker
 
 
 class AsyncPS(Strategy):

@@ -7,16 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.comm import Comm
-from ..comm.round_tag import RoundTag
-from ..compress.compressor import Compressor
-from ..compress.error_feedback import ErrorFeedback
-from ..compress.quantize import StatQuant
-from ..compress.twophase import COLLECTIVES
-from ..errors import ArgumentError, ConfigError
-from .method import Context, Method
+from ...comm.comm import Comm
+from ...comm.round_tag import RoundTag
+from ...compress.compressor import Compressor
+from ...compress.error_feedback import ErrorFeedback
+from ...compress.quantize import StatQuant
+from ...compress.twophase import COLLECTIVES
+from ...errors import ArgumentError, ConfigError
+from ..method import Context, Method
 from .fragment import Fragment, InFlight, done
-from .outer import OuterLoop, OuterSettings, check_merge, check_run
+from .loop import OuterLoop, OuterSettings, check_merge, check_run
 from .route import hand_on
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")
@@ -198,7 +198,7 @@ class DiLoCo(OuterLoop):
       5. θ_k ← θ on every rank; go to 2.
 
     With ``outer_optimizer="sgd"``, ``outer_lr=1``, ``outer_momentum=0`` step 4 gives
-    θ = (1/K) Σ_k θ_k, i.e. :class:`~lowcomm.strategies.localsgd.LocalSGD`. The outer state
+    θ = (1/K) Σ_k θ_k, i.e. :class:`~lowcomm.strategies.outer.localsgd.LocalSGD`. The outer state
     (θ, momentum) lives on the CPU whatever the model's device.
 
     Args:
@@ -422,7 +422,7 @@ class DiLoCo(OuterLoop):
     def _reshard_extra(self, old: list[dict]) -> dict:
         """The outer parameters θ and the outer optimizer's momentum, averaged over the old
         ranks (they are equal on every rank of a DiLoCo run; the average is then exact)."""
-        from .reshard import average, average_optimizer
+        from ..reshard import average, average_optimizer
         return {"outer_params": [average([s["outer_params"][i] for s in old])
                                  for i in range(len(self.outer_params))],
                 "outer_optimizer": average_optimizer([s["outer_optimizer"] for s in old]),

@@ -1,15 +1,15 @@
 """The skeleton Local SGD, DiLoCo and streaming DiLoCo share: local steps, then (every ``period``
 steps, per fragment, possibly in the background) an average over the ranks that is applied to the
 parameters. Subclasses say only what is sent (:meth:`OuterLoop._outgoing`) and how the average
-is applied (:meth:`OuterLoop._apply`); the fragments (:mod:`~lowcomm.strategies.fragment`) own
+is applied (:meth:`OuterLoop._apply`); the fragments (:mod:`~lowcomm.strategies.outer.fragment`) own
 their reductions in flight and their merge, and where the average goes is the route's
-(:mod:`~lowcomm.strategies.route`). :class:`OuterLoop` keeps the schedule.
+(:mod:`~lowcomm.strategies.outer.route`). :class:`OuterLoop` keeps the schedule.
 
 Schedule, with W = ``warmup_steps``, H = ``period``, τ = ``delay``, after each inner step
 t (counted from 1; steps all ranks skip together are not counted, a step one rank skips
 under AMP is) and s = t − W:
 
-  1. t ≤ W: the step was a dense :class:`~lowcomm.strategies.syncdp.SyncDP` step
+  1. t ≤ W: the step was a dense :class:`~lowcomm.strategies.sync.syncdp.SyncDP` step
      (post-local SGD's warm-up); after step W the SyncDP hooks are removed;
   2. every fragment in flight whose ``apply_at == s`` is waited for and applied;
   3. every fragment with ``s % H == offset`` is sent: its outgoing tensor is taken now and
@@ -58,20 +58,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.collectives import get_algorithm
-from ..comm.comm import Comm
-from ..compress.compressor import Compressor
-from ..errors import ArgumentError, ConfigError
-from .base import Strategy
-from .buffers import Buffers, Recompute
+from ...comm.collectives import get_algorithm
+from ...comm.comm import Comm
+from ...compress.compressor import Compressor
+from ...errors import ArgumentError, ConfigError
+from ..base import Strategy
+from ..buffers import Buffers, Recompute
 from .fragment import Fragment, InFlight, done, partition
-from .method import Context, check_compressor_name
+from ..method import Context, check_compressor_name
 from .nesting import Nesting, OverALevel
 from .route import Route, Thread, local_shards
 from .syncs import SyncLog
-from .syncdp import SyncDPSettings
+from ..sync.syncdp import SyncDPSettings
 
-log = logging.getLogger("lowcomm.strategies.outer")
+log = logging.getLogger("lowcomm.strategies.outer.loop")
 
 
 class OuterLoop(OverALevel, Strategy):
@@ -280,7 +280,7 @@ class OuterLoop(OverALevel, Strategy):
     def reshard(self, old: list[dict]) -> dict:
         """Per-rank state averaged over the old ranks, the rest rank 0's
         (:func:`~lowcomm.strategies.reshard.outer_loop`)."""
-        from .reshard import outer_loop
+        from ..reshard import outer_loop
         return outer_loop(self, old)
 
     def metrics(self, ctl: Comm, final: bool = False) -> dict:
@@ -299,7 +299,7 @@ class OuterLoop(OverALevel, Strategy):
     # the end ------------------------------------------------------------------------------------
     def _finish(self) -> None:
         """One model on every rank: the fragments stepped since their last synchronisation
-        averaged (:meth:`lowcomm.strategies.route.Route.finish`), then the buffers."""
+        averaged (:meth:`lowcomm.strategies.outer.route.Route.finish`), then the buffers."""
         if self.route.fleet:                         # the channel's rounds are one sequence
             self.drain()
         for f in self.fragments:
@@ -382,7 +382,7 @@ BN_RECOMPUTE_AT = ("end", "sync")
 
 
 def check_merge(merge: str, alpha: float, prefix: str = "") -> None:
-    """A streaming fragment's merge rule (:class:`~lowcomm.strategies.diloco.StreamingDiLoCo`)."""
+    """A streaming fragment's merge rule (:class:`~lowcomm.strategies.outer.diloco.StreamingDiLoCo`)."""
     if merge not in MERGES:
         raise ConfigError.at(prefix, "merge", f"unknown value {merge!r}; known: {', '.join(MERGES)}")
     if merge != "mix" and alpha != 0:

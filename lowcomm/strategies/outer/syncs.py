@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.comm import Comm
-from ..errors import CommError
+from ...comm.comm import Comm
+from ...errors import CommError
 
 
 class SyncLog(list):

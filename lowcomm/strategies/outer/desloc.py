@@ -6,15 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.collectives import broadcast_
-from ..comm.comm import Comm
-from ..errors import ConfigError
-from ..settings import Settings
-from .base import LocalSteps
-from .layout import agreed_dup
-from .method import Context, Method, refuse_gradient_compressor
-from .buffers import Buffers
-from .onebit_adam import adam_state, torch_adam
+from ...comm.collectives import broadcast_
+from ...comm.comm import Comm
+from ...errors import ConfigError
+from ...settings import Settings
+from ..base import LocalSteps
+from ..layout import agreed_dup
+from ..method import Context, Method, refuse_gradient_compressor
+from ..buffers import Buffers
+from ..adam import adam_state, torch_adam
 from .fragment import average_parameters
 
 #: what each period synchronises: the parameters x, Adam's first moment u, its second moment v

@@ -6,16 +6,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.collectives import ALGORITHM_NAMES, broadcast_
-from ..comm.comm import Comm
-from ..errors import ArgumentError, ConfigError, LowcommError, NonFiniteError
+from ...comm.collectives import ALGORITHM_NAMES, broadcast_
+from ...comm.comm import Comm
+from ...errors import ArgumentError, ConfigError, LowcommError, NonFiniteError
 from .reducer import Reducer
-from ..settings import NonFinite, Settings
-from .base import Strategy
-from .method import Context, Method, check_compressor_name
-from .passes import BackwardPasses
-from .buffers import Buffers
-from .guard import sparse_gradient
+from ...settings import NonFinite, Settings
+from ..base import Strategy
+from ..method import Context, Method, check_compressor_name
+from ..passes import BackwardPasses
+from ..buffers import Buffers
+from ..guard import sparse_gradient
 
 BACKENDS = ("mpi", "horovod")
 
@@ -52,7 +52,7 @@ class SyncDPSettings(Settings):
 
 
 def build(s: SyncDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
-    """SyncDP, or :class:`~lowcomm.strategies.horovod.HorovodDP` for ``backend = "horovod"``."""
+    """SyncDP, or :class:`~lowcomm.strategies.sync.horovod.HorovodDP` for ``backend = "horovod"``."""
     if s.backend == "horovod":
         from .horovod import HorovodDP    # refuses non-summable compressors
         return HorovodDP(model, optimizer, comm, s.backward_passes_per_step,
@@ -272,7 +272,7 @@ class SyncDP(Strategy):
     def reshard(self, old: list[dict]) -> dict:
         """Model and optimizer are replicas: rank 0's (checked equal). The gradient
         compressor's per-rank state (error-feedback residuals, PowerSGD memory) is reset."""
-        from .reshard import replicated, reset_compressor
+        from ..reshard import replicated, reset_compressor
         merged = replicated(old, self.name)
         if self.compressor is not None:
             merged["strategy"] = dict(merged["strategy"], compressor=reset_compressor(

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.comm import Comm
-from ..errors import ConfigError, LowcommError
-from .method import Context, Method
+from ...comm.comm import Comm
+from ...errors import ConfigError, LowcommError
+from ..method import Context, Method
 from .diloco import DiLoCo, DiLoCoSettings
 from .fragment import Fragment
-from .outer import check_run
+from .loop import check_run
 
 
 @dataclass
@@ -65,7 +65,7 @@ class DyLUDiLoCo(DiLoCo):
          each member took): Δ = Σ_k w_k Δ_k / Σ_k w_k; the speeds travel in the same
          all-reduce (one slot per member);
       4. outer step θ ← OuterOpt(θ, Δ) (``outer_optimizer``: delayed Nesterov by default,
-         :class:`~lowcomm.strategies.diloco.DelayedNesterov`);
+         :class:`~lowcomm.strategies.outer.diloco.DelayedNesterov`);
       5. every member sets h_k ← H where v̄_k ≥ (1 − ``tolerance``)·max_j v̄_j (members that
          differ by no more than timing noise, e.g. processes sharing cores, are equals), else
          h_k ← max(``min_steps``, round(H · v̄_k / max_j v̄_j)): a member at half the fastest's

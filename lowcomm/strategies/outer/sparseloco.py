@@ -6,15 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.comm import Comm
-from ..compress.compressor import Compressor
-from ..compress.demo import Chunks, QuantizedChunkTopK
-from ..compress.error_feedback import ErrorFeedback
-from ..errors import ConfigError
-from .method import Context, Method
-from .demo import chunk_buckets
+from ...comm.comm import Comm
+from ...compress.compressor import Compressor
+from ...compress.demo import Chunks, QuantizedChunkTopK
+from ...compress.error_feedback import ErrorFeedback
+from ...errors import ConfigError
+from ..method import Context, Method
+from ..chunks import chunk_buckets
 from .fragment import Fragment
-from .outer import OuterLoop, OuterSettings, check_run
+from .loop import OuterLoop, OuterSettings, check_run
 
 
 @dataclass
@@ -163,7 +163,7 @@ class SparseLoCo(OuterLoop):
     def _reshard_extra(self, old: list[dict]) -> dict:
         """θ (equal on every old rank: the average is exact) and each new rank's accumulator,
         the old ranks' mean (so the mean of what the ranks will still send is kept)."""
-        from .reshard import average
+        from ..reshard import average
         comps = {b.key: b.mean_memory_state([s["compressors"][b.key] for s in old]) for b in self.buckets}
         return {"outer": average([s["outer"] for s in old]), "compressors": comps}
 

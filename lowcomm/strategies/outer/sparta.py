@@ -6,18 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.collectives import broadcast_
-from ..comm.comm import Comm
-from ..compress.sparsify import distinct_sample
-from ..errors import ConfigError
-from ..settings import Settings
-from .base import LocalSteps, Strategy
-from .layout import agreed_dup
-from .method import Context, Method, refuse_gradient_compressor
-from .buffers import Buffers
+from ...comm.collectives import broadcast_
+from ...comm.comm import Comm
+from ...compress.sparsify import distinct_sample
+from ...errors import ConfigError
+from ...settings import Settings
+from ..base import LocalSteps, Strategy
+from ..layout import agreed_dup
+from ..method import Context, Method, refuse_gradient_compressor
+from ..buffers import Buffers
 from .diloco import DiLoCo, DiLoCoSettings
 from .fragment import average_parameters
-from .outer import check_run
+from .loop import check_run
 
 
 def check_fraction(fraction: float, prefix: str = "strategy.") -> float:
@@ -207,14 +207,14 @@ class SpartaDiLoCo(DiLoCo):
       2. t > W: the wrapped optimizer's local step, then SPARTA's steps 3–4: the ranks average
          the same random ``k = max(1, round(p·n))`` parameter elements;
       3. when (t − W) is a multiple of H: DiLoCo's outer step on the averaged pseudo-gradient
-         (steps 3–5 of :class:`~lowcomm.strategies.diloco.DiLoCo`), which sets every rank to
+         (steps 3–5 of :class:`~lowcomm.strategies.outer.diloco.DiLoCo`), which sets every rank to
          the same parameters.
 
     Bytes per rank: an all-reduce of k values every step, plus DiLoCo's pseudo-gradient every H.
 
     Args:
         fraction, seed: SPARTA's (see :class:`Sparta`); the others as
-            :class:`~lowcomm.strategies.diloco.DiLoCo`'s.
+            :class:`~lowcomm.strategies.outer.diloco.DiLoCo`'s.
 
     Example::
 

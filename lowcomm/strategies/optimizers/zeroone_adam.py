@@ -6,15 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.comm import Comm
-from ..compress.compressor import Compressor
-from ..compress.error_feedback import ErrorFeedback
-from ..compress.twophase import TwoPhase
-from ..settings import Settings
-from .method import Context, Method
+from ...comm.comm import Comm
+from ...compress.compressor import Compressor
+from ...compress.error_feedback import ErrorFeedback
+from ...compress.twophase import TwoPhase
+from ...settings import Settings
+from ..method import Context, Method
 from .onebit_adam import (COUNTERS, SCALES, OneBitAdam, OneBitAdamSettings, adam_only, counter_offset,
                           onebit_codec)
-from .fragment import average_parameters
+from ..outer.fragment import average_parameters
 
 
 @dataclass
@@ -143,7 +143,7 @@ class ZeroOneAdam(OneBitAdam):
     1 bit cannot say zero (DeepSpeed's momentum mask). DeepSpeed compresses g and ``u·δ`` and
     divides by δ afterwards; here g/δ and u are compressed (step units), so that a coordinate
     whose gradient was numerically zero (δ ≈ ε) is not moved by the compression error of the
-    others (see :class:`~lowcomm.strategies.onebit_adam.OneBitAdam`); as δ > 0 the signs on the
+    others (see :class:`~lowcomm.strategies.optimizers.onebit_adam.OneBitAdam`); as δ > 0 the signs on the
     wire are the paper's. Bias corrections are torch Adam's, with n_v for v (DeepSpeed drops
     them; the difference vanishes with t). DeepSpeed also discards the first step's gradient
     (an initialisation step); here step 1 is a dense Adam step. The ranks' parameters are equal
@@ -368,7 +368,7 @@ class ZeroOneAdam(OneBitAdam):
         (equal on every rank) are averaged, so ``x̄·D − mean(x_k)``, the mean progress the next
         synchronisation carries, is kept. The 1-bit exchanges' error buffers (per rank, sized
         by the rank count) are reset, with a warning when they held anything."""
-        from .reshard import average, average_dicts, average_optimizer, log, replicated
+        from ..reshard import average, average_dicts, average_optimizer, log, replicated
         first = old[0]["strategy"]
         if any(s["strategy"][k] for s in old for k in ("grad_exchange", "exchange")):
             log.warning("zeroone-adam: the 1-bit exchanges' error buffers of the %d old ranks are "

@@ -5,11 +5,11 @@ import torch
 
 from dataclasses import dataclass
 
-from ..comm.comm import Comm
-from ..errors import ConfigError
-from .method import Context, Method
+from ...comm.comm import Comm
+from ...errors import ConfigError
+from ..method import Context, Method
 from .fragment import Fragment
-from .outer import OuterLoop, OuterSettings, check_run
+from .loop import OuterLoop, OuterSettings, check_run
 
 
 @dataclass
