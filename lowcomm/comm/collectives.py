@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .comm import Comm, _reduce_op, init
+from .comm import Comm, init
+from .comm.base import _reduce_op
 from ..errors import CommError, ConfigError, LowcommError
 from .tuning import agree
 
