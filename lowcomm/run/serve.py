@@ -111,7 +111,7 @@ class Serving(Coordination):
     def on_update(self, entries) -> None:
         """After every update: rank 0 logs the gradients; with τ = 0 every server checkpoints
         every N rounds (every rank passes them together)."""
-        r, lg = self.r, self.lg
+        r = self.r
         if r.comm.rank == 0:
             self._log_gradients(entries)
         if self.ps.max_staleness == 0 and not self.ps.server.interrupt:   # a stop: saved at the end

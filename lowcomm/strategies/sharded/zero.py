@@ -9,24 +9,23 @@ keeps them inside a node (hpZ).
 """
 from __future__ import annotations
 
-import functools
-
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
-from ...comm.collectives import allgather_, broadcast_, chunk_bounds, reduce_scatter
+from ...comm.collectives import allgather_, broadcast_, reduce_scatter
 from ...comm.comm import Comm
-from ...compress.base import nonfinite_segments, Segment
+from ...compress.base import nonfinite_segments
 from ...compress.quantize import dequantize_blocks, quantize_blocks
 from ...errors import ArgumentError, ConfigError, LowcommError, NonFiniteError
 from ...settings import NonFinite, Settings
 from ..base import Strategy
-from ..layout import agreed_dup, balance
+from ..layout import agreed_dup
 from ..method import Context, Method
 from ..passes import BackwardPasses
+from .partition import Bucket, merged_model_range, partition, sharded_grad
 from ..buffers import Buffers
 
 #: torch optimizers whose update of an element reads only that element's gradient and state
@@ -69,59 +68,6 @@ def build(s: ZeROSettings, model, optimizer, comm: Comm, ctx: Context, stage: in
                           "(ZeRO++'s blockwise quantization), not the run's [compressor]")
     return (ZeRO1 if stage == 1 else ZeRO2)(model, optimizer, comm, settings=s, levels=ctx.levels,
                                             nonfinite=ctx.nonfinite)
-
-
-@dataclass
-class _Bucket:
-    """Parameters of one group laid out flat; rank r owns ``[bounds[r], bounds[r+1])``."""
-    index: int
-    group: int
-    members: list[tuple[str, torch.nn.Parameter, int, int]]   # name, parameter, start, stop
-    bounds: list[int]
-    params: torch.Tensor                 # the flat parameters (the model's are views of it)
-    shard: torch.Tensor                  # this rank's range (a view of params, or qwZ's master copy)
-    pieces: list[tuple[torch.nn.Parameter, int, int]]   # what the inner optimizer steps: views
-                                         # of ``shard`` at [lo, hi) (one flat piece, or whole tensors)
-    grad: torch.Tensor | None = None     # the flat gradient while it is reduced
-    pending: set[int] = field(default_factory=set)
-    future: Future | None = None
-
-    @property
-    def numel(self) -> int:
-        return self.params.numel()
-
-    @functools.cached_property
-    def counts(self) -> list[int]:
-        return [b - a for a, b in zip(self.bounds, self.bounds[1:])]
-
-    @functools.cached_property
-    def segments(self) -> list[Segment]:
-        return [Segment(n, p.shape, a, b) for n, p, a, b in self.members]
-
-
-class ShardedGrad(torch.Tensor):
-    """The ``p.grad`` of a model parameter between a ZeRO exchange and the step: no rank holds
-    the parameter's whole reduced gradient, so any use of it (torch's ``clip_grad_norm_`` on the
-    model's parameters would find a norm of 0 and clip nothing) raises, naming what to call."""
-
-    message = ""
-    sharded = True          # (a check of the model's gradients skips it; the method checks them)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        raise LowcommError(cls.message)
-
-
-ShardedGrad.message = ("the model's gradients are sharded by ZeRO (each rank holds the reduced "
-                       "gradient of its ranges only): clip with the method's "
-                       "clip_grad_norm_(max_norm) (the global norm), not torch's on the model's "
-                       "parameters, and read gradients from its param_groups")
-
-
-def _sharded_grad(p: torch.Tensor) -> torch.Tensor:
-    """A ShardedGrad shaped as ``p`` (no memory: a zero-stride view of one element)."""
-    return torch.Tensor._make_subclass(ShardedGrad, torch.zeros(1, dtype=p.dtype, device=p.device)
-                                       .expand(p.shape))
 
 
 class ZeRO(Strategy):
@@ -211,7 +157,8 @@ class ZeRO(Strategy):
         self._scatter, self._across = self._partition_comms(levels)
         self.buffers = Buffers(model)
         broadcast_(self.comm, list(model.state_dict().values()), root=0)
-        self.buckets = self._layout(optimizer, names, int(s.bucket_mb * (1 << 20)))
+        self.buckets = partition(optimizer, names, int(s.bucket_mb * (1 << 20)), self._scatter,
+                                 by_tensor=self.partition == "tensor", master_copy=s.qwz != "none")
         self.built.counts = [len(g["params"]) for g in optimizer.param_groups]   # (what step()
         self.built.ids = {id(q) for g in optimizer.param_groups for q in g["params"]}   # checks)
         optimizer.lowcomm_ranges = {id(q): b.index for b in self.buckets for q, _, _ in b.pieces}
@@ -259,57 +206,6 @@ class ZeRO(Strategy):
         inner = levels.names[-2]                     # e.g. "node": its units share the ranges
         return levels.group(inner), [levels.peers(n) for n in reversed(levels.names[:-1])]
 
-    def _layout(self, optimizer, names: dict, bucket_bytes: int) -> list[_Bucket]:
-        K, r = self._scatter.size, self._scatter.rank
-        trainable = [(gi, p) for gi, g in enumerate(optimizer.param_groups)
-                     for p in g["params"] if p.requires_grad]
-        owner = {}
-        if self.partition == "tensor":
-            owner = dict(zip((id(p) for _, p in trainable),
-                             balance([p.numel() for _, p in trainable], K)))
-        packed: list[tuple[int, list[torch.nn.Parameter]]] = []
-        for gi, g in enumerate(optimizer.param_groups):
-            size = 0
-            for p in reversed([p for p in g["params"] if p.requires_grad]):
-                nbytes = p.numel() * p.element_size()
-                last = packed[-1] if packed else None
-                if last is None or last[0] != gi or last[1][0].dtype != p.dtype or \
-                        last[1][0].device != p.device or size + nbytes > bucket_bytes:
-                    packed.append((gi, []))
-                    size = 0
-                packed[-1][1].append(p)
-                size += nbytes
-        buckets = []
-        for i, (gi, params) in enumerate(packed):
-            if owner:
-                params = sorted(params, key=lambda p: owner[id(p)])   # stable: ranges in rank order
-            members, n = [], 0
-            for p in params:
-                members.append((names[id(p)], p, n, n + p.numel()))
-                n += p.numel()
-            if owner:
-                bounds = [next((a for _, p, a, _ in members if owner[id(p)] >= k), n)
-                          for k in range(K)] + [n]
-            else:
-                bounds = chunk_bounds(n, K)
-            flat = torch.empty(n, dtype=params[0].dtype, device=params[0].device)
-            with torch.no_grad():
-                for _, p, a, b in members:
-                    flat[a:b].copy_(p.detach().reshape(-1))
-                    p.data = flat[a:b].view(p.shape)
-            own = flat[bounds[r]:bounds[r + 1]]
-            shard = own.clone() if self.settings.qwz != "none" else own
-            if owner:          # whole tensors, shaped: the optimizer sees the model's tensors
-                pieces = [(torch.nn.Parameter(shard[a - bounds[r]:z - bounds[r]].view(p.shape)),
-                           a - bounds[r], z - bounds[r])
-                          for _, p, a, z in members if owner[id(p)] == r]
-            else:
-                pieces = [(torch.nn.Parameter(shard), 0, shard.numel())]
-            buckets.append(_Bucket(i, gi, members, bounds, flat, shard, pieces))
-        for gi, g in enumerate(optimizer.param_groups):
-            g["params"] = [q for b in buckets if b.group == gi for q, _, _ in b.pieces]
-        return buckets
-
     # backward -----------------------------------------------------------------------------------
     def _reset(self) -> None:
         for b in self.buckets:
@@ -325,7 +221,7 @@ class ZeRO(Strategy):
         if self.stage >= 2:
             p.grad = None                            # the bucket holds it now
 
-    def _ready(self, b: _Bucket, i: int, grad: torch.Tensor | None) -> None:
+    def _ready(self, b: Bucket, i: int, grad: torch.Tensor | None) -> None:
         if i not in b.pending:
             return
         if b.grad is None:
@@ -342,7 +238,7 @@ class ZeRO(Strategy):
                 nb.future = self._pool.submit(self._reduce, nb)
                 self._next += 1
 
-    def _reduce(self, b: _Bucket) -> list[str]:
+    def _reduce(self, b: Bucket) -> list[str]:
         """Reduce-scatter one bucket's gradient into its shard's ``grad``; returns the names of
         this rank's tensors that held NaN/Inf (sent as zeros)."""
         bad = []
@@ -365,7 +261,7 @@ class ZeRO(Strategy):
             b.grad = None
         return bad
 
-    def _quantized_reduce_scatter(self, b: _Bucket, bits: int) -> torch.Tensor:
+    def _quantized_reduce_scatter(self, b: Bucket, bits: int) -> torch.Tensor:
         """qgZ: every rank's chunk j quantized blockwise and sent to rank j (one all-to-all);
         rank r dequantizes the K copies of its range and averages them."""
         comm, K, r, block = self._red, self._red.size, self._red.rank, self.settings.block
@@ -400,7 +296,7 @@ class ZeRO(Strategy):
         self.withheld = bad
         for b in self.buckets:                       # the reduced gradient lives in the ranges
             for _, p, _, _ in b.members:
-                p.grad = _sharded_grad(p)
+                p.grad = sharded_grad(p)
         self._reset()
         self.sync_s = time.perf_counter() - t0
 
@@ -447,7 +343,7 @@ class ZeRO(Strategy):
             if self.settings.qwz == "none":
                 allgather_(b.params, self._red, b.counts, self.settings.algorithm)
                 continue
-            block, K = self.settings.block, self._red.size
+            block = self.settings.block
             q, scales = quantize_blocks(b.shard, 8, block)
             mine = torch.cat([q.view(torch.uint8), scales.view(torch.uint8)])
             sizes = [c + 4 * -(-c // block) for c in b.counts]
@@ -609,13 +505,6 @@ class ZeRO(Strategy):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-
-
-def merged_model_range(model_state: dict, b: _Bucket, r: int) -> torch.Tensor:
-    """This rank's range of bucket ``b`` taken from a full model state dict (qwZ's master copy
-    after a resize: the dequantized values every rank held)."""
-    flat = torch.cat([model_state[n].reshape(-1) for n, _, _, _ in b.members])
-    return flat[b.bounds[r]:b.bounds[r + 1]].clone()
 
 
 class ZeRO1(ZeRO):
