@@ -13,7 +13,7 @@ from ..base import LocalSteps
 from ..layout import agreed_dup
 from ..method import Context, Method, refuse_gradient_compressor
 from ..buffers import Buffers, persistent_buffers
-from .gossip import Layout, consensus_distance
+from .message import Layout, consensus_distance
 from .graphs import random_pairs
 from ..outer.fragment import average_parameters
 
