@@ -94,10 +94,11 @@ def test_diloco_between_two_datacenters_of_two_stage_pipelines_equals_unsplit_di
     assert s["bytes_by_level"]["dc"] / 4 < w["bytes_by_level"]["dc"] / 2
 
 
-def test_pp_inside_a_fleet_is_refused_naming_the_key():
-    with pytest.raises(ConfigError, match="not built yet"):
-        load_config(None, ["fleet.dcs=2", "topology=dc:2,rank:2", "policy.rank=pp",
-                           "policy.dc=diloco"])
+def test_pp_across_datacenters_is_refused_naming_the_key():
+    """Inside a fleet's datacenters it runs (tests/test_fleet_split.py); across them, never."""
+    with pytest.raises(ConfigError, match="policy.dc.*innermost"):
+        load_config(None, ["fleet.dcs=2", "topology=dc:2,rank:2", "policy.dc=pp",
+                           "policy.rank=syncdp"])
 
 
 TASK = textwrap.dedent('''

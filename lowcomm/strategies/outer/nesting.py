@@ -135,13 +135,17 @@ class OverALevel:
 
     def batch_place(self) -> tuple[int, int]:
         """Where the level below places its ranks' batches inside each unit (a pipeline's
-        stages share one), the units one after another; else the rank's own."""
+        stages share one), the units one after another; else the rank's own. In a fleet's
+        datacenter, the place inside the datacenter (the fleet's loop puts the datacenters one
+        after another)."""
         inner = self._inner
         if inner is None or self.nest.peers is None or self.nest.inside is None:
             return super().batch_place()
         i, n = inner.batch_place()
         if n == self.nest.inside.size:
             return super().batch_place()
+        if self.nest.peers.rounds:    # a fleet's datacenter: its place is the fleet's to add
+            return i, n
         return self.nest.peers.rank * n + i, self.nest.peers.size * n
 
     def model_state_dict(self) -> dict:
