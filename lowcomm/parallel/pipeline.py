@@ -40,6 +40,7 @@ from ..settings import Settings
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from .chains import Chain, chain_for
+from .merge import by_name, held_names
 from .replicas import average_gradients, place
 from .stages import (Stage, block_times, cut, owned_names, parse_split, refuse_fleet,
                      release_others, restore_others)
@@ -470,43 +471,16 @@ class PipelineParallel(Strategy):
     def _state_dict(self) -> dict:
         """The wrapped optimizer's state of this rank's stages, with its parameters' names (a
         resume on another split matches them by name)."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
         return {"optimizer": self.optimizer.state_dict(),
-                "names": [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]}
+                "names": held_names(self.model, self.optimizer)}
 
     def _load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
 
     def reshard(self, old: list[dict]) -> dict:
-        """Resume a pipeline of another length (P → P'; PP 2 → 1): the model is the union of
-        the old stages' keys; each parameter's optimizer state is the old stage's that held it,
-        matched by name (the old param groups' settings are old rank 0's)."""
-        model: dict = {}
-        states: dict = {}
-        for o in old:
-            model.update({k: v for k, v in o["model"].items() if k not in model})
-            opt, names = o["strategy"]["optimizer"], o["strategy"]["names"]
-            for i, n in enumerate(names):
-                if i in opt["state"] and n not in states:
-                    states[n] = opt["state"][i]
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        groups, state, i = [], {}, 0
-        template = old[0]["strategy"]["optimizer"]["param_groups"]
-        if len(template) != len(self.optimizer.param_groups):
-            raise LowcommError(f"the checkpoint's optimizer has {len(template)} param groups, "
-                               f"this one {len(self.optimizer.param_groups)}")
-        mine = []
-        for g, t in zip(self.optimizer.param_groups, template):
-            ids = []
-            for p in g["params"]:
-                if names[id(p)] in states:
-                    state[i] = states[names[id(p)]]
-                ids.append(i)
-                mine.append(names[id(p)])
-                i += 1
-            groups.append({**{k: v for k, v in t.items() if k != "params"}, "params": ids})
-        return {"model": model, "strategy": {"optimizer": {"state": state, "param_groups": groups},
-                                             "names": mine}}
+        """Resume a pipeline of another length (P → P'; PP 2 → 1): the old stages' parts joined
+        by name (:func:`~lowcomm.parallel.merge.by_name`)."""
+        return by_name(old, self.model, self.optimizer)
 
     # the end ------------------------------------------------------------------------------------
     def _finish(self) -> None:

@@ -31,7 +31,7 @@ from ..strategies import (async_diloco, async_ps, demo, desloc, diloco, dylu, fs
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from ..strategies.policy import Level, build_policy, check_plan
-from ..parallel import pipeline, tensor
+from ..parallel import ep, pipeline, tensor
 
 #: every strategy by name, one line each
 STRATEGIES: dict[str, Method] = {m.name: m for m in (
@@ -59,6 +59,7 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     async_diloco.METHOD,
     pipeline.METHOD,
     tensor.METHOD,
+    ep.METHOD,
 )}
 
 
