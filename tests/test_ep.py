@@ -92,9 +92,10 @@ def test_ep_on_two_ranks_equals_the_moe_trained_in_one_process(tmp_path):
 
 
 def test_an_ep_run_resumes_bit_for_bit_and_on_one_rank(tmp_path):
-    """6 steps with a checkpoint every 3 on 2 ranks (the last step writes none); resumed from step 3 on 2 ranks: the same
-    model bit for bit and the same metrics; on 1 rank (the experts joined by name, with their
-    Adam moments): the losses of one process that takes 2 ranks' batches to step 3, then 1's."""
+    """6 steps with a checkpoint every 3 on 2 ranks (the last step writes none); resumed from
+    step 3 on 2 ranks: the same model bit for bit and the same metrics; on 1 rank (the experts
+    joined by name, with their Adam moments): the losses of one process that takes 2 ranks'
+    batches to step 3, then 1 rank's."""
     sets = ["strategy.name=ep", "steps=6", "log_every=1", "checkpoint.every=3"]
     full = tmp_path / "full"
     summary = train(2, full, *sets)

@@ -221,7 +221,8 @@ class ExpertParallel(Strategy):
         self._reduce()
         sq = {k: torch.zeros((), dtype=torch.float64) for k in (True, False)}
         for p in self._held:
-            sq[id(p) in self._experts] += torch.linalg.vector_norm(p.grad.detach().double()).cpu() ** 2
+            g = p.grad.detach().double()
+            sq[id(p) in self._experts] += torch.linalg.vector_norm(g).cpu() ** 2
         experts = sq[True].reshape(1)
         self.comm.allreduce_(experts, "sum")
         norm = (experts[0] + sq[False]).sqrt().to(torch.float32)

@@ -244,11 +244,6 @@ class MoE(nn.Module):
         self.comm = None
         return self
 
-    def own_experts(self) -> list[int]:
-        """The experts this rank holds (every expert when not distributed)."""
-        E = self.settings.experts
-        return [e for e in range(E) if self.comm is None or self.owner(e) == self.comm.rank]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoE of d_model={self.d_model} got tokens of width {x.shape[-1]}")
@@ -316,5 +311,5 @@ def expert_parallel(model: nn.Module, comm: Comm, placeholders: bool = False,
     return [m.distribute_(comm, placeholders, key) for m in layers]
 
 
-__all__ = ["MoE", "MoESettings", "Routing", "aux_loss", "by_expert", "capacity", "check_spread", "exchange_rows",
-           "expert_parallel", "load_balancing_loss", "moe_layers", "route"]
+__all__ = ["MoE", "MoESettings", "Routing", "aux_loss", "by_expert", "capacity", "check_spread",
+           "exchange_rows", "expert_parallel", "load_balancing_loss", "moe_layers", "route"]
