@@ -38,7 +38,7 @@ from ..settings import Settings
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from .experts import MoE, expert_parallel, moe_layers
-from .merge import by_name, held_names
+from .merge import OwnedKeys, by_name, held_names
 from .replicas import average_gradients
 from .stages import refuse_fleet
 
@@ -110,7 +110,7 @@ class Routed:
         self.window = [0.0] * len(self.FIELDS)
 
 
-class ExpertParallel(Strategy):
+class ExpertParallel(OwnedKeys, Strategy):
     """Expert parallelism over the ranks of ``comm`` (module docstring).
 
     Construction, on every rank of ``comm`` together: the dense part and the buffers broadcast
@@ -238,10 +238,6 @@ class ExpertParallel(Strategy):
         return self.routed.line(ctl, final)
 
     # checkpoints --------------------------------------------------------------------------------
-    def model_state_dict(self) -> dict:
-        """The model's state as this rank holds it: its experts and the dense part."""
-        return {k: v for k, v in self.model.state_dict().items() if k in self._owned}
-
     def load_model_state_dict(self, state: dict) -> None:
         """Load :meth:`model_state_dict`'s keys, or a whole model's state (:meth:`reshard`'s):
         this rank takes its experts' keys and the dense part."""
@@ -250,25 +246,7 @@ class ExpertParallel(Strategy):
             raise LowcommError(f"ep rank {self.comm.rank} of {self.comm.size} holds keys the "
                                f"state lacks ({missing[:3]} and {max(0, len(missing) - 3)} "
                                "more): it was saved by another split of the experts")
-        with torch.no_grad():
-            for k, v in self.model.state_dict(keep_vars=True).items():
-                if k in self._owned:
-                    v.copy_(state[k])
-
-    def full_model_state_dict(self) -> dict:
-        """The whole model's state dict on rank 0, {} elsewhere; collective."""
-        full = self._gather()
-        return full if self.comm.rank == 0 else {}
-
-    def _gather(self) -> dict:
-        """The whole model's state from every rank's part (collective)."""
-        parts = self.comm.allgather_object({k: v.detach().cpu() for k, v in
-                                            self.model_state_dict().items()})
-        out: dict = {}
-        for part in parts:
-            for k, v in part.items():
-                out.setdefault(k, v)
-        return {k: out[k] for k in self.model.state_dict()}
+        self._copy_owned(state)
 
     def _state_dict(self) -> dict:
         """The wrapped optimizer's state of this rank's parameters, with their names, the

@@ -40,7 +40,7 @@ from ..settings import Settings
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from .chains import Chain, chain_for
-from .merge import by_name, held_names
+from .merge import OwnedKeys, by_name, held_names
 from .replicas import average_gradients, place
 from .stages import (Stage, block_times, cut, owned_names, parse_split, refuse_fleet,
                      release_others, restore_others)
@@ -192,7 +192,7 @@ def stage_ids(rank: int, ranks: int, per_rank: int, schedule: str) -> list[int]:
     return [rank + i * ranks for i in range(per_rank)]
 
 
-class PipelineParallel(Strategy):
+class PipelineParallel(OwnedKeys, Strategy):
     """Pipeline parallelism over the ranks of ``comm`` through torch's engine (module docstring).
 
     Construction, on every rank of ``comm`` together: the model (built alike on every rank)
@@ -433,10 +433,6 @@ class PipelineParallel(Strategy):
                                                     s.per_rank())}
 
     # checkpoints --------------------------------------------------------------------------------
-    def model_state_dict(self) -> dict:
-        """The model's state as this rank holds it: its stages' keys only."""
-        return {k: v for k, v in self.model.state_dict().items() if k in self._owned}
-
     def load_model_state_dict(self, state: dict) -> None:
         """Load :meth:`model_state_dict`'s keys (a checkpoint of this split), or a whole model's
         state (:meth:`reshard`'s): this rank takes its stages' keys."""
@@ -448,25 +444,7 @@ class PipelineParallel(Strategy):
                                f"{max(0, len(odd) - 3)} more differ): it was saved by another "
                                "split of the model (strategy.split, the ranks' count or the "
                                "schedule)")
-        own = {k: v for k, v in state.items() if k in self._owned}
-        with torch.no_grad():
-            for k, v in self.model.state_dict(keep_vars=True).items():
-                if k in own:
-                    v.copy_(own[k])
-
-    def full_model_state_dict(self) -> dict:
-        """The whole model's state dict on rank 0, {} elsewhere; collective."""
-        full = self._gather()
-        return full if self.comm.rank == 0 else {}
-
-    def _gather(self) -> dict:
-        parts = self.comm.allgather_object({k: v.detach().cpu() for k, v in
-                                            self.model_state_dict().items()})
-        out: dict = {}
-        for part in parts:
-            for k, v in part.items():
-                out.setdefault(k, v)
-        return {k: out[k] for k in self.model.state_dict() if k in out}
+        self._copy_owned(state)
 
     def _state_dict(self) -> dict:
         """The wrapped optimizer's state of this rank's stages, with its parameters' names (a
