@@ -131,6 +131,11 @@ def test_diloco_between_datacenters_of_ep_pairs_equals_it_over_data_parallel_pai
         assert abs(a["loss"] - b["loss"]) < TOL and abs(a["eval_loss"] - b["eval_loss"]) < TOL
     assert split["ranks_agree"] is True and split["inner"]["strategy"] == "ep"
     assert split["bytes_by_level"]["dc"] > 0 and split["bytes_by_level"]["rank"] > 0
+    cfg = load_config(None, MOE)                  # the outer state: the dense part + 2 of 4 experts
+    model = load_task(cfg.task.name).model(cfg)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert split["sharded"] is True
+    assert split["fragment_numel"] == [split["params"] - experts // 2]
 
 
 def test_syncdp_between_ep_pairs_equals_the_moe_trained_in_one_process(tmp_path):
@@ -152,11 +157,16 @@ def test_syncdp_between_ep_pairs_equals_the_moe_trained_in_one_process(tmp_path)
     assert summary["ranks_agree"] is True and summary["bytes_by_level"]["node"] > 0
 
 
-def test_ep_inside_a_fleet_is_refused_naming_the_key():
-    with pytest.raises(ConfigError, match="not built yet") as e:
-        load_config(None, ["fleet.dcs=2", "topology=dc:2,rank:2", "policy.rank=ep",
-                           "policy.dc=diloco"])
-    assert e.value.key == "policy.rank"
+@pytest.mark.parametrize("sets, key, words", [
+    (["fleet.dcs=2", "topology=dc:2,rank:2", "policy.rank=ep", "policy.dc=diloco"],
+     "policy.rank", "inside a fleet of datacenters .* is not built yet"),
+    (["topology=node:2,rank:2", "policy.node=tp", "policy.rank=ep"], "policy.node",
+     "two levels that split the model in one job"),
+])
+def test_ep_inside_a_fleet_or_beside_another_split_is_refused_naming_the_key(sets, key, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        load_config(None, sets)
+    assert e.value.key == key
 
 
 def test_ep_on_a_model_without_moe_layers_is_refused_naming_the_task():
