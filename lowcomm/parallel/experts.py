@@ -31,7 +31,7 @@ leave it, so a rank's dispatch bytes are (kept assignments to other ranks' exper
 element size, and its combine bytes (rows other ranks sent it) × d × element size. Each
 expert's parameters get the gradient of every rank's tokens routed to it (a sum); the router
 and the rest of the model are replicated (their gradients are each rank's own, to be averaged
-by a data-parallel method as usual).
+by a data-parallel method as usual; the ``ep`` method, :mod:`lowcomm.parallel.ep`, does both).
 """
 from __future__ import annotations
 
