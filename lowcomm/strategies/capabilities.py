@@ -60,6 +60,13 @@ class Capabilities:
         """This rank's chunk of every parameter where the method itself shards them; else None."""
         return None
 
+    def outer_shards(self) -> dict[str, torch.Tensor] | None:
+        """What an outer loop above keeps and exchanges of this rank's parameters, by name:
+        :meth:`local_shards`, less the tensors another rank of the unit owns where several hold
+        them (a split model's replicated or tied parameters, refreshed from their owner by
+        :meth:`parameters_changed`); None where :meth:`local_shards` is None."""
+        return self.local_shards()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the gradients by their global norm; returns the norm before clipping."""
