@@ -367,6 +367,11 @@ class TensorParallel(Strategy):
                     v, new = v.to_local(), new.to_local()
                 v.copy_(new)
 
+    def distributed_model_state(self) -> dict:
+        """The model's state dict as it stands, each split parameter a DTensor (its piece and
+        its place in the whole): what torch.distributed.checkpoint saves and loads in place."""
+        return self.model.state_dict()
+
     def full_model_state_dict(self) -> dict:
         """The whole model's state dict on rank 0, {} elsewhere; collective."""
         full = self._gather()

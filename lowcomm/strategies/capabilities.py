@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from ..comm.comm import Comm
-from ..errors import LowcommError
+from ..errors import ConfigError, LowcommError
 
 
 class Role(enum.Enum):
@@ -59,6 +59,15 @@ class Capabilities:
     def local_shards(self) -> dict[str, torch.Tensor] | None:
         """This rank's chunk of every parameter where the method itself shards them; else None."""
         return None
+
+    def distributed_model_state(self) -> dict:
+        """The model's state as :mod:`torch.distributed.checkpoint` saves it and loads it back
+        in place (``checkpoint.format = "dcp"``: :mod:`lowcomm.run.dcp`), a method that splits
+        the model over torch.distributed's group giving its DTensors; a ConfigError naming the
+        setting where the method keeps none."""
+        raise ConfigError("checkpoint.format", f"{self.name} keeps no model state for "
+                          "torch.distributed.checkpoint (\"dcp\" saves a model split over "
+                          "torch.distributed's group: tp); use checkpoint.format = \"torch\"")
 
     def outer_shards(self) -> dict[str, torch.Tensor] | None:
         """What an outer loop above keeps and exchanges of this rank's parameters, by name:
