@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from conftest import run_ranks, shared_mpi_suite
 from lowcomm.errors import ConfigError
@@ -37,6 +38,15 @@ def train(np_, out, *sets, resume=None, base=SETS):
                      *(["--resume", resume] if resume else []), timeout=240)
 
 
+def resume_from_step_5(full, again, np_, *sets):
+    """Run ``full``'s copy ``again`` on ``np_`` ranks from its step-5 checkpoint (the one at
+    step 10 removed)."""
+    shutil.copytree(full, again)
+    shutil.rmtree(again / "checkpoints" / f"step-{10:08d}", ignore_errors=True)
+    (again / "summary.json").unlink()
+    return train(np_, again, *sets, resume=again)
+
+
 def metrics(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -54,10 +64,7 @@ def test_lowcomm_train_with_tp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
     assert summary["bytes_total"] > 0 and "eval_loss" in metrics(full)[-1]
     for np_ in (2, 1):
         again = tmp_path / f"again{np_}"
-        shutil.copytree(full, again)
-        shutil.rmtree(again / "checkpoints" / f"step-{10:08d}", ignore_errors=True)
-        (again / "summary.json").unlink()
-        r = train(np_, again, "strategy.sequence=true", resume=again)
+        r = resume_from_step_5(full, again, np_, "strategy.sequence=true")
         assert r.returncode == 0, r.output
         resumed = json.loads((again / "summary.json").read_text())
         if np_ == 2:
@@ -81,14 +88,10 @@ def test_a_tp_run_checkpointed_through_torch_distributed_checkpoint_resumes_bit_
     manifest = json.loads((step5 / "manifest.json").read_text())
     assert manifest["format"] == "dcp" and "dcp/.metadata" in manifest["files"]
     assert any(n.endswith(".distcp") for n in manifest["files"])
-    import torch
     assert torch.load(step5 / "rank-00000.pt", weights_only=False)["model"] == {}
     for np_ in (2, 1):
         again = tmp_path / f"again{np_}"
-        shutil.copytree(full, again)
-        shutil.rmtree(again / "checkpoints" / f"step-{10:08d}", ignore_errors=True)
-        (again / "summary.json").unlink()
-        r = train(np_, again, "checkpoint.format=dcp", resume=again)
+        r = resume_from_step_5(full, again, np_, "checkpoint.format=dcp")
         if np_ == 2:
             assert r.returncode == 0, r.output
             resumed = json.loads((again / "summary.json").read_text())
