@@ -115,9 +115,9 @@ def _load_distributed(strategy, folder: Path, ctl: Comm) -> None:
     from .dcp import load_model
     try:
         load_model(strategy.distributed_model_state(), folder, ctl)
+    except LowcommError:
+        raise
     except (RuntimeError, ValueError, KeyError) as e:
-        if isinstance(e, LowcommError):
-            raise
         raise CheckpointError(f"checkpoint {folder}/dcp cannot be loaded into this model: "
                               f"{str(e).splitlines()[0][:300]}") from None
 
