@@ -104,24 +104,39 @@ def rabenseifner(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
         me = r - q
     real = lambda i: 2 * i + 1 if i < q else i + q  # noqa: E731
     b = chunk_bounds(n, p)
-    span = lambda lo, hi: buf[b[lo]:b[hi]]  # noqa: E731
+    lo, hi = _halving(comm, buf, b, me, real)
+    _doubling(comm, buf, b, me, real, (lo, hi))
+    if r < 2 * q:
+        comm.send(buf, r - 1)
+    return buf
+
+
+def _halving(comm: Comm, buf: torch.Tensor, b: list[int], me: int, real) -> tuple[int, int]:
+    """Rabenseifner's step 1 among the p remaining ranks (``me`` this one's number, ``real`` a
+    number's rank, ``b`` the p segments' bounds): recursive halving; returns the segments
+    ``[lo, hi)`` this rank ends owning the sum of."""
+    p = len(b) - 1
     tmp = torch.empty(b[p // 2] if p > 1 else 0, dtype=buf.dtype)
     lo, hi, d = 0, p, p // 2
     while d >= 1:
         mid = (lo + hi) // 2
         (klo, khi), (glo, ghi) = ((mid, hi), (lo, mid)) if me & d else ((lo, mid), (mid, hi))
-        keep = span(klo, khi)
-        comm.sendrecv_(span(glo, ghi), real(me ^ d), tmp[:keep.numel()], real(me ^ d))
+        keep = buf[b[klo]:b[khi]]
+        comm.sendrecv_(buf[b[glo]:b[ghi]], real(me ^ d), tmp[:keep.numel()], real(me ^ d))
         keep.add_(tmp[:keep.numel()])
         lo, hi, d = klo, khi, d // 2
-    d = 1
+    return lo, hi
+
+
+def _doubling(comm: Comm, buf: torch.Tensor, b: list[int], me: int, real,
+              owned: tuple[int, int]) -> None:
+    """Rabenseifner's step 2: recursive doubling of the ``owned`` segments until every rank
+    holds all p."""
+    (lo, hi), p, d = owned, len(b) - 1, 1
     while d < p:
         olo, ohi = (lo - d, lo) if me & d else (hi, hi + d)
-        comm.sendrecv_(span(lo, hi), real(me ^ d), span(olo, ohi), real(me ^ d))
+        comm.sendrecv_(buf[b[lo]:b[hi]], real(me ^ d), buf[b[olo]:b[ohi]], real(me ^ d))
         lo, hi, d = min(lo, olo), max(hi, ohi), d * 2
-    if r < 2 * q:
-        comm.send(buf, r - 1)
-    return buf
 
 
 def tree(comm: Comm, buf: torch.Tensor) -> torch.Tensor:

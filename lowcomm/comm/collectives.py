@@ -116,32 +116,44 @@ def shm(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
     t0 = time.perf_counter()
     moved = 0
     for a, L, off in _shm_segments(win, n, buf.element_size()):
-        mine, seg = slots[r][off:off + L], buf[a:a + L]
-        if L * buf.element_size() <= SHM_ONE_SYNC_BYTES:
-            mine.copy_(seg)
-            win.sync("allreduce.shm")
-            torch.add(slots[0][off:off + L], slots[1][off:off + L], out=seg)
-            for j in range(2, K):
-                seg.add_(slots[j][off:off + L])
-            moved += (K - 1) * L
-            continue
-        b = chunk_bounds(L, K)
-        lo, hi = b[r], b[r + 1]
-        mine[:lo].copy_(seg[:lo])
-        mine[hi:].copy_(seg[hi:])
-        win.sync("allreduce.shm")
-        own = seg[lo:hi]
-        for j in range(1, K):
-            own.add_(slots[(r + j) % K][off + lo:off + hi])
-        mine[lo:hi].copy_(own)
-        win.sync("allreduce.shm")
-        for j in range(K):
-            if j != r:
-                seg[b[j]:b[j + 1]].copy_(slots[j][off + b[j]:off + b[j + 1]])
-        moved += (L - (hi - lo)) + (K - 1) * (hi - lo)
+        step = _shm_one_sync if L * buf.element_size() <= SHM_ONE_SYNC_BYTES else _shm_two_syncs
+        moved += step(win, [s[off:off + L] for s in slots], buf[a:a + L], r)
     moved *= buf.element_size()
     comm.ledger.record("shm", comm.level, moved, moved, time.perf_counter() - t0)
     return buf
+
+
+def _shm_one_sync(win, slots: list[torch.Tensor], seg: torch.Tensor, r: int) -> int:
+    """One small segment of :func:`shm`: every rank copies it in; barrier; every rank sums the
+    K slots in rank order into ``seg``. Returns the elements the others read of this rank's."""
+    slots[r].copy_(seg)
+    win.sync("allreduce.shm")
+    torch.add(slots[0], slots[1], out=seg)
+    for s in slots[2:]:
+        seg.add_(s)
+    return (len(slots) - 1) * seg.numel()
+
+
+def _shm_two_syncs(win, slots: list[torch.Tensor], seg: torch.Tensor, r: int) -> int:
+    """One segment of :func:`shm` cut into K chunks: the others' chunks in; barrier; this
+    rank's chunk summed and stored; barrier; the others' sums out. Returns the elements the
+    others read of this rank's slot."""
+    K, L = len(slots), seg.numel()
+    b = chunk_bounds(L, K)
+    lo, hi = b[r], b[r + 1]
+    mine = slots[r]
+    mine[:lo].copy_(seg[:lo])
+    mine[hi:].copy_(seg[hi:])
+    win.sync("allreduce.shm")
+    own = seg[lo:hi]
+    for j in range(1, K):
+        own.add_(slots[(r + j) % K][lo:hi])
+    mine[lo:hi].copy_(own)
+    win.sync("allreduce.shm")
+    for j in range(K):
+        if j != r:
+            seg[b[j]:b[j + 1]].copy_(slots[j][b[j]:b[j + 1]])
+    return (L - (hi - lo)) + (K - 1) * (hi - lo)
 
 
 def _shm_in_place(comm: Comm, buf: torch.Tensor, win, peers: list[torch.Tensor],

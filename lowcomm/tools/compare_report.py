@@ -93,35 +93,42 @@ def plot(out: Path, results: list[dict], link: Link, budget: float = 0.0,
             ("steps", "step", "eval_loss_vs_steps.png", lambda ln: ln["step"], False)]
     written = []
     for _, xlabel, fname, x_of, logx in axes:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
         modelled = fname == "eval_loss_vs_modelled_wall.png"
-        for r in ok:
-            if modelled:            # the parameter server's lines have no CPU clock: no curve
-                pts = eval_curve(out, r, link)
-            else:
-                pts = [(x_of(ln), ln["eval_loss"]) for ln in curves(out, r) if "eval_loss" in ln]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", markersize=3, label=r["method"])
-        if modelled and budget:
-            ax.axvline(budget, color="grey", linestyle=":", label=f"budget {budget:g} s")
-        if modelled and target is not None:
-            ax.axhline(target, color="grey", linestyle="--", linewidth=0.8,
-                       label=f"target {target:.3f}")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("eval loss")
-        if logx:
-            ax.set_xscale("log")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:     # no finished method: no legend to draw
-            ax.legend(fontsize=8)
-        ax.set_title(f"{ok[0]['ranks'] if ok else '?'} ranks, " +
-                     (f"{budget:g} modelled s each" if budget else
-                      f"{ok[0]['steps'] if ok else '?'} steps"))
-        fig.tight_layout()
-        fig.savefig(out / fname, dpi=110)
-        plt.close(fig)
+        series = [(r["method"], eval_curve(out, r, link) if modelled else    # the parameter
+                   [(x_of(ln), ln["eval_loss"]) for ln in curves(out, r) if "eval_loss" in ln])
+                  for r in ok]                                             # server's: no CPU clock
+        marks = (budget, target) if modelled else (0.0, None)
+        title = f"{ok[0]['ranks'] if ok else '?'} ranks, " + (
+            f"{budget:g} modelled s each" if budget else f"{ok[0]['steps'] if ok else '?'} steps")
+        _figure(plt, series, (xlabel, logx, title), marks, out / fname)
         written.append(out / fname)
     return written
+
+
+def _figure(plt, series: list, axis: tuple[str, bool, str], marks: tuple, path: Path) -> None:
+    """One plot of eval loss: a line per ``(method, points)`` of ``series``; ``axis`` the x
+    label, whether it is logarithmic and the title; ``marks`` the budget (a vertical line when
+    not 0) and the target (a horizontal one when not None)."""
+    (xlabel, logx, title), (budget, target) = axis, marks
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, pts in series:
+        if pts:
+            ax.plot(*zip(*pts), marker="o", markersize=3, label=method)
+    if budget:
+        ax.axvline(budget, color="grey", linestyle=":", label=f"budget {budget:g} s")
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle="--", linewidth=0.8, label=f"target {target:.3f}")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("eval loss")
+    if logx:
+        ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:     # no finished method: no legend to draw
+        ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _spread(values: list[float], digits: int) -> str:
@@ -140,7 +147,6 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
     ok.sort(key=lambda r: (r["final_loss"],) if by_train else
             (not tuning.finite(r["eval_loss"]), r["eval_loss"] if tuning.finite(r["eval_loss"]) else 0.0))
     base = next((r for r in ok if r["method"] == "ddp"), None)
-    per_step = lambda r: r["bytes_total"] / r.get("steps_done", r["steps"])   # noqa: E731
     to = f" | modelled s to eval ≤ {target:.4f}²" if target is not None else ""
     ref = next((r["wall_ratio"]["to"] for r in ok if "wall_ratio" in r), None)
     by = f" | wall ÷ {ref}'s³" if ref else ""
@@ -150,18 +156,7 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
     head = (f"| # | method | eval loss{f' at {budget:g} s' if budget else ''} | train loss | steps | "
             f"MB sent | ddp bytes/step ÷ bytes/step | {wall}{by} | compute CPU s | "
             f"modelled s ({link})¹{to} |\n" + "|---" * (10 + extra) + "|")
-    rows = []
-    for i, r in enumerate(ok, 1):
-        ratio = f"{per_step(base) / per_step(r):.1f}×" if base and r["bytes_total"] else "–"
-        reach = r.get("time_to_target_s")
-        reach = (f" | {reach:.1f}" if reach is not None else " | not reached") if to else ""
-        rel = (f" | {_spread(r['wall_ratio']['runs'], 3)}" if "wall_ratio" in r else " | –") if by else ""
-        ev = f"{r['eval_loss']:.4f}" if tuning.finite(r["eval_loss"]) else "–"
-        capped = "⁴" if _capped(r, budget) else ""
-        rows.append(f"| {i} | {r['method']} | {ev} | {r['final_loss']:.4f} | "
-                    f"{r.get('steps_done', r['steps'])}{capped} | {r['bytes_total'] / 1e6:.1f} | {ratio} | "
-                    f"{_spread(r.get('wall_s_runs') or [r['wall_s']], 1)}{rel} | "
-                    f"{r['compute_cpu_s']:.1f} | {r['modelled_wall_s']:.1f}{reach} |")
+    rows = [_row(i, r, base, budget, bool(to), bool(by)) for i, r in enumerate(ok, 1)]
     rows += [f"| – | {r['method']} | {r['status']}: {r['error']} |" + " |" * (7 + extra)
              for r in results if r["status"] != "ok"]
     foot = (f"\n¹ modelled s = compute CPU s + the α–β time of the run's traffic on {link}. Compute "
@@ -178,6 +173,25 @@ def table(results: list[dict], link: Link, budget: float = 0.0, target: float | 
         foot += (f"\n³ each run's wall-clock divided by {ref}'s in the same round (the methods ran "
                  "in turn, round after round): the median ratio (min–max).")
     return "\n".join([head, *rows]) + "\n" + foot + ranking
+
+
+def _per_step(r: dict) -> float:
+    return r["bytes_total"] / r.get("steps_done", r["steps"])
+
+
+def _row(i: int, r: dict, base: dict | None, budget: float, to: bool, by: bool) -> str:
+    """Result ``r``'s row at place ``i`` (``base``: ddp's result, for the bytes ratio; ``to``,
+    ``by``: the time-to-target and wall-ratio columns are shown)."""
+    ratio = f"{_per_step(base) / _per_step(r):.1f}×" if base and r["bytes_total"] else "–"
+    reach = r.get("time_to_target_s")
+    reach = (f" | {reach:.1f}" if reach is not None else " | not reached") if to else ""
+    rel = (f" | {_spread(r['wall_ratio']['runs'], 3)}" if "wall_ratio" in r else " | –") if by else ""
+    ev = f"{r['eval_loss']:.4f}" if tuning.finite(r["eval_loss"]) else "–"
+    capped = "⁴" if _capped(r, budget) else ""
+    return (f"| {i} | {r['method']} | {ev} | {r['final_loss']:.4f} | "
+            f"{r.get('steps_done', r['steps'])}{capped} | {r['bytes_total'] / 1e6:.1f} | {ratio} | "
+            f"{_spread(r.get('wall_s_runs') or [r['wall_s']], 1)}{rel} | "
+            f"{r['compute_cpu_s']:.1f} | {r['modelled_wall_s']:.1f}{reach} |")
 
 
 def _capped(r: dict, budget: float) -> bool:
