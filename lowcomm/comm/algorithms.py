@@ -52,24 +52,33 @@ def ring(comm: Comm, buf: torch.Tensor) -> torch.Tensor:
             comm.sendrecv_(out, right, got, left)
             into.add_(got)
             continue
-        sends = [comm.isend(out[a:a + S], right) for a in range(0, out.numel(), S)]
-        parts = list(range(0, into.numel(), S))
-
-        def post(j):
-            t = tmp[(j % 2) * S:(j % 2) * S + min(S, into.numel() - parts[j])]
-            return comm.irecv_(t, left), t
-        pending = post(0)
-        for j, a in enumerate(parts):
-            req, t = pending
-            req.wait()
-            if j + 1 < len(parts):
-                pending = post(j + 1)      # in flight while this segment is added
-            into[a:a + t.numel()].add_(t)
-        for q in sends:
-            q.wait()
+        _segmented(comm, (out, right), (into, left), tmp, S)
     for s in range(K - 1):
         comm.sendrecv_(seg((r + 1 - s) % K), right, seg((r - s) % K), left)
     return buf
+
+
+def _segmented(comm: Comm, send: tuple, recv: tuple, tmp: torch.Tensor, S: int) -> None:
+    """One reduce-scatter step of :func:`ring` in segments of ``S`` elements: ``send`` (a chunk
+    and the rank it goes to) posted at once, ``recv`` (a chunk and the rank its addend comes
+    from) received segment by segment into the two halves of ``tmp``, segment i+1's receive in
+    flight while segment i is added."""
+    (out, right), (into, left) = send, recv
+    sends = [comm.isend(out[a:a + S], right) for a in range(0, out.numel(), S)]
+    parts = list(range(0, into.numel(), S))
+
+    def post(j):
+        t = tmp[(j % 2) * S:(j % 2) * S + min(S, into.numel() - parts[j])]
+        return comm.irecv_(t, left), t
+    pending = post(0)
+    for j, a in enumerate(parts):
+        req, t = pending
+        req.wait()
+        if j + 1 < len(parts):
+            pending = post(j + 1)      # in flight while this segment is added
+        into[a:a + t.numel()].add_(t)
+    for q in sends:
+        q.wait()
 
 
 def rabenseifner(comm: Comm, buf: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import lowcomm
+import lowcomm.comm.algorithms as A
 import lowcomm.comm.collectives as C
 from helpers import vendor_sum
 from lowcomm.comm.collectives import chunk_bounds
@@ -161,6 +162,20 @@ def test_shm_with_small_segments(n, dtype, comm, monkeypatch):
     got = small.ledger.get("allreduce.shm").bytes_sent - before
     want = expected_bytes("shm", n, t.element_size(), comm.size, comm.rank)
     assert got == want, f"ledger {got} bytes, expected {want}"
+
+
+@pytest.mark.parametrize("n", [1, 5, 1000, 1025])
+def test_ring_with_small_segments(n, comm, monkeypatch):
+    """Chunks over RING_SEGMENT_BYTES go in segments (sends posted at once, the next receive in
+    flight while one is added): the vendor's sum, and the ring's bytes."""
+    monkeypatch.setattr(A, "RING_SEGMENT_BYTES", 64)
+    t = integers(n, torch.float32, n + comm.rank)
+    ref = vendor_sum(t)
+    before = comm.ledger.get("allreduce.ring").bytes_sent
+    lowcomm.allreduce_(t, comm, "ring")
+    assert np.array_equal(t.double().numpy(), ref), "differs from MPI_Allreduce"
+    got = comm.ledger.get("allreduce.ring").bytes_sent - before
+    assert got == expected_bytes("ring", n, 4, comm.size, comm.rank), got
 
 
 def registered_bytes(n: int, K: int, r: int) -> int:
