@@ -124,7 +124,9 @@ def test_data_parallelism_around_a_split_model_equals_syncdp_of_whole_models(tmp
 
 
 @pytest.mark.parametrize("policy, words", [
-    (["policy.node=pp", "policy.rank=tp"], "two levels that split the model in one job"),
+    (["policy.node=tp", "policy.rank=pp"], "tp over pp: these levels that split the model do "
+                                           "not compose"),
+    (["policy.node=pp", "policy.rank=pp"], "pp over pp"),
     (["policy.node=tp", "policy.rank=syncdp"], "innermost per-step level only"),
     (["policy.node=syncdp:algorithm=ring", "policy.rank=tp"], "plain syncdp"),
 ])

@@ -31,7 +31,7 @@ from ..strategies import (async_diloco, async_ps, demo, desloc, diloco, dylu, fs
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from ..strategies.policy import Level, build_policy, check_plan
-from ..parallel import pipeline, tensor
+from ..parallel import mesh, tensor
 
 #: every strategy by name, one line each
 STRATEGIES: dict[str, Method] = {m.name: m for m in (
@@ -57,7 +57,7 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     diloco.MULOCO_EF_METHOD,
     dylu.METHOD,
     async_diloco.METHOD,
-    pipeline.METHOD,
+    mesh.METHOD,
     tensor.METHOD,
 )}
 

@@ -42,7 +42,9 @@ class Context:
     ``criterion(output, target)`` and ``split(batch)``, for a method that computes the loss
     from the last pipeline stage's output (None: the task defines none); ``replicas``: for a
     method that splits the model under data-parallel levels, the ranks holding its part in the
-    other replicas (:mod:`lowcomm.parallel.replicas`; None: no data parallelism around it)."""
+    other replicas (:mod:`lowcomm.parallel.replicas`; None: no data parallelism around it);
+    ``inner``: for a method that splits the model over another split level below it (pipeline
+    stages each tensor-parallel), that level (:class:`InnerSplit`; None: no such level)."""
     compressor: CompressorSettings = field(default_factory=CompressorSettings)
     nonfinite: NonFinite = NonFinite.ABORT
     steps: int | None = None
@@ -53,6 +55,7 @@ class Context:
     criterion: Any = None
     split: Any = None
     replicas: Any = None
+    inner: Any = None
 
     def gradient_compressor(self, name: str | None = None):
         """The run's gradient compressor, or the one called ``name`` with the run's knobs,
@@ -67,6 +70,16 @@ class Context:
 
 
 @dataclass(frozen=True)
+class InnerSplit:
+    """The split level below a split method's (``tp`` under ``pp``): its ``settings``, its
+    ``comm`` (the ranks of one unit: they split each part again) and ``span`` (the ranks of both
+    levels together, over which the torch.distributed group and its mesh are made)."""
+    settings: Any
+    comm: Any
+    span: Any
+
+
+@dataclass(frozen=True)
 class Method:
     """A strategy as the registry knows it.
 
@@ -78,7 +91,9 @@ class Method:
     refuses it, and the every-method tests, which run one MPI job, leave it to the fleet's);
     ``splits``: it splits the model itself (pipeline stages), so it trains only a task whose
     model it can cut and whose loss it can take apart (``criterion``; the every-method tests
-    and ``lowcomm compare``'s data-parallel list leave it to its own tests).
+    and ``lowcomm compare``'s data-parallel list leave it to its own tests); ``splits_over``:
+    the split methods it runs over on the level below it (``pp`` over ``tp``: stages each split
+    again; :class:`Context`'s ``inner``).
 
     What the derived tables read (the method list of ``lowcomm compare``, ``lowcomm methods``,
     the docs' method table, the every-method tests), so that a method is its module and this
@@ -98,6 +113,7 @@ class Method:
     level: bool = False     # may be a level of a per-level policy (per-step or outer loop)
     fleet: bool = False     # runs only across a fleet's datacenters
     splits: bool = False    # splits the model (pipeline, tensor): needs a task that can be cut
+    splits_over: tuple[str, ...] = ()   # split methods it composes over, on the level below
     python: str = ""
     optimizer: str = ""
     example: str = ""
