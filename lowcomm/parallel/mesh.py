@@ -1,6 +1,8 @@
-"""Pipeline stages each split by tensor parallelism (``pp`` over ``tp``): the inner two axes of
-3D parallelism on one two-dimensional device mesh.
+"""Two axes on one two-dimensional device mesh: pipeline stages each split by tensor parallelism
+(``pp`` over ``tp``, :class:`PipelineOfTensors`), and tensor parallelism with its replicas
+sharded by FSDP2 (``fsdp`` above ``tp``, :class:`ShardedTensorParallel`).
 
+**pp over tp.**
 Narayanan et al. 2021 (arXiv 2104.04473, "PTD-P"): the model is cut into P pipeline stages, and
 each stage's layers are split again over T ranks as Megatron-LM splits them (Shoeybi et al.
 2019, arXiv 1909.08053). On a per-level policy the pipeline is the upper level and tensor
@@ -35,12 +37,13 @@ import torch
 from ..comm.comm import Comm
 from ..errors import ConfigError, LowcommError
 from ..strategies.base import Strategy
-from ..strategies.method import Context, InnerSplit
-from . import pipeline
+from ..strategies.fsdp import charge_units, fsdp_modules, unshard_model, wrap_units
+from ..strategies.method import Context, InnerSplit, ShardedReplicas
+from . import pipeline, tensor
 from .pipeline import PipelineParallel, PipelineSettings, stage_options
 from .plans import Plan, plan_for
-from .tensor import (SplitOf, as_piece, charge_collectives, from_piece, hook_ids, join,
-                     split_layers, uncharge, unsplit_layers)
+from .tensor import (SplitOf, TensorParallel, as_piece, charge_collectives, from_piece,
+                     hook_ids, join, split_layers, uncharge, unsplit_layers)
 
 
 def build(s: PipelineSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
@@ -53,6 +56,19 @@ def build(s: PipelineSettings, model, optimizer, comm: Comm, ctx: Context) -> St
 
 #: ``pp`` as the registry knows it: over a ``tp`` level, its stages tensor-parallel
 METHOD = dataclasses.replace(pipeline.METHOD, build=build, splits_over=("tp",))
+
+
+def build_tp(s, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
+    """Tensor parallelism, its replicas sharded by FSDP2 where ``fsdp`` sits above
+    (``ctx.sharding``)."""
+    if ctx.sharding is None:
+        return tensor.build(s, model, optimizer, comm, ctx)
+    return ShardedTensorParallel(model, optimizer, comm, settings=s, replicas=ctx.replicas,
+                                 sharding=ctx.sharding)
+
+
+#: ``tp`` as the registry knows it: under an ``fsdp`` level, its replicas sharded
+TP_METHOD = dataclasses.replace(tensor.METHOD, build=build_tp)
 
 
 class PipelineOfTensors(PipelineParallel):
@@ -194,4 +210,99 @@ class PipelineOfTensors(PipelineParallel):
         super()._close()
 
 
-__all__ = ["METHOD", "PipelineOfTensors", "build"]
+class ShardedTensorParallel(TensorParallel):
+    """Tensor parallelism over ``comm`` (a unit's ranks), FSDP2 over ``replicas`` (rank t of
+    every unit): the 2-D (dp, tp) mesh of torch's documented FSDP + TP composition (Zhao et al.
+    2023, arXiv 2304.11277; torchtitan's ``parallelize``).
+
+    Construction, on every rank of ``sharding.span`` together: the default group over the span
+    and its (dp, tp) mesh; the tensor-parallel plan on the "tp" dim
+    (:class:`~lowcomm.parallel.tensor.TensorParallel`); then ``fully_shard`` on the "dp" dim,
+    every block of the model's layers, then the root (:func:`~lowcomm.strategies.fsdp.wrap_units`,
+    ``wrap = "auto"``): each rank holds 1/D of its tensor-parallel piece, and its optimizer
+    state 1/D.
+
+    Per step: the replicas take different batches; forward and backward all-gather each block's
+    pieces over "dp" and reduce-scatter their gradients (the mean over the replicas, as
+    ``syncdp`` above ``tp`` averages them), TP's collectives run over "tp" inside; ``step()``:
+    the wrapped optimizer on this rank's shard of its piece. Traffic: FSDP's collectives charged
+    to the data-parallel level (``allgather.fsdp``, ``reduce_scatter.fsdp``), TP's to its own.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 comm: Comm | None = None, *, sharding: ShardedReplicas, replicas: Comm,
+                 **options):
+        f = sharding.settings
+        odd = [k for k in ("param_dtype", "reduce_dtype") if getattr(f, k)] + \
+            (["wrap"] if f.wrap != "auto" else [])
+        if odd:
+            raise ConfigError(f"policy.{replicas.level}.{odd[0]}", "fsdp above tp shards every "
+                              "block in the parameters' dtype: leave param_dtype, reduce_dtype "
+                              "and wrap at their defaults")
+        self.sharding = sharding
+        super().__init__(model, optimizer, comm, replicas=replicas, **options)
+
+    def _mesh(self, s):
+        """The default group over the span and its (dp, tp) mesh; returns the "tp" dim."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from ..comm.process_group import default_group
+        if s.sequence:
+            raise ConfigError(f"policy.{self.comm.level}.sequence", "tp with sequence = true "
+                              "under fsdp is not built; use sequence = false")
+        span, D, T = self.sharding.span, self.replicas.size, self.comm.size
+        default_group(span, self.device, s.timeout_s, holder=self)
+        grid = torch.empty(D, T, dtype=torch.int64)
+        for r, (d, t) in enumerate(span.allgather_object((self.replicas.rank, self.comm.rank))):
+            grid[d, t] = r
+        self.mesh2 = DeviceMesh(self.device.type, grid, mesh_dim_names=("dp", "tp"))
+        return self.mesh2["tp"]
+
+    def _split(self, model, optimizer) -> None:
+        """Tensor parallelism's split, then FSDP2 over the "dp" dim."""
+        from torch.distributed.fsdp import fully_shard
+        super()._split(model, optimizer)
+        names = {id(p): n for n, p in model.named_parameters()}
+        again = self.sharding.settings.reshard_after_forward
+        for unit in wrap_units(model, "auto"):
+            fully_shard(unit, mesh=self.mesh2["dp"], reshard_after_forward=again)
+        fully_shard(model, mesh=self.mesh2["dp"])
+        charge_units(fsdp_modules(model), self.replicas)
+        sharded = dict(model.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        self.built.fix()
+
+    def _reduce(self) -> None:
+        """FSDP2 reduce-scattered the gradients over the replicas in the backward pass."""
+        self._averaged = True
+
+    def _norm_comm(self) -> Comm:
+        return self.sharding.span
+
+    def _piece(self, name: str, t):
+        """``t`` as tensor parallelism alone holds it: its "dp" shards gathered (collective)."""
+        from torch.distributed.tensor import DTensor, Replicate
+        if isinstance(t, DTensor) and "dp" in (t.device_mesh.mesh_dim_names or ()):
+            dims = t.device_mesh.mesh_dim_names
+            t = t.redistribute(t.device_mesh, [Replicate() if d == "dp" else p
+                                               for d, p in zip(dims, t.placements)])
+        return as_piece(self._pieces, name, t)
+
+    def load_model_state_dict(self, state: dict) -> None:
+        raise LowcommError("resuming tp with fsdp above it is not built (loading a checkpoint "
+                           "into the (dp, tp) shards); its checkpoints hold the tensor-parallel "
+                           "pieces, which tp with syncdp above loads")
+
+    def _load_state_dict(self, state: dict) -> None:
+        self.load_model_state_dict(state)
+
+    def _finish(self) -> None:
+        """The pieces joined, FSDP2 and then tensor parallelism removed: the whole model."""
+        full = self._gather()
+        unshard_model(self.model, fsdp_modules(self.model))
+        self._leave(full)
+
+
+__all__ = ["METHOD", "PipelineOfTensors", "ShardedTensorParallel", "TP_METHOD", "build",
+           "build_tp"]

@@ -347,9 +347,10 @@ class TensorParallel(Strategy):
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             sq = torch.linalg.vector_norm(g.detach().double()).cpu() ** 2
             split, whole = (split + sq, whole) if n in self._pieces else (split, whole + sq)
-        total = split.reshape(1)
-        self.comm.allreduce_(total, "sum")
-        norm = (total[0] + whole).sqrt().to(torch.float32)
+        # a replicated parameter's gradient is alike on every rank of the level: counted once
+        total = torch.stack([split, whole if self.comm.rank == 0 else torch.zeros_like(whole)])
+        self._norm_comm().allreduce_(total, "sum")
+        norm = total.sum().sqrt().to(torch.float32)
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise LowcommError(f"the gradients' norm over every rank's pieces is {float(norm)}")
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -357,6 +358,10 @@ class TensorParallel(Strategy):
             if p.grad is not None:
                 p.grad.mul_(coef.to(self.device))
         return norm
+
+    def _norm_comm(self) -> Comm:
+        """The ranks whose gradient pieces make up the whole model's gradient."""
+        return self.comm
 
     # checkpoints --------------------------------------------------------------------------------
     def _piece(self, name: str, t):
@@ -432,8 +437,11 @@ class TensorParallel(Strategy):
     def _finish(self) -> None:
         """Leave the plain, whole model on every rank: each split parameter joined, torch's
         hooks removed, the plan's attributes whole again."""
+        self._leave(self._gather())
+
+    def _leave(self, full: dict) -> None:
+        """The plain model again, ``full`` (the whole model's state) loaded into it."""
         from ..comm.process_group import release
-        full = self._gather()
         uncharge(self.mesh)
         unsplit_layers(self.model, self._hooks, self.plan, self.device)
         self.model.load_state_dict(full)

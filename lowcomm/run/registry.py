@@ -31,7 +31,7 @@ from ..strategies import (async_diloco, async_ps, demo, desloc, diloco, dylu, fs
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from ..strategies.policy import Level, build_policy, check_plan
-from ..parallel import mesh, tensor
+from ..parallel import mesh
 
 #: every strategy by name, one line each
 STRATEGIES: dict[str, Method] = {m.name: m for m in (
@@ -58,7 +58,7 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     dylu.METHOD,
     async_diloco.METHOD,
     mesh.METHOD,
-    tensor.METHOD,
+    mesh.TP_METHOD,
 )}
 
 

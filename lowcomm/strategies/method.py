@@ -44,7 +44,9 @@ class Context:
     method that splits the model under data-parallel levels, the ranks holding its part in the
     other replicas (:mod:`lowcomm.parallel.replicas`; None: no data parallelism around it);
     ``inner``: for a method that splits the model over another split level below it (pipeline
-    stages each tensor-parallel), that level (:class:`InnerSplit`; None: no such level)."""
+    stages each tensor-parallel), that level (:class:`InnerSplit`; None: no such level);
+    ``sharding``: for a method that splits the model under a level that shards its replicas
+    (``fsdp`` above ``tp``), that level (:class:`ShardedReplicas`; None: no such level)."""
     compressor: CompressorSettings = field(default_factory=CompressorSettings)
     nonfinite: NonFinite = NonFinite.ABORT
     steps: int | None = None
@@ -56,6 +58,7 @@ class Context:
     split: Any = None
     replicas: Any = None
     inner: Any = None
+    sharding: Any = None
 
     def gradient_compressor(self, name: str | None = None):
         """The run's gradient compressor, or the one called ``name`` with the run's knobs,
@@ -80,6 +83,15 @@ class InnerSplit:
 
 
 @dataclass(frozen=True)
+class ShardedReplicas:
+    """A data-parallel level that shards the replicas of a split model (``fsdp`` above ``tp``):
+    its ``settings`` and ``span`` (the ranks of every replica together, over which the
+    torch.distributed group and its (dp, tp) mesh are made)."""
+    settings: Any
+    span: Any
+
+
+@dataclass(frozen=True)
 class Method:
     """A strategy as the registry knows it.
 
@@ -93,7 +105,9 @@ class Method:
     model it can cut and whose loss it can take apart (``criterion``; the every-method tests
     and ``lowcomm compare``'s data-parallel list leave it to its own tests); ``splits_over``:
     the split methods it runs over on the level below it (``pp`` over ``tp``: stages each split
-    again; :class:`Context`'s ``inner``).
+    again; :class:`Context`'s ``inner``); ``shards_around``: the split methods whose replicas it
+    may shard from the level above them (``fsdp`` around ``tp``; :class:`Context`'s
+    ``sharding``).
 
     What the derived tables read (the method list of ``lowcomm compare``, ``lowcomm methods``,
     the docs' method table, the every-method tests), so that a method is its module and this
@@ -114,6 +128,7 @@ class Method:
     fleet: bool = False     # runs only across a fleet's datacenters
     splits: bool = False    # splits the model (pipeline, tensor): needs a task that can be cut
     splits_over: tuple[str, ...] = ()   # split methods it composes over, on the level below
+    shards_around: tuple[str, ...] = ()  # split methods whose replicas it shards, from above
     python: str = ""
     optimizer: str = ""
     example: str = ""

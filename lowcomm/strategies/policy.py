@@ -37,7 +37,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .method import Context, InnerSplit, Method
+from .method import Context, InnerSplit, Method, ShardedReplicas
 from .wrapped import claim, parts_of_one_method
 from .nesting import Nesting
 
@@ -72,14 +72,26 @@ def split_levels(plan: list[Level], first: int) -> int:
         raise ConfigError(f"policy.{split[0].name}", f"{split[0].method.name} splits the model "
                           f"on the innermost per-step level{'s' if len(split) > 1 else ''} only; "
                           "data parallelism (syncdp) goes above it")
-    inner = plan[-len(split)]
-    for p in plan[first:-len(split)]:
+    inner, above = plan[-len(split)], plan[first:-len(split)]
+    if len(above) == 1 and sharding(plan, first):
+        return len(split)
+    for p in above:
         if p.method.name != "syncdp" or p.options:
             raise ConfigError(f"policy.{p.name}", f"above policy.{inner.name}="
                               f"{inner.method.name} a per-step level is plain syncdp (the "
-                              f"replicas' gradients averaged), not {p.method.name}"
+                              f"replicas' gradients averaged) or, directly above tp, fsdp (FSDP2 "
+                              f"over the replicas), not {p.method.name}"
                               f"{':' + ','.join(p.options) if p.options else ''}")
     return len(split)
+
+
+def sharding(plan: list[Level], first: int) -> Level | None:
+    """The per-step level that shards the replicas of the split model below it (``fsdp`` above
+    ``tp``, the two per-step levels), or None."""
+    if len(plan) - first != 2 or plan[first].method.splits:
+        return None
+    top, split = plan[first], plan[-1]
+    return top if split.method.name in top.method.shards_around else None
 
 
 def check_plan(plan: list[Level], gradient_compressor: str = "none") -> int:
@@ -192,6 +204,9 @@ def _build_split(plan, first, scope, levels, model, optimizer, ctx: Context):
     span = scope if top == first else levels.group(names[top - 1])
     if top > first:
         ctx = dataclasses.replace(ctx, replicas=scope.split(span.rank, level=names[first]))
+        shards = sharding(plan, first)
+        if shards is not None:
+            ctx = dataclasses.replace(ctx, sharding=ShardedReplicas(shards.settings, scope))
     comm = span
     if count == 2:
         unit = levels.group(names[-2])
