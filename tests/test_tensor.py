@@ -41,6 +41,13 @@ def metrics(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def same_losses(ours, theirs):
+    """Two runs' log lines: at steps 5 and 10, the same training and held-out loss to 1e-5."""
+    assert [x["step"] for x in ours] == [x["step"] for x in theirs] == [5, 10]
+    for a, b in zip(ours, theirs):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["eval_loss"] - b["eval_loss"]) < 1e-5
+
+
 def test_lowcomm_train_with_tp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
     """2-way sequence-parallel TP, 10 steps with a checkpoint every 5: the whole model on every
     rank at the end (ranks_agree) and the split layers' traffic in the ledger; resumed from
@@ -80,9 +87,7 @@ def test_diloco_between_two_datacenters_of_tensor_parallel_pairs_equals_unsplit_
     r = train(2, whole, "topology=dc:2,rank:1", *common, base=base)
     assert r.returncode == 0, r.output
     ours, theirs = metrics(split), metrics(whole)
-    assert [x["step"] for x in ours] == [x["step"] for x in theirs] == [5, 10]
-    for a, b in zip(ours, theirs):
-        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["eval_loss"] - b["eval_loss"]) < 1e-5
+    same_losses(ours, theirs)
     s = json.loads((split / "summary.json").read_text())
     assert s["ranks_agree"] is True and s["bytes_by_level"]["rank"] > 0
 
@@ -116,9 +121,7 @@ def test_data_parallelism_around_a_split_model_equals_syncdp_of_whole_models(tmp
     r = train(2, ref, "strategy.name=syncdp", *common, base=base)
     assert r.returncode == 0, r.output
     a, b = metrics(ours), metrics(ref)
-    assert [x["step"] for x in a] == [x["step"] for x in b] == [5, 10]
-    for x, y in zip(a, b):
-        assert abs(x["loss"] - y["loss"]) < 1e-5 and abs(x["eval_loss"] - y["eval_loss"]) < 1e-5
+    same_losses(a, b)
     s = json.loads((ours / "summary.json").read_text())
     assert s["ranks_agree"] is True and s["bytes_by_level"]["node"] > 0
 
@@ -138,9 +141,7 @@ def test_pipeline_stages_each_tensor_parallel_equal_one_process_and_resume_bit_f
     r = train(1, ref, "strategy.name=syncdp", "checkpoint.every=0", base=base)
     assert r.returncode == 0, r.output
     a, b = metrics(ours), metrics(ref)
-    assert [x["step"] for x in a] == [x["step"] for x in b] == [5, 10]
-    for x, y in zip(a, b):
-        assert abs(x["loss"] - y["loss"]) < 1e-5 and abs(x["eval_loss"] - y["eval_loss"]) < 1e-5
+    same_losses(a, b)
     s = json.loads((ours / "summary.json").read_text())
     ops = {(row["level"], row["op"]) for row in s["ledger_rank0"] if row["bytes_sent"]}
     assert ("rank", "allreduce.tp") in ops and ("node", "send.activation.0-1") in ops
@@ -169,9 +170,7 @@ def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_ha
         assert r.returncode == 0, r.output
         runs[dp] = (metrics(out), json.loads((out / "summary.json").read_text()))
     (a, ours), (b, theirs) = runs["fsdp"], runs["syncdp"]
-    assert [x["step"] for x in a] == [x["step"] for x in b] == [5, 10]
-    for x, y in zip(a, b):
-        assert abs(x["loss"] - y["loss"]) < 1e-5 and abs(x["eval_loss"] - y["eval_loss"]) < 1e-5
+    same_losses(a, b)
     assert ours["ranks_agree"] is True
     for m, n in zip(ours["memory_by_rank"], theirs["memory_by_rank"]):
         assert 2 * m["param_bytes"] == n["param_bytes"]

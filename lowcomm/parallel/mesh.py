@@ -82,9 +82,8 @@ class PipelineOfTensors(PipelineParallel):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, inner: InnerSplit, **options):
         if inner.settings.sequence:
-            raise ConfigError(f"policy.{inner.comm.level}", "tp with sequence = true under pp "
-                              "is not built: a stage would send its 1/T of the positions to the "
-                              "next; use sequence = false under pp")
+            raise ConfigError(f"policy.{inner.comm.level}.sequence", "tp with sequence = true "
+                              "under pp is not built; use sequence = false under pp")
         self.inner, self.tp_mesh = inner, None
         super().__init__(model, optimizer, comm, **options)
 
