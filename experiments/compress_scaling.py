@@ -42,7 +42,7 @@ def worker(out: str, sets: list[str]) -> None:
     import torch
 
     import lowcomm
-    from lowcomm.strategies.reducer import Reducer
+    from lowcomm.strategies.sync.reducer import Reducer
     from lowcomm.compress import build_compressor
     from lowcomm.run.config import load_config
     from lowcomm.comm.ledger import Ledger

@@ -50,7 +50,7 @@ def workload(overrides: list[str]):
     from lowcomm.run.api import load_config
     from lowcomm.run.schedule import build_optimizer
     from lowcomm.run.snapshot import seed_all
-    from lowcomm.strategies.diloco import DiLoCoSettings
+    from lowcomm.strategies.outer.diloco import DiLoCoSettings
     from lowcomm.tasks import load_task
     cfg = load_config(None, overrides)
     task = load_task(cfg.task.name)

@@ -18,7 +18,7 @@ from conftest import WORKERS, run_ranks, scaled, shared_mpi_suite
 from lowcomm.compress import COMPRESSORS
 from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
-from lowcomm.strategies.async_ps import (HEADER, build_shards, dc_compensate, pack_push,
+from lowcomm.strategies.ps.async_ps import (HEADER, build_shards, dc_compensate, pack_push,
                                          staleness_lr, unpack_push)
 from lowcomm.strategies.layout import balance
 

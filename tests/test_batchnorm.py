@@ -8,7 +8,7 @@ from torch.optim.swa_utils import update_bn
 from conftest import shared_mpi_suite
 from lowcomm.errors import ArgumentError, ConfigError
 from lowcomm.strategies.buffers import recompute_statistics
-from lowcomm.strategies.diloco import DiLoCoSettings
+from lowcomm.strategies.outer.diloco import DiLoCoSettings
 
 
 def cnn():

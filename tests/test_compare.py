@@ -10,8 +10,8 @@ import time
 import pytest
 
 from conftest import ROOT, cli
-from lowcomm.tools.compare import (Link, default_topology, methods, modelled_wall, needs_topology,
-                                   resolve_methods, table)
+from lowcomm.tools.compare import Link, default_topology, methods, needs_topology, resolve_methods
+from lowcomm.tools.compare_report import modelled_wall, table
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "batch_size=4",
          "data.seq_len=32", "data.max_bytes=300000", "eval_batches=2", "log_every=5"]
@@ -42,7 +42,7 @@ def test_topology_aware_methods_get_the_launcher_s_datacenter_blocks():
 
 
 def test_modelled_wall_is_cpu_compute_plus_alpha_beta_never_wall_clock():
-    from lowcomm.tools.compare import _line_modelled, table
+    from lowcomm.tools.compare_report import _line_modelled, table
     rows = [{"level": "world", "op": "allreduce.ring", "calls": 10, "bytes_sent": 1_000_000,
              "bytes_recv": 1_000_000, "seconds": 0.5}]
     s = {"method": "ddp", "ledger_rank0": rows, "wall_s": 9.0, "compute_cpu_s": 1.5, "ranks": 4}
@@ -131,7 +131,7 @@ def test_compare_runs_methods_on_the_same_data_and_keeps_going_when_one_fails(tm
 
 
 def test_time_to_target_reads_the_first_crossing_of_the_eval_curve():
-    from lowcomm.tools.compare import table, time_to_target
+    from lowcomm.tools.compare_report import table, time_to_target
     curve = [(1.0, 4.0), (2.0, 3.0), (4.0, 2.0), (5.0, 2.5), (6.0, 1.0)]
     assert time_to_target(curve, 3.0) == 2.0            # at an evaluation
     assert time_to_target(curve, 2.5) == pytest.approx(3.0)   # halfway from 3.0 at 2 s to 2.0 at 4 s
@@ -201,7 +201,8 @@ def test_a_budget_refuses_what_it_cannot_keep():
 
 
 def test_a_later_round_adds_its_run_its_failure_or_its_stop():
-    from lowcomm.tools.compare import _another_round, add_wall_ratios
+    from lowcomm.tools.compare import _another_round
+    from lowcomm.tools.compare_report import add_wall_ratios
     first = {"method": "int8", "status": "ok", "wall_s": 10.0, "compute_cpu_s": 9.0,
              "state_sha256": "a", "eval_loss": 2.5}
     two = _another_round(first, {**first, "wall_s": 12.0, "compute_cpu_s": 9.5}, 2)

@@ -463,7 +463,7 @@ def test_state_dict_round_trip_continues_identically(name):
 
 # Horovod adapter ---------------------------------------------------------------------------------
 def test_horovod_takes_summable_stateless_compressors_only():
-    from lowcomm.strategies.horovod import HorovodCompression, check_compressor
+    from lowcomm.strategies.sync.horovod import HorovodCompression, check_compressor
     check_compressor(None)
     h = HorovodCompression(build_compressor(cfg("fp16")))
     t = torch.randn(3, 4)

@@ -111,7 +111,7 @@ def test_configuration_reference_keeps_whole_comments_and_has_a_heading_per_tabl
     finally:
         sys.path.pop(0)
     from lowcomm.run.registry import STRATEGIES
-    from lowcomm.strategies.syncdp import SyncDPSettings
+    from lowcomm.strategies.sync.syncdp import SyncDPSettings
     from lowcomm.run.config import CommConfig
     # a comment continued on the next line, and a block comment above a key
     assert lowcomm_config.field_comments(SyncDPSettings)["overlap"].endswith(

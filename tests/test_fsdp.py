@@ -9,7 +9,7 @@ from conftest import run_ranks, shared_mpi_suite
 from lowcomm.errors import ConfigError
 from lowcomm.run.api import load_config
 from lowcomm.run.evaluate import dict_sha256
-from lowcomm.strategies.fsdp import join_shards
+from lowcomm.strategies.sharded.fsdp import join_shards
 
 
 @pytest.mark.mpi_checks("check_fsdp.py", np=2, timeout=400)
@@ -66,7 +66,7 @@ def test_a_two_rank_fsdp_run_resumes_on_four_ranks(tmp_path):
 def test_wrap_auto_picks_the_transformer_blocks_and_names_select_classes():
     transformers = pytest.importorskip("transformers")
     from lowcomm.errors import ArgumentError
-    from lowcomm.strategies.fsdp import wrap_units
+    from lowcomm.strategies.sharded.fsdp import wrap_units
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=2))
     blocks = list(model.transformer.h)
@@ -110,7 +110,7 @@ def test_the_torch_internals_fsdp_relies_on_are_where_it_expects_them():
     here first), and a missing one is a LowcommError naming the name, this torch's version, the
     releases tested and what to use instead."""
     from lowcomm.errors import LowcommError
-    from lowcomm.strategies.fsdp import INTERNALS, torch_internal
+    from lowcomm.strategies.sharded.fsdp import INTERNALS, torch_internal
     for module, names in INTERNALS.items():
         assert all(x is not None for x in torch_internal(module, *names))
     for module, names in (("torch.distributed.fsdp._no_such_module", ("DefaultAllGather",)),

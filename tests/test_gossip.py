@@ -10,7 +10,7 @@ from conftest import run_ranks, shared_mpi_suite
 from lowcomm.compress import COMPRESSORS
 from lowcomm.run.api import load_config
 from lowcomm.errors import ConfigError
-from lowcomm.strategies.graphs import GRAPHS, EdgeGraph, Torus, build_graph, second_eigenvalue
+from lowcomm.strategies.gossip.graphs import GRAPHS, EdgeGraph, Torus, build_graph, second_eigenvalue
 
 def graphs_on(K):
     return [build_graph(n, K) for n in GRAPHS if n != "torus" or K in (4, 6, 8, 9, 12, 16)]

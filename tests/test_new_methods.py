@@ -19,9 +19,10 @@ from lowcomm.compress.quantize import StatQuant, stat_quantize
 from lowcomm.errors import ArgumentError, ConfigError
 from lowcomm.run.api import load_config
 from lowcomm.run.registry import build
-from lowcomm.strategies.demo import ChunkBucket, DeMo
-from lowcomm.strategies.graphs import random_pairs
-from lowcomm.strategies.zeroone_adam import schedule
+from lowcomm.strategies.chunks import ChunkBucket
+from lowcomm.strategies.optimizers.demo import DeMo
+from lowcomm.strategies.gossip.graphs import random_pairs
+from lowcomm.strategies.optimizers.zeroone_adam import schedule
 
 
 # DeMo's transform: the DCT-II of the paper, written out element by element ----------------------
@@ -134,7 +135,7 @@ def test_demo_resized_keeps_the_mean_momentum_and_cuts_the_server_errors_again()
 
 def test_sparseloco_resized_keeps_theta_and_the_mean_accumulator():
     """θ is the same on every old rank; each new rank's accumulator is the old ranks' mean."""
-    from lowcomm.strategies.sparseloco import SparseLoCo
+    from lowcomm.strategies.outer.sparseloco import SparseLoCo
     loop = object.__new__(SparseLoCo)
     loop.buckets = [ChunkBucket("sparseloco4", [("w", None, 0, 16, 0, 16)], Compressor(
         ErrorFeedback(QuantizedChunkTopK(4, 2)), "allgather"))]
@@ -216,7 +217,7 @@ def test_zeroone_adam_on_deepspeeds_counter_takes_deepspeeds_steps(F, kappa, sca
 
 @pytest.mark.parametrize("freeze_step", [1, 2, 3, 10])
 def test_onebit_adam_on_deepspeeds_counter_warms_up_as_deepspeed(freeze_step):
-    from lowcomm.strategies.onebit_adam import warmup_steps
+    from lowcomm.strategies.optimizers.onebit_adam import warmup_steps
     assert warmup_steps(freeze_step, "deepspeed") == deepspeed_onebit_dense_updates(freeze_step)
     assert warmup_steps(freeze_step) == freeze_step
 
@@ -314,8 +315,8 @@ def test_quantized_chunk_topk_sends_k_values_in_2_bits_and_indices_in_log2_row_b
 
 
 def test_presets_expand_to_their_methods_settings():
-    from lowcomm.strategies.demo import DeMoSettings, DisTrOSettings
-    from lowcomm.strategies.diloco import MuLoCoEFSettings
+    from lowcomm.strategies.optimizers.demo import DeMoSettings, DisTrOSettings
+    from lowcomm.strategies.outer.diloco import MuLoCoEFSettings
     from lowcomm.run.registry import STRATEGIES
     assert STRATEGIES["distro"].settings is DisTrOSettings and STRATEGIES["distro"].build is \
         STRATEGIES["demo"].build

@@ -1,14 +1,17 @@
 """Pipeline parallelism (``pp``): its 2-rank checks under real mpirun (tests/mpi/check_pipeline.py,
 each case asserted on every rank), ``lowcomm train`` with it (resume bit for bit and on another
 split, the NaN policy, evaluation, the bubble in the metrics), and the cut and the settings in
-one process."""
+one process; a killed pipeline rank under ``--max-restarts``."""
 import json
+import os
 import shutil
+import subprocess
+import sys
 import textwrap
 
 import pytest
 
-from conftest import run_ranks, shared_mpi_suite
+from conftest import ROOT, run_ranks, shared_mpi_suite
 from lowcomm.errors import ConfigError
 from lowcomm.parallel.pipeline import bubble_formula
 from lowcomm.parallel.stages import balanced, parse_split
@@ -67,6 +70,26 @@ def test_lowcomm_train_with_pp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
             assert abs(resumed["final_loss"] - summary["final_loss"]) < 1e-5
 
 
+def test_a_killed_pipeline_rank_under_max_restarts_resumes_and_ends_bit_identical(tmp_path):
+    """Stage 1's rank SIGKILLed at step 7 of 10 under ``--max-restarts 1``: the run restarts from
+    its checkpoint at step 5 and ends with the model of the same run never killed, bit for
+    bit."""
+    fired, killed, plain = tmp_path / "fired", tmp_path / "killed", tmp_path / "plain"
+    assert train(2, plain, "checkpoint.every=0").returncode == 0
+    sets = [a for o in SETS for a in ("--set", o)]
+    r = subprocess.run([sys.executable, "-m", "lowcomm.cli", "train", "--np", "2", "--max-restarts",
+                        "1", "--launcher", str(ROOT / "tests" / "launchers" / "faulty.sh"),
+                        "--quiet", "--out", str(killed), *sets], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300,
+                       env={**os.environ, "LOWCOMM_FAULT": "kill:1:7", "LOWCOMM_FAULT_AT": "batch",
+                            "LOWCOMM_FAULT_ONCE": str(fired)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert fired.exists(), "the fault never happened"
+    s = json.loads((killed / "summary.json").read_text())
+    assert s["restarts"] == 1 and s["steps"] == 10, s
+    assert s["state_sha256"] == json.loads((plain / "summary.json").read_text())["state_sha256"]
+
+
 def metrics(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -94,10 +117,11 @@ def test_diloco_between_two_datacenters_of_two_stage_pipelines_equals_unsplit_di
     assert s["bytes_by_level"]["dc"] / 4 < w["bytes_by_level"]["dc"] / 2
 
 
-def test_pp_inside_a_fleet_is_refused_naming_the_key():
-    with pytest.raises(ConfigError, match="not built yet"):
-        load_config(None, ["fleet.dcs=2", "topology=dc:2,rank:2", "policy.rank=pp",
-                           "policy.dc=diloco"])
+def test_pp_across_datacenters_is_refused_naming_the_key():
+    """Inside a fleet's datacenters it runs (tests/test_fleet_split.py); across them, never."""
+    with pytest.raises(ConfigError, match="policy.dc.*innermost"):
+        load_config(None, ["fleet.dcs=2", "topology=dc:2,rank:2", "policy.dc=pp",
+                           "policy.rank=syncdp"])
 
 
 TASK = textwrap.dedent('''

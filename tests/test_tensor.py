@@ -92,10 +92,11 @@ def test_diloco_between_two_datacenters_of_tensor_parallel_pairs_equals_unsplit_
     assert s["ranks_agree"] is True and s["bytes_by_level"]["rank"] > 0
 
 
-def test_tp_inside_a_fleet_is_refused_naming_the_key():
-    with pytest.raises(ConfigError, match="not built yet"):
-        load_config(None, ["fleet.dcs=2", "topology=dc:2,rank:2", "policy.rank=tp",
-                           "policy.dc=diloco"])
+def test_tp_across_datacenters_is_refused_naming_the_key():
+    """Inside a fleet's datacenters it runs (tests/test_fleet_split.py); across them, never."""
+    with pytest.raises(ConfigError, match="policy.dc.*innermost"):
+        load_config(None, ["fleet.dcs=2", "topology=dc:2,rank:2", "policy.dc=tp",
+                           "policy.rank=syncdp"])
 
 
 def test_a_fused_projections_pieces_join_back_exactly():

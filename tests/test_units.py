@@ -67,7 +67,7 @@ def test_a_key_given_twice_in_a_spec_string_is_refused():
 
 def test_onebit_adam_is_a_registered_strategy_and_its_old_keys_say_what_to_write():
     from lowcomm.run.registry import STRATEGIES, parse_spec, strategy_settings
-    from lowcomm.strategies.onebit_adam import METHOD, OneBitAdamSettings
+    from lowcomm.strategies.optimizers.onebit_adam import METHOD, OneBitAdamSettings
     from lowcomm.tools.compare import available, methods
     assert STRATEGIES["onebit-adam"] is METHOD
     cfg = load_config(None, ["strategy.name=onebit-adam", "strategy.freeze_step=7", "optimizer.name=adam"])

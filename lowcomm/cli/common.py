@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
+from pathlib import Path
 from dataclasses import dataclass
 
 import click
@@ -179,3 +181,11 @@ def config_options(f):
     for opt in reversed(_config_options):
         f = opt(f)
     return f
+
+
+def write_json(path, rows) -> None:
+    """Write a command's rows to ``path`` as JSON (nothing when no path was given)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(rows, indent=2) + "\n")
+        click.echo(f"wrote {path}")

@@ -24,13 +24,13 @@ two-phase wins once ``P·(1 − 2/K) ≳ α·β``: on a LAN for buckets above a 
 25 ms / 100 Mbit/s WAN above ~300 kB. The choice depends only on n, dtype, K and the link, so
 every rank makes the same one.
 
-Every caller of ``Compressor.reduce`` gets it: the :class:`~lowcomm.strategies.reducer.Reducer`
+Every caller of ``Compressor.reduce`` gets it: the :class:`~lowcomm.strategies.sync.reducer.Reducer`
 (SyncDP's buckets, and the syncdp levels of per-level policies), the outer loops' compressed
-pseudo-gradients (DiLoCo, streaming DiLoCo: :mod:`lowcomm.strategies.outer`, on the
+pseudo-gradients (DiLoCo, streaming DiLoCo: :mod:`lowcomm.strategies.outer.loop`, on the
 communicator of their level, so ``auto`` sees that level's link), and 1-bit Adam's momentum
-(:mod:`lowcomm.strategies.onebit_adam`).
+(:mod:`lowcomm.strategies.optimizers.onebit_adam`).
 
-Not used by CHOCO gossip (:mod:`lowcomm.strategies.gossip`): there each rank sends its own
+Not used by CHOCO gossip (:mod:`lowcomm.strategies.gossip.gossip`): there each rank sends its own
 compressed difference to a few neighbours, a point-to-point exchange whose bytes per rank are
 already independent of K, and no rank reduces anyone's chunk.
 """

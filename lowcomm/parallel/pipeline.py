@@ -41,8 +41,8 @@ from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from .chains import Chain, chain_for
 from .replicas import average_gradients, local_grads, place
-from .stages import (Stage, block_times, cut, owned_names, parse_split, refuse_fleet,
-                     release_others, restore_others)
+from .stages import (Stage, block_times, cut, owned_names, parse_split, release_others,
+                     restore_others)
 
 #: torch's schedules lowcomm offers (those of this torch: :func:`schedules`), one stage per rank
 SINGLE = ("GPipe", "1F1B")
@@ -95,8 +95,7 @@ class PipelineSettings(Settings):
 
 
 def check(s: PipelineSettings, cfg, prefix: str) -> None:
-    """Before MPI starts: the micro-batches divide the batch; not inside a fleet (yet)."""
-    refuse_fleet("pp", cfg, prefix)
+    """Before MPI starts: the micro-batches divide the batch."""
     if cfg.batch_size % s.microbatches:
         raise ConfigError.at(prefix, "microbatches", f"{s.microbatches} micro-batches do not "
                              f"divide batch_size = {cfg.batch_size}")

@@ -34,7 +34,6 @@ from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from .plans import Plan, Split, join_parts, local_part, plan_for
 from .replicas import average_gradients, local_grads, place
-from .stages import refuse_fleet
 
 
 @dataclass
@@ -47,11 +46,6 @@ class TensorSettings(Settings):
         self.within(prefix, "timeout_s", 0, float("inf"), low_open=True)
 
 
-def check(s: TensorSettings, cfg, prefix: str) -> None:
-    """Before MPI starts: not inside a fleet (yet)."""
-    refuse_fleet("tp", cfg, prefix)
-
-
 def build(s: TensorSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
     return TensorParallel(model, optimizer, comm, settings=s, replicas=ctx.replicas)
 
@@ -59,7 +53,7 @@ def build(s: TensorSettings, model, optimizer, comm: Comm, ctx: Context) -> Stra
 METHOD = Method("tp", TensorSettings, build,
                 "tensor parallelism: each block's heads and MLP units split over the ranks "
                 "(Megatron's column/row splits, sequence-parallel norms), torch's DTensor engine",
-                check=check, level=True, splits=True, python="TensorParallel")
+                level=True, splits=True, python="TensorParallel")
 
 
 class SplitOf:

@@ -12,7 +12,7 @@ import sys
 import time
 
 from ..comm.comm import Comm
-from ..strategies.async_ps import ServerLost, recovery_enabled
+from ..strategies.ps.async_ps import ServerLost, recovery_enabled
 from .evaluate import state_sha256
 from .signals import Interrupted
 

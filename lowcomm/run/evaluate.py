@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..comm.comm import Comm
-from ..strategies.zero import ShardedGrad
+from ..strategies.sharded.partition import ShardedGrad
 from .memory import local_part
 
 if TYPE_CHECKING:

@@ -45,7 +45,6 @@ from __future__ import annotations
 import gc
 import logging
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Callable
 
 from ..comm.comm import Comm

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from ..errors import LowcommError
-from ..strategies.zero import ShardedGrad
+from ..strategies.sharded.partition import ShardedGrad
 
 GIB = 1 << 30
 

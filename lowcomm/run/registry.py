@@ -26,8 +26,12 @@ from .config import Config, parse_override
 from ..compress.settings import CompressorSettings
 from ..errors import ArgumentError, ConfigError
 from ..settings import NonFinite
-from ..strategies import (async_diloco, async_ps, demo, desloc, diloco, dylu, fsdp, gossip, localsgd,
-                          noloco, onebit_adam, sparseloco, sparta, syncdp, zero, zeroone_adam)
+from ..strategies.gossip import gossip, noloco
+from ..strategies.optimizers import demo, onebit_adam, zeroone_adam
+from ..strategies.outer import async_diloco, desloc, diloco, dylu, localsgd, sparseloco, sparta
+from ..strategies.ps import async_ps
+from ..strategies.sharded import fsdp, zero
+from ..strategies.sync import syncdp
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from ..strategies.policy import Level, build_policy, check_plan
@@ -250,7 +254,7 @@ def build(spec: str, model, optimizer, comm=None, *, compressor=None,
     parameter server needs it). ``comm``: default the world. ``levels``: the topology's
     communicators (:meth:`lowcomm.comm.topology.Topology.comms`) for ``algorithm=hierarchical``.
     ``bn_batches``, ``bn_forward``: training batches for an outer loop's ``bn_recompute`` (see
-    :class:`~lowcomm.strategies.outer.OuterLoop`).
+    :class:`~lowcomm.strategies.outer.loop.OuterLoop`).
 
     Example::
 

@@ -38,7 +38,7 @@ import math
 
 from ..comm.comm import Comm
 from ..errors import LowcommError
-from ..strategies.async_ps import PUSH, WorkersLost, recovery_enabled
+from ..strategies.ps.async_ps import PUSH, WorkersLost, recovery_enabled
 from .lockstep import Coordination
 from .ending import (TAG_FINAL, TAG_STATS, deliver_final_model, recv_from, report_to_rank0,
                      send_sync, skip_mpi_finalize, stopped, take_final_model)
@@ -111,7 +111,7 @@ class Serving(Coordination):
     def on_update(self, entries) -> None:
         """After every update: rank 0 logs the gradients; with τ = 0 every server checkpoints
         every N rounds (every rank passes them together)."""
-        r, lg = self.r, self.lg
+        r = self.r
         if r.comm.rank == 0:
             self._log_gradients(entries)
         if self.ps.max_staleness == 0 and not self.ps.server.interrupt:   # a stop: saved at the end

@@ -21,7 +21,7 @@ spec does not say comes from the run's config. Levels without a policy are ``syn
 
 Composition (Lin et al. 2020, arXiv 1808.07217, hierarchical local SGD; DiLoCo's "islands of
 compute", Douillard et al. 2023, arXiv 2311.08105): per-step levels (``syncdp``) must be the
-innermost ones; they become one :class:`~lowcomm.strategies.syncdp.SyncDP` over the ranks they
+innermost ones; they become one :class:`~lowcomm.strategies.sync.syncdp.SyncDP` over the ranks they
 span. Each outer-loop level above wraps the strategy below it (which takes its inner steps), and
 synchronises its units through their first ranks: average inside the unit (only when its ranks
 may differ, i.e. the level below is itself an outer loop), reduce across the units' leaders
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from .method import Context, InnerSplit, Method, ShardedReplicas
 from .wrapped import claim, parts_of_one_method
-from .nesting import Nesting
+from .outer.nesting import Nesting
 
 
 @dataclass

@@ -96,7 +96,7 @@ def local_replicas(old: list[dict], what: str, extra: tuple[str, ...] = ()) -> d
 
 
 def outer_loop(loop, old: list[dict]) -> dict:
-    """An outer loop's rule (:class:`~lowcomm.strategies.outer.OuterLoop`): per-rank state is
+    """An outer loop's rule (:class:`~lowcomm.strategies.outer.loop.OuterLoop`): per-rank state is
     averaged over the old ranks: the models θ_k and buffers, the inner optimizer's state
     (momentum, Adam moments; step counts are rank 0's) and whatever the method adds
     (``loop._reshard_extra``). The step counter, the synchronisation log and the reductions in

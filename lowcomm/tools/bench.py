@@ -78,7 +78,7 @@ def baseline(name: str, comm: Comm):
     benchmark window, yield its module, and shut it down after: their polling threads would
     otherwise slow every later row on a shared, oversubscribed machine. Others yield None."""
     if name == "horovod":
-        from ..strategies.horovod import init
+        from ..strategies.sync.horovod import init
         hvd = init(comm)
         try:
             yield hvd
@@ -305,7 +305,7 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
     with torch's ``fp16_compress_hook`` / ``powerSGD_hook``), and ``local`` (no communication:
     the compute floor). Same model, seed, batches and optimizer for every row; DDP's bucket
     size is SyncDP's ``bucket_mb``."""
-    from ..strategies.syncdp import SyncDPSettings
+    from ..strategies.sync.syncdp import SyncDPSettings
     from ..tasks import load_task
 
     ctl = comm.dup(Ledger(), "control")
@@ -386,7 +386,7 @@ def _step_row(name: str, comm: Comm, task, cfg, s) -> _StepRow:
     """Row ``name`` of :func:`bench_step`, ready to step (a lowcomm method communicates on a
     duplicate of ``comm`` of its own)."""
     from ..run.schedule import build_optimizer
-    from ..strategies.syncdp import SyncDP
+    from ..strategies.sync.syncdp import SyncDP
     torch.manual_seed(cfg.seed)
     model = task.model(cfg)
     params = sum(p.numel() for p in model.parameters())
@@ -409,8 +409,8 @@ def _step_row(name: str, comm: Comm, task, cfg, s) -> _StepRow:
 def _step_wrapped(name: str, run: Comm, cfg, s, model, opt):
     """The lowcomm method of row ``name``: Horovod, or SyncDP with the row's algorithm or
     compressor."""
-    from ..strategies.horovod import HorovodDP
-    from ..strategies.syncdp import SyncDP
+    from ..strategies.sync.horovod import HorovodDP
+    from ..strategies.sync.syncdp import SyncDP
     if name == "horovod":
         return HorovodDP(model, opt, run)
     if name in STEP_SHARDED:

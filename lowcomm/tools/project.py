@@ -209,7 +209,7 @@ def projections(folder, ranks=DEFAULT_RANKS, links=(Link(25, 100),), params=None
     """Every method of ``folder`` projected; returns (projections, method → why it was not).
     With ``target`` (an eval loss) each projection also has ``steps_to_target``: the step at
     which its measured eval loss first reached it (linear between evaluations; None if never)."""
-    from .compare import time_to_target
+    from .compare_report import time_to_target
     done, skipped = [], {}
     for name, s in summaries(folder).items():
         try:

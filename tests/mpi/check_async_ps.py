@@ -23,7 +23,7 @@ import lowcomm
 from helpers import random_batch, seeded_mlp
 from lowcomm.compress import COMPRESSORS, Compressor, build_compressor
 from lowcomm.run.config import CompressorConfig
-from lowcomm.strategies.async_ps import AsyncPS
+from lowcomm.strategies.ps.async_ps import AsyncPS
 from under_mpi import RANK, SIZE
 
 pytestmark = pytest.mark.mpi(sizes=(4,))

@@ -29,7 +29,7 @@ from lowcomm.comm.ledger import Ledger, wire_bytes
 from lowcomm.compress import COMPRESSORS, Compressor, PowerSGD, SignMajorityVote, build_compressor
 from lowcomm.compress.base import Segment
 from lowcomm.run.config import CompressorConfig
-from lowcomm.strategies.onebit_adam import OneBitAdam
+from lowcomm.strategies.optimizers.onebit_adam import OneBitAdam
 from under_mpi import RANK, SIZE
 
 pytestmark = pytest.mark.mpi(sizes=(2, 3))

@@ -14,7 +14,7 @@ import lowcomm
 from helpers import random_batch, seeded_mlp, toy_dataset
 from lowcomm.errors import ArgumentError, LowcommError
 from lowcomm.run.evaluate import dict_sha256, state_sha256
-from lowcomm.strategies.fsdp import FSDP, ShardOf, join_shards
+from lowcomm.strategies.sharded.fsdp import FSDP, ShardOf, join_shards
 from lowcomm.tasks import dataset_batches
 from under_mpi import RANK, SIZE
 

@@ -23,8 +23,8 @@ import lowcomm
 from helpers import assert_models_close, control, random_batch, seeded_mlp
 from lowcomm.compress import COMPRESSORS, Compressor
 from lowcomm.run.config import CompressorConfig
-from lowcomm.strategies.gossip import Gossip
-from lowcomm.strategies.graphs import GRAPHS, EdgeGraph, build_graph, second_eigenvalue
+from lowcomm.strategies.gossip.gossip import Gossip
+from lowcomm.strategies.gossip.graphs import GRAPHS, EdgeGraph, build_graph, second_eigenvalue
 from under_mpi import SIZE
 
 K = SIZE

@@ -38,8 +38,8 @@ import lowcomm
 from lowcomm.comm.ledger import Ledger, wire_bytes
 from lowcomm.run.evaluate import state_sha256
 from lowcomm.run.optimizers import MuonAdamW
-from lowcomm.strategies.sparta import SparseAverage
-from lowcomm.strategies.zeroone_adam import schedule
+from lowcomm.strategies.outer.sparta import SparseAverage
+from lowcomm.strategies.optimizers.zeroone_adam import schedule
 
 
 @pytest.fixture(params=[2, 4], ids=["K2", "K4"])
@@ -531,7 +531,7 @@ def reference_noloco(K: int, steps: int, H: int, lr: float, outer_lr: float, out
     with the pairing of this outer step, ``mean`` = the pair's mean of the outer weights φ and
     ``mean_g`` = its mean of θ − φ; ``m += (μ−1)m + β·mean_g + γ·(mean − φ)``, φ += m, θ = φ.
     After every step: each worker's θ."""
-    from lowcomm.strategies.graphs import random_pairs
+    from lowcomm.strategies.gossip.graphs import random_pairs
     gamma = outer_lr if gamma is None else gamma
     models = [mlp(torch.float64) for _ in range(K)]
     inner = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]

@@ -35,8 +35,8 @@ from lowcomm.compress import COMPRESSORS, Compressor, build_compressor
 from lowcomm.errors import ArgumentError
 from lowcomm.run.config import CompressorConfig
 from lowcomm.strategies import DiLoCo, LocalSGD, StreamingDiLoCo, SyncDP
-from lowcomm.strategies.dylu import DyLUDiLoCo
-from lowcomm.strategies.route import Route
+from lowcomm.strategies.outer.dylu import DyLUDiLoCo
+from lowcomm.strategies.outer.route import Route
 from under_mpi import RANK, SIZE
 
 pytestmark = pytest.mark.mpi(sizes=(2, 3))
@@ -632,7 +632,7 @@ class _Span:                         # (a lowcomm.comm.roles.Whole)
 
 
 def _late_diloco(model, rounds):
-    from lowcomm.strategies.outer import Nesting
+    from lowcomm.strategies.outer.loop import Nesting
     return DiLoCo(model, sgd(model.parameters()), lowcomm.init(), period=3,
                   nest=Nesting(inner=None, inside=None, leaders=rounds, whole=_Span()))
 

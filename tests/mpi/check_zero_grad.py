@@ -5,7 +5,7 @@
   compressor (both collectives where the payloads are gathered) and under 1-bit Adam past its
   warm-up: those parameters are bit-for-bit unchanged, the others moved, the ranks agree;
 * 1-bit Adam's compression stage equals a direct implementation of its update
-  (lowcomm.strategies.onebit_adam, steps 1-6, with the momentum mask and the step bound
+  (lowcomm.strategies.optimizers.onebit_adam, steps 1-6, with the momentum mask and the step bound
   active), and, where the frozen variance is the same for every coordinate, Tang et al.'s
   Algorithm 1 (compress m, then divide by the denominator);
 * (2 ranks) 1-bit Adam on the built-in task (d_model 32, one layer, freeze_step 10): no NaN,
@@ -22,7 +22,7 @@ from helpers import agree, control, flat
 from lowcomm.comm.ledger import Ledger
 from lowcomm.compress import COMPRESSORS, build_compressor
 from lowcomm.run.config import CompressorConfig
-from lowcomm.strategies.onebit_adam import OneBitAdam
+from lowcomm.strategies.optimizers.onebit_adam import OneBitAdam
 from under_mpi import RANK, SIZE
 
 pytestmark = pytest.mark.mpi(sizes=(2, 3))   # even K: sign-mv's owners send base-3 digits; odd: flags

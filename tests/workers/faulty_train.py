@@ -16,7 +16,7 @@ from lowcomm.cli.main import launcher_rank, main
 
 kind, fault_rank, fault_step = os.environ["LOWCOMM_FAULT"].split(":")
 fault_rank, fault_step = int(fault_rank), int(fault_step)
-real_loss, calls = Task.loss, [0]
+real_loss, real_batch, calls = Task.loss, Task.batch, [0]
 
 
 def _already() -> bool:
@@ -48,5 +48,16 @@ def loss(self, model, batch):
     return out
 
 
+def batch(self, step, rank, world, cfg):
+    """The task's batch; with ``LOWCOMM_FAULT_AT=batch`` a ``kill`` happens when ``fault_rank``
+    draws the batch of ``fault_step`` (a pipeline computes its loss in its schedule, not through
+    the task's loss)."""
+    if os.environ.get("LOWCOMM_FAULT_AT") == "batch" and kind == "kill" and \
+            launcher_rank() == fault_rank and step == fault_step and not _already():
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_batch(self, step, rank, world, cfg)
+
+
 Task.loss = loss        # every task's loss, as the loop calls it
+Task.batch = batch
 main()

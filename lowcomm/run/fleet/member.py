@@ -29,7 +29,7 @@ from ...errors import ConfigError
 from ...strategies.method import Context
 from ...strategies.ownership import adopt
 from .. import outcome
-from ..lockstep import Coordination, Lockstep
+from ..lockstep import Lockstep
 from ..signals import Interrupted
 from .channel import Channel, store_client
 from .ranks import RankChannel, Span
@@ -177,15 +177,23 @@ class FleetLockstep(Lockstep):
     """The loop's coordination in a fleet's datacenter (module docstring)."""
 
     def __init__(self, r, me: dict, channel: Channel | None, lv: FleetLevels | None = None):
+        self.me = me
         super().__init__(r)
-        self.me, self.channel = me, channel
+        self.samples_per_step = r.cfg.batch_size * r.strategy.batch_place()[1]   # this datacenter's
+        self.channel = channel
         self.ranked = lv.rank_channel if lv is not None else None    # sharded outer state
         self.rank, self.world = me["offset"] + r.comm.rank, me["total"]
         self.joined: dict | None = None
         self.t_hello = time.monotonic()
         self.stopped = False
 
-    batch_place = Coordination.batch_place    # this rank's place among the whole fleet's ranks
+    def batch_place(self) -> tuple[int, int]:
+        """This rank's place among the whole fleet's batches: its place inside the datacenter
+        as the method there sees it (the ranks of one split model share one batch), the
+        datacenters one after another (each has as many ranks)."""
+        i, n = self.r.strategy.batch_place()
+        size = self.r.comm.size
+        return self.me["offset"] // size * n + i, self.me["total"] // size * n
 
     def start(self):
         state = super().start()

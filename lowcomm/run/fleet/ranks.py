@@ -14,7 +14,7 @@ from .channel import Channel, Limits, _Groups
 
 class RankChannel:
     """Rank i of every member datacenter, for an outer loop whose state is sharded over each
-    datacenter's ranks (``zero1``/``zero2`` inside; :class:`~lowcomm.strategies.outer.OuterLoop`):
+    datacenter's ranks (``zero1``/``zero2`` inside; :class:`~lowcomm.strategies.outer.loop.OuterLoop`):
     every rank reduces its own range with its counterparts, so the cross-datacenter traffic is
     spread over all ranks instead of one leader.
 

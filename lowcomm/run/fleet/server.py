@@ -8,7 +8,7 @@ that moment back — nobody waits for anybody. For each arrival of member k, wit
 
   1. θ ← DelayedNesterov(θ, Δ_k): the buffer d ← d + Δ_k; on every N-th arrival the momentum
      m ← β·m + d/N, θ ← θ − η·β·m − η·Δ_k/N, d ← 0; otherwise θ ← θ − η·Δ_k/N
-     (:class:`~lowcomm.strategies.diloco.DelayedNesterov`; N = ``every``, by default the
+     (:class:`~lowcomm.strategies.outer.diloco.DelayedNesterov`; N = ``every``, by default the
      fleet's datacenters, so that N arrivals move θ about as one synchronous round does);
   2. member k's floating-point buffers (BatchNorm's statistics) replace the ones it sent last;
      the buffers handed back are the mean over the members' latest;
@@ -25,7 +25,7 @@ import copy
 
 import torch
 
-from ...strategies.diloco import DelayedNesterov
+from ...strategies.outer.diloco import DelayedNesterov
 
 
 class ArrivalServer:

@@ -1,5 +1,7 @@
-"""The asynchronous parameter server's parts: :mod:`.protocol` (what worker and server agree on),
-:mod:`.worker` (:class:`~.worker.Worker`, a training rank's part) and :mod:`.server`
-(:class:`~.server.ParameterServer`, a serving rank's part). Worker and server depend on the
-protocol only, never on each other; the strategy that holds either part, and its registry entry,
-is :mod:`lowcomm.strategies.async_ps`, which imports this folder (never the other way round)."""
+"""Asynchronous parameter servers: sharded servers, bounded staleness, stragglers and lost workers.
+
+The strategy and its registry entry are :mod:`.async_ps` (:class:`~.async_ps.AsyncPS`); its parts
+are :mod:`.protocol` (what worker and server agree on), :mod:`.worker` (:class:`~.worker.Worker`,
+a training rank's part) and :mod:`.server` (:class:`~.server.ParameterServer`, a serving rank's
+part). Worker and server depend on the protocol only, never on each other.
+"""

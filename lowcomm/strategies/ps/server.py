@@ -1,9 +1,9 @@
 """The server side of the asynchronous parameter server: one shard, its optimizer, versions,
 clocks, held replies, heartbeats and lost-worker detection (the update rules are in
-:mod:`lowcomm.strategies.async_ps`'s docstring).
+:mod:`lowcomm.strategies.ps.async_ps`'s docstring).
 
 A :class:`ParameterServer` is the role a server rank of
-:class:`~lowcomm.strategies.async_ps.AsyncPS` plays: it does not take training steps, it serves
+:class:`~lowcomm.strategies.ps.async_ps.AsyncPS` plays: it does not take training steps, it serves
 (:meth:`ParameterServer.serve`) until every worker has finished or is lost. It talks to the
 workers through :class:`~lowcomm.comm.comm.Comm` only (every call watched and charged), using what
 :mod:`.protocol` defines and nothing of the worker's code.
@@ -40,7 +40,7 @@ class ParameterServer:
     """Serves shard ``index = comm.rank`` of ``model``'s parameters to the worker ranks.
 
     Built on server ranks (``comm.rank < servers``) by
-    :class:`~lowcomm.strategies.async_ps.AsyncPS` with the same settings as the workers'
+    :class:`~lowcomm.strategies.ps.async_ps.AsyncPS` with the same settings as the workers'
     :class:`~lowcomm.strategies.ps.worker.Worker` (see it for their meaning); collective with
     the workers' constructors. ``optimizer`` steps this server's shard, at the learning rates
     each push carries; the shard's parameters become views of one flat vector :attr:`flat`.

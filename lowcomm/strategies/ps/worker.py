@@ -1,7 +1,7 @@
 """The worker side of the asynchronous parameter server: :class:`Worker`, the role a worker rank
-of :class:`~lowcomm.strategies.async_ps.AsyncPS` plays — it pushes each shard's gradient to its
+of :class:`~lowcomm.strategies.ps.async_ps.AsyncPS` plays — it pushes each shard's gradient to its
 server and pulls the shard's parameters back (the papers and the update rules are in
-:mod:`lowcomm.strategies.async_ps`'s docstring).
+:mod:`lowcomm.strategies.ps.async_ps`'s docstring).
 
 It talks to the servers through :class:`~lowcomm.comm.comm.Comm` only (every call watched and charged)
 and knows of them only what :mod:`.protocol` defines.
@@ -25,10 +25,10 @@ from .protocol import (DROPPED, HEADER, POLL_S, PUSH, SKIP, STOP, TAG_BEAT, TAG_
 
 class Worker:
     """The worker of an asynchronous sharded parameter server with bounded staleness (see
-    :mod:`lowcomm.strategies.async_ps` for the papers and the update as numbered steps).
+    :mod:`lowcomm.strategies.ps.async_ps` for the papers and the update as numbered steps).
 
     Built on worker ranks (``comm.rank >= servers``) by
-    :class:`lowcomm.strategies.async_ps.AsyncPS`, collectively with the servers'
+    :class:`lowcomm.strategies.ps.async_ps.AsyncPS`, collectively with the servers'
     :class:`~lowcomm.strategies.ps.server.ParameterServer` (same settings).
 
     Args:

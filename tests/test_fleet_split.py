@@ -1,0 +1,91 @@
+"""Split models inside a fleet's datacenters (``lowcomm train --dcs``): tensor or pipeline
+parallelism on the ranks of each datacenter, DiLoCo across them through the fleet, each rank
+exchanging only its own pieces with the same rank of the other datacenters; and a lost
+datacenter of split models healed back rank by rank (each rank takes its own pieces)."""
+import json
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, scaled
+from fleet_helpers import Run
+
+#: rounds of five 250 ms steps: a relaunch fits in the run (the others also hold for it)
+STEPS, PERIOD, STEP_MS = 40, 5, round(scaled(250))
+TASK = ROOT / "tests" / "split_fleet_task.py"
+BASE = [f"task={TASK}", f"task.step_ms={STEP_MS}", "batch_size=8", "model.d_model=32",
+        "model.n_layers=2", "data.seq_len=16", "eval_batches=2", "eval_every=10", "log_every=5",
+        "checkpoint.every=0", f"steps={STEPS}", "topology=dc:2,rank:2",
+        f"policy.dc=diloco:period={PERIOD},outer_momentum=0.5"]
+
+
+def _sets(*extra):
+    return [a for o in (*BASE, *extra) for a in ("--set", o)]
+
+
+def _fleet(out, *extra):
+    return Run(out, [sys.executable, "-m", "lowcomm.cli", "train", "--dcs", "2", "--np", "4",
+                     "--place", "local", "--out", str(out), *_sets(*extra)])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """At once: tensor-parallel pairs as one MPI job and as a fleet, pipelines of two stages as
+    a fleet, and tensor-parallel pairs as a fleet whose datacenter 1 fails at step 8 (the other
+    holding at step 12 until its relaunch has built its model)."""
+    tmp = tmp_path_factory.mktemp("split-fleet")
+    deadline = time.monotonic() + scaled(240)
+    started = {
+        "single": Run(tmp / "single", [str(ROOT / "launchers" / "local.sh"), "-n", "4", "lowcomm",
+                                       "train", "--quiet", "--out", str(tmp / "single"),
+                                       *_sets("policy.rank=tp")]),
+        "tp": _fleet(tmp / "tp", "policy.rank=tp"),
+        "pp": _fleet(tmp / "pp", "policy.rank=pp"),
+        "healed": _fleet(tmp / "healed", "policy.rank=tp", "task.crash_dc=1",
+                         f"task.marks={tmp / 'marks'}", "task.hold_step=12"),
+    }
+    return {name: (r, *r.wait(deadline)) for name, r in started.items()}
+
+
+def _dc_bytes(folder, dc):
+    s = json.loads((folder / f"dc{dc}" / "summary.json").read_text())
+    rank0 = sum(r["bytes_sent"] for r in s["ledger_rank0"] if r["level"] == "dc")
+    return rank0, s["bytes_by_level"]["dc"], s
+
+
+@pytest.mark.parametrize("split", ["tp", "pp"])
+def test_a_fleet_of_split_datacenters_is_the_one_mpi_job_and_each_rank_sends_its_pieces(runs, split):
+    """The fleet ends on the model of the same policy run as one MPI job (tensor parallelism:
+    bit for bit; pipeline stages: to 1e-5 in the held-out loss, as the pipeline equals the
+    unsplit model), every datacenter on the same model; each rank of a datacenter sends its own
+    pieces across, so rank 0 sends part of the datacenter's bytes, not all of them."""
+    single, rc, out = runs["single"]
+    assert rc == 0, out[-3000:]
+    fl, rc, out = runs[split]
+    assert rc == 0, out[-3000:]
+    s, ref = fl.summary(), single.summary()
+    assert s["dcs_agree"] and s["finished_dcs"] == [0, 1], s
+    if split == "tp":
+        assert s["state_sha256"] == ref["state_sha256"], (s["state_sha256"], ref["state_sha256"])
+    assert abs(s["eval_loss"] - ref["eval_loss"]) < 1e-5, (s["eval_loss"], ref["eval_loss"])
+    for dc in (0, 1):
+        rank0, total, summary = _dc_bytes(fl.out, dc)
+        assert summary["ranks_agree"] is True, summary
+        assert 0.1 * total <= rank0 <= 0.9 * total, (dc, rank0, total)
+
+
+def test_a_failed_datacenter_of_split_models_heals_back_rank_by_rank(runs):
+    """Datacenter 1 fails at step 8, is relaunched and admitted: each of its ranks takes the
+    pieces (of the model and of the outer state) of the same rank of datacenter 0, and the
+    fleet ends with both datacenters on one model, as close to the unfaulted fleet as a heal
+    allows (2 % of the held-out loss)."""
+    fl, rc, out = runs["healed"]
+    assert rc == 0, out[-3000:]
+    s, plain = fl.summary(), runs["tp"][0].summary()
+    f = s["fleet"]
+    assert s["finished_dcs"] == [0, 1] and s["dcs_agree"], s["finished_dcs"]
+    assert [x["dc"] for x in f["failures"]] == [1] and f["heals"] and f["heals"][0]["dc"] == 1, f
+    assert json.loads((fl.out / "dc1.1" / "summary.json").read_text())["ranks_agree"] is True
+    assert abs(s["eval_loss"] - plain["eval_loss"]) <= 0.02 * plain["eval_loss"], \
+        (s["eval_loss"], plain["eval_loss"])
