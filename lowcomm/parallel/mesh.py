@@ -37,7 +37,7 @@ import torch
 from ..comm.comm import Comm
 from ..errors import ConfigError, LowcommError
 from ..strategies.base import Strategy
-from ..strategies.fsdp import charge_units, fsdp_modules, unshard_model, wrap_units
+from ..strategies.sharded.fsdp import charge_units, fsdp_modules, unshard_model, wrap_units
 from ..strategies.method import Context, InnerSplit, ShardedReplicas
 from . import pipeline, tensor
 from .pipeline import PipelineParallel, PipelineSettings, stage_options
