@@ -40,6 +40,7 @@ _LAZY = {
     "PipelineParallel": "parallel.pipeline", "Chain": "parallel.chains",
     "TensorParallel": "parallel.tensor", "Plan": "parallel.plans", "MoE": "parallel.experts",
     "MoESettings": "parallel.experts", "expert_parallel": "parallel.experts",
+    "ExpertParallel": "parallel.ep",
     "HorovodDP": "strategies.sync.horovod", "Strategy": "strategies.base",
     "Method": "strategies.method", "adopt": "strategies.ownership", "Context": "strategies.method",
     "Settings": "settings", "average_buffers": "strategies.buffers",

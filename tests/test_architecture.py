@@ -306,7 +306,6 @@ WIDE_FUNCTIONS: dict[str, str] = {
                                                "strategies' constructors (goes with them)",
     "lowcomm.run.fleet.channel:Channel.__init__": "the fleet's channel (with the rules' rewrite)",
     "lowcomm.run.fleet.ranks:RankChannel.__init__": "the fleet's channel (as above)",
-    "lowcomm.run.fleet.supervisor:Fleet.__init__": "the fleet's supervisor (as above)",
 }
 
 

@@ -152,12 +152,15 @@ def test_expert_parallel_on_two_ranks():
     cases = shared_mpi_suite(2, "check_experts.py")
     assert any("test_expert_parallel_equals_one_rank" in c for c in cases)
     assert any("test_all_to_all_bytes_equal_the_formula" in c for c in cases)
+    assert any("test_an_ep_step_equals_data_parallelism_of_the_whole_model" in c for c in cases)
+    assert any("test_ep_refuses_experts_that_do_not_divide_naming_the_setting" in c for c in cases)
 
 
 @pytest.mark.mpi_checks("check_experts.py", np=4, timeout=120)
 def test_expert_parallel_on_four_ranks():
     cases = shared_mpi_suite(4, "check_experts.py")
     assert any("test_expert_parallel_equals_one_rank" in c for c in cases)
+    assert any("test_an_ep_step_equals_data_parallelism_of_the_whole_model" in c for c in cases)
 
 
 def test_lowcomm_train_runs_the_moe_task(tmp_path):

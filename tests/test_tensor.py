@@ -182,8 +182,8 @@ def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_ha
 
 
 @pytest.mark.parametrize("policy, words", [
-    (["policy.node=tp", "policy.rank=pp"], "tp over pp: these levels that split the model do "
-                                           "not compose"),
+    (["policy.node=tp", "policy.rank=pp"], "tp over pp: two levels that split the model in "
+                                           "one job are built as pp over tp only"),
     (["policy.node=pp", "policy.rank=pp"], "pp over pp"),
     (["policy.node=tp", "policy.rank=syncdp"], "innermost per-step level only"),
     (["policy.node=syncdp:algorithm=ring", "policy.rank=tp"], "plain syncdp"),

@@ -13,5 +13,9 @@
   method, on torch's DTensor engine (:mod:`torch.distributed.tensor.parallel`);
 * :mod:`~lowcomm.parallel.experts` — mixture-of-experts layers (top-k routing under a capacity,
   the load-balancing loss) and expert parallelism: the experts spread over the ranks, tokens
-  moved by all-to-all.
+  moved by all-to-all;
+* :mod:`~lowcomm.parallel.ep` — expert parallelism (``ep``) as a lowcomm method of a level;
+* :mod:`~lowcomm.parallel.replicas`, :mod:`~lowcomm.parallel.merge` — what the split methods
+  share: data parallelism around a split model, and each rank's part of the model's state
+  (gathered whole, resumed on another split by name).
 """

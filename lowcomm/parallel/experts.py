@@ -31,7 +31,7 @@ leave it, so a rank's dispatch bytes are (kept assignments to other ranks' exper
 element size, and its combine bytes (rows other ranks sent it) × d × element size. Each
 expert's parameters get the gradient of every rank's tokens routed to it (a sum); the router
 and the rest of the model are replicated (their gradients are each rank's own, to be averaged
-by a data-parallel method as usual).
+by a data-parallel method as usual; the ``ep`` method, :mod:`lowcomm.parallel.ep`, does both).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.comm import Comm
-from ..errors import ConfigError
+from ..errors import ConfigError, LowcommError
 from ..settings import Settings
 
 
@@ -115,6 +115,13 @@ def load_balancing_loss(r: Routing) -> torch.Tensor:
 
 def _expert(d_model: int, hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model))
+
+
+def check_spread(experts: int, comm: Comm, key: str = "experts") -> None:
+    """A ConfigError naming ``key`` unless ``experts`` spread evenly over ``comm``'s ranks."""
+    if experts % comm.size:
+        raise ConfigError(key, f"{experts} experts cannot be spread evenly over the {comm.size} "
+                          f"ranks of level {comm.level!r}: give a multiple of {comm.size}")
 
 
 def _tracked(t: torch.Tensor) -> torch.Tensor:
@@ -202,20 +209,39 @@ class MoE(nn.Module):
         """The rank of :attr:`comm` that holds ``expert`` (0 when not distributed)."""
         return expert // (self.settings.experts // self.comm.size) if self.comm else 0
 
-    def distribute_(self, comm: Comm) -> "MoE":
+    def distribute_(self, comm: Comm, placeholders: bool = False, key: str = "experts") -> "MoE":
         """Keep this rank's experts only (rank r of R: experts [r·E/R, (r+1)·E/R)); from now
-        on every call is collective over ``comm``. The layer must be the same on every rank."""
+        on every call is collective over ``comm``. The layer must be the same on every rank.
+        ``placeholders``: the other ranks' experts stay, on the meta device (names and shapes,
+        no storage), so every rank's model has the same parameter layout (what a method over
+        the ranks checks); :meth:`whole_` gives them storage again. ``key``: the setting a
+        ConfigError names when E is no multiple of R."""
         E, R = self.settings.experts, comm.size
-        if E % R:
-            raise ConfigError("experts", f"{E} experts cannot be spread evenly over the {R} "
-                              f"ranks of level {comm.level!r}: give a multiple of {R}")
-        if len(self.experts) != E:
-            raise ConfigError("experts", "this MoE layer is distributed already")
+        check_spread(E, comm, key)
+        if self.comm is not None:
+            raise ConfigError(key, "this MoE layer is distributed already")
         L = E // R
         for e in range(E):
             if e // L != comm.rank:
-                del self.experts[str(e)]
+                if placeholders:
+                    self.experts[str(e)].to("meta")
+                else:
+                    del self.experts[str(e)]
         self.comm = comm
+        return self
+
+    def whole_(self, device: torch.device) -> "MoE":
+        """Undo :meth:`distribute_` with placeholders: the other ranks' experts get storage on
+        ``device`` again (uninitialised: load their state next), and calls are local again."""
+        if self.comm is None:
+            return self
+        if len(self.experts) != self.settings.experts:
+            raise LowcommError("MoE.whole_(): the other ranks' experts were dropped, not kept "
+                               "as placeholders (distribute_(comm, placeholders=True))")
+        for e in self.experts.values():
+            if any(p.is_meta for p in e.parameters()):
+                e.to_empty(device=device)
+        self.comm = None
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -272,14 +298,18 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
     return sum((m.aux_coef * m.aux_loss for m in layers), torch.zeros(()))
 
 
-def expert_parallel(model: nn.Module, comm: Comm) -> list[MoE]:
+def expert_parallel(model: nn.Module, comm: Comm, placeholders: bool = False,
+                    key: str = "experts") -> list[MoE]:
     """Spread the experts of every :class:`MoE` layer of ``model`` (built alike on every rank of
-    ``comm``) over ``comm``'s ranks (:meth:`MoE.distribute_`); returns the layers."""
+    ``comm``) over ``comm``'s ranks (:meth:`MoE.distribute_`, its ``placeholders`` and
+    ``key``); returns the layers."""
     layers = moe_layers(model)
     if not layers:
         raise ConfigError("model", f"{type(model).__name__} has no MoE layer to spread over ranks")
-    return [m.distribute_(comm) for m in layers]
+    for m in layers:        # every layer checked before any changes: whole on an error
+        check_spread(m.settings.experts, comm, key)
+    return [m.distribute_(comm, placeholders, key) for m in layers]
 
 
-__all__ = ["MoE", "MoESettings", "Routing", "aux_loss", "by_expert", "capacity", "exchange_rows",
-           "expert_parallel", "load_balancing_loss", "moe_layers", "route"]
+__all__ = ["MoE", "MoESettings", "Routing", "aux_loss", "by_expert", "capacity", "check_spread",
+           "exchange_rows", "expert_parallel", "load_balancing_loss", "moe_layers", "route"]

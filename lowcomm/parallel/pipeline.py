@@ -40,6 +40,7 @@ from ..settings import Settings
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from .chains import Chain, chain_for
+from .merge import OwnedKeys, by_name, held_names
 from .replicas import average_gradients, local_grads, place
 from .stages import (Stage, block_times, cut, owned_names, parse_split, release_others,
                      restore_others)
@@ -196,7 +197,7 @@ def stage_ids(rank: int, ranks: int, per_rank: int, schedule: str) -> list[int]:
     return [rank + i * ranks for i in range(per_rank)]
 
 
-class PipelineParallel(Strategy):
+class PipelineParallel(OwnedKeys, Strategy):
     """Pipeline parallelism over the ranks of ``comm`` through torch's engine (module docstring).
 
     Construction, on every rank of ``comm`` together: the model (built alike on every rank)
@@ -444,10 +445,6 @@ class PipelineParallel(Strategy):
                                                     s.per_rank())}
 
     # checkpoints --------------------------------------------------------------------------------
-    def model_state_dict(self) -> dict:
-        """The model's state as this rank holds it: its stages' keys only."""
-        return {k: v for k, v in self.model.state_dict().items() if k in self._owned}
-
     def load_model_state_dict(self, state: dict) -> None:
         """Load :meth:`model_state_dict`'s keys (a checkpoint of this split), or a whole model's
         state (:meth:`reshard`'s): this rank takes its stages' keys."""
@@ -459,66 +456,21 @@ class PipelineParallel(Strategy):
                                f"{max(0, len(odd) - 3)} more differ): it was saved by another "
                                "split of the model (strategy.split, the ranks' count or the "
                                "schedule)")
-        own = {k: v for k, v in state.items() if k in self._owned}
-        with torch.no_grad():
-            for k, v in self.model.state_dict(keep_vars=True).items():
-                if k in own:
-                    v.copy_(own[k])
-
-    def full_model_state_dict(self) -> dict:
-        """The whole model's state dict on rank 0, {} elsewhere; collective."""
-        full = self._gather()
-        return full if self.comm.rank == 0 else {}
-
-    def _gather(self) -> dict:
-        parts = self.comm.allgather_object({k: v.detach().cpu() for k, v in
-                                            self.model_state_dict().items()})
-        out: dict = {}
-        for part in parts:
-            for k, v in part.items():
-                out.setdefault(k, v)
-        return {k: out[k] for k in self.model.state_dict() if k in out}
+        self._copy_owned(state)
 
     def _state_dict(self) -> dict:
         """The wrapped optimizer's state of this rank's stages, with its parameters' names (a
         resume on another split matches them by name)."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
         return {"optimizer": self.optimizer.state_dict(),
-                "names": [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]}
+                "names": held_names(self.model, self.optimizer)}
 
     def _load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
 
     def reshard(self, old: list[dict]) -> dict:
-        """Resume a pipeline of another length (P → P'; PP 2 → 1): the model is the union of
-        the old stages' keys; each parameter's optimizer state is the old stage's that held it,
-        matched by name (the old param groups' settings are old rank 0's)."""
-        model: dict = {}
-        states: dict = {}
-        for o in old:
-            model.update({k: v for k, v in o["model"].items() if k not in model})
-            opt, names = o["strategy"]["optimizer"], o["strategy"]["names"]
-            for i, n in enumerate(names):
-                if i in opt["state"] and n not in states:
-                    states[n] = opt["state"][i]
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        groups, state, i = [], {}, 0
-        template = old[0]["strategy"]["optimizer"]["param_groups"]
-        if len(template) != len(self.optimizer.param_groups):
-            raise LowcommError(f"the checkpoint's optimizer has {len(template)} param groups, "
-                               f"this one {len(self.optimizer.param_groups)}")
-        mine = []
-        for g, t in zip(self.optimizer.param_groups, template):
-            ids = []
-            for p in g["params"]:
-                if names[id(p)] in states:
-                    state[i] = states[names[id(p)]]
-                ids.append(i)
-                mine.append(names[id(p)])
-                i += 1
-            groups.append({**{k: v for k, v in t.items() if k != "params"}, "params": ids})
-        return {"model": model, "strategy": {"optimizer": {"state": state, "param_groups": groups},
-                                             "names": mine}}
+        """Resume a pipeline of another length (P → P'; PP 2 → 1): the old stages' parts joined
+        by name (:func:`~lowcomm.parallel.merge.by_name`)."""
+        return by_name(old, self.model, self.optimizer)
 
     # the end ------------------------------------------------------------------------------------
     def _finish(self) -> None:

@@ -35,7 +35,7 @@ from ..strategies.sync import syncdp
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from ..strategies.policy import Level, build_policy, check_plan
-from ..parallel import mesh
+from ..parallel import ep, mesh
 
 #: every strategy by name, one line each
 STRATEGIES: dict[str, Method] = {m.name: m for m in (
@@ -63,6 +63,7 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     async_diloco.METHOD,
     mesh.METHOD,
     mesh.TP_METHOD,
+    ep.METHOD,
 )}
 
 

@@ -64,10 +64,10 @@ def split_levels(plan: list[Level], first: int) -> int:
     if len(split) > 2 or (len(split) == 2 and
                           split[1].method.name not in split[0].method.splits_over):
         over = [p.method.name for p in split]
-        raise ConfigError(f"policy.{split[0].name}", f"{' over '.join(over)}: these levels that "
-                          "split the model do not compose; the one that does is pp over tp "
-                          "(pipeline stages on the upper level, each tensor-parallel over the "
-                          "level below it)")
+        raise ConfigError(f"policy.{split[0].name}", f"{' over '.join(over)}: two levels that "
+                          "split the model in one job are built as pp over tp only (pipeline "
+                          "stages on the upper level, each tensor-parallel over the level below "
+                          "it)")
     if split[0] is not plan[-len(split)]:
         raise ConfigError(f"policy.{split[0].name}", f"{split[0].method.name} splits the model "
                           f"on the innermost per-step level{'s' if len(split) > 1 else ''} only; "

@@ -7,8 +7,9 @@ Select it with ``--set task=lowcomm.tasks.moe``; its ``[task]`` options are
 :class:`~lowcomm.parallel.experts.MoESettings`' (``task.experts``, ``task.top_k``,
 ``task.capacity_factor``, ``task.hidden``, ``task.aux_coef``); the model's size and the data are
 the built-in task's ``[model]`` and ``[data]`` tables. The loss is the next-byte cross-entropy
-plus ``aux_coef`` × the load-balancing loss of every MoE layer. Every rank holds every expert
-(the task trains under any data-parallel method). There is no ``criterion``: a pipeline (``pp``)
+plus ``aux_coef`` × the load-balancing loss of every MoE layer. Under a data-parallel method
+every rank holds every expert; ``ep`` (:mod:`lowcomm.parallel.ep`) spreads them over the ranks
+of a level. There is no ``criterion``: a pipeline (``pp``)
 computes the loss from the last stage's output alone and would leave the load-balancing loss
 out, so pp refuses this task.
 """

@@ -12,7 +12,7 @@ coordinator are launched, and how the leaders reach the coordinator and each oth
   the fleet's variables passed on with ``-x``), the coordinator on this machine at ``host``
   (an address every datacenter reaches); ``GLOO_SOCKET_IFNAME`` is passed on when set.
 
-Each returns ``(launch, coordinator_prefix, host, env)`` for
+Each returns a :class:`~lowcomm.run.fleet.supervisor.Placement` for
 :class:`~lowcomm.run.fleet.supervisor.Fleet`.
 Every mpirun gets ``--mca odls_base_sigkill_timeout 0``: when one of its ranks is killed, Open
 MPI otherwise waits a second per signal to the others and exits about 2 s later (measured
@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..errors import ArgumentError, LowcommError
 from ..run.fleet.plan import ENV
+from ..run.fleet.supervisor import Placement
 from .compare import mpirun_command
 
 #: tear a job down at once when one of its ranks dies (module docstring)
@@ -36,9 +37,8 @@ TEAR_DOWN = ["--mca", "odls_base_sigkill_timeout", "0"]
 
 def local(launcher=None):
     """Every datacenter on this machine (module docstring)."""
-    return (lambda dc, n: mpirun_command(n, launcher) + ([] if launcher else TEAR_DOWN)), [], \
-        "127.0.0.1", \
-        (lambda dc: {"GLOO_SOCKET_IFNAME": "lo"})
+    return Placement(lambda dc, n: mpirun_command(n, launcher) + ([] if launcher else TEAR_DOWN),
+                     (), "127.0.0.1", lambda dc: {"GLOO_SOCKET_IFNAME": "lo"})
 
 
 def emulated_wan(dcs: int):
@@ -55,8 +55,8 @@ def emulated_wan(dcs: int):
                 f'hostname {ns}; exec "$@"', "sh", *mpirun_command(n, None), *TEAR_DOWN,
                 "--mca", "btl", "self,vader"]
 
-    return launch, ["ip", "netns", "exec", namespace(0)], address(0), \
-        (lambda dc: {"GLOO_SOCKET_IFNAME": f"{DEV_PREFIX}{dc}"})
+    return Placement(launch, ("ip", "netns", "exec", namespace(0)), address(0),
+                     lambda dc: {"GLOO_SOCKET_IFNAME": f"{DEV_PREFIX}{dc}"})
 
 
 def hostfiles(files: list[str], host: str | None = None):
@@ -72,7 +72,7 @@ def hostfiles(files: list[str], host: str | None = None):
             cmd += ["-x", name]
         return cmd
 
-    return launch, [], host or socket.gethostbyname(socket.gethostname()), (lambda dc: {})
+    return Placement(launch, (), host or socket.gethostbyname(socket.gethostname()))
 
 
 def placement(dcs: int, place: str = "auto", hostfiles_: list[str] | None = None,
@@ -139,7 +139,7 @@ def prepare(launch: FleetLaunch):
                       launch.launcher)
     claim(out, launch.overwrite, launch.resume is not None)
     try:
-        return Fleet(fp, args, out, *where, max_restarts=launch.max_restarts,
+        return Fleet(fp, args, out, where, max_restarts=launch.max_restarts,
                      resume=launch.resume is not None)
     except BaseException:
         close_run(lock_key(out))

@@ -13,7 +13,8 @@ import torch
 
 from lowcomm.comm.ledger import Ledger
 from lowcomm.errors import ConfigError
-from lowcomm.parallel.experts import MoE, expert_parallel, route
+from lowcomm.parallel.ep import ExpertParallel
+from lowcomm.parallel.experts import MoE, expert_parallel, moe_layers, route
 from lowcomm.tasks.tinygpt import TinyGPT
 from under_mpi import RANK, SIZE
 
@@ -143,3 +144,56 @@ def test_experts_that_do_not_divide_over_the_ranks_are_an_error(comm):
                        f"the {SIZE} ranks") as e:
         MoE(D, experts=SIZE + 1).distribute_(comm)
     assert e.value.key == "experts"
+
+
+# the ep method: a step of ExpertParallel against data parallelism of the whole model ----------
+
+def moe_gpt(experts):
+    torch.manual_seed(0)
+    return TinyGPT(8, D, 2, 2, mlp=lambda d: MoE(d, experts=experts, top_k=2, hidden=16,
+                                                 capacity_factor=1.0))
+
+
+def gpt_batch(s):
+    return torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(s))
+
+
+def test_an_ep_step_equals_data_parallelism_of_the_whole_model(comm):
+    """ExpertParallel over the world, one AdamW step (clipped to a norm it reaches): the
+    clipping norm, and every parameter after the step, as one process computes them with the
+    gradient (1/K) Σ_r ∇L_r of every rank's batch; ``finish()`` leaves that whole model on every
+    rank."""
+    full, model = moe_gpt(2 * SIZE), moe_gpt(2 * SIZE)
+    ref_opt = torch.optim.AdamW(full.parameters(), lr=0.01)
+    (sum(full.loss(gpt_batch(s), gpt_batch(s)) for s in range(SIZE)) / SIZE).backward()
+    want_norm = torch.nn.utils.clip_grad_norm_(full.parameters(), 0.5)
+    ref_opt.step()
+    opt = ExpertParallel(model, torch.optim.AdamW(model.parameters(), lr=0.01), comm.dup(Ledger()))
+    assert opt.batch_place() == (RANK, SIZE)
+    opt.forward_backward(lambda m, b: m.loss(b, b), gpt_batch(RANK))
+    norm = opt.clip_grad_norm_(0.5)
+    assert abs(float(norm) - float(want_norm)) < TOL and float(norm) > 0.5
+    opt.step()
+    want = full.state_dict()
+    mine = opt.model_state_dict()
+    assert {k.split(".experts.")[1].split(".")[0] for k in mine if ".experts." in k} == \
+        {str(2 * RANK), str(2 * RANK + 1)}
+    for k, v in mine.items():
+        assert (v - want[k]).abs().max() < TOL, k
+    opt.finish()
+    whole = model.state_dict()
+    assert set(whole) == set(want)
+    for k, v in whole.items():
+        assert not v.is_meta and (v - want[k]).abs().max() < TOL, k
+    assert all(m.comm is None for m in moe_layers(model))
+
+
+def test_ep_refuses_experts_that_do_not_divide_naming_the_setting(comm):
+    from lowcomm.parallel.ep import METHOD, ExpertSettings
+    from lowcomm.strategies.method import Context
+    model = moe_gpt(2 * SIZE + 1)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ConfigError, match=f"{2 * SIZE + 1} experts cannot be spread evenly") as e:
+        METHOD.build(ExpertSettings(), model, opt, comm.dup(Ledger()), Context())
+    assert e.value.key == "task.experts"
+    assert all(len(m.experts) == 2 * SIZE + 1 and m.comm is None for m in moe_layers(model))

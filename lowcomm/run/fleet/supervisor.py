@@ -41,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ...errors import LowcommError
 from .. import outcome
@@ -58,6 +58,17 @@ log = logging.getLogger("lowcomm.fleet")
 #: how long a datacenter's job may take to exit after its member said it finished (its summary
 #: and checkpoints written: only the processes' ends are left); then the fleet ends it
 EXIT_GRACE_S = 60.0
+
+
+class Placement(NamedTuple):
+    """Where a fleet's jobs run (:mod:`lowcomm.tools.fleet_launch`): ``launch(dc, n)`` the command
+    that starts datacenter ``dc``'s job of ``n`` ranks, ``coordinator`` the prefix of the
+    coordinator's command, ``host`` the address the leaders reach it at, ``env(dc)`` the
+    variables datacenter ``dc``'s job gets."""
+    launch: Callable[[int, int], list[str]]
+    coordinator: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    env: Callable[[int], dict] = lambda dc: {}
 
 
 class FleetRunError(LowcommError):
@@ -102,16 +113,14 @@ class Fleet:
     that long. ``resume``: continue the stopped fleet in ``out`` (its marker names its folders
     and launch arguments) from the newest step ``min_dcs`` datacenters hold a checkpoint of."""
 
-    def __init__(self, plan: FleetPlan, args: list[str], out: Path,
-                 launch: Callable[[int, int], list[str]], coordinator: list[str] = (),
-                 host: str = "127.0.0.1", env: Callable[[int], dict] | None = None,
+    def __init__(self, plan: FleetPlan, args: list[str], out: Path, where: Placement,
                  max_restarts: int = 1, timeout_s: float | None = None, resume: bool = False):
         self.plan, self.cfg, cfg = plan, plan.cfg, plan.cfg
         self.args, self.out, self.np = list(args), Path(out), plan.topology.size
         self.dcs = cfg.fleet.dcs
         self.min_dcs = cfg.fleet.min_dcs or self.dcs // 2 + 1
-        self.launch, self.coord_prefix, self.host = launch, list(coordinator), host
-        self.env = env or (lambda dc: {})
+        self.launch, self.coord_prefix, self.host = where.launch, list(where.coordinator), where.host
+        self.env = where.env
         self.max_restarts, self.timeout_s = max_restarts, timeout_s
         self.jobs: dict[int, Incarnation] = {}
         self.history: list[Incarnation] = []
@@ -450,4 +459,4 @@ def _tail(path: Path, nbytes: int = 20000) -> str:
         return ""
 
 
-__all__ = ["Fleet", "FleetRunError", "Incarnation"]
+__all__ = ["Fleet", "FleetRunError", "Incarnation", "Placement"]
