@@ -158,12 +158,12 @@ def test_syncdp_between_ep_pairs_equals_the_moe_trained_in_one_process(tmp_path)
 
 
 @pytest.mark.parametrize("sets, key, words", [
-    (["fleet.dcs=2", "topology=dc:2,rank:2", "policy.rank=ep", "policy.dc=diloco"],
-     "policy.rank", "inside a fleet of datacenters .* is not built yet"),
+    (["fleet.dcs=2", "topology=dc:2,rank:2", "policy.dc=ep", "policy.rank=syncdp"],
+     "policy.dc", "innermost per-step level only"),
     (["topology=node:2,rank:2", "policy.node=tp", "policy.rank=ep"], "policy.node",
      "two levels that split the model in one job"),
 ])
-def test_ep_inside_a_fleet_or_beside_another_split_is_refused_naming_the_key(sets, key, words):
+def test_ep_across_datacenters_or_beside_another_split_is_refused_naming_the_key(sets, key, words):
     with pytest.raises(ConfigError, match=words) as e:
         load_config(None, sets)
     assert e.value.key == key

@@ -1,5 +1,5 @@
-"""Split models inside a fleet's datacenters (``lowcomm train --dcs``): tensor or pipeline
-parallelism on the ranks of each datacenter, DiLoCo across them through the fleet, each rank
+"""Split models inside a fleet's datacenters (``lowcomm train --dcs``): tensor, pipeline or
+expert parallelism on the ranks of each datacenter, DiLoCo across them through the fleet, each rank
 exchanging only its own pieces with the same rank of the other datacenters; and a lost
 datacenter of split models healed back rank by rank (each rank takes its own pieces)."""
 import json
@@ -24,22 +24,37 @@ def _sets(*extra):
     return [a for o in (*BASE, *extra) for a in ("--set", o)]
 
 
-def _fleet(out, *extra):
+#: the mixture-of-experts task, its experts spread over each datacenter's ranks (``ep``)
+MOE = ["task=lowcomm.tasks.moe", "task.experts=4", "task.top_k=2", "task.capacity_factor=1.0",
+       "model.d_model=16", "model.n_layers=2", "model.n_heads=2", "data.seq_len=8",
+       "batch_size=2", "eval_batches=1", "data.path=/usr/share/common-licenses", "steps=6",
+       "log_every=3", "eval_every=3", "checkpoint.every=0", "topology=dc:2,rank:2",
+       "policy.dc=diloco:period=3", "policy.rank=ep"]
+
+
+def _fleet(out, *extra, base=None):
+    sets = [a for o in base for a in ("--set", o)] if base else _sets(*extra)
     return Run(out, [sys.executable, "-m", "lowcomm.cli", "train", "--dcs", "2", "--np", "4",
-                     "--place", "local", "--out", str(out), *_sets(*extra)])
+                     "--place", "local", "--out", str(out), *sets])
+
+
+def _single(out, sets):
+    return Run(out, [str(ROOT / "launchers" / "local.sh"), "-n", "4", "lowcomm", "train",
+                     "--quiet", "--out", str(out), *sets])
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """At once: tensor-parallel pairs as one MPI job and as a fleet, pipelines of two stages as
-    a fleet, and tensor-parallel pairs as a fleet whose datacenter 1 fails at step 8 (the other
-    holding at step 12 until its relaunch has built its model)."""
+    a fleet, tensor-parallel pairs as a fleet whose datacenter 1 fails at step 8 (the other
+    holding at step 12 until its relaunch has built its model), and expert-parallel pairs of a
+    mixture of experts as one MPI job and as a fleet."""
     tmp = tmp_path_factory.mktemp("split-fleet")
     deadline = time.monotonic() + scaled(240)
     started = {
-        "single": Run(tmp / "single", [str(ROOT / "launchers" / "local.sh"), "-n", "4", "lowcomm",
-                                       "train", "--quiet", "--out", str(tmp / "single"),
-                                       *_sets("policy.rank=tp")]),
+        "single": _single(tmp / "single", _sets("policy.rank=tp")),
+        "ep_single": _single(tmp / "ep_single", [a for o in MOE for a in ("--set", o)]),
+        "ep": _fleet(tmp / "ep", base=MOE),
         "tp": _fleet(tmp / "tp", "policy.rank=tp"),
         "pp": _fleet(tmp / "pp", "policy.rank=pp"),
         "healed": _fleet(tmp / "healed", "policy.rank=tp", "task.crash_dc=1",
@@ -54,19 +69,19 @@ def _dc_bytes(folder, dc):
     return rank0, s["bytes_by_level"]["dc"], s
 
 
-@pytest.mark.parametrize("split", ["tp", "pp"])
+@pytest.mark.parametrize("split", ["tp", "pp", "ep"])
 def test_a_fleet_of_split_datacenters_is_the_one_mpi_job_and_each_rank_sends_its_pieces(runs, split):
-    """The fleet ends on the model of the same policy run as one MPI job (tensor parallelism:
-    bit for bit; pipeline stages: to 1e-5 in the held-out loss, as the pipeline equals the
-    unsplit model), every datacenter on the same model; each rank of a datacenter sends its own
-    pieces across, so rank 0 sends part of the datacenter's bytes, not all of them."""
-    single, rc, out = runs["single"]
+    """The fleet ends on the model of the same policy run as one MPI job (tensor and expert
+    parallelism: bit for bit; pipeline stages: to 1e-5 in the held-out loss, as the pipeline
+    equals the unsplit model), every datacenter on the same model; each rank of a datacenter
+    sends its own pieces across, so rank 0 sends part of the datacenter's bytes, not all."""
+    single, rc, out = runs["ep_single" if split == "ep" else "single"]
     assert rc == 0, out[-3000:]
     fl, rc, out = runs[split]
     assert rc == 0, out[-3000:]
     s, ref = fl.summary(), single.summary()
     assert s["dcs_agree"] and s["finished_dcs"] == [0, 1], s
-    if split == "tp":
+    if split != "pp":
         assert s["state_sha256"] == ref["state_sha256"], (s["state_sha256"], ref["state_sha256"])
     assert abs(s["eval_loss"] - ref["eval_loss"]) < 1e-5, (s["eval_loss"], ref["eval_loss"])
     for dc in (0, 1):

@@ -10,12 +10,14 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from conftest import ROOT, run_ranks, shared_mpi_suite
 from lowcomm.errors import ConfigError
 from lowcomm.parallel.pipeline import bubble_formula
 from lowcomm.parallel.stages import balanced, parse_split
 from lowcomm.run.api import load_config
+from lowcomm.run.evaluate import dict_sha256
 
 
 @pytest.mark.mpi_checks("check_pipeline.py", np=2, timeout=300)
@@ -46,7 +48,8 @@ def test_lowcomm_train_with_pp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
     """2 stages, 10 steps with a checkpoint every 5: the run's model is on every rank
     (ranks_agree), its metrics carry the bubble beside its formula; the run resumed from step 5
     on 2 ranks ends with the same model bit for bit, and on 1 rank (a pipeline of one stage:
-    the stages' states merged by name) with the same losses to float tolerance."""
+    the stages' states merged by name) with the same losses to float tolerance, and with
+    nothing left to train (steps=5) with the stages' saved tensors bit for bit."""
     full = tmp_path / "full"
     r = train(2, full)
     assert r.returncode == 0, r.output
@@ -68,6 +71,18 @@ def test_lowcomm_train_with_pp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
         else:
             assert resumed["resizes"] == [{"step": 5, "from": 2, "to": 1}]
             assert abs(resumed["final_loss"] - summary["final_loss"]) < 1e-5
+    last = tmp_path / "last"            # PP 2 → 1 with nothing left to train: the model unchanged
+    shutil.copytree(full, last)
+    (last / "summary.json").unlink()
+    r = train(1, last, "steps=5", resume=last)
+    assert r.returncode == 0, r.output
+    resumed = json.loads((last / "summary.json").read_text())
+    assert resumed["resizes"] == [{"step": 5, "from": 2, "to": 1}]
+    stages = [torch.load(full / "checkpoints" / f"step-{5:08d}" / f"rank-{r:05d}.pt",
+                         weights_only=False)["model"] for r in range(2)]
+    saved = dict(stages[0])                       # the stages' keys in the model's order
+    saved.update({k: v for k, v in stages[1].items() if k not in saved})
+    assert resumed["state_sha256"] == dict_sha256(saved)
 
 
 def test_a_killed_pipeline_rank_under_max_restarts_resumes_and_ends_bit_identical(tmp_path):

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from conftest import run_ranks, shared_mpi_suite
 from lowcomm.errors import ConfigError
@@ -37,6 +38,15 @@ def train(np_, out, *sets, resume=None, base=SETS):
                      *(["--resume", resume] if resume else []), timeout=240)
 
 
+def resume_from_step_5(full, again, np_, *sets):
+    """Run ``full``'s copy ``again`` on ``np_`` ranks from its step-5 checkpoint (the one at
+    step 10 removed)."""
+    shutil.copytree(full, again)
+    shutil.rmtree(again / "checkpoints" / f"step-{10:08d}", ignore_errors=True)
+    (again / "summary.json").unlink()
+    return train(np_, again, *sets, resume=again)
+
+
 def metrics(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -61,10 +71,7 @@ def test_lowcomm_train_with_tp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
     assert summary["bytes_total"] > 0 and "eval_loss" in metrics(full)[-1]
     for np_ in (2, 1):
         again = tmp_path / f"again{np_}"
-        shutil.copytree(full, again)
-        shutil.rmtree(again / "checkpoints" / f"step-{10:08d}", ignore_errors=True)
-        (again / "summary.json").unlink()
-        r = train(np_, again, "strategy.sequence=true", resume=again)
+        r = resume_from_step_5(full, again, np_, "strategy.sequence=true")
         assert r.returncode == 0, r.output
         resumed = json.loads((again / "summary.json").read_text())
         if np_ == 2:
@@ -72,6 +79,35 @@ def test_lowcomm_train_with_tp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
         else:
             assert resumed["resizes"] == [{"step": 5, "from": 2, "to": 1}]
             assert abs(resumed["final_loss"] - summary["final_loss"]) < 1e-5
+
+
+def test_a_tp_run_checkpointed_through_torch_distributed_checkpoint_resumes_bit_for_bit(tmp_path):
+    """``checkpoint.format=dcp`` on 2 ranks: the model goes into torch's DCP folder (its
+    ``.metadata`` and the ranks' ``.distcp`` files, hashed in the manifest), not into lowcomm's
+    per-rank files; the run resumed from step 5 at the same split ends with the same model bit
+    for bit; resumed on 1 rank it is refused, naming the format, and so is the format under a
+    method that keeps no split model (syncdp)."""
+    full = tmp_path / "full"
+    r = train(2, full, "checkpoint.format=dcp")
+    assert r.returncode == 0, r.output
+    summary = json.loads((full / "summary.json").read_text())
+    step5 = full / "checkpoints" / f"step-{5:08d}"
+    manifest = json.loads((step5 / "manifest.json").read_text())
+    assert manifest["format"] == "dcp" and "dcp/.metadata" in manifest["files"]
+    assert any(n.endswith(".distcp") for n in manifest["files"])
+    assert torch.load(step5 / "rank-00000.pt", weights_only=False)["model"] == {}
+    for np_ in (2, 1):
+        again = tmp_path / f"again{np_}"
+        r = resume_from_step_5(full, again, np_, "checkpoint.format=dcp")
+        if np_ == 2:
+            assert r.returncode == 0, r.output
+            resumed = json.loads((again / "summary.json").read_text())
+            assert resumed["state_sha256"] == summary["state_sha256"]
+        else:
+            assert r.returncode != 0 and 'checkpoint.format = "dcp"' in r.output, r.output
+    plain = [x for x in SETS if not x.startswith("strategy.")] + ["steps=1", "checkpoint.every=1"]
+    r = train(1, tmp_path / "plain", "checkpoint.format=dcp", base=plain)
+    assert r.returncode != 0 and "config key 'checkpoint.format'" in r.output, r.output
 
 
 def test_diloco_between_two_datacenters_of_tensor_parallel_pairs_equals_unsplit_diloco(tmp_path):

@@ -34,6 +34,7 @@ def test_defaults_validate_and_overrides_are_typed():
     ("comm.watchdog_factor=-2", "comm.watchdog_factor"), ("comm.outage_s=inf", "comm.outage_s"),
     ("optimizer.warmup_steps=300", "optimizer.warmup_steps"),
     ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio"),
+    ("checkpoint.format=safetensors", "checkpoint.format"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError) as e:

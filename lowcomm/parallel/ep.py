@@ -40,18 +40,12 @@ from ..strategies.method import Context, Method
 from .experts import MoE, expert_parallel, moe_layers
 from .merge import OwnedKeys, by_name, held_names
 from .replicas import average_gradients
-from .stages import refuse_fleet
 
 
 @dataclass
 class ExpertSettings(Settings):
     """``[strategy]`` keys of ``ep``: none (the MoE layers' experts, top-k and capacity are the
     task's settings, ``task.experts``, ...)."""
-
-
-def check(s: ExpertSettings, cfg, prefix: str) -> None:
-    """Before MPI starts: not inside a fleet (yet)."""
-    refuse_fleet("ep", cfg, prefix)
 
 
 def build(s: ExpertSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
@@ -66,7 +60,7 @@ def build(s: ExpertSettings, model, optimizer, comm: Comm, ctx: Context) -> Stra
 METHOD = Method("ep", ExpertSettings, build,
                 "expert parallelism: each MoE layer's experts spread over the ranks, tokens "
                 "dispatched and returned by all-to-all, the dense part's gradients averaged",
-                check=check, level=True, splits=True, python="ExpertParallel")
+                level=True, splits=True, python="ExpertParallel")
 
 
 class Routed:

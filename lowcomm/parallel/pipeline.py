@@ -41,6 +41,7 @@ from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from .chains import Chain, chain_for
 from .merge import OwnedKeys, by_name, held_names
+from .owners import share_from_owners
 from .replicas import average_gradients, local_grads, place
 from .stages import (Stage, block_times, cut, owned_names, parse_split, release_others,
                      restore_others)
@@ -400,6 +401,19 @@ class PipelineParallel(OwnedKeys, Strategy):
         with rank i of the other units (the same stage)."""
         held = {id(p) for p in self._held}
         return {n: p for n, p in self.model.named_parameters() if id(p) in held}
+
+    def outer_shards(self) -> dict[str, torch.Tensor]:
+        """:meth:`local_shards` less a tied module's parameters on the last stage's rank: the
+        first stage's rank owns them (:mod:`~lowcomm.parallel.owners`), so an outer loop above
+        sends them once per pipeline."""
+        tied = {id(p) for p in self._tied} if not self.holds_first else set()
+        return {n: p for n, p in self.local_shards().items() if id(p) not in tied}
+
+    def parameters_changed(self) -> None:
+        """An outer loop above merged its synchronisation: the last stage's copy of a tied
+        module takes the first stage's (a broadcast between the two)."""
+        if self._tied and self._tie is not None:
+            share_from_owners(self._tie, [(p.data, 0) for p in self._tied])
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

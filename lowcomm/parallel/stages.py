@@ -43,16 +43,6 @@ def parse_split(text: str, key: str = "strategy.split") -> tuple[str, list]:
                       "blocks where stages 1, 2, ... begin, by index or module name)")
 
 
-def refuse_fleet(method: str, cfg, prefix: str) -> None:
-    """Before MPI starts: a method that splits the model does not run inside a fleet of
-    datacenters yet (a ConfigError naming the key that chose it)."""
-    if cfg.fleet.dcs:
-        raise ConfigError(prefix.rstrip(".") if prefix != "strategy." else "strategy.name",
-                          f"{method} inside a fleet of datacenters (lowcomm train --dcs) is not "
-                          f"built yet; run it in one MPI job (topology=dc:2,rank:2, "
-                          f"policy.rank={method}, policy.dc=diloco)")
-
-
 def numel(modules) -> int:
     """Parameters of ``modules`` (each distinct tensor once)."""
     return sum(p.numel() for p in {id(p): p for m in modules for p in m.parameters()}.values())

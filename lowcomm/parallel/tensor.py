@@ -32,6 +32,7 @@ from ..errors import ConfigError, LowcommError
 from ..settings import Settings
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
+from .owners import balanced_owners, share_from_owners
 from .plans import Plan, Split, join_parts, local_part, plan_for
 from .replicas import average_gradients, local_grads, place
 
@@ -262,7 +263,7 @@ class TensorParallel(Strategy):
                               "has stepped): tp splits its parameters; wrap a fresh one")
         super().__init__(model, optimizer, comm, settings=settings, **options)
         s, self.device = self.settings, next(model.parameters()).device
-        self.replicas, self._averaged = replicas, False
+        self.replicas, self._averaged, self._owner = replicas, False, None
         self.plan = plan if isinstance(plan, Plan) else Plan(plan) if plan is not None else \
             plan_for(model, s.sequence)
         self.plan.check(self.comm.size, "strategy.name")
@@ -326,6 +327,26 @@ class TensorParallel(Strategy):
         return {n: p.to_local() if isinstance(p, DTensor) else p
                 for n, p in self.model.named_parameters()}
 
+    def outer_shards(self) -> dict[str, torch.Tensor]:
+        """:meth:`local_shards` with each replicated parameter kept by its owner only
+        (:mod:`~lowcomm.parallel.owners`): an outer loop above sends each tensor once per unit."""
+        owner, me = self._owners(), self.comm.rank
+        return {n: p for n, p in self.local_shards().items() if owner.get(n, me) == me}
+
+    def parameters_changed(self) -> None:
+        """An outer loop above merged its synchronisation: each replicated parameter takes its
+        owner's copy (one broadcast per owner over the level)."""
+        owner, local = self._owners(), self.local_shards()
+        share_from_owners(self.comm, [(local[n], r) for n, r in owner.items()])
+
+    def _owners(self) -> dict[str, int]:
+        """The rank that owns each replicated parameter (the split ones are every rank's)."""
+        if self._owner is None:
+            sizes = {n: p.numel() for n, p in self.model.named_parameters()
+                     if n not in self._pieces}
+            self._owner = balanced_owners(sizes, self.comm.size)
+        return self._owner
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip by the whole model's gradient norm (a split parameter's pieces summed over the
@@ -386,6 +407,11 @@ class TensorParallel(Strategy):
                 if isinstance(v, DTensor):
                     v, new = v.to_local(), new.to_local()
                 v.copy_(new)
+
+    def distributed_model_state(self) -> dict:
+        """The model's state dict as it stands, each split parameter a DTensor (its piece and
+        its place in the whole): what torch.distributed.checkpoint saves and loads in place."""
+        return self.model.state_dict()
 
     def full_model_state_dict(self) -> dict:
         """The whole model's state dict on rank 0, {} elsewhere; collective."""

@@ -127,8 +127,10 @@ class Checkpointer:
         owner = self._owner(step)
         return self.run is not None and owner is not None and owner != self.run
 
-    def save(self, step: int, state: dict, config: dict) -> Path:
-        """Write this rank's ``state`` for ``step``; returns the checkpoint folder."""
+    def save(self, step: int, state: dict, config: dict, distributed: dict | None = None) -> Path:
+        """Write this rank's ``state`` for ``step``; returns the checkpoint folder.
+        ``distributed``: the model's state for torch.distributed.checkpoint
+        (:mod:`lowcomm.run.dcp`), written into the folder's ``dcp/`` by every rank together."""
         rank, size = self.comm.rank, self.comm.size
         final = self.root / self._name(step)
         tmp = self.root / f".{self._name(step)}.tmp"
@@ -139,6 +141,7 @@ class Checkpointer:
                     shutil.rmtree(stale, ignore_errors=True)
                 tmp.mkdir()
         self.comm.barrier()
+        shared = self._save_distributed(tmp, distributed)
         buf = io.BytesIO()
         torch.save(state, buf)
         data = buf.getvalue()
@@ -152,7 +155,8 @@ class Checkpointer:
                 raise CheckpointError(f"{final} is a checkpoint of another run ({self._owner(step)}); "
                                       "not overwritten: give each run its own checkpoint.dir")
             manifest = {"step": step, "world_size": size, "run": self.run, "config": config,
-                        "files": {f: {"sha256": h, "bytes": n} for f, h, n in files}}
+                        "format": "dcp" if distributed is not None else "torch",
+                        "files": {f: {"sha256": h, "bytes": n} for f, h, n in files + shared}}
             with self._writing(tmp, tmp / "manifest.json"):
                 _write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
                 _fsync_dir(tmp)
@@ -164,6 +168,19 @@ class Checkpointer:
                 shutil.rmtree(self.root / self._name(old), ignore_errors=True)
         self.comm.barrier()
         return final
+
+    def _save_distributed(self, tmp: Path, distributed: dict | None) -> list[tuple]:
+        """The DCP files of ``distributed`` written under ``tmp`` (every rank together), as
+        (name, sha256, bytes) on rank 0 (for the manifest); [] without it."""
+        if distributed is None:
+            return []
+        from .dcp import save_model
+        with self._writing(tmp, tmp / "dcp"):
+            names = save_model(distributed, tmp, self.comm)
+        if self.comm.rank != 0:
+            return []
+        return [(n, hashlib.sha256(data).hexdigest(), len(data))
+                for n in names for data in [(tmp / n).read_bytes()]]
 
     @contextlib.contextmanager
     def _writing(self, tmp: Path, what: Path):
@@ -186,7 +203,14 @@ class Checkpointer:
         owner = manifest.get("run") if isinstance(manifest, dict) else None
         if self.run is not None and owner is not None and owner != self.run:
             return f"{folder} is a checkpoint of another run ({owner})", None, None
+        for name in manifest.get("files", {}) if manifest.get("format") == "dcp" else ():
+            if name.startswith("dcp/"):                 # the shared DCP files, on every rank
+                problem, _ = self._verify(folder, manifest, name)
+                if problem:
+                    return problem, manifest, None
         if manifest.get("world_size") != self.comm.size:
+            if manifest.get("format") == "dcp":
+                return None, manifest, None   # refused by the caller, naming the format
             if not self.resize:
                 return None, manifest, None   # a config problem, reported by the caller
             datas = []                        # another rank count: read every old rank's file
@@ -232,6 +256,11 @@ class Checkpointer:
                     for p in problems:
                         log.warning("checkpoint step %d skipped: %s; trying the previous one", step, p)
                 continue
+            if manifest["world_size"] != self.comm.size and manifest.get("format") == "dcp":
+                raise CheckpointError(f"checkpoint {self.root / self._name(step)} was written "
+                                      f"through torch.distributed.checkpoint (checkpoint.format "
+                                      f"= \"dcp\") by {manifest['world_size']} ranks; this run "
+                                      f"has {self.comm.size}: resume it on as many ranks")
             if manifest["world_size"] != self.comm.size and not self.resize:
                 raise CheckpointError(f"checkpoint {self.root / self._name(step)} was written by "
                                       f"{manifest['world_size']} ranks; this run has {self.comm.size} "
@@ -246,5 +275,7 @@ class Checkpointer:
                         "ranks": [torch.load(io.BytesIO(d), weights_only=False) for d in data]}
             state = torch.load(io.BytesIO(data), weights_only=False)
             state["step"] = step
+            if manifest.get("format") == "dcp":
+                state["dcp"] = self.root / self._name(step)
             return state
         return None

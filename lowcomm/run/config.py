@@ -117,10 +117,13 @@ class CheckpointConfig(Settings):
     every: int = 0                 # write a checkpoint every N steps (0 = never)
     keep: int = 2                  # keep the newest N checkpoints
     dir: str = ""                  # "" = <out>/checkpoints
+    format: str = "torch"          # "torch": per-rank files; "dcp": the model through torch.distributed.checkpoint
 
     def validate(self, prefix: str = "checkpoint.") -> None:
+        from .dcp import FORMATS
         _at_least(self, prefix, 1, "keep")
         _at_least(self, prefix, 0, "every")
+        self.one_of(prefix, "format", FORMATS)
 
 
 @dataclass

@@ -66,6 +66,8 @@ class Coordination:
     def start(self) -> LoopState:
         """A fresh state, or the resumed run's; then every rank starts the clock together."""
         r = self.r
+        if r.cfg.checkpoint.format == "dcp" and r.ckpt is not None:
+            r.strategy.distributed_model_state()      # a method that keeps none says so now
         if r.resume:
             step, loop = restore(r.resume, r.cfg, r.comm, r.ctl, r.model, r.strategy, r.out)
             self.wall_before = self.resumed(step, loop)
@@ -97,8 +99,10 @@ class Coordination:
     def save(self, step: int):
         """Write this rank's checkpoint at ``step`` (collective); returns its folder."""
         r = self.r
-        return r.ckpt.save(step, snapshot(r.model, r.strategy, r.comm, self.loop_state()),
-                           r.cfg.to_dict())
+        dcp = r.cfg.checkpoint.format == "dcp"
+        return r.ckpt.save(step, snapshot(r.model, r.strategy, r.comm, self.loop_state(),
+                                          with_model=not dcp), r.cfg.to_dict(),
+                           r.strategy.distributed_model_state() if dcp else None)
 
     def open_log(self, initial: int) -> None:
         """Rank 0: the progress bar (from step ``initial``) and ``metrics.jsonl`` (appended to

@@ -36,10 +36,13 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
 
 
-def snapshot(model, strategy, comm: Comm, loop: dict) -> dict:
-    """Everything one rank needs to continue exactly: model, strategy (optimizer, residuals,
-    outer state, versions), ledger counters, RNG states and the loop's own counters."""
-    return {"model": strategy.model_state_dict(), "strategy": strategy.state_dict(),
+def snapshot(model, strategy, comm: Comm, loop: dict, with_model: bool = True) -> dict:
+    """Everything one rank needs to continue exactly: model (unless ``with_model`` is False:
+    it goes through torch.distributed.checkpoint, :mod:`lowcomm.run.dcp`), strategy
+    (optimizer, residuals, outer state, versions), ledger counters, RNG states and the loop's
+    own counters."""
+    return {"model": strategy.model_state_dict() if with_model else {},
+            "strategy": strategy.state_dict(),
             "ledger": comm.ledger.state_dict(), "rng": rng_state(), "loop": loop}
 
 
@@ -106,6 +109,19 @@ def _some(items: list[str], n: int = 5) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
+def _load_distributed(strategy, folder: Path, ctl: Comm) -> None:
+    """The model read back in place from the checkpoint's DCP files; a CheckpointError naming
+    the folder where they hold another model (DCP's own error, shortened)."""
+    from .dcp import load_model
+    try:
+        load_model(strategy.distributed_model_state(), folder, ctl)
+    except LowcommError:
+        raise
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {folder}/dcp cannot be loaded into this model: "
+                              f"{str(e).splitlines()[0][:300]}") from None
+
+
 def restore(resume: str | Path, cfg, comm: Comm, ctl: Comm, model, strategy,
             out: Path | None) -> tuple[int, dict]:
     """Load the newest intact checkpoint of run `resume` (or of ``checkpoint.dir``) into
@@ -124,11 +140,14 @@ def restore(resume: str | Path, cfg, comm: Comm, ctl: Comm, model, strategy,
     if "ranks" in state:      # another rank count: every old rank's keys against the whole model
         check_model(model.state_dict(), {k: v for s in reversed(state["ranks"])
                                          for k, v in s["model"].items()}, where)   # rank 0's first
-    else:                     # this rank's keys (a pipeline stage's, a shard's)
+    elif "dcp" not in state:  # this rank's keys (a pipeline stage's, a shard's)
         check_model(strategy.model_state_dict(), state["model"], where)
     if "ranks" in state:
         state = resized(state, comm, strategy, from_dir)
-    strategy.load_model_state_dict(state["model"])
+    if "dcp" in state:        # the model through torch.distributed.checkpoint
+        _load_distributed(strategy, state["dcp"], ctl)
+    else:
+        strategy.load_model_state_dict(state["model"])
     strategy.load_state_dict(state["strategy"])
     comm.ledger.load_state_dict(state["ledger"])
     set_rng_state(state["rng"])

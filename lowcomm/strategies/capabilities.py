@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from ..comm.comm import Comm
-from ..errors import LowcommError
+from ..errors import ConfigError, LowcommError
 
 
 class Role(enum.Enum):
@@ -59,6 +59,22 @@ class Capabilities:
     def local_shards(self) -> dict[str, torch.Tensor] | None:
         """This rank's chunk of every parameter where the method itself shards them; else None."""
         return None
+
+    def distributed_model_state(self) -> dict:
+        """The model's state as :mod:`torch.distributed.checkpoint` saves it and loads it back
+        in place (``checkpoint.format = "dcp"``: :mod:`lowcomm.run.dcp`), a method that splits
+        the model over torch.distributed's group giving its DTensors; a ConfigError naming the
+        setting where the method keeps none."""
+        raise ConfigError("checkpoint.format", f"{self.name} keeps no model state for "
+                          "torch.distributed.checkpoint (\"dcp\" saves a model split over "
+                          "torch.distributed's group: tp); use checkpoint.format = \"torch\"")
+
+    def outer_shards(self) -> dict[str, torch.Tensor] | None:
+        """What an outer loop above keeps and exchanges of this rank's parameters, by name:
+        :meth:`local_shards`, less the tensors another rank of the unit owns where several hold
+        them (a split model's replicated or tied parameters, refreshed from their owner by
+        :meth:`parameters_changed`); None where :meth:`local_shards` is None."""
+        return self.local_shards()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

@@ -90,7 +90,7 @@ class Fragment:
 
     @property
     def numel(self) -> int:
-        return self.members[-1][3]
+        return self.members[-1][3] if self.members else 0
 
     @cached_property
     def segments(self) -> list[Segment]:
@@ -99,8 +99,10 @@ class Fragment:
 
     @torch.no_grad()
     def pack(self) -> torch.Tensor:
-        """A fresh flat CPU copy of the fragment's parameters (in ``dtype``)."""
-        return torch.cat([p.detach().reshape(-1).to("cpu", self.dtype) for _, p, _, _ in self.members])
+        """A fresh flat CPU copy of the fragment's parameters (in ``dtype``; empty where this
+        rank holds none of them)."""
+        return torch.cat([p.detach().reshape(-1).to("cpu", self.dtype) for _, p, _, _ in self.members]
+                         + [torch.empty(0, dtype=self.dtype)])
 
     @torch.no_grad()
     def pack_range(self, lo: int, hi: int) -> torch.Tensor:
@@ -169,8 +171,13 @@ class Fragment:
 
 
 def partition(named: list[tuple[str, torch.nn.Parameter]], fragments: int, period: int,
-              early: int = 0) -> list[Fragment]:
+              early: int = 0, local: dict[str, torch.Tensor] | None = None) -> list[Fragment]:
     """Split parameter tensors into ``fragments`` sets of near-equal size.
+
+    ``local``: where a level below splits the model, this rank's part of each parameter it
+    keeps, by name: the fragments are still cut from the whole model's tensors ``named`` (so
+    they match an unsplit run's, whatever the stage or piece), and hold this rank's parts of
+    their members only (a fragment may hold none: another stage's).
 
     Largest tensor first into the fragment holding the fewest elements so far (ties: the lower
     index), so each fragment's message is close to 1/P of the model; inside a fragment tensors
@@ -185,6 +192,9 @@ def partition(named: list[tuple[str, torch.nn.Parameter]], fragments: int, perio
                             f"but the model has only {len(named)} trainable parameter tensors (a "
                             f"fragment holds whole tensors); use at most {len(named)}")
     owner = balance([p.numel() for _, p in named], fragments)
+    if local is not None:
+        owner = [o if name in local else -1 for o, (name, _) in zip(owner, named)]
+        named = [(name, local.get(name)) for name, _ in named]
     out = []
     for f in range(fragments):
         members, n, dtype = [], 0, torch.float32

@@ -100,10 +100,9 @@ class OuterLoop(OverALevel, Strategy):
         if not named:
             raise ValueError("the model has no trainable parameters")
         local = local_shards(nest, s.warmup_steps, self.name)   # FSDP below: my chunks (a
-        if local is not None:                        # pipeline below: its stages' parameters)
-            named = [(n, local[n]) for n, _ in named if n in local]
+        # pipeline below: its stages' parameters); the fragments are the whole model's, of them
         self.fragments = partition(named, s.fragments, self.period,
-                                   self.delay if s.slot == "merge" else 0)   # torchft's slots
+                                   self.delay if s.slot == "merge" else 0, local)   # torchft's slots
         self.buffers = Buffers(model)
         self._bn = Recompute(model, s.bn_recompute, bn_batches, bn_forward) if s.bn_recompute else None
         self.t, self.wait_s = 0, 0.0                 # inner steps taken; seconds waited
@@ -199,6 +198,8 @@ class OuterLoop(OverALevel, Strategy):
             fn()
 
     def _start(self, f: Fragment, s: int) -> None:
+        if not f.members:                            # none of it here (another stage's)
+            return
         local = f.local()
         out = self._outgoing(f, local)
         if self._thread.pool is None:
@@ -303,11 +304,12 @@ class OuterLoop(OverALevel, Strategy):
         if self.route.fleet:                         # the channel's rounds are one sequence
             self.drain()
         for f in self.fragments:
-            if f.dirty:
+            if f.dirty and f.members:
                 self.route.finish(f, self.comm.ledger)
-                f.dirty = False
+            f.dirty = False
         self._settle_buffers()
         if self.route.local is not None:             # FSDP below: the plain, whole model
+            self._inner.parameters_changed()         # (copies an owner keeps: from it)
             self._inner._finish()
         elif self._inner is not None:
             self._inner.parameters_changed()

@@ -111,12 +111,13 @@ class Posted:
 
 
 def local_shards(nest, warmup_steps: int, name: str) -> dict[str, torch.Tensor] | None:
-    """Where the level below shards every parameter (FSDP: ``inner.local_shards()``; a
-    pipeline: its stages' parameters), this rank's chunk of each (views, by name): the loop
+    """Where the level below shards every parameter (FSDP: ``inner.outer_shards()``; a
+    pipeline: its stages' parameters; tp: its pieces), this rank's chunk of each (views, by
+    name; a tensor several ranks of the unit hold, only where this rank owns it): the loop
     then keeps the outer state of its chunks only and averages them with rank i of every other
     unit (``peers``), nothing gathered inside the unit; else None."""
     inner = nest.inner if nest is not None else None
-    if inner is None or inner.local_shards() is None:
+    if inner is None or inner.outer_shards() is None:
         return None
     key = f"policy.{name}"
     if nest.peers is None:
@@ -128,7 +129,7 @@ def local_shards(nest, warmup_steps: int, name: str) -> dict[str, torch.Tensor] 
         raise ConfigError(key, f"{name} over {inner.name} of a model with buffers "
                           "(BatchNorm's statistics) in its stages: averaging them across the "
                           "ranks is not built yet")
-    return inner.local_shards()
+    return inner.outer_shards()
 
 
 class Route:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...comm.collectives import allreduce_
 from ...comm.comm import Comm
 from ...compress.compressor import Compressor
 from ...compress.demo import Chunks, QuantizedChunkTopK
@@ -15,6 +16,7 @@ from ..method import Context, Method
 from ..chunks import chunk_buckets
 from .fragment import Fragment
 from .loop import OuterLoop, OuterSettings, check_run
+from .route import hand_on
 
 
 @dataclass
@@ -45,7 +47,7 @@ def build(s: SparseLoCoSettings, model, optimizer, comm: Comm, ctx: Context) -> 
 
 METHOD = Method("sparseloco", SparseLoCoSettings, build, "SparseLoCo: DiLoCo with a chunked "
                 "top-k 2-bit pseudo-gradient and an error-feedback accumulator for outer momentum",
-                check=check_run, outer=True, python="SparseLoCo",
+                check=check_run, outer=True, level=True, python="SparseLoCo",
                 example="sparseloco:period=3,chunk=8,topk=4")
 
 
@@ -100,6 +102,10 @@ class SparseLoCo(OuterLoop):
                  comm: Comm | None = None, **arguments):
         super().__init__(model, optimizer, comm, **arguments)
         s = self.settings
+        if self.route.sharded:
+            raise ConfigError("policy", "sparseloco over a level that shards the optimizer "
+                              f"state ({self._inner.name}): its chunks are whole tensors' tiles; "
+                              "use syncdp, tp or pp below")
         self.topk, self.chunk, self.decay, self.outer_lr = s.topk, s.chunk, s.decay, s.outer_lr
         (fragment,) = self.fragments
         self.outer = fragment.pack()                 # θ
@@ -115,16 +121,28 @@ class SparseLoCo(OuterLoop):
         return torch.sub(self.outer, local, out=local)          # step 2: Δ_k = θ − θ_k
 
     def _reduce(self, f: Fragment, flat: torch.Tensor, t: int) -> tuple[torch.Tensor, list[dict]]:
-        """Steps 3–6, bucket by bucket (chunks of one size travel together)."""
-        self.route.red.ledger.reset()
+        """Steps 3–6 along the route (inside a per-level policy: by the units' leaders, or by
+        rank i of every unit where the level below splits the model, each on its own part)."""
+        route = self.route
+        route.red.ledger.reset()
+        inside = None if route.local is not None else route.inside
+        if inside is not None and route.average_inside:
+            flat = allreduce_(flat, inside, route.algorithm, op="avg")
+        avg = flat
+        if inside is None or inside.rank == 0:
+            avg = self._exchange(flat, route.red if route.leaders is None else route.leaders)
+        return hand_on(inside, avg, flat), route.red.ledger.rows()
+
+    def _exchange(self, flat: torch.Tensor, across: Comm) -> torch.Tensor:
+        """Steps 3–6 over ``across``, bucket by bucket (chunks of one size travel together)."""
         avg = torch.empty_like(flat)
         for b in self.buckets:
             x = torch.cat([t.encode(flat[a:z]).reshape(-1) for _, t, a, z, _, _ in b.members])
             b.decay_(self.decay)                                 # step 3: e ← βe (then + Δ)
-            got = b.comp.reduce(x, b.key, self.route.red, b.segments)
+            got = b.comp.reduce(x, b.key, across, b.segments)
             for _, t, a, z, lo, hi in b.members:
                 avg[a:z] = t.decode(got[lo:hi]).reshape(-1)
-        return avg, self.route.red.ledger.rows()
+        return avg
 
     def _apply(self, f: Fragment, avg: torch.Tensor) -> torch.Tensor:
         self.outer.sub_(avg.to(self.outer.dtype), alpha=self.outer_lr)     # step 7
