@@ -288,6 +288,11 @@ class ShardedTensorParallel(TensorParallel):
                                                for d, p in zip(dims, t.placements)])
         return as_piece(self._pieces, name, t)
 
+    def distributed_model_state(self) -> dict:
+        raise ConfigError("checkpoint.format", "\"dcp\" under fsdp above tp is not built (its "
+                          "(dp, tp) shards are not checked against torch.distributed.checkpoint); "
+                          "use checkpoint.format = \"torch\"")
+
     def load_model_state_dict(self, state: dict) -> None:
         raise LowcommError("resuming tp with fsdp above it is not built (loading a checkpoint "
                            "into the (dp, tp) shards); its checkpoints hold the tensor-parallel "
