@@ -51,6 +51,13 @@ def metrics(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def same_losses(ours, theirs):
+    """Two runs' log lines: at steps 5 and 10, the same training and held-out loss to 1e-5."""
+    assert [x["step"] for x in ours] == [x["step"] for x in theirs] == [5, 10]
+    for a, b in zip(ours, theirs):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["eval_loss"] - b["eval_loss"]) < 1e-5
+
+
 def test_lowcomm_train_with_tp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
     """2-way sequence-parallel TP, 10 steps with a checkpoint every 5: the whole model on every
     rank at the end (ranks_agree) and the split layers' traffic in the ledger; resumed from
@@ -116,9 +123,7 @@ def test_diloco_between_two_datacenters_of_tensor_parallel_pairs_equals_unsplit_
     r = train(2, whole, "topology=dc:2,rank:1", *common, base=base)
     assert r.returncode == 0, r.output
     ours, theirs = metrics(split), metrics(whole)
-    assert [x["step"] for x in ours] == [x["step"] for x in theirs] == [5, 10]
-    for a, b in zip(ours, theirs):
-        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["eval_loss"] - b["eval_loss"]) < 1e-5
+    same_losses(ours, theirs)
     s = json.loads((split / "summary.json").read_text())
     assert s["ranks_agree"] is True and s["bytes_by_level"]["rank"] > 0
 
@@ -153,17 +158,73 @@ def test_data_parallelism_around_a_split_model_equals_syncdp_of_whole_models(tmp
     r = train(2, ref, "strategy.name=syncdp", *common, base=base)
     assert r.returncode == 0, r.output
     a, b = metrics(ours), metrics(ref)
-    assert [x["step"] for x in a] == [x["step"] for x in b] == [5, 10]
-    for x, y in zip(a, b):
-        assert abs(x["loss"] - y["loss"]) < 1e-5 and abs(x["eval_loss"] - y["eval_loss"]) < 1e-5
+    same_losses(a, b)
     s = json.loads((ours / "summary.json").read_text())
     assert s["ranks_agree"] is True and s["bytes_by_level"]["node"] > 0
 
 
+def test_pipeline_stages_each_tensor_parallel_equal_one_process_and_resume_bit_for_bit(tmp_path):
+    """``topology=node:2,rank:2``, ``policy.node=pp``, ``policy.rank=tp``: two stages, each split
+    over the two ranks of a node (one torch.distributed group, a (pp, tp) mesh). The same losses
+    (training and held-out, steps 5 and 10, to 1e-5) as one process training the whole model on
+    the whole batch; TP's all-reduces on the rank level and the activations on the node level
+    of the ledger; resumed from step 5's checkpoint: the same model bit for bit."""
+    base = [x for x in SETS if not x.startswith("strategy.")]
+    mesh = ["topology=node:2,rank:2", "policy.node=pp", "policy.rank=tp",
+            "strategy.microbatches=2"]
+    ours, ref = tmp_path / "pp-tp", tmp_path / "one"
+    r = train(4, ours, *mesh, base=base)
+    assert r.returncode == 0, r.output
+    r = train(1, ref, "strategy.name=syncdp", "checkpoint.every=0", base=base)
+    assert r.returncode == 0, r.output
+    a, b = metrics(ours), metrics(ref)
+    same_losses(a, b)
+    s = json.loads((ours / "summary.json").read_text())
+    ops = {(row["level"], row["op"]) for row in s["ledger_rank0"] if row["bytes_sent"]}
+    assert ("rank", "allreduce.tp") in ops and ("node", "send.activation.0-1") in ops
+    assert s["ranks_agree"] is True
+    again = tmp_path / "again"
+    shutil.copytree(ours, again)
+    shutil.rmtree(again / "checkpoints" / f"step-{10:08d}", ignore_errors=True)
+    (again / "summary.json").unlink()
+    r = train(4, again, *mesh, resume=again, base=base)
+    assert r.returncode == 0 and "at step 5" in r.output, r.output
+    assert json.loads((again / "summary.json").read_text())["state_sha256"] == s["state_sha256"]
+
+
+def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_half_the_state(
+        tmp_path):
+    """``topology=node:2,rank:2``, ``policy.rank=tp``, ``policy.node=fsdp`` (FSDP2 over the
+    mesh's dp dim, torch's FSDP + TP): the same losses (training and held-out, to 1e-5) as
+    ``policy.node=syncdp``; each rank's parameters and optimizer state half of that run's; FSDP's
+    collectives on the node level of the ledger, TP's on the rank level."""
+    base = [x for x in SETS if not x.startswith("strategy.")] + ["checkpoint.every=0"]
+    runs = {}
+    for dp in ("fsdp", "syncdp"):
+        out = tmp_path / dp
+        r = train(4, out, "topology=node:2,rank:2", "policy.rank=tp", f"policy.node={dp}",
+                  base=base)
+        assert r.returncode == 0, r.output
+        runs[dp] = (metrics(out), json.loads((out / "summary.json").read_text()))
+    (a, ours), (b, theirs) = runs["fsdp"], runs["syncdp"]
+    same_losses(a, b)
+    assert ours["ranks_agree"] is True
+    for m, n in zip(ours["memory_by_rank"], theirs["memory_by_rank"]):
+        assert 2 * m["param_bytes"] == n["param_bytes"]
+        assert abs(2 * m["optimizer_state_bytes"] / n["optimizer_state_bytes"] - 1) < 0.01
+    ops = {(row["level"], row["op"]) for row in ours["ledger_rank0"] if row["bytes_sent"]}
+    assert {("node", "reduce_scatter.fsdp"), ("node", "allgather.fsdp"),
+            ("rank", "allreduce.tp")} <= ops
+
+
 @pytest.mark.parametrize("policy, words", [
-    (["policy.node=pp", "policy.rank=tp"], "two levels that split the model in one job"),
+    (["policy.node=tp", "policy.rank=pp"], "tp over pp: two levels that split the model in "
+                                           "one job are built as pp over tp only"),
+    (["policy.node=pp", "policy.rank=pp"], "pp over pp"),
     (["policy.node=tp", "policy.rank=syncdp"], "innermost per-step level only"),
     (["policy.node=syncdp:algorithm=ring", "policy.rank=tp"], "plain syncdp"),
+    (["policy.node=zero1", "policy.rank=tp"], "or, directly above tp, fsdp"),
+    (["policy.node=fsdp", "policy.rank=pp"], "or, directly above tp, fsdp"),
 ])
 def test_a_composition_that_is_not_built_is_refused_naming_the_level(policy, words):
     with pytest.raises(ConfigError, match=words) as e:

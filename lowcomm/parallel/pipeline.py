@@ -42,7 +42,7 @@ from ..strategies.method import Context, Method
 from .chains import Chain, chain_for
 from .merge import OwnedKeys, by_name, held_names
 from .owners import share_from_owners
-from .replicas import average_gradients, place
+from .replicas import average_gradients, local_grads, place
 from .stages import (Stage, block_times, cut, owned_names, parse_split, release_others,
                      restore_others)
 
@@ -112,14 +112,20 @@ def pair(batch):
                        "split(batch) -> (inputs tuple, target tensor) in the task")
 
 
-def build(s: PipelineSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
+def stage_options(ctx: Context) -> dict:
+    """What a pipeline takes from the run beside its settings: the task's ``criterion`` and
+    ``split``, an example batch (for ``split = "time"``) and the replicas."""
     if ctx.criterion is None:
         raise ConfigError("task", "pp computes the loss on the last stage from the model's "
                           "output: the task must define criterion(output, target) (and "
                           "split(batch) -> (inputs, target) unless a batch is a pair (x, y))")
     example = next(iter(ctx.batches(1))) if ctx.batches is not None else None
-    return PipelineParallel(model, optimizer, comm, settings=s, criterion=ctx.criterion,
-                            split_batch=ctx.split, example=example, replicas=ctx.replicas)
+    return dict(criterion=ctx.criterion, split_batch=ctx.split, example=example,
+                replicas=ctx.replicas)
+
+
+def build(s: PipelineSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
+    return PipelineParallel(model, optimizer, comm, settings=s, **stage_options(ctx))
 
 
 METHOD = Method("pp", PipelineSettings, build,
@@ -303,8 +309,7 @@ class PipelineParallel(OwnedKeys, Strategy):
     def _build_schedule(self, s: PipelineSettings):
         from torch.distributed.pipelining import PipelineStage
 
-        from ..comm.process_group import default_group
-        group = default_group(self.comm, self.device, s.timeout_s, holder=self)
+        group = self._stage_group(s)
         counted = type("CountedPipelineStage", (CountedStage, PipelineStage), {})
         self._pipe = []
         for st in self.stages:
@@ -322,6 +327,12 @@ class PipelineParallel(OwnedKeys, Strategy):
             raise ConfigError("strategy.schedule", f"torch's {s.schedule} refused {self.count} "
                               f"stages on {self.comm.size} ranks with {s.microbatches} "
                               f"micro-batches: {str(e).splitlines()[0][:200]}") from None
+
+    def _stage_group(self, s: PipelineSettings):
+        """The torch.distributed group the stages' P2P operations run in: the default group
+        over ``comm`` (made here)."""
+        from ..comm.process_group import default_group
+        return default_group(self.comm, self.device, s.timeout_s, holder=self)
 
     def _loss_fn(self, output, target):
         return self.criterion(output, target)
@@ -366,15 +377,14 @@ class PipelineParallel(OwnedKeys, Strategy):
         loop's whole-model loss) and ``before_backward`` are not used: the last stage's
         ``criterion`` is the loss."""
         loss = self._run(batch, train=True)
-        for p in self._held:
-            if p.grad is not None:
-                p.grad.div_(self.settings.microbatches)
+        for g in local_grads(self._held):
+            g.div_(self.settings.microbatches)
         if self._tied and self._tie is not None:
             for p in self._tied:
                 if p.grad is not None:
                     self._tie.allreduce_(p.grad, "sum")
         if self.replicas is not None:
-            average_gradients(self.replicas, [p.grad for p in self._held if p.grad is not None])
+            average_gradients(self.replicas, local_grads(self._held))
         return loss
 
     @torch.no_grad()
@@ -416,15 +426,18 @@ class PipelineParallel(OwnedKeys, Strategy):
         sq = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in grads]).sum() if grads \
             else torch.zeros(())
         total = sq.reshape(1).double().cpu()
-        self.comm.allreduce_(total, "sum")
+        self._norm_comm().allreduce_(total, "sum")
         norm = total.sqrt().to(torch.float32).reshape(())
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise LowcommError(f"the gradients' norm over every stage is {float(norm)}")
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in self._held:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device))
+        for g in local_grads(self._held):
+            g.mul_(coef.to(g.device))
         return norm
+
+    def _norm_comm(self) -> Comm:
+        """The ranks whose :meth:`_own_grads` make up the whole model's gradient."""
+        return self.comm
 
     def _own_grads(self) -> list[torch.Tensor]:
         """This rank's gradients, a tied tensor counted on the first stage only."""
@@ -477,8 +490,11 @@ class PipelineParallel(OwnedKeys, Strategy):
     def _finish(self) -> None:
         """Leave the whole model on every rank: every stage's state gathered, the modules
         other ranks held given storage again and loaded."""
+        self._restore(self._gather())
+
+    def _restore(self, full: dict) -> None:
+        """The modules other ranks held given storage again, ``full`` loaded into the model."""
         from ..comm.process_group import release
-        full = self._gather()
         restore_others(self.model, self._others, self._kept, self.device)
         self.model.load_state_dict(full)
         self._others, self._kept = [], {}

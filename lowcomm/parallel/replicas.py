@@ -32,10 +32,17 @@ def average_gradients(replicas: Comm, grads: list[torch.Tensor]) -> None:
             offset += g.numel()
 
 
+def local_grads(params) -> list[torch.Tensor]:
+    """The local tensors of ``params``' gradients (a DTensor's piece; None skipped)."""
+    from torch.distributed.tensor import DTensor
+    return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in params if p.grad is not None]
+
+
 def place(replicas: Comm | None) -> tuple[int, int]:
     """A split model's place among the step's batches: its replica's (every rank of one unit
     takes the same batch)."""
     return (0, 1) if replicas is None else (replicas.rank, replicas.size)
 
 
-__all__ = ["average_gradients", "place"]
+__all__ = ["average_gradients", "local_grads", "place"]

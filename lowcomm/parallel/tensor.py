@@ -34,7 +34,7 @@ from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from .owners import balanced_owners, share_from_owners
 from .plans import Plan, Split, join_parts, local_part, plan_for
-from .replicas import average_gradients, place
+from .replicas import average_gradients, local_grads, place
 
 
 @dataclass
@@ -130,6 +130,99 @@ def uncharge(mesh) -> None:
             setattr(funcol, n, f)
 
 
+def split_layers(model: torch.nn.Module, optimizer, mesh, plan: Plan) -> dict:
+    """``plan`` applied to ``model`` over ``mesh`` by ``parallelize_module`` (its parameters
+    become DTensors holding this rank's piece, the plan's attributes their T-th), and the
+    optimizer's groups pointed at them; returns name -> (dim, parts) of each split parameter."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    names = {id(p): n for n, p in model.named_parameters()}
+    unknown = sorted(set(plan.styles) - {n for n, _ in model.named_modules()})
+    if unknown:
+        raise ConfigError("plan", f"names no module of {type(model).__name__}: {unknown[:4]}")
+    parallelize_module(model, mesh, plan.styles)
+    for key, full in plan.local.items():
+        where, attr = key.rsplit(".", 1)
+        setattr(model.get_submodule(where), attr, full // mesh.size())
+    split = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [split[names[id(p)]] for p in group["params"]]
+    pieces = {}
+    for n, p in split.items():
+        if isinstance(p, DTensor) and isinstance(p.placements[0], Shard):
+            style = plan.styles.get(n.rsplit(".", 1)[0])
+            pieces[n] = (p.placements[0].dim, style.parts if isinstance(style, Split) else 1)
+    return pieces
+
+
+def unsplit_layers(model: torch.nn.Module, hooks: dict, plan: Plan, device) -> None:
+    """Undo :func:`split_layers` but for the values: torch's hooks removed (those not in
+    ``hooks``: module -> (pre, post) hook ids before), each DTensor parameter a plain one of the
+    whole shape (to be loaded), the plan's attributes whole again."""
+    from torch.distributed.tensor import DTensor
+    for m, (pre, post) in hooks.items():
+        for k in set(m._forward_pre_hooks) - pre:
+            del m._forward_pre_hooks[k]
+        for k in set(m._forward_hooks) - post:
+            del m._forward_hooks[k]
+    for m in model.modules():
+        for n, p in list(m._parameters.items()):
+            if isinstance(p, DTensor):
+                m._parameters[n] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype,
+                                                                  device=device),
+                                                      requires_grad=p.requires_grad)
+    for key, whole in plan.local.items():
+        where, attr = key.rsplit(".", 1)
+        setattr(model.get_submodule(where), attr, whole)
+
+
+def hook_ids(model: torch.nn.Module) -> dict:
+    """Every module's forward hook ids now (:func:`unsplit_layers` removes the others)."""
+    return {m: (set(m._forward_pre_hooks), set(m._forward_hooks)) for m in model.modules()}
+
+
+def as_piece(pieces: dict, name: str, t):
+    """``t`` (a parameter or its optimizer state) as checkpoints keep it: a :class:`SplitOf`
+    where ``name`` is split (``pieces``: :func:`split_layers`'), else a plain CPU copy."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(t, DTensor):
+        return t.detach().cpu().clone() if torch.is_tensor(t) else t
+    if name in pieces:
+        dim, parts = pieces[name]
+        return SplitOf(t.to_local().detach().cpu().clone(), t.shape, dim, parts)
+    return t.to_local().detach().cpu().clone()
+
+
+def from_piece(pieces: dict, name: str, v, like):
+    """The inverse of :func:`as_piece`: ``v`` (a :class:`SplitOf` or the whole tensor) as
+    ``like`` (a DTensor, or a plain tensor: ``v`` as it is) holds it on this rank."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(like, DTensor):
+        return v
+    local = v.local if isinstance(v, SplitOf) else v
+    if name in pieces and not isinstance(v, SplitOf):
+        dim, parts = pieces[name]
+        mesh = like.device_mesh
+        local = local_part(v, dim, parts, mesh.size(), mesh.get_local_rank())
+    if tuple(local.shape) != tuple(like.to_local().shape):
+        raise LowcommError(f"tp: {name}'s piece in the state is {tuple(local.shape)}, this "
+                           f"rank holds {tuple(like.to_local().shape)}: it was saved by "
+                           "another split (the level's rank count or strategy.sequence)")
+    return DTensor.from_local(local.to(like.device, like.dtype), like.device_mesh,
+                              like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
+def sum_partials(params) -> None:
+    """A replicated parameter's gradient that came out partial (a sequence-parallel norm's on
+    its 1/T of the positions) summed over the ranks."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(isinstance(x, Partial) for x in g.placements):
+            p.grad = g.redistribute(placements=[Replicate()])
+
+
 class TensorParallel(Strategy):
     """Tensor (and sequence) parallelism over the ranks of ``comm`` (module docstring).
 
@@ -174,8 +267,7 @@ class TensorParallel(Strategy):
         self.plan = plan if isinstance(plan, Plan) else Plan(plan) if plan is not None else \
             plan_for(model, s.sequence)
         self.plan.check(self.comm.size, "strategy.name")
-        self._hooks = {m: (set(m._forward_pre_hooks), set(m._forward_hooks))
-                       for m in model.modules()}
+        self._hooks = hook_ids(model)
         self.mesh = self._mesh(s)
         self._split(model, optimizer)
         charge_collectives(self.mesh, self.comm.ledger, self.comm.level)
@@ -189,28 +281,9 @@ class TensorParallel(Strategy):
 
     def _split(self, model, optimizer) -> None:
         """The plan applied; ``self._pieces``: name -> (dim, parts) of each split parameter."""
-        from torch.distributed.tensor import DTensor, Shard
-        from torch.distributed.tensor.parallel import parallelize_module
-        names = {id(p): n for n, p in model.named_parameters()}
-        unknown = sorted(set(self.plan.styles) - {n for n, _ in model.named_modules()})
-        if unknown:
-            raise ConfigError("plan", f"names no module of {type(model).__name__}: {unknown[:4]}")
         if self.plan.sequence and self.plan.first:      # before torch's hooks: checked first
             model.get_submodule(self.plan.first).register_forward_pre_hook(self._positions)
-        parallelize_module(model, self.mesh, self.plan.styles)
-        T = self.comm.size
-        for key, full in self.plan.local.items():
-            where, attr = key.rsplit(".", 1)
-            setattr(model.get_submodule(where), attr, full // T)
-        split = dict(model.named_parameters())
-        for group in optimizer.param_groups:
-            group["params"] = [split[names[id(p)]] for p in group["params"]]
-        self._pieces = {}
-        for n, p in split.items():
-            if isinstance(p, DTensor) and isinstance(p.placements[0], Shard):
-                style = self.plan.styles.get(n.rsplit(".", 1)[0])
-                self._pieces[n] = (p.placements[0].dim, style.parts if isinstance(style, Split)
-                                   else 1)
+        self._pieces = split_layers(model, optimizer, self.mesh, self.plan)
         self.built.fix()
 
     def _positions(self, module, args) -> None:
@@ -227,25 +300,13 @@ class TensorParallel(Strategy):
         """Every rank of the level takes the same batch (its replica's)."""
         return place(self.replicas)
 
-    def _replicated_partials(self) -> None:
-        """A replicated parameter's gradient that came out partial (a sequence-parallel norm's
-        on its 1/T of the positions) summed over the ranks."""
-        from torch.distributed.tensor import DTensor, Partial, Replicate
-        for p in self.model.parameters():
-            g = p.grad
-            if isinstance(g, DTensor) and any(isinstance(x, Partial) for x in g.placements):
-                p.grad = g.redistribute(placements=[Replicate()])
-
     def _reduce(self) -> None:
         """After a backward pass: partial gradients summed, then the mean over the replicas."""
-        from torch.distributed.tensor import DTensor
         if self._averaged:                  # done since the last step (a clip, then step())
             return
-        self._replicated_partials()
+        sum_partials(self.model.parameters())
         if self.replicas is not None:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            average_gradients(self.replicas, [g.to_local() if isinstance(g, DTensor) else g
-                                              for g in grads])
+            average_gradients(self.replicas, local_grads(self.model.parameters()))
         self._averaged = True
 
     def forward_backward(self, loss_fn, batch, before_backward=None):
@@ -301,9 +362,10 @@ class TensorParallel(Strategy):
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             sq = torch.linalg.vector_norm(g.detach().double()).cpu() ** 2
             split, whole = (split + sq, whole) if n in self._pieces else (split, whole + sq)
-        total = split.reshape(1)
-        self.comm.allreduce_(total, "sum")
-        norm = (total[0] + whole).sqrt().to(torch.float32)
+        # a replicated parameter's gradient is alike on every rank of the level: counted once
+        total = torch.stack([split, whole if self.comm.rank == 0 else torch.zeros_like(whole)])
+        self._norm_comm().allreduce_(total, "sum")
+        norm = total.sum().sqrt().to(torch.float32)
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise LowcommError(f"the gradients' norm over every rank's pieces is {float(norm)}")
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -312,34 +374,19 @@ class TensorParallel(Strategy):
                 p.grad.mul_(coef.to(self.device))
         return norm
 
+    def _norm_comm(self) -> Comm:
+        """The ranks whose gradient pieces make up the whole model's gradient."""
+        return self.comm
+
     # checkpoints --------------------------------------------------------------------------------
     def _piece(self, name: str, t):
         """``t`` (a parameter or its optimizer state) as checkpoints keep it."""
-        from torch.distributed.tensor import DTensor
-        if not isinstance(t, DTensor):
-            return t.detach().cpu().clone() if torch.is_tensor(t) else t
-        if name in self._pieces:
-            dim, parts = self._pieces[name]
-            return SplitOf(t.to_local().detach().cpu().clone(), t.shape, dim, parts)
-        return t.to_local().detach().cpu().clone()
+        return as_piece(self._pieces, name, t)
 
     def _tensor(self, name: str, v, like):
         """The inverse of :meth:`_piece`: ``v`` (a piece or the whole tensor) as ``like`` holds
         it on this rank."""
-        from torch.distributed.tensor import DTensor
-        if not isinstance(like, DTensor):
-            return v
-        local = v.local if isinstance(v, SplitOf) else v
-        if name in self._pieces and not isinstance(v, SplitOf):
-            dim, parts = self._pieces[name]
-            local = local_part(v, dim, parts, self.comm.size, self.comm.rank)
-        if tuple(local.shape) != tuple(like.to_local().shape):
-            raise LowcommError(f"tp: {name}'s piece in the state is {tuple(local.shape)}, this "
-                               f"rank holds {tuple(like.to_local().shape)}: it was saved by "
-                               "another split (the level's rank count or strategy.sequence)")
-        return DTensor.from_local(local.to(like.device, like.dtype), like.device_mesh,
-                                  like.placements, run_check=False, shape=like.shape,
-                                  stride=like.stride())
+        return from_piece(self._pieces, name, v, like)
 
     def model_state_dict(self) -> dict:
         """The model's state as this rank holds it: :class:`SplitOf` each split parameter."""
@@ -410,25 +457,13 @@ class TensorParallel(Strategy):
     def _finish(self) -> None:
         """Leave the plain, whole model on every rank: each split parameter joined, torch's
         hooks removed, the plan's attributes whole again."""
-        from torch.distributed.tensor import DTensor
+        self._leave(self._gather())
 
+    def _leave(self, full: dict) -> None:
+        """The plain model again, ``full`` (the whole model's state) loaded into it."""
         from ..comm.process_group import release
-        full = self._gather()
         uncharge(self.mesh)
-        for m, (pre, post) in self._hooks.items():
-            for k in set(m._forward_pre_hooks) - pre:
-                del m._forward_pre_hooks[k]
-            for k in set(m._forward_hooks) - post:
-                del m._forward_hooks[k]
-        for m in self.model.modules():
-            for n, p in list(m._parameters.items()):
-                if isinstance(p, DTensor):
-                    m._parameters[n] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype,
-                                                                      device=self.device),
-                                                          requires_grad=p.requires_grad)
-        for key, whole in self.plan.local.items():
-            where, attr = key.rsplit(".", 1)
-            setattr(self.model.get_submodule(where), attr, whole)
+        unsplit_layers(self.model, self._hooks, self.plan, self.device)
         self.model.load_state_dict(full)
         self._pieces = {}
         release(self)
@@ -439,4 +474,5 @@ class TensorParallel(Strategy):
         release(self)
 
 
-__all__ = ["METHOD", "SplitOf", "TensorParallel", "TensorSettings", "join"]
+__all__ = ["METHOD", "SplitOf", "TensorParallel", "TensorSettings", "as_piece", "from_piece", "join",
+           "split_layers", "sum_partials", "unsplit_layers"]

@@ -35,7 +35,7 @@ from ..strategies.sync import syncdp
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from ..strategies.policy import Level, build_policy, check_plan
-from ..parallel import ep, pipeline, tensor
+from ..parallel import ep, mesh
 
 #: every strategy by name, one line each
 STRATEGIES: dict[str, Method] = {m.name: m for m in (
@@ -61,8 +61,8 @@ STRATEGIES: dict[str, Method] = {m.name: m for m in (
     diloco.MULOCO_EF_METHOD,
     dylu.METHOD,
     async_diloco.METHOD,
-    pipeline.METHOD,
-    tensor.METHOD,
+    mesh.METHOD,
+    mesh.TP_METHOD,
     ep.METHOD,
 )}
 

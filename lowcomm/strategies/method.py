@@ -42,7 +42,11 @@ class Context:
     ``criterion(output, target)`` and ``split(batch)``, for a method that computes the loss
     from the last pipeline stage's output (None: the task defines none); ``replicas``: for a
     method that splits the model under data-parallel levels, the ranks holding its part in the
-    other replicas (:mod:`lowcomm.parallel.replicas`; None: no data parallelism around it)."""
+    other replicas (:mod:`lowcomm.parallel.replicas`; None: no data parallelism around it);
+    ``inner``: for a method that splits the model over another split level below it (pipeline
+    stages each tensor-parallel), that level (:class:`InnerSplit`; None: no such level);
+    ``sharding``: for a method that splits the model under a level that shards its replicas
+    (``fsdp`` above ``tp``), that level (:class:`ShardedReplicas`; None: no such level)."""
     compressor: CompressorSettings = field(default_factory=CompressorSettings)
     nonfinite: NonFinite = NonFinite.ABORT
     steps: int | None = None
@@ -53,6 +57,8 @@ class Context:
     criterion: Any = None
     split: Any = None
     replicas: Any = None
+    inner: Any = None
+    sharding: Any = None
 
     def gradient_compressor(self, name: str | None = None):
         """The run's gradient compressor, or the one called ``name`` with the run's knobs,
@@ -67,6 +73,25 @@ class Context:
 
 
 @dataclass(frozen=True)
+class InnerSplit:
+    """The split level below a split method's (``tp`` under ``pp``): its ``settings``, its
+    ``comm`` (the ranks of one unit: they split each part again) and ``span`` (the ranks of both
+    levels together, over which the torch.distributed group and its mesh are made)."""
+    settings: Any
+    comm: Any
+    span: Any
+
+
+@dataclass(frozen=True)
+class ShardedReplicas:
+    """A data-parallel level that shards the replicas of a split model (``fsdp`` above ``tp``):
+    its ``settings`` and ``span`` (the ranks of every replica together, over which the
+    torch.distributed group and its (dp, tp) mesh are made)."""
+    settings: Any
+    span: Any
+
+
+@dataclass(frozen=True)
 class Method:
     """A strategy as the registry knows it.
 
@@ -78,7 +103,11 @@ class Method:
     refuses it, and the every-method tests, which run one MPI job, leave it to the fleet's);
     ``splits``: it splits the model itself (pipeline stages), so it trains only a task whose
     model it can cut and whose loss it can take apart (``criterion``; the every-method tests
-    and ``lowcomm compare``'s data-parallel list leave it to its own tests).
+    and ``lowcomm compare``'s data-parallel list leave it to its own tests); ``splits_over``:
+    the split methods it runs over on the level below it (``pp`` over ``tp``: stages each split
+    again; :class:`Context`'s ``inner``); ``shards_around``: the split methods whose replicas it
+    may shard from the level above them (``fsdp`` around ``tp``; :class:`Context`'s
+    ``sharding``).
 
     What the derived tables read (the method list of ``lowcomm compare``, ``lowcomm methods``,
     the docs' method table, the every-method tests), so that a method is its module and this
@@ -98,6 +127,8 @@ class Method:
     level: bool = False     # may be a level of a per-level policy (per-step or outer loop)
     fleet: bool = False     # runs only across a fleet's datacenters
     splits: bool = False    # splits the model (pipeline, tensor): needs a task that can be cut
+    splits_over: tuple[str, ...] = ()   # split methods it composes over, on the level below
+    shards_around: tuple[str, ...] = ()  # split methods whose replicas it shards, from above
     python: str = ""
     optimizer: str = ""
     example: str = ""

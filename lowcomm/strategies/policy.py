@@ -37,7 +37,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .method import Context, Method
+from .method import Context, InnerSplit, Method, ShardedReplicas
 from .wrapped import claim, parts_of_one_method
 from .outer.nesting import Nesting
 
@@ -52,29 +52,46 @@ class Level:
     options: dict
 
 
-def replicated_split(plan: list[Level], first: int) -> bool:
-    """Whether the per-step levels are data parallelism (plain ``syncdp``) around a method that
-    splits the model on the innermost level (:mod:`lowcomm.parallel.replicas`); a ConfigError
-    where such a level takes options or a split method sits above another level."""
+def split_levels(plan: list[Level], first: int) -> int:
+    """How many of the innermost per-step levels split the model (0, 1, or 2: pipeline stages
+    each split again by the level below, ``pp`` over ``tp``); the per-step levels above them
+    are data parallelism (plain ``syncdp``, :mod:`lowcomm.parallel.replicas`). A ConfigError
+    names a level where a split sits elsewhere, two splits do not compose, or a level above
+    them is not plain syncdp."""
     split = [p for p in plan[first:] if p.method.splits]
     if not split:
-        return False
-    if len(split) > 1:
-        raise ConfigError(f"policy.{split[0].name}", f"{split[0].method.name} over "
-                          f"{split[1].method.name}: two levels that split the model in one job "
-                          "are not built yet (each wants the process's torch.distributed "
-                          "group); split on one level, with syncdp or an outer loop above")
-    if split[0] is not plan[-1]:
+        return 0
+    if len(split) > 2 or (len(split) == 2 and
+                          split[1].method.name not in split[0].method.splits_over):
+        over = [p.method.name for p in split]
+        raise ConfigError(f"policy.{split[0].name}", f"{' over '.join(over)}: two levels that "
+                          "split the model in one job are built as pp over tp only (pipeline "
+                          "stages on the upper level, each tensor-parallel over the level below "
+                          "it)")
+    if split[0] is not plan[-len(split)]:
         raise ConfigError(f"policy.{split[0].name}", f"{split[0].method.name} splits the model "
-                          "on the innermost per-step level only; data parallelism (syncdp) "
-                          "goes above it")
-    for p in plan[first:-1]:
+                          f"on the innermost per-step level{'s' if len(split) > 1 else ''} only; "
+                          "data parallelism (syncdp) goes above it")
+    inner, above = plan[-len(split)], plan[first:-len(split)]
+    if len(above) == 1 and sharding(plan, first):
+        return len(split)
+    for p in above:
         if p.method.name != "syncdp" or p.options:
-            raise ConfigError(f"policy.{p.name}", f"above policy.{plan[-1].name}="
-                              f"{plan[-1].method.name} a per-step level is plain syncdp (the "
-                              f"replicas' gradients averaged), not {p.method.name}"
+            raise ConfigError(f"policy.{p.name}", f"above policy.{inner.name}="
+                              f"{inner.method.name} a per-step level is plain syncdp (the "
+                              f"replicas' gradients averaged) or, directly above tp, fsdp (FSDP2 "
+                              f"over the replicas), not {p.method.name}"
                               f"{':' + ','.join(p.options) if p.options else ''}")
-    return first < len(plan) - 1
+    return len(split)
+
+
+def sharding(plan: list[Level], first: int) -> Level | None:
+    """The per-step level that shards the replicas of the split model below it (``fsdp`` above
+    ``tp``, the two per-step levels), or None."""
+    if len(plan) - first != 2 or plan[first].method.splits:
+        return None
+    top, split = plan[first], plan[-1]
+    return top if split.method.name in top.method.shards_around else None
 
 
 def check_plan(plan: list[Level], gradient_compressor: str = "none") -> int:
@@ -103,7 +120,7 @@ def check_plan(plan: list[Level], gradient_compressor: str = "none") -> int:
                               f"(policy.{lower.name}={lower.method.name}): the τ steps' local "
                               "progress it adds back would count the lower level's averaging "
                               "twice; use merge=mix, delay=0, or syncdp below")
-    if replicated_split(plan, first):
+    if split_levels(plan, first):
         return first
     steppers = {p.method.name for p in plan[first:]}
     if len(steppers) > 1:
@@ -154,12 +171,10 @@ def _build_levels(plan, first, names, levels, model, optimizer, comm, ctx: Conte
         elif first > 0 and takes_algorithm and s.algorithm == "hierarchical":
             raise ConfigError(f"policy.{lvl.name}.algorithm", "hierarchical spans the whole job; "
                               "inside a unit use mpi, ring, rabenseifner or tree")
-        if replicated_split(plan, first):        # data parallelism around a split model
-            lvl, unit = plan[-1], levels.group(names[-2])
-            s = lvl.settings
-            ctx = dataclasses.replace(ctx, replicas=scope.split(unit.rank, level=names[first]))
-            scope = unit
-        strategy = lvl.method.build(s, model, optimizer, scope, ctx)
+        if split_levels(plan, first):            # the model split, data parallelism around it
+            strategy = _build_split(plan, first, scope, levels, model, optimizer, ctx)
+        else:
+            strategy = lvl.method.build(s, model, optimizer, scope, ctx)
     outer_ctx = dataclasses.replace(ctx, compressor=dataclasses.replace(ctx.compressor, name="none"))
     for i in range(first - 1, -1, -1):       # outer loops, innermost first
         lvl = plan[i]
@@ -176,6 +191,28 @@ def _build_levels(plan, first, names, levels, model, optimizer, comm, ctx: Conte
         strategy = lvl.method.build(lvl.settings, model, optimizer, scope,
                                     dataclasses.replace(outer_ctx, nest=nest))
     return strategy
+
+
+def _build_split(plan, first, scope, levels, model, optimizer, ctx: Context):
+    """The method of the innermost levels that split the model, over ``scope`` (the
+    per-step levels' ranks): the upper split level's method on the ranks of one split model
+    (``span``), or with two split levels on those holding the same piece of the level below
+    (:class:`~lowcomm.strategies.method.InnerSplit`: that level's ranks and settings); per-step
+    levels above are its replicas'."""
+    names, count = levels.names, split_levels(plan, first)
+    top = len(plan) - count
+    span = scope if top == first else levels.group(names[top - 1])
+    if top > first:
+        ctx = dataclasses.replace(ctx, replicas=scope.split(span.rank, level=names[first]))
+        shards = sharding(plan, first)
+        if shards is not None:
+            ctx = dataclasses.replace(ctx, sharding=ShardedReplicas(shards.settings, scope))
+    comm = span
+    if count == 2:
+        unit = levels.group(names[-2])
+        comm = span.split(unit.rank, level=names[-2])
+        ctx = dataclasses.replace(ctx, inner=InnerSplit(plan[-1].settings, unit, span))
+    return plan[top].method.build(plan[top].settings, model, optimizer, comm, ctx)
 
 
 __all__ = ["Level", "build_policy", "check_plan"]

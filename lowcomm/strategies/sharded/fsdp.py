@@ -195,6 +195,25 @@ def charged_collectives(ledger, level: str, size: int):
     return AllGather(), ReduceScatter()
 
 
+def fsdp_modules(model: torch.nn.Module) -> list:
+    """The modules of ``model`` that ``fully_shard`` wrapped."""
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def charge_units(units: list, comm: Comm) -> None:
+    """FSDP's all-gathers and reduce-scatters of ``units`` (over ``comm``'s ranks) charged to
+    ``comm``'s ledger and level (:func:`charged_collectives`)."""
+    for m in units:
+        state = m._get_fsdp_state()
+        if not hasattr(state, "_fsdp_param_group"):
+            raise internals_moved("FSDPState._fsdp_param_group", "no such attribute")
+        if state._fsdp_param_group is not None:
+            gather, scatter = charged_collectives(comm.ledger, comm.level, comm.size)
+            m.set_custom_all_gather(gather)
+            m.set_custom_reduce_scatter(scatter)
+
+
 def check(s: FSDPSettings, cfg, prefix: str) -> None:
     """Before MPI starts: FSDP shards inside a datacenter, never across one (a level whose
     links' latency is a WAN's, ≥ 1 ms: ``dc`` unless the topology says otherwise). An outer
@@ -252,7 +271,7 @@ def build(s: FSDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Strate
 
 METHOD = Method("fsdp", FSDPSettings, build,
                 "fully sharded data parallelism (ZeRO-3) through torch's FSDP2 fully_shard",
-                check=check, level=True, python="FSDP")
+                check=check, level=True, shards_around=("tp",), python="FSDP")
 
 
 class FSDP(Strategy):
@@ -339,19 +358,10 @@ class FSDP(Strategy):
             fully_shard(unit, mesh=self.mesh, reshard_after_forward=s.reshard_after_forward,
                         mp_policy=mp)
         fully_shard(model, mesh=self.mesh, mp_policy=mp)
-        for m in self._fsdp_modules():          # FSDP's traffic in the method's ledger
-            state = m._get_fsdp_state()
-            if not hasattr(state, "_fsdp_param_group"):
-                raise internals_moved("FSDPState._fsdp_param_group", "no such attribute")
-            if state._fsdp_param_group is not None:
-                gather, scatter = charged_collectives(self.comm.ledger, self.comm.level,
-                                                      self.comm.size)
-                m.set_custom_all_gather(gather)
-                m.set_custom_reduce_scatter(scatter)
+        charge_units(fsdp_modules(self.model), self.comm)   # FSDP's traffic in the ledger
 
     def _fsdp_modules(self) -> list:
-        from torch.distributed.fsdp import FSDPModule
-        return [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        return fsdp_modules(self.model)
 
     # the optimizer interface ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -481,10 +491,13 @@ def _unhook(m) -> None:
     try:
         hooks = [state._pre_forward_hook_handle, state._post_forward_hook_handle]
         groups = getattr(state, "_fsdp_param_groups", None)       # torch < 2.13: one group
-        tables = [table for group in (groups if groups is not None else [state._fsdp_param_group])
-                  if group is not None
+        groups = [g for g in (groups if groups is not None else [state._fsdp_param_group])
+                  if g is not None]
+        tables = [table for group in groups
                   for table in (group._module_to_pre_save_state_dict_hook_handle,
                                 group._module_to_pre_load_state_dict_hook_handle)]
+        # each parameter's post-load hook (it would re-shard what load_state_dict loads)
+        hooks += [fp._post_load_hook_handle for g in groups for fp in g.fsdp_params]
     except AttributeError as e:
         raise internals_moved("FSDPState's hook handles", e) from None
     for h in hooks:
@@ -497,5 +510,5 @@ def _unhook(m) -> None:
 
 
 __all__ = ["FSDP", "FSDPSettings", "INTERNALS", "METHOD", "ShardOf", "TESTED_TORCH",
-           "charged_collectives", "check", "internals_moved", "join_shards", "torch_internal",
-           "unshard_model", "wrap_units"]
+           "charge_units", "charged_collectives", "check", "fsdp_modules", "internals_moved",
+           "join_shards", "torch_internal", "unshard_model", "wrap_units"]
