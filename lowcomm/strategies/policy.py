@@ -73,7 +73,14 @@ def split_levels(plan: list[Level], first: int) -> int:
                           f"on the innermost per-step level{'s' if len(split) > 1 else ''} only; "
                           "data parallelism (syncdp) goes above it")
     inner, above = plan[-len(split)], plan[first:-len(split)]
-    if len(above) == 1 and sharding(plan, first):
+    sharded = len(above) == 1 and sharding(plan, first) is not None
+    if first > 0 and (len(split) == 2 or sharded):
+        raise ConfigError(f"policy.{plan[first - 1].name}", f"{plan[first - 1].method.name} "
+                          f"above {' over '.join(p.method.name for p in plan[first:])}: an outer "
+                          "loop over two levels that split or shard the model is not built (its "
+                          "state would be the composition's pieces); put it above a single tp "
+                          "or pp level")
+    if sharded:
         return len(split)
     for p in above:
         if p.method.name != "syncdp" or p.options:
