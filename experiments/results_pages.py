@@ -16,7 +16,10 @@ plot can be drawn again without the run. ``plot`` draws one PNG per data file by
   save (``scripts/bench.sh``'s runs, bundled by ``bundle-bench``: medians and ranges);
 * ``projection`` — modelled seconds per step against the rank count, one line per method
   (``lowcomm project --json``; the first link);
-* ``series`` — named lists of (x, y) points with axis labels, for measurements kept as tables.
+* ``series`` — named lists of (x, y) points with axis labels, for measurements kept as tables;
+  ``export-bubble FILE... DEST`` makes one from ``experiments/pipeline_bubble.py``'s outputs (one
+  file a run): each schedule's measured bubble against the micro-batches, the median of the
+  runs, beside the schedule's formula;
 
 ``bench-table FILE`` prints a bundled bench file's ratios as a Markdown table, each the median
 of the runs with their range: all-reduce rows vs vendor MPI and vs the memcpy floor per size,
@@ -50,7 +53,7 @@ def export_compare(folder: Path, dest: Path) -> None:
 def _modelled(line: dict, ranks: int, link: dict) -> float | None:
     """A metrics line's modelled wall-clock, by ``lowcomm compare``'s own rule."""
     from lowcomm.comm.ledger import Link
-    from lowcomm.tools.compare import _line_modelled
+    from lowcomm.tools.compare_report import _line_modelled
     if "compute_cpu_s" not in line or "rounds" not in line:
         return None
     return _line_modelled({**line, "ranks": ranks}, Link(link["delay_ms"], link["rate_mbit"]))
@@ -264,6 +267,8 @@ def plot_all() -> list[Path]:
     written = []
     for f in sorted(DATA.glob("*.json")):
         data = json.loads(f.read_text())
+        if "kind" not in data:          # a table's data (lowcomm bench memory --json): no plot
+            continue
         kind = data["kind"]
         fig, axes = plt.subplots(1, 2 if kind == "compare" else 1,
                                  figsize=(12 if kind == "compare" else 7, 4.5))
@@ -283,6 +288,25 @@ def plot_all() -> list[Path]:
     return written
 
 
+def export_bubble(runs: list[Path], dest: Path) -> None:
+    """``pipeline_bubble.py``'s JSON lines of several runs as one ``series`` file: the median
+    measured bubble per schedule and micro-batch count, and the formula."""
+    rows = [json.loads(x) for f in runs for x in f.read_text().splitlines() if x.strip()]
+    by: dict[tuple[str, int], list[float]] = {}
+    formula: dict[int, float] = {}
+    for r in rows:
+        by.setdefault((r["schedule"], r["microbatches"]), []).append(r["bubble"])
+        formula[r["microbatches"]] = r["formula"]
+    series = {f"{s} measured (median of {len(v)})": [] for (s, _), v in by.items()}
+    for (s, m), v in sorted(by.items(), key=lambda kv: kv[0][1]):
+        series[f"{s} measured (median of {len(v)})"].append([m, statistics.median(v)])
+    series["formula (P-1)/(M+P-1)"] = [[m, f] for m, f in sorted(formula.items())]
+    P = rows[0]["ranks"]
+    dest.write_text(json.dumps({"kind": "series", "x": "micro-batches M", "y": "bubble",
+                                "title": f"pipeline bubble, {P} stages",
+                                "series": series}, indent=1) + "\n")
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line: ``export-compare FOLDER DEST``, ``plot``, ``bundle-bench FOLDER DEST``,
     ``bench-table FILE`` (the results pages' commands; tests/test_results_pages.py parses them)."""
@@ -297,6 +321,9 @@ def parser() -> argparse.ArgumentParser:
     bb.add_argument("dest", type=Path)
     bt = sub.add_parser("bench-table")
     bt.add_argument("file", type=Path)
+    eb = sub.add_parser("export-bubble")
+    eb.add_argument("files", type=Path, nargs="+")
+    eb.add_argument("dest", type=Path)
     return ap
 
 
@@ -310,6 +337,8 @@ def main(argv=None) -> None:
         export_compare(a.folder, a.dest)
     elif a.cmd == "bench-table":
         print(bench_table(json.loads(a.file.read_text())))
+    elif a.cmd == "export-bubble":
+        export_bubble(a.files, a.dest)
     elif a.cmd == "bundle-bench":
         for p in bundle_bench(a.folder, a.dest):
             print(p)
