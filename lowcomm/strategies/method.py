@@ -78,7 +78,9 @@ class Method:
     refuses it, and the every-method tests, which run one MPI job, leave it to the fleet's);
     ``splits``: it splits the model itself (pipeline stages), so it trains only a task whose
     model it can cut and whose loss it can take apart (``criterion``; the every-method tests
-    and ``lowcomm compare``'s data-parallel list leave it to its own tests).
+    and ``lowcomm compare``'s data-parallel list leave it to its own tests); ``deferred``: it
+    materialises only its own part of a model built on the meta device, where its settings'
+    ``build`` is ``"stages"`` (:func:`lowcomm.run.registry.deferred_build`).
 
     What the derived tables read (the method list of ``lowcomm compare``, ``lowcomm methods``,
     the docs' method table, the every-method tests), so that a method is its module and this
@@ -98,6 +100,9 @@ class Method:
     level: bool = False     # may be a level of a per-level policy (per-step or outer loop)
     fleet: bool = False     # runs only across a fleet's datacenters
     splits: bool = False    # splits the model (pipeline, tensor): needs a task that can be cut
+    # builds its part only: the run's model made on the meta device (lowcomm.parallel.deferred)
+    # where the method's settings say build = "stages"; a method with it has that setting
+    deferred: bool = False
     python: str = ""
     optimizer: str = ""
     example: str = ""
