@@ -145,23 +145,25 @@ def table(launch: Rows, methods_at, ranks: list[int]) -> list[dict]:
 
 def largest(rows: Rows, methods: list[str], np: int, shapes: list[str], max_gib: float) -> list[dict]:
     """For each method, the shapes (``D_MODEL:N_LAYERS``, smallest first) that train one step
-    on ``np`` ranks under ``max_gib`` per rank; the largest that did, and the first refused."""
+    on ``np`` ranks under ``max_gib`` per rank; the largest that did, the first refused, and
+    every row tried (``tried``)."""
     if not max_gib:
         raise LowcommError("--max-memory-gib is needed to find the largest shape under a cap")
     out = []
     for m in methods:
-        fits, refused = None, None
+        fits, refused, tried = None, None, []
         for shape in shapes:
             d, layers = shape.split(":")
             heads = max(1, int(d) // 64)
             r = run_one(rows, np, m, (f"model.d_model={d}", f"model.n_layers={layers}",
                                       f"model.n_heads={heads}", f"max_memory_gib={max_gib}"))
+            tried.append(dict(r, shape=shape))
             if "error" in r:
                 refused = {"shape": shape, "error": r["error"]}
                 break
             fits = dict(r, shape=shape)
         out.append({"method": m, "ranks": np, "max_memory_gib": max_gib,
-                    "largest": fits, "refused": refused})
+                    "largest": fits, "refused": refused, "tried": tried})
     return out
 
 
