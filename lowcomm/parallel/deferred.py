@@ -87,6 +87,7 @@ class _Recorder(TorchFunctionMode):
     def __init__(self, key: str):
         super().__init__()
         self.key, self.seq, self.storages, self._alive = key, 0, {}, []
+        self.scratch = _Scratch()
 
     def ref(self, t: torch.Tensor) -> _Ref:
         s = t.untyped_storage()
@@ -118,7 +119,7 @@ class _Recorder(TorchFunctionMode):
         return out
 
     def _record_write(self, func, name, args, kwargs):
-        rng = _advance(func, args, kwargs, self.key) if name in RANDOM else None
+        rng = _advance(func, args, kwargs, self.key, self.scratch) if name in RANDOM else None
         a, kw = self._swap(args, kwargs)
         event = _Event(func, a[1:], kw, a[0], rng)
         self.storages[a[0].key].events.append((self.seq, event))
@@ -133,7 +134,8 @@ class _Recorder(TorchFunctionMode):
         k = o.untyped_storage()._cdata
         if k in self.storages:
             return          # a view of a recorded storage
-        rng = _advance(func, args, kwargs, self.key) if name in RANDOM_FACTORIES else None
+        rng = _advance(func, args, kwargs, self.key, self.scratch) \
+            if name in RANDOM_FACTORIES else None
         a, kw = self._swap(args, kwargs)
         self._alive.append(o.untyped_storage())     # keeps its key unique while recording
         self.storages[k] = _Storage(o.untyped_storage().nbytes(), o.dtype,
@@ -161,15 +163,31 @@ def _generator(kwargs, key: str) -> torch.Generator:
     return g if g is not None else torch.default_generator
 
 
-def _advance(func, args, kwargs, key: str) -> torch.Tensor:
-    """Run random ``func`` once on scratch CPU tensors (the generator advances as in a whole
+class _Scratch:
+    """One reused CPU buffer, grown to the largest tensor drawn into: a fresh tensor per draw
+    would leave the heap fragmented by the small generator states kept between them (the
+    process's resident set grew by the whole model's size, measured)."""
+
+    def __init__(self):
+        self.storage = torch.UntypedStorage(0)
+
+    def like(self, t: torch.Tensor) -> torch.Tensor:
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+        need = span * t.element_size()
+        if self.storage.nbytes() < need:
+            self.storage = torch.UntypedStorage(0)          # freed before the larger one
+            self.storage = torch.UntypedStorage(need)
+        return torch.empty(0, dtype=t.dtype).set_(self.storage, 0, t.shape, t.stride())
+
+
+def _advance(func, args, kwargs, key: str, scratch: _Scratch) -> torch.Tensor:
+    """Run random ``func`` once on ``scratch`` CPU memory (the generator advances as in a whole
     build); the generator's state before it."""
     g = _generator(kwargs, key)
     state = g.get_state()
-    scratch = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu") \
-        if _is_meta(t) else t                                                     # noqa: E731
+    real = lambda t: scratch.like(t) if _is_meta(t) else t      # noqa: E731
     with torch.no_grad(), torch.device("cpu"):
-        func(*[scratch(a) for a in args], **{k: scratch(v) for k, v in kwargs.items()})
+        func(*[real(a) for a in args], **{k: real(v) for k, v in kwargs.items()})
     return state
 
 
@@ -234,7 +252,7 @@ class Deferred:
         finally:
             torch.set_rng_state(rng)
         for t, v in values.values():
-            new = v.to(self.device, copy=True)
+            new = v.to(self.device)         # no second copy on the CPU
             if isinstance(t, nn.Parameter):
                 new = nn.Parameter(new, requires_grad=t.requires_grad)
             torch.utils.swap_tensors(t, new)
@@ -254,6 +272,7 @@ def build_deferred(build, key: str, device="cpu") -> nn.Module:
         raise ConfigError(key, f"the model cannot be built on the meta device: "
                           f"{str(e).splitlines()[0][:200]}; build it whole on every rank "
                           "instead") from None
+    recorder.scratch = None
     _BUILT[model] = Deferred(recorder.storages, key, device)
     return model
 
