@@ -382,6 +382,8 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("lowcomm.compress.scratch", "bufs"): (1, "a threading.local cache"),
     ("lowcomm.integrations.lightning", "name"): (1, "Lightning's reduce op: an enum or a string"),
     ("lowcomm.integrations.transformers", "__len__"): (1, "a user's dataset: sized or iterable"),
+    ("lowcomm.parallel.deferred", "__name__"): (1, "a torch function's name (foreign: some "
+                                                  "callables a torch function mode sees have none)"),
     ("lowcomm.run.api", "__name__"): (1, "a task given as a module or an object"),
     ("lowcomm.run.snapshot", "shape"): (1, "a state dict's values: tensors or extra state"),
     ("lowcomm.settings", "__name__"): (1, "a type hint: a class or a typing construct"),

@@ -5,6 +5,8 @@
   Llama, ``nn.Sequential``, and the user's own;
 * :mod:`~lowcomm.parallel.stages` — where the cuts go (every N blocks, named split points,
   balanced by parameter count) and the stage module a rank runs;
+* :mod:`~lowcomm.parallel.deferred` — a model built on the meta device with its initialisation
+  recorded, each rank materialising only its part with the values a whole build gives;
 * :mod:`~lowcomm.parallel.pipeline` — pipeline parallelism (``pp``) as a lowcomm method, on
   torch's own engine (:mod:`torch.distributed.pipelining`: its stages and schedules);
 * :mod:`~lowcomm.parallel.plans` — tensor-parallel plans (Megatron's column/row splits,

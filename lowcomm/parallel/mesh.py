@@ -217,7 +217,7 @@ class ShardedTensorParallel(TensorParallel):
     Construction, on every rank of ``sharding.span`` together: the default group over the span
     and its (dp, tp) mesh; the tensor-parallel plan on the "tp" dim
     (:class:`~lowcomm.parallel.tensor.TensorParallel`); then ``fully_shard`` on the "dp" dim,
-    every block of the model's layers, then the root (:func:`~lowcomm.strategies.fsdp.wrap_units`,
+    every block of the model's layers, then the root (:func:`~lowcomm.strategies.sharded.fsdp.wrap_units`,
     ``wrap = "auto"``): each rank holds 1/D of its tensor-parallel piece, and its optimizer
     state 1/D.
 

@@ -40,11 +40,12 @@ from ..settings import Settings
 from ..strategies.base import Strategy
 from ..strategies.method import Context, Method
 from .chains import Chain, chain_for
+from .deferred import deferred_of
 from .merge import OwnedKeys, by_name, held_names
 from .owners import share_from_owners
 from .replicas import average_gradients, local_grads, place
-from .stages import (Stage, block_times, cut, owned_names, parse_split, release_others,
-                     restore_others)
+from .stages import (Stage, block_times, cut, outside_chain, owned_names, parse_split,
+                     release_others, restore_others)
 
 #: torch's schedules lowcomm offers (those of this torch: :func:`schedules`), one stage per rank
 SINGLE = ("GPipe", "1F1B")
@@ -74,6 +75,9 @@ class PipelineSettings(Settings):
     # where the blocks are cut: "params" (balanced by parameter count), "time" (by measured
     # time), "every:N", "at:A,B,..."
     split: str = "params"
+    # "stages": the model built on the meta device, each rank materialising its stages (the
+    # whole build's values); "whole": built whole on every rank, then split
+    build: str = "stages"
     timeout_s: float = 300.0    # the torch.distributed group's limit for one operation
 
     def validate(self, prefix: str = "") -> None:
@@ -90,6 +94,7 @@ class PipelineSettings(Settings):
             raise ConfigError.at(prefix, "stages_per_rank", f"{self.schedule} holds 2 stages "
                                  f"per rank (a V), got {self.stages_per_rank}")
         parse_split(self.split, prefix + "split")
+        self.one_of(prefix, "build", ("stages", "whole"))
 
     def per_rank(self) -> int:
         """Stages each rank holds under this schedule."""
@@ -131,7 +136,7 @@ def build(s: PipelineSettings, model, optimizer, comm: Comm, ctx: Context) -> St
 METHOD = Method("pp", PipelineSettings, build,
                 "pipeline parallelism: the model's blocks cut into stages across the ranks, "
                 "torch's schedules (GPipe, 1F1B, interleaved, zero-bubble)",
-                check=check, level=True, splits=True, python="PipelineParallel")
+                check=check, level=True, splits=True, deferred=True, python="PipelineParallel")
 
 
 def bubble_formula(schedule: str, stages: int, microbatches: int, per_rank: int = 1) -> float:
@@ -186,6 +191,24 @@ class CountedStage:
 
     def backward_weight_one_chunk(self, *args, **kwargs):
         return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
+
+def on_meta(model: torch.nn.Module, split: str):
+    """The record of a model built on the meta device (:func:`~lowcomm.parallel.deferred.build_deferred`:
+    pp materialises its stages from it), None for a model built whole; an error naming the
+    setting where pp cannot use it."""
+    if not any(p.is_meta for p in model.parameters()):
+        return None
+    deferred = deferred_of(model)
+    if deferred is None:
+        raise ConfigError("model", "pp was given a model on the meta device that "
+                          "lowcomm.parallel.build_deferred did not build: it cannot know the "
+                          "values of its stages; build it with build_deferred, or whole")
+    if parse_split(split)[0] == "time":
+        raise ConfigError("strategy.split", "split = \"time\" times every block of the whole "
+                          "model, which is built on the meta device here (strategy.build = "
+                          "\"stages\"); set strategy.build = \"whole\" or another split")
+    return deferred
 
 
 def stage_ids(rank: int, ranks: int, per_rank: int, schedule: str) -> list[int]:
@@ -259,7 +282,8 @@ class PipelineParallel(OwnedKeys, Strategy):
         s, self.chain = self.settings, chain_for(model, chain)
         self.criterion, self.split_batch = criterion, split_batch or pair
         self.replicas = replicas
-        self.device = next(model.parameters()).device
+        self._deferred = on_meta(model, s.split)
+        self.device = self._deferred.device if self._deferred else next(model.parameters()).device
         P, v = self.comm.size, s.per_rank()
         self.count = P * v
         times = self._block_times(example) if parse_split(s.split)[0] == "time" else None
@@ -267,6 +291,9 @@ class PipelineParallel(OwnedKeys, Strategy):
                      "strategy.stages_per_rank" if v > 1 else "pp's ranks", times)
         self.stages = [Stage(model, self.chain, i, self.count, bounds[i], bounds[i + 1])
                        for i in stage_ids(self.comm.rank, P, v, s.schedule)]
+        if self._deferred:          # this rank's stages alone take memory, as a whole build's
+            self._deferred.materialise(model, [*outside_chain(model, self.chain),
+                                               *(n for st in self.stages for n in st.module_names())])
         self.bounds = bounds
         self._owned = owned_names(model, self.stages)
         self._others, self._kept = release_others(model, self.chain, self.stages)
@@ -495,7 +522,10 @@ class PipelineParallel(OwnedKeys, Strategy):
     def _restore(self, full: dict) -> None:
         """The modules other ranks held given storage again, ``full`` loaded into the model."""
         from ..comm.process_group import release
-        restore_others(self.model, self._others, self._kept, self.device)
+        if self._deferred:          # the others' non-persistent buffers as the build made them
+            self._deferred.materialise(self.model, self._others)
+        else:
+            restore_others(self.model, self._others, self._kept, self.device)
         self.model.load_state_dict(full)
         self._others, self._kept = [], {}
         self._owned = set(full)

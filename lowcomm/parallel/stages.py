@@ -224,6 +224,15 @@ def release_others(model: nn.Module, chain: Chain, stages: list[Stage]) -> tuple
     return others, kept
 
 
+def outside_chain(model: nn.Module, chain: Chain) -> list[str]:
+    """Modules holding tensors of their own (parameters, buffers) inside none of the chain's
+    stem, blocks and head: what every stage uses (Llama's rotary frequencies)."""
+    prefix = f"{chain.blocks}." if chain.blocks else ""
+    inside = [*chain.stem, *chain.head, *(f"{prefix}{i}" for i in range(len(blocks_of(model, chain))))]
+    return [n for n, m in model.named_modules()
+            if (m._parameters or m._buffers) and not any(n == c or n.startswith(c + ".") for c in inside)]
+
+
 def restore_others(model: nn.Module, names: list[str], kept: dict, device: torch.device) -> None:
     """Give the modules :func:`release_others` moved to meta real storage again (uninitialised:
     load their state next), their non-persistent buffers as they were."""
@@ -234,5 +243,5 @@ def restore_others(model: nn.Module, names: list[str], kept: dict, device: torch
         model.get_submodule(mn)._buffers[bn] = b
 
 
-__all__ = ["Stage", "balanced", "cut", "numel", "owned_names", "parse_split", "release_others",
+__all__ = ["Stage", "balanced", "cut", "numel", "outside_chain", "owned_names", "parse_split", "release_others",
            "restore_others"]

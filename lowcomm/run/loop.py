@@ -79,7 +79,7 @@ def run(cfg, task: Task, build: Callable, comm: Comm, opts: RunOptions = RunOpti
     ctl, out, ckpt = open_run(cfg, comm, opts.out, opts.resume, opts.overwrite, opts.run_id)
     try:
         seed_all(cfg.seed)
-        model = task.model(cfg)
+        model = build_model(task, cfg)
         recent = RecentBatches(task, cfg, comm.rank, comm.size)
         strategy = build(model, build_optimizer(cfg, model.parameters()), comm, batches=recent,
                          forward=task.loss, criterion=task.criterion_fn, split=task.split_fn)
@@ -93,6 +93,18 @@ def run(cfg, task: Task, build: Callable, comm: Comm, opts: RunOptions = RunOpti
             return train(r, coord)
     finally:
         close_run(out)
+
+
+def build_model(task: Task, cfg, device="cpu"):
+    """The task's model: on the meta device, each rank to materialise its own part with the
+    values a whole build gives, where the run's method builds so
+    (:func:`~lowcomm.run.registry.deferred_build`); else whole, on ``device``."""
+    from ..parallel.deferred import build_deferred
+    from .registry import deferred_build
+    key = deferred_build(cfg)
+    if key:
+        return build_deferred(lambda: task.model(cfg), key, device)
+    return task.model(cfg).to(device)
 
 
 class RecentBatches:

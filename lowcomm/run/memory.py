@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import resource
 import sys
+import weakref
+from contextlib import contextmanager
 
 import torch
 
@@ -71,6 +73,46 @@ def measure(model: torch.nn.Module, method) -> dict:
             "peak_bytes": peak, "peak_of": source}
 
 
+class _Saved:
+    """Live bytes of the tensors autograd saves for backward (the activations), and their peak."""
+
+    def __init__(self, exclude: set):
+        self.exclude, self.live, self.count, self.now, self.peak = exclude, {}, {}, 0, 0
+
+    def pack(self, t: torch.Tensor):
+        with torch.no_grad():
+            s = local_part(t).untyped_storage()
+        key = s.data_ptr()
+        if t.is_meta or key in self.exclude or not s.nbytes():
+            return t
+        if key not in self.live:
+            self.live[key] = s.nbytes()
+            self.now += s.nbytes()
+            self.peak = max(self.peak, self.now)
+        self.count[key] = self.count.get(key, 0) + 1
+        weakref.finalize(t, self._drop, key)
+        return t
+
+    def _drop(self, key) -> None:
+        self.count[key] -= 1
+        if not self.count[key]:
+            self.now -= self.live.pop(key)
+            del self.count[key]
+
+
+@contextmanager
+def saved_activations(model: torch.nn.Module):
+    """Inside: the peak bytes of the tensors autograd saves for backward (``.peak``), each
+    storage once, the model's parameters and buffers not counted (they are not activations):
+    a forward and backward pass's activation memory, under any schedule (a pipeline's
+    micro-batches free theirs as their backward passes run)."""
+    exclude = {local_part(t).untyped_storage().data_ptr()
+               for t in (*model.parameters(), *model.buffers()) if not t.is_meta}
+    saved = _Saved(exclude)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        yield saved
+
+
 def check_cap(mem: dict, max_gib: float, rank: int, step: int) -> None:
     """Fail clearly where this rank's peak memory is above ``max_gib`` (0: no cap)."""
     if max_gib and mem["peak_bytes"] > max_gib * GIB:
@@ -81,4 +123,4 @@ def check_cap(mem: dict, max_gib: float, rank: int, step: int) -> None:
                            f"{mem['optimizer_state_bytes'] / GIB:.2f} GiB)")
 
 
-__all__ = ["GIB", "check_cap", "measure", "peak_bytes", "storage_bytes"]
+__all__ = ["GIB", "check_cap", "measure", "peak_bytes", "saved_activations", "storage_bytes"]

@@ -210,6 +210,24 @@ def check(cfg) -> None:
                                        for k, v in cfg.strategy.items() if k != "name"}}
 
 
+def deferred_build(cfg) -> str | None:
+    """The setting under which the run's model is built on the meta device, each rank
+    materialising its own part (``strategy.build`` or ``policy.<level>.build``), None where it
+    is built whole: the method (or a policy level's) declares ``Method.deferred`` and its
+    ``build`` setting is ``"stages"``."""
+    if cfg.policy:
+        chosen = [parse_spec(spec, f"policy.{lvl}") + (f"policy.{lvl}.",)
+                  for lvl, spec in cfg.policy.items()]
+    else:
+        chosen = [(method(cfg.strategy.get("name", "syncdp")), {}, "strategy.")]
+    for m, opts, prefix in chosen:
+        if m.deferred:
+            base = {k: v for k, v in cfg.strategy.items() if k in m.settings.fields()}
+            if settings(m, {**base, **opts}, prefix).build == "stages":
+                return prefix + "build"
+    return None
+
+
 def context(cfg) -> Context:
     """What builders take from the run's config."""
     return Context(compressor=cfg.compressor, nonfinite=cfg.on_nonfinite, steps=cfg.steps)
@@ -283,5 +301,5 @@ def policy(levels: dict[str, str], model, optimizer, comm=None, *, topology: str
                         _python_context(compressor, nonfinite, None, comms))
 
 
-__all__ = ["STRATEGIES", "build", "build_strategy", "catalogue", "check", "context", "example", "method",
+__all__ = ["STRATEGIES", "build", "build_strategy", "deferred_build", "catalogue", "check", "context", "example", "method",
            "parse_spec", "policy", "policy_levels", "register", "settings", "strategy_settings"]

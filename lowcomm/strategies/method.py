@@ -107,7 +107,9 @@ class Method:
     the split methods it runs over on the level below it (``pp`` over ``tp``: stages each split
     again; :class:`Context`'s ``inner``); ``shards_around``: the split methods whose replicas it
     may shard from the level above them (``fsdp`` around ``tp``; :class:`Context`'s
-    ``sharding``).
+    ``sharding``); ``deferred``: it materialises only its own part of a model built on the meta
+    device, where its settings' ``build`` is ``"stages"``
+    (:func:`lowcomm.run.registry.deferred_build`).
 
     What the derived tables read (the method list of ``lowcomm compare``, ``lowcomm methods``,
     the docs' method table, the every-method tests), so that a method is its module and this
@@ -129,6 +131,9 @@ class Method:
     splits: bool = False    # splits the model (pipeline, tensor): needs a task that can be cut
     splits_over: tuple[str, ...] = ()   # split methods it composes over, on the level below
     shards_around: tuple[str, ...] = ()  # split methods whose replicas it shards, from above
+    # builds its part only: the run's model made on the meta device (lowcomm.parallel.deferred)
+    # where the method's settings say build = "stages"; a method with it has that setting
+    deferred: bool = False
     python: str = ""
     optimizer: str = ""
     example: str = ""

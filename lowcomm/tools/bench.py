@@ -21,6 +21,7 @@ from ..comm.collectives import ALGORITHM_NAMES, ALGORITHMS, allreduce_, choose
 from ..comm.comm import Comm
 from ..comm.ledger import Ledger, busbw_factor
 from ..comm.watchdog import default_timeout_s
+from .split_step import STEP_SPLIT, split_row
 
 SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 BASELINES = ("horovod", "gloo")
@@ -268,7 +269,7 @@ STEP_SHARDED = {"zero1": "zero1", "zero2": "zero2", "zero2-qgz": "zero2:qgz=int8
                 "zero2-qgz4": "zero2:qgz=int4,qwz=int8"}
 STEP_STRATEGIES = ("syncdp", *[f"syncdp-{a}" for a in ALGORITHMS], "horovod", "ddp-gloo",
                    *[f"syncdp-{c}" for c in STEP_COMPRESSORS], *[f"ddp-gloo-{c}" for c in DDP_HOOKS],
-                   *STEP_SHARDED, STEP_LOCAL)
+                   *STEP_SHARDED, *STEP_SPLIT, STEP_LOCAL)
 
 
 def _ddp_hook(ddp, name: str, cfg) -> None:
@@ -318,7 +319,8 @@ def bench_step(comm: Comm, cfg, strategies: list[str], steps: int = 20, warmup: 
     # lowcomm's rows and the floor take turns step by step, so a load that comes and goes falls
     # on all of them alike and their ratios hold; torch DDP and Horovod run in windows of their
     # own (their threads would slow the others)
-    together = [n for n in names if n == STEP_LOCAL or n.startswith("syncdp") or n in STEP_SHARDED]
+    together = [n for n in names if n == STEP_LOCAL or n.startswith("syncdp") or n in STEP_SHARDED
+                or n in STEP_SPLIT]
     setup = _StepSetup(comm, ctl, task, cfg, s)
     rows = _time_rows(together, setup, warmup, steps) if together else {}
     for name in names:
@@ -338,6 +340,15 @@ class _StepRow:
     close: object = None                       # called after the last step
     exposed: list | None = None                # SyncDP: the slowest rank's sync_s per step
     times: list = dataclasses.field(default_factory=list)
+    run: object = None                         # batch -> forward and backward (default: loss)
+    place: tuple | None = None                 # (index, count) of its batch (default: the rank's)
+    extra: object = None                       # ctl -> fields the row adds after its last step
+
+    def forward_backward(self, b) -> None:
+        if self.run is not None:
+            self.run(b)
+        else:
+            self.loss(b).backward()
 
     def result(self, ranks: int) -> dict:
         return {"strategy": self.name, "ranks": ranks, "params": self.params,
@@ -363,23 +374,25 @@ def _time_rows(names: list[str], setup: _StepSetup, warmup: int, steps: int) -> 
     comm, ctl, task, cfg, s = setup
     rows = [_step_row(name, comm, task, cfg, s) for name in names]
     for step in range(1, warmup + steps + 1):
-        b = task.batch(step, ctl.rank, ctl.size, cfg)
         k = step % len(rows)
         for row in rows[k:] + rows[:k]:
+            b = task.batch(step, *(row.place or (ctl.rank, ctl.size)), cfg)
             ctl.barrier()
             t0 = time.perf_counter()
             row.opt.zero_grad()
-            row.loss(b).backward()
+            row.forward_backward(b)
             row.opt.step()
             dt = _slowest(ctl, time.perf_counter() - t0)
             if step > warmup:
                 row.times.append(dt)
                 if row.exposed is not None:
                     row.exposed.append(_slowest(ctl, row.opt.sync_s))
+    out = {}
     for row in rows:
         if row.close is not None:
             row.close()
-    return {row.name: row.result(comm.size) for row in rows}
+        out[row.name] = {**row.result(comm.size), **(row.extra(ctl) if row.extra else {})}
+    return out
 
 
 def _step_row(name: str, comm: Comm, task, cfg, s) -> _StepRow:
@@ -387,6 +400,8 @@ def _step_row(name: str, comm: Comm, task, cfg, s) -> _StepRow:
     duplicate of ``comm`` of its own)."""
     from ..run.schedule import build_optimizer
     from ..strategies.sync.syncdp import SyncDP
+    if name in STEP_SPLIT:
+        return split_row(name, comm.dup(Ledger()), task, cfg, _StepRow)
     torch.manual_seed(cfg.seed)
     model = task.model(cfg)
     params = sum(p.numel() for p in model.parameters())
@@ -445,18 +460,20 @@ def format_step(rows: list[dict]) -> str:
     median over its torch DDP peer's in the same run (< 1: ours is faster; on the ``local`` row
     the floor: no data-parallel step of this model can be below it); ``sync(ms)``: a
     SyncDP row's median wait in ``step()`` for the buckets backward did not finish (plus the
-    copies into ``p.grad``): the communication left exposed."""
+    copies into ``p.grad``): the communication left exposed; ``bubble``: a pipeline row's
+    measured idle fraction, beside its schedule's formula."""
     ref = {r["strategy"]: r["step_ms"] for r in rows}
     base = ref.get("syncdp")
     lines = [f"{'strategy':>22} {'params':>10} {'step(ms) median':>16} {'mean':>8} {'vs syncdp':>10} "
-             f"{'ours/ddp':>9} {'sync(ms)':>9}"]
+             f"{'ours/ddp':>9} {'sync(ms)':>9} {'bubble (formula)':>17}"]
     for r in rows:
         ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
         peer = step_peer(r["strategy"])
         vs = f"{r['step_ms'] / ref[peer]:.2f}" if peer in ref else ""
         sync = f"{r['sync_ms']:.1f}" if r.get("sync_ms") is not None else ""
+        bubble = f"{r['pp_bubble']:.2f} ({r['pp_bubble_formula']:.2f})" if "pp_bubble" in r else ""
         lines.append(f"{r['strategy']:>22} {r['params']:>10} {r['step_ms']:>16.1f} "
-                     f"{r['step_ms_mean']:>8.1f} {ratio:>10} {vs:>9} {sync:>9}")
+                     f"{r['step_ms_mean']:>8.1f} {ratio:>10} {vs:>9} {sync:>9} {bubble:>17}")
     return "\n".join(lines)
 
 

@@ -1,12 +1,16 @@
-"""``lowcomm bench memory``: parameter, gradient and optimizer-state bytes per rank and the peak,
+"""``lowcomm bench memory``: parameter, gradient, optimizer-state and activation bytes per rank and
+the peak,
 for each method at K ranks, beside the ideal 1/K of SyncDP's; and the largest GPT shape each
 method trains under a per-rank memory cap.
 
 Each (method, K) runs in its own ``mpirun`` (a process's peak resident set only grows, so
 methods measured in one process would hide each other's peaks): one forward, backward and step
-of the run's task, then :func:`lowcomm.run.memory.measure` on every rank (the rows report the
+of the run's task (activations: the peak of the tensors autograd saves,
+:func:`lowcomm.run.memory.saved_activations`), then :func:`lowcomm.run.memory.measure` on every rank (the rows report the
 largest rank's). A method is a spec (``zero2:qgz=int8``) or ``POLICY@TOPOLOGY`` for an outer
-loop over a sharded level, e.g. ``dc=diloco:period=50;rank=zero2@dc:2,rank:2``.
+loop over a sharded level, e.g. ``dc=diloco:period=50;rank=zero2@dc:2,rank:2``, or data parallelism
+around a split model, e.g. ``node=syncdp;rank=pp@node:2,rank:2``. A method that splits the model
+builds it as ``lowcomm train`` does (``pp``: each rank its stages alone, from the meta device).
 """
 from __future__ import annotations
 
@@ -46,35 +50,53 @@ def _to(batch, dev):
     return batch.to(dev) if hasattr(batch, "to") else batch
 
 
-def measure_one(comm: Comm, cfg, method: str, device: str = "cpu") -> dict:
-    """One step of ``cfg``'s task under ``method`` on ``comm`` with the model and batch on
-    ``device`` (``cpu`` or ``cuda``); the largest rank's memory."""
-    import torch
-    from ..run.memory import check_cap, measure
-    from ..run.optimizers import build_optimizer
-    from ..run.registry import build, policy
-    from ..tasks import load_task
-    task = load_task(cfg.task.name)
-    torch.manual_seed(cfg.seed)
-    dev = _device(comm, device)
-    model = task.model(cfg).to(dev)
-    inner = build_optimizer(cfg, model.parameters())
+def method_config(cfg, method: str):
+    """``cfg`` running ``method``: a spec as ``strategy.*`` keys, or ``LEVEL=SPEC;...@TOPOLOGY``
+    as the policy and topology (the run's other keys kept)."""
+    import dataclasses
+
+    from ..run.registry import parse_spec
     if "@" in method:
         levels, topology = method.split("@", 1)
         spec = dict(item.split("=", 1) for item in levels.split(";"))
-        opt = policy(spec, model, inner, comm, topology=topology)
-    else:
-        opt = build(method, model, inner, comm)
+        return dataclasses.replace(cfg, policy=spec, topology=topology, strategy={})
+    m, opts = parse_spec(method, "--method")
+    return dataclasses.replace(cfg, strategy={"name": m.name, **opts})
+
+
+def measure_one(comm: Comm, cfg, method: str, device: str = "cpu") -> dict:
+    """One step of ``cfg``'s task under ``method`` on ``comm`` with the model and batch on
+    ``device`` (``cpu`` or ``cuda``); the largest rank's memory. The model is built as
+    ``lowcomm train`` builds it (a pipeline's stages alone, on the meta device first)."""
+    import torch
+
+    from ..run.api import topology_comms
+    from ..run.loop import build_model
+    from ..run.memory import check_cap, measure, saved_activations
+    from ..run.optimizers import build_optimizer
+    from ..run.registry import build_strategy
+    from ..strategies.method import Context
+    from ..tasks import load_task
+    task = load_task(cfg.task.name)
+    run = method_config(cfg, method)
+    torch.manual_seed(cfg.seed)
+    dev = _device(comm, device)
+    model = build_model(task, run, dev)
+    params = sum(p.numel() for p in model.parameters())
+    inner = build_optimizer(cfg, model.parameters())
+    ctx = Context(levels=topology_comms(run, comm), criterion=task.criterion_fn, split=task.split_fn)
+    opt = build_strategy(run, model, inner, comm, ctx)
     batch = _to(task.batch(1, comm.rank, comm.size, cfg), dev)
     opt.zero_grad()
-    opt.forward_backward(task.loss, batch)      # (a method that splits the model runs it)
+    with saved_activations(model) as act:
+        opt.forward_backward(task.loss, batch)      # (a method that splits the model runs it)
     opt.step()
-    mem = measure(model, opt)
+    mem = dict(measure(model, opt), activation_bytes=act.peak)
     every = comm.allgather_object(mem)
     opt.close()
     row = {"method": method, "ranks": comm.size,
-           **{k: max(m[k] for m in every) for k in (*KINDS, "peak_bytes")},
-           "peak_of": mem["peak_of"], "params": sum(p.numel() for p in model.parameters())}
+           **{k: max(m[k] for m in every) for k in (*KINDS, "activation_bytes", "peak_bytes")},
+           "peak_of": mem["peak_of"], "params": params}
     check_cap(dict(mem, peak_bytes=row["peak_bytes"]), cfg.max_memory_gib, comm.rank, 1)
     return row
 
@@ -123,23 +145,25 @@ def table(launch: Rows, methods_at, ranks: list[int]) -> list[dict]:
 
 def largest(rows: Rows, methods: list[str], np: int, shapes: list[str], max_gib: float) -> list[dict]:
     """For each method, the shapes (``D_MODEL:N_LAYERS``, smallest first) that train one step
-    on ``np`` ranks under ``max_gib`` per rank; the largest that did, and the first refused."""
+    on ``np`` ranks under ``max_gib`` per rank; the largest that did, the first refused, and
+    every row tried (``tried``)."""
     if not max_gib:
         raise LowcommError("--max-memory-gib is needed to find the largest shape under a cap")
     out = []
     for m in methods:
-        fits, refused = None, None
+        fits, refused, tried = None, None, []
         for shape in shapes:
             d, layers = shape.split(":")
             heads = max(1, int(d) // 64)
             r = run_one(rows, np, m, (f"model.d_model={d}", f"model.n_layers={layers}",
                                       f"model.n_heads={heads}", f"max_memory_gib={max_gib}"))
+            tried.append(dict(r, shape=shape))
             if "error" in r:
                 refused = {"shape": shape, "error": r["error"]}
                 break
             fits = dict(r, shape=shape)
         out.append({"method": m, "ranks": np, "max_memory_gib": max_gib,
-                    "largest": fits, "refused": refused})
+                    "largest": fits, "refused": refused, "tried": tried})
     return out
 
 
@@ -148,15 +172,16 @@ def _gib(b) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| method | K | params GiB | grads GiB | optimizer GiB | total GiB | ideal 1/K GiB | peak GiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | K | params GiB | grads GiB | optimizer GiB | total GiB | ideal 1/K GiB "
+             "| activations GiB | peak GiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['method']} | {r['ranks']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['method']} | {r['ranks']} | failed: {r['error']} | | | | | | |")
             continue
         lines.append(f"| {r['method']} | {r['ranks']} | {_gib(r['param_bytes'])} | {_gib(r['grad_bytes'])} "
                      f"| {_gib(r['optimizer_state_bytes'])} | {_gib(r['total_bytes'])} "
-                     f"| {_gib(r['ideal_bytes'])} | {_gib(r['peak_bytes'])} ({r['peak_of']}) |")
+                     f"| {_gib(r['ideal_bytes'])} | {_gib(r['activation_bytes'])} "
+                     f"| {_gib(r['peak_bytes'])} ({r['peak_of']}) |")
     return "\n".join(lines)
 
 

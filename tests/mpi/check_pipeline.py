@@ -14,6 +14,7 @@ from helpers import control, tiny_gpt2, tiny_llama
 from lowcomm.comm.comm import init
 from lowcomm.comm.ledger import Ledger
 from lowcomm.errors import ConfigError, LowcommError
+from lowcomm.parallel.deferred import build_deferred
 from lowcomm.parallel.pipeline import PipelineParallel, bubble_formula, schedules
 from lowcomm.run.evaluate import state_sha256
 from lowcomm.tasks.tinygpt import TinyGPT
@@ -58,10 +59,12 @@ CASES = {   # name: (model, batch(step), criterion, split, the whole model's los
 }
 
 
-def run_both(case, schedule="1F1B", clip=None, steps=STEPS, **options):
-    """(pipeline's losses, reference losses, pipelined model after finish, reference model)."""
+def run_both(case, schedule="1F1B", clip=None, steps=STEPS, deferred=False, **options):
+    """(pipeline's losses, reference losses, pipelined model after finish, reference model);
+    ``deferred``: the pipeline's model built on the meta device (each rank its stage only)."""
     make, batch, criterion, split, whole_loss = CASES[case]
-    ref, model = make(), make()
+    ref = make()
+    model = build_deferred(make, "strategy.build") if deferred else make()
     ropt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     opt = PipelineParallel(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
                            microbatches=M, schedule=schedule, criterion=criterion,
@@ -216,3 +219,23 @@ def test_a_split_by_measured_time_cuts_alike_on_every_rank_and_trains_the_same_m
     with pytest.raises(ConfigError, match="needs each block's measured time"):
         PipelineParallel(m, torch.optim.SGD(m.parameters(), lr=0.1), microbatches=M,
                          criterion=CASES["tinygpt"][2], split="time")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_pipeline_built_on_the_meta_device_holds_its_stage_and_trains_the_same_model(case):
+    make, _, criterion, split, _ = CASES[case]
+    ref, model = make(), build_deferred(make, "strategy.build")
+    opt = PipelineParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), microbatches=M,
+                           criterion=criterion, split_batch=split)
+    held = {id(p) for st in opt.stages for p in st.parameters()}
+    whole = dict(ref.named_parameters())
+    for n, p in model.named_parameters():         # the stage's as the whole build's, bit for bit
+        assert p.is_meta != (id(p) in held), n
+        if id(p) in held:
+            assert torch.equal(p, whole[n]), n
+    opt.close()
+    ours, theirs, trained, ref = run_both(case, deferred=True)
+    assert max(abs(a - b) for a, b in zip(ours, theirs)) <= LOSS_ATOL, (ours, theirs)
+    assert_same_model(trained, ref)
+    for (n, b), rb in zip(trained.named_buffers(), ref.buffers()):   # non-persistent ones too
+        assert torch.equal(b, rb), n
