@@ -124,7 +124,7 @@ def test_the_torch_internals_fsdp_relies_on_are_where_it_expects_them():
 
 def test_fsdp_on_a_torch_without_its_internals_fails_before_touching_the_model(monkeypatch):
     from lowcomm.errors import LowcommError
-    from lowcomm.strategies import fsdp
+    from lowcomm.strategies.sharded import fsdp
     monkeypatch.setitem(fsdp.INTERNALS, "torch.distributed._moved_away", ("FSDPState",))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     before = {k: v.clone() for k, v in model.state_dict().items()}

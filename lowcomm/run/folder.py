@@ -16,6 +16,7 @@ import errno
 import json
 import math
 import logging
+import os
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -59,10 +60,16 @@ def metrics_upto(src: Path, dst: Path, step: int) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path``; a full disk or a read-only folder is an error naming it."""
+    """Write ``text`` to ``path`` at once (a temporary file beside it, renamed over it: a reader
+    sees the old text or the new, never a part, e.g. a fleet's marker rewritten at every
+    relaunch while ``lowcomm fault`` reads it); a full disk or a read-only folder is an error
+    naming it."""
+    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        path.write_text(text)
+        tmp.write_text(text)
+        os.replace(tmp, path)
     except OSError as e:
+        tmp.unlink(missing_ok=True)
         kind = RunFolderError if e.errno in _UNWRITABLE else LowcommError
         raise kind(f"cannot write {path}: {e.strerror or e}") from e
 
