@@ -19,7 +19,10 @@ plot can be drawn again without the run. ``plot`` draws one PNG per data file by
 * ``series`` — named lists of (x, y) points with axis labels, for measurements kept as tables;
   ``export-bubble FILE... DEST`` makes one from ``experiments/pipeline_bubble.py``'s outputs (one
   file a run): each schedule's measured bubble against the micro-batches, the median of the
-  runs, beside the schedule's formula;
+  runs, beside the schedule's formula; ``export-largest FILE... DEST`` one from the largest-shape
+  searches of ``lowcomm bench memory --max-memory-gib`` (``memory_bench.largest``'s rows, a later
+  file's composition replacing an earlier's): each composition's peak per rank against the
+  model's parameters, the shapes that trained and the first refused, beside the cap;
 
 ``bench-table FILE`` prints a bundled bench file's ratios as a Markdown table, each the median
 of the runs with their range: all-reduce rows vs vendor MPI and vs the memcpy floor per size,
@@ -307,6 +310,42 @@ def export_bubble(runs: list[Path], dest: Path) -> None:
                                 "series": series}, indent=1) + "\n")
 
 
+def _gpt_params(shape: str, seq_len: int = 64) -> int:
+    """The parameters of the byte LM's GPT of ``shape`` (``D_MODEL:N_LAYERS``), built on the meta
+    device (what ``lowcomm bench memory --shapes`` trains: its 64-byte sequences)."""
+    import torch
+
+    from lowcomm.tasks.tinygpt import MODELS
+    d, layers = map(int, shape.split(":"))
+    with torch.device("meta"):
+        model = MODELS["tinygpt"](seq_len, d, layers, max(1, d // 64))
+    return sum(p.numel() for p in model.parameters())
+
+
+def export_largest(files: list[Path], dest: Path) -> None:
+    """The largest-shape searches as one ``series`` file (see the module docstring)."""
+    import re
+    rows = {r["method"]: r for f in files for r in json.loads(f.read_text())}
+    params = {t["shape"]: t["params"] for r in rows.values() for t in r["tried"] if "params" in t}
+    series, cap = {}, None
+    for method, r in rows.items():
+        cap = r["max_memory_gib"]
+        pts = [[t["params"] / 1e6, t["peak_bytes"] / 2**30] for t in r["tried"] if "peak_bytes" in t]
+        refused = r.get("refused") or {}
+        peak = re.search(r"peak memory ([0-9.]+) GiB", refused.get("error", ""))
+        if peak and refused.get("shape"):                  # the first refused: its peak
+            shape = refused["shape"]
+            n = params[shape] if shape in params else _gpt_params(shape)
+            pts.append([n / 1e6, float(peak.group(1))])
+        series[f"{method} (K={r['ranks']})"] = sorted(pts)
+    xs = [x for pts in series.values() for x, _ in pts]
+    series[f"cap {cap:g} GiB"] = [[min(xs), cap], [max(xs), cap]]
+    dest.write_text(json.dumps({"kind": "series", "x": "parameters (millions)",
+                                "y": "peak GiB per rank", "logx": True, "series": series,
+                                "title": "the largest GPT each composition trains under the cap"},
+                               indent=1) + "\n")
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line: ``export-compare FOLDER DEST``, ``plot``, ``bundle-bench FOLDER DEST``,
     ``bench-table FILE`` (the results pages' commands; tests/test_results_pages.py parses them)."""
@@ -321,6 +360,9 @@ def parser() -> argparse.ArgumentParser:
     bb.add_argument("dest", type=Path)
     bt = sub.add_parser("bench-table")
     bt.add_argument("file", type=Path)
+    el = sub.add_parser("export-largest")
+    el.add_argument("files", type=Path, nargs="+")
+    el.add_argument("dest", type=Path)
     eb = sub.add_parser("export-bubble")
     eb.add_argument("files", type=Path, nargs="+")
     eb.add_argument("dest", type=Path)
@@ -337,6 +379,8 @@ def main(argv=None) -> None:
         export_compare(a.folder, a.dest)
     elif a.cmd == "bench-table":
         print(bench_table(json.loads(a.file.read_text())))
+    elif a.cmd == "export-largest":
+        export_largest(a.files, a.dest)
     elif a.cmd == "export-bubble":
         export_bubble(a.files, a.dest)
     elif a.cmd == "bundle-bench":
