@@ -34,8 +34,7 @@ import torch
 
 from .algorithms import (chunk_bounds, gather_ranges, rabenseifner, ranges_size, ring, ring_allgather,
                          ring_reduce_scatter, scatter_ranges, tree)
-from .comm import Comm, init
-from .comm.base import _reduce_op
+from .comm import Comm, _reduce_op, init
 from ..errors import CommError, ConfigError, LowcommError
 from .tuning import agree
 

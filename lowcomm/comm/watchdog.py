@@ -62,7 +62,7 @@ class Watchdog:
                 raise ValueError(f"watchdog {name} must be a finite number >= 0, got {v}")
         self.timeout_s, self.rank = timeout_s, rank
         self.factor, self.outage_s = factor, outage_s
-        self._abort = abort or _exit   # Comm passes its MPI_Abort (mpi4py lives in lowcomm/comm/comm/ only)
+        self._abort = abort or _exit   # Comm passes its MPI_Abort (mpi4py lives in comm.py only)
         self._calls: dict[int, tuple[object, float, float, object]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
