@@ -57,8 +57,8 @@ class RoundTag:
         if not isinstance(self.kind, TagKind):
             raise ValueError(f"RoundTag: kind must be one of {[k.value for k in TagKind]}, "
                              f"got {self.kind!r}")
-        for name in ("step", "fragment", "count"):
-            value, named = getattr(self, name), name in _FIELDS[self.kind]
+        for name, value in (("step", self.step), ("fragment", self.fragment), ("count", self.count)):
+            named = name in _FIELDS[self.kind]
             if named and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"RoundTag: a {self.kind} round's {name} must be an integer "
                                  f">= 0, got {value!r}")

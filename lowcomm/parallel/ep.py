@@ -36,6 +36,7 @@ from ..comm.comm import Comm
 from ..errors import ConfigError, LowcommError
 from ..settings import Settings
 from ..strategies.base import Strategy
+from .split import SplitModel
 from ..strategies.method import Context, Method
 from .experts import MoE, expert_parallel, moe_layers
 from .merge import OwnedKeys, by_name, held_names
@@ -104,7 +105,7 @@ class Routed:
         self.window = [0.0] * len(self.FIELDS)
 
 
-class ExpertParallel(OwnedKeys, Strategy):
+class ExpertParallel(OwnedKeys, SplitModel):
     """Expert parallelism over the ranks of ``comm`` (module docstring).
 
     Construction, on every rank of ``comm`` together: the dense part and the buffers broadcast
@@ -137,10 +138,6 @@ class ExpertParallel(OwnedKeys, Strategy):
     """
 
     name = "ep"
-    lockstep = True
-    collective_forward = True       # every rank's experts take part in each forward
-    shards_model = True             # a rank holds its experts of each MoE layer
-    splits_model = True             # and the ranks of a level hold different experts
     Settings = ExpertSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

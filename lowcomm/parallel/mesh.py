@@ -232,8 +232,8 @@ class ShardedTensorParallel(TensorParallel):
                  comm: Comm | None = None, *, sharding: ShardedReplicas, replicas: Comm,
                  **options):
         f = sharding.settings
-        odd = [k for k in ("param_dtype", "reduce_dtype") if getattr(f, k)] + \
-            (["wrap"] if f.wrap != "auto" else [])
+        odd = [k for k, v in (("param_dtype", f.param_dtype), ("reduce_dtype", f.reduce_dtype))
+               if v] + (["wrap"] if f.wrap != "auto" else [])
         if odd:
             raise ConfigError(f"policy.{replicas.level}.{odd[0]}", "fsdp above tp shards every "
                               "block in the parameters' dtype: leave param_dtype, reduce_dtype "

@@ -38,6 +38,7 @@ from ..comm.ledger import Ledger
 from ..errors import ConfigError, LowcommError
 from ..settings import Settings
 from ..strategies.base import Strategy
+from .split import SplitModel
 from ..strategies.method import Context, Method
 from .chains import Chain, chain_for
 from .deferred import deferred_of
@@ -221,7 +222,7 @@ def stage_ids(rank: int, ranks: int, per_rank: int, schedule: str) -> list[int]:
     return [rank + i * ranks for i in range(per_rank)]
 
 
-class PipelineParallel(OwnedKeys, Strategy):
+class PipelineParallel(OwnedKeys, SplitModel):
     """Pipeline parallelism over the ranks of ``comm`` through torch's engine (module docstring).
 
     Construction, on every rank of ``comm`` together: the model (built alike on every rank)
@@ -262,10 +263,6 @@ class PipelineParallel(OwnedKeys, Strategy):
     """
 
     name = "pp"
-    lockstep = True
-    collective_forward = True       # every stage takes part in each evaluation
-    shards_model = True             # a rank holds its stages' part of the model
-    splits_model = True             # and the ranks of a pipeline hold different parts
     Settings = PipelineSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

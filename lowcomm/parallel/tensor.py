@@ -31,6 +31,7 @@ from ..comm.ledger import wire_bytes
 from ..errors import ConfigError, LowcommError
 from ..settings import Settings
 from ..strategies.base import Strategy
+from .split import SplitModel
 from ..strategies.method import Context, Method
 from .owners import balanced_owners, share_from_owners
 from .plans import Plan, Split, join_parts, local_part, plan_for
@@ -223,7 +224,7 @@ def sum_partials(params) -> None:
             p.grad = g.redistribute(placements=[Replicate()])
 
 
-class TensorParallel(Strategy):
+class TensorParallel(SplitModel):
     """Tensor (and sequence) parallelism over the ranks of ``comm`` (module docstring).
 
     Construction, on every rank of ``comm`` together: torch.distributed's group over ``comm``
@@ -249,10 +250,6 @@ class TensorParallel(Strategy):
     """
 
     name = "tp"
-    lockstep = True
-    collective_forward = True       # every rank's piece takes part in each forward
-    shards_model = True             # a rank holds its piece of each split layer
-    splits_model = True             # and the ranks of a level hold different pieces
     Settings = TensorSettings
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

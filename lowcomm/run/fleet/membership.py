@@ -254,7 +254,7 @@ class Membership:
             return
         if kind not in FLEET and msg["inc"] == site.inc:
             site.seen = now                        # (a new incarnation's: when it is adopted)
-        why = getattr(self, "_" + rule.act)(site, kind, msg, now) if rule.act else None
+        why = ACTS[rule.act](self, site, kind, msg, now) if rule.act else None
         if rule.to is not None:
             site.state = rule.to
         if rule.reply == "fence":
@@ -416,6 +416,15 @@ class Membership:
     def snapshot(self) -> dict:
         """Who is what now (for the fleet's summary)."""
         return {str(d): {"state": str(s.state), "inc": s.inc} for d, s in self.sites.items()}
+
+
+#: the acts the rules name (:attr:`Rule.act`), each a method of :class:`Membership`
+ACTS = {"adopt": Membership._adopt, "hello": Membership._hello,
+        "relaunched": Membership._relaunched, "failed": Membership._failed,
+        "down": Membership._down, "silent": Membership._silent, "bye": Membership._bye,
+        "retired": Membership._retired, "healed": Membership._healed,
+        "policy": Membership._policy}
+assert {r.act for r in RULES if r.act} <= set(ACTS), "a rule names an act Membership lacks"
 
 
 def classify(msg: dict, site: Site) -> Msg:
