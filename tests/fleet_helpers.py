@@ -108,3 +108,43 @@ def children(pid: int, name: str) -> list[int]:
 
 def metrics(folder: Path) -> list[dict]:
     return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def outsider(folder: Path, dcs: int) -> dict:
+    """What a process without the fleet's secret does to the coordinator's port (read from the
+    fleet's log): it reads a member's message (sealed: no JSON), and writes, into the key each
+    member's next message will take (``compare_set`` on an absent key: a member's own message
+    is never overwritten), a forged ``failed`` message for datacenter 0, a replay of its
+    previous sealed message for datacenter 1 and random bytes for the others; forged bytes into
+    datacenter 0's next mailbox key and into a heartbeat. Returns the keys it wrote and what it
+    read."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from lowcomm.run.fleet.channel import key
+    start = next(json.loads(x) for x in (folder / "membership.jsonl").read_text().splitlines()
+                 if '"start"' in x)
+    store = TCPStore("127.0.0.1", start["port"], is_master=False, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=10))
+
+    def next_key(kind: str, dc: int) -> tuple[str, bytes | None]:
+        k, last = 0, None
+        while store.check([key(kind, dc=dc, inc=0, k=k, n=k)]):
+            last = store.get(key(kind, dc=dc, inc=0, k=k, n=k))
+            k += 1
+        return key(kind, dc=dc, inc=0, k=k, n=k), last
+
+    wrote, read = [], None
+    for dc in range(dcs):
+        name, last = next_key("inbox", dc)
+        read = read or last
+        forged = (json.dumps({"type": "failed", "dc": dc, "inc": 0}).encode() if dc == 0 else
+                  last if dc == 1 and last else os.urandom(64))
+        if store.compare_set(name, "", forged) == forged:
+            wrote.append(name)
+    name, _ = next_key("mailbox", 0)
+    if store.compare_set(name, "", b'{"type": "fence", "why": "forged"}') == b'{"type": "fence", "why": "forged"}':
+        wrote.append(name)
+    store.set(key("heartbeat", dc=1, inc=0), b"999999")
+    return {"wrote": wrote, "read": read}

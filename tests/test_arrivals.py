@@ -204,10 +204,15 @@ def test_an_arrival_in_a_fleet_of_rounds_is_fenced():
     assert [msg["type"] for d, _, msg in m.outbox if d == 0] == ["fence"]
 
 
-def test_a_coordinator_serves_arrivals_through_its_store():
+def test_a_coordinator_serves_arrivals_through_its_store(monkeypatch):
     """The real coordinator process: two members' arrivals through its store, each answered with
     the θ the server holds after it (delayed Nesterov as written out above)."""
+    import secrets
     from lowcomm.run.fleet.channel import Channel, Limits
+    from lowcomm.run.fleet.trust import session_env
+    session = session_env(secrets.token_bytes(32))
+    for name, value in session.items():
+        monkeypatch.setenv(name, value)
     p = subprocess.Popen([sys.executable, "-m", "lowcomm.run.fleet.coordinator", "--dcs", "2",
                           "--min-dcs", "1", "--limit-s", "30",
                           "--server", json.dumps({"lr": 0.7, "momentum": 0.5, "every": 2})],

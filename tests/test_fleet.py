@@ -13,8 +13,8 @@ import time
 import pytest
 
 from conftest import cli, scaled
-from fleet_helpers import (Run, children, fleet, fleet_from_python, kill_rank0, metrics, reached,
-                           sets, single_job, when)
+from fleet_helpers import (Run, children, fleet, fleet_from_python, kill_rank0, metrics, outsider,
+                           reached, sets, single_job, when)
 
 STEPS, PERIOD = 80, 20
 #: the most a fixture's fleets, started together, may take (an idle machine's: a dozen fleets'
@@ -87,12 +87,15 @@ def runs(tmp_path_factory):
                                                       "--speed", "0.5", "--cycle", "200ms"]),
                                lock=(tmp / "plain" / "dc2" / ".lowcomm.lock").read_text()),
          deadline)
+    intruded = {}          # a process without the secret at the plain fleet's port, mid-run
+    when(lambda: reached(tmp / "plain" / "dc0" / "metrics.jsonl", 12),
+         lambda: intruded.update(outsider(tmp / "plain", 3)), deadline)
     coord = started["coord"].p.pid
     when(lambda: reached(tmp / "coord" / "dc0" / "metrics.jsonl", 45),
          lambda: [os.kill(pid, signal.SIGKILL)
                   for pid in children(coord, "lowcomm.run.fleet.coordinator")], deadline)
     done = {name: (r, *r.wait(deadline)) for name, r in started.items()}
-    done["killed"] = killed
+    done["killed"], done["intruded"] = killed, intruded
     done["slowed"] = dict(slowed, done=slowed["ran"].wait(deadline) if "ran" in slowed else None)
     return done
 
@@ -170,6 +173,30 @@ def test_with_no_failure_a_fleet_ends_with_the_parameters_of_one_mpi_job(runs):
     assert s["finished_dcs"] == [0, 1, 2] and not s["fleet"]["failures"]
     assert [r["members"] for r in s["fleet"]["membership"]] == [[0, 1, 2]] * (STEPS // PERIOD)
     assert s["method"] == ref["method"], "the fleet runs the dc level of the same policy"
+
+
+def test_an_outsider_reads_nothing_and_its_forged_replayed_and_garbage_writes_are_dropped(runs):
+    """The plain fleet (bit for bit the one MPI job's model, above) had a process without the
+    fleet's secret at its coordinator's port mid-run: what it read of a member's message is no
+    JSON (sealed); its forged ``failed`` message, its replay of a member's own earlier message and
+    its random bytes were each dropped and logged by the coordinator, never acted on (no
+    failure, nothing restarted); its forged mailbox message was dropped by the member."""
+    did = runs["intruded"]
+    assert did.get("read"), "the outsider never ran"
+    with pytest.raises(ValueError):
+        json.loads(did["read"])
+    plain, rc, out = runs["plain"]
+    assert rc == 0, out[-3000:]
+    events = [json.loads(x) for x in (plain.out / "membership.jsonl").read_text().splitlines()]
+    dropped = {e["key"] for e in events if e["event"] == "dropped"}
+    inbox = {k for k in did["wrote"] if k.startswith("in/")}
+    assert len(inbox) >= 2 and dropped == inbox, (dropped, did["wrote"])
+    assert {e["why"] for e in events if e["event"] == "dropped"} == {"does not authenticate"}
+    s = plain.summary()
+    assert not s["fleet"]["failures"] and not s["fleet"].get("fallbacks"), s["fleet"]
+    mailbox = [k for k in did["wrote"] if k.startswith("out/")]
+    logged = (plain.out / "dc0" / "stderr.log").read_text()
+    assert all(f"'{k}' in the fleet's store does not authenticate" in logged for k in mailbox)
 
 
 def test_a_slowed_datacenter_is_waited_for_and_the_fleet_summary_says_where_the_time_went(runs):

@@ -85,3 +85,22 @@ def run_fleet(opts) -> None:
 
 
 __all__ = ["fleet_options", "refuse_outside", "run_fleet"]
+
+
+@click.group("fleet")
+def fleet_command():
+    """A fleet's credentials (lowcomm train --dcs D)."""
+
+
+@fleet_command.command("key")
+@click.argument("file", type=click.Path(dir_okay=False))
+def fleet_key(file):
+    """Write a new secret for a fleet into FILE (readable by you only; never replaces a file):
+    copy it to every machine of the fleet and run with --set fleet.secret_file=FILE (or
+    $LOWCOMM_FLEET_SECRET_FILE). A fleet on this machine makes its own."""
+    from ..run.fleet.trust import write_secret
+    try:
+        click.echo(f"wrote {write_secret(file)} (mode 600)")
+    except FileExistsError:
+        raise click.BadParameter(f"{file} exists: a secret is never replaced; choose another "
+                                 "file or remove it", param_hint="FILE") from None

@@ -17,7 +17,7 @@ import click
 from .common import TrainOptions, check_env, config_options, debug, launcher_rank, \
     load_cfg as _config, pass_options, saved_config, world as _world, write_json
 from ..errors import LowcommError
-from .fleet import fleet_options, refuse_outside, run_fleet
+from .fleet import fleet_command, fleet_options, refuse_outside, run_fleet
 from .bench import bench as bench_command
 from .compare import compare as compare_command
 from .fault import fault as fault_command
@@ -291,6 +291,7 @@ cli.add_command(wan_command)
 cli.add_command(fault_command)
 cli.add_command(topo_command)
 cli.add_command(plan_command)
+cli.add_command(fleet_command)
 
 
 def _abort(code: int) -> None:

@@ -156,6 +156,9 @@ class FleetConfig(Settings):
     # are `grace` × the median interval between rounds late; a late one's steps merge next round
     quorum: int = 0
     grace: float = 0.0
+    # the fleet's secret (`lowcomm fleet key FILE` writes one; else $LOWCOMM_FLEET_SECRET_FILE):
+    # "" on this machine or the emulated WAN makes one for the run; needed across hosts
+    secret_file: str = ""
 
     def validate(self, prefix: str = "fleet.") -> None:
         if self.dcs < 0 or self.dcs == 1:

@@ -72,7 +72,7 @@ def hostfiles(files: list[str], host: str | None = None):
             cmd += ["-x", name]
         return cmd
 
-    return Placement(launch, (), host or socket.gethostbyname(socket.gethostname()))
+    return Placement(launch, (), host or socket.gethostbyname(socket.gethostname()), remote=True)
 
 
 def placement(dcs: int, place: str = "auto", hostfiles_: list[str] | None = None,

@@ -45,6 +45,7 @@ from ...comm.ledger import Ledger
 from ...comm.watchdog import predict
 from ...comm.round_tag import RoundTag
 from ...errors import CommError
+from .trust import Forged, Seal, SealedStore
 
 log = logging.getLogger("lowcomm.fleet")
 
@@ -91,10 +92,13 @@ class Limits:
         return self.limit_s + extra
 
 
-def _store(host: str, port: int, timeout_s: float):
+def _store(host: str, port: int, timeout_s: float) -> SealedStore:
+    """A client of the coordinator's store, every value sealed with the fleet's key
+    (:mod:`~lowcomm.run.fleet.trust`)."""
     from torch.distributed import TCPStore
-    return TCPStore(host, port, is_master=False, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=timeout_s))
+    return SealedStore(TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                timeout=datetime.timedelta(seconds=timeout_s)),
+                       Seal.from_env(), host)
 
 
 def _across(name: str, comm: GlooComm, x: torch.Tensor, levels, link) -> str:
@@ -188,19 +192,20 @@ class _Heartbeat(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        store, seen, last = None, -1, time.monotonic()
+        store, seen, last, beat = None, 0, time.monotonic(), 0
         while not self.stop.wait(self.heartbeat_s):
             try:
                 store = store or self.connect(max(1.0, self.heartbeat_s * 4))
-                store.add(self.hb_key, 1)
-                theirs = store.add(key("coordinator"), 0)
+                beat += 1
+                store.count(self.hb_key, beat)
+                theirs = store.counted(key("coordinator"))
             except Exception as e:  # noqa: BLE001 - the store's errors: reconnect next time
                 store = None
                 if "closed" in str(e) or "refused" in str(e).lower():
                     self.lost = f"the coordinator is gone ({str(e).splitlines()[0][:120]})"
                     return
                 theirs = seen
-            if theirs != seen:
+            if theirs is not None and theirs > seen:       # an older value is a replay
                 seen, last = theirs, time.monotonic()
             elif time.monotonic() - last > self.silent_s:
                 self.lost = f"no word from the coordinator for {self.silent_s:.3g} s"
@@ -274,8 +279,12 @@ class Channel:
         while True:
             try:
                 msg = json.loads(self.store.get(k))
-                break
+                if isinstance(msg, dict) and isinstance(msg.get("type"), str):
+                    break
+                raise Forged(k)                     # sealed, but no message: not ours
             except Exception as e:  # noqa: BLE001 - a wait timeout: look at the heartbeat
+                if isinstance(e, Forged) and not e.again:     # an outsider's: never acted on
+                    log.warning("datacenter %d: %s", self.dc, e)
                 if self._hb.lost:
                     raise self._lost_error(op) from None
                 if wait_s is not None and time.monotonic() - t0 > wait_s:

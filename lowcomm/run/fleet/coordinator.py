@@ -32,6 +32,7 @@ import time
 import torch
 
 from .channel import _store, key
+from .trust import Forged, Seal, SealedStore
 from .arrivals import Arrivals
 from .membership import LIVE, Membership, NoQuorum, Timeouts
 from .rounds import Rounds
@@ -39,15 +40,18 @@ from .server import ArrivalServer
 
 
 class _Watcher(threading.Thread):
-    """Read incarnation ``inc`` of ``dc``'s messages in order into ``out`` (its own client)."""
+    """Read incarnation ``inc`` of ``dc``'s messages in order into ``out`` (its own client of
+    the store at ``host:port``). A value that does not open with the fleet's key, or is no
+    message of that incarnation, is dropped and logged (``dropped``), and the next value
+    written under the same name is read instead."""
 
-    def __init__(self, port: int, dc: int, inc: int, out: queue.Queue):
+    def __init__(self, address: tuple[str, int], dc: int, inc: int, out: queue.Queue):
         super().__init__(name=f"lowcomm-coord-{dc}.{inc}", daemon=True)
-        self.port, self.dc, self.inc, self.out = port, dc, inc, out
+        self.address, self.dc, self.inc, self.out = address, dc, inc, out
         self.stop = threading.Event()
 
     def run(self) -> None:
-        store = _store("127.0.0.1", self.port, 30)
+        store = _store(*self.address, 30)
         k = 0
         while not self.stop.is_set():
             name = key("inbox", dc=self.dc, inc=self.inc, k=k)
@@ -55,8 +59,27 @@ class _Watcher(threading.Thread):
                 store.wait([name], datetime.timedelta(seconds=0.5))
             except Exception:  # noqa: BLE001 - the wait's timeout: look at the stop flag
                 continue
-            self.out.put(("msg", json.loads(store.get(name))))
+            msg, why = self._message(store, name)
+            if msg is None:
+                if why:
+                    self.out.put(("dropped", {"key": name, "why": why}))
+                continue
+            self.out.put(("msg", msg))
             k += 1
+
+    def _message(self, store: SealedStore, name: str) -> tuple[dict | None, str]:
+        """The message at ``name``, or None and why it is dropped."""
+        try:
+            msg = json.loads(store.get(name))
+        except Forged as e:
+            return None, "" if e.again else "does not authenticate"
+        except ValueError:
+            return None, "no JSON"
+        if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+            return None, "no message"
+        if (msg.get("dc"), msg.get("inc")) != (self.dc, self.inc):
+            return None, f"names datacenter {msg.get('dc')!r}.{msg.get('inc')!r}"
+        return msg, ""
 
 
 class Coordinator:
@@ -65,9 +88,10 @@ class Coordinator:
     membership's policy is :class:`~lowcomm.run.fleet.arrivals.Arrivals`), its state saved to
     ``state_path`` when the coordinator stops and loaded from there when it starts."""
 
-    def __init__(self, store, membership: Membership, log, heartbeat_s: float,
+    def __init__(self, store: SealedStore, membership: Membership, log, heartbeat_s: float,
                  server: ArrivalServer | None = None, state_path: str | None = None):
         self.store, self.m, self.log, self.heartbeat_s = store, membership, log, heartbeat_s
+        self.address = (store.host, store.port)
         self.server, self.state_path = server, state_path
         if server is not None and state_path and os.path.exists(state_path):
             server.load_state_dict(torch.load(state_path, weights_only=True))
@@ -77,6 +101,7 @@ class Coordinator:
         self.watchers: dict[tuple[int, int], _Watcher] = {}
         self.sent: dict[tuple[int, int], int] = {}
         self.beats: dict[tuple[int, int], int] = {}
+        self.beat = 0                                   # this coordinator's heartbeat
         self.stopping = False
 
     def serve(self, commands) -> int:
@@ -125,7 +150,11 @@ class Coordinator:
 
     def _apply(self, dc: int, inc: int, msg: dict) -> None:
         name = key("arrival", dc=dc, inc=inc, n=msg["n"])
-        data = self.store.get(name)
+        try:
+            data = self.store.get(name)
+        except Forged:             # overwritten by an outsider: this arrival brings nothing
+            self.m.event("dropped", key=name, why="does not authenticate")
+            return
         x = torch.frombuffer(bytearray(data), dtype=torch.float32) if data else torch.zeros(0)
         self.store.delete_key(name)
         numel, at = int(msg["numel"]), 0
@@ -173,6 +202,8 @@ class Coordinator:
                     return
             if kind == "msg":
                 self.m.message(obj, now)
+            elif kind == "dropped":
+                self.m.event("dropped", **obj)
             else:
                 self._command(obj, now)
 
@@ -180,7 +211,7 @@ class Coordinator:
         if c["cmd"] == "launch":
             w = self.watchers.get((c["dc"], c["inc"]))
             if w is None:
-                w = self.watchers[(c["dc"], c["inc"])] = _Watcher(self.store.port, c["dc"],
+                w = self.watchers[(c["dc"], c["inc"])] = _Watcher(self.address, c["dc"],
                                                                   c["inc"], self.q)
                 w.start()
         elif c["cmd"] == "down":
@@ -196,14 +227,14 @@ class Coordinator:
             self.stopping = True
 
     def _heartbeats(self, now: float) -> None:
-        self.store.add(key("coordinator"), 1)
+        self.beat += 1
+        self.store.count(key("coordinator"), self.beat)
         for d, s in self.m.sites.items():
             if s.state in LIVE:
-                n = self.store.add(key("heartbeat", dc=d, inc=s.inc), 0)
-                if n != self.beats.get((d, s.inc)):
+                n = self.store.counted(key("heartbeat", dc=d, inc=s.inc))
+                if n is not None and n > self.beats.get((d, s.inc), 0):   # a replay is older
                     self.beats[(d, s.inc)] = n
-                    if n:
-                        self.m.heartbeat(d, s.inc, now)
+                    self.m.heartbeat(d, s.inc, now)
 
     def _flush(self) -> None:
         for dc, inc, msg in self.m.outbox:
@@ -223,7 +254,7 @@ class Coordinator:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--host", default="127.0.0.1", help="the address the store listens on")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--dcs", type=int, required=True)
     ap.add_argument("--min-dcs", type=int, required=True)
@@ -239,8 +270,9 @@ def main(argv=None) -> int:
     ap.add_argument("--state", default=None, help="where the arrival server's state is saved")
     a = ap.parse_args(argv)
     from torch.distributed import TCPStore
-    store = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=60))
+    master = TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=60))
+    store = SealedStore(master, Seal.from_env(), host=a.host)
     m = Membership(a.dcs, a.min_dcs, time.monotonic(), Timeouts(a.limit_s, a.start_s, a.quorum_s),
                    Arrivals() if a.server else Rounds(a.quorum, a.grace))
     server = ArrivalServer(**json.loads(a.server)) if a.server else None

@@ -15,11 +15,13 @@ import os
 from ...comm.topology import Topology
 from ...errors import ConfigError
 from .channel import Limits
+from .trust import SECRET_ENV, SESSION_ENV
 
 #: what the fleet tells each datacenter's job: the coordinator's address, the datacenter,
-#: its incarnation, whether it rejoins, and its ranks' place in the fleet ("offset,total")
+#: its incarnation, whether it rejoins, its ranks' place in the fleet ("offset,total"), and
+#: the fleet's secret and the coordinator's session (:mod:`~lowcomm.run.fleet.trust`)
 ENV = ("LOWCOMM_FLEET", "LOWCOMM_FLEET_DC", "LOWCOMM_FLEET_INC", "LOWCOMM_FLEET_JOIN",
-       "LOWCOMM_FLEET_RANKS")
+       "LOWCOMM_FLEET_RANKS", SECRET_ENV, SESSION_ENV)
 
 #: outer methods a fleet runs across datacenters
 OUTER = ("diloco", "streaming-diloco", "diloco-eager", "localsgd", "diloco-dylu", "diloco-async")

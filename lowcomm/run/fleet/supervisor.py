@@ -51,6 +51,7 @@ from ..signals import StopSignals
 from ..supervise import _dies_with, cause
 from .folder import fleet_of, lock_key, mark
 from .plan import FleetPlan
+from .trust import fleet_secret, session_env
 
 log = logging.getLogger("lowcomm.fleet")
 
@@ -64,11 +65,13 @@ class Placement(NamedTuple):
     """Where a fleet's jobs run (:mod:`lowcomm.tools.fleet_launch`): ``launch(dc, n)`` the command
     that starts datacenter ``dc``'s job of ``n`` ranks, ``coordinator`` the prefix of the
     coordinator's command, ``host`` the address the leaders reach it at, ``env(dc)`` the
-    variables datacenter ``dc``'s job gets."""
+    variables datacenter ``dc``'s job gets; ``remote``: jobs run on other machines (then the
+    user gives the fleet's secret, :func:`~lowcomm.run.fleet.trust.fleet_secret`)."""
     launch: Callable[[int, int], list[str]]
     coordinator: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     env: Callable[[int], dict] = lambda dc: {}
+    remote: bool = False
 
 
 class FleetRunError(LowcommError):
@@ -121,6 +124,8 @@ class Fleet:
         self.min_dcs = cfg.fleet.min_dcs or self.dcs // 2 + 1
         self.launch, self.coord_prefix, self.host = where.launch, list(where.coordinator), where.host
         self.env = where.env
+        self.secret = fleet_secret(cfg.fleet.secret_file, where.host, where.remote)
+        self.session: dict[str, str] = {}             # the coordinator's: secret and salt
         self.max_restarts, self.timeout_s = max_restarts, timeout_s
         self.jobs: dict[int, Incarnation] = {}
         self.history: list[Incarnation] = []
@@ -149,8 +154,9 @@ class Fleet:
     # the coordinator ----------------------------------------------------------------------------
     def _start_coordinator(self) -> None:
         lim = self.plan.limits()
+        self.session = session_env(self.secret)       # a fresh salt: no value of before
         cmd = [*self.coord_prefix, sys.executable, "-m", "lowcomm.run.fleet.coordinator",
-               "--dcs", str(self.dcs), "--min-dcs", str(self.min_dcs),
+               "--host", self.host, "--dcs", str(self.dcs), "--min-dcs", str(self.min_dcs),
                "--limit-s", f"{lim.limit_s:.6g}", "--heartbeat-s", f"{lim.heartbeat_s:.6g}",
                "--quorum", str(self.cfg.fleet.quorum), "--grace", f"{self.cfg.fleet.grace:.6g}",
                "--log", str(self.out / "membership.jsonl")]
@@ -161,7 +167,8 @@ class Fleet:
         self.coord = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=err, text=True, start_new_session=True,
                                       preexec_fn=_dies_with(os.getpid()),
-                                      env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"})
+                                      env={**os.environ, **self.session,
+                                           "TORCH_CPP_LOG_LEVEL": "ERROR"})
         err.close()
         line = self.coord.stdout.readline().split()
         if len(line) != 2 or line[0] != "ready":
@@ -201,7 +208,7 @@ class Fleet:
         cmd = [*self.launch(dc, n), sys.executable, "-m", "lowcomm.cli", "train", *args,
                "--quiet", "--out", str(folder), "--run-id", new_run_id() if resume is None
                else _run_id(folder), "--report-dir", str(folder / ".reports")]
-        env = {**os.environ, **self.env(dc), "TORCH_CPP_LOG_LEVEL": "ERROR",
+        env = {**os.environ, **self.env(dc), **self.session, "TORCH_CPP_LOG_LEVEL": "ERROR",
                "LOWCOMM_FLEET": f"{self.host}:{self.port}", "LOWCOMM_FLEET_DC": str(dc),
                "LOWCOMM_FLEET_INC": str(inc), "LOWCOMM_FLEET_JOIN": "1" if joining else "0",
                "LOWCOMM_FLEET_RANKS": f"{dc * n},{self.np}"}
