@@ -207,7 +207,7 @@ def test_an_arrival_in_a_fleet_of_rounds_is_fenced():
 def test_a_coordinator_serves_arrivals_through_its_store():
     """The real coordinator process: two members' arrivals through its store, each answered with
     the θ the server holds after it (delayed Nesterov as written out above)."""
-    from lowcomm.run.fleet.channel import Channel, Limits
+    from lowcomm.run.fleet.channel import Channel, Seat
     p = subprocess.Popen([sys.executable, "-m", "lowcomm.run.fleet.coordinator", "--dcs", "2",
                           "--min-dcs", "1", "--limit-s", "30",
                           "--server", json.dumps({"lr": 0.7, "momentum": 0.5, "every": 2})],
@@ -218,7 +218,7 @@ def test_a_coordinator_serves_arrivals_through_its_store():
         for d in range(2):
             p.stdin.write(json.dumps({"cmd": "launch", "dc": d, "inc": 0}) + "\n")
             p.stdin.flush()
-            chans.append(Channel(f"127.0.0.1:{port}", d, 0, Limits(), dcs=2, arrivals=True))
+            chans.append(Channel(f"127.0.0.1:{port}", Seat(dc=d, dcs=2), arrivals=True))
             chans[-1].send("hello", joining=False, ranks=1)
         gen = torch.Generator().manual_seed(2)
         theta0 = torch.randn(1000, generator=gen)

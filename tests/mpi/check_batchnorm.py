@@ -61,8 +61,8 @@ def runs(comm, shared_dir):
         def cnn(cfg):
             built.append((digits.model(cfg), cfg))
             return built[-1][0]
-        summary = lowcomm.train(model=cnn, loss=digits.loss, batch=digits.batch,
-                                eval_batches=digits.eval_batches, strategy=spec, steps=STEPS,
+        task = lowcomm.from_functions(cnn, digits.loss, digits.batch, digits.eval_batches)
+        summary = lowcomm.train(task, strategy=spec, steps=STEPS,
                                 batch_size=16, log_every=STEPS, lr=0.05, seed=0,
                                 set=["optimizer.name=sgd", "eval_batches=17"],
                                 out=str(shared_dir / name), comm=comm)
