@@ -263,16 +263,16 @@ def _python_context(compressor, context: Context | None) -> Context:
     context = context or Context()
     if not isinstance(context, Context):
         raise ArgumentError("context", f"must be a lowcomm.Context, got {type(context).__name__}")
-    if isinstance(compressor, str):
-        compressor = CompressorSettings(name=compressor)
-    elif compressor is None:
+    if compressor is None:
         compressor = context.compressor
-    elif not isinstance(compressor, CompressorSettings):
-        raise TypeError("compressor must be a name, a CompressorSettings or None, got "
-                        f"{type(compressor).__name__}")
     elif context.compressor != CompressorSettings():
         raise ArgumentError("compressor", "given twice: as compressor= and as the context's "
                             "compressor; give one")
+    elif isinstance(compressor, str):
+        compressor = CompressorSettings(name=compressor)
+    elif not isinstance(compressor, CompressorSettings):
+        raise TypeError("compressor must be a name, a CompressorSettings or None, got "
+                        f"{type(compressor).__name__}")
     compressor.validate("compressor.")
     return dataclasses.replace(context, compressor=compressor, nonfinite=NonFinite.parse(
         context.nonfinite, "context.nonfinite", ArgumentError))
@@ -300,7 +300,8 @@ def build(spec: str, model, optimizer, comm=None, *, compressor=None,
     refuse_moved(options, BUILD_MOVED, "lowcomm.build()")
     m, opts = parse_spec(spec, "spec")
     s = settings(m, {**opts, **options}, "")
-    return m.build(s, model, optimizer, comm or init(), _python_context(compressor, context))
+    context = _python_context(compressor, context)      # its errors before MPI starts
+    return m.build(s, model, optimizer, comm or init(), context)
 
 
 def policy(levels: dict[str, str], model, optimizer, comm=None, *, topology: str = "",
