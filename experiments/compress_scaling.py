@@ -42,7 +42,7 @@ def worker(out: str, sets: list[str]) -> None:
     import torch
 
     import lowcomm
-    from lowcomm.strategies.sync.reducer import Reducer
+    from lowcomm.strategies.sync.reducer import Reducer, ReducerSettings
     from lowcomm.compress import build_compressor
     from lowcomm.run.config import load_config
     from lowcomm.comm.ledger import Ledger
@@ -62,8 +62,9 @@ def worker(out: str, sets: list[str]) -> None:
             if coll == "two-phase" and not gathered(comp):
                 continue
             run = comm.dup(Ledger())
-            red = Reducer(run, named, bucket_bytes=int(cfg.strategy.get("bucket_mb", 4.0) * 2**20),
-                                  overlap=False, compressor=comp)
+            how = ReducerSettings(bucket_bytes=int(cfg.strategy.get("bucket_mb", 4.0) * 2**20),
+                                  overlap=False)
+            red = Reducer(run, named, how, compressor=comp)
             red._thread_comm.validate = False
             for step in range(2):
                 run.ledger.reset()

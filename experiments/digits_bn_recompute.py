@@ -42,8 +42,8 @@ def main():
             def model(cfg):
                 built.append((digits.model(cfg), cfg))
                 return built[-1][0]
-            s = lowcomm.train(model=model, loss=digits.loss, batch=digits.batch,
-                              eval_batches=digits.eval_batches, strategy=spec, steps=a.steps,
+            task = lowcomm.from_functions(model, digits.loss, digits.batch, digits.eval_batches)
+            s = lowcomm.train(task, strategy=spec, steps=a.steps,
                               batch_size=16, seed=seed, log_every=a.steps,
                               set=[*a.set, "eval_batches=17"], comm=comm)
             acc = accuracy(*built[-1])

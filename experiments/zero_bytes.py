@@ -31,7 +31,7 @@ def main():
     for spec in METHODS:            # two runs: what the longer one sent more is its extra steps'
         total = []                  # (the start's broadcast and the end cancel out)
         for steps in (args.steps, 2 * args.steps):
-            s = lowcomm.train("lowcomm.tasks.bytelm", strategy=spec, steps=steps, progress=False,
+            s = lowcomm.train("lowcomm.tasks.bytelm", strategy=spec, steps=steps,
                               set=["eval_batches=0", f"log_every={args.steps}", "optimizer.name=adamw"],
                               comm=comm.dup(Ledger()))          # a ledger of its own
             total.append(s["bytes_total"])

@@ -51,7 +51,7 @@ _LAZY = {
     "build": "run.registry", "policy": "run.registry", "register": "run.registry",
     "STRATEGIES": "run.registry", "train": "run.api", "train_fleet": "tools.fleet_launch",
     "Task": "tasks", "load_task": "tasks", "dataset_batches": "tasks",
-    "dataset_eval_batches": "tasks", "from_functions": "tasks",
+    "dataset_eval_batches": "tasks", "from_functions": "tasks", "RunOptions": "run.folder",
 }
 
 __all__ = ["ALGORITHMS", "Comm", "CommError", "ConfigError", "Ledger", "LowcommError", "Request",

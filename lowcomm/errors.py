@@ -29,6 +29,14 @@ class ArgumentError(ConfigError):
     what = "argument"
 
 
+def refuse_moved(given, moved: dict[str, str], what: str) -> None:
+    """An argument ``what`` took once and no longer does: an :class:`ArgumentError` naming it
+    and its new spelling (``moved``: old keyword -> the new one), not a TypeError deep inside."""
+    for key in given:
+        if key in moved:
+            raise ArgumentError(key, f"{what} no longer takes {key}=; pass {moved[key]}")
+
+
 class EnvError(ConfigError):
     """A ``LOWCOMM_*`` environment variable's value is wrong; the message names the variable
     (not a config key the user never set)."""

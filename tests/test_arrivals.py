@@ -208,7 +208,7 @@ def test_a_coordinator_serves_arrivals_through_its_store(monkeypatch):
     """The real coordinator process: two members' arrivals through its store, each answered with
     the θ the server holds after it (delayed Nesterov as written out above)."""
     import secrets
-    from lowcomm.run.fleet.channel import Channel, Limits
+    from lowcomm.run.fleet.channel import Channel, Seat
     from lowcomm.run.fleet.trust import session_env
     session = session_env(secrets.token_bytes(32))
     for name, value in session.items():
@@ -223,7 +223,7 @@ def test_a_coordinator_serves_arrivals_through_its_store(monkeypatch):
         for d in range(2):
             p.stdin.write(json.dumps({"cmd": "launch", "dc": d, "inc": 0}) + "\n")
             p.stdin.flush()
-            chans.append(Channel(f"127.0.0.1:{port}", d, 0, Limits(), dcs=2, arrivals=True))
+            chans.append(Channel(f"127.0.0.1:{port}", Seat(dc=d, dcs=2), arrivals=True))
             chans[-1].send("hello", joining=False, ranks=1)
         gen = torch.Generator().manual_seed(2)
         theta0 = torch.randn(1000, generator=gen)

@@ -38,11 +38,11 @@ def test_recomputed_statistics_are_update_bns_and_touch_neither_modes_nor_random
     assert not any(m.training for m in mine.modules()), "training modes not restored"
 
 
-def test_no_batch_is_an_error_naming_bn_batches_that_leaves_the_statistics():
+def test_no_batch_is_an_error_naming_the_batches_that_leaves_the_statistics():
     m = cnn()
     m(batches()[0][0])
     before = m[1].running_mean.clone(), m[1].running_var.clone()
-    with pytest.raises(ArgumentError, match="bn_batches"):
+    with pytest.raises(ArgumentError, match="context.batches"):
         recompute_statistics(m, iter([]), 4)
     assert torch.equal(m[1].running_mean, before[0]) and torch.equal(m[1].running_var, before[1])
     assert m[1].momentum == 0.3 and m.training

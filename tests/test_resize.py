@@ -14,7 +14,8 @@ from lowcomm.run.checkpoint import CheckpointError
 from lowcomm.errors import LowcommError
 from lowcomm.run.snapshot import resized
 from lowcomm.strategies import reshard
-from lowcomm.strategies.outer.loop import Nesting, OuterLoop
+from lowcomm.strategies.outer.loop import OuterLoop
+from lowcomm.strategies.outer.nesting import Nesting
 from lowcomm.strategies.ps.protocol import fold
 
 

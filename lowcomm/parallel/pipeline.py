@@ -118,6 +118,14 @@ def pair(batch):
                        "split(batch) -> (inputs tuple, target tensor) in the task")
 
 
+def first_batch(batches):
+    """The first of ``batches`` (a list or iterable, or a function of the step returning one:
+    its batches of step 1); None without any."""
+    if batches is None:
+        return None
+    return next(iter(batches(1) if callable(batches) else batches), None)
+
+
 def stage_options(ctx: Context) -> dict:
     """What a pipeline takes from the run beside its settings: the task's ``criterion`` and
     ``split``, an example batch (for ``split = "time"``) and the replicas."""
@@ -125,9 +133,7 @@ def stage_options(ctx: Context) -> dict:
         raise ConfigError("task", "pp computes the loss on the last stage from the model's "
                           "output: the task must define criterion(output, target) (and "
                           "split(batch) -> (inputs, target) unless a batch is a pair (x, y))")
-    example = next(iter(ctx.batches(1))) if ctx.batches is not None else None
-    return dict(criterion=ctx.criterion, split_batch=ctx.split, example=example,
-                replicas=ctx.replicas)
+    return dict(criterion=ctx.criterion, context=ctx)
 
 
 def build(s: PipelineSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
@@ -245,10 +251,12 @@ class PipelineParallel(OwnedKeys, SplitModel):
             default: the built-in chain of the model's family).
         criterion: ``criterion(output, target) -> loss`` on the last stage (a mean over the
             micro-batch).
-        split_batch: ``split(batch) -> (inputs tuple, target)`` (default: a pair ``(x, y)``).
-        example: a batch to time the blocks on, for ``split = "time"``.
-        replicas: rank i of every other pipeline, for data parallelism around it
-            (:mod:`~lowcomm.parallel.replicas`: gradients averaged over them each step).
+        context: the run's objects (:class:`~lowcomm.strategies.method.Context`): ``split``,
+            ``split(batch) -> (inputs tuple, target)`` (None: a pair ``(x, y)``); ``batches``,
+            whose first batch the blocks are timed on for ``split = "time"`` (a list, or a
+            function of the step returning some); ``replicas``, rank i of every other pipeline,
+            for data parallelism around it (:mod:`~lowcomm.parallel.replicas`: gradients
+            averaged over them each step).
         settings: a validated :class:`PipelineSettings`; otherwise its fields as keywords.
 
     Example::
@@ -264,11 +272,14 @@ class PipelineParallel(OwnedKeys, SplitModel):
 
     name = "pp"
     Settings = PipelineSettings
+    moved = {"split_batch": "context=lowcomm.Context(split=...)",
+             "example": "context=lowcomm.Context(batches=[example])",
+             "replicas": "context=lowcomm.Context(replicas=...)"}
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, settings: PipelineSettings | None = None,
-                 chain: Chain | None = None, criterion=None, split_batch=None, example=None,
-                 replicas: Comm | None = None, **options):
+                 chain: Chain | None = None, criterion=None, context: Context | None = None,
+                 **options):
         if criterion is None or not callable(criterion):
             raise ConfigError("criterion", "pp needs criterion(output, target) -> loss for the "
                               "last stage")
@@ -276,14 +287,15 @@ class PipelineParallel(OwnedKeys, SplitModel):
             raise ConfigError("optimizer", f"{type(optimizer).__name__} holds state already (it "
                               "has stepped): pp keeps each stage's state; wrap a fresh one")
         super().__init__(model, optimizer, comm, settings=settings, **options)
-        s, self.chain = self.settings, chain_for(model, chain)
-        self.criterion, self.split_batch = criterion, split_batch or pair
-        self.replicas = replicas
+        s, self.chain, context = self.settings, chain_for(model, chain), context or Context()
+        self.criterion, self.split_batch = criterion, context.split or pair
+        self.replicas = context.replicas
         self._deferred = on_meta(model, s.split)
         self.device = self._deferred.device if self._deferred else next(model.parameters()).device
         P, v = self.comm.size, s.per_rank()
         self.count = P * v
-        times = self._block_times(example) if parse_split(s.split)[0] == "time" else None
+        times = self._block_times(first_batch(context.batches)) \
+            if parse_split(s.split)[0] == "time" else None
         bounds = cut(model, self.chain, self.count, s.split, "strategy.split",
                      "strategy.stages_per_rank" if v > 1 else "pp's ranks", times)
         self.stages = [Stage(model, self.chain, i, self.count, bounds[i], bounds[i + 1])

@@ -8,7 +8,7 @@ Example (``launchers/local.sh -n 4 python my_script.py``)::
                             out="runs/mine", set=["optimizer.name=adamw", "compressor.name=none"])
 
     # or the task's functions directly
-    summary = lowcomm.train(model=make_model, loss=loss_fn, batch=batch_fn, steps=100)
+    summary = lowcomm.train(lowcomm.from_functions(make_model, loss_fn, batch_fn), steps=100)
 
 Any config key can be given: top-level ones as keyword arguments (``steps``, ``lr``,
 ``batch_size``, ``seed``, ...), any other as ``set=["table.key=value", ...]`` (or a dict), and a
@@ -16,13 +16,13 @@ whole TOML file as ``config``. ``strategy`` takes a spec string ``NAME[:key=valu
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 
-import os
-
 from ..comm.comm import Comm, init
-from ..errors import ConfigError
-from ..tasks import Task, TaskError, from_functions, load_task
+from ..errors import ArgumentError, ConfigError, refuse_moved
+from ..tasks import Task, TaskError, load_task
 from .config import Config, apply_comm_settings
 from .config import load_config as load_config_file
 from .loop import run as run_loop
@@ -93,14 +93,26 @@ def run(cfg: Config, opts: RunOptions = RunOptions(), comm: Comm | None = None,
     return run_loop(cfg, task, build, comm, opts)
 
 
-def train(task=None, *, model=None, loss=None, batch=None, eval_batches=None, strategy=None,
-          config: str | Path | None = None, set=(), out: str | Path | None = None,
-          comm: Comm | None = None, resume: str | Path | None = None, progress: bool = False,
-          overwrite: bool = False, **keys) -> dict:
-    """Train ``task`` (a file path, a module name, a :class:`~lowcomm.tasks.Task` or a module
-    object), or the functions ``model``, ``loss``, ``batch`` (and ``eval_batches``), under the
-    method and settings given; returns the summary (rank 0 writes it to ``out``, with
-    metrics.jsonl and checkpoints). Runs on every rank of ``comm`` (default: the world)."""
+_run_config = run          # (train's argument ``run`` is its RunOptions)
+
+#: ``lowcomm.train``'s keywords that moved: the task's functions into a Task, how the run
+#: starts into RunOptions
+TRAIN_MOVED = {**{k: "task=lowcomm.from_functions(model, loss, batch, eval_batches)"
+                  for k in ("model", "loss", "batch", "eval_batches")},
+               **{k: f"run=lowcomm.RunOptions({k}=...)"
+                  for k in ("resume", "progress", "overwrite")}}
+
+
+def train(task=None, *, strategy=None, config: str | Path | None = None, set=(),
+          out: str | Path | None = None, comm: Comm | None = None,
+          run: RunOptions | None = None, **keys) -> dict:
+    """Train ``task`` (a file path, a module name, a :class:`~lowcomm.tasks.Task` — from the
+    task's functions: :func:`lowcomm.from_functions` — or a module object) under the method and
+    settings given; returns the summary (rank 0 writes it to ``out``, with metrics.jsonl and
+    checkpoints). ``run``: how the run starts (:class:`~lowcomm.run.folder.RunOptions`:
+    ``resume``, ``overwrite``, ``progress``; default no progress bar). Runs on every rank of
+    ``comm`` (default: the world)."""
+    refuse_moved(keys, TRAIN_MOVED, "lowcomm.train()")
     overrides = [set] if isinstance(set, str) else list(set.items() if isinstance(set, dict) else set)
     overrides = [o if isinstance(o, str) else f"{o[0]}={_literal(o[1])}" for o in overrides]
     overrides += [f"{k}={_literal(v)}" for k, v in keys.items()]
@@ -112,14 +124,24 @@ def train(task=None, *, model=None, loss=None, batch=None, eval_batches=None, st
         overrides.append(f"task={_literal(str(task))}")
     cfg = load_config(config, overrides)
     if task is None:
-        if model is None or loss is None or batch is None:
-            raise ConfigError("task", "give a task (file, module or Task) or model=, loss= and batch=")
-        task = from_functions(model, loss, batch, eval_batches)
-    elif isinstance(task, (str, Path)):
+        raise ArgumentError("task", "give a task: a file, a module, or "
+                            "lowcomm.from_functions(model, loss, batch, eval_batches)")
+    if isinstance(task, (str, Path)):
         task = load_task(str(task))
     elif not isinstance(task, Task):          # a module object
         task = load_task(task.__name__) if hasattr(task, "__name__") else task
-    return run(cfg, RunOptions(out, progress, resume, overwrite), comm, task)
+    return _run_config(cfg, _run_options(out, run), comm, task)
+
+
+def _run_options(out, run: RunOptions | None) -> RunOptions:
+    """``run`` (default: no progress bar) writing to ``out``, which one of them may give."""
+    if run is None:
+        return RunOptions(out, progress=False)
+    if not isinstance(run, RunOptions):
+        raise ArgumentError("run", f"must be a lowcomm.RunOptions, got {type(run).__name__}")
+    if out is not None and run.out is not None:
+        raise ArgumentError("out", "given twice: as out= and as run.out; give one")
+    return run if out is None else dataclasses.replace(run, out=out)
 
 
 def _literal(v) -> str:

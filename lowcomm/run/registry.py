@@ -24,7 +24,7 @@ import dataclasses
 
 from .config import Config, parse_override
 from ..compress.settings import CompressorSettings
-from ..errors import ArgumentError, ConfigError
+from ..errors import ArgumentError, ConfigError, refuse_moved
 from ..settings import NonFinite
 from ..strategies.gossip import gossip, noloco
 from ..strategies.optimizers import demo, onebit_adam, zeroone_adam
@@ -249,41 +249,59 @@ def build_strategy(cfg, model, optimizer, comm, given: Context | None = None) ->
     return m.build(s, model, optimizer, comm, ctx)
 
 
-def _python_context(compressor, nonfinite: NonFinite | str, steps: int | None, levels=None,
-                    batches=None, forward=None) -> Context:
-    if isinstance(compressor, str):
+#: ``lowcomm.build``'s keywords that moved into its ``context``
+BUILD_MOVED = {"nonfinite": "context=lowcomm.Context(nonfinite=...)",
+               "steps": "context=lowcomm.Context(steps=...)",
+               "levels": "context=lowcomm.Context(levels=...)",
+               "bn_batches": "context=lowcomm.Context(batches=...)",
+               "bn_forward": "context=lowcomm.Context(forward=...)"}
+
+
+def _python_context(compressor, context: Context | None) -> Context:
+    """``context`` (default: none) with ``compressor`` (a name, a CompressorSettings or None:
+    the context's) checked, and its NaN policy parsed ("abort", "skip" or a NonFinite)."""
+    context = context or Context()
+    if not isinstance(context, Context):
+        raise ArgumentError("context", f"must be a lowcomm.Context, got {type(context).__name__}")
+    if compressor is None:
+        compressor = context.compressor
+    elif context.compressor != CompressorSettings():
+        raise ArgumentError("compressor", "given twice: as compressor= and as the context's "
+                            "compressor; give one")
+    elif isinstance(compressor, str):
         compressor = CompressorSettings(name=compressor)
-    elif compressor is None:
-        compressor = CompressorSettings()
     elif not isinstance(compressor, CompressorSettings):
         raise TypeError("compressor must be a name, a CompressorSettings or None, got "
                         f"{type(compressor).__name__}")
     compressor.validate("compressor.")
-    return Context(compressor=compressor, steps=steps, levels=levels, batches=batches,
-                   forward=forward, nonfinite=NonFinite.parse(nonfinite, "nonfinite", ArgumentError))
+    return dataclasses.replace(context, compressor=compressor, nonfinite=NonFinite.parse(
+        context.nonfinite, "context.nonfinite", ArgumentError))
 
 
 def build(spec: str, model, optimizer, comm=None, *, compressor=None,
-          nonfinite: NonFinite | str = NonFinite.ABORT, steps: int | None = None, levels=None,
-          bn_batches=None, bn_forward=None, **options) -> Strategy:
+          context: Context | None = None, **options) -> Strategy:
     """Any registered strategy from Python: ``spec`` is ``NAME[:key=value,...]`` and
     ``options`` more keys (they win over the spec's). ``compressor``: the gradient
     compressor's name or a :class:`~lowcomm.compress.settings.CompressorSettings` (its knobs
-    also serve a compressor a strategy option names). ``steps``: the run's step budget (the
-    parameter server needs it). ``comm``: default the world. ``levels``: the topology's
-    communicators (:meth:`lowcomm.comm.topology.Topology.comms`) for ``algorithm=hierarchical``.
-    ``bn_batches``, ``bn_forward``: training batches for an outer loop's ``bn_recompute`` (see
+    also serve a compressor a strategy option names). ``comm``: default the world.
+    ``context``: the run's objects (:class:`~lowcomm.strategies.method.Context`): ``nonfinite``,
+    the NaN policy ("abort" or "skip"); ``steps``, the run's step budget (the parameter server
+    needs it); ``levels``, the topology's communicators
+    (:meth:`lowcomm.comm.topology.Topology.comms`) for ``algorithm=hierarchical``; ``batches``
+    and ``forward``, training batches for an outer loop's ``bn_recompute`` (see
     :class:`~lowcomm.strategies.outer.loop.OuterLoop`).
 
     Example::
 
         opt = lowcomm.build("streaming-diloco:period=100,fragments=4,delay=5", model, inner)
+        ps = lowcomm.build("async-ps", model, inner, context=lowcomm.Context(steps=1000))
     """
     from ..comm.comm import init
+    refuse_moved(options, BUILD_MOVED, "lowcomm.build()")
     m, opts = parse_spec(spec, "spec")
     s = settings(m, {**opts, **options}, "")
-    return m.build(s, model, optimizer, comm or init(),
-                   _python_context(compressor, nonfinite, steps, levels, bn_batches, bn_forward))
+    context = _python_context(compressor, context)      # its errors before MPI starts
+    return m.build(s, model, optimizer, comm or init(), context)
 
 
 def policy(levels: dict[str, str], model, optimizer, comm=None, *, topology: str = "",
@@ -297,8 +315,9 @@ def policy(levels: dict[str, str], model, optimizer, comm=None, *, topology: str
     comms = Topology.from_env(comm, topology).comms(comm)
     cfg = Config(topology=topology, policy=dict(levels))
     plan = policy_levels(cfg, comms.names)
-    return build_policy(plan, model, optimizer, comm,
-                        _python_context(compressor, nonfinite, None, comms))
+    return build_policy(plan, model, optimizer, comm, _python_context(
+        compressor, Context(levels=comms, nonfinite=NonFinite.parse(nonfinite, "nonfinite",
+                                                                    ArgumentError))))
 
 
 __all__ = ["STRATEGIES", "build", "build_strategy", "deferred_build", "catalogue", "check", "context", "example", "method",

@@ -22,7 +22,7 @@ import functools
 import torch
 
 from ..comm.comm import Comm, init
-from ..errors import LowcommError
+from ..errors import LowcommError, refuse_moved
 from .capabilities import Capabilities, Role  # noqa: F401 (Role: the contract's)
 from .amp import AmpVote, amp_skips
 from .guard import ParameterGuard, refuse_sparse_gradients
@@ -63,6 +63,8 @@ class Strategy(Capabilities, torch.optim.Optimizer):
     Settings = None
     #: keyword defaults under a Python caller's own (an outer loop's all-reduce: ``mpi``)
     option_defaults: dict = {}
+    #: keywords the constructor took once, each with its new spelling (an error names it)
+    moved: dict[str, str] = {}
     #: a skipped step (AMP) must be agreed by every rank: their gradients meet every step
     lockstep = False
     #: the method's state differs between ranks (a rank must load its own, see state_dict)
@@ -121,7 +123,9 @@ class Strategy(Capabilities, torch.optim.Optimizer):
     @classmethod
     def _resolve(cls, settings, options: dict):
         """``settings`` as given, or validated :attr:`Settings` from keyword arguments (under
-        :attr:`option_defaults`): a wrong one raises an ArgumentError naming it."""
+        :attr:`option_defaults`): a wrong one raises an ArgumentError naming it (one that
+        moved, :attr:`moved`, its new spelling too)."""
+        refuse_moved(options, cls.moved, f"{cls.__name__}()")
         if settings is not None or cls.Settings is None:
             if options:
                 raise TypeError(f"{cls.__name__}() got keyword arguments {sorted(options)} "

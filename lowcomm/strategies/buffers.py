@@ -120,7 +120,7 @@ def recompute_statistics(model: torch.nn.Module, batches: Iterable, count: int,
       3. momenta and training modes are restored.
 
     Returns the number of batches used. Fewer than ``count`` is fine; none raises
-    :class:`~lowcomm.errors.ArgumentError` naming ``bn_batches`` and leaves the statistics as
+    :class:`~lowcomm.errors.ArgumentError` naming ``context.batches`` and leaves the statistics as
     they were (as does any error inside ``forward``)."""
     layers = batchnorms(model)
     saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone(),
@@ -138,7 +138,7 @@ def recompute_statistics(model: torch.nn.Module, batches: Iterable, count: int,
             forward(model, batch)
             used += 1
         if used == 0:
-            raise ArgumentError("bn_batches", "gave no batch to recompute BatchNorm's statistics "
+            raise ArgumentError("context.batches", "gave no batch to recompute BatchNorm's statistics "
                                 "on (an exhausted iterator? pass a list, a DataLoader or a "
                                 "function of the step)")
     except BaseException:
@@ -176,11 +176,12 @@ class Recompute:
                                 "running statistics on, but the model has no BatchNorm layer "
                                 "that keeps them; use 0")
         if batches is None:
-            raise ArgumentError("bn_batches", f"bn_recompute = {count} needs training "
-                                "batches: pass bn_batches (a list, a DataLoader or a function of "
-                                "the step; lowcomm.train passes the task's)")
+            raise ArgumentError("context.batches", f"bn_recompute = {count} needs training "
+                                "batches: pass context=lowcomm.Context(batches=...) (a list, a "
+                                "DataLoader or a function of the step; lowcomm.train passes the "
+                                "task's)")
         if forward is not None and not callable(forward):
-            raise ArgumentError("bn_forward", f"must be a function (model, batch), got "
+            raise ArgumentError("context.forward", f"must be a function (model, batch), got "
                                 f"{type(forward).__name__}")
         self.model, self.count, self.batches, self.forward = model, count, batches, forward
 

@@ -160,13 +160,15 @@ def build_policy(plan: list[Level], model, optimizer, comm, ctx: Context):
                           f"topology's {list(names)}")
     first = check_plan(plan, ctx.compressor.name)
     with parts_of_one_method():          # the levels share the optimizer; the top one claims it
-        strategy = _build_levels(plan, first, names, levels, model, optimizer, comm, ctx)
+        strategy = _build_levels(plan, first, model, optimizer, comm, ctx)
     claim(strategy, optimizer)
     return strategy
 
 
-def _build_levels(plan, first, names, levels, model, optimizer, comm, ctx: Context):
-    """The strategies of a per-level policy, innermost first; returns the outermost."""
+def _build_levels(plan, first, model, optimizer, comm, ctx: Context):
+    """The strategies of a per-level policy, innermost first; returns the outermost. The
+    topology's communicators are ``ctx.levels`` (checked against the plan by the caller)."""
+    levels, names = ctx.levels, ctx.levels.names
     strategy = None
     if first < len(plan):                    # the per-step levels: one strategy over their span
         lvl = plan[first]

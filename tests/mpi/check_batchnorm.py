@@ -2,7 +2,7 @@
 2 ranks: through the loop on real images (scikit-learn's digits, experiments/digits_cnn_task.py)
 DiLoCo with recomputed statistics is within 2 points of SyncDP's test accuracy, and the
 statistics it delivers are those torch's own ``update_bn`` measures on each rank's batches,
-averaged over the ranks; in the user's own loop (``DiLoCo(..., bn_batches=...)``) the same,
+averaged over the ranks; in the user's own loop (``DiLoCo(..., context=lowcomm.Context(batches=...))``) the same,
 at the end and after every outer step."""
 import copy
 import os
@@ -61,8 +61,8 @@ def runs(comm, shared_dir):
         def cnn(cfg):
             built.append((digits.model(cfg), cfg))
             return built[-1][0]
-        summary = lowcomm.train(model=cnn, loss=digits.loss, batch=digits.batch,
-                                eval_batches=digits.eval_batches, strategy=spec, steps=STEPS,
+        task = lowcomm.from_functions(cnn, digits.loss, digits.batch, digits.eval_batches)
+        summary = lowcomm.train(task, strategy=spec, steps=STEPS,
                                 batch_size=16, log_every=STEPS, lr=0.05, seed=0,
                                 set=["optimizer.name=sgd", "eval_batches=17"],
                                 out=str(shared_dir / name), comm=comm)
@@ -106,12 +106,12 @@ def my_batches(step, n=8):
 
 @pytest.mark.parametrize("at", ["end", "sync"])
 def test_in_the_users_loop_the_statistics_are_update_bns_averaged(comm, at):
-    """The user's loop: bn_batches a list (iterated afresh each time); with ``at = "sync"`` the
+    """The user's loop: the context's batches a list (iterated afresh each time); with ``at = "sync"`` the
     statistics after an outer step already are the recomputed ones, and at the end too."""
     model = small_cnn()
     held = [my_batches(100 + i) for i in range(3)]
     opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), comm, period=3,
-                 bn_recompute=2, bn_recompute_at=at, bn_batches=held)
+                 bn_recompute=2, bn_recompute_at=at, context=lowcomm.Context(batches=held))
     for step in range(1, 7):
         x, y = my_batches(step)
         opt.zero_grad()
@@ -145,7 +145,7 @@ def test_a_function_of_the_step_gets_the_steps_taken(comm):
         seen.append(t)
         return (my_batches(s) for s in range(t, 0, -1))
     opt = LocalSGD(model, torch.optim.SGD(model.parameters(), lr=0.05), comm, period=2,
-                   bn_recompute=3, bn_batches=batches)
+                   bn_recompute=3, context=lowcomm.Context(batches=batches))
     for step in range(1, 6):
         x, y = my_batches(step)
         opt.zero_grad()
@@ -160,19 +160,19 @@ def test_a_function_of_the_step_gets_the_steps_taken(comm):
 
 def test_recompute_without_batches_or_batchnorm_is_refused_at_build(comm):
     model = small_cnn()
-    with pytest.raises(ArgumentError, match="bn_batches"):
+    with pytest.raises(ArgumentError, match="context.batches"):
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), comm, period=2, bn_recompute=4)
     mlp = torch.nn.Linear(3, 2)
     with pytest.raises(ArgumentError, match="bn_recompute.*no BatchNorm"):
         DiLoCo(mlp, torch.optim.SGD(mlp.parameters(), lr=0.1), comm, period=2, bn_recompute=4,
-               bn_batches=[torch.zeros(1, 3)])
+               context=lowcomm.Context(batches=[torch.zeros(1, 3)]))
 
 
-def test_an_exhausted_iterator_is_an_error_naming_bn_batches_on_every_rank(comm):
+def test_an_exhausted_iterator_is_an_error_naming_the_batches_on_every_rank(comm):
     model = small_cnn()
     once = iter([my_batches(50)])
     opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), comm, period=1,
-                 bn_recompute=1, bn_recompute_at="sync", bn_batches=once)
+                 bn_recompute=1, bn_recompute_at="sync", context=lowcomm.Context(batches=once))
     x, y = my_batches(1)
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
@@ -180,7 +180,7 @@ def test_an_exhausted_iterator_is_an_error_naming_bn_batches_on_every_rank(comm)
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
     before = statistics(model)
-    with pytest.raises(ArgumentError, match="bn_batches.*no batch"):
+    with pytest.raises(ArgumentError, match="context.batches.*no batch"):
         opt.step()
     assert torch.equal(statistics(model), before), "a failed recompute changed the statistics"
     opt.close()

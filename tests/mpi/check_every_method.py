@@ -76,8 +76,8 @@ def trained(comm, shared_dir):
                 built.append(seeded_mlp(10, 16, 3))
                 return built[-1]
             spec, extra = METHODS[name]
-            summary = lowcomm.train(model=model, loss=loss, batch=dataset_batches(DATA),
-                                    eval_batches=evals, strategy=spec, steps=STEPS, batch_size=8,
+            task = lowcomm.from_functions(model, loss, dataset_batches(DATA), evals)
+            summary = lowcomm.train(task, strategy=spec, steps=STEPS, batch_size=8,
                                     log_every=2, lr=0.05, set=["optimizer.name=sgd", *extra],
                                     out=str(shared_dir / name), comm=comm)
             cache[name] = summary, built[-1]
@@ -106,8 +106,8 @@ def test_ends_with_one_whole_state_on_every_rank_finite_losses_and_bytes_counted
         cnns.append(digits.model(cfg))
         return cnns[-1]
     spec, extra = METHODS[name]
-    summary = lowcomm.train(model=cnn, loss=digits.loss, batch=digits.batch,
-                            eval_batches=digits.eval_batches, strategy=spec, steps=STEPS,
+    task = lowcomm.from_functions(cnn, digits.loss, digits.batch, digits.eval_batches)
+    summary = lowcomm.train(task, strategy=spec, steps=STEPS,
                             batch_size=16, log_every=7, lr=0.05,
                             set=["optimizer.name=sgd", "eval_batches=4", *extra],
                             out=str(shared_dir / ("cnn-" + name)), comm=comm)
@@ -154,7 +154,7 @@ def test_build_makes_every_registered_method_from_its_spec(name, comm):
     tests)."""
     m = seeded_mlp(10, 16, 3)
     inner = inner_optimizer(name, m.parameters())
-    opt = lowcomm.build(name, m, inner, comm, steps=STEPS)
+    opt = lowcomm.build(name, m, inner, comm, context=lowcomm.Context(steps=STEPS))
     opt.close()
     assert isinstance(opt, lowcomm.Strategy), f"build({name!r}) gave {type(opt).__name__}"
 

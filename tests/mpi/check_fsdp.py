@@ -270,12 +270,13 @@ def run_fsdp(comm, out, resume=None, steps=STEPS):
     """The MLP task through lowcomm's loop under fsdp (AdamW, checkpoints every 3 steps, held-out
     loss every 2: 3 eval batches on 2 ranks, so the ranks evaluate different shares)."""
     data = toy_dataset()
-    return lowcomm.train(model=lambda cfg: mlp(), loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
-                         batch=dataset_batches(data), strategy="fsdp:wrap=Linear",
-                         eval_batches=lambda cfg: [data[i * 50:(i + 1) * 50] for i in range(3)],
+    task = lowcomm.from_functions(lambda cfg: mlp(), lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                                  dataset_batches(data),
+                                  lambda cfg: [data[i * 50:(i + 1) * 50] for i in range(3)])
+    return lowcomm.train(task, strategy="fsdp:wrap=Linear",
                          steps=steps, batch_size=B, log_every=2, eval_every=2, lr=0.01,
                          set=["optimizer.name=adamw", "checkpoint.every=3"], out=str(out),
-                         comm=comm, resume=resume)
+                         comm=comm, run=lowcomm.RunOptions(resume=resume, progress=False))
 
 
 def sha_of_checkpoint(folder) -> str:

@@ -63,7 +63,8 @@ METHODS = {name: by_spec(spec, needs) for name, (spec, needs) in every_method({
     "muloco-ef2bit": ("muloco-ef2bit:period=2", ["optimizer.name=muon"]),
 }).items()}
 METHODS["syncdp-int8"] = by_spec("syncdp", [], compressor="int8")
-METHODS["async-ps"] = by_spec("async-ps:max_staleness=0", [], nonfinite="skip")
+METHODS["async-ps"] = by_spec("async-ps:max_staleness=0", [],
+                             context=lowcomm.Context(nonfinite="skip"))
 METHODS["policy"] = lambda m, o, c: lowcomm.policy({"dc": "diloco:period=2"}, m, o, c,
                                                    topology="dc:2,rank:1")
 

@@ -632,9 +632,10 @@ class _Span:                         # (a lowcomm.comm.roles.Whole)
 
 
 def _late_diloco(model, rounds):
-    from lowcomm.strategies.outer.loop import Nesting
+    from lowcomm.strategies.outer.nesting import Nesting
+    nest = Nesting(inner=None, inside=None, leaders=rounds, whole=_Span())
     return DiLoCo(model, sgd(model.parameters()), lowcomm.init(), period=3,
-                  nest=Nesting(inner=None, inside=None, leaders=rounds, whole=_Span()))
+                  context=lowcomm.Context(nest=nest))
 
 
 def simulate_late(steps, period, late_round, lr=0.7, mu=0.9):

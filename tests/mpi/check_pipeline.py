@@ -17,6 +17,7 @@ from lowcomm.errors import ConfigError, LowcommError
 from lowcomm.parallel.deferred import build_deferred
 from lowcomm.parallel.pipeline import PipelineParallel, bubble_formula, schedules
 from lowcomm.run.evaluate import state_sha256
+from lowcomm.strategies.method import Context
 from lowcomm.tasks.tinygpt import TinyGPT
 from under_mpi import RANK, SIZE
 
@@ -59,7 +60,8 @@ CASES = {   # name: (model, batch(step), criterion, split, the whole model's los
 }
 
 
-def run_both(case, schedule="1F1B", clip=None, steps=STEPS, deferred=False, **options):
+def run_both(case, schedule="1F1B", clip=None, steps=STEPS, deferred=False, example=None,
+             **options):
     """(pipeline's losses, reference losses, pipelined model after finish, reference model);
     ``deferred``: the pipeline's model built on the meta device (each rank its stage only)."""
     make, batch, criterion, split, whole_loss = CASES[case]
@@ -68,7 +70,8 @@ def run_both(case, schedule="1F1B", clip=None, steps=STEPS, deferred=False, **op
     ropt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     opt = PipelineParallel(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
                            microbatches=M, schedule=schedule, criterion=criterion,
-                           split_batch=split, **options)
+                           context=Context(split=split, batches=None if example is None else [example]),
+                           **options)
     ours, theirs = [], []
     for step in range(steps):
         b = batch(step)
@@ -211,7 +214,8 @@ def test_a_split_by_measured_time_cuts_alike_on_every_rank_and_trains_the_same_m
     assert_same_model(model, ref)
     m = tinygpt()
     opt = PipelineParallel(m, torch.optim.SGD(m.parameters(), lr=0.1), microbatches=M,
-                           criterion=CASES["tinygpt"][2], split="time", example=lm_batch(0))
+                           criterion=CASES["tinygpt"][2], split="time",
+                           context=Context(batches=[lm_batch(0)]))
     every = control(init()).allgather_object(opt.bounds)
     assert every[0] == every[1] and every[0][0] == 0 and every[0][-1] == 4
     opt.close()
@@ -226,7 +230,7 @@ def test_a_pipeline_built_on_the_meta_device_holds_its_stage_and_trains_the_same
     make, _, criterion, split, _ = CASES[case]
     ref, model = make(), build_deferred(make, "strategy.build")
     opt = PipelineParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), microbatches=M,
-                           criterion=criterion, split_batch=split)
+                           criterion=criterion, context=Context(split=split))
     held = {id(p) for st in opt.stages for p in st.parameters()}
     whole = dict(ref.named_parameters())
     for n, p in model.named_parameters():         # the stage's as the whole build's, bit for bit

@@ -74,13 +74,13 @@ def train(comm, method, out, resume=None, steps=STEPS):
     """The method's run on ``comm``; the parameter server's other ranks return their own
     counters: the run's summary is rank 0's."""
     spec, extra, _ = method
-    s = lowcomm.train(model=lambda cfg: seeded_mlp(10, 16, 3),
-                      loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
-                      batch=dataset_batches(DATA),
-                      eval_batches=lambda cfg: [DATA[i * 50:(i + 1) * 50] for i in range(2)],
-                      strategy=spec, steps=steps, batch_size=8, log_every=2, lr=0.05,
+    task = lowcomm.from_functions(lambda cfg: seeded_mlp(10, 16, 3),
+                                  lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                                  dataset_batches(DATA),
+                                  lambda cfg: [DATA[i * 50:(i + 1) * 50] for i in range(2)])
+    s = lowcomm.train(task, strategy=spec, steps=steps, batch_size=8, log_every=2, lr=0.05,
                       set=["optimizer.name=sgd", f"checkpoint.every={EVERY}", *extra],
-                      out=str(out), comm=comm, resume=resume)
+                      out=str(out), comm=comm, run=lowcomm.RunOptions(resume=resume, progress=False))
     return comm.bcast_object(s if comm.rank == 0 else None) if "async-ps" in spec else s
 
 

@@ -303,7 +303,7 @@ def test_hpz_shards_inside_the_node_and_equals_syncdp(comm):
     all-gather after the step stays inside the node (no world-level all-gather in the ledger)."""
     from lowcomm.comm.topology import Topology
     levels = Topology.from_env(comm, "node:2,rank:2").comms(comm)
-    model, opt, _ = run(comm, "zero2:hpz=true", levels=levels)
+    model, opt, _ = run(comm, "zero2:hpz=true", context=lowcomm.Context(levels=levels))
     ref, ref_opt, _ = run(comm, "syncdp")
     assert_models_close(model, ref, "zero2 with hpZ vs syncdp", rtol=1e-6, atol=1e-7)
     assert opt._red.size == 2 and abs(state_numel(opt) - state_numel(ref_opt) / 2) <= 2 * len(opt.buckets)

@@ -256,8 +256,8 @@ def test_onebit_adam_on_the_builtin_task_keeps_the_key_bias_put_and_no_nan(comm)
         built.append(bytelm.model(cfg))
         return built[-1]
 
-    summary = lowcomm.train(model=build, loss=bytelm.loss, batch=bytelm.batch,
-                            eval_batches=bytelm.eval_batches, strategy="onebit-adam:freeze_step=10",
+    task = lowcomm.from_functions(build, bytelm.loss, bytelm.batch, bytelm.eval_batches)
+    summary = lowcomm.train(task, strategy="onebit-adam:freeze_step=10",
                             steps=150, log_every=50, comm=comm,
                             set=["model.d_model=32", "model.n_layers=1", "optimizer.name=adam",
                                  "data.max_bytes=300000", "eval_batches=2"])

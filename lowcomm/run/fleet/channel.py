@@ -35,7 +35,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -90,6 +90,20 @@ class Limits:
         """The longest a gloo call of ``nbytes`` among ``size`` members may wait."""
         extra = self.factor * predict("allreduce.ring", nbytes, size, link) if link else 0.0
         return self.limit_s + extra
+
+
+@dataclass(frozen=True)
+class Seat:
+    """Where a fleet member sits: datacenter ``dc`` of the fleet's ``dcs``, this job's
+    incarnation ``inc`` (0 for the first launch, one more for each relaunch), ``rank`` (the
+    world rank named in errors), the fleet's :class:`Limits` and ``link`` (the cross-datacenter
+    links' α–β model, or None)."""
+    dc: int
+    dcs: int
+    limits: Limits = field(default_factory=Limits)
+    inc: int = 0
+    rank: int = 0
+    link: object = None
 
 
 def _store(host: str, port: int, timeout_s: float) -> SealedStore:
@@ -213,19 +227,19 @@ class _Heartbeat(threading.Thread):
 
 
 class Channel:
-    """Datacenter ``dc``'s side of the fleet (on its leader; module docstring). ``inc``: this
-    job's incarnation (0 for the first launch, one more for each relaunch); ``rank``: the world
-    rank named in errors; ``link``: the cross-datacenter links' α–β model (or None); ``dcs``:
-    the fleet's datacenters."""
+    """A datacenter's side of the fleet (on its leader; module docstring), at ``seat``
+    (:class:`Seat`: its datacenter, incarnation, rank, limits and link); ``connect_s``: how long
+    it waits for the coordinator (default the seat's ``limits.limit_s``); ``arrivals``: it
+    sends asynchronous DiLoCo's arrivals."""
 
     rounds = True        # an outer loop reduces through average(), not through a Comm
     per_rank = False     # (a :class:`~lowcomm.comm.roles.Peers`: one leader per datacenter)
 
-    def __init__(self, address: str, dc: int, inc: int, limits: Limits, link=None,
-                 rank: int = 0, ledger: Ledger | None = None, connect_s: float | None = None,
-                 *, dcs: int, arrivals: bool = False):
+    def __init__(self, address: str, seat: Seat, ledger: Ledger | None = None,
+                 connect_s: float | None = None, *, arrivals: bool = False):
         host, _, port = address.rpartition(":")
-        self.dcs, self.arrivals = dcs, arrivals
+        dc, inc, limits, link, rank = seat.dc, seat.inc, seat.limits, seat.link, seat.rank
+        self.dcs, self.arrivals = seat.dcs, arrivals
         self._arrived = 0                     # arrivals sent by this incarnation
         self.donate_to: list[int] = []        # joining datacenters this member hands over to
         self.host, self.port = host, int(port)

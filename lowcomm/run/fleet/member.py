@@ -31,7 +31,7 @@ from ...strategies.ownership import adopt
 from .. import outcome
 from ..lockstep import Lockstep
 from ..signals import Interrupted
-from .channel import Channel, store_client
+from .channel import Channel, Seat, store_client
 from .ranks import RankChannel, Span
 from .plan import FleetPlan, plan
 
@@ -102,8 +102,8 @@ def connect(fp: FleetPlan, comm, me: dict) -> Channel | None:
     if comm.rank != 0:
         return None
     cfg = fp.cfg
-    return Channel(me["address"], me["dc"], me["inc"], fp.limits(), fp.link, rank=me["offset"],
-                   connect_s=cfg.fleet.join_s if me["join"] else None, dcs=cfg.fleet.dcs,
+    seat = Seat(me["dc"], cfg.fleet.dcs, fp.limits(), me["inc"], me["offset"], fp.link)
+    return Channel(me["address"], seat, connect_s=cfg.fleet.join_s if me["join"] else None,
                    arrivals=fp.arrivals)
 
 
@@ -118,7 +118,8 @@ def levels(fp: FleetPlan, comm, channel: Channel | None, me: dict) -> FleetLevel
         store = channel.store if channel is not None else \
             store_client(me["address"], fp.cfg.fleet.join_s if me["join"] else limits.limit_s,
                          me["dc"], rank)
-        return RankChannel(comm, channel, store, me["dc"], limits, fp.link, rank)
+        return RankChannel(comm, channel, store,
+                           Seat(me["dc"], fp.cfg.fleet.dcs, limits, me["inc"], rank, fp.link))
     return FleetLevels(fp.topology, comm, channel, me["dc"], whole, ranked)
 
 

@@ -9,7 +9,7 @@ import torch
 from ...comm.ledger import Ledger
 from ...comm.round_tag import RoundTag
 from ...errors import CommError
-from .channel import Channel, Limits, _Groups
+from .channel import Channel, Seat, _Groups
 
 
 class RankChannel:
@@ -31,12 +31,13 @@ class RankChannel:
     per_rank = True
     dcs = None           # (its datacenter is ``dc``; the leader's Channel counts them)
 
-    def __init__(self, inside, channel: Channel | None, store, dc: int, limits: Limits, link=None,
-                 rank: int = 0, ledger: Ledger | None = None, shared: dict | None = None):
-        self.inside, self.channel, self.store = inside, channel, store
-        self.dc, self.limits, self.link, self.rank = dc, limits, link, rank
+    def __init__(self, inside, channel: Channel | None, store, seat: Seat,
+                 ledger: Ledger | None = None, shared: dict | None = None):
+        self.inside, self.channel, self.store, self.seat = inside, channel, store, seat
+        self.dc, self.limits, self.link, self.rank = seat.dc, seat.limits, seat.link, seat.rank
         self.ledger = ledger if ledger is not None else Ledger()
-        self.plane = _Groups(store, dc, limits, link, rank, f"rank{inside.rank}/")
+        self.plane = _Groups(store, seat.dc, seat.limits, seat.link, seat.rank,
+                             f"rank{inside.rank}/")
         # what every rank reads from the decisions it is handed, shared with its duplicates
         self.shared = shared if shared is not None else {"admit_due": False}
 
@@ -52,8 +53,8 @@ class RankChannel:
     def dup(self, ledger: Ledger | None = None) -> "RankChannel":
         """Over a duplicate of ``inside`` (collective over the datacenter's ranks; the rounds'
         hand-offs there are not the method's traffic), its data plane charged to ``ledger``."""
-        return RankChannel(self.inside.dup(Ledger()), self.channel, self.store, self.dc,
-                           self.limits, self.link, self.rank, ledger, self.shared)
+        return RankChannel(self.inside.dup(Ledger()), self.channel, self.store, self.seat,
+                           ledger, self.shared)
 
     def average(self, flat: torch.Tensor, tag: RoundTag, algorithm: str = "ring",
                 levels=None) -> torch.Tensor:

@@ -20,6 +20,26 @@ ORDERS = ("cta", "atc")
 TAG = 90_000                 # on the strategy's own duplicated communicator
 
 
+@dataclass
+class GossipOptions(Settings):
+    """How :class:`Gossip` mixes (its keyword arguments ``mode``, ``order``, ``consensus_step``;
+    the registry's :class:`GossipSettings` name them ``gossip_mode``, ``gossip_order``)."""
+    mode: str = "dpsgd"            # "dpsgd" | "push-sum" | "async"
+    order: str = "cta"             # "cta" | "atc"
+    consensus_step: float = 1.0    # CHOCO's γ (with a compressor)
+
+    def validate(self, prefix: str = "") -> None:
+        if self.mode not in MODES:
+            raise ConfigError.at(prefix, "mode", f"unknown gossip mode {self.mode!r}; known: "
+                                 f"{', '.join(MODES)}")
+        if self.order not in ORDERS:
+            raise ConfigError.at(prefix, "order", f"unknown gossip order {self.order!r}; known: "
+                                 f"{', '.join(ORDERS)}")
+        if not 0 < self.consensus_step <= 1:
+            raise ConfigError.at(prefix, "consensus_step", f"must be in (0, 1], got "
+                                 f"{self.consensus_step}")
+
+
 class Gossip(Strategy):
     """Gossip SGD over a peer graph: D-PSGD (Lian et al. 2017, arXiv 1705.09056), Stochastic
     Gradient Push (push-sum; Assran et al. 2019, arXiv 1811.10792), an asynchronous variant in the
@@ -107,15 +127,14 @@ class Gossip(Strategy):
 
     name = "gossip"
     unfreezes = True
+    Settings = GossipOptions
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, graph: str | Graph = "ring", mode: str = "dpsgd",
-                 order: str = "cta", compressor=None, consensus_step: float = 1.0):
-        super().__init__(model, optimizer, comm)
-        if mode not in MODES:
-            raise ArgumentError("mode", f"unknown gossip mode {mode!r}; known: {', '.join(MODES)}")
-        if order not in ORDERS:
-            raise ArgumentError("order", f"unknown gossip order {order!r}; known: {', '.join(ORDERS)}")
+                 comm: Comm | None = None, graph: str | Graph = "ring", *, compressor=None,
+                 settings: GossipOptions | None = None, **options):
+        super().__init__(model, optimizer, comm, settings=settings, **options)
+        mode, order, consensus_step = self.settings.mode, self.settings.order, \
+            self.settings.consensus_step
         self.graph = build_graph(graph, self.comm.size) if isinstance(graph, str) else graph
         if not isinstance(self.graph, Graph):
             raise ArgumentError("graph", f"must be a name ({', '.join(GRAPHS)}) or a Graph, got "
@@ -131,8 +150,6 @@ class Gossip(Strategy):
             raise ArgumentError("compressor", "compressed (CHOCO) gossip needs mode='dpsgd' on a "
                                 f"static graph (every rank tracks its fixed neighbours' public "
                                 f"copies); got mode={mode!r} on {self.graph.name!r}")
-        if not 0 < consensus_step <= 1:
-            raise ArgumentError("consensus_step", f"must be in (0, 1], got {consensus_step}")
         if compressor is None and consensus_step != 1:
             raise ArgumentError("consensus_step", "is CHOCO's γ and needs a compressor")
         self.mode, self.order, self.compressor = mode, order, compressor

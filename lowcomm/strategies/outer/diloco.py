@@ -214,10 +214,11 @@ class DiLoCo(OuterLoop):
         outer_lr, outer_momentum: the outer SGD's learning rate and momentum.
         warmup_steps: W ≥ 0 dense SyncDP steps before the first round.
         algorithm: all-reduce algorithm of the pseudo-gradient (and the warm-up).
-        levels: the topology's communicators, for ``algorithm = "hierarchical"``.
         compressor: a :class:`~lowcomm.compress.Compressor` for the pseudo-gradient
             (None: dense fp32 average).
-        warmup_options: extra keyword arguments of the warm-up's SyncDP.
+        context: the run's objects (:class:`~lowcomm.strategies.method.Context`): ``levels``
+            for ``algorithm = "hierarchical"``, the warm-up's gradient compressor and NaN
+            policy, ``batches`` and ``forward`` for ``bn_recompute``.
 
     Example::
 

@@ -55,9 +55,11 @@ class LocalSGD(OuterLoop):
         period: H ≥ 1, local steps between averagings.
         warmup_steps: W ≥ 0 dense SyncDP steps first.
         algorithm: all-reduce algorithm of the averaging and the warm-up.
-        levels: the topology's communicators, for ``algorithm = "hierarchical"``.
-        warmup_options: extra keyword arguments of the warm-up's SyncDP (``bucket_mb``,
-            ``overlap``, ``compressor`` for the warm-up's gradients, ...).
+        bucket_mb, overlap, backward_passes_per_step: the warm-up's SyncDP keys.
+        context: the run's objects (:class:`~lowcomm.strategies.method.Context`): ``levels``,
+            the topology's communicators, for ``algorithm = "hierarchical"``; ``compressor``
+            and ``nonfinite``, the warm-up's gradient compressor and NaN policy; ``batches``
+            and ``forward`` for ``bn_recompute``.
 
     Example::
 

@@ -28,9 +28,10 @@ At the end (:meth:`OuterLoop.finish`), with ``bn_recompute = N`` the statistics 
 batches per rank under the delivered weights and averaged, instead of averaging the
 statistics the ranks ran with: averaged statistics need not fit the weights an outer step
 made (DiLoCo on a BatchNorm CNN: 0.875/0.923 test accuracy against SyncDP's 0.98 before).
-The batches: ``bn_batches``, an iterable (a list, a DataLoader: iterated afresh each time)
-or a function of the inner step t returning one (the loop passes the task's batches of
-this rank's last steps); ``bn_forward(model, batch)`` runs the model on one (default:
+The batches: ``context.batches`` (:class:`~lowcomm.strategies.method.Context`), an iterable
+(a list, a DataLoader: iterated afresh each time) or a function of the inner step t returning
+one (the loop passes the task's batches of this rank's last steps); ``context.forward(model,
+batch)`` runs the model on one (default:
 ``model(batch[0])`` for a pair; the loop passes the task's loss).
 
 Every rank issues the same reductions in the same order, so no per-call agreement is needed.
@@ -66,7 +67,7 @@ from ..base import Strategy
 from ..buffers import Buffers, Recompute
 from .fragment import Fragment, InFlight, done, partition
 from ..method import Context, check_compressor_name
-from .nesting import Nesting, OverALevel
+from .nesting import OverALevel
 from .route import Route, Thread, local_shards
 from .syncs import SyncLog
 from ..sync.syncdp import SyncDPSettings
@@ -84,12 +85,20 @@ class OuterLoop(OverALevel, Strategy):
     option_defaults = {"algorithm": "mpi"}    # a Python caller's all-reduce
     unfreezes = True           # Settings: OuterSettings, set below where it is defined
 
+    moved = {"levels": "context=lowcomm.Context(levels=...)",
+             "nest": "context=lowcomm.Context(nest=...)",
+             "bn_batches": "context=lowcomm.Context(batches=...)",
+             "bn_forward": "context=lowcomm.Context(forward=...)",
+             "warmup_options": "the warm-up's SyncDP keys as the method's own (bucket_mb=, "
+                               "overlap=, ...) and its compressor and NaN policy as "
+                               "context=lowcomm.Context(compressor=..., nonfinite=...)"}
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, compressor: Compressor | None = None,
-                 warmup_options: dict | None = None, nest: Nesting | None = None, levels=None,
-                 bn_batches=None, bn_forward=None, **options):
+                 context: Context | None = None, **options):
         super().__init__(model, optimizer, comm, **options)
-        s = self.settings
+        s, context = self.settings, context or Context()
+        nest, levels = context.nest, context.levels
         get_algorithm(s.algorithm, levels)
         if compressor is not None and not isinstance(compressor, Compressor):
             raise ArgumentError("compressor", f"must be a lowcomm Compressor, got "
@@ -104,10 +113,11 @@ class OuterLoop(OverALevel, Strategy):
         self.fragments = partition(named, s.fragments, self.period,
                                    self.delay if s.slot == "merge" else 0, local)   # torchft's slots
         self.buffers = Buffers(model)
-        self._bn = Recompute(model, s.bn_recompute, bn_batches, bn_forward) if s.bn_recompute else None
+        self._bn = Recompute(model, s.bn_recompute, context.batches, context.forward) \
+            if s.bn_recompute else None
         self.t, self.wait_s = 0, 0.0                 # inner steps taken; seconds waited
         self.syncs = SyncLog()                       # [local step, fragment, bytes sent here]
-        self._dense = self._start_equal(levels, warmup_options, local)
+        self._dense = self._start_equal(context, local)
         self.route = Route(self.comm, nest, self.fragments, levels, s.algorithm, compressor, local)
         for below in (self._dense, self._inner):
             if below is not None:                    # this method's guard names the right object
@@ -371,12 +381,16 @@ class OuterSettings(SyncDPSettings):
 
     def kwargs(self, ctx: Context) -> dict:
         """The constructor's arguments: these settings (validated) and the run's objects."""
+        return dict(settings=self, context=ctx)
+
+    def warmup_options(self, ctx: Context) -> dict:
+        """The dense warm-up's SyncDP keyword arguments but ``algorithm`` (the outer loop's
+        own): these settings' SyncDP keys, the run's gradient compressor and NaN policy."""
         mine = vars(self)                            # the warm-up's SyncDP keys are fields here
         warmup = SyncDPSettings(**{k: mine[k] for k in SyncDPSettings.fields()
                                    if k != "compressor"}).kwargs(ctx)
-        del warmup["algorithm"]                      # the outer loop's own
-        return dict(settings=self, warmup_options=warmup, nest=ctx.nest, levels=ctx.levels,
-                    bn_batches=ctx.batches, bn_forward=ctx.forward)
+        del warmup["algorithm"]
+        return warmup
 
 
 MERGES = ("mix", "add-local", "eager")

@@ -41,15 +41,16 @@ class OverALevel:
     policy, ``nest.inner``; None: the plain optimizer). A mixin of
     :class:`~lowcomm.strategies.outer.loop.OuterLoop` (``self.nest``, ``self._dense``)."""
 
-    def _start_equal(self, levels, warmup_options, local):
+    def _start_equal(self, context, local):
         """Every rank starts from rank 0's model: the dense warm-up's SyncDP (returned; it
-        broadcasts rank 0's state itself), or a broadcast (FSDP below: rank i of every unit
-        takes unit 0's rank i's chunks)."""
+        broadcasts rank 0's state itself; its keys from the settings, its compressor and NaN
+        policy from ``context``), or a broadcast (FSDP below: rank i of every unit takes unit
+        0's rank i's chunks)."""
         if self.warmup_steps > 0:
             from ..sync.syncdp import SyncDP
             with parts_of_one_method():
                 return SyncDP(self.model, self.optimizer, self.comm, algorithm=self.algorithm,
-                              levels=levels, **(warmup_options or {}))
+                              levels=context.levels, **self.settings.warmup_options(context))
         if local is not None:
             if not self.nest.peers.rounds:           # a fleet's members start equal
                 broadcast_(self.nest.peers, list(local.values()), root=0)

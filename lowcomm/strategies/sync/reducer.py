@@ -59,6 +59,23 @@ class Bucket:
                 for i, (n, s) in enumerate(zip(self.names, self.shapes))]
 
 
+@dataclass(frozen=True)
+class ReducerSettings:
+    """How a :class:`Reducer` reduces: ``algorithm``, an all-reduce algorithm name
+    (:data:`lowcomm.comm.collectives.ALGORITHM_NAMES`; "auto" chooses per bucket size);
+    ``bucket_bytes``, the target bucket size (a tensor larger than this gets a bucket of its
+    own); ``op``, "avg" or "sum"; ``overlap``: reduce buckets on a background thread as they
+    fill (else in :meth:`Reducer.flush`)."""
+    algorithm: str = "mpi"
+    bucket_bytes: int = 4 << 20
+    op: str = "avg"
+    overlap: bool = True
+
+    def __post_init__(self):
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+
+
 class Reducer:
     """Average (or sum) named tensors over ``comm``, bucket by bucket.
 
@@ -66,13 +83,9 @@ class Reducer:
         comm: the communicator.
         named: ``(name, tensor)`` pairs fixing names, shapes, dtypes and bucket order; the same
             on every rank (checked once, here, so the hot path needs no per-call check).
-        algorithm: an all-reduce algorithm name (:data:`lowcomm.comm.collectives.ALGORITHM_NAMES`;
-            "auto" chooses per bucket size).
+        settings: the algorithm, bucket size, op and overlap (:class:`ReducerSettings`).
         levels: the topology's communicators (:meth:`lowcomm.comm.topology.Topology.comms`), needed by
             ``algorithm = "hierarchical"`` (the Reducer runs it on a duplicate of them).
-        bucket_bytes: target bucket size; a tensor larger than this gets a bucket of its own.
-        op: "avg" or "sum".
-        overlap: reduce buckets on a background thread as they fill (else in :meth:`flush`).
         compressor: reduce each bucket with this compressor (its payload on the wire) instead
             of a dense all-reduce; ``op`` must then be "avg".
         idle: names of tensors expected to get no gradient (frozen parameters, which a user may
@@ -100,12 +113,12 @@ class Reducer:
         for name, g in red.flush(): ...   # averaged tensors, views into the buckets
     """
 
-    def __init__(self, comm: Comm, named: list[tuple[str, torch.Tensor]], algorithm: str = "mpi",
-                 bucket_bytes: int = 4 << 20, op: str = "avg", overlap: bool = True,
+    def __init__(self, comm: Comm, named: list[tuple[str, torch.Tensor]],
+                 settings: ReducerSettings = ReducerSettings(), *,
                  compressor: Compressor | None = None, levels=None, idle=()):
+        algorithm, bucket_bytes = settings.algorithm, settings.bucket_bytes
+        op, overlap = settings.op, settings.overlap
         get_algorithm(algorithm, levels)
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if compressor is not None and op != "avg":
             raise ValueError(f"a compressor averages; op must be 'avg', got {op!r}")
         self.comm, self.algorithm, self.op, self.overlap = comm, algorithm, op, overlap

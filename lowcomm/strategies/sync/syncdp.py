@@ -9,7 +9,7 @@ import torch
 from ...comm.collectives import ALGORITHM_NAMES, broadcast_
 from ...comm.comm import Comm
 from ...errors import ArgumentError, ConfigError, LowcommError, NonFiniteError
-from .reducer import Reducer
+from .reducer import Reducer, ReducerSettings
 from ...settings import NonFinite, Settings
 from ..base import Strategy
 from ..method import Context, Method, check_compressor_name
@@ -173,9 +173,9 @@ class SyncDP(Strategy):
         if levels is not None and levels.size != self.comm.size:
             levels = None      # a unit inside the topology (a policy's level): its own ranks only
         if self.comm.size > 1 or compressor is not None:   # else: nothing to exchange or encode
-            self.reducer = Reducer(self.comm, self._named[::-1], algorithm,
-                                   int(bucket_mb * (1 << 20)), op="avg", overlap=overlap,
-                                   compressor=compressor, levels=levels, idle=frozen)
+            how = ReducerSettings(algorithm, int(bucket_mb * (1 << 20)), "avg", overlap)
+            self.reducer = Reducer(self.comm, self._named[::-1], how, compressor=compressor,
+                                   levels=levels, idle=frozen)
         if self.reducer is not None or self.passes.per_step > 1:   # the hooks count the passes
             self._hooks = [p.register_post_accumulate_grad_hook(self._hook(n))
                            for n, p in self._named if p.requires_grad]
