@@ -126,6 +126,12 @@ class OuterLoop(OverALevel, Strategy):
         fragment's new synchronised value (flat), which :meth:`_land` merges into the model."""
         raise NotImplementedError
 
+    @classmethod
+    def from_settings(cls, s, model, optimizer, comm: Comm, ctx: Context) -> "OuterLoop":
+        """The registry's ``build`` (:class:`~lowcomm.strategies.method.Method`) of a method
+        whose settings give all its arguments: ``cls(model, optimizer, comm, **s.kwargs(ctx))``."""
+        return cls(model, optimizer, comm, **s.kwargs(ctx))
+
     def _warmup_done(self) -> None:
         """Called once after the last dense step (parameters are equal on all ranks)."""
 

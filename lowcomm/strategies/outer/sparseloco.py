@@ -12,7 +12,7 @@ from ...compress.compressor import Compressor
 from ...compress.demo import Chunks, QuantizedChunkTopK
 from ...compress.error_feedback import ErrorFeedback
 from ...errors import ConfigError
-from ..method import Context, Method
+from ..method import Method
 from ..chunks import chunk_buckets
 from .fragment import Fragment
 from .loop import OuterLoop, OuterSettings, check_run
@@ -39,16 +39,6 @@ class SparseLoCoSettings(OuterSettings):
             raise ConfigError.at(prefix, "compressor", "sparseloco compresses its pseudo-gradient "
                                  "itself (chunked top-k, 2-bit values); leave compressor = "
                                  f"\"none\", got {self.compressor!r}")
-
-
-def build(s: SparseLoCoSettings, model, optimizer, comm: Comm, ctx: Context) -> "SparseLoCo":
-    return SparseLoCo(model, optimizer, comm, **s.kwargs(ctx))
-
-
-METHOD = Method("sparseloco", SparseLoCoSettings, build, "SparseLoCo: DiLoCo with a chunked "
-                "top-k 2-bit pseudo-gradient and an error-feedback accumulator for outer momentum",
-                check=check_run, outer=True, level=True, python="SparseLoCo",
-                example="sparseloco:period=3,chunk=8,topk=4")
 
 
 class SparseLoCo(OuterLoop):
@@ -191,3 +181,10 @@ class SparseLoCo(OuterLoop):
             out.update(topk=self.topk, chunk=self.chunk, decay=self.decay, outer_lr=self.outer_lr,
                        payload_bytes_per_sync=self.payload_bytes())
         return out
+
+
+METHOD = Method("sparseloco", SparseLoCoSettings, SparseLoCo.from_settings, "SparseLoCo: DiLoCo "
+                "with a chunked top-k 2-bit pseudo-gradient and an error-feedback accumulator for "
+                "outer momentum",
+                check=check_run, outer=True, level=True, python="SparseLoCo",
+                example="sparseloco:period=3,chunk=8,topk=4")
