@@ -117,6 +117,13 @@ class Strategy(Capabilities, torch.optim.Optimizer):
         check_agreed(self.comm, f"{self.name}.layout", repr(layout), len(layout),
                      mine=f"{len(layout)} parameters")
         self.guard = OptimizerGuard(self, optimizer)
+        self._setup(self.settings)
+
+    def _setup(self, s) -> None:
+        """Set the method up from its resolved settings ``s``, last in the base constructor
+        (``model``, ``optimizer``, ``comm`` and ``settings`` in place): a method whose constructor
+        takes nothing beyond the base's arguments defines this instead of restating it. Nothing
+        by default."""
 
     @classmethod
     def _resolve(cls, settings, options: dict):

@@ -105,10 +105,8 @@ class NoLoCo(LocalSteps):
     #: φ and the momenta δ; the pairings go on from the next outer step on the new rank count
     averaged_state = ("phi", "delta")
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, settings: NoLoCoSettings | None = None, **options):
-        super().__init__(model, optimizer, comm, settings=settings, **options)
-        s = self.settings
+    def _setup(self, s: NoLoCoSettings) -> None:
+        model = self.model
         self.period, self.seed = s.period, s.seed
         self.alpha, self.beta = s.outer_momentum, s.outer_lr
         self.gamma = s.outer_lr if s.gamma is None else s.gamma

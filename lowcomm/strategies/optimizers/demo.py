@@ -154,10 +154,8 @@ class DeMo(Strategy):
     lockstep = True
     Settings = DeMoSettings
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, settings: DeMoSettings | None = None, **options):
-        super().__init__(model, optimizer, comm, settings=settings, **options)
-        s = self.settings
+    def _setup(self, s: DeMoSettings) -> None:
+        model, optimizer = self.model, self.optimizer
         self.topk, self.chunk, self.decay, self.sign = s.topk, s.chunk, s.decay, s.sign
         self.exchange = exchange = s.exchange
         names = {p: n for n, p in model.named_parameters()}

@@ -176,9 +176,8 @@ class OneBitAdam(Strategy):
     lockstep = True
     Settings = OneBitAdamSettings
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, settings: OneBitAdamSettings | None = None, **options):
-        super().__init__(model, optimizer, comm, settings=settings, **options)
+    def _setup(self, s: OneBitAdamSettings) -> None:
+        model, optimizer = self.model, self.optimizer
         s = self._onebit()
         self.decoupled = torch_adam(optimizer, "1-bit Adam")   # AdamW's weight decay
         self.freeze_step = s.freeze_step

@@ -192,11 +192,9 @@ class ZeroOneAdam(OneBitAdam):
         """1-bit Adam's part: its warm-up of dense steps ends at ``var_freeze_step``."""
         return OneBitAdamSettings(freeze_step=self.settings.var_freeze_step, scale=self.settings.scale)
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, settings: ZeroOneAdamSettings | None = None,
-                 **options):
-        super().__init__(model, optimizer, comm, settings=settings, **options)
-        s = self.settings
+    def _setup(self, s: ZeroOneAdamSettings) -> None:
+        super()._setup(s)
+        optimizer = self.optimizer
         self.schedule = Schedule(s.var_freeze_step, s.var_update_scaler, s.local_step_scaler,
                                  s.local_step_clipper, counter_offset(s.counter))
         self.grad_exchange = Compressor(ErrorFeedback(onebit_codec(s.scale)), TwoPhase())
