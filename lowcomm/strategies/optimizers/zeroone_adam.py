@@ -194,16 +194,15 @@ class ZeroOneAdam(OneBitAdam):
 
     def _setup(self, s: ZeroOneAdamSettings) -> None:
         super()._setup(s)
-        optimizer = self.optimizer
         self.schedule = Schedule(s.var_freeze_step, s.var_update_scaler, s.local_step_scaler,
                                  s.local_step_clipper, counter_offset(s.counter))
         self.grad_exchange = Compressor(ErrorFeedback(onebit_codec(s.scale)), TwoPhase())
         self.n_v = 0
         self.counts = {"dense": 0, "onebit": 0, "local": 0, "sync": 0}
         self._anchor: list[torch.Tensor] | None = None   # x̄, from the freeze on
-        self._decay = [1.0] * len(optimizer.param_groups)   # D per group
-        self._lrs = [0.0] * len(optimizer.param_groups)     # Σ lr per group since x̄
-        self._group_of = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"]
+        self._decay = [1.0] * len(self.optimizer.param_groups)   # D per group
+        self._lrs = [0.0] * len(self.optimizer.param_groups)     # Σ lr per group since x̄
+        self._group_of = [i for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]
                           if p.requires_grad]     # in the order of self._params
         self._frozen: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._touched = [False] * len(self._params)   # had a gradient here since the last sync
