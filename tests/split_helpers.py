@@ -84,9 +84,16 @@ def assert_split_run_equals(ours, theirs, level: str) -> dict:
     return s
 
 
+def assert_refused(sets, key: str, words: str) -> None:
+    """The settings ``sets`` are refused when loaded: a ConfigError naming ``key``, its message
+    matching ``words``."""
+    with pytest.raises(ConfigError, match=words) as e:
+        load_config(None, sets)
+    assert e.value.key == key, str(e.value)
+
+
 def assert_refused_across_datacenters(name: str) -> None:
     """A model-splitting method ``name`` on a fleet's datacenter level is refused naming it
     (inside a fleet's datacenters it runs: tests/test_fleet_split.py)."""
-    with pytest.raises(ConfigError, match="policy.dc.*innermost"):
-        load_config(None, ["fleet.dcs=2", "topology=dc:2,rank:2", f"policy.dc={name}",
-                           "policy.rank=syncdp"])
+    assert_refused(["fleet.dcs=2", "topology=dc:2,rank:2", f"policy.dc={name}",
+                    "policy.rank=syncdp"], "policy.dc", "policy.dc.*innermost")

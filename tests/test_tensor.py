@@ -7,11 +7,10 @@ import json
 import pytest
 import torch
 
-from lowcomm.errors import ConfigError
 from lowcomm.parallel.plans import join_parts, local_part
-from lowcomm.run.api import load_config
-from split_helpers import (RUN, assert_checks_ran, assert_refused_across_datacenters,
-                           assert_resumes_on_two_and_one_rank, assert_split_run_equals, copy_at_step_5, metrics, run_train,
+from split_helpers import (RUN, assert_checks_ran, assert_refused,
+                           assert_refused_across_datacenters, assert_resumes_on_two_and_one_rank,
+                           assert_split_run_equals, copy_at_step_5, metrics, run_train,
                            same_losses, summary)
 
 
@@ -188,14 +187,11 @@ def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_ha
     (["policy.node=fsdp", "policy.rank=pp"], "or, directly above tp, fsdp"),
 ])
 def test_a_composition_that_is_not_built_is_refused_naming_the_level(policy, words):
-    with pytest.raises(ConfigError, match=words) as e:
-        load_config(None, ["topology=node:2,rank:2", *policy])
-    assert e.value.key == "policy.node"
+    assert_refused(["topology=node:2,rank:2", *policy], "policy.node", words)
 
 
 @pytest.mark.parametrize("below", [["policy.node=pp", "policy.rank=tp"],
                                    ["policy.node=fsdp", "policy.rank=tp"]])
 def test_an_outer_loop_above_two_split_or_sharded_levels_is_refused_naming_it(below):
-    with pytest.raises(ConfigError, match="outer loop over two levels") as e:
-        load_config(None, ["topology=dc:2,node:2,rank:2", "policy.dc=diloco", *below])
-    assert e.value.key == "policy.dc"
+    assert_refused(["topology=dc:2,node:2,rank:2", "policy.dc=diloco", *below], "policy.dc",
+                   "outer loop over two levels")

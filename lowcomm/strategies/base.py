@@ -271,19 +271,23 @@ class Strategy(Capabilities, torch.optim.Optimizer):
 class LocalSteps(Strategy):
     """A method whose ranks step the wrapped optimizer on their own gradients and then
     communicate on the method's schedule (:meth:`_advance`, after every step): SPARTA, DES-LOC,
-    NoLoCo. A step one rank skips under AMP drops its update only; the schedule goes on with
-    the other ranks."""
+    NoLoCo, the outer loops. A step one rank skips under AMP drops its update only
+    (:meth:`skip`); the schedule goes on with the other ranks."""
 
     #: keys of the strategy state holding per-rank tensor lists that a resize averages
     averaged_state: tuple[str, ...] = ()
 
     def _step(self, closure=None):
-        loss = self.optimizer.step(closure)
+        loss = self._local_step(closure)
         self._advance()
         return loss
 
+    def _local_step(self, closure=None):
+        """This rank's step on its own gradients: the wrapped optimizer's."""
+        return self.optimizer.step(closure)
+
     def _skip_step(self) -> None:
-        self.zero_grad()
+        self.skip()
         self._advance()
 
     def _advance(self) -> None:

@@ -17,7 +17,7 @@ from .family import ExchangingOptimizer
 from ..layout import agreed_dup
 from ..method import Context, Method
 from ..buffers import Buffers
-from ..chunks import chunk_buckets
+from ..chunks import chunk_buckets, decoded_memories
 
 
 @dataclass
@@ -200,12 +200,7 @@ class DeMo(ExchangingOptimizer):
     @property
     def momentum(self) -> dict[str, torch.Tensor]:
         """Each parameter's local momentum m (parameter-shaped; zero before the first step)."""
-        out = {}
-        for b in self.buckets:
-            for name, p, _, t, lo, hi in b.members:
-                e = b.memory(name)
-                out[name] = t.decode(e.view(t.rows, t.row)) if e is not None else torch.zeros_like(p)
-        return out
+        return decoded_memories(self.buckets, lambda m: m[3], lambda m: torch.zeros_like(m[1]))
 
     def payload_bytes(self) -> int:
         """P: bytes of one rank's (value, index) pairs per step, Σ_chunks k·(value + index)."""

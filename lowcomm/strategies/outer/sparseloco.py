@@ -13,7 +13,7 @@ from ...compress.demo import Chunks, QuantizedChunkTopK
 from ...compress.error_feedback import ErrorFeedback
 from ...errors import ConfigError
 from ..method import Method
-from ..chunks import chunk_buckets
+from ..chunks import chunk_buckets, decoded_memories
 from .fragment import Fragment
 from .loop import OuterLoop, OuterSettings, check_run
 from .route import hand_on
@@ -141,13 +141,8 @@ class SparseLoCo(OuterLoop):
     @property
     def accumulators(self) -> dict[str, torch.Tensor]:
         """Each parameter's accumulator e_k (parameter-shaped; zero before the first outer step)."""
-        out = {}
-        for b in self.buckets:
-            for name, t, a, z, _, _ in b.members:
-                e = b.memory(name)
-                out[name] = t.decode(e.view(t.rows, t.row)) if e is not None else \
-                    torch.zeros(t.shape, dtype=self.outer.dtype)
-        return out
+        return decoded_memories(self.buckets, lambda m: m[1],
+                                lambda m: torch.zeros(m[1].shape, dtype=self.outer.dtype))
 
     def payload_bytes(self) -> int:
         """P: bytes of one rank's payload per outer step (values, tables, indices)."""
