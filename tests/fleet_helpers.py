@@ -148,3 +148,28 @@ def outsider(folder: Path, dcs: int) -> dict:
         wrote.append(name)
     store.set(key("heartbeat", dc=1, inc=0), b"999999")
     return {"wrote": wrote, "read": read}
+
+
+def finished(done: tuple) -> Run:
+    """The run of a ``(run, exit status, output)`` triple (a module fixture's), asserting it
+    exited 0 (else the output's tail is the message)."""
+    run, rc, out = done
+    assert rc == 0, out[-3000:]
+    return run
+
+
+def assert_same_model(s: dict, ref: dict) -> None:
+    """A fleet's summary ``s`` against ``ref``'s (one MPI job of the same policy): the same
+    parameters bit for bit, and the datacenters agreeing."""
+    assert s["state_sha256"] == ref["state_sha256"] and s["dcs_agree"], (s, ref["state_sha256"])
+
+
+def assert_healed_once(s: dict, plain: dict, rtol: float) -> None:
+    """A fleet of 2 datacenters (summary ``s``) whose datacenter 1 failed once and was healed
+    back: both finished on one model, within ``rtol`` of the held-out loss of the unfaulted
+    fleet ``plain``."""
+    f = s["fleet"]
+    assert s["finished_dcs"] == [0, 1] and s["dcs_agree"], s["finished_dcs"]
+    assert [x["dc"] for x in f["failures"]] == [1] and f["heals"] and f["heals"][0]["dc"] == 1, f
+    assert abs(s["eval_loss"] - plain["eval_loss"]) <= rtol * plain["eval_loss"], \
+        (s["eval_loss"], plain["eval_loss"])

@@ -350,7 +350,7 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("lowcomm.comm.collectives", "files_own_levels"): (1, "a marker on an all-reduce function"),
     ("lowcomm.comm.comm", "__name__"): (1, "an mpi4py callable's name (foreign)"),
     ("lowcomm.comm.comm", "__self__"): (1, "an mpi4py bound method's owner (foreign)"),
-    ("lowcomm.comm.comm", "sched_getaffinity"): (1, "os has it on Linux only"),
+    ("lowcomm.comm.base", "sched_getaffinity"): (1, "os has it on Linux only"),
     ("lowcomm.comm.ledger", "scope"): (2, "a threading.local, unset in a new thread"),
     ("lowcomm.compress", "collective"): (2, "a compressor config that may predate the key"),
     ("lowcomm.compress.bits", "buf"): (1, "a threading.local cache"),

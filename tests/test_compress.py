@@ -477,7 +477,7 @@ def test_horovod_takes_summable_stateless_compressors_only():
 
 # bench -------------------------------------------------------------------------------------------
 def test_bench_compress_rows_and_packing_speed():
-    from lowcomm.tools.bench import bench_compress, format_compress
+    from lowcomm.tools.compress_bench import bench_compress, format_compress
     rows = bench_compress(["pack", "sign", "topk", "powersgd"], numel=1 << 20, iters=5, warmup=1)
     by = {r["method"]: r for r in rows}
     assert by["sign"]["payload_bytes"] == (1 << 17) + 4 + 1 and by["memcpy"]["ratio"] == 1   # + zero flag

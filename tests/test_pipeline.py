@@ -12,36 +12,33 @@ import textwrap
 import pytest
 import torch
 
-from conftest import ROOT, run_ranks, shared_mpi_suite
+from conftest import ROOT
 from lowcomm.errors import ConfigError
 from lowcomm.parallel.pipeline import bubble_formula
 from lowcomm.parallel.stages import balanced, parse_split
 from lowcomm.run.api import load_config
 from lowcomm.run.evaluate import dict_sha256
+from split_helpers import (RUN, assert_checks_ran, assert_refused_across_datacenters,
+                           assert_resumes_on_two_and_one_rank, metrics, run_train, same_losses,
+                           summary)
 
 
 @pytest.mark.mpi_checks("check_pipeline.py", np=2, timeout=300)
 def test_pipeline_on_two_ranks():
-    cases = shared_mpi_suite(2, "check_pipeline.py")
-    for name in ("test_pp_equals_one_process_on_the_whole_batch[gpt2]",
-                 "test_pp_equals_one_process_on_the_whole_batch[llama]",
-                 "test_every_schedule_of_this_torch_trains_the_same_model[ZBVZeroBubble]",
-                 "test_clipping_by_the_norm_over_every_stage_equals_torchs_on_the_whole_model[gpt2]",
-                 "test_activations_and_their_gradients_are_charged_per_boundary",
-                 "test_a_stage_resumes_bit_for_bit_from_its_state"):
-        assert f"check_pipeline.py::{name}" in cases
+    assert_checks_ran("check_pipeline.py", (
+        "test_pp_equals_one_process_on_the_whole_batch[gpt2]",
+        "test_pp_equals_one_process_on_the_whole_batch[llama]",
+        "test_every_schedule_of_this_torch_trains_the_same_model[ZBVZeroBubble]",
+        "test_clipping_by_the_norm_over_every_stage_equals_torchs_on_the_whole_model[gpt2]",
+        "test_activations_and_their_gradients_are_charged_per_boundary",
+        "test_a_stage_resumes_bit_for_bit_from_its_state"))
 
 
-SETS = ["strategy.name=pp", "strategy.microbatches=4", "batch_size=8", "model.d_model=32",
-        "model.n_layers=4", "data.seq_len=16", "eval_batches=2", "eval_every=5", "log_every=5",
-        "checkpoint.every=5", "steps=10"]
+SETS = ["strategy.name=pp", "strategy.microbatches=4", "model.n_layers=4", *RUN]
 
 
 def train(np_, out, *sets, resume=None, base=SETS):
-    args = [a for o in (*base, *sets) for a in ("--set", o)]
-    r = run_ranks(np_, "lowcomm", "train", "--quiet", "--out", out, *args,
-                  *(["--resume", resume] if resume else []), timeout=240)
-    return r
+    return run_train(np_, out, base, *sets, resume=resume)
 
 
 def test_lowcomm_train_with_pp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
@@ -53,30 +50,18 @@ def test_lowcomm_train_with_pp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
     full = tmp_path / "full"
     r = train(2, full)
     assert r.returncode == 0, r.output
-    summary = json.loads((full / "summary.json").read_text())
-    assert summary["ranks_agree"] is True and summary["steps"] == 10
-    lines = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    first = summary(full)
+    assert first["ranks_agree"] is True and first["steps"] == 10
+    lines = metrics(full)
     assert lines[-1]["pp_bubble_formula"] == bubble_formula("1F1B", 2, 4) == 1 / 5
     assert 0 < lines[-1]["pp_bubble"] < 1 and "eval_loss" in lines[-1]
-    for np_ in (2, 1):
-        again = tmp_path / f"again{np_}"
-        shutil.copytree(full, again)
-        shutil.rmtree(again / "checkpoints" / f"step-{10:08d}", ignore_errors=True)   # the newest: 5
-        (again / "summary.json").unlink()
-        r = train(np_, again, resume=again)
-        assert r.returncode == 0, r.output
-        resumed = json.loads((again / "summary.json").read_text())
-        if np_ == 2:
-            assert resumed["state_sha256"] == summary["state_sha256"]
-        else:
-            assert resumed["resizes"] == [{"step": 5, "from": 2, "to": 1}]
-            assert abs(resumed["final_loss"] - summary["final_loss"]) < 1e-5
+    assert_resumes_on_two_and_one_rank(train, full, tmp_path)
     last = tmp_path / "last"            # PP 2 → 1 with nothing left to train: the model unchanged
     shutil.copytree(full, last)
     (last / "summary.json").unlink()
     r = train(1, last, "steps=5", resume=last)
     assert r.returncode == 0, r.output
-    resumed = json.loads((last / "summary.json").read_text())
+    resumed = summary(last)
     assert resumed["resizes"] == [{"step": 5, "from": 2, "to": 1}]
     stages = [torch.load(full / "checkpoints" / f"step-{5:08d}" / f"rank-{r:05d}.pt",
                          weights_only=False)["model"] for r in range(2)]
@@ -105,10 +90,6 @@ def test_a_killed_pipeline_rank_under_max_restarts_resumes_and_ends_bit_identica
     assert s["state_sha256"] == json.loads((plain / "summary.json").read_text())["state_sha256"]
 
 
-def metrics(out):
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_diloco_between_two_datacenters_of_two_stage_pipelines_equals_unsplit_diloco(tmp_path):
     """``topology=dc:2,rank:2``, ``policy.rank=pp``, ``policy.dc=diloco``: each rank keeps the
     outer state of its stage only and averages it with the same stage of the other datacenter.
@@ -123,20 +104,14 @@ def test_diloco_between_two_datacenters_of_two_stage_pipelines_equals_unsplit_di
     r = train(2, whole, "topology=dc:2,rank:1", *common,
               base=[x for x in base if not x.startswith("strategy.")])
     assert r.returncode == 0, r.output
-    ours, theirs = metrics(split), metrics(whole)
-    assert [x["step"] for x in ours] == [x["step"] for x in theirs] == [5, 10]
-    for a, b in zip(ours, theirs):
-        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["eval_loss"] - b["eval_loss"]) < 1e-5
-    s, w = (json.loads((f / "summary.json").read_text()) for f in (split, whole))
+    same_losses(metrics(split), metrics(whole))
+    s, w = summary(split), summary(whole)
     assert s["ranks_agree"] is True and w["ranks_agree"] is True
     assert s["bytes_by_level"]["dc"] / 4 < w["bytes_by_level"]["dc"] / 2
 
 
 def test_pp_across_datacenters_is_refused_naming_the_key():
-    """Inside a fleet's datacenters it runs (tests/test_fleet_split.py); across them, never."""
-    with pytest.raises(ConfigError, match="policy.dc.*innermost"):
-        load_config(None, ["fleet.dcs=2", "topology=dc:2,rank:2", "policy.dc=pp",
-                           "policy.rank=syncdp"])
+    assert_refused_across_datacenters("pp")
 
 
 TASK = textwrap.dedent('''
@@ -173,14 +148,13 @@ def test_a_non_finite_step_under_pp_follows_the_nan_policy(tmp_path, policy):
     task = tmp_path / "task.py"
     task.write_text(TASK)
     out = tmp_path / "run"
-    r = run_ranks(2, "lowcomm", "train", "--quiet", "--out", out, *[
-        a for o in ("strategy.name=pp", "strategy.microbatches=2", "batch_size=4", f"task={task}",
-                    "task.bad=3", "steps=6", f"on_nonfinite={policy}", "log_every=3")
-        for a in ("--set", o)], timeout=240)
+    r = run_train(2, out, ("strategy.name=pp", "strategy.microbatches=2", "batch_size=4",
+                           f"task={task}", "task.bad=3", "steps=6", f"on_nonfinite={policy}",
+                           "log_every=3"))
     if policy == "skip":
         assert r.returncode == 0, r.output
-        summary = json.loads((out / "summary.json").read_text())
-        assert summary["skipped_steps"] == 1 and summary["ranks_agree"] is True
+        s = summary(out)
+        assert s["skipped_steps"] == 1 and s["ranks_agree"] is True
     else:
         assert r.returncode != 0 and "at step 3: non-finite values" in r.output, r.output
 

@@ -3,59 +3,40 @@
 bit for bit and on another degree, DiLoCo between datacenters of split models), and the
 settings in one process."""
 import json
-import shutil
 
 import pytest
 import torch
 
-from conftest import run_ranks, shared_mpi_suite
-from lowcomm.errors import ConfigError
 from lowcomm.parallel.plans import join_parts, local_part
-from lowcomm.run.api import load_config
+from split_helpers import (RUN, assert_checks_ran, assert_refused,
+                           assert_refused_across_datacenters, assert_resumes_on_two_and_one_rank,
+                           assert_split_run_equals, copy_at_step_5, metrics, run_train,
+                           same_losses, summary)
 
 
 @pytest.mark.mpi_checks("check_tensor.py", np=2, timeout=300)
 def test_tensor_parallel_on_two_ranks():
-    cases = shared_mpi_suite(2, "check_tensor.py")
-    for name in ("test_tp_equals_one_process_on_the_same_batch[gpt2-tp]",
-                 "test_tp_equals_one_process_on_the_same_batch[gpt2-tp+sp]",
-                 "test_tp_equals_one_process_on_the_same_batch[llama-tp+sp]",
-                 "test_each_rank_holds_a_tth_of_the_split_layers[gpt2]",
-                 "test_the_ledger_holds_the_split_layers_collectives_as_megatron_counts_them[tp+sp]",
-                 "test_a_split_resumes_bit_for_bit_from_its_state[gpt2]",
-                 "test_a_state_resumes_unsplit_with_the_model_unchanged"):
-        assert f"check_tensor.py::{name}" in cases
+    assert_checks_ran("check_tensor.py", (
+        "test_tp_equals_one_process_on_the_same_batch[gpt2-tp]",
+        "test_tp_equals_one_process_on_the_same_batch[gpt2-tp+sp]",
+        "test_tp_equals_one_process_on_the_same_batch[llama-tp+sp]",
+        "test_each_rank_holds_a_tth_of_the_split_layers[gpt2]",
+        "test_the_ledger_holds_the_split_layers_collectives_as_megatron_counts_them[tp+sp]",
+        "test_a_split_resumes_bit_for_bit_from_its_state[gpt2]",
+        "test_a_state_resumes_unsplit_with_the_model_unchanged"))
 
 
-SETS = ["strategy.name=tp", "batch_size=8", "model.d_model=32", "model.n_layers=2",
-        "data.seq_len=16", "eval_batches=2", "eval_every=5", "log_every=5", "checkpoint.every=5",
-        "steps=10"]
+SETS = ["strategy.name=tp", "model.n_layers=2", *RUN]
 
 
 def train(np_, out, *sets, resume=None, base=SETS):
-    args = [a for o in (*base, *sets) for a in ("--set", o)]
-    return run_ranks(np_, "lowcomm", "train", "--quiet", "--out", out, *args,
-                     *(["--resume", resume] if resume else []), timeout=240)
+    return run_train(np_, out, base, *sets, resume=resume)
 
 
 def resume_from_step_5(full, again, np_, *sets):
-    """Run ``full``'s copy ``again`` on ``np_`` ranks from its step-5 checkpoint (the one at
-    step 10 removed)."""
-    shutil.copytree(full, again)
-    shutil.rmtree(again / "checkpoints" / f"step-{10:08d}", ignore_errors=True)
-    (again / "summary.json").unlink()
+    """Run ``full``'s copy ``again`` on ``np_`` ranks from its step-5 checkpoint."""
+    copy_at_step_5(full, again)
     return train(np_, again, *sets, resume=again)
-
-
-def metrics(out):
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def same_losses(ours, theirs):
-    """Two runs' log lines: at steps 5 and 10, the same training and held-out loss to 1e-5."""
-    assert [x["step"] for x in ours] == [x["step"] for x in theirs] == [5, 10]
-    for a, b in zip(ours, theirs):
-        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["eval_loss"] - b["eval_loss"]) < 1e-5
 
 
 def test_lowcomm_train_with_tp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
@@ -66,19 +47,10 @@ def test_lowcomm_train_with_tp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
     full = tmp_path / "full"
     r = train(2, full, "strategy.sequence=true")
     assert r.returncode == 0, r.output
-    summary = json.loads((full / "summary.json").read_text())
-    assert summary["ranks_agree"] is True and summary["steps"] == 10
-    assert summary["bytes_total"] > 0 and "eval_loss" in metrics(full)[-1]
-    for np_ in (2, 1):
-        again = tmp_path / f"again{np_}"
-        r = resume_from_step_5(full, again, np_, "strategy.sequence=true")
-        assert r.returncode == 0, r.output
-        resumed = json.loads((again / "summary.json").read_text())
-        if np_ == 2:
-            assert resumed["state_sha256"] == summary["state_sha256"]
-        else:
-            assert resumed["resizes"] == [{"step": 5, "from": 2, "to": 1}]
-            assert abs(resumed["final_loss"] - summary["final_loss"]) < 1e-5
+    first = summary(full)
+    assert first["ranks_agree"] is True and first["steps"] == 10
+    assert first["bytes_total"] > 0 and "eval_loss" in metrics(full)[-1]
+    assert_resumes_on_two_and_one_rank(train, full, tmp_path, "strategy.sequence=true")
 
 
 def test_a_tp_run_checkpointed_through_torch_distributed_checkpoint_resumes_bit_for_bit(tmp_path):
@@ -90,7 +62,7 @@ def test_a_tp_run_checkpointed_through_torch_distributed_checkpoint_resumes_bit_
     full = tmp_path / "full"
     r = train(2, full, "checkpoint.format=dcp")
     assert r.returncode == 0, r.output
-    summary = json.loads((full / "summary.json").read_text())
+    first = summary(full)
     step5 = full / "checkpoints" / f"step-{5:08d}"
     manifest = json.loads((step5 / "manifest.json").read_text())
     assert manifest["format"] == "dcp" and "dcp/.metadata" in manifest["files"]
@@ -101,8 +73,8 @@ def test_a_tp_run_checkpointed_through_torch_distributed_checkpoint_resumes_bit_
         r = resume_from_step_5(full, again, np_, "checkpoint.format=dcp")
         if np_ == 2:
             assert r.returncode == 0, r.output
-            resumed = json.loads((again / "summary.json").read_text())
-            assert resumed["state_sha256"] == summary["state_sha256"]
+            resumed = summary(again)
+            assert resumed["state_sha256"] == first["state_sha256"]
         else:
             assert r.returncode != 0 and 'checkpoint.format = "dcp"' in r.output, r.output
     plain = [x for x in SETS if not x.startswith("strategy.")] + ["steps=1", "checkpoint.every=1"]
@@ -122,17 +94,11 @@ def test_diloco_between_two_datacenters_of_tensor_parallel_pairs_equals_unsplit_
     assert r.returncode == 0, r.output
     r = train(2, whole, "topology=dc:2,rank:1", *common, base=base)
     assert r.returncode == 0, r.output
-    ours, theirs = metrics(split), metrics(whole)
-    same_losses(ours, theirs)
-    s = json.loads((split / "summary.json").read_text())
-    assert s["ranks_agree"] is True and s["bytes_by_level"]["rank"] > 0
+    assert_split_run_equals(split, whole, "rank")
 
 
 def test_tp_across_datacenters_is_refused_naming_the_key():
-    """Inside a fleet's datacenters it runs (tests/test_fleet_split.py); across them, never."""
-    with pytest.raises(ConfigError, match="policy.dc.*innermost"):
-        load_config(None, ["fleet.dcs=2", "topology=dc:2,rank:2", "policy.dc=tp",
-                           "policy.rank=syncdp"])
+    assert_refused_across_datacenters("tp")
 
 
 def test_a_fused_projections_pieces_join_back_exactly():
@@ -157,10 +123,7 @@ def test_data_parallelism_around_a_split_model_equals_syncdp_of_whole_models(tmp
     assert r.returncode == 0, r.output
     r = train(2, ref, "strategy.name=syncdp", *common, base=base)
     assert r.returncode == 0, r.output
-    a, b = metrics(ours), metrics(ref)
-    same_losses(a, b)
-    s = json.loads((ours / "summary.json").read_text())
-    assert s["ranks_agree"] is True and s["bytes_by_level"]["node"] > 0
+    assert_split_run_equals(ours, ref, "node")
 
 
 def test_pipeline_stages_each_tensor_parallel_equal_one_process_and_resume_bit_for_bit(tmp_path):
@@ -177,19 +140,16 @@ def test_pipeline_stages_each_tensor_parallel_equal_one_process_and_resume_bit_f
     assert r.returncode == 0, r.output
     r = train(1, ref, "strategy.name=syncdp", "checkpoint.every=0", base=base)
     assert r.returncode == 0, r.output
-    a, b = metrics(ours), metrics(ref)
-    same_losses(a, b)
-    s = json.loads((ours / "summary.json").read_text())
+    same_losses(metrics(ours), metrics(ref))
+    s = summary(ours)
     ops = {(row["level"], row["op"]) for row in s["ledger_rank0"] if row["bytes_sent"]}
     assert ("rank", "allreduce.tp") in ops and ("node", "send.activation.0-1") in ops
     assert s["ranks_agree"] is True
     again = tmp_path / "again"
-    shutil.copytree(ours, again)
-    shutil.rmtree(again / "checkpoints" / f"step-{10:08d}", ignore_errors=True)
-    (again / "summary.json").unlink()
+    copy_at_step_5(ours, again)
     r = train(4, again, *mesh, resume=again, base=base)
     assert r.returncode == 0 and "at step 5" in r.output, r.output
-    assert json.loads((again / "summary.json").read_text())["state_sha256"] == s["state_sha256"]
+    assert summary(again)["state_sha256"] == s["state_sha256"]
 
 
 def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_half_the_state(
@@ -205,7 +165,7 @@ def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_ha
         r = train(4, out, "topology=node:2,rank:2", "policy.rank=tp", f"policy.node={dp}",
                   base=base)
         assert r.returncode == 0, r.output
-        runs[dp] = (metrics(out), json.loads((out / "summary.json").read_text()))
+        runs[dp] = (metrics(out), summary(out))
     (a, ours), (b, theirs) = runs["fsdp"], runs["syncdp"]
     same_losses(a, b)
     assert ours["ranks_agree"] is True
@@ -227,14 +187,11 @@ def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_ha
     (["policy.node=fsdp", "policy.rank=pp"], "or, directly above tp, fsdp"),
 ])
 def test_a_composition_that_is_not_built_is_refused_naming_the_level(policy, words):
-    with pytest.raises(ConfigError, match=words) as e:
-        load_config(None, ["topology=node:2,rank:2", *policy])
-    assert e.value.key == "policy.node"
+    assert_refused(["topology=node:2,rank:2", *policy], "policy.node", words)
 
 
 @pytest.mark.parametrize("below", [["policy.node=pp", "policy.rank=tp"],
                                    ["policy.node=fsdp", "policy.rank=tp"]])
 def test_an_outer_loop_above_two_split_or_sharded_levels_is_refused_naming_it(below):
-    with pytest.raises(ConfigError, match="outer loop over two levels") as e:
-        load_config(None, ["topology=dc:2,node:2,rank:2", "policy.dc=diloco", *below])
-    assert e.value.key == "policy.dc"
+    assert_refused(["topology=dc:2,node:2,rank:2", "policy.dc=diloco", *below], "policy.dc",
+                   "outer loop over two levels")

@@ -147,7 +147,8 @@ def bench_compress(opts):
     --link-gbit link."""
     import torch
 
-    from ..tools.bench import bench_compress as run, format_compress, parse_size
+    from ..tools.bench import parse_size
+    from ..tools.compress_bench import bench_compress as run, format_compress
     cfg = _config(opts.config, opts.overrides)
     try:
         numel = parse_size(opts.size) // 4

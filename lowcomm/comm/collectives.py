@@ -34,8 +34,9 @@ import torch
 
 from .algorithms import (chunk_bounds, gather_ranges, rabenseifner, ranges_size, ring, ring_allgather,
                          ring_reduce_scatter, scatter_ranges, tree)
-from .comm import Comm, _reduce_op, init
+from .comm import Comm, init
 from ..errors import CommError, ConfigError, LowcommError
+from .tensors import reduce_op as _reduce_op
 from .tuning import agree
 
 if TYPE_CHECKING:   # the topology's communicators are handed in, never looked up

@@ -26,10 +26,7 @@ import torch
 
 from ..errors import CommError
 from .ledger import Ledger
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+from .tensors import nbytes as _nbytes
 
 
 class GlooRequest:

@@ -10,8 +10,18 @@ other thread's caches) hundreds of times per second.
 """
 from __future__ import annotations
 
+import os
 import threading
+import time
 from contextlib import contextmanager
+from typing import Callable
+
+#: the blocking MPI calls a communicator with an idle wait runs as their non-blocking forms
+#: (:meth:`lowcomm.comm.comm.Comm._call`), by mpi4py's method names
+NONBLOCKING = {"Allreduce": "Iallreduce", "Allgather": "Iallgather", "Allgatherv": "Iallgatherv",
+               "Alltoall": "Ialltoall", "Alltoallv": "Ialltoallv", "Bcast": "Ibcast",
+               "Barrier": "Ibarrier", "Reduce_scatter": "Ireduce_scatter", "Send": "Isend",
+               "Recv": "Irecv", "Wait": "Wait"}
 
 
 class IdleWait:
@@ -59,3 +69,18 @@ class IdleWait:
         finally:
             with self._lock:
                 self._hurried -= 1
+
+
+def spin_then_nap(done: Callable[[], bool], yield_s: float, nap_s: float = 50e-6) -> None:
+    """Poll ``done`` until it is true: for ``yield_s`` seconds handing the core to any thread
+    that wants it between polls (``sched_yield``), then with naps of ``nap_s`` in between. A
+    waiter with a core of its own sees the event at once; an oversubscribed one hands the core
+    over at every poll (a vendor barrier spins, stealing the core from the ranks still working)."""
+    until = None
+    while not done():
+        now = time.perf_counter()
+        until = until or now + yield_s
+        if now < until:
+            os.sched_yield()
+        else:
+            time.sleep(nap_s)

@@ -56,7 +56,8 @@ class Whole(Protocol):
 
 
 class LevelSet(Protocol):
-    """A topology's communicators as one rank sees them (module docstring)."""
+    """A topology's communicators as one rank sees them (module docstring). Its implementations
+    subclass it for :attr:`names` and :attr:`size`, the whole topology's."""
 
     topology: Topology
     world: Any
@@ -67,10 +68,12 @@ class LevelSet(Protocol):
     @property
     def names(self) -> tuple[str, ...]:
         """The topology's levels, outermost first."""
+        return self.topology.names
 
     @property
     def size(self) -> int:
         """Ranks in all."""
+        return self.topology.size
 
     def group(self, level: str):
         """Every rank in my unit of ``level``."""

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, EnvError
 from .ledger import latency_rounds, wire_bytes
+from .roles import LevelSet
 
 if TYPE_CHECKING:   # a topology is data; only Topology.comms touches communicators
     from .comm import Comm
@@ -327,7 +328,7 @@ class Topology:
         return Levels(self, world)
 
 
-class Levels:
+class Levels(LevelSet):
     """The communicators of a :class:`Topology` over one world communicator, built collectively
     by :meth:`Topology.comms`. Traffic goes to ``world``'s ledger, filed under each level's name.
 
@@ -374,14 +375,6 @@ class Levels:
             if r == me:
                 color = c
         return color
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.topology.names
-
-    @property
-    def size(self) -> int:
-        return self.world.size
 
     def group(self, level: str) -> Comm:
         self.topology._index(level)

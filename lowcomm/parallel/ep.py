@@ -36,7 +36,7 @@ from ..comm.comm import Comm
 from ..errors import ConfigError, LowcommError
 from ..settings import Settings
 from ..strategies.base import Strategy
-from .split import SplitModel
+from .split import ReducedOnce
 from ..strategies.method import Context, Method
 from .experts import MoE, expert_parallel, moe_layers
 from .merge import OwnedKeys, by_name, held_names
@@ -105,7 +105,7 @@ class Routed:
         self.window = [0.0] * len(self.FIELDS)
 
 
-class ExpertParallel(OwnedKeys, SplitModel):
+class ExpertParallel(OwnedKeys, ReducedOnce):
     """Expert parallelism over the ranks of ``comm`` (module docstring).
 
     Construction, on every rank of ``comm`` together: the dense part and the buffers broadcast
@@ -147,7 +147,7 @@ class ExpertParallel(OwnedKeys, SplitModel):
             raise ConfigError("optimizer", f"{type(optimizer).__name__} holds state already (it "
                               "has stepped): ep keeps each rank's experts' state; wrap a fresh one")
         super().__init__(model, optimizer, comm, settings=settings, **options)
-        self.replicas, self._averaged = replicas, False
+        self.replicas = replicas
         self.device = next(model.parameters()).device
         broadcast_(self.comm, [*model.parameters(), *model.buffers()], root=0)
         self.layers = expert_parallel(model, self.comm, placeholders=True, key=key)
@@ -169,11 +169,9 @@ class ExpertParallel(OwnedKeys, SplitModel):
         R = self.comm.size
         return self.replicas.rank * R + self.comm.rank, self.replicas.size * R
 
-    def _reduce(self) -> None:
+    def _reduce_gradients(self) -> None:
         """After a backward pass (once): the dense gradients averaged over the level, the
         experts' divided by R, then every gradient averaged over the replicas."""
-        if self._averaged:                  # done since the last step (a clip, then step())
-            return
         for p in self._held:                # every rank sends every dense gradient
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -184,19 +182,9 @@ class ExpertParallel(OwnedKeys, SplitModel):
                 p.grad.div_(self.comm.size)
         if self.replicas is not None:
             average_gradients(self.replicas, [p.grad for p in self._held])
-        self._averaged = True
 
-    def forward_backward(self, loss_fn, batch, before_backward=None):
-        self._averaged = False              # a new backward pass (also after a skipped step)
-        loss = super().forward_backward(loss_fn, batch, before_backward)
+    def _after_backward(self) -> None:
         self.routed.add(self.layers)
-        self._reduce()
-        return loss
-
-    def _step(self, closure=None):
-        self._reduce()
-        self._averaged = False
-        return self.optimizer.step(closure)
 
     def local_shards(self) -> dict[str, torch.Tensor]:
         """This rank's parameters by name (its experts and the dense part): what an outer loop

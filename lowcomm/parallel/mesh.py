@@ -272,9 +272,8 @@ class ShardedTensorParallel(TensorParallel):
             group["params"] = [sharded[names[id(p)]] for p in group["params"]]
         self.built.fix()
 
-    def _reduce(self) -> None:
-        """FSDP2 reduce-scattered the gradients over the replicas in the backward pass."""
-        self._averaged = True
+    def _reduce_gradients(self) -> None:
+        """Nothing: FSDP2 reduce-scattered the gradients over the replicas in the backward pass."""
 
     def _norm_comm(self) -> Comm:
         return self.sharding.span

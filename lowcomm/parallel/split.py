@@ -16,4 +16,36 @@ class SplitModel(Strategy):
     splits_model = True
 
 
-__all__ = ["SplitModel"]
+
+class ReducedOnce(SplitModel):
+    """A split method whose gradients are reduced over its level once per backward pass
+    (:meth:`_reduce_gradients`), before whichever comes first of a clip and the step; the
+    subclass's clip calls :meth:`_reduce` too."""
+    _averaged = False       # reduced since the last backward pass
+
+    def _reduce_gradients(self) -> None:
+        """Reduce this backward pass's gradients (partial sums, the mean over replicas)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how its gradients are reduced")
+
+    def _reduce(self) -> None:
+        if not self._averaged:              # done since the last step (a clip, then step())
+            self._reduce_gradients()
+            self._averaged = True
+
+    def _after_backward(self) -> None:
+        """What the subclass counts after each backward pass, before the reduction."""
+
+    def forward_backward(self, loss_fn, batch, before_backward=None):
+        self._averaged = False              # a new backward pass (also after a skipped step)
+        loss = super().forward_backward(loss_fn, batch, before_backward)
+        self._after_backward()
+        self._reduce()
+        return loss
+
+    def _step(self, closure=None):
+        self._reduce()
+        self._averaged = False
+        return self.optimizer.step(closure)
+
+
+__all__ = ["ReducedOnce", "SplitModel"]

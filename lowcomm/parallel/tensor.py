@@ -31,7 +31,7 @@ from ..comm.ledger import wire_bytes
 from ..errors import ConfigError, LowcommError
 from ..settings import Settings
 from ..strategies.base import Strategy
-from .split import SplitModel
+from .split import ReducedOnce
 from ..strategies.method import Context, Method
 from .owners import balanced_owners, share_from_owners
 from .plans import Plan, Split, join_parts, local_part, plan_for
@@ -224,7 +224,7 @@ def sum_partials(params) -> None:
             p.grad = g.redistribute(placements=[Replicate()])
 
 
-class TensorParallel(SplitModel):
+class TensorParallel(ReducedOnce):
     """Tensor (and sequence) parallelism over the ranks of ``comm`` (module docstring).
 
     Construction, on every rank of ``comm`` together: torch.distributed's group over ``comm``
@@ -260,7 +260,7 @@ class TensorParallel(SplitModel):
                               "has stepped): tp splits its parameters; wrap a fresh one")
         super().__init__(model, optimizer, comm, settings=settings, **options)
         s, self.device = self.settings, next(model.parameters()).device
-        self.replicas, self._averaged, self._owner = replicas, False, None
+        self.replicas, self._owner = replicas, None
         self.plan = plan if isinstance(plan, Plan) else Plan(plan) if plan is not None else \
             plan_for(model, s.sequence)
         self.plan.check(self.comm.size, "strategy.name")
@@ -297,25 +297,11 @@ class TensorParallel(SplitModel):
         """Every rank of the level takes the same batch (its replica's)."""
         return place(self.replicas)
 
-    def _reduce(self) -> None:
+    def _reduce_gradients(self) -> None:
         """After a backward pass: partial gradients summed, then the mean over the replicas."""
-        if self._averaged:                  # done since the last step (a clip, then step())
-            return
         sum_partials(self.model.parameters())
         if self.replicas is not None:
             average_gradients(self.replicas, local_grads(self.model.parameters()))
-        self._averaged = True
-
-    def forward_backward(self, loss_fn, batch, before_backward=None):
-        self._averaged = False              # a new backward pass (also after a skipped step)
-        loss = super().forward_backward(loss_fn, batch, before_backward)
-        self._reduce()
-        return loss
-
-    def _step(self, closure=None):
-        self._reduce()
-        self._averaged = False
-        return self.optimizer.step(closure)
 
     def local_shards(self) -> dict[str, torch.Tensor]:
         """This rank's piece of every parameter (a replicated one whole), by name: what an outer

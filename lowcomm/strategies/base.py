@@ -119,6 +119,13 @@ class Strategy(Capabilities, torch.optim.Optimizer):
         check_agreed(self.comm, f"{self.name}.layout", repr(layout), len(layout),
                      mine=f"{len(layout)} parameters")
         self.guard = OptimizerGuard(self, optimizer)
+        self._setup(self.settings)
+
+    def _setup(self, s) -> None:
+        """Set the method up from its resolved settings ``s``, last in the base constructor
+        (``model``, ``optimizer``, ``comm`` and ``settings`` in place): a method whose constructor
+        takes nothing beyond the base's arguments defines this instead of restating it. Nothing
+        by default."""
 
     @classmethod
     def _resolve(cls, settings, options: dict):
@@ -268,19 +275,23 @@ class Strategy(Capabilities, torch.optim.Optimizer):
 class LocalSteps(Strategy):
     """A method whose ranks step the wrapped optimizer on their own gradients and then
     communicate on the method's schedule (:meth:`_advance`, after every step): SPARTA, DES-LOC,
-    NoLoCo. A step one rank skips under AMP drops its update only; the schedule goes on with
-    the other ranks."""
+    NoLoCo, the outer loops. A step one rank skips under AMP drops its update only
+    (:meth:`skip`); the schedule goes on with the other ranks."""
 
     #: keys of the strategy state holding per-rank tensor lists that a resize averages
     averaged_state: tuple[str, ...] = ()
 
     def _step(self, closure=None):
-        loss = self.optimizer.step(closure)
+        loss = self._local_step(closure)
         self._advance()
         return loss
 
+    def _local_step(self, closure=None):
+        """This rank's step on its own gradients: the wrapped optimizer's."""
+        return self.optimizer.step(closure)
+
     def _skip_step(self) -> None:
-        self.zero_grad()
+        self.skip()
         self._advance()
 
     def _advance(self) -> None:

@@ -65,4 +65,16 @@ def chunk_buckets(items, prefix: str, compressor) -> list[ChunkBucket]:
     return out
 
 
-__all__ = ["ChunkBucket", "chunk_buckets"]
+def decoded_memories(buckets: list[ChunkBucket], chunking, empty) -> dict[str, torch.Tensor]:
+    """Every member's error-feedback memory decoded to its tensor's shape by ``chunking(member)``
+    (its chunk transform), by name; ``empty(member)`` before the first step (DeMo's momentum,
+    SparseLoCo's accumulators)."""
+    out = {}
+    for b in buckets:
+        for m in b.members:
+            e, t = b.memory(m[0]), chunking(m)
+            out[m[0]] = t.decode(e.view(t.rows, t.row)) if e is not None else empty(m)
+    return out
+
+
+__all__ = ["ChunkBucket", "chunk_buckets", "decoded_memories"]

@@ -4,13 +4,11 @@ Reference: one process training the whole model on the whole batch with the same
 optimizer. The pipeline sums the micro-batches' gradients in another order than the whole
 batch's backward, so the match is to float tolerance: LOSS_ATOL on each step's loss, PARAM_RTOL /
 PARAM_ATOL on the parameters after the run (plain SGD; measured differences ~1e-7)."""
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import control, tiny_gpt2, tiny_llama
+from helpers import control
 from lowcomm.comm.comm import init
 from lowcomm.comm.ledger import Ledger
 from lowcomm.errors import ConfigError, LowcommError
@@ -18,7 +16,8 @@ from lowcomm.parallel.deferred import build_deferred
 from lowcomm.parallel.pipeline import PipelineParallel, bubble_formula, schedules
 from lowcomm.run.evaluate import state_sha256
 from lowcomm.strategies.method import Context
-from lowcomm.tasks.tinygpt import TinyGPT
+from split_models import (assert_resumes_bit_for_bit, assert_same_state, language_models,
+                          token_batch, train_beside)
 from under_mpi import RANK, SIZE
 
 pytestmark = pytest.mark.mpi(sizes=(2,))
@@ -27,22 +26,12 @@ LOSS_ATOL, PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-5, 1e-6
 transformers = pytest.importorskip("transformers")
 
 
-def tinygpt():
-    torch.manual_seed(0)
-    return TinyGPT(T, 32, 4, 4)
-
-
-def gpt2():
-    return tiny_gpt2(T, 4, 2)
-
-
-def llama():
-    return tiny_llama(T, 4)
+MODELS = language_models(T, layers=4, gpt2_heads=2)
+tinygpt = MODELS["tinygpt"]
 
 
 def lm_batch(step, vocab=256):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, vocab, (B, T), generator=g), torch.randint(0, vocab, (B, T), generator=g)
+    return token_batch(step, (B, T), vocab)
 
 
 def next_token(logits, x):
@@ -53,9 +42,9 @@ def next_token(logits, x):
 CASES = {   # name: (model, batch(step), criterion, split, the whole model's loss)
     "tinygpt": (tinygpt, lm_batch, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()),
                 None, lambda m, b: F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten())),
-    "gpt2": (gpt2, lambda s: lm_batch(s, 64)[0], next_token, lambda x: ((x,), x),
+    "gpt2": (MODELS["gpt2"], lambda s: lm_batch(s, 64)[0], next_token, lambda x: ((x,), x),
              lambda m, x: m(input_ids=x, labels=x).loss),
-    "llama": (llama, lambda s: lm_batch(s, 64)[0], next_token, lambda x: ((x,), x),
+    "llama": (MODELS["llama"], lambda s: lm_batch(s, 64)[0], next_token, lambda x: ((x,), x),
               lambda m, x: m(input_ids=x, labels=x).loss),
 }
 
@@ -72,29 +61,13 @@ def run_both(case, schedule="1F1B", clip=None, steps=STEPS, deferred=False, exam
                            microbatches=M, schedule=schedule, criterion=criterion,
                            context=Context(split=split, batches=None if example is None else [example]),
                            **options)
-    ours, theirs = [], []
-    for step in range(steps):
-        b = batch(step)
-        opt.zero_grad()
-        ours.append(float(opt.forward_backward(None, b)))
-        norm = opt.clip_grad_norm_(clip) if clip else None
-        opt.step()
-        ropt.zero_grad()
-        loss = whole_loss(ref, b)
-        loss.backward()
-        if clip:
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-            assert abs(float(norm) - float(ref_norm)) <= 1e-5 * float(ref_norm), (norm, ref_norm)
-        ropt.step()
-        theirs.append(loss.item())
+    ours, theirs = train_beside(opt, ref, ropt, map(batch, range(steps)), None, whole_loss, clip)
     opt.finish()
     return ours, theirs, model, ref
 
 
 def assert_same_model(model, ref):
-    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
-        assert torch.allclose(a, b, rtol=PARAM_RTOL, atol=PARAM_ATOL), \
-            f"{n}: max |diff| {(a - b).abs().max().item():.3g}"
+    assert_same_state(model, ref, PARAM_RTOL, PARAM_ATOL)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -154,17 +127,7 @@ def test_a_stage_resumes_bit_for_bit_from_its_state():
             opt.forward_backward(None, batch(s))
             opt.step()
 
-    model, opt = fresh()
-    steps(opt, 0, 2)
-    saved = copy.deepcopy((opt.model_state_dict(), opt.state_dict()))   # as a checkpoint keeps it
-    steps(opt, 2, 4)
-    opt.finish()
-    again, opt2 = fresh()
-    opt2.load_model_state_dict(saved[0])
-    opt2.load_state_dict(saved[1])
-    steps(opt2, 2, 4)
-    opt2.finish()
-    assert state_sha256(again) == state_sha256(model)
+    assert_resumes_bit_for_bit(fresh, steps)
 
 
 def test_a_state_of_another_split_is_refused_naming_it():

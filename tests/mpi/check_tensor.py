@@ -11,13 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import control, tiny_gpt2, tiny_llama
+from helpers import control
 from lowcomm.comm.comm import init
 from lowcomm.comm.ledger import Ledger
 from lowcomm.errors import ConfigError, LowcommError
 from lowcomm.parallel.tensor import TensorParallel
 from lowcomm.run.evaluate import state_sha256
 from lowcomm.tasks.tinygpt import TinyGPT
+from split_models import (assert_resumes_bit_for_bit, assert_same_state, language_models,
+                           token_batch, train_beside)
 from under_mpi import RANK, SIZE
 
 pytestmark = pytest.mark.mpi(sizes=(2,))
@@ -26,28 +28,18 @@ LOSS_ATOL, PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-5, 1e-6
 transformers = pytest.importorskip("transformers")
 
 
-def tinygpt():
-    torch.manual_seed(0)
-    return TinyGPT(T, 32, 2, 4)
-
-
-def gpt2():
-    return tiny_gpt2(T, 2, 4)
-
-
-def llama():
-    return tiny_llama(T, 2)
+MODELS = language_models(T, layers=2, gpt2_heads=4)
+tinygpt = MODELS["tinygpt"]
 
 
 def batch(step, vocab):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, vocab, (B, T), generator=g), torch.randint(0, vocab, (B, T), generator=g)
+    return token_batch(step, (B, T), vocab)
 
 
 CASES = {   # name: (model, vocabulary, the loss of a batch)
     "tinygpt": (tinygpt, 256, lambda m, b: F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten())),
-    "gpt2": (gpt2, 64, lambda m, b: m(input_ids=b[0], labels=b[0]).loss),
-    "llama": (llama, 64, lambda m, b: m(input_ids=b[0], labels=b[0]).loss),
+    "gpt2": (MODELS["gpt2"], 64, lambda m, b: m(input_ids=b[0], labels=b[0]).loss),
+    "llama": (MODELS["llama"], 64, lambda m, b: m(input_ids=b[0], labels=b[0]).loss),
 }
 
 
@@ -60,30 +52,14 @@ def run_both(case, sequence=False, clip=None, steps=STEPS, comm=None):
     opt = TensorParallel(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), comm,
                          sequence=sequence)
     held = sum(p.numel() for p in opt.local_shards().values())
-    ours, theirs = [], []
-    for step in range(steps):
-        b = batch(step, vocab)
-        opt.zero_grad()
-        ours.append(float(opt.forward_backward(loss_fn, b)))
-        norm = opt.clip_grad_norm_(clip) if clip else None
-        opt.step()
-        ropt.zero_grad()
-        loss = loss_fn(ref, b)
-        loss.backward()
-        if clip:
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-            assert abs(float(norm) - float(ref_norm)) <= 1e-5 * float(ref_norm), (norm, ref_norm)
-        ropt.step()
-        theirs.append(loss.item())
+    ours, theirs = train_beside(opt, ref, ropt, (batch(s, vocab) for s in range(steps)), loss_fn,
+                                loss_fn, clip)
     opt.finish()
     return ours, theirs, model, ref, held
 
 
 def assert_same_model(model, ref):
-    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
-        assert type(a) is torch.Tensor and a.shape == b.shape, (n, type(a), a.shape)
-        assert torch.allclose(a, b, rtol=PARAM_RTOL, atol=PARAM_ATOL), \
-            f"{n}: max |diff| {(a - b).abs().max().item():.3g}"
+    assert_same_state(model, ref, PARAM_RTOL, PARAM_ATOL)
 
 
 @pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp+sp"])
@@ -180,17 +156,8 @@ def steps(opt, loss_fn, vocab, a, b):
 @pytest.mark.parametrize("case", ["tinygpt", "gpt2"])
 def test_a_split_resumes_bit_for_bit_from_its_state(case):
     make, vocab, loss_fn = CASES[case]
-    model, opt = fresh_adamw(make)
-    steps(opt, loss_fn, vocab, 0, 2)
-    saved = copy.deepcopy((opt.model_state_dict(), opt.state_dict()))
-    steps(opt, loss_fn, vocab, 2, 4)
-    opt.finish()
-    again, opt2 = fresh_adamw(make)
-    opt2.load_model_state_dict(saved[0])
-    opt2.load_state_dict(saved[1])
-    steps(opt2, loss_fn, vocab, 2, 4)
-    opt2.finish()
-    assert state_sha256(again) == state_sha256(model)
+    assert_resumes_bit_for_bit(lambda: fresh_adamw(make),
+                               lambda opt, a, b: steps(opt, loss_fn, vocab, a, b))
 
 
 def test_a_state_resumes_unsplit_with_the_model_unchanged():

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ...comm.roles import LevelSet
 from ...comm.topology import Topology
 from ...errors import ConfigError
 from ...strategies.method import Context
@@ -38,7 +39,7 @@ from .plan import FleetPlan, plan
 log = logging.getLogger("lowcomm.fleet")
 
 
-class FleetLevels:
+class FleetLevels(LevelSet):
     """The topology's communicators as datacenter ``dc`` sees them (module docstring): the
     levels inside over ``inside`` (this job's world), the ``dc`` level's peers = ``channel``
     (None off the leader). Names, size and links are the whole topology's, so that every
@@ -55,14 +56,6 @@ class FleetLevels:
         if len(names) > 2:
             paths = [p[1:] for p in topology.paths if p[0] == topology.units("dc")[dc][0]]
             self._inner = Topology(names[1:], paths, topology.links, "fleet").comms(inside)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.topology.names
-
-    @property
-    def size(self) -> int:
-        return self.topology.size
 
     hierarchy = None
 

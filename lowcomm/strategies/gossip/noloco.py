@@ -105,26 +105,23 @@ class NoLoCo(LocalSteps):
     #: φ and the momenta δ; the pairings go on from the next outer step on the new rank count
     averaged_state = ("phi", "delta")
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, settings: NoLoCoSettings | None = None, **options):
-        super().__init__(model, optimizer, comm, settings=settings, **options)
-        s = self.settings
+    def _setup(self, s: NoLoCoSettings) -> None:
         self.period, self.seed = s.period, s.seed
         self.alpha, self.beta = s.outer_momentum, s.outer_lr
         self.gamma = s.outer_lr if s.gamma is None else s.gamma
-        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         if not self._named:
             raise ValueError("NoLoCo needs trainable parameters")
         self._layout = Layout(self._named, weight=False)
-        self._buffer_layout = Layout([(n, b) for n, b in persistent_buffers(model)
+        self._buffer_layout = Layout([(n, b) for n, b in persistent_buffers(self.model)
                                        if b.is_floating_point()], weight=False)
-        broadcast_(self.comm, list(model.state_dict().values()), root=0)
+        broadcast_(self.comm, list(self.model.state_dict().values()), root=0)
         # a rank with another period or seed would wait for a peer that never comes: refused
         sig = repr((s.period, s.seed, [(n, str(p.dtype), tuple(p.shape)) for n, p in self._named]))
         self._p2p = agreed_dup(self.comm, "noloco.layout", sig, len(self._named),
                                what="parameters or settings (period, seed)",
                                mine=f"period={s.period}, seed={s.seed}")
-        self.buffers = Buffers(model)
+        self.buffers = Buffers(self.model)
         self.phi = self._layout.flats()                        # φ_i, one flat tensor per dtype
         self.delta = [torch.zeros_like(f) for f in self.phi]   # δ_i
         self.t = 0

@@ -13,11 +13,11 @@ from ...compress.error_feedback import ErrorFeedback
 from ...compress.twophase import COLLECTIVES
 from ...errors import ConfigError
 from ...settings import Settings
-from ..base import Strategy
+from .family import ExchangingOptimizer
 from ..layout import agreed_dup
 from ..method import Context, Method
 from ..buffers import Buffers
-from ..chunks import chunk_buckets
+from ..chunks import chunk_buckets, decoded_memories
 
 
 @dataclass
@@ -85,7 +85,7 @@ DISTRO_METHOD = Method("distro", DisTrOSettings, build, "DisTrO (preset of DeMo)
                        python="DisTrOSettings", compare=SIGN_STEP)
 
 
-class DeMo(Strategy):
+class DeMo(ExchangingOptimizer):
     """DeMo, decoupled momentum optimization (Peng, Quesnelle & Kingma 2024, arXiv 2411.19870,
     Algorithm 1; the reference implementation's ``DeMo`` optimizer).
 
@@ -150,19 +150,14 @@ class DeMo(Strategy):
     """
 
     name = "demo"
-    dense_gradients = True
-    lockstep = True
     Settings = DeMoSettings
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, settings: DeMoSettings | None = None, **options):
-        super().__init__(model, optimizer, comm, settings=settings, **options)
-        s = self.settings
+    def _setup(self, s: DeMoSettings) -> None:
         self.topk, self.chunk, self.decay, self.sign = s.topk, s.chunk, s.decay, s.sign
         self.exchange = exchange = s.exchange
-        names = {p: n for n, p in model.named_parameters()}
+        names = {p: n for n, p in self.model.named_parameters()}
         items = []
-        for gi, g in enumerate(optimizer.param_groups):
+        for gi, g in enumerate(self.optimizer.param_groups):
             for i, p in enumerate(g["params"]):
                 if p.requires_grad:
                     t = ChunkedDCT(p.shape, self.chunk)
@@ -175,10 +170,10 @@ class DeMo(Strategy):
                 if s.value_bits else ChunkTopK(row, self.topk, s.average)
             return Compressor(ErrorFeedback(codec), exchange)
         self.buckets = chunk_buckets(items, "demo", compressor)
-        broadcast_(self.comm, list(model.state_dict().values()), root=0)
+        broadcast_(self.comm, list(self.model.state_dict().values()), root=0)
         self._comm = agreed_dup(self.comm, "demo.layout",            # fixed shapes from here on
                                 repr([(b.key, b.numel) for b in self.buckets]), len(self.buckets))
-        self.buffers = Buffers(model)
+        self.buffers = Buffers(self.model)
         self.t = 0
 
     @torch.no_grad()
@@ -205,12 +200,7 @@ class DeMo(Strategy):
     @property
     def momentum(self) -> dict[str, torch.Tensor]:
         """Each parameter's local momentum m (parameter-shaped; zero before the first step)."""
-        out = {}
-        for b in self.buckets:
-            for name, p, _, t, lo, hi in b.members:
-                e = b.memory(name)
-                out[name] = t.decode(e.view(t.rows, t.row)) if e is not None else torch.zeros_like(p)
-        return out
+        return decoded_memories(self.buckets, lambda m: m[3], lambda m: torch.zeros_like(m[1]))
 
     def payload_bytes(self) -> int:
         """P: bytes of one rank's (value, index) pairs per step, Σ_chunks k·(value + index)."""

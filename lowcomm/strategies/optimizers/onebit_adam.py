@@ -16,7 +16,7 @@ from ...compress.sign import MomentumSign, TensorMomentumSign
 from ...compress.twophase import TwoPhase
 from ...errors import ConfigError, NonFiniteError
 from ...settings import Settings
-from ..base import Strategy
+from .family import ExchangingOptimizer
 from ..method import Context, Method
 from ..adam import adam_state, torch_adam
 from ..buffers import Buffers
@@ -90,7 +90,7 @@ METHOD = Method("onebit-adam", OneBitAdamSettings, build,
                 example="onebit-adam:freeze_step=3")
 
 
-class OneBitAdam(Strategy):
+class OneBitAdam(ExchangingOptimizer):
     """1-bit Adam (Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang & He 2021,
     arXiv 2102.02888, Algorithm 1) on a plain ``torch.optim.Adam``.
 
@@ -172,19 +172,15 @@ class OneBitAdam(Strategy):
     """
 
     name = "onebit-adam"
-    dense_gradients = True
-    lockstep = True
     Settings = OneBitAdamSettings
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, settings: OneBitAdamSettings | None = None, **options):
-        super().__init__(model, optimizer, comm, settings=settings, **options)
+    def _setup(self, s: OneBitAdamSettings) -> None:
         s = self._onebit()
-        self.decoupled = torch_adam(optimizer, "1-bit Adam")   # AdamW's weight decay
+        self.decoupled = torch_adam(self.optimizer, "1-bit Adam")   # AdamW's weight decay
         self.freeze_step = s.freeze_step
         self.warmup = warmup_steps(s.freeze_step, s.counter)          # T_w: dense updates
-        names = {p: n for n, p in model.named_parameters()}
-        self._params = [(names.get(p, f"param{i}"), p, g) for g in optimizer.param_groups
+        names = {p: n for n, p in self.model.named_parameters()}
+        self._params = [(names.get(p, f"param{i}"), p, g) for g in self.optimizer.param_groups
                         for i, p in enumerate(g["params"]) if p.requires_grad]
         dtypes = {p.dtype for _, p, _ in self._params}
         if len(dtypes) != 1:
@@ -199,10 +195,10 @@ class OneBitAdam(Strategy):
         self.chunk = self.D // K
         self.exchange = Compressor(ErrorFeedback(onebit_codec(s.scale)), TwoPhase())
         self.t = 0
-        broadcast_(self.comm, list(model.state_dict().values()), root=0)
+        broadcast_(self.comm, list(self.model.state_dict().values()), root=0)
         self._comm = self.comm.dup()          # fixed shapes: no per-call agreement check
         self._comm.validate = False
-        self.buffers = Buffers(model)
+        self.buffers = Buffers(self.model)
         self._frozen: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # δ, v > 0
 
     def _onebit(self) -> OneBitAdamSettings:

@@ -192,20 +192,17 @@ class ZeroOneAdam(OneBitAdam):
         """1-bit Adam's part: its warm-up of dense steps ends at ``var_freeze_step``."""
         return OneBitAdamSettings(freeze_step=self.settings.var_freeze_step, scale=self.settings.scale)
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, settings: ZeroOneAdamSettings | None = None,
-                 **options):
-        super().__init__(model, optimizer, comm, settings=settings, **options)
-        s = self.settings
+    def _setup(self, s: ZeroOneAdamSettings) -> None:
+        super()._setup(s)
         self.schedule = Schedule(s.var_freeze_step, s.var_update_scaler, s.local_step_scaler,
                                  s.local_step_clipper, counter_offset(s.counter))
         self.grad_exchange = Compressor(ErrorFeedback(onebit_codec(s.scale)), TwoPhase())
         self.n_v = 0
         self.counts = {"dense": 0, "onebit": 0, "local": 0, "sync": 0}
         self._anchor: list[torch.Tensor] | None = None   # x̄, from the freeze on
-        self._decay = [1.0] * len(optimizer.param_groups)   # D per group
-        self._lrs = [0.0] * len(optimizer.param_groups)     # Σ lr per group since x̄
-        self._group_of = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"]
+        self._decay = [1.0] * len(self.optimizer.param_groups)   # D per group
+        self._lrs = [0.0] * len(self.optimizer.param_groups)     # Σ lr per group since x̄
+        self._group_of = [i for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]
                           if p.requires_grad]     # in the order of self._params
         self._frozen: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._touched = [False] * len(self._params)   # had a gradient here since the last sync

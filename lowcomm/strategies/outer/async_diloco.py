@@ -8,7 +8,7 @@ import torch
 
 from ...comm.comm import Comm
 from ...errors import ConfigError
-from ..method import Context, Method
+from ..method import Method
 from .dylu import DyLUDiLoCo, DyLUSettings
 from .fragment import Fragment, InFlight
 from .loop import check_run
@@ -59,10 +59,6 @@ def check(s: AsyncSettings, cfg, prefix: str) -> None:
                           "datacenters (lowcomm train --dcs D, or the dc level of a fleet's "
                           "policy); within one MPI job use diloco-dylu, whose rounds are "
                           "synchronous")
-
-
-def build(s: AsyncSettings, model, optimizer, comm: Comm, ctx: Context) -> "AsyncDiLoCo":
-    return AsyncDiLoCo(model, optimizer, comm, **s.kwargs(ctx))
 
 
 class AsyncDiLoCo(DyLUDiLoCo):
@@ -250,7 +246,7 @@ class AsyncDiLoCo(DyLUDiLoCo):
         return out
 
 
-METHOD = Method("diloco-async", AsyncSettings, build, "Asynchronous DiLoCo across a fleet: each "
+METHOD = Method("diloco-async", AsyncSettings, AsyncDiLoCo.from_settings, "Asynchronous DiLoCo across a fleet: each "
                 "datacenter's pseudo-gradient applied by the coordinator's server as it arrives "
                 "(delayed Nesterov), with dynamic local updates", check=check, outer=True,
                 level=True, fleet=True, python="AsyncDiLoCo",

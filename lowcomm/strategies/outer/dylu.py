@@ -10,7 +10,7 @@ import torch
 
 from ...comm.comm import Comm
 from ...errors import ConfigError, LowcommError
-from ..method import Context, Method
+from ..method import Method
 from .diloco import DiLoCo, DiLoCoSettings
 from .fragment import Fragment
 from .loop import check_run
@@ -38,10 +38,6 @@ class DyLUSettings(DiLoCoSettings):
             raise ConfigError.at(prefix, "compressor", "dynamic local updates send each member's "
                                  "weight and speed beside its pseudo-gradient, which a compressor "
                                  "would distort; use compressor = \"none\"")
-
-
-def build(s: DyLUSettings, model, optimizer, comm: Comm, ctx: Context) -> "DyLUDiLoCo":
-    return DyLUDiLoCo(model, optimizer, comm, **s.kwargs(ctx))
 
 
 class DyLUDiLoCo(DiLoCo):
@@ -221,7 +217,7 @@ class DyLUDiLoCo(DiLoCo):
         return out
 
 
-METHOD = Method("diloco-dylu", DyLUSettings, build, "DiLoCo with dynamic local updates: each "
+METHOD = Method("diloco-dylu", DyLUSettings, DyLUDiLoCo.from_settings, "DiLoCo with dynamic local updates: each "
                 "member takes the share of a period its measured speed allows, weighted by its "
                 "tokens; delayed Nesterov outside", check=check_run, outer=True, level=True,
                 # the example's ranks share cores, so their speeds differ by timing alone: with

@@ -5,9 +5,8 @@ import torch
 
 from dataclasses import dataclass
 
-from ...comm.comm import Comm
 from ...errors import ConfigError
-from ..method import Context, Method
+from ..method import Method
 from .fragment import Fragment
 from .loop import OuterLoop, OuterSettings, check_run
 
@@ -24,12 +23,6 @@ class LocalSGDSettings(OuterSettings):
                               "error to feed back; to compress, use strategy.name=\"diloco\" with "
                               "outer_optimizer=\"sgd\", outer_lr=1, outer_momentum=0 (the same "
                               "update on the compressed pseudo-gradient)")
-
-
-def build(s: LocalSGDSettings, model, optimizer, comm: Comm, ctx: Context) -> "LocalSGD":
-    return LocalSGD(model, optimizer, comm, **s.kwargs(ctx))
-
-
 
 
 class LocalSGD(OuterLoop):
@@ -78,6 +71,6 @@ class LocalSGD(OuterLoop):
         return avg
 
 
-METHOD = Method("localsgd", LocalSGDSettings, build, "Local SGD: H local steps, then average "
+METHOD = Method("localsgd", LocalSGDSettings, LocalSGD.from_settings, "Local SGD: H local steps, then average "
                 "the parameters", check=check_run, outer=True, level=True, python="LocalSGD",
                 example="localsgd:period=3", compare=("strategy.period=10",))

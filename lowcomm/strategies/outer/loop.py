@@ -63,7 +63,7 @@ from ...comm.collectives import get_algorithm
 from ...comm.comm import Comm
 from ...compress.compressor import Compressor
 from ...errors import ArgumentError, ConfigError
-from ..base import Strategy
+from ..base import LocalSteps
 from ..buffers import Buffers, Recompute
 from .fragment import Fragment, InFlight, done, partition
 from ..method import Context, check_compressor_name
@@ -75,7 +75,7 @@ from ..sync.syncdp import SyncDPSettings
 log = logging.getLogger("lowcomm.strategies.outer.loop")
 
 
-class OuterLoop(OverALevel, Strategy):
+class OuterLoop(OverALevel, LocalSteps):
     """Local steps; every ``period`` steps each fragment's outgoing tensor is averaged over the
     ranks and applied (the schedule: the module's docstring). A subclass (LocalSGD, DiLoCo,
     ...) defines :meth:`_outgoing` and :meth:`_apply`, and where it keeps outer state
@@ -136,6 +136,12 @@ class OuterLoop(OverALevel, Strategy):
         fragment's new synchronised value (flat), which :meth:`_land` merges into the model."""
         raise NotImplementedError
 
+    @classmethod
+    def from_settings(cls, s, model, optimizer, comm: Comm, ctx: Context) -> "OuterLoop":
+        """The registry's ``build`` (:class:`~lowcomm.strategies.method.Method`) of a method
+        whose settings give all its arguments: ``cls(model, optimizer, comm, **s.kwargs(ctx))``."""
+        return cls(model, optimizer, comm, **s.kwargs(ctx))
+
     def _warmup_done(self) -> None:
         """Called once after the last dense step (parameters are equal on all ranks)."""
 
@@ -155,17 +161,6 @@ class OuterLoop(OverALevel, Strategy):
         return {}
 
     # the schedule -------------------------------------------------------------------------------
-    def _step(self, closure=None):
-        driver = self._driver
-        loss = driver.step(closure) if driver is not None else self.optimizer.step(closure)
-        self._advance()
-        return loss
-
-    def _skip_step(self) -> None:
-        """A step without this rank's update (AMP); the schedule goes on with the others."""
-        self.skip()
-        self._advance()
-
     def _advance(self) -> None:
         """After inner step t: the warm-up's end, the reductions that land and those that start,
         and, at the end of each period, the buffers' average."""

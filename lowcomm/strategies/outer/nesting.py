@@ -102,6 +102,11 @@ class OverALevel:
         driver = self._driver
         return driver.local_nonfinite() if driver is not None else None
 
+    def _local_step(self, closure=None):
+        """The inner step: the driver's (:attr:`_driver`), else the wrapped optimizer's."""
+        driver = self._driver
+        return driver.step(closure) if driver is not None else self.optimizer.step(closure)
+
     def skip(self) -> None:
         driver = self._driver
         if driver is not None:

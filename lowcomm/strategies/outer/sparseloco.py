@@ -12,8 +12,8 @@ from ...compress.compressor import Compressor
 from ...compress.demo import Chunks, QuantizedChunkTopK
 from ...compress.error_feedback import ErrorFeedback
 from ...errors import ConfigError
-from ..method import Context, Method
-from ..chunks import chunk_buckets
+from ..method import Method
+from ..chunks import chunk_buckets, decoded_memories
 from .fragment import Fragment
 from .loop import OuterLoop, OuterSettings, check_run
 from .route import hand_on
@@ -39,16 +39,6 @@ class SparseLoCoSettings(OuterSettings):
             raise ConfigError.at(prefix, "compressor", "sparseloco compresses its pseudo-gradient "
                                  "itself (chunked top-k, 2-bit values); leave compressor = "
                                  f"\"none\", got {self.compressor!r}")
-
-
-def build(s: SparseLoCoSettings, model, optimizer, comm: Comm, ctx: Context) -> "SparseLoCo":
-    return SparseLoCo(model, optimizer, comm, **s.kwargs(ctx))
-
-
-METHOD = Method("sparseloco", SparseLoCoSettings, build, "SparseLoCo: DiLoCo with a chunked "
-                "top-k 2-bit pseudo-gradient and an error-feedback accumulator for outer momentum",
-                check=check_run, outer=True, level=True, python="SparseLoCo",
-                example="sparseloco:period=3,chunk=8,topk=4")
 
 
 class SparseLoCo(OuterLoop):
@@ -151,13 +141,8 @@ class SparseLoCo(OuterLoop):
     @property
     def accumulators(self) -> dict[str, torch.Tensor]:
         """Each parameter's accumulator e_k (parameter-shaped; zero before the first outer step)."""
-        out = {}
-        for b in self.buckets:
-            for name, t, a, z, _, _ in b.members:
-                e = b.memory(name)
-                out[name] = t.decode(e.view(t.rows, t.row)) if e is not None else \
-                    torch.zeros(t.shape, dtype=self.outer.dtype)
-        return out
+        return decoded_memories(self.buckets, lambda m: m[1],
+                                lambda m: torch.zeros(m[1].shape, dtype=self.outer.dtype))
 
     def payload_bytes(self) -> int:
         """P: bytes of one rank's payload per outer step (values, tables, indices)."""
@@ -191,3 +176,10 @@ class SparseLoCo(OuterLoop):
             out.update(topk=self.topk, chunk=self.chunk, decay=self.decay, outer_lr=self.outer_lr,
                        payload_bytes_per_sync=self.payload_bytes())
         return out
+
+
+METHOD = Method("sparseloco", SparseLoCoSettings, SparseLoCo.from_settings, "SparseLoCo: DiLoCo "
+                "with a chunked top-k 2-bit pseudo-gradient and an error-feedback accumulator for "
+                "outer momentum",
+                check=check_run, outer=True, level=True, python="SparseLoCo",
+                example="sparseloco:period=3,chunk=8,topk=4")

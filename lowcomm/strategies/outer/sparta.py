@@ -162,15 +162,12 @@ class Sparta(LocalSteps):
     Settings = SpartaSettings
     unfreezes = True
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, settings: SpartaSettings | None = None, **options):
-        super().__init__(model, optimizer, comm, settings=settings, **options)
-        s = self.settings
+    def _setup(self, s: SpartaSettings) -> None:
         self._named = self.members()              # frozen ones too: unfrozen later, averaged
         self.sparse = SparseAverage([p for _, p in self._named], s.fraction, s.seed)
-        broadcast_(self.comm, list(model.state_dict().values()), root=0)
+        broadcast_(self.comm, list(self.model.state_dict().values()), root=0)
         self._sparse_comm = _sparse_comm(self.comm, self.sparse.params)
-        self.buffers = Buffers(model)
+        self.buffers = Buffers(self.model)
         self.t = 0
 
     def _advance(self) -> None:
