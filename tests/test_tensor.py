@@ -38,13 +38,13 @@ def train(np_, out, *sets, resume=None, base=SETS):
                      *(["--resume", resume] if resume else []), timeout=240)
 
 
-def resume_from_step_5(full, again, np_, *sets):
+def resume_from_step_5(full, again, np_, *sets, base=SETS):
     """Run ``full``'s copy ``again`` on ``np_`` ranks from its step-5 checkpoint (the one at
     step 10 removed)."""
     shutil.copytree(full, again)
     shutil.rmtree(again / "checkpoints" / f"step-{10:08d}", ignore_errors=True)
     (again / "summary.json").unlink()
-    return train(np_, again, *sets, resume=again)
+    return train(np_, again, *sets, resume=again, base=base)
 
 
 def metrics(out):
@@ -217,14 +217,46 @@ def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_ha
             ("rank", "allreduce.tp")} <= ops
 
 
+def test_fsdp_over_the_replicas_of_a_pipeline_equals_syncdp_with_half_the_state_and_resumes(
+        tmp_path):
+    """``topology=node:2,rank:2``, ``policy.rank=pp``, ``policy.node=fsdp`` (each stage module
+    ``fully_shard``-ed over the dp dim of a (dp, pp) mesh, torchtitan's way): the same losses
+    (training and held-out, to 1e-5) as ``policy.node=syncdp``; each rank's parameters half of
+    that run's, its optimizer state half to 1 %; FSDP's collectives on the node level, the
+    activations on the rank level; resumed from step 5's checkpoint: the same model bit for
+    bit."""
+    pipe = ["topology=node:2,rank:2", "policy.rank=pp", "strategy.microbatches=2"]
+    base = [x for x in SETS if not x.startswith("strategy.")]
+    runs = {}
+    for dp in ("fsdp", "syncdp"):
+        out = tmp_path / dp
+        r = train(4, out, *pipe, f"policy.node={dp}",
+                  *(["checkpoint.every=0"] if dp == "syncdp" else []), base=base)
+        assert r.returncode == 0, r.output
+        runs[dp] = (metrics(out), json.loads((out / "summary.json").read_text()))
+    (a, ours), (b, theirs) = runs["fsdp"], runs["syncdp"]
+    same_losses(a, b)
+    assert ours["ranks_agree"] is True
+    for m, n in zip(ours["memory_by_rank"], theirs["memory_by_rank"]):
+        assert 2 * m["param_bytes"] == n["param_bytes"]
+        assert abs(2 * m["optimizer_state_bytes"] / n["optimizer_state_bytes"] - 1) < 0.01
+    ops = {(row["level"], row["op"]) for row in ours["ledger_rank0"] if row["bytes_sent"]}
+    assert {("node", "reduce_scatter.fsdp"), ("node", "allgather.fsdp"),
+            ("rank", "send.activation.0-1")} <= ops
+    r = resume_from_step_5(tmp_path / "fsdp", tmp_path / "again", 4, *pipe, "policy.node=fsdp",
+                           base=base)
+    assert r.returncode == 0 and "at step 5" in r.output, r.output
+    resumed = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert resumed["state_sha256"] == ours["state_sha256"]
+
+
 @pytest.mark.parametrize("policy, words", [
     (["policy.node=tp", "policy.rank=pp"], "tp over pp: two levels that split the model in "
                                            "one job are built as pp over tp only"),
     (["policy.node=pp", "policy.rank=pp"], "pp over pp"),
     (["policy.node=tp", "policy.rank=syncdp"], "innermost per-step level only"),
     (["policy.node=syncdp:algorithm=ring", "policy.rank=tp"], "plain syncdp"),
-    (["policy.node=zero1", "policy.rank=tp"], "or, directly above tp, fsdp"),
-    (["policy.node=fsdp", "policy.rank=pp"], "or, directly above tp, fsdp"),
+    (["policy.node=zero1", "policy.rank=tp"], "or, directly above tp or pp, fsdp"),
 ])
 def test_a_composition_that_is_not_built_is_refused_naming_the_level(policy, words):
     with pytest.raises(ConfigError, match=words) as e:

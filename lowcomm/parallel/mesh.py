@@ -42,12 +42,17 @@ from ..strategies.method import Context, InnerSplit, ShardedReplicas
 from . import pipeline, tensor
 from .pipeline import PipelineParallel, PipelineSettings, stage_options
 from .plans import Plan, plan_for
+from .sharded_stages import ShardedPipeline, plain_fsdp
 from .tensor import (SplitOf, TensorParallel, as_piece, charge_collectives, from_piece,
                      hook_ids, join, split_layers, uncharge, unsplit_layers)
 
 
 def build(s: PipelineSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
-    """A pipeline, its stages tensor-parallel where a ``tp`` level sits below (``ctx.inner``)."""
+    """A pipeline, its stages tensor-parallel where a ``tp`` level sits below (``ctx.inner``),
+    its replicas sharded where ``fsdp`` sits above (``ctx.sharding``)."""
+    if ctx.sharding is not None:
+        return ShardedPipeline(model, optimizer, comm, settings=s, sharding=ctx.sharding,
+                               **stage_options(ctx))
     if ctx.inner is None:
         return pipeline.build(s, model, optimizer, comm, ctx)
     return PipelineOfTensors(model, optimizer, comm, settings=s, inner=ctx.inner,
@@ -231,13 +236,7 @@ class ShardedTensorParallel(TensorParallel):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, sharding: ShardedReplicas, replicas: Comm,
                  **options):
-        f = sharding.settings
-        odd = [k for k, v in (("param_dtype", f.param_dtype), ("reduce_dtype", f.reduce_dtype))
-               if v] + (["wrap"] if f.wrap != "auto" else [])
-        if odd:
-            raise ConfigError(f"policy.{replicas.level}.{odd[0]}", "fsdp above tp shards every "
-                              "block in the parameters' dtype: leave param_dtype, reduce_dtype "
-                              "and wrap at their defaults")
+        plain_fsdp(sharding, replicas.level, "tp")
         self.sharding = sharding
         super().__init__(model, optimizer, comm, replicas=replicas, **options)
 

@@ -404,12 +404,15 @@ class PipelineParallel(OwnedKeys, SplitModel):
         for g in local_grads(self._held):
             g.div_(self.settings.microbatches)
         if self._tied and self._tie is not None:
-            for p in self._tied:
-                if p.grad is not None:
-                    self._tie.allreduce_(p.grad, "sum")
+            for g in local_grads(self._tied):
+                self._tie.allreduce_(g, "sum")
+        self._average_replicas()
+        return loss
+
+    def _average_replicas(self) -> None:
+        """Data parallelism around the pipeline: each gradient the mean over the replicas."""
         if self.replicas is not None:
             average_gradients(self.replicas, local_grads(self._held))
-        return loss
 
     @torch.no_grad()
     def evaluate(self, loss_fn, batch) -> float:
@@ -466,7 +469,7 @@ class PipelineParallel(OwnedKeys, SplitModel):
     def _own_grads(self) -> list[torch.Tensor]:
         """This rank's gradients, a tied tensor counted on the first stage only."""
         tied = {id(p) for p in self._tied} if not self.holds_first else set()
-        return [p.grad for p in self._held if p.grad is not None and id(p) not in tied]
+        return local_grads(p for p in self._held if id(p) not in tied)
 
     # results ------------------------------------------------------------------------------------
     def metrics(self, ctl: Comm, final: bool = False) -> dict:

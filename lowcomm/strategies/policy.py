@@ -86,7 +86,7 @@ def split_levels(plan: list[Level], first: int) -> int:
         if p.method.name != "syncdp" or p.options:
             raise ConfigError(f"policy.{p.name}", f"above policy.{inner.name}="
                               f"{inner.method.name} a per-step level is plain syncdp (the "
-                              f"replicas' gradients averaged) or, directly above tp, fsdp (FSDP2 "
+                              f"replicas' gradients averaged) or, directly above tp or pp, fsdp (FSDP2 "
                               f"over the replicas), not {p.method.name}"
                               f"{':' + ','.join(p.options) if p.options else ''}")
     return len(split)
@@ -94,7 +94,7 @@ def split_levels(plan: list[Level], first: int) -> int:
 
 def sharding(plan: list[Level], first: int) -> Level | None:
     """The per-step level that shards the replicas of the split model below it (``fsdp`` above
-    ``tp``, the two per-step levels), or None."""
+    ``tp`` or ``pp``, the two per-step levels), or None."""
     if len(plan) - first != 2 or plan[first].method.splits:
         return None
     top, split = plan[first], plan[-1]
