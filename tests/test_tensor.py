@@ -143,24 +143,36 @@ def test_a_fused_projections_pieces_join_back_exactly():
     assert torch.equal(join_parts(pieces, 1, 3), full)
 
 
-@pytest.mark.parametrize("split", ["tp", "pp"])
-def test_data_parallelism_around_a_split_model_equals_syncdp_of_whole_models(tmp_path, split):
+@pytest.mark.parametrize("split, zero", [("tp", "zero2"), ("pp", "zero1")])
+def test_data_parallelism_around_a_split_model_equals_syncdp_of_whole_models(tmp_path, split,
+                                                                             zero):
     """``topology=node:2,rank:2``, ``policy.node=syncdp``, ``policy.rank=tp`` (or ``pp``): two
     split models, each rank averaging its gradients with the rank holding the same part in the
     other: the same losses (training and held-out, to 1e-5) as SyncDP on 2 ranks each holding
-    the whole model; the whole model on every rank at the end."""
+    the whole model; the whole model on every rank at the end. With ``policy.node=zero2`` (or
+    ``zero1``) instead, the optimizer state partitioned over the two replicas: the same model
+    bit for bit (a mean of two terms), the replicas' optimizer state half of syncdp's in all,
+    reduce-scatters and all-gathers on the node level."""
     common = ["log_every=5", "eval_every=5", "checkpoint.every=0"]
     base = [x for x in SETS if not x.startswith("strategy.")]
-    ours, ref = tmp_path / split, tmp_path / "syncdp"
-    r = train(4, ours, "topology=node:2,rank:2", "policy.node=syncdp", f"policy.rank={split}",
-              *(["strategy.microbatches=2"] if split == "pp" else []), *common, base=base)
-    assert r.returncode == 0, r.output
+    runs = {}
+    for dp in ("syncdp", zero):
+        out = tmp_path / dp
+        r = train(4, out, "topology=node:2,rank:2", f"policy.node={dp}", f"policy.rank={split}",
+                  *(["strategy.microbatches=2"] if split == "pp" else []), *common, base=base)
+        assert r.returncode == 0, r.output
+        runs[dp] = json.loads((out / "summary.json").read_text())
+    ref = tmp_path / "whole"
     r = train(2, ref, "strategy.name=syncdp", *common, base=base)
     assert r.returncode == 0, r.output
-    a, b = metrics(ours), metrics(ref)
-    same_losses(a, b)
-    s = json.loads((ours / "summary.json").read_text())
+    same_losses(metrics(tmp_path / "syncdp"), metrics(ref))
+    s, z = runs["syncdp"], runs[zero]
     assert s["ranks_agree"] is True and s["bytes_by_level"]["node"] > 0
+    assert z["ranks_agree"] is True and z["state_sha256"] == s["state_sha256"]
+    state = [sum(m["optimizer_state_bytes"] for m in x["memory_by_rank"]) for x in (z, s)]
+    assert 2 * state[0] == state[1]
+    ops = {(row["level"], row["op"].split(".")[0]) for row in z["ledger_rank0"] if row["bytes_sent"]}
+    assert {("node", "reduce_scatter"), ("node", "allgather")} <= ops
 
 
 def test_pipeline_stages_each_tensor_parallel_equal_one_process_and_resume_bit_for_bit(tmp_path):
@@ -256,7 +268,7 @@ def test_fsdp_over_the_replicas_of_a_pipeline_equals_syncdp_with_half_the_state_
     (["policy.node=pp", "policy.rank=pp"], "pp over pp"),
     (["policy.node=tp", "policy.rank=syncdp"], "innermost per-step level only"),
     (["policy.node=syncdp:algorithm=ring", "policy.rank=tp"], "plain syncdp"),
-    (["policy.node=zero1", "policy.rank=tp"], "or, directly above tp or pp, fsdp"),
+    (["policy.node=zero1", "policy.rank=ep"], "or, directly above tp or pp, fsdp"),
 ])
 def test_a_composition_that_is_not_built_is_refused_naming_the_level(policy, words):
     with pytest.raises(ConfigError, match=words) as e:

@@ -43,6 +43,7 @@ from . import pipeline, tensor
 from .pipeline import PipelineParallel, PipelineSettings, stage_options
 from .plans import Plan, plan_for
 from .sharded_stages import ShardedPipeline, plain_fsdp
+from .zero_replicas import ZeroPipeline, ZeroTensorParallel
 from .tensor import (SplitOf, TensorParallel, as_piece, charge_collectives, from_piece,
                      hook_ids, join, split_layers, uncharge, unsplit_layers)
 
@@ -51,8 +52,9 @@ def build(s: PipelineSettings, model, optimizer, comm: Comm, ctx: Context) -> St
     """A pipeline, its stages tensor-parallel where a ``tp`` level sits below (``ctx.inner``),
     its replicas sharded where ``fsdp`` sits above (``ctx.sharding``)."""
     if ctx.sharding is not None:
-        return ShardedPipeline(model, optimizer, comm, settings=s, sharding=ctx.sharding,
-                               **stage_options(ctx))
+        cls = ShardedPipeline if ctx.sharding.name == "fsdp" else ZeroPipeline
+        return cls(model, optimizer, comm, settings=s, sharding=ctx.sharding,
+                   **stage_options(ctx))
     if ctx.inner is None:
         return pipeline.build(s, model, optimizer, comm, ctx)
     return PipelineOfTensors(model, optimizer, comm, settings=s, inner=ctx.inner,
@@ -64,10 +66,13 @@ METHOD = dataclasses.replace(pipeline.METHOD, build=build, splits_over=("tp",))
 
 
 def build_tp(s, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
-    """Tensor parallelism, its replicas sharded by FSDP2 where ``fsdp`` sits above
-    (``ctx.sharding``)."""
+    """Tensor parallelism, its replicas sharded where ``fsdp`` (FSDP2) or ``zero1``/``zero2``
+    sits above (``ctx.sharding``)."""
     if ctx.sharding is None:
         return tensor.build(s, model, optimizer, comm, ctx)
+    if ctx.sharding.name != "fsdp":
+        return ZeroTensorParallel(model, optimizer, comm, settings=s, replicas=ctx.replicas,
+                                  sharding=ctx.sharding)
     return ShardedTensorParallel(model, optimizer, comm, settings=s, replicas=ctx.replicas,
                                  sharding=ctx.sharding)
 

@@ -86,8 +86,8 @@ def split_levels(plan: list[Level], first: int) -> int:
         if p.method.name != "syncdp" or p.options:
             raise ConfigError(f"policy.{p.name}", f"above policy.{inner.name}="
                               f"{inner.method.name} a per-step level is plain syncdp (the "
-                              f"replicas' gradients averaged) or, directly above tp or pp, fsdp (FSDP2 "
-                              f"over the replicas), not {p.method.name}"
+                              f"replicas' gradients averaged) or, directly above tp or pp, "
+                              f"fsdp, zero1 or zero2 (the replicas sharded), not {p.method.name}"
                               f"{':' + ','.join(p.options) if p.options else ''}")
     return len(split)
 
@@ -213,7 +213,8 @@ def _build_split(plan, first, scope, levels, model, optimizer, ctx: Context):
         ctx = dataclasses.replace(ctx, replicas=scope.split(span.rank, level=names[first]))
         shards = sharding(plan, first)
         if shards is not None:
-            ctx = dataclasses.replace(ctx, sharding=ShardedReplicas(shards.settings, scope))
+            ctx = dataclasses.replace(ctx, sharding=ShardedReplicas(shards.settings, scope,
+                                                                     shards.method.name))
     comm = span
     if count == 2:
         unit = levels.group(names[-2])
