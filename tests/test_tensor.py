@@ -209,13 +209,16 @@ def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_ha
     """``topology=node:2,rank:2``, ``policy.rank=tp``, ``policy.node=fsdp`` (FSDP2 over the
     mesh's dp dim, torch's FSDP + TP): the same losses (training and held-out, to 1e-5) as
     ``policy.node=syncdp``; each rank's parameters and optimizer state half of that run's; FSDP's
-    collectives on the node level of the ledger, TP's on the rank level."""
-    base = [x for x in SETS if not x.startswith("strategy.")] + ["checkpoint.every=0"]
+    collectives on the node level of the ledger, TP's on the rank level; resumed from step 5's
+    checkpoint (its tensor-parallel pieces cut again into the (dp, tp) shards): the same model
+    bit for bit."""
+    base = [x for x in SETS if not x.startswith("strategy.")]
+    split = ["topology=node:2,rank:2", "policy.rank=tp"]
     runs = {}
     for dp in ("fsdp", "syncdp"):
         out = tmp_path / dp
-        r = train(4, out, "topology=node:2,rank:2", "policy.rank=tp", f"policy.node={dp}",
-                  base=base)
+        r = train(4, out, *split, f"policy.node={dp}",
+                  *(["checkpoint.every=0"] if dp == "syncdp" else []), base=base)
         assert r.returncode == 0, r.output
         runs[dp] = (metrics(out), json.loads((out / "summary.json").read_text()))
     (a, ours), (b, theirs) = runs["fsdp"], runs["syncdp"]
@@ -227,6 +230,11 @@ def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_ha
     ops = {(row["level"], row["op"]) for row in ours["ledger_rank0"] if row["bytes_sent"]}
     assert {("node", "reduce_scatter.fsdp"), ("node", "allgather.fsdp"),
             ("rank", "allreduce.tp")} <= ops
+    r = resume_from_step_5(tmp_path / "fsdp", tmp_path / "again", 4, *split, "policy.node=fsdp",
+                           base=base)
+    assert r.returncode == 0 and "at step 5" in r.output, r.output
+    resumed = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert resumed["state_sha256"] == ours["state_sha256"]
 
 
 def test_fsdp_over_the_replicas_of_a_pipeline_equals_syncdp_with_half_the_state_and_resumes(

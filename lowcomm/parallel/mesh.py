@@ -41,7 +41,7 @@ from ..strategies.sharded.fsdp import charge_units, fsdp_modules, unshard_model,
 from ..strategies.method import Context, InnerSplit, ShardedReplicas
 from . import pipeline, tensor
 from .pipeline import PipelineParallel, PipelineSettings, stage_options
-from .plans import Plan, plan_for
+from .plans import Plan, local_part, plan_for
 from .sharded_stages import ShardedPipeline, plain_fsdp
 from .zero_replicas import ZeroPipeline, ZeroTensorParallel
 from .tensor import (SplitOf, TensorParallel, as_piece, charge_collectives, from_piece,
@@ -297,13 +297,22 @@ class ShardedTensorParallel(TensorParallel):
                           "(dp, tp) shards are not checked against torch.distributed.checkpoint); "
                           "use checkpoint.format = \"torch\"")
 
-    def load_model_state_dict(self, state: dict) -> None:
-        raise LowcommError("resuming tp with fsdp above it is not built (loading a checkpoint "
-                           "into the (dp, tp) shards); its checkpoints hold the tensor-parallel "
-                           "pieces, which tp with syncdp above loads")
-
-    def _load_state_dict(self, state: dict) -> None:
-        self.load_model_state_dict(state)
+    def _tensor(self, name: str, v, like):
+        """The inverse of :meth:`_piece`: ``v`` (a tensor-parallel piece, or the whole tensor)
+        as ``like`` holds it on this rank, its "dp" shard cut locally (no communication)."""
+        from torch.distributed.tensor import DTensor, Replicate
+        if not (isinstance(like, DTensor) and "dp" in (like.device_mesh.mesh_dim_names or ())):
+            return super()._tensor(name, v, like)
+        dims = like.device_mesh.mesh_dim_names      # ("dp",) for a tensor tp leaves whole
+        tp = like.placements[dims.index("tp")] if "tp" in dims else Replicate()
+        local = v.local if isinstance(v, SplitOf) else v
+        if name in self._pieces and not isinstance(v, SplitOf):
+            dim, parts = self._pieces[name]
+            local = local_part(v, dim, parts, self.comm.size, self.comm.rank)
+        held = DTensor.from_local(local.to(like.device, like.dtype), like.device_mesh,
+                                  [Replicate() if d == "dp" else tp for d in dims],
+                                  run_check=False, shape=like.shape, stride=like.stride())
+        return held.redistribute(like.device_mesh, like.placements)
 
     def _finish(self) -> None:
         """The pieces joined, FSDP2 and then tensor parallelism removed: the whole model."""
