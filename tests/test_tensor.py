@@ -284,9 +284,9 @@ def test_a_composition_that_is_not_built_is_refused_naming_the_level(policy, wor
     assert e.value.key == "policy.node"
 
 
-@pytest.mark.parametrize("below", [["policy.node=pp", "policy.rank=tp"],
-                                   ["policy.node=fsdp", "policy.rank=tp"]])
-def test_an_outer_loop_above_two_split_or_sharded_levels_is_refused_naming_it(below):
-    with pytest.raises(ConfigError, match="outer loop over two levels") as e:
+@pytest.mark.parametrize("below", [["policy.node=fsdp", "policy.rank=pp"],
+                                   ["policy.node=zero1", "policy.rank=tp"]])
+def test_an_outer_loop_above_sharded_replicas_other_than_fsdp_over_tp_is_refused(below):
+    with pytest.raises(ConfigError, match="built above fsdp over tp only") as e:
         load_config(None, ["topology=dc:2,node:2,rank:2", "policy.dc=diloco", *below])
     assert e.value.key == "policy.dc"

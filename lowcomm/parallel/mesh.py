@@ -41,6 +41,7 @@ from ..strategies.sharded.fsdp import charge_units, fsdp_modules, unshard_model,
 from ..strategies.method import Context, InnerSplit, ShardedReplicas
 from . import pipeline, tensor
 from .pipeline import PipelineParallel, PipelineSettings, stage_options
+from .owners import balanced_owners, share_from_owners
 from .plans import Plan, local_part, plan_for
 from .sharded_stages import ShardedPipeline, plain_fsdp
 from .zero_replicas import ZeroPipeline, ZeroTensorParallel
@@ -155,6 +156,26 @@ class PipelineOfTensors(PipelineParallel):
         return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 for p in self._held if p.grad is not None and id(p) not in tied
                 and (first or names[id(p)] in self._pieces)]
+
+    # an outer loop above ----------------------------------------------------------------------
+    def outer_shards(self) -> dict[str, torch.Tensor]:
+        """:meth:`local_shards` less the copies another rank owns: a tied tensor's on the last
+        stage (the first stage's rank owns it), a tensor parallelism leaves whole on the tensor
+        ranks other than its owner (:mod:`~lowcomm.parallel.owners`)."""
+        owner, me = self._tp_owners(), self.inner.comm.rank
+        return {n: t for n, t in super().outer_shards().items() if owner.get(n, me) == me}
+
+    def parameters_changed(self) -> None:
+        """After an outer loop's merge: each whole tensor of a stage takes its tensor owner's
+        copy, then the last stage's tied copy the first stage's."""
+        local = self.local_shards()
+        share_from_owners(self.inner.comm, [(local[n], r) for n, r in self._tp_owners().items()])
+        super().parameters_changed()
+
+    def _tp_owners(self) -> dict[str, int]:
+        """The tensor rank owning each parameter of this rank's stage that tp leaves whole."""
+        sizes = {n: t.numel() for n, t in self.local_shards().items() if n not in self._pieces}
+        return balanced_owners(sizes, self.inner.comm.size)
 
     # checkpoints --------------------------------------------------------------------------------
     def model_state_dict(self) -> dict:

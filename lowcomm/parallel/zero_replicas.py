@@ -30,13 +30,8 @@ from ..errors import ConfigError, LowcommError
 from ..strategies.layout import balance
 from ..strategies.method import ShardedReplicas
 from .pipeline import PipelineParallel
+from .replicas import local_of as local
 from .tensor import TensorParallel, sum_partials
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local piece (its storage), another tensor itself."""
-    from torch.distributed.tensor import DTensor
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class OwnedByReplicas:
@@ -192,4 +187,4 @@ class ZeroTensorParallel(TensorParallel):
                            "checkpoint only (the same topology and policy)")
 
 
-__all__ = ["OwnedByReplicas", "ZeroPipeline", "ZeroTensorParallel", "check_zero", "local"]
+__all__ = ["OwnedByReplicas", "ZeroPipeline", "ZeroTensorParallel", "check_zero"]

@@ -74,12 +74,12 @@ def split_levels(plan: list[Level], first: int) -> int:
                           "data parallelism (syncdp) goes above it")
     inner, above = plan[-len(split)], plan[first:-len(split)]
     sharded = len(above) == 1 and sharding(plan, first) is not None
-    if first > 0 and (len(split) == 2 or sharded):
+    if first > 0 and sharded and not (above[0].method.name == "fsdp" and inner.method.name == "tp"):
         raise ConfigError(f"policy.{plan[first - 1].name}", f"{plan[first - 1].method.name} "
                           f"above {' over '.join(p.method.name for p in plan[first:])}: an outer "
-                          "loop over two levels that split or shard the model is not built (its "
-                          "state would be the composition's pieces); put it above a single tp "
-                          "or pp level")
+                          "loop over a split model's sharded replicas is built above fsdp over "
+                          "tp only; put syncdp between, or the outer loop above a single tp or "
+                          "pp level, pp over tp or fsdp over tp")
     if sharded:
         return len(split)
     for p in above:
