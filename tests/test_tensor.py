@@ -290,3 +290,14 @@ def test_an_outer_loop_above_sharded_replicas_other_than_fsdp_over_tp_is_refused
     with pytest.raises(ConfigError, match="built above fsdp over tp only") as e:
         load_config(None, ["topology=dc:2,node:2,rank:2", "policy.dc=diloco", *below])
     assert e.value.key == "policy.dc"
+
+
+@pytest.mark.parametrize("below", [["policy.node=pp", "policy.rank=tp"],
+                                   ["policy.node=fsdp", "policy.rank=tp"]])
+def test_a_fleet_refuses_two_split_or_sharded_levels_inside_its_datacenters(below):
+    from lowcomm.run.fleet.plan import plan
+    cfg = load_config(None, ["fleet.dcs=2", "topology=dc:2,node:2,rank:2", "policy.dc=diloco",
+                             *below])
+    with pytest.raises(ConfigError, match="not verified in a fleet") as e:
+        plan(cfg, 2, 8)
+    assert e.value.key == "policy.node"
