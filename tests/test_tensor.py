@@ -204,53 +204,29 @@ def test_pipeline_stages_each_tensor_parallel_equal_one_process_and_resume_bit_f
     assert json.loads((again / "summary.json").read_text())["state_sha256"] == s["state_sha256"]
 
 
-def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_half_the_state(
-        tmp_path):
-    """``topology=node:2,rank:2``, ``policy.rank=tp``, ``policy.node=fsdp`` (FSDP2 over the
-    mesh's dp dim, torch's FSDP + TP): the same losses (training and held-out, to 1e-5) as
-    ``policy.node=syncdp``; each rank's parameters and optimizer state half of that run's; FSDP's
-    collectives on the node level of the ledger, TP's on the rank level; resumed from step 5's
-    checkpoint (its tensor-parallel pieces cut again into the (dp, tp) shards): the same model
-    bit for bit."""
-    base = [x for x in SETS if not x.startswith("strategy.")]
-    split = ["topology=node:2,rank:2", "policy.rank=tp"]
-    runs = {}
-    for dp in ("fsdp", "syncdp"):
-        out = tmp_path / dp
-        r = train(4, out, *split, f"policy.node={dp}",
-                  *(["checkpoint.every=0"] if dp == "syncdp" else []), base=base)
-        assert r.returncode == 0, r.output
-        runs[dp] = (metrics(out), json.loads((out / "summary.json").read_text()))
-    (a, ours), (b, theirs) = runs["fsdp"], runs["syncdp"]
-    same_losses(a, b)
-    assert ours["ranks_agree"] is True
-    for m, n in zip(ours["memory_by_rank"], theirs["memory_by_rank"]):
-        assert 2 * m["param_bytes"] == n["param_bytes"]
-        assert abs(2 * m["optimizer_state_bytes"] / n["optimizer_state_bytes"] - 1) < 0.01
-    ops = {(row["level"], row["op"]) for row in ours["ledger_rank0"] if row["bytes_sent"]}
-    assert {("node", "reduce_scatter.fsdp"), ("node", "allgather.fsdp"),
-            ("rank", "allreduce.tp")} <= ops
-    r = resume_from_step_5(tmp_path / "fsdp", tmp_path / "again", 4, *split, "policy.node=fsdp",
-                           base=base)
-    assert r.returncode == 0 and "at step 5" in r.output, r.output
-    resumed = json.loads((tmp_path / "again" / "summary.json").read_text())
-    assert resumed["state_sha256"] == ours["state_sha256"]
+#: fsdp over a split model: the split level's keys and the op its own traffic is filed as
+FSDP_OVER = {"tp": (["policy.rank=tp"], ("rank", "allreduce.tp")),
+             "pp": (["policy.rank=pp", "strategy.microbatches=2"], ("rank", "send.activation.0-1"))}
 
 
-def test_fsdp_over_the_replicas_of_a_pipeline_equals_syncdp_with_half_the_state_and_resumes(
-        tmp_path):
-    """``topology=node:2,rank:2``, ``policy.rank=pp``, ``policy.node=fsdp`` (each stage module
+@pytest.mark.parametrize("split", FSDP_OVER)
+def test_fsdp_over_the_replicas_of_a_split_model_equals_syncdp_with_half_the_state_and_resumes(
+        tmp_path, split):
+    """``topology=node:2,rank:2``, ``policy.rank=tp`` or ``pp``, ``policy.node=fsdp`` (FSDP2
+    over the dp dim of a (dp, tp) mesh, torch's FSDP + TP; or each stage module
     ``fully_shard``-ed over the dp dim of a (dp, pp) mesh, torchtitan's way): the same losses
     (training and held-out, to 1e-5) as ``policy.node=syncdp``; each rank's parameters half of
     that run's, its optimizer state half to 1 %; FSDP's collectives on the node level, the
-    activations on the rank level; resumed from step 5's checkpoint: the same model bit for
-    bit."""
-    pipe = ["topology=node:2,rank:2", "policy.rank=pp", "strategy.microbatches=2"]
+    split's own traffic on the rank level; resumed from step 5's checkpoint (tp's pieces cut
+    again into the (dp, tp) shards, a stage's whole tensors into its dp shards): the same model
+    bit for bit."""
+    keys, own = FSDP_OVER[split]
+    keys = ["topology=node:2,rank:2", *keys]
     base = [x for x in SETS if not x.startswith("strategy.")]
     runs = {}
     for dp in ("fsdp", "syncdp"):
         out = tmp_path / dp
-        r = train(4, out, *pipe, f"policy.node={dp}",
+        r = train(4, out, *keys, f"policy.node={dp}",
                   *(["checkpoint.every=0"] if dp == "syncdp" else []), base=base)
         assert r.returncode == 0, r.output
         runs[dp] = (metrics(out), json.loads((out / "summary.json").read_text()))
@@ -261,9 +237,8 @@ def test_fsdp_over_the_replicas_of_a_pipeline_equals_syncdp_with_half_the_state_
         assert 2 * m["param_bytes"] == n["param_bytes"]
         assert abs(2 * m["optimizer_state_bytes"] / n["optimizer_state_bytes"] - 1) < 0.01
     ops = {(row["level"], row["op"]) for row in ours["ledger_rank0"] if row["bytes_sent"]}
-    assert {("node", "reduce_scatter.fsdp"), ("node", "allgather.fsdp"),
-            ("rank", "send.activation.0-1")} <= ops
-    r = resume_from_step_5(tmp_path / "fsdp", tmp_path / "again", 4, *pipe, "policy.node=fsdp",
+    assert {("node", "reduce_scatter.fsdp"), ("node", "allgather.fsdp"), own} <= ops
+    r = resume_from_step_5(tmp_path / "fsdp", tmp_path / "again", 4, *keys, "policy.node=fsdp",
                            base=base)
     assert r.returncode == 0 and "at step 5" in r.output, r.output
     resumed = json.loads((tmp_path / "again" / "summary.json").read_text())

@@ -109,10 +109,10 @@ def check_zero(sharding: ShardedReplicas, level: str) -> None:
                           "algorithm; leave the other keys at their defaults")
 
 
-class ZeroPipeline(PipelineParallel):
-    """Pipeline stages over ``comm``, ZeRO over ``replicas`` (rank s of every pipeline): each
-    stage's optimizer state partitioned over the replicas holding it (module docstring). The
-    other arguments are :class:`~lowcomm.parallel.pipeline.PipelineParallel`'s."""
+class ZeroOverReplicas:
+    """Mixed into a split method: ZeRO over its ``replicas`` (the ranks holding the same part
+    in the other replicas), each local tensor's optimizer state kept by its owner alone (module
+    docstring). ``sharding``: the ZeRO level; the other arguments are the split method's."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, sharding: ShardedReplicas, replicas: Comm,
@@ -120,9 +120,29 @@ class ZeroPipeline(PipelineParallel):
         check_zero(sharding, replicas.level)
         self.sharding = sharding
         super().__init__(model, optimizer, comm, replicas=replicas, **options)
-        self.zero = OwnedByReplicas(self.local_shards(), optimizer, replicas, sharding.stage,
+        self.zero = OwnedByReplicas(self._parts(), optimizer, replicas, sharding.stage,
                                     sharding.settings.algorithm)
         self.built.fix()
+
+    def _parts(self) -> dict:
+        """This rank's parameters by name (the split method's part of the model)."""
+        raise NotImplementedError
+
+    def _norm_comm(self) -> Comm:
+        return self.sharding.span
+
+    def reshard(self, old: list[dict]) -> dict:
+        raise LowcommError(f"{self.sharding.name} above {self.name} resumes on the split that "
+                           "wrote the checkpoint only (the same topology and policy)")
+
+
+class ZeroPipeline(ZeroOverReplicas, PipelineParallel):
+    """Pipeline stages over ``comm``, ZeRO over ``replicas`` (rank s of every pipeline): each
+    stage's optimizer state partitioned over the replicas holding it."""
+
+    def _parts(self) -> dict:
+        held = {id(p) for p in self._held}
+        return {n: p for n, p in self.model.named_parameters() if id(p) in held}
 
     def _average_replicas(self) -> None:
         self.zero.reduce()
@@ -132,9 +152,6 @@ class ZeroPipeline(PipelineParallel):
         self.zero.gather()
         return loss
 
-    def _norm_comm(self) -> Comm:
-        return self.sharding.span
-
     def _own_grads(self) -> list[torch.Tensor]:
         """This rank's share of the whole gradient: its owned tensors (a tied one on the first
         stage only)."""
@@ -143,25 +160,13 @@ class ZeroPipeline(PipelineParallel):
         return [local(p.grad) for p in self._held if p.grad is not None and id(p) not in tied
                 and self.zero.owns(names[id(p)])]
 
-    def reshard(self, old: list[dict]) -> dict:
-        raise LowcommError(f"{self.sharding.name} above pp resumes on the split that wrote the "
-                           "checkpoint only (the same topology and policy)")
 
-
-class ZeroTensorParallel(TensorParallel):
+class ZeroTensorParallel(ZeroOverReplicas, TensorParallel):
     """Tensor parallelism over ``comm``, ZeRO over ``replicas`` (rank t of every unit): each
-    piece's optimizer state partitioned over the replicas holding it (module docstring). The
-    other arguments are :class:`~lowcomm.parallel.tensor.TensorParallel`'s."""
+    piece's optimizer state partitioned over the replicas holding it."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, sharding: ShardedReplicas, replicas: Comm,
-                 **options):
-        check_zero(sharding, replicas.level)
-        self.sharding = sharding
-        super().__init__(model, optimizer, comm, replicas=replicas, **options)
-        self.zero = OwnedByReplicas(dict(model.named_parameters()), optimizer, replicas,
-                                    sharding.stage, sharding.settings.algorithm)
-        self.built.fix()
+    def _parts(self) -> dict:
+        return dict(self.model.named_parameters())
 
     def _reduce(self) -> None:
         """Partial gradients summed, then each owned piece's the mean over the replicas."""
@@ -179,12 +184,6 @@ class ZeroTensorParallel(TensorParallel):
     def _counts_grad(self, name: str) -> bool:
         return self.zero.owns(name)
 
-    def _norm_comm(self) -> Comm:
-        return self.sharding.span
 
-    def reshard(self, old: list[dict]) -> dict:
-        raise LowcommError(f"{self.sharding.name} above tp resumes on the split that wrote the "
-                           "checkpoint only (the same topology and policy)")
-
-
-__all__ = ["OwnedByReplicas", "ZeroPipeline", "ZeroTensorParallel", "check_zero"]
+__all__ = ["OwnedByReplicas", "ZeroOverReplicas", "ZeroPipeline", "ZeroTensorParallel",
+           "check_zero"]
