@@ -1,6 +1,10 @@
 """Two axes on one two-dimensional device mesh: pipeline stages each split by tensor parallelism
 (``pp`` over ``tp``, :class:`PipelineOfTensors`), and tensor parallelism with its replicas
-sharded by FSDP2 (``fsdp`` above ``tp``, :class:`ShardedTensorParallel`).
+sharded by FSDP2 (``fsdp`` above ``tp``, :class:`ShardedTensorParallel`); the registry's
+builders of ``pp`` and ``tp`` (:func:`build`, :func:`build_tp`), which also place a pipeline's
+replicas under FSDP2 (:mod:`~lowcomm.parallel.sharded_stages`) and either split's under ZeRO
+(:mod:`~lowcomm.parallel.zero_replicas`). An outer loop above either composition keeps each
+rank's local tensors (a DTensor's ``to_local()``), a tensor several ranks hold by its owner.
 
 **pp over tp.**
 Narayanan et al. 2021 (arXiv 2104.04473, "PTD-P"): the model is cut into P pipeline stages, and
@@ -257,6 +261,8 @@ class ShardedTensorParallel(TensorParallel):
     ``syncdp`` above ``tp`` averages them), TP's collectives run over "tp" inside; ``step()``:
     the wrapped optimizer on this rank's shard of its piece. Traffic: FSDP's collectives charged
     to the data-parallel level (``allgather.fsdp``, ``reduce_scatter.fsdp``), TP's to its own.
+    Checkpoints hold the tensor-parallel pieces (the "dp" shards gathered); a resume cuts each
+    piece into this rank's "dp" shard again (:meth:`_tensor`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
