@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
+from lowcomm.errors import ConfigError
 from lowcomm.parallel.plans import join_parts, local_part
+from lowcomm.run.api import load_config
 from split_helpers import (RUN, assert_checks_ran, assert_refused,
                            assert_refused_across_datacenters, assert_resumes_on_two_and_one_rank,
                            assert_split_run_equals, copy_at_step_5, metrics, run_train,
@@ -33,10 +35,10 @@ def train(np_, out, *sets, resume=None, base=SETS):
     return run_train(np_, out, base, *sets, resume=resume)
 
 
-def resume_from_step_5(full, again, np_, *sets):
+def resume_from_step_5(full, again, np_, *sets, base=SETS):
     """Run ``full``'s copy ``again`` on ``np_`` ranks from its step-5 checkpoint."""
     copy_at_step_5(full, again)
-    return train(np_, again, *sets, resume=again)
+    return train(np_, again, *sets, resume=again, base=base)
 
 
 def test_lowcomm_train_with_tp_resumes_bit_for_bit_and_on_one_rank(tmp_path):
@@ -109,21 +111,35 @@ def test_a_fused_projections_pieces_join_back_exactly():
     assert torch.equal(join_parts(pieces, 1, 3), full)
 
 
-@pytest.mark.parametrize("split", ["tp", "pp"])
-def test_data_parallelism_around_a_split_model_equals_syncdp_of_whole_models(tmp_path, split):
+@pytest.mark.parametrize("split, zero", [("tp", "zero2"), ("pp", "zero1")])
+def test_data_parallelism_around_a_split_model_equals_syncdp_of_whole_models(tmp_path, split,
+                                                                             zero):
     """``topology=node:2,rank:2``, ``policy.node=syncdp``, ``policy.rank=tp`` (or ``pp``): two
     split models, each rank averaging its gradients with the rank holding the same part in the
     other: the same losses (training and held-out, to 1e-5) as SyncDP on 2 ranks each holding
-    the whole model; the whole model on every rank at the end."""
+    the whole model; the whole model on every rank at the end. With ``policy.node=zero2`` (or
+    ``zero1``) instead, the optimizer state partitioned over the two replicas: the same model
+    bit for bit (a mean of two terms), the replicas' optimizer state half of syncdp's in all,
+    reduce-scatters and all-gathers on the node level."""
     common = ["log_every=5", "eval_every=5", "checkpoint.every=0"]
     base = [x for x in SETS if not x.startswith("strategy.")]
-    ours, ref = tmp_path / split, tmp_path / "syncdp"
-    r = train(4, ours, "topology=node:2,rank:2", "policy.node=syncdp", f"policy.rank={split}",
-              *(["strategy.microbatches=2"] if split == "pp" else []), *common, base=base)
-    assert r.returncode == 0, r.output
+    runs = {}
+    for dp in ("syncdp", zero):
+        out = tmp_path / dp
+        r = train(4, out, "topology=node:2,rank:2", f"policy.node={dp}", f"policy.rank={split}",
+                  *(["strategy.microbatches=2"] if split == "pp" else []), *common, base=base)
+        assert r.returncode == 0, r.output
+        runs[dp] = json.loads((out / "summary.json").read_text())
+    ref = tmp_path / "whole"
     r = train(2, ref, "strategy.name=syncdp", *common, base=base)
     assert r.returncode == 0, r.output
-    assert_split_run_equals(ours, ref, "node")
+    assert_split_run_equals(tmp_path / "syncdp", ref, "node")
+    s, z = runs["syncdp"], runs[zero]
+    assert z["ranks_agree"] is True and z["state_sha256"] == s["state_sha256"]
+    state = [sum(m["optimizer_state_bytes"] for m in x["memory_by_rank"]) for x in (z, s)]
+    assert 2 * state[0] == state[1]
+    ops = {(row["level"], row["op"].split(".")[0]) for row in z["ledger_rank0"] if row["bytes_sent"]}
+    assert {("node", "reduce_scatter"), ("node", "allgather")} <= ops
 
 
 def test_pipeline_stages_each_tensor_parallel_equal_one_process_and_resume_bit_for_bit(tmp_path):
@@ -152,18 +168,30 @@ def test_pipeline_stages_each_tensor_parallel_equal_one_process_and_resume_bit_f
     assert summary(again)["state_sha256"] == s["state_sha256"]
 
 
-def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_half_the_state(
-        tmp_path):
-    """``topology=node:2,rank:2``, ``policy.rank=tp``, ``policy.node=fsdp`` (FSDP2 over the
-    mesh's dp dim, torch's FSDP + TP): the same losses (training and held-out, to 1e-5) as
-    ``policy.node=syncdp``; each rank's parameters and optimizer state half of that run's; FSDP's
-    collectives on the node level of the ledger, TP's on the rank level."""
-    base = [x for x in SETS if not x.startswith("strategy.")] + ["checkpoint.every=0"]
+#: fsdp over a split model: the split level's keys and the op its own traffic is filed as
+FSDP_OVER = {"tp": (["policy.rank=tp"], ("rank", "allreduce.tp")),
+             "pp": (["policy.rank=pp", "strategy.microbatches=2"], ("rank", "send.activation.0-1"))}
+
+
+@pytest.mark.parametrize("split", FSDP_OVER)
+def test_fsdp_over_the_replicas_of_a_split_model_equals_syncdp_with_half_the_state_and_resumes(
+        tmp_path, split):
+    """``topology=node:2,rank:2``, ``policy.rank=tp`` or ``pp``, ``policy.node=fsdp`` (FSDP2
+    over the dp dim of a (dp, tp) mesh, torch's FSDP + TP; or each stage module
+    ``fully_shard``-ed over the dp dim of a (dp, pp) mesh, torchtitan's way): the same losses
+    (training and held-out, to 1e-5) as ``policy.node=syncdp``; each rank's parameters half of
+    that run's, its optimizer state half to 1 %; FSDP's collectives on the node level, the
+    split's own traffic on the rank level; resumed from step 5's checkpoint (tp's pieces cut
+    again into the (dp, tp) shards, a stage's whole tensors into its dp shards): the same model
+    bit for bit."""
+    keys, own = FSDP_OVER[split]
+    keys = ["topology=node:2,rank:2", *keys]
+    base = [x for x in SETS if not x.startswith("strategy.")]
     runs = {}
     for dp in ("fsdp", "syncdp"):
         out = tmp_path / dp
-        r = train(4, out, "topology=node:2,rank:2", "policy.rank=tp", f"policy.node={dp}",
-                  base=base)
+        r = train(4, out, *keys, f"policy.node={dp}",
+                  *(["checkpoint.every=0"] if dp == "syncdp" else []), base=base)
         assert r.returncode == 0, r.output
         runs[dp] = (metrics(out), summary(out))
     (a, ours), (b, theirs) = runs["fsdp"], runs["syncdp"]
@@ -173,8 +201,12 @@ def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_ha
         assert 2 * m["param_bytes"] == n["param_bytes"]
         assert abs(2 * m["optimizer_state_bytes"] / n["optimizer_state_bytes"] - 1) < 0.01
     ops = {(row["level"], row["op"]) for row in ours["ledger_rank0"] if row["bytes_sent"]}
-    assert {("node", "reduce_scatter.fsdp"), ("node", "allgather.fsdp"),
-            ("rank", "allreduce.tp")} <= ops
+    assert {("node", "reduce_scatter.fsdp"), ("node", "allgather.fsdp"), own} <= ops
+    r = resume_from_step_5(tmp_path / "fsdp", tmp_path / "again", 4, *keys, "policy.node=fsdp",
+                           base=base)
+    assert r.returncode == 0 and "at step 5" in r.output, r.output
+    resumed = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert resumed["state_sha256"] == ours["state_sha256"]
 
 
 @pytest.mark.parametrize("policy, words", [
@@ -183,15 +215,25 @@ def test_fsdp_over_the_replicas_of_a_tensor_parallel_model_equals_syncdp_with_ha
     (["policy.node=pp", "policy.rank=pp"], "pp over pp"),
     (["policy.node=tp", "policy.rank=syncdp"], "innermost per-step level only"),
     (["policy.node=syncdp:algorithm=ring", "policy.rank=tp"], "plain syncdp"),
-    (["policy.node=zero1", "policy.rank=tp"], "or, directly above tp, fsdp"),
-    (["policy.node=fsdp", "policy.rank=pp"], "or, directly above tp, fsdp"),
+    (["policy.node=zero1", "policy.rank=ep"], "or, directly above tp or pp, fsdp"),
 ])
 def test_a_composition_that_is_not_built_is_refused_naming_the_level(policy, words):
     assert_refused(["topology=node:2,rank:2", *policy], "policy.node", words)
 
 
+@pytest.mark.parametrize("below", [["policy.node=fsdp", "policy.rank=pp"],
+                                   ["policy.node=zero1", "policy.rank=tp"]])
+def test_an_outer_loop_above_sharded_replicas_other_than_fsdp_over_tp_is_refused(below):
+    assert_refused(["topology=dc:2,node:2,rank:2", "policy.dc=diloco", *below], "policy.dc",
+                   "built above fsdp over tp only")
+
+
 @pytest.mark.parametrize("below", [["policy.node=pp", "policy.rank=tp"],
                                    ["policy.node=fsdp", "policy.rank=tp"]])
-def test_an_outer_loop_above_two_split_or_sharded_levels_is_refused_naming_it(below):
-    assert_refused(["topology=dc:2,node:2,rank:2", "policy.dc=diloco", *below], "policy.dc",
-                   "outer loop over two levels")
+def test_a_fleet_refuses_two_split_or_sharded_levels_inside_its_datacenters(below):
+    from lowcomm.run.fleet.plan import plan
+    cfg = load_config(None, ["fleet.dcs=2", "topology=dc:2,node:2,rank:2", "policy.dc=diloco",
+                             *below])
+    with pytest.raises(ConfigError, match="not verified in a fleet") as e:
+        plan(cfg, 2, 8)
+    assert e.value.key == "policy.node"

@@ -1,6 +1,10 @@
 """Two axes on one two-dimensional device mesh: pipeline stages each split by tensor parallelism
 (``pp`` over ``tp``, :class:`PipelineOfTensors`), and tensor parallelism with its replicas
-sharded by FSDP2 (``fsdp`` above ``tp``, :class:`ShardedTensorParallel`).
+sharded by FSDP2 (``fsdp`` above ``tp``, :class:`ShardedTensorParallel`); the registry's
+builders of ``pp`` and ``tp`` (:func:`build`, :func:`build_tp`), which also place a pipeline's
+replicas under FSDP2 (:mod:`~lowcomm.parallel.sharded_stages`) and either split's under ZeRO
+(:mod:`~lowcomm.parallel.zero_replicas`). An outer loop above either composition keeps each
+rank's local tensors (a DTensor's ``to_local()``), a tensor several ranks hold by its owner.
 
 **pp over tp.**
 Narayanan et al. 2021 (arXiv 2104.04473, "PTD-P"): the model is cut into P pipeline stages, and
@@ -41,13 +45,21 @@ from ..strategies.sharded.fsdp import charge_units, fsdp_modules, unshard_model,
 from ..strategies.method import Context, InnerSplit, ShardedReplicas
 from . import pipeline, tensor
 from .pipeline import PipelineParallel, PipelineSettings, stage_options
-from .plans import Plan, plan_for
+from .owners import balanced_owners, share_from_owners
+from .plans import Plan, local_part, plan_for
+from .sharded_stages import ShardedPipeline, plain_fsdp
+from .zero_replicas import ZeroPipeline, ZeroTensorParallel
 from .tensor import (SplitOf, TensorParallel, as_piece, charge_collectives, from_piece,
                      hook_ids, join, split_layers, uncharge, unsplit_layers)
 
 
 def build(s: PipelineSettings, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
-    """A pipeline, its stages tensor-parallel where a ``tp`` level sits below (``ctx.inner``)."""
+    """A pipeline, its stages tensor-parallel where a ``tp`` level sits below (``ctx.inner``),
+    its replicas sharded where ``fsdp`` sits above (``ctx.sharding``)."""
+    if ctx.sharding is not None:
+        cls = ShardedPipeline if ctx.sharding.name == "fsdp" else ZeroPipeline
+        return cls(model, optimizer, comm, settings=s, sharding=ctx.sharding,
+                   **stage_options(ctx))
     if ctx.inner is None:
         return pipeline.build(s, model, optimizer, comm, ctx)
     return PipelineOfTensors(model, optimizer, comm, settings=s, inner=ctx.inner,
@@ -59,10 +71,13 @@ METHOD = dataclasses.replace(pipeline.METHOD, build=build, splits_over=("tp",))
 
 
 def build_tp(s, model, optimizer, comm: Comm, ctx: Context) -> Strategy:
-    """Tensor parallelism, its replicas sharded by FSDP2 where ``fsdp`` sits above
-    (``ctx.sharding``)."""
+    """Tensor parallelism, its replicas sharded where ``fsdp`` (FSDP2) or ``zero1``/``zero2``
+    sits above (``ctx.sharding``)."""
     if ctx.sharding is None:
         return tensor.build(s, model, optimizer, comm, ctx)
+    if ctx.sharding.name != "fsdp":
+        return ZeroTensorParallel(model, optimizer, comm, settings=s, replicas=ctx.replicas,
+                                  sharding=ctx.sharding)
     return ShardedTensorParallel(model, optimizer, comm, settings=s, replicas=ctx.replicas,
                                  sharding=ctx.sharding)
 
@@ -146,6 +161,26 @@ class PipelineOfTensors(PipelineParallel):
                 for p in self._held if p.grad is not None and id(p) not in tied
                 and (first or names[id(p)] in self._pieces)]
 
+    # an outer loop above ----------------------------------------------------------------------
+    def outer_shards(self) -> dict[str, torch.Tensor]:
+        """:meth:`local_shards` less the copies another rank owns: a tied tensor's on the last
+        stage (the first stage's rank owns it), a tensor parallelism leaves whole on the tensor
+        ranks other than its owner (:mod:`~lowcomm.parallel.owners`)."""
+        owner, me = self._tp_owners(), self.inner.comm.rank
+        return {n: t for n, t in super().outer_shards().items() if owner.get(n, me) == me}
+
+    def parameters_changed(self) -> None:
+        """After an outer loop's merge: each whole tensor of a stage takes its tensor owner's
+        copy, then the last stage's tied copy the first stage's."""
+        local = self.local_shards()
+        share_from_owners(self.inner.comm, [(local[n], r) for n, r in self._tp_owners().items()])
+        super().parameters_changed()
+
+    def _tp_owners(self) -> dict[str, int]:
+        """The tensor rank owning each parameter of this rank's stage that tp leaves whole."""
+        sizes = {n: t.numel() for n, t in self.local_shards().items() if n not in self._pieces}
+        return balanced_owners(sizes, self.inner.comm.size)
+
     # checkpoints --------------------------------------------------------------------------------
     def model_state_dict(self) -> dict:
         """This rank's stage keys, a split parameter as its :class:`SplitOf` piece."""
@@ -226,18 +261,14 @@ class ShardedTensorParallel(TensorParallel):
     ``syncdp`` above ``tp`` averages them), TP's collectives run over "tp" inside; ``step()``:
     the wrapped optimizer on this rank's shard of its piece. Traffic: FSDP's collectives charged
     to the data-parallel level (``allgather.fsdp``, ``reduce_scatter.fsdp``), TP's to its own.
+    Checkpoints hold the tensor-parallel pieces (the "dp" shards gathered); a resume cuts each
+    piece into this rank's "dp" shard again (:meth:`_tensor`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  comm: Comm | None = None, *, sharding: ShardedReplicas, replicas: Comm,
                  **options):
-        f = sharding.settings
-        odd = [k for k, v in (("param_dtype", f.param_dtype), ("reduce_dtype", f.reduce_dtype))
-               if v] + (["wrap"] if f.wrap != "auto" else [])
-        if odd:
-            raise ConfigError(f"policy.{replicas.level}.{odd[0]}", "fsdp above tp shards every "
-                              "block in the parameters' dtype: leave param_dtype, reduce_dtype "
-                              "and wrap at their defaults")
+        plain_fsdp(sharding, replicas.level, "tp")
         self.sharding = sharding
         super().__init__(model, optimizer, comm, replicas=replicas, **options)
 
@@ -292,13 +323,22 @@ class ShardedTensorParallel(TensorParallel):
                           "(dp, tp) shards are not checked against torch.distributed.checkpoint); "
                           "use checkpoint.format = \"torch\"")
 
-    def load_model_state_dict(self, state: dict) -> None:
-        raise LowcommError("resuming tp with fsdp above it is not built (loading a checkpoint "
-                           "into the (dp, tp) shards); its checkpoints hold the tensor-parallel "
-                           "pieces, which tp with syncdp above loads")
-
-    def _load_state_dict(self, state: dict) -> None:
-        self.load_model_state_dict(state)
+    def _tensor(self, name: str, v, like):
+        """The inverse of :meth:`_piece`: ``v`` (a tensor-parallel piece, or the whole tensor)
+        as ``like`` holds it on this rank, its "dp" shard cut locally (no communication)."""
+        from torch.distributed.tensor import DTensor, Replicate
+        if not (isinstance(like, DTensor) and "dp" in (like.device_mesh.mesh_dim_names or ())):
+            return super()._tensor(name, v, like)
+        dims = like.device_mesh.mesh_dim_names      # ("dp",) for a tensor tp leaves whole
+        tp = like.placements[dims.index("tp")] if "tp" in dims else Replicate()
+        local = v.local if isinstance(v, SplitOf) else v
+        if name in self._pieces and not isinstance(v, SplitOf):
+            dim, parts = self._pieces[name]
+            local = local_part(v, dim, parts, self.comm.size, self.comm.rank)
+        held = DTensor.from_local(local.to(like.device, like.dtype), like.device_mesh,
+                                  [Replicate() if d == "dp" else tp for d in dims],
+                                  run_check=False, shape=like.shape, stride=like.stride())
+        return held.redistribute(like.device_mesh, like.placements)
 
     def _finish(self) -> None:
         """The pieces joined, FSDP2 and then tensor parallelism removed: the whole model."""

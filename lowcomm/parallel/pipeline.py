@@ -44,7 +44,7 @@ from .chains import Chain, chain_for
 from .deferred import deferred_of
 from .merge import OwnedKeys, by_name, held_names
 from .owners import share_from_owners
-from .replicas import average_gradients, local_grads, place
+from .replicas import average_gradients, local_grads, local_of, place
 from .stages import (Stage, block_times, cut, outside_chain, owned_names, parse_split,
                      release_others, restore_others)
 
@@ -416,12 +416,15 @@ class PipelineParallel(OwnedKeys, SplitModel):
         for g in local_grads(self._held):
             g.div_(self.settings.microbatches)
         if self._tied and self._tie is not None:
-            for p in self._tied:
-                if p.grad is not None:
-                    self._tie.allreduce_(p.grad, "sum")
+            for g in local_grads(self._tied):
+                self._tie.allreduce_(g, "sum")
+        self._average_replicas()
+        return loss
+
+    def _average_replicas(self) -> None:
+        """Data parallelism around the pipeline: each gradient the mean over the replicas."""
         if self.replicas is not None:
             average_gradients(self.replicas, local_grads(self._held))
-        return loss
 
     @torch.no_grad()
     def evaluate(self, loss_fn, batch) -> float:
@@ -433,10 +436,11 @@ class PipelineParallel(OwnedKeys, SplitModel):
         return place(self.replicas)
 
     def local_shards(self) -> dict[str, torch.Tensor]:
-        """This rank's stages' parameters by name: what an outer loop above keeps and averages
-        with rank i of the other units (the same stage)."""
+        """This rank's stages' parameters by name (a DTensor's local piece: a split or sharded
+        stage's): what an outer loop above keeps and averages with rank i of the other units
+        (the same stage, the same piece)."""
         held = {id(p) for p in self._held}
-        return {n: p for n, p in self.model.named_parameters() if id(p) in held}
+        return {n: local_of(p) for n, p in self.model.named_parameters() if id(p) in held}
 
     def outer_shards(self) -> dict[str, torch.Tensor]:
         """:meth:`local_shards` less a tied module's parameters on the last stage's rank: the
@@ -449,7 +453,7 @@ class PipelineParallel(OwnedKeys, SplitModel):
         """An outer loop above merged its synchronisation: the last stage's copy of a tied
         module takes the first stage's (a broadcast between the two)."""
         if self._tied and self._tie is not None:
-            share_from_owners(self._tie, [(p.data, 0) for p in self._tied])
+            share_from_owners(self._tie, [(local_of(p).data, 0) for p in self._tied])
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -478,7 +482,7 @@ class PipelineParallel(OwnedKeys, SplitModel):
     def _own_grads(self) -> list[torch.Tensor]:
         """This rank's gradients, a tied tensor counted on the first stage only."""
         tied = {id(p) for p in self._tied} if not self.holds_first else set()
-        return [p.grad for p in self._held if p.grad is not None and id(p) not in tied]
+        return local_grads(p for p in self._held if id(p) not in tied)
 
     # results ------------------------------------------------------------------------------------
     def metrics(self, ctl: Comm, final: bool = False) -> dict:

@@ -32,6 +32,12 @@ def average_gradients(replicas: Comm, grads: list[torch.Tensor]) -> None:
             offset += g.numel()
 
 
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local piece (its storage, a view), another tensor itself."""
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def local_grads(params) -> list[torch.Tensor]:
     """The local tensors of ``params``' gradients (a DTensor's piece; None skipped)."""
     from torch.distributed.tensor import DTensor
@@ -45,4 +51,4 @@ def place(replicas: Comm | None) -> tuple[int, int]:
     return (0, 1) if replicas is None else (replicas.rank, replicas.size)
 
 
-__all__ = ["average_gradients", "local_grads", "place"]
+__all__ = ["average_gradients", "local_grads", "local_of", "place"]

@@ -340,7 +340,7 @@ class TensorParallel(ReducedOnce):
         self._reduce()
         split, whole = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for n, p in self.model.named_parameters():
-            if p.grad is None:
+            if p.grad is None or not self._counts_grad(n):
                 continue
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             sq = torch.linalg.vector_norm(g.detach().double()).cpu() ** 2
@@ -360,6 +360,10 @@ class TensorParallel(ReducedOnce):
     def _norm_comm(self) -> Comm:
         """The ranks whose gradient pieces make up the whole model's gradient."""
         return self.comm
+
+    def _counts_grad(self, name: str) -> bool:
+        """Whether this rank's gradient of parameter ``name`` is in the clipping norm."""
+        return True
 
     # checkpoints --------------------------------------------------------------------------------
     def _piece(self, name: str, t):

@@ -84,11 +84,18 @@ class InnerSplit:
 
 @dataclass(frozen=True)
 class ShardedReplicas:
-    """A data-parallel level that shards the replicas of a split model (``fsdp`` above ``tp``):
-    its ``settings`` and ``span`` (the ranks of every replica together, over which the
-    torch.distributed group and its (dp, tp) mesh are made)."""
+    """A data-parallel level that shards the replicas of a split model (``fsdp``, ``zero1`` or
+    ``zero2`` above ``tp`` or ``pp``): its ``settings``, ``span`` (the ranks of every replica
+    together, over which FSDP's torch.distributed group and its 2-D mesh are made) and its
+    method's ``name``."""
     settings: Any
     span: Any
+    name: str = "fsdp"
+
+    @property
+    def stage(self) -> int:
+        """ZeRO's stage (1 or 2; 3 for FSDP, which shards the parameters too)."""
+        return {"zero1": 1, "zero2": 2}.get(self.name, 3)
 
 
 @dataclass(frozen=True)

@@ -74,27 +74,27 @@ def split_levels(plan: list[Level], first: int) -> int:
                           "data parallelism (syncdp) goes above it")
     inner, above = plan[-len(split)], plan[first:-len(split)]
     sharded = len(above) == 1 and sharding(plan, first) is not None
-    if first > 0 and (len(split) == 2 or sharded):
+    if first > 0 and sharded and not (above[0].method.name == "fsdp" and inner.method.name == "tp"):
         raise ConfigError(f"policy.{plan[first - 1].name}", f"{plan[first - 1].method.name} "
                           f"above {' over '.join(p.method.name for p in plan[first:])}: an outer "
-                          "loop over two levels that split or shard the model is not built (its "
-                          "state would be the composition's pieces); put it above a single tp "
-                          "or pp level")
+                          "loop over a split model's sharded replicas is built above fsdp over "
+                          "tp only; put syncdp between, or the outer loop above a single tp or "
+                          "pp level, pp over tp or fsdp over tp")
     if sharded:
         return len(split)
     for p in above:
         if p.method.name != "syncdp" or p.options:
             raise ConfigError(f"policy.{p.name}", f"above policy.{inner.name}="
                               f"{inner.method.name} a per-step level is plain syncdp (the "
-                              f"replicas' gradients averaged) or, directly above tp, fsdp (FSDP2 "
-                              f"over the replicas), not {p.method.name}"
+                              f"replicas' gradients averaged) or, directly above tp or pp, "
+                              f"fsdp, zero1 or zero2 (the replicas sharded), not {p.method.name}"
                               f"{':' + ','.join(p.options) if p.options else ''}")
     return len(split)
 
 
 def sharding(plan: list[Level], first: int) -> Level | None:
     """The per-step level that shards the replicas of the split model below it (``fsdp`` above
-    ``tp``, the two per-step levels), or None."""
+    ``tp`` or ``pp``, the two per-step levels), or None."""
     if len(plan) - first != 2 or plan[first].method.splits:
         return None
     top, split = plan[first], plan[-1]
@@ -215,7 +215,8 @@ def _build_split(plan, first, scope, levels, model, optimizer, ctx: Context):
         ctx = dataclasses.replace(ctx, replicas=scope.split(span.rank, level=names[first]))
         shards = sharding(plan, first)
         if shards is not None:
-            ctx = dataclasses.replace(ctx, sharding=ShardedReplicas(shards.settings, scope))
+            ctx = dataclasses.replace(ctx, sharding=ShardedReplicas(shards.settings, scope,
+                                                                     shards.method.name))
     comm = span
     if count == 2:
         unit = levels.group(names[-2])

@@ -118,7 +118,21 @@ def plan(cfg, dcs: int, ranks: int) -> FleetPlan:
         raise ConfigError("topology", f"{cfg.topology!r} places {topo.size} ranks, the fleet "
                           f"launches {ranks}")
     _check_dc_level(cfg)
+    _check_split_inside(cfg, topo.names[1:])
     return FleetPlan(cfg, topo)
+
+
+def _check_split_inside(cfg, names: list[str]) -> None:
+    """One split level inside each datacenter (tp, pp or ep, syncdp above it): the two-level
+    compositions (pp over tp, a sharding level over a split one) are not verified in a fleet."""
+    from ..registry import parse_spec
+    below = [parse_spec(cfg.policy.get(n, "syncdp"), f"policy.{n}")[0] for n in names]
+    sharded = any(b.name in a.shards_around for a, b in zip(below, below[1:]))
+    if sum(m.splits for m in below) > 1 or sharded:
+        raise ConfigError(f"policy.{names[0]}", f"{' over '.join(m.name for m in below)} inside "
+                          "a fleet's datacenters: an outer method over two levels that split or "
+                          "shard the model runs in one MPI job (policy.dc above them), not "
+                          "verified in a fleet; use one split level with syncdp above it")
 
 
 def _check_dc_level(cfg) -> None:

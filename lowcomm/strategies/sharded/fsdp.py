@@ -271,7 +271,7 @@ def build(s: FSDPSettings, model, optimizer, comm: Comm, ctx: Context) -> Strate
 
 METHOD = Method("fsdp", FSDPSettings, build,
                 "fully sharded data parallelism (ZeRO-3) through torch's FSDP2 fully_shard",
-                check=check, level=True, shards_around=("tp",), python="FSDP")
+                check=check, level=True, shards_around=("tp", "pp"), python="FSDP")
 
 
 class FSDP(Strategy):

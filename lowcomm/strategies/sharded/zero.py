@@ -519,6 +519,7 @@ class ZeRO2(ZeRO):
 
 METHOD1 = Method("zero1", ZeROSettings, lambda s, m, o, c, ctx: build(s, m, o, c, ctx, 1),
                  "ZeRO-1: gradients reduce-scattered, optimizer state sharded 1/K, parameters "
-                 "all-gathered", level=True, python="ZeRO1")
+                 "all-gathered", level=True, shards_around=("tp", "pp"), python="ZeRO1")
 METHOD2 = Method("zero2", ZeROSettings, lambda s, m, o, c, ctx: build(s, m, o, c, ctx, 2),
-                 "ZeRO-2: as ZeRO-1 with the gradients sharded too", level=True, python="ZeRO2")
+                 "ZeRO-2: as ZeRO-1 with the gradients sharded too", level=True,
+                 shards_around=("tp", "pp"), python="ZeRO2")
