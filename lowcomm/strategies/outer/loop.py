@@ -64,6 +64,7 @@ from ...compress.compressor import Compressor
 from ...errors import ArgumentError, ConfigError
 from ..base import Strategy
 from ..buffers import Buffers, Recompute
+from .aggregate import RULES, Aggregator
 from .fragment import Fragment, InFlight, done, partition
 from ..method import Context, check_compressor_name
 from .nesting import Nesting, OverALevel
@@ -109,6 +110,7 @@ class OuterLoop(OverALevel, Strategy):
         self.syncs = SyncLog()                       # [local step, fragment, bytes sent here]
         self._dense = self._start_equal(levels, warmup_options, local)
         self.route = Route(self.comm, nest, self.fragments, levels, s.algorithm, compressor, local)
+        self.route.aggregate_with(s.aggregator())
         for below in (self._dense, self._inner):
             if below is not None:                    # this method's guard names the right object
                 below.guard.release()
@@ -125,6 +127,11 @@ class OuterLoop(OverALevel, Strategy):
         """Take the rank average ``avg`` of the outgoing tensors of fragment ``f``; return the
         fragment's new synchronised value (flat), which :meth:`_land` merges into the model."""
         raise NotImplementedError
+
+    def _unapplied(self, f: Fragment) -> torch.Tensor:
+        """The fragment's synchronised value when its average is not finite and so not applied
+        (here: the rank's own parameters)."""
+        return f.local()
 
     def _warmup_done(self) -> None:
         """Called once after the last dense step (parameters are equal on all ranks)."""
@@ -219,7 +226,13 @@ class OuterLoop(OverALevel, Strategy):
         avg, rows = self._result(item)
         self._charge(item, rows)
         f = self.fragments[item.fragment]
-        f.merge_(self._apply(f, avg), item.base, self.alpha)
+        if bool(torch.isfinite(avg).all()):
+            synced = self._apply(f, avg)
+        else:                                        # never applied, whatever the rule
+            log.warning("%s: the average of fragment %d sent at step %d is not finite; not "
+                        "applied", self.name, item.fragment, item.start)
+            synced = self._unapplied(f)
+        f.merge_(synced, item.base, self.alpha)
         if self._inner is not None:
             self._inner.parameters_changed()
 
@@ -293,6 +306,10 @@ class OuterLoop(OverALevel, Strategy):
                "reductions": "posted" if self._posting else "thread" if self.delay else "blocking",
                "fragment_numel": [f.numel for f in self.fragments],
                "sharded": self.route.sharded or self.route.local is not None}
+        agg = self.route.aggregator
+        if agg is not None and agg.gathers:
+            out["aggregate"] = {"rule": agg.rule, "strikes": agg.strikes.state_dict(),
+                                "last": vars(agg.last) if agg.last is not None else None}
         if self._inner is not None:
             out["inner"] = {"strategy": self._inner.name, **self._inner.metrics(ctl, final=True)}
         return out
@@ -338,6 +355,15 @@ class OuterSettings(SyncDPSettings):
     compressor: str = "none"       # the pseudo-gradient's compressor (DiLoCo family)
     bn_recompute: int = 0          # training batches per rank to recompute BatchNorm's statistics on
     bn_recompute_at: str = "end"   # "end": after the last step; "sync": also after every outer step
+    # how the members' pseudo-gradients become one (aggregate.py): "mean" | "clip" | "trim" |
+    # "median"; c of the clip to c x the median norm (also the score's strike line), b per side
+    # of the trimmed mean, strikes in a row that fence a member (0: never)
+    aggregate: str = "mean"
+    clip: float = 2.0
+    trim: int = 1
+    strikes: int = 3
+    # why a method cannot take a rule other than "mean" ("": it can; not a key)
+    aggregate_refusal = ""
     # The schedule every outer loop reads, declared here with the values that keep it plain:
     # keys only of the methods whose settings redeclare them as fields (streaming-diloco's
     # five, diloco-async's delay), constants of the others.
@@ -358,6 +384,7 @@ class OuterSettings(SyncDPSettings):
                                  "recompute BatchNorm's statistics, but bn_recompute = 0 batches; "
                                  "set bn_recompute")
         check_compressor_name(self, prefix)
+        self._check_aggregate(prefix)
         if self.warmup_steps and "policy." in prefix:
             raise ConfigError.at(prefix, "warmup_steps", "a warm-up of dense steps is not supported "
                                  "inside a per-level policy (the level below already "
@@ -368,6 +395,24 @@ class OuterSettings(SyncDPSettings):
         if self.algorithm == "hierarchical" and "policy." in prefix:
             raise ConfigError.at(prefix, "algorithm", "an outer loop reduces among unit leaders; "
                               "use mpi, ring, rabenseifner or tree")
+
+    def _check_aggregate(self, prefix: str) -> None:
+        self.one_of(prefix, "aggregate", RULES)
+        self.within(prefix, "clip", 1, float("inf"))
+        self.at_least(prefix, "trim", 1)
+        self.at_least(prefix, "strikes", 0)
+        if self.aggregate == "mean":
+            return
+        if self.aggregate_refusal:
+            raise ConfigError.at(prefix, "aggregate", f"{self.aggregate!r}: {self.aggregate_refusal}")
+        if self.compressor != "none":
+            raise ConfigError.at(prefix, "aggregate", f"{self.aggregate!r} gathers every member's "
+                                 "dense pseudo-gradient; with compressor = "
+                                 f"{self.compressor!r} use aggregate = \"mean\"")
+
+    def aggregator(self) -> Aggregator:
+        """The rule these settings name, with its score."""
+        return Aggregator(self.aggregate, self.clip, self.trim, self.strikes)
 
     def kwargs(self, ctx: Context) -> dict:
         """The constructor's arguments: these settings (validated) and the run's objects."""
