@@ -19,6 +19,7 @@ it sends, x, by:
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -26,6 +27,8 @@ import torch
 
 from ...comm.round_tag import RoundTag
 from ...errors import LowcommError
+
+log = logging.getLogger("lowcomm.fleet")
 
 #: the kinds of corruption, and whether each takes a value (``kind=value``)
 KINDS = {"nan": False, "scale": True, "signflip": False, "noise": True, "stale": True, "zero": False}
@@ -109,6 +112,10 @@ class Corruptor:
         if f is None or n < f[2]:
             return flat
         name, v, _ = f
+        if not self.applied:
+            log.warning("datacenter %d sends a corrupted pseudo-gradient (%s) from round %d of "
+                        "fragment %d on (lowcomm fault corrupt)", self.dc,
+                        name + (f"={v:g}" if KINDS[name] else ""), n, tag.fragment)
         self.applied += 1
         if name == "nan":
             return torch.full_like(flat, float("nan"))
