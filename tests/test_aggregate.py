@@ -1,9 +1,11 @@
 """Robust aggregation of pseudo-gradients (lowcomm/strategies/outer/aggregate.py) against its
 equations, the member score, the corruption a fault injects (lowcomm/run/fleet/corrupt.py),
-and the settings a method or fleet cannot carry — all in-process."""
+and the settings a method or fleet cannot carry — in-process; the rules through an MPI job's
+all-gather in the shared 3-rank job (tests/mpi/check_aggregate.py)."""
 import pytest
 import torch
 
+from conftest import shared_mpi_suite
 from lowcomm.comm.round_tag import RoundTag
 from lowcomm.errors import ConfigError
 from lowcomm.run.fleet.corrupt import Corruptor, CorruptError, parse_kind, write_fault
@@ -118,18 +120,35 @@ def test_rules_a_method_or_fleet_cannot_carry():
     from lowcomm.strategies.outer.aggregate import check_rule
     from lowcomm.strategies.outer.async_diloco import AsyncSettings
     from lowcomm.strategies.outer.diloco import DiLoCoSettings
+    from lowcomm.strategies.outer.dylu import DyLUSettings
     from lowcomm.strategies.outer.localsgd import LocalSGDSettings
+    from lowcomm.strategies.outer.sparseloco import SparseLoCoSettings
     with pytest.raises(ConfigError, match="localsgd averages"):
         LocalSGDSettings(aggregate="median").validate("strategy.")
     with pytest.raises(ConfigError, match="diloco-async"):
         AsyncSettings(aggregate="clip").validate("strategy.")
     with pytest.raises(ConfigError, match="aggregate.*unknown|unknown.*aggregate"):
         DiLoCoSettings(aggregate="mode").validate("strategy.")
-    with pytest.raises(ConfigError, match="compressor"):
-        DiLoCoSettings(aggregate="trim", compressor="int8").validate("strategy.")
+    with pytest.raises(ConfigError, match="strategy.aggregate.*PowerSGD"):
+        DiLoCoSettings(aggregate="trim", compressor="powersgd").validate("strategy.")
+    DiLoCoSettings(aggregate="trim", compressor="int8").validate("strategy.")
+    with pytest.raises(ConfigError, match="sparseloco reduces"):
+        SparseLoCoSettings(aggregate="clip").validate("strategy.")
+    with pytest.raises(ConfigError, match="diloco-dylu"):
+        DyLUSettings(aggregate="clip").validate("strategy.")
     with pytest.raises(ConfigError, match="median of 2"):
         check_rule("median", 2, 1)
     cfg = load(None, ["strategy.name=diloco", "strategy.aggregate=median", "fleet.dcs=2"])
     with pytest.raises(ConfigError, match="policy.dc.aggregate.*median of 2"):
         plan(cfg, 2, 2)
     plan(load(None, ["strategy.name=diloco", "strategy.aggregate=median", "fleet.dcs=3"]), 3, 3)
+
+
+@pytest.mark.mpi_checks("check_aggregate.py", np=3, timeout=120)
+def test_the_rules_through_an_mpi_all_gather():
+    """tests/mpi/check_aggregate.py in the shared 3-rank job: each rule's outer step is its
+    equation over what the ranks sent (dense and int8), NaN under mean is never applied, the
+    all-gather's bytes are charged, PowerSGD is refused."""
+    cases = shared_mpi_suite(3, "check_aggregate.py")
+    assert "check_aggregate.py::test_int8_payloads_are_decoded_each_then_aggregated" in cases
+    assert sum("test_one_outer_step_is_the_rules_equation" in c for c in cases) == 3

@@ -405,10 +405,10 @@ class OuterSettings(SyncDPSettings):
             return
         if self.aggregate_refusal:
             raise ConfigError.at(prefix, "aggregate", f"{self.aggregate!r}: {self.aggregate_refusal}")
-        if self.compressor != "none":
-            raise ConfigError.at(prefix, "aggregate", f"{self.aggregate!r} gathers every member's "
-                                 "dense pseudo-gradient; with compressor = "
-                                 f"{self.compressor!r} use aggregate = \"mean\"")
+        if self.compressor == "powersgd":
+            raise ConfigError.at(prefix, "aggregate", f"{self.aggregate!r} decodes every member's "
+                                 "payload on its own; PowerSGD's factors come from a power "
+                                 "iteration over all of them: use aggregate = \"mean\" with it")
 
     def aggregator(self) -> Aggregator:
         """The rule these settings name, with its score."""

@@ -23,6 +23,7 @@ from ...comm.comm import Comm
 from ...comm.idle import IdleWait
 from ...comm.ledger import Ledger
 from ...compress.base import Pending
+from ...compress.exchange import allgather_payload
 from ...errors import ConfigError
 from .aggregate import Aggregator, check_rule
 from .fragment import Fragment, Shards
@@ -59,8 +60,17 @@ class Collective:
 
 
     def gather(self, flat: torch.Tensor, f: Fragment, t: int) -> tuple[torch.Tensor, list[int]]:
-        """Every rank's ``flat`` (a row each, an all-gather) and the ranks."""
-        return self.comm.allgather(flat), list(range(self.comm.size))
+        """Every rank's ``flat`` (a row each, an all-gather) and the ranks; with a compressor,
+        every rank's payload is gathered (its bytes on the wire) and each decoded."""
+        ids = list(range(self.comm.size))
+        comp = self.compressor
+        if comp is None:
+            return self.comm.allgather(flat), ids
+        payload, ctx = comp.encoder.compress(flat, f"fragment{f.index}", f.sent_segments(),
+                                             self.comm.rank)
+        got = allgather_payload(self.comm, payload)
+        return torch.stack([comp.codec.decompress([g[k] for g in got], ctx).to(flat.dtype)
+                            for k in ids]), ids
 
 
 class Rounds:
@@ -231,10 +241,10 @@ class Route:
         if not aggregator.gathers:
             return
         key = "aggregate"
-        if self.compressor is not None:
-            raise ConfigError(key, f"{aggregator.rule!r} gathers every member's dense "
-                              f"pseudo-gradient; with a compressor ({self.compressor.name}) use "
-                              "aggregate = \"mean\"")
+        if self.compressor is not None and not self.compressor.gathers_rows:
+            raise ConfigError(key, f"{aggregator.rule!r} decodes every member's payload on its "
+                              f"own; {self.compressor.name}'s ({self.compressor.collective}) "
+                              "cannot be: use aggregate = \"mean\" with it")
         if self.sharded or self.local is not None or self.average_inside:
             raise ConfigError(key, f"{aggregator.rule!r} gathers one pseudo-gradient per unit "
                               "through its leader; here the units' ranks reduce their own "
