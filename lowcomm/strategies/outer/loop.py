@@ -355,13 +355,12 @@ class OuterSettings(SyncDPSettings):
     compressor: str = "none"       # the pseudo-gradient's compressor (DiLoCo family)
     bn_recompute: int = 0          # training batches per rank to recompute BatchNorm's statistics on
     bn_recompute_at: str = "end"   # "end": after the last step; "sync": also after every outer step
-    # how the members' pseudo-gradients become one (aggregate.py): "mean" | "clip" | "trim" |
-    # "median"; c of the clip to c x the median norm (also the score's strike line), b per side
-    # of the trimmed mean, strikes in a row that fence a member (0: never)
+    # how the members' pseudo-gradients become one (strategies/outer/aggregate.py): "mean" (an
+    # all-reduce) | "clip" (each clipped to c x the median norm) | "trim" | "median" (per coordinate)
     aggregate: str = "mean"
-    clip: float = 2.0
-    trim: int = 1
-    strikes: int = 3
+    clip: float = 2.0              # c ≥ 1: clip's line, c x the median norm; past it a member strikes
+    trim: int = 1                  # b: values dropped at each end of every coordinate ("trim")
+    strikes: int = 3               # strikes in a row that fence a member until it is sane again (0: never)
     # why a method cannot take a rule other than "mean" ("": it can; not a key)
     aggregate_refusal = ""
     # The schedule every outer loop reads, declared here with the values that keep it plain:
