@@ -106,10 +106,12 @@ class Corruptor:
             return flat
         n = self.rounds[tag.fragment] = self.rounds.get(tag.fragment, 0) + 1
         f = self.fault()
+        if f is None:                                 # no copy kept without a fault
+            return flat
         sent = self.sent.setdefault(tag.fragment, [])
         sent.append(flat.clone())
-        del sent[:-(int(f[1]) + 1 if f is not None and f[0] == "stale" else 1)]
-        if f is None or n < f[2]:
+        del sent[:-(int(f[1]) + 1 if f[0] == "stale" else 1)]
+        if n < f[2]:
             return flat
         name, v, _ = f
         if not self.applied:
