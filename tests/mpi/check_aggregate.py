@@ -7,6 +7,7 @@ rank asserting, on 3 ranks whose last one sends 100 × its pseudo-gradient:
   * the clipped mean with nothing past its line is the plain mean;
   * a NaN pseudo-gradient under ``mean`` is never applied: θ stays, every rank returns to it;
   * the ledger charges the all-gather of one pseudo-gradient from each other rank;
+  * the member score travels in the state dict;
   * a compressor whose payloads cannot be decoded alone (PowerSGD) is refused naming the setting.
 """
 import pytest
@@ -91,3 +92,12 @@ def test_powersgd_is_refused_naming_the_setting():
     comp = build_compressor(CompressorConfig(name="powersgd", start_iter=0))
     with pytest.raises(ConfigError, match="aggregate.*powersgd"):
         train(0, aggregate="clip", compressor=comp, period=3)
+
+
+def test_the_member_score_is_saved_and_loaded():
+    st = train(3, lambda x: 100 * x, aggregate="clip", **SGD1)[0]
+    saved = st.state_dict()["aggregate"]
+    assert saved["clipped"] == {str(BAD): 1} and saved["count"][str(BAD)] == 1, saved
+    fresh = train(0, aggregate="clip", **SGD1)[0]
+    fresh.load_state_dict(st.state_dict())
+    assert fresh.route.aggregator.strikes.clipped == {BAD: 1}

@@ -276,6 +276,8 @@ class OuterLoop(OverALevel, Strategy):
                  "in_flight": [item.saved() for item in self._in_flight]}
         if self.compressor is not None:
             state["compressor"] = self.compressor.state_dict()
+        if self.route.aggregator.gathers:             # the member score (aggregate.py)
+            state["aggregate"] = self.route.aggregator.strikes.state_dict()
         return dict(state, **self._below_state())
 
     def _load_state_dict(self, state: dict) -> None:
@@ -289,6 +291,8 @@ class OuterLoop(OverALevel, Strategy):
             self.fragments[item.fragment].fly(item)
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
+        if "aggregate" in state and self.route.aggregator.gathers:
+            self.route.aggregator.strikes.load_state_dict(state["aggregate"])
         self._load_below_state(state)
 
     def reshard(self, old: list[dict]) -> dict:
