@@ -71,9 +71,11 @@ def test_strikes_fence_and_clear():
     assert s.fenced == {1} and s.count[1] == 2
     s.score([0, 1], [True, True])                    # sane again: back in
     assert s.fenced == set() and s.count[1] == 0 and s.clipped[1] == 2
+    s.score([0, 1], [True, False], [1.0, 0.25])      # how far: 1 − its clip factor
+    assert s.cut[1] == pytest.approx(2 + 0.75)
     s2 = Strikes(limit=2)
     s2.load_state_dict(s.state_dict())
-    assert s2.count == s.count and s2.clipped == s.clipped
+    assert (s2.count, s2.clipped, s2.cut, s2.fenced) == (s.count, s.clipped, s.cut, s.fenced)
 
 
 def test_fenced_member_left_out_of_the_rule():

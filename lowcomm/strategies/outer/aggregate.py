@@ -14,8 +14,9 @@ member receives, charged to the ledger as ``allgather``) become the one the oute
 
 Whatever the rule, a row with a non-finite value is never applied: it is left out (``mean``:
 an average that is not finite is dropped whole, the outer step skipped). The member score
-(:class:`Strikes`, as Covenant's Gauntlet scores members): a member strikes in a round when its
-row is non-finite or its norm exceeds c·m; after ``strikes`` strikes in a row it is fenced —
+(:class:`Strikes`, as Covenant's Gauntlet scores members, here by the norm alone: how often
+and how far each member was clipped): a member strikes in a round when its row is non-finite
+or its norm exceeds c·m; after ``strikes`` strikes in a row it is fenced —
 its rows are left out of every rule until it sends a sane one again (one round below c·m, finite),
 which clears its strikes. Every member gathers the same rows and computes the same verdict.
 """
@@ -93,11 +94,13 @@ class Strikes:
     count: dict = field(default_factory=dict)
     fenced: set = field(default_factory=set)
     clipped: dict = field(default_factory=dict)      # rounds each member was clipped, in all
+    cut: dict = field(default_factory=dict)          # how far: Σ (1 − its clip factor), in all
 
-    def score(self, ids: list, sane: list[bool]) -> list:
-        """Record one round (``sane[i]`` for member ``ids[i]``); returns the members struck."""
+    def score(self, ids: list, sane: list[bool], factors: list[float] | None = None) -> list:
+        """Record one round (``sane[i]`` and clip factor ``factors[i]``, 0 for a non-finite
+        row, for member ``ids[i]``); returns the members struck."""
         struck = []
-        for i, ok in zip(ids, sane):
+        for n, (i, ok) in enumerate(zip(ids, sane)):
             if ok:
                 self.count[i] = 0
                 self.fenced.discard(i)
@@ -105,18 +108,20 @@ class Strikes:
             struck.append(i)
             self.count[i] = self.count.get(i, 0) + 1
             self.clipped[i] = self.clipped.get(i, 0) + 1
+            self.cut[i] = self.cut.get(i, 0.0) + 1.0 - (factors[n] if factors is not None else 0.0)
             if self.limit and self.count[i] >= self.limit:
                 self.fenced.add(i)
         return struck
 
     def state_dict(self) -> dict:
-        return {"count": {str(k): v for k, v in self.count.items()},
-                "fenced": sorted(self.fenced), "clipped": {str(k): v for k, v in self.clipped.items()}}
+        return {"fenced": sorted(self.fenced),
+                **{name: {str(k): v for k, v in getattr(self, name).items()}
+                   for name in ("count", "clipped", "cut")}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.count = {int(k): v for k, v in state["count"].items()}
         self.fenced = set(state["fenced"])
-        self.clipped = {int(k): v for k, v in state["clipped"].items()}
+        for name in ("count", "clipped", "cut"):
+            setattr(self, name, {int(k): v for k, v in state[name].items()})
 
 
 class Aggregator:
@@ -142,7 +147,7 @@ class Aggregator:
         if factor is not None:
             factors[fin] = factor
         sane = [bool(f) and float(x) >= 1.0 for f, x in zip(fin, factors)]
-        struck = self.strikes.score(ids, sane)
+        struck = self.strikes.score(ids, sane, factors.tolist())
         keep = [i for i, k in enumerate(ids) if fin[i] and k not in self.strikes.fenced]
         self.last = Verdict([ids[i] for i in keep], factors.tolist(), struck,
                             sorted(self.strikes.fenced))
