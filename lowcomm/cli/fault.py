@@ -1,4 +1,4 @@
-"""``lowcomm fault slow|kill``: faults of a running fleet's datacenters, injected from outside
+"""``lowcomm fault slow|kill|corrupt``: faults of a running fleet's datacenters, injected from outside
 (cli.py registers the group; the emulated WAN's link faults are ``lowcomm wan fault``)."""
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from .common import click_errors
 
 
 def _refusals():
+    from ..run.fleet.corrupt import CorruptError
     from ..tools.slow import SlowError
     from ..tools.wan_faults import FaultError
-    return SlowError, FaultError
+    return SlowError, FaultError, CorruptError
 
 
 _fault_error = click_errors(_refusals)
@@ -22,7 +23,7 @@ _fault_error = click_errors(_refusals)
 
 @click.group()
 def fault():
-    """Slow or kill a datacenter of a running fleet (lowcomm train --dcs D --out OUT)."""
+    """Slow, kill or corrupt a datacenter of a running fleet (lowcomm train --dcs D --out OUT)."""
 
 
 @fault.command("slow")
@@ -78,3 +79,28 @@ def fault_kill(out, dc, rank):
         except ProcessLookupError:
             raise SlowError(f"rank process {pid} of datacenter {dc} ended before the kill") from None
     click.echo(json.dumps({"dc": dc, "killed": pids}))
+
+
+@fault.command("corrupt")
+@click.argument("out", type=click.Path(file_okay=False, exists=True))
+@click.option("--dc", type=click.IntRange(min=0), required=True, help="The datacenter.")
+@click.option("--kind", required=True, metavar="KIND",
+              help="nan | scale=S | signflip | noise=SIGMA | stale=N | zero")
+@click.option("--from-round", type=int, default=1, show_default=True,
+              help="The first round of each fragment it corrupts (counted from 1 by the "
+                   "datacenter's job).")
+@_fault_error
+def fault_corrupt(out, dc, kind, from_round):
+    """Make datacenter DC of the fleet in OUT send a bad pseudo-gradient from then on (its every
+    incarnation reads OUT/corrupt/dc<DC>.json before each round): what robust aggregation
+    (strategy.aggregate) keeps out.
+
+    \b
+    lowcomm fault corrupt runs/fleet --dc 1 --kind nan
+    lowcomm fault corrupt runs/fleet --dc 2 --kind scale=100 --from-round 3
+    """
+    from ..run.fleet.corrupt import parse_kind, write_fault
+    from ..tools.slow import newest_folder
+    parse_kind(kind)                                 # a bad --kind before the fleet is looked at
+    newest_folder(out, dc)                           # a fleet with that datacenter
+    click.echo(json.dumps(write_fault(out, dc, kind, from_round)))

@@ -130,4 +130,17 @@ class GlooComm:
         return recv
 
 
+    def allgather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every member's ``t`` (same shape and dtype), as :meth:`lowcomm.comm.comm.Comm.allgather`:
+        shape ``(size, *t.shape)``, row r from member r; a ring of ``size − 1`` exchanges, each
+        charged as ``allgather``."""
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype)
+        out[self.rank].copy_(t.detach().cpu())
+        right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        for i in range(self.size - 1):      # pass on the row received last
+            r = self.irecv_(out[(self.rank - i - 1) % self.size], left, op="allgather")
+            self.isend(out[(self.rank - i) % self.size], right, op="allgather").wait()
+            r.wait()
+        return out
+
 __all__ = ["GlooComm", "GlooRequest"]

@@ -119,6 +119,8 @@ class Codec:
             :func:`check_finite` when that reduction is not finite (NaN/Inf propagate into it),
             saving ``compress`` a pass over x.
         own_exchange: an :class:`Exchange` subclass the codec needs (PowerSGD's), else None.
+        decodes_alone: one rank's payload decodes on its own, with any rank's ``ctx`` (robust
+            aggregation gathers the payloads and decodes each, :mod:`~lowcomm.strategies.outer.aggregate`).
     """
 
     name = "none"
@@ -127,6 +129,7 @@ class Codec:
     unbiased = False
     finite_from_reduction = False
     own_exchange: type | None = None
+    decodes_alone = True
 
     @property
     def codec(self) -> "Codec":

@@ -48,6 +48,11 @@ class Compressor:
         return isinstance(self.encoder, ErrorFeedback)
 
     @property
+    def gathers_rows(self) -> bool:
+        """Each rank's payload can be gathered and decoded on its own (``Codec.decodes_alone``)."""
+        return self.codec.decodes_alone
+
+    @property
     def collective(self) -> str:
         """The exchange's name ("two-phase", "allgather", "auto", "allreduce", ...)."""
         return self.exchange.name

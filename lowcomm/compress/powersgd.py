@@ -121,6 +121,7 @@ class PowerSGD(Seeded, Codec):
     """
 
     name, summable = "powersgd", False
+    decodes_alone = False          # its factors are a power iteration over every rank's
     per_rank = False
     own_exchange = PowerIteration
 

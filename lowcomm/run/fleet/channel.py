@@ -164,6 +164,15 @@ class _Groups:
         self._comm.ledger, self._comm.timeout_s = ledger, timeout
         return self._comm
 
+    def gather(self, d: dict, flat: torch.Tensor, ledger: Ledger):
+        """(every member's ``flat``, None) or (None, why it failed)."""
+        try:
+            comm = self.group(d, flat.numel() * flat.element_size() * len(d["members"]), ledger)
+            return comm.allgather(flat), None
+        except CommError as e:
+            self.forget()
+            return None, str(e)
+
     def reduce(self, d: dict, flat: torch.Tensor, algorithm: str, levels, ledger: Ledger):
         """(the average over ``d``'s members, None) or (None, why it failed)."""
         try:
@@ -251,6 +260,7 @@ class Channel:
         self.epoch_rounds: list[dict] = []    # committed decisions (the membership log)
         self._k = self._n = 0                 # messages sent / mailbox messages read
         self.plane = _Groups(self.store, dc, limits, link, rank)
+        self.corrupt = None                   # a fault's Corruptor (fleet/corrupt.py), or None
         # what committed decisions said, from the step of the round's tag on (-1: a round of
         # no step, held by the training thread): a datacenter waits to be admitted (the
         # earliest such step, None when none waits), the fleet halts (step and signal)
@@ -325,8 +335,17 @@ class Channel:
         """The average of ``flat`` over the members of round ``tag`` (module docstring): a
         fresh tensor, equal on every member. ``algorithm``: lowcomm's (``auto`` decided as over
         MPI)."""
+        flat = self.corrupt(flat, tag) if self.corrupt is not None else flat
         return self.round_of("fleet.average", lambda d: self._reduce(d, flat, algorithm, levels),
                              ready={"tag": tag, "numel": flat.numel()})[1]
+
+    def gather(self, flat: torch.Tensor, tag: RoundTag) -> tuple[torch.Tensor, list[int]]:
+        """Every member's ``flat`` of round ``tag`` (rows in the members' order, a ring
+        all-gather over gloo) and the members: what a robust rule aggregates."""
+        flat = self.corrupt(flat, tag) if self.corrupt is not None else flat
+        d, rows = self.round_of("fleet.gather", lambda d: self.plane.gather(d, flat, self.ledger),
+                                ready={"tag": tag, "numel": flat.numel()})
+        return rows, list(d["members"])
 
     def round_of(self, op: str, work, ready: dict | None = None):
         """The fleet's one round: say ready (with ``ready``'s fields, its ``tag`` a

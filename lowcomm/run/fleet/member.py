@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,6 +34,7 @@ from .. import outcome
 from ..lockstep import Lockstep
 from ..signals import Interrupted
 from .channel import Channel, Seat, store_client
+from .corrupt import Corruptor
 from .ranks import RankChannel, Span
 from .plan import FleetPlan, plan
 
@@ -126,6 +128,8 @@ def run(cfg, task, comm, me: dict, opts) -> dict:
     cfg = fp.cfg
     apply_comm_settings(cfg, comm)
     channel = connect(fp, comm, me)
+    if channel is not None and opts.out is not None:     # lowcomm fault corrupt, from OUT
+        channel.corrupt = Corruptor(Path(opts.out).parent, me["dc"])
     lv = levels(fp, comm, channel, me)
     build = lambda m, o, c, **kw: build_strategy(cfg, m, o, c, Context(levels=lv, **kw))  # noqa: E731
     return run_loop(cfg, task, build, comm, opts, coordination=lambda r: FleetLockstep(r, me, channel, lv))

@@ -147,6 +147,7 @@ def _check_dc_level(cfg) -> None:
                           "datacenters (a compressor's error feedback would count a retried "
                           "round twice); use compressor=none")
     inside = parse_spec(cfg.policy.get("rank", "syncdp"), "policy.rank")[0].name
+    _check_aggregate(m, merged, cfg, inside)
     if cfg.fleet.quorum and (m.name != "diloco" or inside != "syncdp"):
         raise ConfigError("fleet.quorum", f"rounds that go ahead without a late datacenter "
                           f"merge its steps next round under diloco over syncdp inside; here "
@@ -156,5 +157,22 @@ def _check_dc_level(cfg) -> None:
                           f"inside ({inside}): their ranks hand each round on in step; use "
                           "delay=0, or syncdp inside")
 
+
+
+def _check_aggregate(m, merged: dict, cfg, inside: str) -> None:
+    """A robust rule across datacenters: the fleet must be able to carry it."""
+    from ...strategies.outer.aggregate import check_rule
+    rule = merged.get("aggregate", "mean")
+    if rule == "mean":
+        return
+    if cfg.fleet.quorum:
+        raise ConfigError("fleet.quorum", f"aggregate = {rule!r} compares every member's "
+                          "pseudo-gradient in one round; rounds that go ahead without a late "
+                          "datacenter merge its steps later: use fleet.quorum = 0 with it")
+    if inside != "syncdp":
+        raise ConfigError("policy.dc.aggregate", f"{rule!r} gathers one pseudo-gradient per "
+                          f"datacenter through its leader; {inside} inside reduces by ranges: "
+                          "use syncdp inside, or aggregate = \"mean\"")
+    check_rule(rule, cfg.fleet.dcs, int(merged.get("trim", 1)), "policy.dc.aggregate")
 
 __all__ = ["ARRIVALS", "ENV", "OUTER", "FleetPlan", "identity", "plan"]

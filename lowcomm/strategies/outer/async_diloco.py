@@ -29,6 +29,9 @@ class AsyncSettings(DyLUSettings):
     nesterov_every: int = 0
     delay: int = 0                 # τ inner steps an arrival is in flight (0: it blocks)
     least_every = 0
+    aggregate_refusal = ("diloco-async applies each datacenter's pseudo-gradient at the "
+                         "coordinator's server as it arrives: no round gathers the members' "
+                         "together to compare; use diloco")
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)

@@ -273,6 +273,10 @@ class DiLoCo(OuterLoop):
         outer.grad = None
         return outer.detach()
 
+    def _unapplied(self, f: Fragment) -> torch.Tensor:
+        """No outer step on an average that is not finite: θ stays, every rank returns to it."""
+        return self.outer_params[f.index].detach()
+
     # eager updates (merge = "eager", Kale et al. 2025) ------------------------------------------
     def _init_eager(self) -> list[list[torch.Tensor]]:
         """Eager updates' memory per fragment: [the last average Δ̄, this rank's last Δ_k]."""

@@ -20,6 +20,9 @@ from .loop import check_run
 class DyLUSettings(DiLoCoSettings):
     """``[strategy]`` keys of ``diloco-dylu``: DiLoCo's, the floor of a member's local steps,
     and the outer optimizer of asynchronous DiLoCo (delayed Nesterov)."""
+    aggregate_refusal = ("diloco-dylu weights each member's pseudo-gradient by its steps and "
+                         "carries the members' speeds in the same round; a robust rule over "
+                         "them is not built: use diloco")
     min_steps: int = 1             # the fewest inner steps a member takes in a period
     tolerance: float = 0.1         # a member this close to the fastest takes the whole period
     smoothing: float = 0.5         # weight of the newest period in each member's speed (EMA)

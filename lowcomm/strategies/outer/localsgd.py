@@ -15,6 +15,9 @@ from .loop import OuterLoop, OuterSettings, check_run
 class LocalSGDSettings(OuterSettings):
     """``[strategy]`` keys of ``localsgd``: ``period`` H, ``warmup_steps`` W, ``algorithm`` (and
     the warm-up's SyncDP keys)."""
+    aggregate_refusal = ("localsgd averages the ranks' parameters, not pseudo-gradients, so "
+                         "there is no update to clip or trim; use strategy.name=\"diloco\" with "
+                         "outer_optimizer=\"sgd\", outer_lr=1, outer_momentum=0")
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)

@@ -65,6 +65,7 @@ from ...compress.compressor import Compressor
 from ...errors import ArgumentError, ConfigError
 from ..base import LocalSteps
 from ..buffers import Buffers, Recompute
+from .aggregate import RULES, Aggregator
 from .fragment import Fragment, InFlight, done, partition
 from ..method import Context, check_compressor_name
 from .nesting import OverALevel
@@ -119,6 +120,7 @@ class OuterLoop(OverALevel, LocalSteps):
         self.syncs = SyncLog()                       # [local step, fragment, bytes sent here]
         self._dense = self._start_equal(context, local)
         self.route = Route(self.comm, nest, self.fragments, levels, s.algorithm, compressor, local)
+        self.route.aggregate_with(s.aggregator())
         for below in (self._dense, self._inner):
             if below is not None:                    # this method's guard names the right object
                 below.guard.release()
@@ -141,6 +143,11 @@ class OuterLoop(OverALevel, LocalSteps):
         """The registry's ``build`` (:class:`~lowcomm.strategies.method.Method`) of a method
         whose settings give all its arguments: ``cls(model, optimizer, comm, **s.kwargs(ctx))``."""
         return cls(model, optimizer, comm, **s.kwargs(ctx))
+
+    def _unapplied(self, f: Fragment) -> torch.Tensor:
+        """The fragment's synchronised value when its average is not finite and so not applied
+        (here: the rank's own parameters)."""
+        return f.local()
 
     def _warmup_done(self) -> None:
         """Called once after the last dense step (parameters are equal on all ranks)."""
@@ -224,7 +231,13 @@ class OuterLoop(OverALevel, LocalSteps):
         avg, rows = self._result(item)
         self._charge(item, rows)
         f = self.fragments[item.fragment]
-        f.merge_(self._apply(f, avg), item.base, self.alpha)
+        if bool(torch.isfinite(avg).all()):
+            synced = self._apply(f, avg)
+        else:                                        # never applied, whatever the rule
+            log.warning("%s: the average of fragment %d sent at step %d is not finite; not "
+                        "applied", self.name, item.fragment, item.start)
+            synced = self._unapplied(f)
+        f.merge_(synced, item.base, self.alpha)
         if self._inner is not None:
             self._inner.parameters_changed()
 
@@ -268,6 +281,8 @@ class OuterLoop(OverALevel, LocalSteps):
                  "in_flight": [item.saved() for item in self._in_flight]}
         if self.compressor is not None:
             state["compressor"] = self.compressor.state_dict()
+        if self.route.aggregator.gathers:             # the member score (aggregate.py)
+            state["aggregate"] = self.route.aggregator.strikes.state_dict()
         return dict(state, **self._below_state())
 
     def _load_state_dict(self, state: dict) -> None:
@@ -281,6 +296,8 @@ class OuterLoop(OverALevel, LocalSteps):
             self.fragments[item.fragment].fly(item)
         if self.compressor is not None:
             self.compressor.load_state_dict(state["compressor"])
+        if "aggregate" in state and self.route.aggregator.gathers:
+            self.route.aggregator.strikes.load_state_dict(state["aggregate"])
         self._load_below_state(state)
 
     def reshard(self, old: list[dict]) -> dict:
@@ -298,6 +315,10 @@ class OuterLoop(OverALevel, LocalSteps):
                "reductions": "posted" if self._posting else "thread" if self.delay else "blocking",
                "fragment_numel": [f.numel for f in self.fragments],
                "sharded": self.route.sharded or self.route.local is not None}
+        agg = self.route.aggregator
+        if agg is not None and agg.gathers:
+            out["aggregate"] = {"rule": agg.rule, "strikes": agg.strikes.state_dict(),
+                                "last": vars(agg.last) if agg.last is not None else None}
         if self._inner is not None:
             out["inner"] = {"strategy": self._inner.name, **self._inner.metrics(ctl, final=True)}
         return out
@@ -343,6 +364,14 @@ class OuterSettings(SyncDPSettings):
     compressor: str = "none"       # the pseudo-gradient's compressor (DiLoCo family)
     bn_recompute: int = 0          # training batches per rank to recompute BatchNorm's statistics on
     bn_recompute_at: str = "end"   # "end": after the last step; "sync": also after every outer step
+    # how the members' pseudo-gradients become one (strategies/outer/aggregate.py): "mean" (an
+    # all-reduce) | "clip" (each clipped to c x the median norm) | "trim" | "median" (per coordinate)
+    aggregate: str = "mean"
+    clip: float = 2.0              # c ≥ 1: clip's line, c x the median norm; past it a member strikes
+    trim: int = 1                  # b: values dropped at each end of every coordinate ("trim")
+    strikes: int = 3               # strikes in a row that fence a member until it is sane again (0: never)
+    # why a method cannot take a rule other than "mean" ("": it can; not a key)
+    aggregate_refusal = ""
     # The schedule every outer loop reads, declared here with the values that keep it plain:
     # keys only of the methods whose settings redeclare them as fields (streaming-diloco's
     # five, diloco-async's delay), constants of the others.
@@ -363,6 +392,7 @@ class OuterSettings(SyncDPSettings):
                                  "recompute BatchNorm's statistics, but bn_recompute = 0 batches; "
                                  "set bn_recompute")
         check_compressor_name(self, prefix)
+        self._check_aggregate(prefix)
         if self.warmup_steps and "policy." in prefix:
             raise ConfigError.at(prefix, "warmup_steps", "a warm-up of dense steps is not supported "
                                  "inside a per-level policy (the level below already "
@@ -373,6 +403,24 @@ class OuterSettings(SyncDPSettings):
         if self.algorithm == "hierarchical" and "policy." in prefix:
             raise ConfigError.at(prefix, "algorithm", "an outer loop reduces among unit leaders; "
                               "use mpi, ring, rabenseifner or tree")
+
+    def _check_aggregate(self, prefix: str) -> None:
+        self.one_of(prefix, "aggregate", RULES)
+        self.within(prefix, "clip", 1, float("inf"))
+        self.at_least(prefix, "trim", 1)
+        self.at_least(prefix, "strikes", 0)
+        if self.aggregate == "mean":
+            return
+        if self.aggregate_refusal:
+            raise ConfigError.at(prefix, "aggregate", f"{self.aggregate!r}: {self.aggregate_refusal}")
+        if self.compressor == "powersgd":
+            raise ConfigError.at(prefix, "aggregate", f"{self.aggregate!r} decodes every member's "
+                                 "payload on its own; PowerSGD's factors come from a power "
+                                 "iteration over all of them: use aggregate = \"mean\" with it")
+
+    def aggregator(self) -> Aggregator:
+        """The rule these settings name, with its score."""
+        return Aggregator(self.aggregate, self.clip, self.trim, self.strikes)
 
     def kwargs(self, ctx: Context) -> dict:
         """The constructor's arguments: these settings (validated) and the run's objects."""

@@ -23,7 +23,9 @@ from ...comm.comm import Comm
 from ...comm.idle import IdleWait
 from ...comm.ledger import Ledger
 from ...compress.base import Pending
+from ...compress.exchange import allgather_payload
 from ...errors import ConfigError
+from .aggregate import Aggregator, check_rule
 from .fragment import Fragment, Shards
 from ..layout import agreed_dup, check_agreed
 
@@ -57,6 +59,20 @@ class Collective:
         return self.compressor.reduce(flat, f"fragment{f.index}", self.comm, f.sent_segments())
 
 
+    def gather(self, flat: torch.Tensor, f: Fragment, t: int) -> tuple[torch.Tensor, list[int]]:
+        """Every rank's ``flat`` (a row each, an all-gather) and the ranks; with a compressor,
+        every rank's payload is gathered (its bytes on the wire) and each decoded."""
+        ids = list(range(self.comm.size))
+        comp = self.compressor
+        if comp is None:
+            return self.comm.allgather(flat), ids
+        payload, ctx = comp.encoder.compress(flat, f"fragment{f.index}", f.sent_segments(),
+                                             self.comm.rank)
+        got = allgather_payload(self.comm, payload)
+        return torch.stack([comp.codec.decompress([g[k] for g in got], ctx).to(flat.dtype)
+                            for k in ids]), ids
+
+
 class Rounds:
     """A fleet's channel or a rank channel: a round it may retry, tagged by step and fragment."""
 
@@ -65,6 +81,10 @@ class Rounds:
 
     def average(self, flat: torch.Tensor, f: Fragment, t: int) -> torch.Tensor:
         return self.channel.average(flat, RoundTag.sync(t, f.index), self.algorithm, self.levels)
+
+
+    def gather(self, flat: torch.Tensor, f: Fragment, t: int) -> tuple[torch.Tensor, list[int]]:
+        return self.channel.gather(flat, RoundTag.sync(t, f.index))
 
 
 def destination(peers, algorithm: str, levels, compressor) -> Destination:
@@ -137,7 +157,10 @@ class Route:
     own message space and ledger (``red``), the unit's ranks (``inside``), the ranks it
     averages across (``leaders``: the units' leaders, or rank i of every unit where the outer
     state is sharded), every rank of every unit (``whole``), the topology's levels for a
-    hierarchical all-reduce (``levels``), and where the average goes (``across``)."""
+    hierarchical all-reduce (``levels``), and where the average goes (``across``), aggregated
+    by a rule (``aggregator``: :meth:`aggregate_with`)."""
+
+    aggregator: Aggregator | None = None
 
     def __init__(self, comm: Comm, nest, fragments: list[Fragment], levels, algorithm: str,
                  compressor, local: dict | None):
@@ -207,8 +230,36 @@ class Route:
         if self.sharded or self.local is not None:   # sharded: mine, with my peers
             inside = None
         if inside is None or inside.rank == 0:
-            avg = self.across.average(flat, f, t)
+            avg = self._across(flat, f, t)
         return hand_on(inside, avg, flat), self.red.ledger.rows()
+
+    def aggregate_with(self, aggregator: Aggregator) -> None:
+        """Aggregate the units' contributions by ``aggregator``'s rule
+        (:mod:`~lowcomm.strategies.outer.aggregate`); a rule that gathers needs one dense
+        contribution per unit, through its leader, in a known number of at least 3 for the median."""
+        self.aggregator = aggregator
+        if not aggregator.gathers:
+            return
+        key = "aggregate"
+        if self.compressor is not None and not self.compressor.gathers_rows:
+            raise ConfigError(key, f"{aggregator.rule!r} decodes every member's payload on its "
+                              f"own; {self.compressor.name}'s ({self.compressor.collective}) "
+                              "cannot be: use aggregate = \"mean\" with it")
+        if self.sharded or self.local is not None or self.average_inside:
+            raise ConfigError(key, f"{aggregator.rule!r} gathers one pseudo-gradient per unit "
+                              "through its leader; here the units' ranks reduce their own "
+                              "ranges (or differ): use syncdp inside, or aggregate = \"mean\"")
+        if isinstance(self.across, Collective):
+            check_rule(aggregator.rule, self.across.comm.size, aggregator.trim)
+
+    def _across(self, flat: torch.Tensor, f: Fragment, t: int) -> torch.Tensor:
+        """The units' aggregate of ``flat`` (NaN where no contribution may be applied)."""
+        agg = self.aggregator
+        if agg is None or not agg.gathers:
+            return self.across.average(flat, f, t)
+        rows, ids = self.across.gather(flat, f, t)
+        out = agg(rows, ids)
+        return torch.full_like(flat, float("nan")) if out is None else out
 
     def can_post(self, fragments: list[Fragment]) -> bool:
         """Whether every fragment's reduction is posted from the training thread instead of

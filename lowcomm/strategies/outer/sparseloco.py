@@ -28,6 +28,9 @@ class SparseLoCoSettings(OuterSettings):
     topk: int = 64                 # k values sent per chunk (64 of 4096: 1.56 % of a matrix)
     decay: float = 0.95            # β: the error-feedback accumulator's decay
     outer_lr: float = 1.0          # α: θ ← θ − α·Δ
+    aggregate_refusal = ("sparseloco reduces its chunked top-k payloads per bucket itself; a "
+                         "robust rule over them is not built: use diloco with compressor = "
+                         "\"topk\" (or int8), whose payloads each member decodes")
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
