@@ -122,7 +122,7 @@ def outsider(folder: Path, dcs: int) -> dict:
 
     from torch.distributed import TCPStore
 
-    from lowcomm.run.fleet.channel import key
+    from lowcomm.run.fleet.store import key
     start = next(json.loads(x) for x in (folder / "membership.jsonl").read_text().splitlines()
                  if '"start"' in x)
     store = TCPStore("127.0.0.1", start["port"], is_master=False, wait_for_workers=False,

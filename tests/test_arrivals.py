@@ -208,7 +208,8 @@ def test_a_coordinator_serves_arrivals_through_its_store(monkeypatch):
     """The real coordinator process: two members' arrivals through its store, each answered with
     the θ the server holds after it (delayed Nesterov as written out above)."""
     import secrets
-    from lowcomm.run.fleet.channel import Channel, Seat
+    from lowcomm.run.fleet.channel import Channel
+    from lowcomm.run.fleet.store import Seat
     from lowcomm.run.fleet.trust import session_env
     session = session_env(secrets.token_bytes(32))
     for name, value in session.items():

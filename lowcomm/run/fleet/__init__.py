@@ -65,5 +65,5 @@ a relaunched datacenter's join, a sharded average's leader):
    whether the fleet halts (every member stops at this boundary and writes its checkpoint).
 
 A fenced member, a lost coordinator and the run's end raise
-:class:`~lowcomm.run.fleet.channel.FleetError` naming the rank and the op: never a hang.
+:class:`~lowcomm.run.fleet.store.FleetError` naming the rank and the op: never a hang.
 """

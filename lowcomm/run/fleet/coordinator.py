@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from .channel import _store, key
+from .store import connect, key
 from .trust import Forged, Seal, SealedStore
 from .arrivals import Arrivals
 from .membership import LIVE, Membership, NoQuorum, Timeouts
@@ -51,7 +51,7 @@ class _Watcher(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        store = _store(*self.address, 30)
+        store = connect(*self.address, 30)
         k = 0
         while not self.stop.is_set():
             name = key("inbox", dc=self.dc, inc=self.inc, k=k)

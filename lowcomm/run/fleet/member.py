@@ -33,7 +33,8 @@ from ...strategies.ownership import adopt
 from .. import outcome
 from ..lockstep import Lockstep
 from ..signals import Interrupted
-from .channel import Channel, Seat, store_client
+from .channel import Channel
+from .store import Seat, store_client
 from .corrupt import Corruptor
 from .ranks import RankChannel, Span
 from .plan import FleetPlan, plan

@@ -14,7 +14,7 @@ import os
 
 from ...comm.topology import Topology
 from ...errors import ConfigError
-from .channel import Limits
+from .store import Limits
 from .trust import SECRET_ENV, SESSION_ENV
 
 #: what the fleet tells each datacenter's job: the coordinator's address, the datacenter,
@@ -65,7 +65,7 @@ class FleetPlan:
         return self.topology.link("dc")
 
     def limits(self) -> Limits:
-        """How long the fleet waits (:class:`~lowcomm.run.fleet.channel.Limits`)."""
+        """How long the fleet waits (:class:`~lowcomm.run.fleet.store.Limits`)."""
         c = self.cfg
         return Limits.of(self.link, c.fleet.heartbeat_s, c.comm.watchdog_factor, c.comm.outage_s,
                          c.fleet.join_s)

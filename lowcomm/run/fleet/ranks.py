@@ -9,7 +9,8 @@ import torch
 from ...comm.ledger import Ledger
 from ...comm.round_tag import RoundTag
 from ...errors import CommError
-from .channel import Channel, Seat, _Groups
+from .channel import Channel, _Groups
+from .store import Seat
 
 
 class RankChannel:
