@@ -37,7 +37,7 @@ import torch
 
 from ..comm.comm import Comm
 from ..errors import ConfigError, LowcommError
-from ..strategies.method import ShardedReplicas
+from ..strategies.method import Context, ShardedReplicas
 from ..strategies.sharded.fsdp import charge_units, unshard_model
 from .pipeline import SINGLE, PipelineParallel, PipelineSettings
 
@@ -75,11 +75,11 @@ class ShardedPipeline(PipelineParallel):
     one stage per rank (``GPipe`` or ``1F1B``)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, sharding: ShardedReplicas, replicas: Comm,
+                 comm: Comm | None = None, *, sharding: ShardedReplicas, context: Context,
                  **options):
-        plain_fsdp(sharding, replicas.level, "pp")
+        plain_fsdp(sharding, context.replicas.level, "pp")
         self.sharding, self.mesh2 = sharding, None
-        super().__init__(model, optimizer, comm, replicas=replicas, **options)
+        super().__init__(model, optimizer, comm, context=context, **options)
 
     # construction -------------------------------------------------------------------------------
     def _build_schedule(self, s: PipelineSettings):

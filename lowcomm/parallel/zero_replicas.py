@@ -115,11 +115,12 @@ class ZeroOverReplicas:
     docstring). ``sharding``: the ZeRO level; the other arguments are the split method's."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 comm: Comm | None = None, *, sharding: ShardedReplicas, replicas: Comm,
-                 **options):
+                 comm: Comm | None = None, *, sharding: ShardedReplicas, **options):
+        # the replicas: tp's own argument, a pipeline's context's (either passed on as given)
+        replicas = options["replicas"] if "replicas" in options else options["context"].replicas
         check_zero(sharding, replicas.level)
         self.sharding = sharding
-        super().__init__(model, optimizer, comm, replicas=replicas, **options)
+        super().__init__(model, optimizer, comm, **options)
         self.zero = OwnedByReplicas(self._parts(), optimizer, replicas, sharding.stage,
                                     sharding.settings.algorithm)
         self.built.fix()

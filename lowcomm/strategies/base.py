@@ -119,7 +119,11 @@ class Strategy(Capabilities, torch.optim.Optimizer):
         check_agreed(self.comm, f"{self.name}.layout", repr(layout), len(layout),
                      mine=f"{len(layout)} parameters")
         self.guard = OptimizerGuard(self, optimizer)
-        self._setup(self.settings)
+        try:
+            self._setup(self.settings)
+        except BaseException:               # (a subclass's own __init__ is wrapped alike)
+            self._abandon()
+            raise
 
     def _setup(self, s) -> None:
         """Set the method up from its resolved settings ``s``, last in the base constructor
