@@ -37,8 +37,7 @@ class RankChannel:
         self.inside, self.channel, self.store, self.seat = inside, channel, store, seat
         self.dc, self.limits, self.link, self.rank = seat.dc, seat.limits, seat.link, seat.rank
         self.ledger = ledger if ledger is not None else Ledger()
-        self.plane = _Groups(store, seat.dc, seat.limits, seat.link, seat.rank,
-                             f"rank{inside.rank}/")
+        self.plane = _Groups(store, seat, f"rank{inside.rank}/")
         # what every rank reads from the decisions it is handed, shared with its duplicates
         self.shared = shared if shared is not None else {"admit_due": False}
 

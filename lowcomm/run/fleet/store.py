@@ -61,13 +61,15 @@ class Seat:
     """Where a fleet member sits: datacenter ``dc`` of the fleet's ``dcs``, this job's
     incarnation ``inc`` (0 for the first launch, one more for each relaunch), ``rank`` (the
     world rank named in errors), the fleet's :class:`Limits` and ``link`` (the cross-datacenter
-    links' α–β model, or None)."""
+    links' α–β model, or None), and the ``transport`` of the rounds' traffic (``fleet.transport``:
+    ``"tls"`` or ``"gloo"``)."""
     dc: int
     dcs: int
     limits: Limits = field(default_factory=Limits)
     inc: int = 0
     rank: int = 0
     link: object = None
+    transport: str = "tls"
 
 
 def connect(host: str, port: int, timeout_s: float) -> SealedStore:
