@@ -21,7 +21,7 @@ class RankChannel:
 
     The round is the leader's (:class:`Channel`: the same ready, decision, done and commit with
     the coordinator, who sees one member per datacenter); the leader hands each decision to the
-    datacenter's ranks (``inside``, MPI), each rank all-reduces over its own gloo group of the
+    datacenter's ranks (``inside``, MPI), each rank all-reduces over its own group of the
     decision's members (prefix ``rank{i}/``), the leader reports the round done only where every
     rank's reduction completed, and hands the outcome on: a round redone without a lost member is
     redone on every rank, and no rank applies a partial sum. Every datacenter has the same number

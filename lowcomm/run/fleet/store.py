@@ -14,7 +14,7 @@ from ...errors import CommError
 from .trust import Seal, SealedStore
 
 #: the store's keys: member -> coordinator messages, coordinator -> member mailbox, heartbeats,
-#: the coordinator's own heartbeat, the gloo groups' rendezvous prefixes, and the tensors of
+#: the coordinator's own heartbeat, the round groups' rendezvous prefixes, and the tensors of
 #: asynchronous DiLoCo's arrivals (float32 bytes; each deleted once read)
 PROTOCOL = {"inbox": "in/{dc}/{inc}/{k}", "mailbox": "out/{dc}/{inc}/{n}",
             "heartbeat": "hb/{dc}/{inc}", "coordinator": "coord/hb", "group": "pg/{group}/",
@@ -51,7 +51,7 @@ class Limits:
         return cls(heartbeat_s, 2 * heartbeat_s + factor * rtt + outage_s, join_s, factor)
 
     def op_s(self, nbytes: int, size: int, link) -> float:
-        """The longest a gloo call of ``nbytes`` among ``size`` members may wait."""
+        """The longest a round group's call of ``nbytes`` among ``size`` members may wait."""
         extra = self.factor * predict("allreduce.ring", nbytes, size, link) if link else 0.0
         return self.limit_s + extra
 

@@ -3,7 +3,7 @@
 A fleet's datacenters and its coordinator talk through the coordinator's ``TCPStore``, which
 takes any client that reaches its port. So every value written into it — the members' messages
 (``inbox/``, ``mailbox/``), their heartbeats, asynchronous DiLoCo's arrivals and answers, a
-donor's state, the gloo groups' rendezvous (``pg/``) — is sealed with AES-256-GCM (NIST SP
+donor's state, the round groups' rendezvous (``pg/``) — is sealed with AES-256-GCM (NIST SP
 800-38D, through the ``cryptography`` library): encrypted, and authenticated together with its
 key's name. The sealing key is derived with HKDF-SHA256 (RFC 5869) from the fleet's secret,
 salted by the coordinator's session (a fresh random value each time a coordinator starts), so
