@@ -80,6 +80,7 @@ class TlsComm(PeerComm):
         self.inn: dict[int, Inbound] = {}
         self.refused: list[str] = []                 # connections refused, and why
         self._lock = threading.Lock()
+        self._closed = False
         try:
             self._meet()
         except BaseException:
@@ -167,7 +168,8 @@ class TlsComm(PeerComm):
             bad = "not a lowcomm member" if magic != MAGIC else \
                 "a member of another group" if token != self.rv.token else \
                 f"rank {r} of {self.size}" if not 0 <= r < self.size or r == self.rank else \
-                f"rank {r} again" if r in self.inn else None
+                f"rank {r} again" if r in self.inn else \
+                "the group is closed" if self._closed else None
             if bad is None:
                 self.inn[r] = Inbound(sock, f"lowcomm-tls-recv-{self.rank}-{r}")
         if bad is not None:
@@ -204,6 +206,8 @@ class TlsComm(PeerComm):
 
     def close(self) -> None:
         """Close every connection (a thread blocked on one returns; what is in flight fails)."""
+        with self._lock:
+            self._closed = True
         for link in [*self.out.values(), *self.inn.values()]:
             link.close()
 

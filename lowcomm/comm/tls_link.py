@@ -22,11 +22,11 @@ HEADER = struct.Struct("<qQ")
 def why(e: BaseException) -> str:
     """A connection's failure in words."""
     if isinstance(e, ssl.SSLCertVerificationError):
-        return (f"the peer's certificate is not of this group — it does not hold the group's "
-                f"secret ({e.verify_message})")
+        return (f"the peer's certificate is not of this group's authority: the two do not "
+                f"hold the same secret ({e.verify_message})")
     if isinstance(e, ssl.SSLError) and "alert" in str(e):
-        return (f"the peer refused this member's certificate — this member does not hold the "
-                f"group's secret ({e.reason})")
+        return (f"the peer refused this member's certificate: the two do not hold the same "
+                f"secret ({e.reason})")
     if isinstance(e, ssl.SSLError):
         return f"TLS error: {e.reason or e}"
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else 'closed'}"
