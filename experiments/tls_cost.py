@@ -12,7 +12,8 @@ the link is; the goal: TLS at >= 0.9 of plaintext's throughput)?
     lowcomm wan down
 
 Each run starts ``--dcs`` member processes (over the WAN: member i in namespace
-``lowcomm-dc<i>``, at ``10.77.0.<i+1>``; member 0 holds the store they meet at), forms the
+``lowcomm-dc<i>``, at ``10.77.0.<i+1>``, gloo on its device ``lcwan<i>``, as a fleet on the
+WAN; member 0 holds the store they meet at), forms the
 group, all-reduces ``--mb`` MB of float32 once to warm up, then ``--rounds`` times, each round
 started together (a small all-reduce first) and timed on every member; a round's time is the
 slowest member's. Throughput: the bytes a member sends in a ring all-reduce, 2 (n − 1) / n ×
@@ -75,7 +76,8 @@ def run(a, transport: str, port: int) -> dict:
             (["--wan"] if a.wan else [])
         if a.wan:
             cmd = ["ip", "netns", "exec", f"lowcomm-dc{r}"] + cmd
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": f"lcwan{r}" if a.wan else "lo"}
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env))
     outs = []
     for p in procs:
         out, _ = p.communicate(timeout=1800)
