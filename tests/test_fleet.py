@@ -172,6 +172,7 @@ def test_with_no_failure_a_fleet_ends_with_the_parameters_of_one_mpi_job(runs):
     assert s["finished_dcs"] == [0, 1, 2] and not s["fleet"]["failures"]
     assert [r["members"] for r in s["fleet"]["membership"]] == [[0, 1, 2]] * (STEPS // PERIOD)
     assert s["method"] == ref["method"], "the fleet runs the dc level of the same policy"
+    assert s["config"]["fleet"]["transport"] == "tls", "its rounds ran over TLS (the default)"
 
 
 def test_an_outsider_reads_nothing_and_its_forged_replayed_and_garbage_writes_are_dropped(runs):

@@ -1,76 +1,44 @@
-"""GlooComm: the part of :class:`~lowcomm.comm.comm.Comm` that lowcomm's all-reduce algorithms
-use, over a torch gloo process group instead of an MPI communicator.
+"""GlooComm: a :class:`~lowcomm.comm.p2p.PeerComm` over a torch gloo process group (plain TCP),
+for a fleet whose datacenters trust the network between them (``fleet.transport = "gloo"``;
+the default is TLS, :class:`~lowcomm.comm.tls.TlsComm`).
 
 A fleet of datacenters (:mod:`lowcomm.run.fleet`) runs one MPI job per datacenter; between
-them there is no MPI communicator, so the outer level's reduction runs over a gloo process
-group that the datacenters' leaders re-create whenever the membership changes (torch's
+them there is no MPI communicator, so the outer level's reduction runs over a group that the
+datacenters' leaders re-create whenever the membership changes (here torch's
 ``ProcessGroupGloo`` on a ``PrefixStore`` of the coordinator's ``TCPStore``, as torchelastic and
-torchft rendezvous). lowcomm's own algorithms (``ring``, ``rabenseifner``, ``tree``) are plain
-functions of a Comm's point-to-point calls, so the same function runs here and sums in the same
-order as it does over MPI: a fleet with no failure gives the parameters of one MPI job, bit for
-bit. ``mpi`` (the vendor all-reduce) has no counterpart between separately launched jobs: the
-channel runs the ring instead (:func:`lowcomm.run.fleet.channel._across`).
-
-Every call records bytes and seconds in the ledger, under the level given (``"dc"``), and waits
-at most ``timeout_s``; a peer that died or a call that times out raises
-:class:`~lowcomm.errors.CommError` naming this rank, the op, the peer and the bytes (the fleet
-retries the round without the failed datacenter).
+torchft rendezvous). ``mpi`` (the vendor all-reduce) has no counterpart between separately
+launched jobs: the channel runs the ring instead (:func:`lowcomm.run.fleet.channel._across`).
 """
 from __future__ import annotations
 
 import datetime
-import time
-from contextlib import contextmanager
 
 import torch
 
 from ..errors import CommError
 from .ledger import Ledger
-from .tensors import nbytes as _nbytes
+from .p2p import PeerComm, PeerRequest
+
+GlooRequest = PeerRequest
 
 
-class GlooRequest:
-    """A gloo send or receive in flight; :meth:`wait` completes it and charges the ledger."""
-
-    def __init__(self, comm: "GlooComm", work, op: str, sent: int, recv: int, peer: int, keep):
-        self._comm, self._work, self.op, self._peer = comm, work, op, peer
-        self._sent, self._recv, self._keep = sent, recv, keep
-        self._t0 = time.perf_counter()
-        self._done = False
-
-    def wait(self) -> None:
-        if self._done:
-            return
-        self._comm._wait(self._work, self.op, self._sent or self._recv, self._peer)
-        self._done, self._keep = True, None
-        self._comm.ledger.record(self.op, self._comm.level, self._sent, self._recv,
-                                 time.perf_counter() - self._t0)
-
-
-class GlooComm:
+class GlooComm(PeerComm):
     """A communicator of the ranks of the gloo process group ``pg`` (its size and this one's rank
-    are the group's; module docstring). ``peers``: what each rank stands for, for error messages (e.g. the
-    datacenter indices of the members)."""
-
-    # as a :class:`~lowcomm.comm.roles.Peers`: the ranks of one group
-    rounds = per_rank = False
-    dcs = None
+    are the group's; module docstring)."""
 
     def __init__(self, pg, ledger: Ledger | None = None, level: str = "dc",
                  timeout_s: float = 60.0, peers: list | None = None, link=None):
-        self.pg, self.rank, self.size, self.level = pg, pg.rank(), pg.size(), level
-        self.ledger = ledger if ledger is not None else Ledger()
-        self.timeout_s, self.link = timeout_s, link
-        self.peers = list(peers) if peers is not None else list(range(self.size))
-        self.validate = False
-        self.auto_policy = None
+        super().__init__(pg.rank(), pg.size(), ledger, level, timeout_s, peers, link)
+        self.pg = pg
 
-    def __repr__(self) -> str:
-        return f"GlooComm(level={self.level!r}, rank={self.rank}, size={self.size})"
+    def _post_send(self, flat: torch.Tensor, dest: int, tag: int):
+        return self.pg.send([flat], dest, tag)
+
+    def _post_recv(self, flat: torch.Tensor, source: int, tag: int):
+        return self.pg.recv([flat], source, tag)
 
     def _wait(self, work, op: str, nbytes: int, peer: int | None) -> None:
-        who = f"{self.level} {self.peers[peer]}" if peer is not None else \
-            f"the {self.size} members {self.peers}"
+        who = self._who(peer)
         try:
             ok = work.wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
@@ -80,67 +48,5 @@ class GlooComm:
             raise CommError(op, self.rank, f"{self.level} {self.peers[self.rank]} waited "
                             f"{self.timeout_s:g} s for {who}", nbytes)
 
-    # what collectives.allreduce_ asks of a Comm -----------------------------------------------
-    def check(self, op: str, t: torch.Tensor, root: int = -1) -> None:
-        """No per-call agreement check: a round's members agreed on its tensor beforehand."""
-
-    def registered(self, t: torch.Tensor) -> None:
-        """None: a gloo group spans datacenters and registers no shared memory
-        (:meth:`lowcomm.comm.comm.Comm.registered`)."""
-        return None
-
-    @contextmanager
-    def staged(self, t: torch.Tensor, read: bool = True, write: bool = True):
-        """A contiguous 1-D CPU tensor holding ``t`` (copied back on exit when it is not one)."""
-        t = t.detach()
-        if t.device.type == "cpu" and t.is_contiguous():
-            yield t.reshape(-1)
-            return
-        host = t.reshape(-1).to("cpu", copy=True)
-        yield host
-        if write:
-            t.copy_(host.view(t.shape))
-
-    # point-to-point ---------------------------------------------------------------------------
-    def isend(self, t: torch.Tensor, dest: int, tag: int = 0, op: str = "send") -> GlooRequest:
-        flat = t.detach().reshape(-1)
-        return GlooRequest(self, self.pg.send([flat], dest, tag), op, _nbytes(t), 0, dest, flat)
-
-    def irecv_(self, t: torch.Tensor, source: int, tag: int = 0, op: str = "recv") -> GlooRequest:
-        flat = t.detach().view(-1)
-        return GlooRequest(self, self.pg.recv([flat], source, tag), op, 0, _nbytes(t), source, flat)
-
-    def send(self, t: torch.Tensor, dest: int, tag: int = 0) -> None:
-        self.isend(t, dest, tag).wait()
-
-    def recv_(self, t: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
-        self.irecv_(t, source, tag).wait()
-        return t
-
-    def sendrecv_(self, send: torch.Tensor, dest: int, recv: torch.Tensor, source: int,
-                  tag: int = 0) -> torch.Tensor:
-        """Send ``send`` to ``dest`` while receiving into ``recv`` from ``source``."""
-        t0 = time.perf_counter()
-        r = self.pg.recv([recv.view(-1)], source, tag)
-        s = self.pg.send([send.detach().reshape(-1)], dest, tag)
-        self._wait(s, "sendrecv", _nbytes(send), dest)
-        self._wait(r, "sendrecv", _nbytes(recv), source)
-        self.ledger.record("sendrecv", self.level, _nbytes(send), _nbytes(recv),
-                           time.perf_counter() - t0)
-        return recv
-
-
-    def allgather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every member's ``t`` (same shape and dtype), as :meth:`lowcomm.comm.comm.Comm.allgather`:
-        shape ``(size, *t.shape)``, row r from member r; a ring of ``size − 1`` exchanges, each
-        charged as ``allgather``."""
-        out = torch.empty((self.size, *t.shape), dtype=t.dtype)
-        out[self.rank].copy_(t.detach().cpu())
-        right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        for i in range(self.size - 1):      # pass on the row received last
-            r = self.irecv_(out[(self.rank - i - 1) % self.size], left, op="allgather")
-            self.isend(out[(self.rank - i) % self.size], right, op="allgather").wait()
-            r.wait()
-        return out
 
 __all__ = ["GlooComm", "GlooRequest"]

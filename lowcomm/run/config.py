@@ -159,6 +159,9 @@ class FleetConfig(Settings):
     # the fleet's secret (`lowcomm fleet key FILE` writes one; else $LOWCOMM_FLEET_SECRET_FILE):
     # "" on this machine or the emulated WAN makes one for the run; needed across hosts
     secret_file: str = ""
+    # the rounds' traffic between datacenters: "tls" (TLS 1.3, only holders of the fleet's secret
+    # connect; encrypted) | "gloo" (plain TCP, for a network the fleet trusts)
+    transport: str = "tls"
 
     def validate(self, prefix: str = "fleet.") -> None:
         if self.dcs < 0 or self.dcs == 1:
@@ -172,9 +175,8 @@ class FleetConfig(Settings):
                 raise ConfigError(prefix + key, f"must be a finite number of seconds "
                                   f"{'> 0' if key == 'heartbeat_s' else '>= 0'}, got {v}")
         _at_least(self, prefix, 0, "max_failures")
-        if self.heal_inner not in ("copy", "reset"):
-            raise ConfigError(prefix + "heal_inner", f"unknown value {self.heal_inner!r}; known: "
-                              "copy, reset")
+        self.one_of(prefix, "heal_inner", ("copy", "reset"))
+        self.one_of(prefix, "transport", ("tls", "gloo"))
         self._check_quorum(prefix)
 
     def _check_quorum(self, prefix: str) -> None:

@@ -32,7 +32,8 @@ The pieces, from the outside in:
   :mod:`~lowcomm.run.fleet.ranks`, :class:`~lowcomm.run.fleet.ranks.RankChannel` for rank i of
   every datacenter when the outer state is sharded and :class:`~lowcomm.run.fleet.ranks.Span`
   for every rank at once), the
-  reductions over a gloo group of the round's members (:class:`~lowcomm.comm.gloo.GlooComm`);
+  reductions over a group of the round's members (TLS 1.3 by default,
+  :class:`~lowcomm.comm.tls.TlsComm`; or gloo, :class:`~lowcomm.comm.gloo.GlooComm`);
 * :mod:`~lowcomm.run.fleet.member`: one datacenter's job, the one training loop
   (:mod:`lowcomm.run.loop`) with the channel as the ``dc`` level's peers
   (:class:`~lowcomm.run.fleet.member.FleetLevels`) and a coordination that joins, admits and
@@ -53,7 +54,7 @@ a relaunched datacenter's join, a sharded average's leader):
    every member;
 2. the membership decides the round once every active datacenter is ready or found dead
    (its job ended, or silent past the limit) while a quorum (``fleet.min_dcs``) remains, and
-   names the members and a gloo group for this attempt;
+   names the members and a group for this attempt;
 3. the members all-reduce over that group (lowcomm's ring, tree or Rabenseifner, in the same
    order as over MPI: with no failure a fleet gives one MPI job's parameters, bit for bit) and
    each reports ``done``, with whether its reduction completed;

@@ -1,22 +1,25 @@
 """The cross-datacenter channel of a fleet: one MPI job per datacenter, and between their
-leaders (rank 0 of each job) rounds agreed with a coordinator and reduced over gloo.
+leaders (rank 0 of each job) rounds agreed with a coordinator and reduced over a group of the
+round's members.
 
-Pieces (all torch's, none hand-written on sockets):
+Pieces:
 
 * membership and rounds go through the coordinator's ``torch.distributed.TCPStore`` (the
   c10d store that torchelastic's rendezvous and torchft's lighthouse build on): each leader
   writes its messages under its own keys and reads the coordinator's from its mailbox keys,
   one blocking ``get`` each (the store answers when the key is set), and a thread with its own
   store client heartbeats (:data:`PROTOCOL`);
-* the reduction runs over a ``ProcessGroupGloo`` created on a ``PrefixStore`` of that store for
-  each group of members the coordinator names, and re-created when the group changes
-  (:class:`~lowcomm.comm.gloo.GlooComm`: lowcomm's ring / tree / Rabenseifner run on it in the
-  same order as over MPI).
+* the reduction runs over a group of the members the coordinator names, meeting through that
+  store and re-created when the group changes: by default TLS 1.3 connections that only
+  holders of the fleet's secret open (:class:`~lowcomm.comm.tls.TlsComm`), or with
+  ``fleet.transport = "gloo"`` a ``ProcessGroupGloo`` on a ``PrefixStore`` of the store (plain
+  TCP, :class:`~lowcomm.comm.gloo.GlooComm`); lowcomm's ring / tree / Rabenseifner run on
+  either in the same order as over MPI.
 
 A round (:meth:`Channel.average`): the leader says it is ready (with the round's tag, e.g.
 ``t40.f0``, the same on every member); the coordinator decides who takes part — the members that
 are ready, without those found dead (their job ended, or no heartbeat for the limit), as long as a
-quorum remains — and names the gloo group; the members all-reduce; each reports whether its
+quorum remains — and names the group; the members all-reduce; each reports whether its
 reduction completed; only when every one did is the round committed (a member that died half-way
 through makes the others redo the round without it, from the same contributions: nobody loses an
 inner step, nobody applies a partial sum).
@@ -40,15 +43,17 @@ import torch
 
 from ...comm.collectives import allreduce_
 from ...comm.gloo import GlooComm
+from ...comm.p2p import PeerComm
+from ...comm.tls import Rendezvous, TlsComm, address_toward
 from ...comm.ledger import Ledger
 from ...comm.round_tag import RoundTag
 from ...errors import CommError
-from .store import FleetError, Limits, Seat, _Heartbeat, connect, key, store_client
-from .trust import Forged
+from .store import FleetError, Seat, _Heartbeat, connect, key, store_client
+from .trust import Forged, secret_from_env
 
 log = logging.getLogger("lowcomm.fleet")
 
-def _across(name: str, comm: GlooComm, x: torch.Tensor, levels, link) -> str:
+def _across(name: str, comm: PeerComm, x: torch.Tensor, levels, link) -> str:
     """lowcomm's algorithm for ``name`` between datacenters: ``auto`` decided from the
     members' count and the link, as over the MPI leaders. The vendor's all-reduce (``mpi``)
     has no counterpart between separately launched jobs: the ring runs instead (Open MPI's own
@@ -65,37 +70,50 @@ def _across(name: str, comm: GlooComm, x: torch.Tensor, levels, link) -> str:
 
 
 class _Groups:
-    """The data plane of a round: the gloo group over the members a decision names (one per
-    decision's ``group``, on a ``PrefixStore`` of the coordinator's store under ``suffix``: the
+    """The data plane of a round: a group over the members a decision names (one per decision's
+    ``group``, meeting through the coordinator's store under ``pg/<group>/`` and ``suffix``: the
     leaders' own, or ``rank{i}/`` for rank i of every member, :class:`RankChannel`), created on
-    first use and kept while unchanged; a failed group is never reused."""
+    first use and kept while unchanged; a failed group is closed and never reused. Over the
+    seat's ``transport``: TLS 1.3 between holders of the fleet's secret
+    (:class:`~lowcomm.comm.tls.TlsComm`), or a gloo process group (plain TCP,
+    :class:`~lowcomm.comm.gloo.GlooComm`)."""
 
-    def __init__(self, store, dc: int, limits: Limits, link, rank: int, suffix: str = ""):
-        self.store, self.dc, self.limits, self.link, self.rank = store, dc, limits, link, rank
-        self.suffix = suffix
+    def __init__(self, store, seat: Seat, suffix: str = ""):
+        self.store, self.seat, self.suffix = store, seat, suffix
+        self.dc, self.limits, self.link, self.rank = seat.dc, seat.limits, seat.link, seat.rank
         self._id, self._comm = None, None
 
     def forget(self) -> None:
+        if self._comm is not None:
+            self._comm.close()
         self._id = self._comm = None
 
-    def group(self, d: dict, nbytes: int, ledger: Ledger) -> GlooComm:
+    def group(self, d: dict, nbytes: int, ledger: Ledger) -> PeerComm:
         members = list(d["members"])
         timeout = self.limits.op_s(nbytes, len(members), self.link)
         if d["group"] != self._id:
-            from torch.distributed import PrefixStore, ProcessGroupGloo
-            self._comm = None
+            self.forget()
+            prefix = key("group", group=d["group"]) + self.suffix
             try:
-                pg = ProcessGroupGloo(PrefixStore(key("group", group=d["group"]) + self.suffix,
-                                                  self.store),
-                                      members.index(self.dc), len(members),
-                                      datetime.timedelta(seconds=timeout))
+                self._comm = self._open(prefix, members, timeout)
             except Exception as e:  # noqa: BLE001 - a member gone while the group formed
                 raise CommError("fleet.group", self.rank, f"datacenter {self.dc} cannot form "
-                                f"the group of {members}: {str(e).splitlines()[0][:200]}") from None
-            self._comm = GlooComm(pg, level="dc", timeout_s=timeout, peers=members, link=self.link)
+                                f"the group of {members}: {str(e).splitlines()[0][:300]}") from None
             self._id = d["group"]
         self._comm.ledger, self._comm.timeout_s = ledger, timeout
         return self._comm
+
+    def _open(self, prefix: str, members: list[int], timeout: float) -> PeerComm:
+        rank, size = members.index(self.dc), len(members)
+        if self.seat.transport == "gloo":
+            from torch.distributed import PrefixStore, ProcessGroupGloo
+            pg = ProcessGroupGloo(PrefixStore(prefix, self.store), rank, size,
+                                  datetime.timedelta(seconds=timeout))
+            return GlooComm(pg, level="dc", timeout_s=timeout, peers=members, link=self.link)
+        secret, session = secret_from_env()
+        rv = Rendezvous(self.store, prefix, rank, size, secret, session.encode(),
+                        address_toward(self.store.host))
+        return TlsComm(rv, level="dc", timeout_s=timeout, peers=members, link=self.link)
 
     def gather(self, d: dict, flat: torch.Tensor, ledger: Ledger):
         """(every member's ``flat``, None) or (None, why it failed)."""
@@ -142,7 +160,7 @@ class Channel:
         self.members: list[int] = []          # of the last committed round
         self.epoch_rounds: list[dict] = []    # committed decisions (the membership log)
         self._k = self._n = 0                 # messages sent / mailbox messages read
-        self.plane = _Groups(self.store, dc, limits, link, rank)
+        self.plane = _Groups(self.store, seat)
         self.corrupt = None                   # a fault's Corruptor (fleet/corrupt.py), or None
         # what committed decisions said, from the step of the round's tag on (-1: a round of
         # no step, held by the training thread): a datacenter waits to be admitted (the
@@ -224,7 +242,7 @@ class Channel:
 
     def gather(self, flat: torch.Tensor, tag: RoundTag) -> tuple[torch.Tensor, list[int]]:
         """Every member's ``flat`` of round ``tag`` (rows in the members' order, a ring
-        all-gather over gloo) and the members: what a robust rule aggregates."""
+        all-gather over the group) and the members: what a robust rule aggregates."""
         flat = self.corrupt(flat, tag) if self.corrupt is not None else flat
         d, rows = self.round_of("fleet.gather", lambda d: self.plane.gather(d, flat, self.ledger),
                                 ready={"tag": tag, "numel": flat.numel()})
@@ -298,8 +316,8 @@ class Channel:
         """(the average, None) or (None, why it failed) for decision ``d``."""
         return self.plane.reduce(d, flat, algorithm, levels, self.ledger)
 
-    def group(self, d: dict, nbytes: int) -> GlooComm:
-        """The gloo group decision ``d`` names (created on first use, kept while unchanged)."""
+    def group(self, d: dict, nbytes: int) -> PeerComm:
+        """The group decision ``d`` names (created on first use, kept while unchanged)."""
         return self.plane.group(d, nbytes, self.ledger)
 
     # admission ----------------------------------------------------------------------------------
@@ -343,7 +361,7 @@ class Channel:
         self._admit_from = None                      # held
         return list(d["joiners"])
 
-    def _send_state(self, comm: GlooComm, d: dict, payload: bytes, ledger: Ledger,
+    def _send_state(self, comm: PeerComm, d: dict, payload: bytes, ledger: Ledger,
                     to: list[int], op: str = "heal") -> None:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
@@ -381,7 +399,7 @@ class Channel:
         return {"payload": payload, "step": RoundTag.parse(d["tag"]).step, "round": d["round"],
                 "bytes": len(payload), "wait_s": t1[0] - t0, "transfer_s": time.monotonic() - t1[0]}
 
-    def _take_state(self, comm: GlooComm, d: dict, ledger: Ledger, op: str = "heal") -> bytes:
+    def _take_state(self, comm: PeerComm, d: dict, ledger: Ledger, op: str = "heal") -> bytes:
         donor = d["members"].index(d["donor"])
         size = torch.zeros(1, dtype=torch.int64)
         comm.recv_(size, donor)
@@ -490,6 +508,7 @@ class Channel:
                 self.send("bye", reason=reason)
         except FleetError:
             pass
+        self.plane.forget()
         self._hb.stop.set()
         if self._hb.is_alive() and self._hb is not threading.current_thread():
             self._hb.join(timeout=max(1.0, self._hb.heartbeat_s * 4) * 2 + 1)

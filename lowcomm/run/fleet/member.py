@@ -98,7 +98,8 @@ def connect(fp: FleetPlan, comm, me: dict) -> Channel | None:
     if comm.rank != 0:
         return None
     cfg = fp.cfg
-    seat = Seat(me["dc"], cfg.fleet.dcs, fp.limits(), me["inc"], me["offset"], fp.link)
+    seat = Seat(me["dc"], cfg.fleet.dcs, fp.limits(), me["inc"], me["offset"], fp.link,
+                cfg.fleet.transport)
     return Channel(me["address"], seat, connect_s=cfg.fleet.join_s if me["join"] else None,
                    arrivals=fp.arrivals)
 
@@ -115,7 +116,8 @@ def levels(fp: FleetPlan, comm, channel: Channel | None, me: dict) -> FleetLevel
             store_client(me["address"], fp.cfg.fleet.join_s if me["join"] else limits.limit_s,
                          me["dc"], rank)
         return RankChannel(comm, channel, store,
-                           Seat(me["dc"], fp.cfg.fleet.dcs, limits, me["inc"], rank, fp.link))
+                           Seat(me["dc"], fp.cfg.fleet.dcs, limits, me["inc"], rank, fp.link,
+                                fp.cfg.fleet.transport))
     return FleetLevels(fp.topology, comm, channel, me["dc"], whole, ranked)
 
 

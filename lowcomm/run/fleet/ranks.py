@@ -21,7 +21,7 @@ class RankChannel:
 
     The round is the leader's (:class:`Channel`: the same ready, decision, done and commit with
     the coordinator, who sees one member per datacenter); the leader hands each decision to the
-    datacenter's ranks (``inside``, MPI), each rank all-reduces over its own gloo group of the
+    datacenter's ranks (``inside``, MPI), each rank all-reduces over its own group of the
     decision's members (prefix ``rank{i}/``), the leader reports the round done only where every
     rank's reduction completed, and hands the outcome on: a round redone without a lost member is
     redone on every rank, and no rank applies a partial sum. Every datacenter has the same number
@@ -37,8 +37,7 @@ class RankChannel:
         self.inside, self.channel, self.store, self.seat = inside, channel, store, seat
         self.dc, self.limits, self.link, self.rank = seat.dc, seat.limits, seat.link, seat.rank
         self.ledger = ledger if ledger is not None else Ledger()
-        self.plane = _Groups(store, seat.dc, seat.limits, seat.link, seat.rank,
-                             f"rank{inside.rank}/")
+        self.plane = _Groups(store, seat, f"rank{inside.rank}/")
         # what every rank reads from the decisions it is handed, shared with its duplicates
         self.shared = shared if shared is not None else {"admit_due": False}
 

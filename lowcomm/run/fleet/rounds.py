@@ -6,7 +6,7 @@ quorum, are :mod:`~lowcomm.run.fleet.membership`'s).
   the same synchronisation of the same step, :class:`~lowcomm.comm.round_tag.RoundTag`) or
   found dead. Its members reduce; the round is committed only when every member reports its
   reduction complete; a member that failed or died makes the round go again without it
-  (``attempt`` + 1, a new gloo group); :data:`MAX_ATTEMPTS` failures end the coordinator.
+  (``attempt`` + 1, a new group); :data:`MAX_ATTEMPTS` failures end the coordinator.
 * **Quorum with a grace window** (``quorum`` > 0): once ``quorum`` active sites are ready for
   a synchronisation (a ``sync`` tag), the round waits ``grace`` × the median interval between
   the last rounds' decisions (observed, so it follows the fleet's pace: never a fixed timeout)

@@ -14,7 +14,7 @@ from ...errors import CommError
 from .trust import Seal, SealedStore
 
 #: the store's keys: member -> coordinator messages, coordinator -> member mailbox, heartbeats,
-#: the coordinator's own heartbeat, the gloo groups' rendezvous prefixes, and the tensors of
+#: the coordinator's own heartbeat, the round groups' rendezvous prefixes, and the tensors of
 #: asynchronous DiLoCo's arrivals (float32 bytes; each deleted once read)
 PROTOCOL = {"inbox": "in/{dc}/{inc}/{k}", "mailbox": "out/{dc}/{inc}/{n}",
             "heartbeat": "hb/{dc}/{inc}", "coordinator": "coord/hb", "group": "pg/{group}/",
@@ -51,7 +51,7 @@ class Limits:
         return cls(heartbeat_s, 2 * heartbeat_s + factor * rtt + outage_s, join_s, factor)
 
     def op_s(self, nbytes: int, size: int, link) -> float:
-        """The longest a gloo call of ``nbytes`` among ``size`` members may wait."""
+        """The longest a round group's call of ``nbytes`` among ``size`` members may wait."""
         extra = self.factor * predict("allreduce.ring", nbytes, size, link) if link else 0.0
         return self.limit_s + extra
 
@@ -61,13 +61,15 @@ class Seat:
     """Where a fleet member sits: datacenter ``dc`` of the fleet's ``dcs``, this job's
     incarnation ``inc`` (0 for the first launch, one more for each relaunch), ``rank`` (the
     world rank named in errors), the fleet's :class:`Limits` and ``link`` (the cross-datacenter
-    links' α–β model, or None)."""
+    links' α–β model, or None), and the ``transport`` of the rounds' traffic (``fleet.transport``:
+    ``"tls"`` or ``"gloo"``)."""
     dc: int
     dcs: int
     limits: Limits = field(default_factory=Limits)
     inc: int = 0
     rank: int = 0
     link: object = None
+    transport: str = "tls"
 
 
 def connect(host: str, port: int, timeout_s: float) -> SealedStore:

@@ -3,7 +3,7 @@
 A fleet's datacenters and its coordinator talk through the coordinator's ``TCPStore``, which
 takes any client that reaches its port. So every value written into it — the members' messages
 (``inbox/``, ``mailbox/``), their heartbeats, asynchronous DiLoCo's arrivals and answers, a
-donor's state, the gloo groups' rendezvous (``pg/``) — is sealed with AES-256-GCM (NIST SP
+donor's state, the round groups' rendezvous (``pg/``) — is sealed with AES-256-GCM (NIST SP
 800-38D, through the ``cryptography`` library): encrypted, and authenticated together with its
 key's name. The sealing key is derived with HKDF-SHA256 (RFC 5869) from the fleet's secret,
 salted by the coordinator's session (a fresh random value each time a coordinator starts), so
@@ -21,9 +21,13 @@ this machine or the emulated WAN makes its own for the run when none is given. T
 hands it to the coordinator and the members in their environment
 (``$LOWCOMM_FLEET_SECRET``), never on a command line.
 
+The rounds' own traffic between the members crosses TLS 1.3 connections that only holders of
+the same secret can open (:mod:`lowcomm.comm.tls`; ``fleet.transport = "gloo"`` makes it plain
+TCP, for a trusted network).
+
 What this does not stop: an outsider who reaches the port can still delete or overwrite keys
 (the run then treats the member as silent and heals it) — a denial of service, not a forged
-message; the gloo connections of a round carry plain tensors (docs/security.md).
+message (docs/security.md).
 """
 from __future__ import annotations
 
@@ -116,6 +120,15 @@ def session_env(secret: bytes) -> dict[str, str]:
     return {SECRET_ENV: secret.hex(), SESSION_ENV: secrets.token_hex(16)}
 
 
+def secret_from_env(env=os.environ) -> tuple[bytes, str]:
+    """(the fleet's secret, the coordinator's session) a fleet's process was started with."""
+    if not env.get(SECRET_ENV) or not env.get(SESSION_ENV):
+        raise ConfigError(SECRET_ENV, "a fleet's process needs the fleet's secret and "
+                          f"session (${SECRET_ENV}, ${SESSION_ENV}; set by the fleet's "
+                          "supervisor, 'lowcomm train --dcs')")
+    return parse_secret(env[SECRET_ENV], SECRET_ENV), env[SESSION_ENV]
+
+
 class Seal:
     """AES-256-GCM under a key derived from the fleet's secret and the session (module
     docstring); a sealed value is ``nonce ‖ ciphertext ‖ tag``, authenticated with its name."""
@@ -130,11 +143,7 @@ class Seal:
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Seal":
-        if not env.get(SECRET_ENV) or not env.get(SESSION_ENV):
-            raise ConfigError(SECRET_ENV, "a fleet's process needs the fleet's secret and "
-                              f"session (${SECRET_ENV}, ${SESSION_ENV}; set by the fleet's "
-                              "supervisor, 'lowcomm train --dcs')")
-        return cls(parse_secret(env[SECRET_ENV], SECRET_ENV), env[SESSION_ENV])
+        return cls(*secret_from_env(env))
 
     def seal(self, name: str, data: bytes | str) -> bytes:
         if isinstance(data, str):
