@@ -138,8 +138,10 @@ class Inbound(threading.Thread):
 
     def run(self) -> None:
         head = bytearray(HEADER.size)
+        op = None                                    # a receive being read into: fails with it
         try:
             while True:
+                op = None
                 read_into(self.sock, memoryview(head))
                 tag, n = HEADER.unpack(head)
                 op = self._take(tag)
@@ -159,6 +161,8 @@ class Inbound(threading.Thread):
                 self._fill(op, data)
         except (OSError, ValueError) as e:
             self._fail(why(e))
+            if op is not None and not op.done.is_set():
+                op.finish(self.error)
 
     def _fail(self, error: str) -> None:
         with self.lock:
