@@ -239,6 +239,12 @@ def test_a_coordinator_serves_arrivals_through_its_store(monkeypatch):
         assert chans[0].ledger.rows()[0]["op"] == "arrival"
         for c in chans:
             c.close()
+        # a member holding another secret fails at once, naming the coordinator's address
+        from lowcomm.run.fleet.store import FleetError, store_client
+        monkeypatch.setenv("LOWCOMM_FLEET_SECRET", secrets.token_bytes(32).hex())
+        with pytest.raises(FleetError, match=f"authentication failed with the coordinator at "
+                                             f"127.0.0.1:{port}"):
+            store_client(f"127.0.0.1:{port}", 5.0, 1, 0)
     finally:
         p.stdin.write(json.dumps({"cmd": "stop"}) + "\n")
         p.stdin.flush()

@@ -89,13 +89,29 @@ def store_client(address: str, within_s: float, dc: int, rank: int):
     t0 = time.monotonic()
     while True:
         try:
-            return connect(host, int(port), max(2.0, min(10.0, within_s)))
+            store = connect(host, int(port), max(2.0, min(10.0, within_s)))
+            break
         except Exception as e:  # noqa: BLE001 - a refused or timed-out connect: try again
             if time.monotonic() - t0 > within_s:
                 raise FleetError("fleet.connect", rank, f"datacenter {dc} cannot reach the "
                                  f"coordinator at {host}:{port} within {within_s:g} s: "
                                  f"{str(e).splitlines()[0][:200]}") from None
             time.sleep(0.5)
+    authenticate(store, f"{host}:{port}", dc, rank)
+    return store
+
+
+def authenticate(store: SealedStore, address: str, dc: int, rank: int) -> None:
+    """Fail at once when the coordinator at ``address`` does not hold this member's secret:
+    its heartbeat (written within half a heartbeat of its start) does not open here."""
+    try:
+        store.wait([key("coordinator")], datetime.timedelta(seconds=10))
+    except Exception:  # noqa: BLE001 - no heartbeat yet: the channel's own limits decide
+        return
+    if store.counted(key("coordinator")) is None:
+        raise FleetError("fleet.connect", rank, f"datacenter {dc}: authentication failed "
+                         f"with the coordinator at {address} (its values do not open with "
+                         "this member's fleet secret: the secret differs)")
 
 
 class _Heartbeat(threading.Thread):
