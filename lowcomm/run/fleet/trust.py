@@ -31,6 +31,7 @@ message (docs/security.md).
 """
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import stat
@@ -143,7 +144,9 @@ class Seal:
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Seal":
-        return cls(*secret_from_env(env))
+        """The process's seal: derived once per secret and session, shared by every store
+        client (the watchers', the heartbeat's reconnects); AES-GCM keeps no per-call state."""
+        return _seal(*secret_from_env(env))
 
     def seal(self, name: str, data: bytes | str) -> bytes:
         if isinstance(data, str):
@@ -159,6 +162,11 @@ class Seal:
             return self._aead.decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:], name.encode())
         except InvalidTag:
             raise Forged(name) from None
+
+
+@functools.lru_cache(maxsize=4)
+def _seal(secret: bytes, session: str) -> Seal:
+    return Seal(secret, session)
 
 
 class SealedStore(dist.Store):
